@@ -1,0 +1,39 @@
+// gemm.h: dense matrix multiply, row-major, through oneDNN.
+//   C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C[M,N]
+// op(X) is X or X^T (Trans::T means the stored matrix is the transpose: A stored [K,M] with lda >= M).
+// bf16 inputs accumulate in fp32 and write fp32. gemm_ref is the naive twin (float or double).
+#pragma once
+#include <cstdint>
+
+#include "moetron/dtype.h"
+
+namespace moetron {
+
+enum class Trans : uint8_t { N, T };
+
+void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+               const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+template <class T>
+void gemm_ref(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
+              int64_t ldb, T beta, T* C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        T a = ta == Trans::N ? A[i * lda + k] : A[k * lda + i];
+        T b = tb == Trans::N ? B[k * ldb + j] : B[j * ldb + k];
+        acc += a * b;
+      }
+      C[i * ldc + j] = alpha * acc + (beta == T(0) ? T(0) : beta * C[i * ldc + j]);
+    }
+}
+
+// Vector conversions (SIMD-dispatched): fp32 <-> bf16, round to nearest even.
+void f32_to_bf16(bf16* out, const float* in, int64_t n);
+void bf16_to_f32(float* out, const bf16* in, int64_t n);
+
+}  // namespace moetron

@@ -1,0 +1,30 @@
+// runtime.h: process-wide runtime facts: CPU features and the ISA the SIMD kernels dispatch to, and
+// the OpenMP thread count. Not a scheduler: OpenMP and oneDNN (built on the same GNU OpenMP runtime)
+// share one thread pool, sized here.
+#pragma once
+#include <string>
+#include <string_view>
+
+namespace moetron {
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false;
+};
+const CpuFeatures& cpu_features();
+
+// The ISA levels the hand-written kernels are compiled for. Avx512 implies AVX512-BF16 here.
+enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+// Best ISA the CPU supports, lowered by MOETRON_ISA=scalar|avx2|avx512 (never raised above the CPU).
+Isa active_isa();
+void set_isa_override(Isa isa);  // for tests; clamps to what the CPU supports
+std::string_view isa_name(Isa isa);
+
+// Thread count: `requested` if > 0, else MOETRON_NUM_THREADS, else OMP_NUM_THREADS, else the number
+// of online cores divided by `local_ranks` (ranks sharing this machine), at least 1.
+int init_threads(int requested = 0, int local_ranks = 1);
+int num_threads();
+
+std::string runtime_summary();  // one line: ISA, threads, oneDNN version
+
+}  // namespace moetron

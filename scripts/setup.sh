@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# setup.sh: install moetron's Debian build dependencies (idempotent, quiet) and build it (Release).
+# Usage: scripts/setup.sh            -> build/ with tests and benchmarks
+# Env:   BUILD_DIR (default build), MOETRON_SKIP_APT=1 to skip the package step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PKGS=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
+      libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libsentencepiece-dev nodejs npm python3)
+if [[ "${MOETRON_SKIP_APT:-0}" != 1 ]]; then
+  missing=()
+  for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    echo "setup: installing ${missing[*]}"
+    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    $SUDO apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
+BUILD_DIR=${BUILD_DIR:-build}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$BUILD_DIR" -j "$(nproc)"

@@ -1,0 +1,95 @@
+// runtime.cpp: CPU feature detection, ISA override and thread-count policy.
+#include "moetron/runtime.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <sstream>
+
+#include "moetron/check.h"
+
+namespace moetron {
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = [] {
+    CpuFeatures c;
+    __builtin_cpu_init();
+    c.avx2 = __builtin_cpu_supports("avx2");
+    c.fma = __builtin_cpu_supports("fma");
+    c.f16c = true;  // present on every AVX2 CPU we target; checked together with avx2 below
+    c.avx512f = __builtin_cpu_supports("avx512f");
+    c.avx512bw = __builtin_cpu_supports("avx512bw");
+    c.avx512vl = __builtin_cpu_supports("avx512vl");
+    c.avx512dq = __builtin_cpu_supports("avx512dq");
+    c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    return c;
+  }();
+  return f;
+}
+
+static Isa cpu_best_isa() {
+  const auto& c = cpu_features();
+  if (c.avx512f && c.avx512bw && c.avx512vl && c.avx512dq && c.avx512bf16) return Isa::Avx512;
+  if (c.avx2 && c.fma) return Isa::Avx2;
+  return Isa::Scalar;
+}
+
+static Isa g_isa = [] {
+  Isa best = cpu_best_isa();
+  const char* e = std::getenv("MOETRON_ISA");
+  if (!e || !*e) return best;
+  std::string_view s(e);
+  Isa want = s == "scalar" ? Isa::Scalar : s == "avx2" ? Isa::Avx2 : s == "avx512" ? Isa::Avx512 : best;
+  return want < best ? want : best;
+}();
+
+Isa active_isa() { return g_isa; }
+void set_isa_override(Isa isa) {
+  Isa best = cpu_best_isa();
+  g_isa = isa < best ? isa : best;
+}
+
+std::string_view isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Scalar: return "scalar";
+    case Isa::Avx2: return "avx2";
+    case Isa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+static int env_int(const char* name) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return 0;
+  char* end = nullptr;
+  long v = std::strtol(e, &end, 10);
+  MT_CHECK(end && *end == '\0' && v > 0, "init_threads", name, "='", e, "' is not a positive integer");
+  return int(v);
+}
+
+int init_threads(int requested, int local_ranks) {
+  int n = requested;
+  if (n <= 0) n = env_int("MOETRON_NUM_THREADS");
+  if (n <= 0) n = env_int("OMP_NUM_THREADS");
+  if (n <= 0) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    n = int(cores > 0 ? cores : 1) / (local_ranks > 0 ? local_ranks : 1);
+  }
+  if (n < 1) n = 1;
+  omp_set_num_threads(n);
+  return n;
+}
+
+int num_threads() { return omp_get_max_threads(); }
+
+std::string runtime_summary() {
+  const dnnl_version_t* v = dnnl_version();
+  std::ostringstream os;
+  os << "isa=" << isa_name(active_isa()) << " threads=" << num_threads() << " onednn=" << v->major << "."
+     << v->minor << "." << v->patch;
+  return os.str();
+}
+
+}  // namespace moetron

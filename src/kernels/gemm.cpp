@@ -1,0 +1,128 @@
+// gemm.cpp: dense GEMM through oneDNN. fp32 goes through dnnl_sgemm; bf16 through a matmul primitive
+// cached per shape (oneDNN primitive creation costs far more than a small matmul). Strides and
+// transposes are expressed as memory-descriptor strides, so no data is copied.
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tuple>
+#include <unordered_map>
+
+#include "moetron/check.h"
+#include "moetron/gemm.h"
+
+namespace moetron {
+
+namespace {
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+struct MatmulKey {
+  int64_t M, N, K, sa0, sa1, sb0, sb1, ldc;
+  float alpha;
+  bool accumulate;
+  bool operator==(const MatmulKey& o) const {
+    return std::tie(M, N, K, sa0, sa1, sb0, sb1, ldc, alpha, accumulate) ==
+           std::tie(o.M, o.N, o.K, o.sa0, o.sa1, o.sb0, o.sb1, o.ldc, o.alpha, o.accumulate);
+  }
+};
+struct MatmulKeyHash {
+  size_t operator()(const MatmulKey& k) const {
+    size_t h = 1469598103934665603ull;
+    for (int64_t v : {k.M, k.N, k.K, k.sa0, k.sa1, k.sb0, k.sb1, k.ldc, int64_t(k.accumulate)})
+      h = (h ^ size_t(v)) * 1099511628211ull;
+    return h ^ std::hash<float>()(k.alpha);
+  }
+};
+
+struct CachedMatmul {
+  dnnl::matmul prim;
+  dnnl::memory::desc a, b, c;
+};
+
+CachedMatmul& get_bf16_matmul(const MatmulKey& k) {
+  static std::unordered_map<MatmulKey, CachedMatmul, MatmulKeyHash> cache;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(k);
+  if (it != cache.end()) return it->second;
+  using dt = dnnl::memory::data_type;
+  dnnl::memory::desc a({k.M, k.K}, dt::bf16, dnnl::memory::dims{k.sa0, k.sa1});
+  dnnl::memory::desc b({k.K, k.N}, dt::bf16, dnnl::memory::dims{k.sb0, k.sb1});
+  dnnl::memory::desc c({k.M, k.N}, dt::f32, dnnl::memory::dims{k.ldc, 1});
+  dnnl::primitive_attr attr;
+  if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
+  if (k.accumulate) {
+    dnnl::post_ops po;
+    po.append_sum(1.0f);
+    attr.set_post_ops(po);
+  }
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+  auto [pos, _] = cache.emplace(k, CachedMatmul{dnnl::matmul(pd), a, b, c});
+  return pos->second;
+}
+
+void check_dims(const char* op, Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                int64_t ldc) {
+  MT_CHECK(M >= 0 && N >= 0 && K >= 0, op, "negative size M=", M, " N=", N, " K=", K);
+  MT_CHECK(lda >= (ta == Trans::N ? K : M) && lda >= 1, op, "lda=", lda, " too small for ", ta == Trans::N ? "K=" : "M=",
+           ta == Trans::N ? K : M);
+  MT_CHECK(ldb >= (tb == Trans::N ? N : K) && ldb >= 1, op, "ldb=", ldb, " too small for ", tb == Trans::N ? "N=" : "K=",
+           tb == Trans::N ? N : K);
+  MT_CHECK(ldc >= N && ldc >= 1, op, "ldc=", ldc, " smaller than N=", N);
+}
+
+}  // namespace
+
+void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  check_dims("gemm_f32", ta, tb, M, N, K, lda, ldb, ldc);
+  if (M == 0 || N == 0) return;
+  dnnl_status_t st = dnnl_sgemm(ta == Trans::T ? 'T' : 'N', tb == Trans::T ? 'T' : 'N', M, N, K, alpha, A, lda, B,
+                                ldb, beta, C, ldc);
+  MT_CHECK(st == dnnl_success, "gemm_f32", "dnnl_sgemm failed with status ", int(st));
+}
+
+void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+               const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  check_dims("gemm_bf16", ta, tb, M, N, K, lda, ldb, ldc);
+  MT_CHECK(beta == 0.0f || beta == 1.0f, "gemm_bf16", "beta must be 0 or 1, got ", beta);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (beta == 0.0f)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;
+    return;
+  }
+  MatmulKey key{M,
+                N,
+                K,
+                ta == Trans::N ? lda : 1,
+                ta == Trans::N ? 1 : lda,
+                tb == Trans::N ? ldb : 1,
+                tb == Trans::N ? 1 : ldb,
+                ldc,
+                alpha,
+                beta == 1.0f};
+  CachedMatmul& mm = get_bf16_matmul(key);
+  auto& eng = cpu_engine();
+  dnnl::memory ma(mm.a, eng, const_cast<bf16*>(A));
+  dnnl::memory mb(mm.b, eng, const_cast<bf16*>(B));
+  dnnl::memory mc(mm.c, eng, C);
+  dnnl::stream s(eng);
+  mm.prim.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  s.wait();
+}
+
+void f32_to_bf16(bf16* out, const float* in, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > 262144)
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
+}
+
+void bf16_to_f32(float* out, const bf16* in, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > 262144)
+  for (int64_t i = 0; i < n; ++i) out[i] = from_bf16(in[i]);
+}
+
+}  // namespace moetron
