@@ -1,0 +1,99 @@
+// model.h: the DeepSeek-family decoder (embeddings, attention MHA/GQA/MLA, dense SwiGLU or MoE FFN with
+// shared experts, final norm, fused linear + cross-entropy head) with explicit forward and backward.
+// All parameters live in one fp32 allocation, all gradients in another (llm.c style); bf16 copies and the
+// packed expert weights are refreshed by sync_weights() after every optimizer step. Every activation
+// buffer is allocated once at construction for the given micro-batch shape: nothing allocates in a step.
+// Not the trainer (no optimizer, no data), and not parallel: the parallel runtime wraps it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moetron/config.h"
+#include "moetron/spec.h"
+#include "moetron/tensor.h"
+
+namespace moetron {
+
+struct ParamEntry {
+  std::string name;
+  Shape shape;
+  int64_t offset = 0;  // into the flat fp32 parameter / gradient buffers
+  int64_t numel = 0;
+  bool decay = true;    // weight decay applies (matrices yes; norms no)
+  bool expert = false;  // routed-expert weight (sharded over ep later)
+  int layer = -1;       // -1 for embeddings / head / final norm
+  bool ones = false;    // initialised to 1 (norm weights) rather than N(0, std)
+  float init_std = 0.02f;
+};
+
+struct ForwardStats {
+  double ce_sum = 0;      // sum of per-token cross-entropy (unscaled) over valid targets
+  int64_t ce_count = 0;   // valid targets
+  double aux_loss = 0;    // router aux loss summed over MoE layers (coefficient included)
+  double z_loss = 0;
+  int64_t dropped = 0;    // tokens dropped by capacity
+};
+
+class Model {
+ public:
+  // B sequences of T tokens per micro-batch (the shape every buffer is sized for).
+  Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac = {});
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelSpec& spec() const { return spec_; }
+  const std::vector<ParamEntry>& params() const { return params_; }
+  const ParamEntry& param(const std::string& name) const;
+  int64_t num_params() const { return n_params_; }
+  float* param_data() { return pbuf_.data<float>(); }
+  float* grad_data() { return gbuf_.data<float>(); }
+  const float* param_data() const { return pbuf_.data<float>(); }
+
+  // Philox init keyed by (seed, parameter name): identical whatever the sharding.
+  void init_params(uint64_t seed);
+  // Refresh the bf16 weight copies and the packed expert weights from the fp32 masters.
+  void sync_weights();
+  void zero_grads();
+
+  // One micro-batch: forward and backward, gradients accumulated (+=). tokens/targets are [B*T];
+  // target -1 is ignored. ce_scale multiplies the cross-entropy gradient (e.g. 1 / valid tokens of the
+  // whole step); aux_scale multiplies the router aux / z losses' gradients (e.g. 1 / micro-batches).
+  ForwardStats forward_backward(const int32_t* tokens, const int32_t* targets, float ce_scale, float aux_scale);
+  // Forward only (validation).
+  ForwardStats forward(const int32_t* tokens, const int32_t* targets);
+
+  // Aux-loss-free balancing state: per MoE layer bias [E] and the tokens-per-expert counts summed since
+  // the last take_expert_counts() call.
+  int n_moe_layers() const;
+  float* expert_bias(int moe_layer);
+  std::vector<std::vector<int64_t>> take_expert_counts();
+  // Apply the DeepSeek-V3 bias update with the given (possibly all-reduced) counts.
+  void update_expert_bias(const std::vector<std::vector<int64_t>>& counts);
+
+  // The logits of the last forward are not kept (loss fusion); for tests, compute them explicitly:
+  // logits [B*T, V] for the given tokens, fp32, with the same bf16 weights the training path uses.
+  void compute_logits(float* logits, const int32_t* tokens);
+
+  int64_t tokens_per_micro_batch() const { return B_ * T_; }
+
+  // Time spent in recompute and bytes saved by activation checkpointing (0 when off).
+  double recompute_seconds() const { return recompute_s_; }
+
+  struct Impl;
+
+ private:
+  ModelSpec spec_;
+  ActivationCheckpointSpec ac_;
+  int64_t B_, T_;
+  std::vector<ParamEntry> params_;
+  int64_t n_params_ = 0;
+  Tensor pbuf_, gbuf_;
+  double recompute_s_ = 0;
+  std::unique_ptr<Impl> impl_;
+  friend struct Impl;
+};
+
+}  // namespace moetron

@@ -1,0 +1,381 @@
+// trainer.cpp: the training loop behind `moetron train`. See trainer.h.
+#include "moetron/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "moetron/accounting.h"
+#include "moetron/check.h"
+#include "moetron/checkpoint.h"
+#include "moetron/data.h"
+#include "moetron/gemm.h"
+#include "moetron/memory.h"
+#include "moetron/model.h"
+#include "moetron/optim.h"
+#include "moetron/rng.h"
+#include "moetron/router.h"
+#include "moetron/runtime.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace moetron {
+
+double lr_at(const OptimizerSpec& o, const LRSchedulerSpec& s, int64_t step, int64_t total) {
+  MT_CHECK(step >= 1, "lr_at", "step must be >= 1, got ", step);
+  const double lr = o.lr;
+  if (s.warmup_steps > 0 && step <= s.warmup_steps) return lr * double(step) / double(s.warmup_steps);
+  if (s.decay_type == DecayType::None) return lr;
+  int64_t span = total - s.warmup_steps;
+  double p = span > 0 ? std::min(1.0, double(step - s.warmup_steps) / double(span)) : 1.0;
+  double mn = s.min_lr_ratio;
+  double f = s.decay_type == DecayType::Cosine ? mn + (1 - mn) * 0.5 * (1 + std::cos(M_PI * p)) : 1 - (1 - mn) * p;
+  return lr * f;
+}
+
+double measure_bf16_peak_gflops() {
+  const int64_t n = 2048;
+  std::vector<float> a(size_t(n * n)), c(size_t(n * n));
+  fill_normal(a.data(), n * n, rng_key(1, "peak"), 0, 0, 1);
+  std::vector<bf16> ab(size_t(n * n));
+  f32_to_bf16(ab.data(), a.data(), n * n);
+  double best = 1e30;
+  for (int r = 0; r < 6; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    gemm_bf16(Trans::N, Trans::N, n, n, n, 1.0f, ab.data(), n, ab.data(), n, 0.0f, c.data(), n);
+    double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) best = std::min(best, t);
+  }
+  return 2.0 * double(n) * n * n / best * 1e-9;
+}
+
+namespace {
+
+// A source of micro-batches [B, T] of inputs and targets, with a resumable position.
+struct BatchSource {
+  virtual ~BatchSource() = default;
+  virtual void next(int32_t* in, int32_t* tg) = 0;
+  virtual json state() const = 0;
+  virtual void restore(const json& j) = 0;
+};
+
+// Synthetic text: each sequence is a random walk over the vocabulary with a few fixed "phrases", so a
+// model can learn it and the loss falls. Position = number of sequences handed out.
+struct SyntheticSource : BatchSource {
+  int64_t B, T, V;
+  uint64_t key, pos = 0;
+  SyntheticSource(int64_t b, int64_t t, int64_t v, uint64_t seed, const char* stream)
+      : B(b), T(t), V(v), key(rng_key(seed, stream)) {}
+  void next(int32_t* in, int32_t* tg) override {
+    std::vector<int32_t> row(size_t(T + 1));
+    for (int64_t r = 0; r < B; ++r, ++pos) {
+      uint64_t base = pos * uint64_t(T + 1);
+      int32_t cur = int32_t(philox4x32(key, base)[0] % uint64_t(V));
+      for (int64_t t = 0; t <= T; ++t) {
+        auto rnd = philox4x32(key, base + uint64_t(t) + 1);
+        // 3/4 of the time the next token is a deterministic function of the current one.
+        cur = (rnd[0] & 3) ? int32_t((uint64_t(cur) * 31 + 7) % uint64_t(V)) : int32_t(rnd[1] % uint64_t(V));
+        row[size_t(t)] = cur;
+      }
+      std::copy(row.begin(), row.begin() + T, in + r * T);
+      std::copy(row.begin() + 1, row.end(), tg + r * T);
+    }
+  }
+  json state() const override { return json{{"kind", "synthetic"}, {"position", pos}}; }
+  void restore(const json& j) override { pos = j.at("position").get<uint64_t>(); }
+};
+
+struct LoaderSource : BatchSource {
+  data::DataLoader loader;
+  data::Batch batch;
+  LoaderSource(const std::vector<std::string>& paths, const data::LoaderOptions& o) : loader(paths, o) {}
+  void next(int32_t* in, int32_t* tg) override {
+    loader.next(batch);
+    batch.split(in, tg);
+  }
+  json state() const override {
+    auto s = loader.state();
+    return json{{"kind", "loader"}, {"epoch", s.epoch}, {"position", s.position}, {"micro", s.micro}};
+  }
+  void restore(const json& j) override {
+    data::LoaderState s;
+    s.epoch = j.at("epoch").get<uint64_t>();
+    s.position = j.at("position").get<uint64_t>();
+    s.micro = j.at("micro").get<uint64_t>();
+    loader.restore(s);
+  }
+};
+
+std::string human_bytes(int64_t b) {
+  char buf[32];
+  if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(1 << 30));
+  else std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(1 << 20));
+  return buf;
+}
+
+}  // namespace
+
+TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
+  JobConfig cfg = cfg_in;
+  const auto& tr = cfg.training;
+  const ModelSpec& ms = cfg.model;
+  MT_CHECK(cfg.parallelism.world_size() == 1, "train", "this build's trainer runs one process; parallelism asks for ",
+           cfg.parallelism.world_size(), " ranks");
+  init_threads(int(tr.threads));
+  const bool say = !opt.quiet;
+  const bool tty = say && opt.progress && isatty(fileno(stdout));
+  const int64_t B = tr.micro_batch_size, T = tr.seq_len;
+  const int64_t G = tr.global_batch_size > 0 ? tr.global_batch_size : B;
+  MT_CHECK(G % B == 0, "train", "training.global_batch_size=", G, " is not a multiple of micro_batch_size=", B);
+  const int64_t micro = G / B;
+
+  TrainResult res;
+  res.dump_folder = cfg.job.dump_folder;
+  fs::create_directories(res.dump_folder);
+
+  // ---- data
+  std::unique_ptr<BatchSource> src, val;
+  int64_t val_windows = 0;
+  if (tr.dataset == "synthetic") {
+    src = std::make_unique<SyntheticSource>(B, T, ms.vocab_size, uint64_t(tr.seed), "data.synthetic.train");
+    val = std::make_unique<SyntheticSource>(B, T, ms.vocab_size, uint64_t(tr.seed), "data.synthetic.val");
+  } else {
+    std::string dir = tr.dataset_path;
+    if (dir.empty()) dir = (fs::path(opt.data_root) / tr.dataset).string();
+    if (!fs::exists(fs::path(dir) / "dataset.json")) {
+      MT_CHECK(tr.dataset == "brown" || fs::exists(tr.dataset), "train", "dataset '", tr.dataset,
+               "' is not prepared in ", dir, " (run `moetron data prepare --source ... --out ", dir, "`)");
+      data::PrepareOptions po;
+      po.source = tr.dataset;
+      po.out_dir = dir;
+      po.vocab_size = int(ms.vocab_size);
+      po.verbose = say;
+      if (say) std::printf("preparing dataset '%s' into %s (first run only)\n", tr.dataset.c_str(), dir.c_str());
+      data::prepare_dataset(po);
+    }
+    data::DatasetInfo info = data::load_dataset(dir);
+    MT_CHECK(info.vocab_size == ms.vocab_size, "train", "dataset ", dir, " has vocab ", info.vocab_size,
+             " but model.vocab_size is ", ms.vocab_size);
+    res.unigram_entropy = info.unigram_entropy;
+    data::LoaderOptions lo;
+    lo.seq_len = T, lo.micro_batch = B, lo.global_batch = G, lo.seed = uint64_t(tr.seed);
+    src = std::make_unique<LoaderSource>(info.train_paths(), lo);
+    // validation: a fixed set of windows, no shuffle
+    data::LoaderOptions vo = lo;
+    vo.shuffle = false, vo.random_offset = false, vo.global_batch = B;
+    val = std::make_unique<LoaderSource>(info.val_paths(), vo);
+    val_windows = 1;
+  }
+  (void)val_windows;
+
+  // ---- model and optimizer state
+  auto& mt = MemoryTracker::global();
+  Model model(ms, B, T, cfg.activation_checkpoint);
+  model.init_params(uint64_t(tr.seed));
+  const int64_t np = model.num_params();
+  Tensor mbuf = Tensor::zeros({np}, DType::F32, MemCategory::Optimizer, "adam.m");
+  Tensor vbuf = Tensor::zeros({np}, DType::F32, MemCategory::Optimizer, "adam.v");
+  std::vector<int32_t> in(size_t(B * T)), tg(size_t(B * T));
+
+  FlopsPerToken fpt = flops_per_token(ms, T, true, cfg.activation_checkpoint);
+  res.peak_gflops = cfg.metrics.peak_tflops > 0 ? cfg.metrics.peak_tflops * 1e3 : measure_bf16_peak_gflops();
+
+  // ---- checkpoint resume
+  const std::string ckdir = (fs::path(res.dump_folder) / cfg.checkpoint.folder).string();
+  res.checkpoint_dir = ckdir;
+  int64_t step = 0;
+  auto model_tensors = [&]() {
+    std::vector<CheckpointTensor> v;
+    for (auto& p : model.params()) v.push_back({p.name, DType::F32, p.shape, model.param_data() + p.offset});
+    for (int i = 0; i < model.n_moe_layers(); ++i)
+      v.push_back({"expert_bias." + std::to_string(i), DType::F32, {ms.moe.n_routed_experts}, model.expert_bias(i)});
+    return v;
+  };
+  auto opt_tensors = [&]() {
+    std::vector<CheckpointTensor> v;
+    for (auto& p : model.params()) {
+      v.push_back({"m." + p.name, DType::F32, p.shape, mbuf.data<float>() + p.offset});
+      v.push_back({"v." + p.name, DType::F32, p.shape, vbuf.data<float>() + p.offset});
+    }
+    return v;
+  };
+  if (cfg.checkpoint.enable) {
+    if (auto latest = latest_complete_checkpoint(ckdir)) {
+      LoadedCheckpoint ck = load_checkpoint(*latest);
+      JobConfig saved = config_from_json(ck.state.at("config"));
+      MT_CHECK(saved.model == ms, "train", "checkpoint ", *latest, " was written for a different model spec");
+      for (auto& t : model_tensors()) load_into(ck.model, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+      for (auto& t : opt_tensors()) load_into(ck.optimizer, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+      step = ck.step;
+      src->restore(ck.state.at("data"));
+      model.sync_weights();
+      if (say) std::printf("resumed from %s (step %lld)\n", latest->c_str(), (long long)step);
+    }
+  }
+  res.start_step = step;
+
+  res.metrics_path = (fs::path(res.dump_folder) / "metrics.jsonl").string();
+  std::ofstream metrics;
+  if (cfg.metrics.jsonl) {
+    metrics.open(res.metrics_path, step > 0 ? std::ios::app : std::ios::trunc);
+    MT_CHECK(metrics.good(), "train", "cannot open ", res.metrics_path, " for writing");
+  }
+
+  auto save = [&](int64_t s) {
+    CheckpointWriteRequest req;
+    req.step = s;
+    req.model = model_tensors();
+    req.optimizer = opt_tensors();
+    req.state = json{{"data", src->state()}, {"config", to_json(cfg)}, {"config_toml", to_toml(cfg)},
+                     {"rng", {{"seed", tr.seed}}}};
+    return save_checkpoint(ckdir, req, int(cfg.checkpoint.keep_latest_k));
+  };
+
+  auto run_validation = [&]() {
+    int64_t nb = std::max<int64_t>(1, tr.val_steps);
+    val->restore(val->state().contains("micro") ? json{{"kind", "loader"}, {"epoch", 0}, {"position", 0}, {"micro", 0}}
+                                                : json{{"kind", "synthetic"}, {"position", 0}});
+    double sum = 0;
+    int64_t cnt = 0;
+    for (int64_t i = 0; i < nb; ++i) {
+      val->next(in.data(), tg.data());
+      ForwardStats fs_ = model.forward(in.data(), tg.data());
+      sum += fs_.ce_sum, cnt += fs_.ce_count;
+    }
+    return cnt ? sum / double(cnt) : 0.0;
+  };
+
+  if (say)
+    std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS\n",
+                cfg.job.name.c_str(), (long long)np, model.n_moe_layers(), (long long)(G * T), (long long)micro,
+                (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops);
+
+  mt.reset_peaks();
+  std::vector<const float*> gptr;
+  AdamWConfig ac;
+  ac.beta1 = float(cfg.optimizer.beta1), ac.beta2 = float(cfg.optimizer.beta2), ac.eps = float(cfg.optimizer.eps);
+  ac.weight_decay = float(cfg.optimizer.weight_decay);
+  double time_total = 0;
+  int64_t tokens_total = 0;
+  double window_t = 0;
+  int64_t window_tok = 0;
+  std::vector<int64_t> load_sum;
+  while (step < tr.steps) {
+    auto t0 = std::chrono::steady_clock::now();
+    ++step;
+    model.zero_grads();
+    double ce = 0, aux = 0;
+    int64_t ce_n = 0;
+    const float ce_scale = float(1.0 / double(G * T));
+    for (int64_t mb = 0; mb < micro; ++mb) {
+      src->next(in.data(), tg.data());
+      ForwardStats fs_ = model.forward_backward(in.data(), tg.data(), ce_scale, float(1.0 / double(micro)));
+      ce += fs_.ce_sum, ce_n += fs_.ce_count, aux += fs_.aux_loss / double(micro);
+    }
+    double gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
+    float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
+    ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
+    for (auto& p : model.params())
+      adamw_step(model.param_data() + p.offset, mbuf.data<float>() + p.offset, vbuf.data<float>() + p.offset,
+                 model.grad_data() + p.offset, p.numel, ac, step, clip, p.decay);
+    auto counts = model.take_expert_counts();
+    model.update_expert_bias(counts);
+    model.sync_weights();
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    time_total += dt, tokens_total += G * T, window_t += dt, window_tok += G * T;
+
+    StepRecord rec;
+    rec.step = step, rec.loss = ce_n ? ce / double(ce_n) : 0, rec.aux_loss = aux, rec.lr = ac.lr, rec.grad_norm = gn;
+    MT_CHECK(std::isfinite(rec.loss), "train", "loss became ", rec.loss, " at step ", step);
+    bool do_val = tr.val_interval > 0 && (step % tr.val_interval == 0 || step == tr.steps);
+    if (do_val) rec.val_loss = run_validation();
+    res.history.push_back(rec);
+
+    bool log_now = step % std::max<int64_t>(1, cfg.metrics.log_interval) == 0 || step == tr.steps || do_val;
+    if (log_now) {
+      double tps = window_tok / window_t;
+      double tflops = tps * fpt.train * 1e-12;
+      double mfu = tflops * 1e3 / res.peak_gflops;
+      // expert load over all MoE layers of this step
+      int64_t lmin = 0, lmax = 0;
+      double cv = 0;
+      if (!counts.empty()) {
+        lmin = INT64_MAX;
+        for (auto& c : counts) {
+          LoadStats ls = router_load_stats(c.data(), int(c.size()));
+          lmin = std::min(lmin, ls.min), lmax = std::max(lmax, ls.max), cv = std::max(cv, ls.cv);
+        }
+      }
+      auto snap = mt.snapshot();
+      json j{{"step", step},          {"loss", rec.loss},       {"aux_loss", rec.aux_loss}, {"lr", rec.lr},
+             {"grad_norm", gn},       {"tokens_per_s", tps},   {"tflops", tflops},         {"mfu", mfu},
+             {"mem_peak_bytes", snap.total_peak}, {"time_s", time_total},
+             {"expert_load", {{"min", lmin}, {"max", lmax}, {"cv_max", cv}}}};
+      json cat;
+      for (int c = 0; c < kNumMemCategories; ++c) cat[std::string(mem_category_name(MemCategory(c)))] = snap.peak[c];
+      j["mem_peak_by_category"] = cat;
+      if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
+      if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
+      if (say) {
+        char line[512];
+        std::snprintf(line, sizeof line,
+                      "step %5lld/%lld  loss %.4f  aux %.4f%s  lr %.2e  gnorm %.3f  %.0f tok/s  %.3f TFLOPS  MFU %.1f%%  "
+                      "mem %s  load cv %.2f",
+                      (long long)step, (long long)tr.steps, rec.loss, rec.aux_loss,
+                      rec.val_loss >= 0 ? ("  val " + std::to_string(rec.val_loss).substr(0, 6)).c_str() : "", rec.lr,
+                      gn, tps, tflops, mfu * 100, human_bytes(snap.total_peak).c_str(), cv);
+        if (tty) std::printf("\r\033[K%s%s", line, (step == tr.steps || do_val) ? "\n" : "");
+        else std::printf("%s\n", line);
+        std::fflush(stdout);
+      }
+      window_t = 0, window_tok = 0;
+    } else if (tty) {
+      std::printf("\r\033[Kstep %5lld/%lld  loss %.4f", (long long)step, (long long)tr.steps, rec.loss);
+      std::fflush(stdout);
+    }
+    if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps))
+      save(step);
+  }
+  res.end_step = step;
+  if (!res.history.empty()) {
+    res.final_loss = res.history.back().loss;
+    for (auto it = res.history.rbegin(); it != res.history.rend(); ++it)
+      if (it->val_loss >= 0) {
+        res.final_val_loss = it->val_loss;
+        break;
+      }
+  }
+  res.tokens_per_s = time_total > 0 ? double(tokens_total) / time_total : 0;
+  res.tflops = res.tokens_per_s * fpt.train * 1e-12;
+  res.mfu = res.tflops * 1e3 / res.peak_gflops;
+  res.mem_peak_bytes = mt.total_peak();
+  res.recompute_seconds = model.recompute_seconds();
+  if (say) {
+    std::printf("\nsummary: steps %lld..%lld  final loss %.4f  val loss %s  %.0f tokens/s  %.3f TFLOPS  MFU %.1f%% "
+                "(of %.0f GFLOPS bf16 measured)\n",
+                (long long)res.start_step, (long long)res.end_step, res.final_loss,
+                res.final_val_loss >= 0 ? std::to_string(res.final_val_loss).c_str() : "n/a", res.tokens_per_s,
+                res.tflops, res.mfu * 100, res.peak_gflops);
+    auto snap = mt.snapshot();
+    std::printf("memory peak %s:", human_bytes(snap.total_peak).c_str());
+    for (int c = 0; c < kNumMemCategories; ++c)
+      if (snap.peak[c]) std::printf(" %s %s", std::string(mem_category_name(MemCategory(c))).c_str(),
+                                    human_bytes(snap.peak[c]).c_str());
+    std::printf("\n");
+    if (res.unigram_entropy > 0)
+      std::printf("unigram entropy of the training data: %.4f nats/token (final loss is %.2fx below it)\n",
+                  res.unigram_entropy, res.unigram_entropy / std::max(1e-9, res.final_loss));
+    if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
+    std::printf("metrics: %s\n", res.metrics_path.c_str());
+    if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
+  }
+  return res;
+}
+
+}  // namespace moetron
