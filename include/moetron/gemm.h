@@ -1,7 +1,10 @@
 // gemm.h: dense matrix multiply, row-major, through oneDNN.
 //   C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C[M,N]
 // op(X) is X or X^T (Trans::T means the stored matrix is the transpose: A stored [K,M] with lda >= M).
-// bf16 inputs accumulate in fp32 and write fp32. gemm_ref is the naive twin (float or double).
+// bf16 inputs accumulate in fp32 and write fp32. beta = 0 means C is write-only (never read, NaN there is
+// harmless); K = 0 gives C = beta * C. Sizes, leading dimensions (lda >= K or M by op, ldb >= N or K, ldc >= N,
+// all >= 1) and null pointers are checked (moetron::Error). Thread-safe; each call runs oneDNN's own OpenMP
+// parallel region. gemm_ref is the naive twin (float or double). Grouped (MoE) GEMMs: grouped_gemm.h.
 #pragma once
 #include <cstdint>
 

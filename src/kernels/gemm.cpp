@@ -1,6 +1,7 @@
 // gemm.cpp: dense GEMM through oneDNN. fp32 goes through dnnl_sgemm; bf16 through a matmul primitive
-// cached per shape (oneDNN primitive creation costs far more than a small matmul). Strides and
-// transposes are expressed as memory-descriptor strides, so no data is copied.
+// cached per shape, alpha and beta (oneDNN primitive creation costs far more than a small matmul); alpha is an
+// output scale and beta a sum post-op. Strides and transposes are expressed as memory-descriptor strides, so
+// no data is copied. Not a GEMM implementation of its own: the grouped (MoE) GEMM is grouped_gemm.cpp.
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
@@ -20,19 +21,17 @@ dnnl::engine& cpu_engine() {
 
 struct MatmulKey {
   int64_t M, N, K, sa0, sa1, sb0, sb1, ldc;
-  float alpha;
-  bool accumulate;
+  float alpha, beta;
   bool operator==(const MatmulKey& o) const {
-    return std::tie(M, N, K, sa0, sa1, sb0, sb1, ldc, alpha, accumulate) ==
-           std::tie(o.M, o.N, o.K, o.sa0, o.sa1, o.sb0, o.sb1, o.ldc, o.alpha, o.accumulate);
+    return std::tie(M, N, K, sa0, sa1, sb0, sb1, ldc, alpha, beta) ==
+           std::tie(o.M, o.N, o.K, o.sa0, o.sa1, o.sb0, o.sb1, o.ldc, o.alpha, o.beta);
   }
 };
 struct MatmulKeyHash {
   size_t operator()(const MatmulKey& k) const {
     size_t h = 1469598103934665603ull;
-    for (int64_t v : {k.M, k.N, k.K, k.sa0, k.sa1, k.sb0, k.sb1, k.ldc, int64_t(k.accumulate)})
-      h = (h ^ size_t(v)) * 1099511628211ull;
-    return h ^ std::hash<float>()(k.alpha);
+    for (int64_t v : {k.M, k.N, k.K, k.sa0, k.sa1, k.sb0, k.sb1, k.ldc}) h = (h ^ size_t(v)) * 1099511628211ull;
+    return h ^ std::hash<float>()(k.alpha) ^ (std::hash<float>()(k.beta) << 1);
   }
 };
 
@@ -53,9 +52,9 @@ CachedMatmul& get_bf16_matmul(const MatmulKey& k) {
   dnnl::memory::desc c({k.M, k.N}, dt::f32, dnnl::memory::dims{k.ldc, 1});
   dnnl::primitive_attr attr;
   if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
-  if (k.accumulate) {
+  if (k.beta != 0.0f) {  // C = alpha * A·B + beta * C through the sum post-op
     dnnl::post_ops po;
-    po.append_sum(1.0f);
+    po.append_sum(k.beta);
     attr.set_post_ops(po);
   }
   dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
@@ -73,12 +72,25 @@ void check_dims(const char* op, Trans ta, Trans tb, int64_t M, int64_t N, int64_
   MT_CHECK(ldc >= N && ldc >= 1, op, "ldc=", ldc, " smaller than N=", N);
 }
 
+void check_ptrs(const char* op, const void* A, const void* B, const void* C, int64_t M, int64_t N, int64_t K) {
+  MT_CHECK(C || M == 0 || N == 0, op, "C is null");
+  MT_CHECK((A && B) || M == 0 || N == 0 || K == 0, op, "A or B is null");
+}
+
+// K = 0: C = beta * C (C is write-only when beta = 0).
+void scale_c(float* C, int64_t ldc, int64_t M, int64_t N, float beta) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+}
+
 }  // namespace
 
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   check_dims("gemm_f32", ta, tb, M, N, K, lda, ldb, ldc);
+  check_ptrs("gemm_f32", A, B, C, M, N, K);
   if (M == 0 || N == 0) return;
+  if (K == 0) return scale_c(C, ldc, M, N, beta);
   dnnl_status_t st = dnnl_sgemm(ta == Trans::T ? 'T' : 'N', tb == Trans::T ? 'T' : 'N', M, N, K, alpha, A, lda, B,
                                 ldb, beta, C, ldc);
   MT_CHECK(st == dnnl_success, "gemm_f32", "dnnl_sgemm failed with status ", int(st));
@@ -87,14 +99,9 @@ void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, 
 void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   check_dims("gemm_bf16", ta, tb, M, N, K, lda, ldb, ldc);
-  MT_CHECK(beta == 0.0f || beta == 1.0f, "gemm_bf16", "beta must be 0 or 1, got ", beta);
+  check_ptrs("gemm_bf16", A, B, C, M, N, K);
   if (M == 0 || N == 0) return;
-  if (K == 0) {
-    if (beta == 0.0f)
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = 0.0f;
-    return;
-  }
+  if (K == 0) return scale_c(C, ldc, M, N, beta);
   MatmulKey key{M,
                 N,
                 K,
@@ -104,7 +111,7 @@ void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
                 tb == Trans::N ? 1 : ldb,
                 ldc,
                 alpha,
-                beta == 1.0f};
+                beta};
   CachedMatmul& mm = get_bf16_matmul(key);
   auto& eng = cpu_engine();
   dnnl::memory ma(mm.a, eng, const_cast<bf16*>(A));

@@ -1,0 +1,198 @@
+// grouped_gemm_avx512.cpp: AVX-512 tile kernels for the grouped GEMM (see grouped_gemm_tile.h).
+// bf16: register-blocked MR x (16*NV) microkernel on vdpbf16ps (AVX512-BF16): A pairs are broadcast, B comes
+// packed in VNNI pairs; fp32 accumulators stay in registers for a whole K block. fp32: the same blocking with
+// vfmadd231ps. Also the row-pair interleave used to pack wgrad operands. Not a scheduler: the dispatcher in
+// grouped_gemm.cpp decides the work items. Compiled with -mavx512f/bw/vl/dq/bf16; everything but the entry
+// points is file-local.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/grouped_gemm_tile.h"
+
+namespace moetron::gg {
+
+namespace {
+
+constexpr int kMR = 6;          // rows per microkernel call
+constexpr int64_t kKcBf16 = 64;  // K block in pairs: a 64-column B block is 64*64*4 B = 16 KiB (L1)
+constexpr int64_t kKcF32 = 128;  // K block in singles: 128*64*4 B = 32 KiB
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline __mmask16 col_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+
+// Store one accumulator row block: C (fp32) and optionally Cb (bf16).
+template <int MR, int NV>
+inline void store_acc(__m512 (&acc)[MR][NV], float* C, int64_t ldc, bf16* Cb, __mmask16 mlast) {
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      __mmask16 m = v == NV - 1 ? mlast : __mmask16(0xffff);
+      _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m, acc[r][v]);
+      if (Cb) {
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r][v]);
+        _mm256_mask_storeu_epi16(Cb + r * ldc + 16 * v, m, h);
+      }
+    }
+}
+
+template <int MR, int NV>
+inline void load_acc(__m512 (&acc)[MR][NV], const float* C, int64_t ldc, bool from_c, __mmask16 mlast) {
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = from_c ? _mm512_maskz_loadu_ps(v == NV - 1 ? mlast : __mmask16(0xffff), C + r * ldc + 16 * v)
+                         : _mm512_setzero_ps();
+}
+
+// C[MR, 16*NV (last vector masked)] (= or +=) sum over `steps` pairs. A, B point at the block's first step.
+template <int MR, int NV>
+void ukr_bf16(const uint16_t* A, int64_t rs, int64_t ss, const uint16_t* B, int64_t bss, int64_t steps,
+              bool half_tail, __mmask16 mlast, float* C, int64_t ldc, bool from_c, bf16* Cb) {
+  __m512 acc[MR][NV];
+  load_acc<MR, NV>(acc, C, ldc, from_c, mlast);
+  const int64_t full = steps - (half_tail ? 1 : 0);
+  for (int64_t s = 0; s < full; ++s) {
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      b[v] = (__m512bh)(v == NV - 1 ? _mm512_maskz_loadu_epi32(mlast, B + 32 * v) : _mm512_loadu_si512(B + 32 * v));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m512bh a = (__m512bh)_mm512_set1_epi32(load_i32(A + r * rs));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b[v], a);
+    }
+    A += ss;
+    B += bss;
+  }
+  if (half_tail) {  // K odd: only the first element of the last A pair exists
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_maskz_loadu_epi32(v == NV - 1 ? mlast : 0xffff, B + 32 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(A[r * rs]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b[v], a);
+    }
+  }
+  store_acc<MR, NV>(acc, C, ldc, Cb, mlast);
+}
+
+template <int MR, int NV>
+void ukr_f32(const float* A, int64_t rs, int64_t ss, const float* B, int64_t bss, int64_t steps, bool,
+             __mmask16 mlast, float* C, int64_t ldc, bool from_c, bf16* Cb) {
+  __m512 acc[MR][NV];
+  load_acc<MR, NV>(acc, C, ldc, from_c, mlast);
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(mlast, B + 16 * v) : _mm512_loadu_ps(B + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m512 a = _mm512_set1_ps(A[r * rs]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+    }
+    A += ss;
+    B += bss;
+  }
+  store_acc<MR, NV>(acc, C, ldc, Cb, mlast);
+}
+
+template <class E>
+using UkrFn = void (*)(const E*, int64_t, int64_t, const E*, int64_t, int64_t, bool, __mmask16, float*, int64_t,
+                       bool, bf16*);
+
+template <class E, template <int, int> class K>
+struct Table;
+
+template <int MR, int NV>
+struct Bf16K {
+  static constexpr UkrFn<uint16_t> fn = &ukr_bf16<MR, NV>;
+};
+template <int MR, int NV>
+struct F32K {
+  static constexpr UkrFn<float> fn = &ukr_f32<MR, NV>;
+};
+
+template <class E, template <int, int> class K>
+constexpr UkrFn<E> pick(int mr, int nv) {
+  constexpr UkrFn<E> t[kMR][4] = {
+      {K<1, 1>::fn, K<1, 2>::fn, K<1, 3>::fn, K<1, 4>::fn}, {K<2, 1>::fn, K<2, 2>::fn, K<2, 3>::fn, K<2, 4>::fn},
+      {K<3, 1>::fn, K<3, 2>::fn, K<3, 3>::fn, K<3, 4>::fn}, {K<4, 1>::fn, K<4, 2>::fn, K<4, 3>::fn, K<4, 4>::fn},
+      {K<5, 1>::fn, K<5, 2>::fn, K<5, 3>::fn, K<5, 4>::fn}, {K<6, 1>::fn, K<6, 2>::fn, K<6, 3>::fn, K<6, 4>::fn}};
+  return t[mr - 1][nv - 1];
+}
+
+// Loop order: K block -> 64-column panel -> MR-row block. The B block (kc steps x 64 columns) stays in L1
+// while all row blocks of the tile stream past it; partial sums go through C between K blocks, which keeps
+// the per-element summation order the plain sequential one.
+template <class E, template <int, int> class K>
+void run_tile(const Tile& t, int64_t kc, int64_t step_elems) {
+  const E* A = static_cast<const E*>(t.A);
+  const E* B = static_cast<const E*>(t.B);
+  const int64_t npanels = (t.cols + kPanel - 1) / kPanel;
+  int64_t s0 = 0;
+  do {
+    const int64_t ns = std::min(kc, t.steps - s0);
+    const bool last = s0 + ns >= t.steps;
+    const bool from_c = s0 > 0 || t.accumulate;
+    const bool tail = last && t.a_odd_tail;
+    for (int64_t p = 0; p < npanels; ++p) {
+      const int64_t pc = std::min(kPanel, t.cols - p * kPanel);
+      const int nv = int((pc + 15) / 16);
+      const __mmask16 mlast = col_mask(pc - 16 * (nv - 1));
+      const E* Bp = B + p * t.b_ps + s0 * t.b_ss;
+      for (int64_t r0 = 0; r0 < t.rows; r0 += kMR) {
+        const int mr = int(std::min<int64_t>(kMR, t.rows - r0));
+        pick<E, K>(mr, nv)(A + r0 * t.a_rs + s0 * t.a_ss, t.a_rs, t.a_ss, Bp, t.b_ss, ns, tail, mlast,
+                           t.C + r0 * t.ldc + p * kPanel, t.ldc, from_c,
+                           last && t.Cb ? t.Cb + r0 * t.ldc + p * kPanel : nullptr);
+      }
+    }
+    s0 += ns;
+  } while (s0 < t.steps);
+  (void)step_elems;
+}
+
+}  // namespace
+
+void tile_bf16_avx512(const Tile& t) { run_tile<uint16_t, Bf16K>(t, kKcBf16, 2); }
+void tile_f32_avx512(const Tile& t) { run_tile<float, F32K>(t, kKcF32, 1); }
+
+void interleave_rows_avx512(bf16* out, const bf16* in, int64_t ld, int64_t n_rows, int64_t cols, int64_t width) {
+  // out element 2c+j of a 64-element chunk = row j, column c: vpermt2w with indices (c, 32 + c) interleaved.
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 32; ++i) {
+    lo_idx[i] = uint16_t((i / 2) + (i % 2 ? 32 : 0));
+    hi_idx[i] = uint16_t(16 + (i / 2) + (i % 2 ? 32 : 0));
+  }
+  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+  const int64_t npairs = (n_rows + 1) / 2;
+  for (int64_t p = 0; p < npairs; ++p) {
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(in + 2 * p * ld);
+    const uint16_t* r1 = 2 * p + 1 < n_rows ? reinterpret_cast<const uint16_t*>(in + (2 * p + 1) * ld) : nullptr;
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + p * width * 2);
+    for (int64_t c = 0; c < width; c += 32) {
+      const int64_t nc = std::clamp<int64_t>(cols - c, 0, 32);
+      const __mmask32 lm = nc >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << nc) - 1u);
+      const __m512i a = _mm512_maskz_loadu_epi16(lm, r0 + c);
+      const __m512i b = r1 ? _mm512_maskz_loadu_epi16(lm, r1 + c) : _mm512_setzero_si512();
+      const int64_t nw = std::min<int64_t>(width - c, 32);  // columns to write (width is a multiple of 16)
+      _mm512_storeu_si512(o + 2 * c, _mm512_permutex2var_epi16(a, ilo, b));
+      if (nw > 16) _mm512_storeu_si512(o + 2 * c + 32, _mm512_permutex2var_epi16(a, ihi, b));
+    }
+  }
+}
+
+}  // namespace moetron::gg

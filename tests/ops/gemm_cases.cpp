@@ -1,0 +1,219 @@
+// gemm_cases.cpp: op-harness cases for the dense GEMM (gemm_f32, gemm_bf16 through oneDNN) against gemm_ref:
+// all four transpose combinations, alpha / beta, odd sizes, padded leading dimensions, M = 0 / N = 0 / K = 0,
+// bad leading dimensions throw. Grad mode checks the matmul backward (dA = dC·B^T, dB = A^T·dC, written with
+// gemm_ref<double> for every transpose combination) against finite differences. Not a benchmark.
+//
+// Tolerance: inputs are rounded to bf16 once for the bf16 path and the reference (double) sees the same values,
+// so the only error is fp32 accumulation and the final alpha / beta update:
+//   |C - C_ref| <= |alpha| * gamma_K * sum_k |a_ik||b_kj| + 2^-22 * (|alpha * acc| + |beta * C0|),
+// gamma_K = K*2^-24 / (1 - K*2^-24); checked element by element (docs/kernels/gemm.md).
+#include <cmath>
+#include <sstream>
+
+#include "harness.h"
+#include "moetron/check.h"
+#include "moetron/gemm.h"
+
+namespace moetron::ops {
+namespace {
+
+double gamma32(int64_t n) {
+  const double u = std::ldexp(1.0, -24);
+  return n * u / (1 - n * u);
+}
+
+const char* tname(Trans t) { return t == Trans::N ? "N" : "T"; }
+
+struct GemmCase : OpCase {
+  Trans ta, tb;
+  int64_t M, N, K, pad;  // pad: extra elements per row of every operand (leading dimension > minimum)
+  float alpha, beta;
+  bool bf;
+
+  GemmCase(bool bf16_, Trans ta_, Trans tb_, int64_t m, int64_t n, int64_t k, float al, float be, int64_t pad_ = 0)
+      : ta(ta_), tb(tb_), M(m), N(n), K(k), pad(pad_), alpha(al), beta(be), bf(bf16_) {
+    std::ostringstream os;
+    os << "gemm/" << (bf ? "bf16" : "f32") << "_" << tname(ta) << tname(tb) << "_" << M << "x" << N << "x" << K;
+    if (alpha != 1.0f || beta != 0.0f) os << "_a" << alpha << "_b" << beta;
+    if (pad) os << "_ld+" << pad;
+    name = os.str();
+    fd_eps = 1e-3;
+    grad_tol = 1e-7;
+    flops = 2.0 * double(M) * double(N) * double(K);
+  }
+  // Stored shapes: A is [M,K] (N) or [K,M] (T); B is [K,N] (N) or [N,K] (T).
+  int64_t a_rows() const { return ta == Trans::N ? M : K; }
+  int64_t a_cols() const { return ta == Trans::N ? K : M; }
+  int64_t b_rows() const { return tb == Trans::N ? K : N; }
+  int64_t b_cols() const { return tb == Trans::N ? N : K; }
+  int64_t lda() const { return std::max<int64_t>(1, a_cols() + pad); }  // BLAS: ld >= max(1, width)
+  int64_t ldb() const { return std::max<int64_t>(1, b_cols() + pad); }
+  int64_t ldc() const { return std::max<int64_t>(1, N + pad); }
+  int64_t a_size() const { return std::max<int64_t>(1, a_rows() * lda()); }
+  int64_t b_size() const { return std::max<int64_t>(1, b_rows() * ldb()); }
+  int64_t c_size() const { return std::max<int64_t>(1, M * ldc()); }
+
+  void test(Report& r) override {
+    auto A = randn(a_size(), 1), B = randn(b_size(), 2), C0 = randn(c_size(), 3);
+    if (bf)
+      for (auto* v : {&A, &B})
+        for (float& x : *v) x = round_bf16(x);
+    if (beta == 0.0f)  // beta = 0: C is write-only (BLAS convention), so NaN there must not leak through
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) C0[i * ldc() + j] = NAN;
+    std::vector<float> C = C0;
+    if (bf) {
+      std::vector<bf16> Ab(A.size()), Bb(B.size());
+      f32_to_bf16(Ab.data(), A.data(), int64_t(A.size()));
+      f32_to_bf16(Bb.data(), B.data(), int64_t(B.size()));
+      gemm_bf16(ta, tb, M, N, K, alpha, Ab.data(), lda(), Bb.data(), ldb(), beta, C.data(), ldc());
+    } else {
+      gemm_f32(ta, tb, M, N, K, alpha, A.data(), lda(), B.data(), ldb(), beta, C.data(), ldc());
+    }
+    auto Ad = to_f64(A), Bd = to_f64(B), Cref = to_f64(C0), S(Cref);
+    gemm_ref<double>(ta, tb, M, N, K, alpha, Ad.data(), lda(), Bd.data(), ldb(), beta, Cref.data(), ldc());
+    for (auto& x : Ad) x = std::fabs(x);
+    for (auto& x : Bd) x = std::fabs(x);
+    gemm_ref<double>(ta, tb, M, N, K, 1.0, Ad.data(), lda(), Bd.data(), ldb(), 0.0, S.data(), ldc());
+    // Element-wise bound; the padding columns of C must be untouched.
+    double worst = 0;
+    int64_t bad = 0, wi = -1, pad_touched = 0;
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < ldc(); ++j) {
+        const int64_t x = i * ldc() + j;
+        if (j >= N) {
+          pad_touched += !(C[x] == C0[x] || (std::isnan(C[x]) && std::isnan(C0[x])));
+          continue;
+        }
+        const double c0 = beta == 0.0f ? 0.0 : double(C0[x]);
+        const double bound = std::fabs(alpha) * gamma32(K) * S[x] +
+                             std::ldexp(1.0, -22) * (std::fabs(Cref[x] - beta * c0) + std::fabs(beta * c0)) + 1e-30;
+        const double err = std::fabs(double(C[x]) - Cref[x]);
+        const double ratio = err == 0 ? 0 : err / bound;
+        if (!(ratio <= 1)) ++bad;
+        if (wi < 0 || !(ratio <= worst)) worst = ratio, wi = x;
+      }
+    std::ostringstream os;
+    os << "n=" << M * N;
+    if (wi >= 0) os << " worst " << worst << "x of bound at " << wi << " (got " << C[wi] << ", want " << Cref[wi] << ")";
+    if (bad) os << " violations=" << bad;
+    r.check(bad == 0, "C vs gemm_ref<double> (gamma_K bound)", os.str());
+    r.check(pad_touched == 0, "padding columns of C untouched", std::to_string(pad_touched) + " changed");
+  }
+
+  // L = <G, op(A) op(B)>;  dop(A) = G op(B)^T [M,K], dop(B) = op(A)^T G [K,N], stored back in A's / B's layout.
+  void grad(Report& r) override {
+    auto A = to_f64(randn(a_size(), 4)), B = to_f64(randn(b_size(), 5)), G = to_f64(randn(c_size(), 6));
+    std::vector<double> C(c_size());
+    auto loss = [&] {
+      gemm_ref<double>(ta, tb, M, N, K, 1.0, A.data(), lda(), B.data(), ldb(), 0.0, C.data(), ldc());
+      double s = 0;
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) s += G[i * ldc() + j] * C[i * ldc() + j];
+      return s;
+    };
+    std::vector<double> dA(a_size(), 0.0), dB(b_size(), 0.0);
+    // dA: ta = N -> dA[M,K] = G · op(B)^T;  ta = T -> dA[K,M] = op(B) · G^T.
+    const Trans tbt = tb == Trans::N ? Trans::T : Trans::N;  // op(B)^T expressed on B's storage
+    if (ta == Trans::N)
+      gemm_ref<double>(Trans::N, tbt, M, K, N, 1.0, G.data(), ldc(), B.data(), ldb(), 0.0, dA.data(), lda());
+    else
+      gemm_ref<double>(tb, Trans::T, K, M, N, 1.0, B.data(), ldb(), G.data(), ldc(), 0.0, dA.data(), lda());
+    // dB: tb = N -> dB[K,N] = op(A)^T · G;  tb = T -> dB[N,K] = G^T · op(A).
+    const Trans tat = ta == Trans::N ? Trans::T : Trans::N;
+    if (tb == Trans::N)
+      gemm_ref<double>(tat, Trans::N, K, N, M, 1.0, A.data(), lda(), G.data(), ldc(), 0.0, dB.data(), ldb());
+    else
+      gemm_ref<double>(Trans::T, ta, N, K, M, 1.0, G.data(), ldc(), A.data(), lda(), 0.0, dB.data(), ldb());
+    r.fd_check("dA", A.data(), int64_t(A.size()), dA.data(), loss, fd_eps, grad_tol);
+    r.fd_check("dB", B.data(), int64_t(B.size()), dB.data(), loss, fd_eps, grad_tol);
+  }
+
+  void perf() override {
+    if (pa.empty()) {
+      pa = randn(a_size(), 7), pb = randn(b_size(), 8);
+      pc.assign(c_size(), 0.0f);
+      pab.resize(pa.size()), pbb.resize(pb.size());
+      f32_to_bf16(pab.data(), pa.data(), int64_t(pa.size()));
+      f32_to_bf16(pbb.data(), pb.data(), int64_t(pb.size()));
+    }
+    if (bf)
+      gemm_bf16(ta, tb, M, N, K, alpha, pab.data(), lda(), pbb.data(), ldb(), beta, pc.data(), ldc());
+    else
+      gemm_f32(ta, tb, M, N, K, alpha, pa.data(), lda(), pb.data(), ldb(), beta, pc.data(), ldc());
+  }
+  std::vector<float> pa, pb, pc;
+  std::vector<bf16> pab, pbb;
+};
+
+// Bad leading dimensions and sizes throw, for both entry points.
+struct GemmBadInput : OpCase {
+  GemmBadInput() { name = "gemm/bad_input"; }
+  template <class F>
+  void throws(Report& r, const std::string& what, F&& f) {
+    bool threw = false;
+    try {
+      f();
+    } catch (const Error&) {
+      threw = true;
+    }
+    r.check(threw, "throws: " + what);
+  }
+  void test(Report& r) override {
+    std::vector<float> a(64 * 64), b(64 * 64), c(64 * 64);
+    std::vector<bf16> ab(64 * 64), bb(64 * 64);
+    const int64_t M = 5, N = 6, K = 7;
+    for (int bf = 0; bf < 2; ++bf) {
+      auto call = [&](Trans ta, Trans tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc) {
+        if (bf)
+          gemm_bf16(ta, tb, m, n, k, 1.0f, ab.data(), lda, bb.data(), ldb, 0.0f, c.data(), ldc);
+        else
+          gemm_f32(ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(), ldc);
+      };
+      const std::string p = bf ? "bf16 " : "f32 ";
+      throws(r, p + "lda < K (A not transposed)", [&] { call(Trans::N, Trans::N, M, N, K, K - 1, N, N); });
+      throws(r, p + "lda < M (A transposed)", [&] { call(Trans::T, Trans::N, M, N, K, M - 1, N, N); });
+      throws(r, p + "ldb < N (B not transposed)", [&] { call(Trans::N, Trans::N, M, N, K, K, N - 1, N); });
+      throws(r, p + "ldb < K (B transposed)", [&] { call(Trans::N, Trans::T, M, N, K, K, K - 1, N); });
+      throws(r, p + "ldc < N", [&] { call(Trans::N, Trans::N, M, N, K, K, N, N - 1); });
+      throws(r, p + "negative M", [&] { call(Trans::N, Trans::N, -1, N, K, K, N, N); });
+      throws(r, p + "zero leading dimension", [&] { call(Trans::N, Trans::N, M, 0, 0, 0, 0, 0); });
+      throws(r, p + "null A", [&] {
+        if (bf)
+          gemm_bf16(Trans::N, Trans::N, M, N, K, 1.0f, nullptr, K, bb.data(), N, 0.0f, c.data(), N);
+        else
+          gemm_f32(Trans::N, Trans::N, M, N, K, 1.0f, nullptr, K, b.data(), N, 0.0f, c.data(), N);
+      });
+    }
+  }
+  void grad(Report& r) override { r.check(true, "no gradient (input validation only)"); }
+  void perf() override {}
+};
+
+std::vector<std::unique_ptr<OpCase>> make_cases() {
+  std::vector<std::unique_ptr<OpCase>> v;
+  const Trans Ns = Trans::N, Ts = Trans::T;
+  for (bool bf : {false, true}) {
+    for (Trans ta : {Ns, Ts})
+      for (Trans tb : {Ns, Ts}) {
+        v.push_back(std::make_unique<GemmCase>(bf, ta, tb, 7, 33, 130, 1.0f, 0.0f));
+        v.push_back(std::make_unique<GemmCase>(bf, ta, tb, 33, 7, 1, 0.5f, 1.0f, 3));
+        v.push_back(std::make_unique<GemmCase>(bf, ta, tb, 130, 65, 33, -1.25f, -0.75f));
+      }
+    v.push_back(std::make_unique<GemmCase>(bf, Ns, Ns, 1, 1, 1, 1.0f, 0.0f));
+    v.push_back(std::make_unique<GemmCase>(bf, Ns, Ns, 1, 130, 7, 2.0f, 0.5f, 5));
+    v.push_back(std::make_unique<GemmCase>(bf, Ts, Ns, 64, 48, 300, 1.0f, 1.0f));  // wgrad-like: A^T B, +=
+    // Empty problems: M = 0 and N = 0 do nothing; K = 0 gives C = beta * C.
+    v.push_back(std::make_unique<GemmCase>(bf, Ns, Ns, 0, 5, 7, 1.0f, 0.0f));
+    v.push_back(std::make_unique<GemmCase>(bf, Ns, Ns, 5, 0, 7, 1.0f, 0.0f));
+    v.push_back(std::make_unique<GemmCase>(bf, Ns, Ns, 5, 6, 0, 1.0f, 0.0f));
+    v.push_back(std::make_unique<GemmCase>(bf, Ns, Ts, 5, 6, 0, 1.0f, 0.5f, 2));
+  }
+  v.push_back(std::make_unique<GemmBadInput>());
+  return v;
+}
+
+}  // namespace
+}  // namespace moetron::ops
+
+MT_REGISTER_OP_CASES(moetron::ops::make_cases);

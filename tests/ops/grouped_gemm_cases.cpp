@@ -1,0 +1,341 @@
+// grouped_gemm_cases.cpp: op-harness cases for the grouped (MoE expert) GEMM: forward, dgrad and wgrad
+// (=, +=), bf16 and fp32, against the naive twins grouped_gemm_*_ref, on uniform, skewed, zero-size-group,
+// single-expert and odd-shaped groups; determinism across thread counts; bad input throws.
+// Grad mode checks the three reference ops against each other as vector-Jacobian products, by finite
+// differences in double. Not a benchmark: see bench/bench_grouped_gemm.cpp.
+//
+// Tolerances (docs/kernels/gemm.md). With inputs rounded to bf16 once (so the reference sees the same values)
+// the only error left is fp32 accumulation over n terms: |err| <= gamma_n * sum_k |a_k||b_k|, gamma_n = n*2^-24
+// / (1 - n*2^-24), checked element by element. Against the unrounded inputs, bf16 rounding of a and b adds
+// (2*2^-8 + 2^-16) * sum |a_k||b_k| (worst case; typical is ~sqrt(n) times smaller).
+#include <omp.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "harness.h"
+#include "moetron/check.h"
+#include "moetron/grouped_gemm.h"
+#include "moetron/rng.h"
+
+namespace moetron::ops {
+namespace {
+
+struct Buf {
+  void* p = nullptr;
+  explicit Buf(size_t bytes) : p(std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64))) {}
+  ~Buf() { std::free(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+};
+
+double gamma(int64_t n) {
+  const double u = std::ldexp(1.0, -24);
+  return n * u / (1 - n * u);
+}
+const double kBf16Round = 2 * std::ldexp(1.0, -8) + std::ldexp(1.0, -16);  // bf16 unit roundoff u = 2^-8
+
+// Passes when |got_i - want_i| <= bound_i for all i (NaN fails). Reports the worst element.
+void compare_bound(Report& r, const std::string& what, const float* got, const double* want, const double* bound,
+                   int64_t n) {
+  double worst = 0;
+  int64_t wi = -1, bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double err = std::fabs(double(got[i]) - want[i]);
+    double ratio = err == 0 ? 0 : (bound[i] > 0 ? err / bound[i] : INFINITY);
+    if (!(ratio <= 1.0)) ++bad;
+    if (wi < 0 || !(ratio <= worst)) worst = ratio, wi = i;
+  }
+  std::ostringstream os;
+  os << "n=" << n;
+  if (wi >= 0)
+    os << " worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", bound " << bound[wi] << ", "
+       << worst << "x of bound)";
+  if (bad) os << " violations=" << bad;
+  r.check(bad == 0, what, os.str());
+}
+
+std::vector<double> absd(const std::vector<double>& v) {
+  std::vector<double> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = std::fabs(v[i]);
+  return o;
+}
+std::vector<double> round_bf16_d(const std::vector<float>& v) {
+  std::vector<double> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = round_bf16(v[i]);
+  return o;
+}
+std::vector<bf16> to_bf16_vec(const std::vector<float>& v) {
+  std::vector<bf16> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = to_bf16(v[i]);
+  return o;
+}
+template <class T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+int64_t sum_counts(const std::vector<int32_t>& c) {
+  int64_t s = 0;
+  for (int32_t v : c) s += v;
+  return s;
+}
+
+struct GroupedCase : OpCase {
+  std::vector<int32_t> counts;
+  int64_t E, M, K, N;
+  GemmPrec prec;
+  bool bad_inputs = false;  // also check that bad inputs throw
+
+  GroupedCase(std::string variant, std::vector<int32_t> c, int64_t k, int64_t n, GemmPrec p)
+      : counts(std::move(c)), K(k), N(n), prec(p) {
+    name = "grouped_gemm/" + variant + (p == GemmPrec::BF16 ? "_bf16" : "_f32");
+    E = int64_t(counts.size());
+    M = sum_counts(counts);
+    fd_eps = 1e-3;  // the ops are bilinear: central differences are exact up to rounding
+    grad_tol = 1e-7;
+    flops = 2.0 * double(M) * double(K) * double(N);
+  }
+
+  size_t ws_bytes(GroupedOp op) const { return grouped_gemm_workspace_bytes(op, prec, E, M, K, N); }
+
+  // Runs the three optimized ops at the current thread count.
+  struct Out {
+    std::vector<float> Y, dX, dW, dWacc;
+    std::vector<bf16> Yb, dXb;
+  };
+  Out run(const std::vector<float>& X, const std::vector<float>& W, const std::vector<float>& dY,
+          const std::vector<float>& dW0) const {
+    Out o;
+    o.Y.assign(M * N, NAN);
+    o.dX.assign(M * K, NAN);
+    o.dW.assign(E * K * N, NAN);
+    o.dWacc = dW0;
+    o.Yb.assign(M * N, bf16{0xffff});
+    o.dXb.assign(M * K, bf16{0xffff});
+    Buf pf(grouped_packed_bytes(GroupedPackKind::Fwd, prec, E, K, N));
+    Buf pd(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, E, K, N));
+    auto Wf = grouped_pack_weights(pf.p, W.data(), E, K, N, prec, GroupedPackKind::Fwd);
+    auto Wd = grouped_pack_weights(pd.p, W.data(), E, K, N, prec, GroupedPackKind::Dgrad);
+    Buf wsf(ws_bytes(GroupedOp::Fwd)), wsd(ws_bytes(GroupedOp::Dgrad)), wsw(ws_bytes(GroupedOp::Wgrad));
+    if (prec == GemmPrec::BF16) {
+      auto Xb = to_bf16_vec(X), dYb = to_bf16_vec(dY);
+      grouped_gemm_fwd(o.Y.data(), o.Yb.data(), Xb.data(), Wf, counts.data(), E, M, K, N, wsf.p);
+      grouped_gemm_dgrad(o.dX.data(), o.dXb.data(), dYb.data(), Wd, counts.data(), E, M, K, N, wsd.p);
+      grouped_gemm_wgrad(o.dW.data(), Xb.data(), dYb.data(), counts.data(), E, M, K, N, false, wsw.p);
+      grouped_gemm_wgrad(o.dWacc.data(), Xb.data(), dYb.data(), counts.data(), E, M, K, N, true, wsw.p);
+    } else {
+      grouped_gemm_fwd(o.Y.data(), X.data(), Wf, counts.data(), E, M, K, N, wsf.p);
+      grouped_gemm_dgrad(o.dX.data(), dY.data(), Wd, counts.data(), E, M, K, N, wsd.p);
+      grouped_gemm_wgrad(o.dW.data(), X.data(), dY.data(), counts.data(), E, M, K, N, false, wsw.p);
+      grouped_gemm_wgrad(o.dWacc.data(), X.data(), dY.data(), counts.data(), E, M, K, N, true, wsw.p);
+    }
+    return o;
+  }
+
+  void test(Report& r) override {
+    const bool bf = prec == GemmPrec::BF16;
+    auto X = randn(M * K, 11), W = randn(E * K * N, 12, 0.5f), dY = randn(M * N, 13), dW0 = randn(E * K * N, 14);
+    // The values the kernel multiplies (bf16-rounded for the bf16 path), in double.
+    auto Xd = bf ? round_bf16_d(X) : to_f64(X), Wd = bf ? round_bf16_d(W) : to_f64(W);
+    auto dYd = bf ? round_bf16_d(dY) : to_f64(dY);
+    auto dW0d = to_f64(dW0);
+    std::vector<double> Y(M * N), dX(M * K), dW(E * K * N), dWacc = dW0d;
+    grouped_gemm_fwd_ref<double>(Y.data(), Xd.data(), Wd.data(), counts.data(), E, M, K, N);
+    grouped_gemm_dgrad_ref<double>(dX.data(), dYd.data(), Wd.data(), counts.data(), E, M, K, N);
+    grouped_gemm_wgrad_ref<double>(dW.data(), Xd.data(), dYd.data(), counts.data(), E, M, K, N, false);
+    grouped_gemm_wgrad_ref<double>(dWacc.data(), Xd.data(), dYd.data(), counts.data(), E, M, K, N, true);
+    // sum_k |a_k||b_k| for each output (the scale of every error bound).
+    auto aX = absd(Xd), aW = absd(Wd), adY = absd(dYd);
+    std::vector<double> sY(M * N), sdX(M * K), sdW(E * K * N);
+    grouped_gemm_fwd_ref<double>(sY.data(), aX.data(), aW.data(), counts.data(), E, M, K, N);
+    grouped_gemm_dgrad_ref<double>(sdX.data(), adY.data(), aW.data(), counts.data(), E, M, K, N);
+    grouped_gemm_wgrad_ref<double>(sdW.data(), aX.data(), adY.data(), counts.data(), E, M, K, N, false);
+    int64_t max_m = 0;
+    for (int32_t c : counts) max_m = std::max<int64_t>(max_m, c);
+    auto bounds = [](const std::vector<double>& s, double g, const std::vector<double>* extra) {
+      std::vector<double> b(s.size());
+      for (size_t i = 0; i < s.size(); ++i) b[i] = g * (s[i] + (extra ? std::fabs((*extra)[i]) : 0.0)) + 1e-30;
+      return b;
+    };
+    auto bY = bounds(sY, gamma(K), nullptr), bdX = bounds(sdX, gamma(N), nullptr);
+    auto bdW = bounds(sdW, gamma(max_m), nullptr), bdWacc = bounds(sdW, gamma(max_m + 1), &dW0d);
+
+    Out o = run(X, W, dY, dW0);
+    compare_bound(r, "fwd Y vs ref (gamma_K bound)", o.Y.data(), Y.data(), bY.data(), M * N);
+    compare_bound(r, "dgrad dX vs ref (gamma_N bound)", o.dX.data(), dX.data(), bdX.data(), M * K);
+    compare_bound(r, "wgrad dW vs ref (gamma_m bound)", o.dW.data(), dW.data(), bdW.data(), E * K * N);
+    compare_bound(r, "wgrad dW += vs ref", o.dWacc.data(), dWacc.data(), bdWacc.data(), E * K * N);
+    if (bf) {
+      // The bf16 copies are the fp32 outputs rounded to nearest even.
+      std::vector<float> yb(M * N), yr(M * N), xb(M * K), xr(M * K);
+      for (int64_t i = 0; i < M * N; ++i) yb[i] = from_bf16(o.Yb[i]), yr[i] = round_bf16(o.Y[i]);
+      for (int64_t i = 0; i < M * K; ++i) xb[i] = from_bf16(o.dXb[i]), xr[i] = round_bf16(o.dX[i]);
+      r.compare("fwd Y_bf16 == bf16(Y)", yb.data(), yr.data(), M * N, 0, 0);
+      r.compare("dgrad dX_bf16 == bf16(dX)", xb.data(), xr.data(), M * K, 0, 0);
+      // Against the unrounded fp32 inputs: bf16 rounding of both factors, plus accumulation.
+      std::vector<double> Yu(M * N), sYu(M * N);
+      auto Xu = to_f64(X), Wu = to_f64(W), aXu = absd(Xu), aWu = absd(Wu);
+      grouped_gemm_fwd_ref<double>(Yu.data(), Xu.data(), Wu.data(), counts.data(), E, M, K, N);
+      grouped_gemm_fwd_ref<double>(sYu.data(), aXu.data(), aWu.data(), counts.data(), E, M, K, N);
+      auto bYu = bounds(sYu, kBf16Round * (1 + gamma(K)) + gamma(K), nullptr);
+      compare_bound(r, "fwd Y vs unrounded fp32 inputs (bf16 bound)", o.Y.data(), Yu.data(), bYu.data(), M * N);
+    }
+    // Bitwise independence of the thread count.
+    const int nt0 = omp_get_max_threads();
+    bool same = true;
+    for (int nt : {1, 3}) {
+      omp_set_num_threads(nt);
+      Out p = run(X, W, dY, dW0);
+      same = same && bitwise_equal(o.Y, p.Y) && bitwise_equal(o.dX, p.dX) && bitwise_equal(o.dW, p.dW) &&
+             bitwise_equal(o.dWacc, p.dWacc);
+    }
+    omp_set_num_threads(nt0);
+    r.check(same, "bitwise identical with 1, 3 and " + std::to_string(nt0) + " threads");
+    if (bad_inputs) check_bad_inputs(r, X, W);
+  }
+
+  // fp32 variant only (uses the fp32 overloads).
+  void check_bad_inputs(Report& r, const std::vector<float>& X, const std::vector<float>& W) {
+    auto throws = [&](const char* what, auto&& f) {
+      bool threw = false;
+      try {
+        f();
+      } catch (const Error&) {
+        threw = true;
+      }
+      r.check(threw, std::string("throws: ") + what);
+    };
+    Buf pf(grouped_packed_bytes(GroupedPackKind::Fwd, prec, E, K, N));
+    Buf pd(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, E, K, N));
+    auto Wf = grouped_pack_weights(pf.p, W.data(), E, K, N, prec, GroupedPackKind::Fwd);
+    auto Wd = grouped_pack_weights(pd.p, W.data(), E, K, N, prec, GroupedPackKind::Dgrad);
+    Buf ws(ws_bytes(GroupedOp::Wgrad));
+    std::vector<float> Y(M * N + N), dWv(E * K * N);
+    std::vector<float> Xf = X;
+    Xf.resize(M * K + K);
+    auto neg = counts;
+    neg[1] += neg[0] + 1, neg[0] = -1;  // still sums to M
+    auto more = counts;
+    more[0] += 1;  // sums to M + 1
+    throws("negative count", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, neg.data(), E, M, K, N, ws.p); });
+    throws("counts sum != M", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, more.data(), E, M, K, N, ws.p); });
+    throws("wgrad counts sum != M",
+           [&] { grouped_gemm_wgrad(dWv.data(), Xf.data(), Y.data(), more.data(), E, M, K, N, false, ws.p); });
+    throws("dgrad with Fwd-packed weights",
+           [&] { grouped_gemm_dgrad(Xf.data(), Y.data(), Wf, counts.data(), E, M, K, N, ws.p); });
+    throws("fwd with Dgrad-packed weights",
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wd, counts.data(), E, M, K, N, ws.p); });
+    throws("packed shape mismatch",
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N + 1, ws.p); });
+    throws("null workspace", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, nullptr); });
+    std::vector<bf16> Xb(Xf.size()), Yb(Y.size());
+    throws("bf16 inputs with fp32-packed weights",
+           [&] { grouped_gemm_fwd(Y.data(), nullptr, Xb.data(), Wf, counts.data(), E, M, K, N, ws.p); });
+    throws("negative E", [&] { grouped_gemm_workspace_bytes(GroupedOp::Fwd, prec, -1, M, K, N); });
+  }
+
+  void grad(Report& r) override {
+    // The three reference ops as functions of their inputs, each checked through a random projection:
+    //   L1 = <G, fwd(X, W)>       dL1/dX = dgrad(G, W),  dL1/dW = wgrad(X, G)
+    //   L2 = <H, dgrad(dY, W)>    dL2/ddY = fwd(H, W),   dL2/dW = wgrad(H, dY)
+    //   L3 = <P, wgrad(X, dY)>    dL3/dX = dgrad(dY, P), dL3/ddY = fwd(X, P)
+    auto X = to_f64(randn(M * K, 21)), W = to_f64(randn(E * K * N, 22)), dY = to_f64(randn(M * N, 23));
+    auto G = to_f64(randn(M * N, 24)), H = to_f64(randn(M * K, 25)), P = to_f64(randn(E * K * N, 26));
+    const int32_t* c = counts.data();
+    std::vector<double> tmpMN(M * N), tmpMK(M * K), tmpW(E * K * N);
+    auto L1 = [&] {
+      grouped_gemm_fwd_ref<double>(tmpMN.data(), X.data(), W.data(), c, E, M, K, N);
+      return dot(G.data(), tmpMN.data(), M * N);
+    };
+    auto L2 = [&] {
+      grouped_gemm_dgrad_ref<double>(tmpMK.data(), dY.data(), W.data(), c, E, M, K, N);
+      return dot(H.data(), tmpMK.data(), M * K);
+    };
+    auto L3 = [&] {
+      grouped_gemm_wgrad_ref<double>(tmpW.data(), X.data(), dY.data(), c, E, M, K, N, false);
+      return dot(P.data(), tmpW.data(), E * K * N);
+    };
+    std::vector<double> gX(M * K), gW(E * K * N), gdY(M * N);
+    grouped_gemm_dgrad_ref<double>(gX.data(), G.data(), W.data(), c, E, M, K, N);
+    grouped_gemm_wgrad_ref<double>(gW.data(), X.data(), G.data(), c, E, M, K, N, false);
+    r.fd_check("fwd: dX = dgrad(G, W)", X.data(), M * K, gX.data(), L1, fd_eps, grad_tol);
+    r.fd_check("fwd: dW = wgrad(X, G)", W.data(), E * K * N, gW.data(), L1, fd_eps, grad_tol);
+    grouped_gemm_fwd_ref<double>(gdY.data(), H.data(), W.data(), c, E, M, K, N);
+    grouped_gemm_wgrad_ref<double>(gW.data(), H.data(), dY.data(), c, E, M, K, N, false);
+    r.fd_check("dgrad: ddY = fwd(H, W)", dY.data(), M * N, gdY.data(), L2, fd_eps, grad_tol);
+    r.fd_check("dgrad: dW = wgrad(H, dY)", W.data(), E * K * N, gW.data(), L2, fd_eps, grad_tol);
+    grouped_gemm_dgrad_ref<double>(gX.data(), dY.data(), P.data(), c, E, M, K, N);
+    grouped_gemm_fwd_ref<double>(gdY.data(), X.data(), P.data(), c, E, M, K, N);
+    r.fd_check("wgrad: dX = dgrad(dY, P)", X.data(), M * K, gX.data(), L3, fd_eps, grad_tol);
+    r.fd_check("wgrad: ddY = fwd(X, P)", dY.data(), M * N, gdY.data(), L3, fd_eps, grad_tol);
+  }
+
+  void perf() override {
+    static thread_local std::vector<float> Y;
+    if (!perf_ready) {
+      pX = randn(M * K, 31);
+      auto W = randn(E * K * N, 32);
+      pXb = to_bf16_vec(pX);
+      pack = std::make_unique<Buf>(grouped_packed_bytes(GroupedPackKind::Fwd, prec, E, K, N));
+      pW = grouped_pack_weights(pack->p, W.data(), E, K, N, prec, GroupedPackKind::Fwd);
+      pws = std::make_unique<Buf>(ws_bytes(GroupedOp::Fwd));
+      perf_ready = true;
+    }
+    Y.resize(M * N);
+    if (prec == GemmPrec::BF16)
+      grouped_gemm_fwd(Y.data(), nullptr, pXb.data(), pW, counts.data(), E, M, K, N, pws->p);
+    else
+      grouped_gemm_fwd(Y.data(), pX.data(), pW, counts.data(), E, M, K, N, pws->p);
+  }
+  bool perf_ready = false;
+  std::vector<float> pX;
+  std::vector<bf16> pXb;
+  std::unique_ptr<Buf> pack, pws;
+  GroupedPackedWeights pW;
+};
+
+// Skewed counts: expert e gets a share proportional to u^3 (u uniform), so a few experts get most tokens and
+// several get none. Deterministic.
+std::vector<int32_t> skewed_counts(int64_t E, int64_t M, uint64_t seed) {
+  std::vector<double> w(E);
+  double s = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    double u = rng_uniform(rng_key(seed, "counts"), uint64_t(e));
+    w[e] = u * u * u;
+    s += w[e];
+  }
+  std::vector<int32_t> c(E);
+  int64_t used = 0;
+  for (int64_t e = 0; e < E; ++e) used += (c[e] = int32_t(std::floor(w[e] / s * double(M))));
+  c[0] += int32_t(M - used);
+  return c;
+}
+
+std::vector<std::unique_ptr<OpCase>> make_cases() {
+  std::vector<std::unique_ptr<OpCase>> v;
+  for (GemmPrec p : {GemmPrec::BF16, GemmPrec::F32}) {
+    auto add = [&](std::string n, std::vector<int32_t> c, int64_t k, int64_t nn, bool bad = false) {
+      auto cs = std::make_unique<GroupedCase>(std::move(n), std::move(c), k, nn, p);
+      cs->bad_inputs = bad;
+      v.push_back(std::move(cs));
+    };
+    add("uniform", {24, 24, 24, 24}, 64, 48, /*bad=*/p == GemmPrec::F32);
+    add("skewed", {1, 0, 150, 2, 3, 0, 7}, 72, 80);  // one expert has two M tiles
+    add("zero_groups", {0, 5, 0, 0, 9, 0}, 32, 40);
+    add("all_empty", {0, 0, 0}, 16, 16);
+    add("single_expert", {37}, 17, 130);              // E = 1, odd K, two column panels + remainder
+    add("odd_shapes", {7, 13, 6}, 7, 33);             // odd K and N, masked tails
+    add("long_k", {50, 11, 1}, 301, 20);              // several K blocks, odd K
+    add("wide_n", {9, 20}, 24, 300);                  // several column tiles
+    add("skewed_many", skewed_counts(16, 400, 5), 40, 56);
+  }
+  return v;
+}
+
+}  // namespace
+}  // namespace moetron::ops
+
+MT_REGISTER_OP_CASES(moetron::ops::make_cases);
