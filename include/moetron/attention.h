@@ -1,0 +1,141 @@
+// attention.h: causal scaled-dot-product attention, flash style, forward and backward, for MHA, GQA/MQA
+// and MLA-shaped heads (Dqk != Dv), on strided views of fused buffers; and the naive reference twins.
+//   S = scale * q k^T (causal: key s <= query t),  P = softmax_row(S),  out = P v,  lse = log sum_s exp(S)
+// The optimized kernels never materialize T x T: the forward runs an online softmax over key tiles and
+// stores only lse per row; the backward recomputes P per tile from lse with D_t = rowsum(dout * out).
+// Not: padding masks, sliding windows, dropout, KV caches or decoding.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace moetron {
+
+// Element d of head h at token t of sequence b:
+//   q  [(b*T + t)*ldq + h*head_q + d], h < Hq,  d < Dqk
+//   k  [(b*T + t)*ldk + h*head_k + d], h < Hkv, d < Dqk
+//   v  [(b*T + t)*ldv + h*head_v + d], h < Hkv, d < Dv
+//   out[(b*T + t)*ldo + h*head_o + d], h < Hq,  d < Dv
+// GQA: q head h reads kv head h / (Hq / Hkv). head_k = 0 (or head_v = 0) shares one k (v) head among all
+// kv heads (MLA's broadcast k_pe, MQA-style); the backward then sums that head's gradient over them.
+// lse is [B, Hq, T]. Gradients use the same layout as their forward tensors (dq like q, dout like out, ...).
+struct AttnDims {
+  int64_t B, T, Hq, Hkv, Dqk, Dv;
+  int64_t ldq, ldk, ldv, ldo;              // element stride between consecutive tokens
+  int64_t head_q, head_k, head_v, head_o;  // element stride between heads
+  float scale;
+};
+
+// Throws moetron::Error naming `op` and the offending value when d is inconsistent.
+void attention_check(const AttnDims& d, const char* op);
+
+// Scratch for the forward and the backward: per-thread tiles plus, when head_k or head_v is 0 with
+// Hkv > 1, per-kv-head gradient partials. `num_threads` must be the OpenMP thread count the kernels
+// will run with (moetron::num_threads()). A ws of nullptr makes the kernel allocate it per call.
+size_t attention_workspace_bytes(const AttnDims& d, int num_threads);
+
+void attention_forward(float* out, float* lse /* [B, Hq, T] */, const float* q, const float* k, const float* v,
+                       const AttnDims& d, void* ws = nullptr);
+
+// dq, dk, dv are overwritten (dk/dv sum over the q heads of each GQA group, deterministically).
+// out and lse must come from attention_forward with the same inputs.
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out,
+                        const float* lse /* [B, Hq, T] */, const float* q, const float* k, const float* v,
+                        const AttnDims& d, void* ws = nullptr);
+
+// Causal FLOPs actually needed (only key <= query pairs): forward 2 matmuls, backward 5 (S recomputed,
+// dP, dV, dK, dQ), as in the FlashAttention-2 paper's count.
+double attention_forward_flops(const AttnDims& d);
+double attention_backward_flops(const AttnDims& d);
+
+// ---- naive references (float or double): materialize the T x T scores of each (b, h) ----
+
+template <class T>
+void attention_forward_ref(T* out, T* lse /* [B, Hq, T] */, const T* q, const T* k, const T* v, const AttnDims& d) {
+  const int64_t G = d.Hq / d.Hkv;
+  std::vector<T> p(size_t(d.T * d.T));
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.Hq; ++h) {
+      const int64_t hk = h / G;
+      for (int64_t t = 0; t < d.T; ++t) {
+        const T* qr = q + (b * d.T + t) * d.ldq + h * d.head_q;
+        T m = -std::numeric_limits<T>::infinity();
+        for (int64_t s = 0; s <= t; ++s) {
+          const T* kr = k + (b * d.T + s) * d.ldk + hk * d.head_k;
+          T acc = 0;
+          for (int64_t e = 0; e < d.Dqk; ++e) acc += qr[e] * kr[e];
+          p[t * d.T + s] = T(d.scale) * acc;
+          m = std::max(m, p[t * d.T + s]);
+        }
+        T l = 0;
+        for (int64_t s = 0; s <= t; ++s) l += (p[t * d.T + s] = std::exp(p[t * d.T + s] - m));
+        lse[(b * d.Hq + h) * d.T + t] = m + std::log(l);
+        T* o = out + (b * d.T + t) * d.ldo + h * d.head_o;
+        for (int64_t e = 0; e < d.Dv; ++e) {
+          T acc = 0;
+          for (int64_t s = 0; s <= t; ++s) acc += p[t * d.T + s] * v[(b * d.T + s) * d.ldv + hk * d.head_v + e];
+          o[e] = acc / l;
+        }
+      }
+    }
+}
+
+// dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout.
+// Recomputes P from q, k (not from lse), so it is a reference for the gradient formulas alone.
+template <class T>
+void attention_backward_ref(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* q, const T* k, const T* v,
+                            const AttnDims& d) {
+  const int64_t G = d.Hq / d.Hkv;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t t = 0; t < d.T; ++t) {
+      for (int64_t h = 0; h < d.Hq; ++h)
+        for (int64_t e = 0; e < d.Dqk; ++e) dq[(b * d.T + t) * d.ldq + h * d.head_q + e] = 0;
+      for (int64_t h = 0; h < d.Hkv; ++h) {
+        for (int64_t e = 0; e < d.Dqk; ++e) dk[(b * d.T + t) * d.ldk + h * d.head_k + e] = 0;
+        for (int64_t e = 0; e < d.Dv; ++e) dv[(b * d.T + t) * d.ldv + h * d.head_v + e] = 0;
+      }
+    }
+  std::vector<T> p(size_t(d.T)), dp(size_t(d.T));
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.Hq; ++h) {
+      const int64_t hk = h / G;
+      auto Q = [&](int64_t t) { return q + (b * d.T + t) * d.ldq + h * d.head_q; };
+      auto K = [&](int64_t s) { return k + (b * d.T + s) * d.ldk + hk * d.head_k; };
+      auto V = [&](int64_t s) { return v + (b * d.T + s) * d.ldv + hk * d.head_v; };
+      for (int64_t t = 0; t < d.T; ++t) {
+        const T* dO = dout + (b * d.T + t) * d.ldo + h * d.head_o;
+        const T* O = out + (b * d.T + t) * d.ldo + h * d.head_o;
+        T m = -std::numeric_limits<T>::infinity(), l = 0, Dt = 0;
+        for (int64_t s = 0; s <= t; ++s) {
+          T acc = 0;
+          for (int64_t e = 0; e < d.Dqk; ++e) acc += Q(t)[e] * K(s)[e];
+          p[s] = T(d.scale) * acc;
+          m = std::max(m, p[s]);
+        }
+        for (int64_t s = 0; s <= t; ++s) l += (p[s] = std::exp(p[s] - m));
+        for (int64_t s = 0; s <= t; ++s) p[s] /= l;
+        for (int64_t e = 0; e < d.Dv; ++e) Dt += dO[e] * O[e];
+        for (int64_t s = 0; s <= t; ++s) {
+          T acc = 0;
+          for (int64_t e = 0; e < d.Dv; ++e) acc += dO[e] * V(s)[e];
+          dp[s] = acc;
+        }
+        for (int64_t s = 0; s <= t; ++s) {
+          T ds = p[s] * (dp[s] - Dt) * T(d.scale);
+          T* dqr = dq + (b * d.T + t) * d.ldq + h * d.head_q;
+          T* dkr = dk + (b * d.T + s) * d.ldk + hk * d.head_k;
+          T* dvr = dv + (b * d.T + s) * d.ldv + hk * d.head_v;
+          for (int64_t e = 0; e < d.Dqk; ++e) {
+            dqr[e] += ds * K(s)[e];
+            dkr[e] += ds * Q(t)[e];
+          }
+          for (int64_t e = 0; e < d.Dv; ++e) dvr[e] += p[s] * dO[e];
+        }
+      }
+    }
+}
+
+}  // namespace moetron

@@ -1,0 +1,207 @@
+// attention_impl.h: the flash-attention algorithm (tiling, causal tile skipping, online softmax, the
+// recomputing backward), written once as templates over an `Ops` backend that supplies the tile GEMM
+// and the row-wise vector pieces. Included by attention.cpp (portable Ops) and attention_avx512.cpp
+// (AVX-512 Ops); everything here is in an anonymous namespace, so each ISA's translation unit gets its
+// own copy compiled with its own flags. Not a public header.
+//
+// Ops must provide (all static):
+//   void gemm(bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+//             const float* B, int64_t ldb, float* C, int64_t ldc);
+//        C[M,N] (+)= op(A)[M,K] B[K,N], row-major; op(A)(m,k) = trans_a ? A[k*lda + m] : A[m*lda + k]
+//   float exp2_row(float* p, int64_t n, float c, float m);   p = 2^(p*c - m), returns the sum
+//   void  col_max(float* mx, const float* S, int64_t ld, int64_t rows, int64_t cols);   mx[c] = max_r S[r, c]
+//   void  exp2_cols(float* S, int64_t ld, int64_t rows, int64_t cols, float c, const float* m, float* sum);
+//         S[r, c] = 2^(S[r, c]*c - m[c]),  sum[c] = sum_r S[r, c] (r ascending)
+//   void  scale_row(float* p, int64_t n, float a);
+//   void  zero_row(float* p, int64_t n);
+//   float dot(const float* a, const float* b, int64_t n);
+//   void  ds_row(float* s, float* dp, int64_t n, float c, float lse2, float Dr, float scale);
+//         s: scores in, P = 2^(s*c - lse2) out;  dp: dP in, dS = scale * P * (dP - Dr) out
+//   void  pack_t(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols);
+//         dst[c*ld_dst + r] = src[r*ld_src + c]  (r < rows, c < cols)
+#pragma once
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "moetron/attention.h"
+
+namespace {
+
+constexpr int64_t kTile = 64;  // query rows and key columns per tile (equal, so diagonal tiles align)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// Per-thread scratch, in floats.
+inline int64_t fwd_thread_floats(const moetron::AttnDims& d) { return round16(d.Dqk) * kTile + kTile * kTile; }
+inline int64_t bwd_thread_floats(const moetron::AttnDims& d) {
+  return (round16(d.Dqk) + round16(d.Dv)) * kTile * 2 + 2 * kTile * kTile + 2 * kTile;
+}
+inline int64_t thread_floats(const moetron::AttnDims& d) { return std::max(fwd_thread_floats(d), bwd_thread_floats(d)); }
+inline bool alias_k(const moetron::AttnDims& d) { return d.head_k == 0 && d.Hkv > 1; }
+inline bool alias_v(const moetron::AttnDims& d) { return d.head_v == 0 && d.Hkv > 1; }
+// Shared scratch: per-kv-head partial gradients when several kv heads alias one k (or v) head.
+inline int64_t shared_floats(const moetron::AttnDims& d) {
+  return (alias_k(d) ? d.B * d.Hkv * d.T * round16(d.Dqk) : 0) + (alias_v(d) ? d.B * d.Hkv * d.T * round16(d.Dv) : 0);
+}
+
+// Forward. Work item = (b, q head, q tile), heaviest (last) tiles first, dynamic schedule: each item's
+// arithmetic does not depend on which thread runs it, so the result is thread-count independent.
+// Scores are computed transposed, S^T = K_j Q_i^T [keys, queries], so that Q_i is packed once per item
+// (K_j rows are read in place) and the online softmax runs down the columns, vectorized over queries.
+// The output rows of the item serve as the O accumulator.
+template <class Ops>
+void flash_forward(float* out, float* lse, const float* q, const float* k, const float* v, const moetron::AttnDims& d,
+                   float* ws, int nthreads) {
+  const int64_t G = d.Hq / d.Hkv, nqt = (d.T + kTile - 1) / kTile, items = d.B * d.Hq * nqt;
+  const float c = d.scale * kLog2e;
+  const int64_t per_thread = thread_floats(d);
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* Qt = ws + per_thread * omp_get_thread_num();  // [Dqk, kTile]
+    float* St = Qt + round16(d.Dqk) * kTile;             // [kTile keys, kTile queries]
+    alignas(64) float m[kTile], l[kTile], mx[kTile], alpha[kTile], sum[kTile];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t qt = nqt - 1 - it / (d.B * d.Hq), bh = it % (d.B * d.Hq), b = bh / d.Hq, h = bh % d.Hq;
+      const int64_t hk = h / G, i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
+      float* O = out + (b * d.T + i0) * d.ldo + h * d.head_o;
+      Ops::pack_t(Qt, kTile, q + (b * d.T + i0) * d.ldq + h * d.head_q, d.ldq, mq, d.Dqk);
+      for (int64_t r = 0; r < mq; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+      for (int64_t kt = 0; kt <= qt; ++kt) {
+        const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
+        const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
+        const float* Vj = v + (b * d.T + j0) * d.ldv + hk * d.head_v;
+        Ops::gemm(false, false, nk, mq, d.Dqk, Kj, d.ldk, Qt, kTile, St, kTile);
+        if (kt == qt)  // diagonal tile (i0 == j0): key jj is visible to query r only if jj <= r
+          for (int64_t jj = 1; jj < nk; ++jj)
+            for (int64_t r = 0; r < std::min(jj, mq); ++r) St[jj * kTile + r] = -INFINITY;
+        Ops::col_max(mx, St, kTile, nk, mq);
+        for (int64_t r = 0; r < mq; ++r) {
+          const float mnew = std::max(m[r], mx[r] * c);
+          alpha[r] = m[r] - mnew;  // exponentiated below; 2^-inf = 0 on the first tile
+          m[r] = mnew;
+        }
+        Ops::exp2_row(alpha, mq, 1.0f, 0.0f);
+        Ops::exp2_cols(St, kTile, nk, mq, c, m, sum);
+        for (int64_t r = 0; r < mq; ++r) {
+          l[r] = l[r] * alpha[r] + sum[r];
+          if (kt > 0 && alpha[r] != 1.0f) Ops::scale_row(O + r * d.ldo, d.Dv, alpha[r]);
+        }
+        Ops::gemm(kt > 0, true, mq, d.Dv, nk, St, kTile, Vj, d.ldv, O, d.ldo);
+      }
+      float* L = lse + (b * d.Hq + h) * d.T + i0;
+      for (int64_t r = 0; r < mq; ++r) {
+        Ops::scale_row(O + r * d.ldo, d.Dv, 1.0f / l[r]);
+        L[r] = (m[r] + std::log2(l[r])) * kLn2;
+      }
+    }
+  }
+}
+
+// Backward. Work item = (b, kv head): it owns dk/dv of its kv head and dq of the q heads of its group,
+// so nothing is shared between threads. For each kv tile j (ascending), for each q head of the group,
+// for each q tile i >= j (ascending): recompute P from lse, then dV_j += P^T dO_i, dP = dO_i V_j^T,
+// dS = scale P (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (accumulated in dq, j ascending).
+template <class Ops>
+void flash_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
+                    const float* q, const float* k, const float* v, const moetron::AttnDims& d, float* ws,
+                    int nthreads) {
+  const int64_t G = d.Hq / d.Hkv, nqt = (d.T + kTile - 1) / kTile, items = d.B * d.Hkv;
+  const int64_t Dq16 = round16(d.Dqk), Dv16 = round16(d.Dv);
+  const float c = d.scale * kLog2e;
+  const int64_t per_thread = thread_floats(d);
+  const bool ak = alias_k(d), av = alias_v(d);
+  float* part_k = ws + per_thread * nthreads;                       // [B, Hkv, T, Dq16] when ak
+  float* part_v = part_k + (ak ? d.B * d.Hkv * d.T * Dq16 : 0);    // [B, Hkv, T, Dv16] when av
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* Kt = ws + per_thread * omp_get_thread_num();  // [Dqk, kTile]
+    float* Vt = Kt + Dq16 * kTile;                       // [Dv, kTile]
+    float* dKa = Vt + Dv16 * kTile;                      // [kTile, Dq16]
+    float* dVa = dKa + kTile * Dq16;                     // [kTile, Dv16]
+    float* S = dVa + kTile * Dv16;                       // [kTile, kTile]  scores, then P
+    float* dP = S + kTile * kTile;                       // [kTile, kTile]  dP, then dS
+    float* lse2 = dP + kTile * kTile;                    // [kTile]
+    float* Dr = lse2 + kTile;                            // [kTile]
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t b = it / d.Hkv, hk = it % d.Hkv;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < d.T; ++t) Ops::zero_row(dq + (b * d.T + t) * d.ldq + (hk * G + g) * d.head_q, d.Dqk);
+      for (int64_t kt = 0; kt < nqt; ++kt) {
+        const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
+        const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
+        const float* Vj = v + (b * d.T + j0) * d.ldv + hk * d.head_v;
+        Ops::pack_t(Kt, kTile, Kj, d.ldk, nk, d.Dqk);
+        Ops::pack_t(Vt, kTile, Vj, d.ldv, nk, d.Dv);
+        bool first = true;  // the first contribution overwrites dKa/dVa
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = hk * G + g;
+          for (int64_t qt = kt; qt < nqt; ++qt) {
+            const int64_t i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
+            const float* Q = q + (b * d.T + i0) * d.ldq + h * d.head_q;
+            const float* dO = dout + (b * d.T + i0) * d.ldo + h * d.head_o;
+            const float* O = out + (b * d.T + i0) * d.ldo + h * d.head_o;
+            const float* L = lse + (b * d.Hq + h) * d.T + i0;
+            for (int64_t r = 0; r < mq; ++r) {
+              lse2[r] = L[r] * kLog2e;
+              Dr[r] = Ops::dot(dO + r * d.ldo, O + r * d.ldo, d.Dv);
+            }
+            Ops::gemm(false, false, mq, nk, d.Dqk, Q, d.ldq, Kt, kTile, S, kTile);
+            Ops::gemm(false, false, mq, nk, d.Dv, dO, d.ldo, Vt, kTile, dP, kTile);
+            for (int64_t r = 0; r < mq; ++r) {
+              const int64_t nv = kt == qt ? std::min(nk, r + 1) : nk;
+              Ops::ds_row(S + r * kTile, dP + r * kTile, nv, c, lse2[r], Dr[r], d.scale);
+              if (nv < nk) {
+                Ops::zero_row(S + r * kTile + nv, nk - nv);
+                Ops::zero_row(dP + r * kTile + nv, nk - nv);
+              }
+            }
+            Ops::gemm(!first, true, nk, d.Dv, mq, S, kTile, dO, d.ldo, dVa, Dv16);
+            Ops::gemm(!first, true, nk, d.Dqk, mq, dP, kTile, Q, d.ldq, dKa, Dq16);
+            float* dQ = dq + (b * d.T + i0) * d.ldq + h * d.head_q;
+            Ops::gemm(true, false, mq, d.Dqk, nk, dP, kTile, Kj, d.ldk, dQ, d.ldq);
+            first = false;
+          }
+        }
+        // Write dK_j, dV_j (every kv tile has at least its diagonal q tile, so dKa/dVa are set).
+        for (int64_t r = 0; r < nk; ++r) {
+          float* dkr = ak ? part_k + ((it * d.T) + j0 + r) * Dq16 : dk + (b * d.T + j0 + r) * d.ldk + hk * d.head_k;
+          float* dvr = av ? part_v + ((it * d.T) + j0 + r) * Dv16 : dv + (b * d.T + j0 + r) * d.ldv + hk * d.head_v;
+          std::copy(dKa + r * Dq16, dKa + r * Dq16 + d.Dqk, dkr);
+          std::copy(dVa + r * Dv16, dVa + r * Dv16 + d.Dv, dvr);
+        }
+      }
+    }
+    // Aliased k (v) head: sum the per-kv-head partials in kv-head order.
+    if (ak || av) {
+#pragma omp for schedule(static)
+      for (int64_t bt = 0; bt < d.B * d.T; ++bt) {
+        const int64_t b = bt / d.T, t = bt % d.T;
+        if (ak) {
+          float* dst = dk + bt * d.ldk;
+          std::copy(part_k + ((b * d.Hkv) * d.T + t) * Dq16, part_k + ((b * d.Hkv) * d.T + t) * Dq16 + d.Dqk, dst);
+          for (int64_t h = 1; h < d.Hkv; ++h) {
+            const float* src = part_k + ((b * d.Hkv + h) * d.T + t) * Dq16;
+            for (int64_t e = 0; e < d.Dqk; ++e) dst[e] += src[e];
+          }
+        }
+        if (av) {
+          float* dst = dv + bt * d.ldv;
+          std::copy(part_v + ((b * d.Hkv) * d.T + t) * Dv16, part_v + ((b * d.Hkv) * d.T + t) * Dv16 + d.Dv, dst);
+          for (int64_t h = 1; h < d.Hkv; ++h) {
+            const float* src = part_v + ((b * d.Hkv + h) * d.T + t) * Dv16;
+            for (int64_t e = 0; e < d.Dv; ++e) dst[e] += src[e];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,95 @@
+// swiglu.cpp: SwiGLU drivers (input checks, OpenMP over rows) and the portable row kernels. The AVX-512
+// row kernels are in swiglu_avx512.cpp, chosen by active_isa(). The unscaled ops are the scaled ones
+// with s = 1 (multiplying by 1 is exact). Not the reference (swiglu_*_ref in swiglu.h).
+#include <cmath>
+
+#include "moetron/check.h"
+#include "moetron/runtime.h"
+#include "moetron/swiglu.h"
+
+namespace moetron {
+
+namespace swiglu_avx512 {
+void fwd_row(float* h, bf16* h16, const float* g, const float* u, float s, int64_t F);
+float bwd_row(float* dg, float* du, const float* dh, const float* g, const float* u, float s, int64_t F);
+}  // namespace swiglu_avx512
+
+namespace {
+
+void fwd_row(float* h, bf16* h16, const float* g, const float* u, float s, int64_t F) {
+  for (int64_t f = 0; f < F; ++f) {
+    float sig = 1.0f / (1.0f + std::exp(-g[f]));
+    h[f] = s * (g[f] * sig * u[f]);
+    if (h16) h16[f] = to_bf16(h[f]);
+  }
+}
+
+// Returns sum_f dh * silu(g) * u (the gradient of the row scale).
+float bwd_row(float* dg, float* du, const float* dh, const float* g, const float* u, float s, int64_t F) {
+  float acc = 0;
+  for (int64_t f = 0; f < F; ++f) {
+    float sig = 1.0f / (1.0f + std::exp(-g[f]));
+    float silu = g[f] * sig, d = dh[f];
+    dg[f] = s * (d * u[f] * sig * (1.0f + g[f] * (1.0f - sig)));
+    du[f] = s * (d * silu);
+    acc += d * silu * u[f];
+  }
+  return acc;
+}
+
+void check_args(const char* op, const void* a, const void* b, const void* c, int64_t N, int64_t F) {
+  MT_CHECK(N >= 0, op, "N=", N, " is negative");
+  MT_CHECK(F > 0, op, "F=", F, " must be positive");
+  MT_CHECK(N == 0 || (a && b && c), op, "null pointer");
+}
+
+void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
+  const bool simd = active_isa() == Isa::Avx512;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* g = gu + n * 2 * F;
+    bf16* h16r = h16 ? h16 + n * F : nullptr;
+    float sc = s ? s[n] : 1.0f;
+    if (simd) swiglu_avx512::fwd_row(h + n * F, h16r, g, g + F, sc, F);
+    else fwd_row(h + n * F, h16r, g, g + F, sc, F);
+  }
+}
+
+void backward_impl(float* dgu, float* ds, const float* dh, const float* gu, const float* s, int64_t N, int64_t F) {
+  const bool simd = active_isa() == Isa::Avx512;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* g = gu + n * 2 * F;
+    float* dg = dgu + n * 2 * F;
+    float sc = s ? s[n] : 1.0f;
+    float acc = simd ? swiglu_avx512::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
+                     : bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F);
+    if (ds) ds[n] = acc;
+  }
+}
+
+}  // namespace
+
+void swiglu_forward(float* h, bf16* h16, const float* gu, int64_t N, int64_t F) {
+  check_args("swiglu_forward", h, gu, gu, N, F);
+  forward_impl(h, h16, gu, nullptr, N, F);
+}
+
+void swiglu_backward(float* dgu, const float* dh, const float* gu, int64_t N, int64_t F) {
+  check_args("swiglu_backward", dgu, dh, gu, N, F);
+  backward_impl(dgu, nullptr, dh, gu, nullptr, N, F);
+}
+
+void swiglu_scaled_forward(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
+  check_args("swiglu_scaled_forward", h, gu, s, N, F);
+  forward_impl(h, h16, gu, s, N, F);
+}
+
+void swiglu_scaled_backward(float* dgu, float* ds, const float* dh, const float* gu, const float* s, int64_t N,
+                            int64_t F) {
+  check_args("swiglu_scaled_backward", dgu, dh, gu, N, F);
+  MT_CHECK(N == 0 || s, "swiglu_scaled_backward", "null pointer s");
+  backward_impl(dgu, ds, dh, gu, s, N, F);
+}
+
+}  // namespace moetron

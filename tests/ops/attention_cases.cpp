@@ -1,0 +1,352 @@
+// attention_cases.cpp: op-harness cases for causal flash attention (family "attention"): MHA, GQA (Hq=4 with
+// Hkv=2 and Hkv=1), Dqk != Dv, fused qkv buffers, the MLA layout (q heads [nope | pe], v read in place from
+// the [k_nope | v] kv up-projection output), one shared k head (head_k = 0), T = 1, T not a multiple of
+// the 64-wide tile, and T = 1024 (16 x 16 tiles).
+// test: attention_forward / attention_backward (fp32) against the fp64 references, element by element
+//       with the bounds below; elements of the buffers outside the q/k/v/out views untouched; bitwise equal
+//       results with 1 and 2 threads and with a caller-provided workspace.
+// grad: the fp64 reference backward against central finite differences of sum(out * R) w.r.t. q, k, v.
+// Tolerances: first-order rounding-error bounds (u = 2^-24), evaluated in fp64 from the data and doubled
+// for the second-order terms left out:
+//   score s = scale q.k:   eS = scale (Dqk + 2) u sum_e |q_e k_e|
+//   p = 2^(s log2e - m):   relative eP = eS + 4u (|s| + |m|) + 4u   (argument rounding, ~2 ulp exp2)
+//                          (forward: + 8u (1 + |m|) per key tile for the online rescaling)
+//   out_t = sum_s p v / l: |err| <= (2 max_s eP + (2n + 4) u) sum_s P_ts |v_s|,  n = t + 1 keys
+//   lse_t:                 |err| <= max_s eP + (n + 2) u + 2u |lse|
+//   backward (p recomputed from the fp32 lse, so eP' = eS + e_lse + 4u (|s| + |lse|) + 4u):
+//   dS_ts error  d_ts = scale P (|dP - D_t| eP' + (Dv + 2) u (sum|dO v_s| + sum|dO O_t|)) + 3u |dS_ts|
+//   dv_s:  sum over (head, t) of (eP' + (N + 2) u) P_ts |dO_t|      N = terms summed into that element
+//   dq_t:  sum_s (d_ts + (N + 2) u |dS_ts|) |k_s|;   dk_s: sum_(head, t) (d_ts + (N + 2) u |dS_ts|) |q_t|
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "harness.h"
+#include "moetron/attention.h"
+
+namespace moetron::ops {
+namespace {
+
+constexpr double kU = 5.9604644775390625e-08;  // 2^-24
+
+struct Spec {
+  std::string variant;
+  AttnDims d{};
+  int64_t in_size = 0, qoff = 0, koff = 0, voff = 0, out_size = 0;
+};
+
+// Separate q, k, v regions with per-head padding hp and per-token padding tp; shared_k: head_k = 0.
+Spec separate(std::string variant, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dqk, int64_t Dv,
+              int64_t hp = 0, int64_t tp = 0, bool shared_k = false) {
+  Spec s;
+  s.variant = std::move(variant);
+  AttnDims& d = s.d;
+  d.B = B, d.T = T, d.Hq = Hq, d.Hkv = Hkv, d.Dqk = Dqk, d.Dv = Dv;
+  d.head_q = Dqk + hp, d.ldq = Hq * d.head_q + tp;
+  d.head_k = shared_k ? 0 : Dqk + hp, d.ldk = (shared_k ? Dqk : Hkv * d.head_k) + tp;
+  d.head_v = Dv + hp, d.ldv = Hkv * d.head_v + tp;
+  d.head_o = Dv + hp, d.ldo = Hq * d.head_o + tp;
+  d.scale = float(1.0 / std::sqrt(double(Dqk)));
+  s.qoff = 0, s.koff = B * T * d.ldq, s.voff = s.koff + B * T * d.ldk, s.in_size = s.voff + B * T * d.ldv;
+  s.out_size = B * T * d.ldo;
+  return s;
+}
+
+// One fused [T, Hq Dqk | Hkv Dqk | Hkv Dv] buffer (as a fused qkv projection writes it).
+Spec fused(std::string variant, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  Spec s;
+  s.variant = std::move(variant);
+  AttnDims& d = s.d;
+  d.B = B, d.T = T, d.Hq = Hq, d.Hkv = Hkv, d.Dqk = D, d.Dv = D;
+  d.ldq = d.ldk = d.ldv = (Hq + 2 * Hkv) * D;
+  d.head_q = d.head_k = d.head_v = d.head_o = D;
+  d.ldo = Hq * D;
+  d.scale = float(1.0 / std::sqrt(double(D)));
+  s.qoff = 0, s.koff = Hq * D, s.voff = (Hq + Hkv) * D, s.in_size = B * T * d.ldq, s.out_size = B * T * d.ldo;
+  return s;
+}
+
+// MLA (DeepSeek-V2/V3) training layout: q heads [q_nope dn | q_pe dr]; k materialized as [k_nope | k_pe]
+// per head; v read in place from the kv up-projection output, per head [k_nope dn | v dv].
+Spec mla(std::string variant, int64_t B, int64_t T, int64_t H, int64_t dn, int64_t dr, int64_t dv) {
+  Spec s;
+  s.variant = std::move(variant);
+  AttnDims& d = s.d;
+  d.B = B, d.T = T, d.Hq = H, d.Hkv = H, d.Dqk = dn + dr, d.Dv = dv;
+  d.head_q = d.head_k = dn + dr, d.ldq = d.ldk = H * (dn + dr);
+  d.head_v = dn + dv, d.ldv = H * (dn + dv);
+  d.head_o = dv, d.ldo = H * dv;
+  d.scale = float(1.0 / std::sqrt(double(dn + dr)));
+  s.qoff = 0, s.koff = B * T * d.ldq;
+  s.voff = s.koff + B * T * d.ldk + dn;  // v starts after k_nope inside each head of the kv buffer
+  s.in_size = s.koff + B * T * d.ldk + B * T * d.ldv;
+  s.out_size = B * T * d.ldo;
+  return s;
+}
+
+// Visit every element of a strided [B, T, H, D] view: f(index into its buffer).
+template <class F>
+void each(const Spec& s, int64_t off, int64_t ld, int64_t H, int64_t hs, int64_t D, F f) {
+  for (int64_t bt = 0; bt < s.d.B * s.d.T; ++bt)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t e = 0; e < D; ++e) f(off + bt * ld + h * hs + e);
+}
+
+// First-order error bounds (see the file comment) for out, lse (forward) and dq, dk, dv (backward).
+struct Bounds {
+  std::vector<double> out, lse, din;  // din: [in_size], at q/k/v positions
+};
+Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vector<double>& dout,
+                    const std::vector<double>& outv) {
+  const AttnDims& d = s.d;
+  const int64_t G = d.Hq / d.Hkv, T = d.T;
+  const double sc = d.scale;
+  Bounds bd;
+  bd.out.assign(s.out_size, 0.0), bd.lse.assign(d.B * d.Hq * T, 0.0), bd.din.assign(s.in_size, 0.0);
+  const double* q = in.data() + s.qoff;
+  const double* k = in.data() + s.koff;
+  const double* v = in.data() + s.voff;
+  std::vector<double> S(T), P(T), eS(T), dP(T), ep(T);
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.Hq; ++h) {
+      const int64_t hk = h / G;
+      auto Q = [&](int64_t t) { return q + (b * T + t) * d.ldq + h * d.head_q; };
+      auto K = [&](int64_t j) { return k + (b * T + j) * d.ldk + hk * d.head_k; };
+      auto V = [&](int64_t j) { return v + (b * T + j) * d.ldv + hk * d.head_v; };
+      auto dQ = [&](int64_t t) { return bd.din.data() + s.qoff + (b * T + t) * d.ldq + h * d.head_q; };
+      auto dK = [&](int64_t j) { return bd.din.data() + s.koff + (b * T + j) * d.ldk + hk * d.head_k; };
+      auto dV = [&](int64_t j) { return bd.din.data() + s.voff + (b * T + j) * d.ldv + hk * d.head_v; };
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = t + 1, ntiles = t / 64 + 1;
+        double m = -INFINITY, l = 0;
+        for (int64_t j = 0; j <= t; ++j) {
+          double acc = 0, aabs = 0;
+          for (int64_t e = 0; e < d.Dqk; ++e) acc += Q(t)[e] * K(j)[e], aabs += std::fabs(Q(t)[e] * K(j)[e]);
+          S[j] = sc * acc;
+          eS[j] = sc * double(d.Dqk + 2) * kU * aabs;
+          m = std::max(m, S[j]);
+        }
+        for (int64_t j = 0; j <= t; ++j) l += (P[j] = std::exp(S[j] - m));
+        const double lse = m + std::log(l);
+        double epmax = 0;
+        for (int64_t j = 0; j <= t; ++j) {
+          P[j] /= l;
+          epmax = std::max(epmax, eS[j] + 4 * kU * (std::fabs(S[j]) + std::fabs(m)) + 4 * kU);
+        }
+        epmax += 8 * kU * (1 + std::fabs(m)) * double(ntiles);
+        const double else_t = epmax + double(n + 2) * kU + 2 * kU * std::fabs(lse);
+        bd.lse[(b * d.Hq + h) * T + t] = 2 * else_t;
+        double* bo = bd.out.data() + (b * T + t) * d.ldo + h * d.head_o;
+        for (int64_t e = 0; e < d.Dv; ++e) {
+          double a = 0;
+          for (int64_t j = 0; j <= t; ++j) a += P[j] * std::fabs(V(j)[e]);
+          bo[e] = 2 * (2 * epmax + double(2 * n + 4) * kU) * a;
+        }
+        // Backward.
+        const double* dO = dout.data() + (b * T + t) * d.ldo + h * d.head_o;
+        const double* O = outv.data() + (b * T + t) * d.ldo + h * d.head_o;
+        double Dt = 0, aDt = 0;
+        for (int64_t e = 0; e < d.Dv; ++e) Dt += dO[e] * O[e], aDt += std::fabs(dO[e] * O[e]);
+        for (int64_t j = 0; j <= t; ++j) {
+          double dp = 0, adp = 0;
+          for (int64_t e = 0; e < d.Dv; ++e) dp += dO[e] * V(j)[e], adp += std::fabs(dO[e] * V(j)[e]);
+          const double epj = eS[j] + 2 * else_t + 4 * kU * (std::fabs(S[j]) + std::fabs(lse)) + 4 * kU;
+          const double dS = sc * P[j] * (dp - Dt);
+          const double dd = sc * P[j] * (std::fabs(dp - Dt) * epj + double(d.Dv + 2) * kU * (adp + aDt)) +
+                            3 * kU * std::fabs(dS);
+          const double Nq = double(n + 2), Nk = double(G * (T - j) + 2) * (s.d.head_k == 0 ? double(d.Hkv) : 1.0);
+          const double Nv = double(G * (T - j) + 2) * (s.d.head_v == 0 ? double(d.Hkv) : 1.0);
+          for (int64_t e = 0; e < d.Dqk; ++e) {
+            dQ(t)[e] += 2 * (dd + Nq * kU * std::fabs(dS)) * std::fabs(K(j)[e]);
+            dK(j)[e] += 2 * (dd + Nk * kU * std::fabs(dS)) * std::fabs(Q(t)[e]);
+          }
+          for (int64_t e = 0; e < d.Dv; ++e) dV(j)[e] += 2 * (epj + Nv * kU) * P[j] * std::fabs(dO[e]);
+        }
+      }
+    }
+  return bd;
+}
+
+// |got - want| <= bound at the listed positions.
+void check_at(Report& r, const std::string& what, const std::vector<int64_t>& idx, const float* got,
+              const double* want, const double* bound) {
+  int64_t bad = 0, wi = -1;
+  double worst = -1;
+  for (int64_t i : idx) {
+    const double e = std::fabs(double(got[i]) - want[i]), ratio = e == 0 ? 0 : e / (bound[i] + 1e-300);
+    if (!(ratio <= 1)) ++bad;
+    if (!(ratio <= worst)) worst = ratio, wi = i;
+  }
+  std::ostringstream os;
+  os << what << ": n=" << idx.size() << " element-wise bound";
+  if (wi >= 0)
+    os << ", worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", " << worst << "x of bound "
+       << bound[wi] << ")";
+  if (bad) os << " violations=" << bad;
+  r.check(bad == 0, os.str());
+}
+
+struct AttnCase : OpCase {
+  Spec s;
+  std::vector<int64_t> qi, ki, vi, oi;  // buffer positions of the q, k, v, out views
+  std::vector<char> in_owned, out_owned;
+  explicit AttnCase(Spec sp) : s(std::move(sp)) {
+    name = "attention/" + s.variant;
+    fd_eps = 1e-6;
+    grad_tol = 1e-5;
+    flops = attention_forward_flops(s.d);
+    const AttnDims& d = s.d;
+    in_owned.assign(s.in_size, 0), out_owned.assign(s.out_size, 0);
+    auto add = [&](std::vector<int64_t>& v, std::vector<char>& own) {
+      return [&](int64_t i) {
+        if (!own[i]) v.push_back(i);
+        own[i] = 1;
+      };
+    };
+    each(s, s.qoff, d.ldq, d.Hq, d.head_q, d.Dqk, add(qi, in_owned));
+    each(s, s.koff, d.ldk, d.Hkv, d.head_k, d.Dqk, add(ki, in_owned));
+    each(s, s.voff, d.ldv, d.Hkv, d.head_v, d.Dv, add(vi, in_owned));
+    each(s, 0, d.ldo, d.Hq, d.head_o, d.Dv, add(oi, out_owned));
+  }
+  std::vector<float> make_in() const {
+    auto x = randn(s.in_size, 41);
+    for (int64_t i : qi) x[i] *= 2.0f;  // scores of spread ~2: peaked and flat rows both occur
+    return x;
+  }
+
+  struct Result {
+    std::vector<float> out, lse, din;
+  };
+  Result run(const std::vector<float>& in, const std::vector<float>& dout, int threads, bool with_ws) const {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    Result res{std::vector<float>(s.out_size, 12345.0f), std::vector<float>(s.d.B * s.d.Hq * s.d.T),
+               std::vector<float>(s.in_size, 777.0f)};
+    std::vector<char> ws(with_ws ? attention_workspace_bytes(s.d, threads) : 0);
+    void* w = with_ws ? ws.data() : nullptr;
+    const float* x = in.data();
+    float* g = res.din.data();
+    attention_forward(res.out.data(), res.lse.data(), x + s.qoff, x + s.koff, x + s.voff, s.d, w);
+    attention_backward(g + s.qoff, g + s.koff, g + s.voff, dout.data(), res.out.data(), res.lse.data(), x + s.qoff,
+                       x + s.koff, x + s.voff, s.d, w);
+    omp_set_num_threads(saved);
+    return res;
+  }
+
+  void test(Report& r) override {
+    const AttnDims& d = s.d;
+    auto in = make_in(), dout = randn(s.out_size, 42);
+    Result res = run(in, dout, omp_get_max_threads() > 1 ? omp_get_max_threads() : 2, false);
+    auto ind = to_f64(in), doutd = to_f64(dout), outd = to_f64(res.out);
+    std::vector<double> out_ref(s.out_size, 0.0), lse_ref(d.B * d.Hq * d.T), din_ref(s.in_size, 0.0);
+    attention_forward_ref<double>(out_ref.data(), lse_ref.data(), ind.data() + s.qoff, ind.data() + s.koff,
+                                  ind.data() + s.voff, d);
+    // The reference backward takes the optimized forward's out (it enters D_t = rowsum(dout * out)).
+    attention_backward_ref<double>(din_ref.data() + s.qoff, din_ref.data() + s.koff, din_ref.data() + s.voff,
+                                   doutd.data(), outd.data(), ind.data() + s.qoff, ind.data() + s.koff,
+                                   ind.data() + s.voff, d);
+    Bounds bd = error_bounds(s, ind, doutd, outd);
+    check_at(r, "out", oi, res.out.data(), out_ref.data(), bd.out.data());
+    std::vector<int64_t> li(lse_ref.size());
+    for (size_t i = 0; i < li.size(); ++i) li[i] = int64_t(i);
+    check_at(r, "lse", li, res.lse.data(), lse_ref.data(), bd.lse.data());
+    check_at(r, "dq", qi, res.din.data(), din_ref.data(), bd.din.data());
+    check_at(r, "dk", ki, res.din.data(), din_ref.data(), bd.din.data());
+    check_at(r, "dv", vi, res.din.data(), din_ref.data(), bd.din.data());
+    int64_t touched = 0;
+    for (int64_t i = 0; i < s.out_size; ++i) touched += !out_owned[i] && res.out[i] != 12345.0f;
+    for (int64_t i = 0; i < s.in_size; ++i) touched += !in_owned[i] && res.din[i] != 777.0f;
+    r.check(touched == 0, "elements outside the views untouched", std::to_string(touched) + " changed");
+    Result one = run(in, dout, 1, true);
+    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    };
+    r.check(same(one.out, res.out) && same(one.lse, res.lse) && same(one.din, res.din),
+            "out, lse, dq, dk, dv bitwise equal with 1 thread (+ workspace) and 2 threads");
+  }
+
+  void grad(Report& r) override {
+    const AttnDims& d = s.d;
+    auto in = to_f64(make_in()), R = to_f64(randn(s.out_size, 43));
+    std::vector<double> out(s.out_size, 0.0), lse(d.B * d.Hq * d.T), din(s.in_size, 0.0);
+    auto fwd = [&] {
+      attention_forward_ref<double>(out.data(), lse.data(), in.data() + s.qoff, in.data() + s.koff, in.data() + s.voff, d);
+      return dot(out.data(), R.data(), s.out_size);
+    };
+    fwd();
+    attention_backward_ref<double>(din.data() + s.qoff, din.data() + s.koff, din.data() + s.voff, R.data(), out.data(),
+                                   in.data() + s.qoff, in.data() + s.koff, in.data() + s.voff, d);
+    const int checks = d.T > 128 ? 6 : 48;
+    for (auto [what, idx] : {std::pair{"dq", &qi}, std::pair{"dk", &ki}, std::pair{"dv", &vi}}) {
+      // Perturb a compact copy of one view; the loss scatters it back into the buffer.
+      std::vector<double> x(idx->size()), dx(idx->size());
+      for (size_t j = 0; j < idx->size(); ++j) x[j] = in[(*idx)[j]], dx[j] = din[(*idx)[j]];
+      auto loss = [&] {
+        for (size_t j = 0; j < idx->size(); ++j) in[(*idx)[j]] = x[j];
+        return fwd();
+      };
+      r.fd_check(what, x.data(), int64_t(x.size()), dx.data(), loss, fd_eps, grad_tol, checks);
+      loss();
+    }
+  }
+
+  std::vector<float> pin, pout, plse;
+  void perf() override {
+    if (pin.empty()) pin = make_in(), pout.resize(s.out_size), plse.resize(s.d.B * s.d.Hq * s.d.T);
+    const float* x = pin.data();
+    attention_forward(pout.data(), plse.data(), x + s.qoff, x + s.koff, x + s.voff, s.d);
+  }
+};
+
+struct AttnChecks : OpCase {
+  AttnChecks() { name = "attention/bad_input"; }
+  void test(Report& r) override {
+    auto throws = [](AttnDims d) {
+      try {
+        attention_check(d, "attention_forward");
+      } catch (const std::exception& e) {
+        return std::string(e.what()).find("[attention_forward]") != std::string::npos;
+      }
+      return false;
+    };
+    const AttnDims ok = separate("x", 2, 8, 4, 2, 16, 16).d;
+    r.check(!throws(ok), "valid dims accepted");
+    AttnDims d = ok;
+    d.Hkv = 3;
+    r.check(throws(d), "Hq not a multiple of Hkv rejected");
+    d = ok, d.head_q = 8;
+    r.check(throws(d), "overlapping q heads rejected");
+    d = ok, d.ldo = 10;
+    r.check(throws(d), "ldo too small rejected");
+    d = ok, d.scale = -1;
+    r.check(throws(d), "negative scale rejected");
+    d = ok, d.T = -1;
+    r.check(throws(d), "negative T rejected");
+  }
+  void grad(Report& r) override { r.check(true, "no gradient (input validation case)"); }
+  void perf() override {}
+};
+
+std::vector<std::unique_ptr<OpCase>> make_cases() {
+  std::vector<std::unique_ptr<OpCase>> v;
+  auto add = [&](Spec s) { v.push_back(std::make_unique<AttnCase>(std::move(s))); };
+  add(separate("mha_B2_T37_H3_D16", 2, 37, 3, 3, 16, 16));
+  add(separate("mha_T1", 3, 1, 2, 2, 8, 8));
+  add(separate("mha_T100_D24_padded", 1, 100, 2, 2, 24, 24, 3, 5));
+  add(separate("gqa_Hq4_Hkv2_T70", 2, 70, 4, 2, 16, 16));
+  add(separate("mqa_Hq4_Hkv1_T65", 1, 65, 4, 1, 20, 20));
+  add(separate("dqk24_dv12_T129", 1, 129, 2, 1, 24, 12, 1, 0));
+  add(separate("shared_k_head_Hkv4", 1, 80, 4, 4, 16, 8, 0, 2, true));
+  add(fused("fused_qkv_Hq4_Hkv2_T96", 2, 96, 4, 2, 16));
+  add(mla("mla_dn16_dr8_dv16_T72", 1, 72, 3, 16, 8, 16));
+  add(mla("mla_v3_dims_H1_T64", 1, 64, 1, 128, 64, 128));
+  add(separate("long_T1024_Hq2_Hkv1_D32", 1, 1024, 2, 1, 32, 32));
+  v.push_back(std::make_unique<AttnChecks>());
+  return v;
+}
+MT_REGISTER_OP_CASES(make_cases);
+
+}  // namespace
+}  // namespace moetron::ops
