@@ -1,7 +1,7 @@
 // permute_avx512.cpp: AVX-512 bodies of the MoE permute / unpermute kernels (validation and dispatch live
-// in permute.cpp). Not the plan. Rows are processed in 64-float register blocks; the weighted sums use
-// separate multiply and add (no FMA) in slot order, so they round exactly like the references; the dot
-// products for dw use 16 lanes x 4 accumulators combined in a fixed order. fp32 -> bf16 uses
+// in permute.cpp). Not the plan. Rows are processed in 64-float register blocks; the weighted sums are
+// fused multiply-adds in slot order (one rounding per slot, where the reference rounds the product and the
+// sum); the dot products for dw use 16 lanes x 4 accumulators combined in a fixed order. fp32 -> bf16 uses
 // VCVTNE2PS2BF16 (round to nearest even; note: it flushes denormal inputs to zero, unlike to_bf16).
 // GCC 12 warns falsely about _mm512_undefined_* inside its own intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -128,7 +128,7 @@ void moe_permute_backward_avx512(float* dx, const float* dxp, const int32_t* row
   }
 }
 
-// y[t] = sum_s w[t,s] * yp[row(t, s)]: 0 + w0*v0 + w1*v1 + ... (rounded product, then add), as the reference.
+// y[t] = sum_s w[t,s] * yp[row(t, s)]: fma(w1, v1, fma(w0, v0, 0)) ... in slot order.
 void moe_unpermute_avx512(float* y, const float* yp, const int32_t* row_of, const float* w, int64_t N, int k,
                           int64_t D) {
 #pragma omp parallel for schedule(static)
@@ -143,10 +143,10 @@ void moe_unpermute_avx512(float* y, const float* yp, const int32_t* row_of, cons
         if (rows[s] < 0) continue;
         const __m512 ws = _mm512_set1_ps(wt[s]);
         const float* v = yp + int64_t(rows[s]) * D + d;
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(ws, _mm512_loadu_ps(v)));
-        a1 = _mm512_add_ps(a1, _mm512_mul_ps(ws, _mm512_loadu_ps(v + 16)));
-        a2 = _mm512_add_ps(a2, _mm512_mul_ps(ws, _mm512_loadu_ps(v + 32)));
-        a3 = _mm512_add_ps(a3, _mm512_mul_ps(ws, _mm512_loadu_ps(v + 48)));
+        a0 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v), a0);
+        a1 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 16), a1);
+        a2 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 32), a2);
+        a3 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 48), a3);
       }
       _mm512_storeu_ps(o + d, a0);
       _mm512_storeu_ps(o + d + 16, a1);
@@ -158,8 +158,7 @@ void moe_unpermute_avx512(float* y, const float* yp, const int32_t* row_of, cons
       __m512 a = _mm512_setzero_ps();
       for (int s = 0; s < k; ++s)
         if (rows[s] >= 0)
-          a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(wt[s]),
-                                             _mm512_maskz_loadu_ps(m, yp + int64_t(rows[s]) * D + d)));
+          a = _mm512_fmadd_ps(_mm512_set1_ps(wt[s]), _mm512_maskz_loadu_ps(m, yp + int64_t(rows[s]) * D + d), a);
       _mm512_mask_storeu_ps(o + d, m, a);
     }
   }

@@ -302,11 +302,12 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
         for (int e = 0; e < E; ++e) ds[e] = 0;
       }
       if (cfg.norm_topk) {
-        float Ssum = 0, gs = 0;
+        // ds_i = rs / S * (g_i - sum_j g_j * (s_j / S)); with k = 1 the bracket is exactly 0, as it should be
+        float Ssum = 0, off = 0;
         for (int j = 0; j < k; ++j) Ssum += s[idx[j]];
         Ssum += kNormEps;
-        for (int j = 0; j < k; ++j) gs += g[j] * s[idx[j]];
-        const float inv = rs / Ssum, off = gs / Ssum;
+        for (int j = 0; j < k; ++j) off += g[j] * (s[idx[j]] / Ssum);
+        const float inv = rs / Ssum;
         for (int j = 0; j < k; ++j) ds[idx[j]] += inv * (g[j] - off);
       } else {
         for (int j = 0; j < k; ++j) ds[idx[j]] += rs * g[j];
