@@ -1,0 +1,186 @@
+// permute_avx512.cpp: AVX-512 bodies of the MoE permute / unpermute kernels (validation and dispatch live
+// in permute.cpp). Not the plan. Rows are processed in 64-float register blocks; the weighted sums are
+// fused multiply-adds in slot order (one rounding per slot, where the reference rounds the product and the
+// sum); the dot products for dw use 16 lanes x 4 accumulators combined in a fixed order. fp32 -> bf16 uses
+// VCVTNE2PS2BF16 (round to nearest even; note: it flushes denormal inputs to zero, unlike to_bf16).
+// GCC 12 warns falsely about _mm512_undefined_* inside its own intrinsic headers.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "moetron/dtype.h"
+
+namespace moetron {
+
+namespace {
+
+inline __mmask16 tail_mask(int64_t rem) { return rem >= 16 ? __mmask16(0xffff) : __mmask16((1u << rem) - 1); }
+
+inline void copy_row(float* dst, const float* src, int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m512 a = _mm512_loadu_ps(src + d), b = _mm512_loadu_ps(src + d + 16);
+    __m512 c = _mm512_loadu_ps(src + d + 32), e = _mm512_loadu_ps(src + d + 48);
+    _mm512_storeu_ps(dst + d, a);
+    _mm512_storeu_ps(dst + d + 16, b);
+    _mm512_storeu_ps(dst + d + 32, c);
+    _mm512_storeu_ps(dst + d + 48, e);
+  }
+  for (; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    _mm512_mask_storeu_ps(dst + d, m, _mm512_maskz_loadu_ps(m, src + d));
+  }
+}
+
+inline __m256i cvt16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+inline void cvt_row(bf16* dst, const float* src, int64_t D) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m512i p = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + d + 16), _mm512_loadu_ps(src + d));
+    _mm512_storeu_si512(dst + d, p);
+  }
+  for (; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    _mm256_mask_storeu_epi16(dst + d, m, cvt16(_mm512_maskz_loadu_ps(m, src + d)));
+  }
+}
+
+inline void scaled_row_f32(float* dst, const float* src, float s, int64_t D) {
+  const __m512 vs = _mm512_set1_ps(s);
+  for (int64_t d = 0; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    _mm512_mask_storeu_ps(dst + d, m, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, src + d)));
+  }
+}
+
+inline void scaled_row_bf16(bf16* dst, const float* src, float s, int64_t D) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m512 lo = _mm512_mul_ps(vs, _mm512_loadu_ps(src + d)), hi = _mm512_mul_ps(vs, _mm512_loadu_ps(src + d + 16));
+    _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  for (; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    _mm256_mask_storeu_epi16(dst + d, m, cvt16(_mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, src + d))));
+  }
+}
+
+inline float dot_row(const float* a, const float* b, int64_t D) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
+    s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 32), _mm512_loadu_ps(b + d + 32), s2);
+    s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 48), _mm512_loadu_ps(b + d + 48), s3);
+  }
+  for (; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), s0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+}
+
+}  // namespace
+
+void moe_permute_f32_avx512(float* xp, const float* x, const int32_t* token_of, int64_t R, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) copy_row(xp + r * D, x + int64_t(token_of[r]) * D, D);
+}
+
+void moe_permute_bf16_avx512(bf16* xp, const float* x, const int32_t* token_of, int64_t R, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) cvt_row(xp + r * D, x + int64_t(token_of[r]) * D, D);
+}
+
+// dx[t] = sum_s dxp[row(t, s)]: 0 + v0 + v1 + ... per element, as the reference.
+void moe_permute_backward_avx512(float* dx, const float* dxp, const int32_t* row_of, int64_t N, int k, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const int32_t* rows = row_of + t * k;
+    float* o = dx + t * D;
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int s = 0; s < k; ++s) {
+        if (rows[s] < 0) continue;
+        const float* v = dxp + int64_t(rows[s]) * D + d;
+        a0 = _mm512_add_ps(a0, _mm512_loadu_ps(v));
+        a1 = _mm512_add_ps(a1, _mm512_loadu_ps(v + 16));
+        a2 = _mm512_add_ps(a2, _mm512_loadu_ps(v + 32));
+        a3 = _mm512_add_ps(a3, _mm512_loadu_ps(v + 48));
+      }
+      _mm512_storeu_ps(o + d, a0);
+      _mm512_storeu_ps(o + d + 16, a1);
+      _mm512_storeu_ps(o + d + 32, a2);
+      _mm512_storeu_ps(o + d + 48, a3);
+    }
+    for (; d < D; d += 16) {
+      __mmask16 m = tail_mask(D - d);
+      __m512 a = _mm512_setzero_ps();
+      for (int s = 0; s < k; ++s)
+        if (rows[s] >= 0) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, dxp + int64_t(rows[s]) * D + d));
+      _mm512_mask_storeu_ps(o + d, m, a);
+    }
+  }
+}
+
+// y[t] = sum_s w[t,s] * yp[row(t, s)]: fma(w1, v1, fma(w0, v0, 0)) ... in slot order.
+void moe_unpermute_avx512(float* y, const float* yp, const int32_t* row_of, const float* w, int64_t N, int k,
+                          int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const int32_t* rows = row_of + t * k;
+    const float* wt = w + t * k;
+    float* o = y + t * D;
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int s = 0; s < k; ++s) {
+        if (rows[s] < 0) continue;
+        const __m512 ws = _mm512_set1_ps(wt[s]);
+        const float* v = yp + int64_t(rows[s]) * D + d;
+        a0 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v), a0);
+        a1 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 16), a1);
+        a2 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 32), a2);
+        a3 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 48), a3);
+      }
+      _mm512_storeu_ps(o + d, a0);
+      _mm512_storeu_ps(o + d + 16, a1);
+      _mm512_storeu_ps(o + d + 32, a2);
+      _mm512_storeu_ps(o + d + 48, a3);
+    }
+    for (; d < D; d += 16) {
+      __mmask16 m = tail_mask(D - d);
+      __m512 a = _mm512_setzero_ps();
+      for (int s = 0; s < k; ++s)
+        if (rows[s] >= 0)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(wt[s]), _mm512_maskz_loadu_ps(m, yp + int64_t(rows[s]) * D + d), a);
+      _mm512_mask_storeu_ps(o + d, m, a);
+    }
+  }
+}
+
+// dyp[row(t,s)] = w[t,s] * dy[t] (fp32 into dyp32 or bf16 into dyp16); dw[t,s] = dot(dy[t], yp[row(t,s)]).
+void moe_unpermute_backward_avx512(float* dyp32, bf16* dyp16, float* dw, const float* dy, const float* yp,
+                                   const int32_t* row_of, const float* w, int64_t N, int k, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const float* g = dy + t * D;
+    for (int s = 0; s < k; ++s) {
+      const int32_t r = row_of[t * k + s];
+      if (r < 0) {
+        dw[t * k + s] = 0;
+        continue;
+      }
+      if (dyp32) scaled_row_f32(dyp32 + int64_t(r) * D, g, w[t * k + s], D);
+      else scaled_row_bf16(dyp16 + int64_t(r) * D, g, w[t * k + s], D);
+      dw[t * k + s] = dot_row(g, yp + int64_t(r) * D, D);
+    }
+  }
+}
+
+}  // namespace moetron

@@ -1,0 +1,381 @@
+// router.cpp: the MoE router kernels (forward: scores, group-limited top-k, weights, counts, aux and z
+// losses; backward: dlogits through the weights, the aux loss, the score function and the z-loss), and the
+// balancing helpers. Semantics and formulas: include/moetron/router.h. Not the gate GEMM, not dispatch.
+//
+// Parallel over tokens (one OpenMP region per call); each token's outputs depend only on its own logits.
+// The only cross-token quantities (counts, the loss values, per-sequence counts for the aux loss) are integer
+// histograms or fp64 sums taken in token order after the parallel part, so results never depend on the
+// thread count. The score rows (exp) go through an AVX-512 kernel when the ISA allows; the selection is
+// shared scalar code.
+#include <cmath>
+#include <cstring>
+
+#include "moetron/check.h"
+#include "moetron/router.h"
+#include "moetron/runtime.h"
+
+namespace moetron {
+
+// router_avx512.cpp: score rows for `rows` tokens (softmax or sigmoid), and logsumexp rows.
+void router_scores_rows_avx512(float* s, const float* l, int64_t rows, int E, bool softmax);
+
+namespace {
+
+constexpr float kNormEps = 1e-20f;
+
+size_t align_up(size_t b) { return (b + 63) & ~size_t(63); }
+
+int64_t aux_seq_len(const RouterConfig& cfg, int64_t N) { return cfg.aux == AuxMode::SeqWise ? cfg.seq_len : N; }
+int64_t aux_nseq(const RouterConfig& cfg, int64_t N) {
+  return cfg.aux == AuxMode::None || N == 0 ? 0 : N / aux_seq_len(cfg, N);
+}
+
+struct Ws {
+  double* tok_a;    // [N] per-token aux partial: sum_e c_e * s'_{n,e}
+  double* tok_z;    // [N] per-token lse^2
+  int32_t* cnt;     // [S, E] per-sequence (or global, S = 1) counts for the aux loss
+};
+Ws carve(void* ws, const RouterConfig& cfg, int64_t N) {
+  char* p = static_cast<char*>(ws);
+  Ws w;
+  w.tok_a = reinterpret_cast<double*>(p);
+  p += align_up(size_t(N) * sizeof(double));
+  w.tok_z = reinterpret_cast<double*>(p);
+  p += align_up(size_t(N) * sizeof(double));
+  w.cnt = reinterpret_cast<int32_t*>(p);
+  return w;
+}
+
+// Scalar score row, the same operations in the same order as router_scores_ref<float>.
+void scores_row_scalar(float* s, const float* l, int E, bool softmax) {
+  if (softmax) {
+    float m = l[0];
+    for (int e = 1; e < E; ++e) m = std::max(m, l[e]);
+    float z = 0;
+    for (int e = 0; e < E; ++e) {
+      s[e] = std::exp(l[e] - m);
+      z += s[e];
+    }
+    for (int e = 0; e < E; ++e) s[e] = s[e] / z;
+  } else {
+    for (int e = 0; e < E; ++e) s[e] = 1.0f / (1.0f + std::exp(-l[e]));
+  }
+}
+
+// Insert (v, i) into the sorted list (val, idx) of length *cnt <= cap, keeping "larger value, then lower
+// index" first. Candidates arrive in increasing index, so an equal value goes after the ones already there.
+inline void topk_insert(float* val, int32_t* idx, int& cnt, int cap, float v, int32_t i) {
+  int pos;
+  if (cnt < cap) pos = cnt++;
+  else if (v > val[cap - 1]) pos = cap - 1;
+  else return;
+  while (pos > 0 && val[pos - 1] < v) {
+    val[pos] = val[pos - 1];
+    idx[pos] = idx[pos - 1];
+    --pos;
+  }
+  val[pos] = v;
+  idx[pos] = i;
+}
+
+// Group-limited top-k of one token. idx/val: [k] outputs in slot order (val = selection score q).
+void select_row(int32_t* idx, float* val, const float* s, const float* bias, const RouterConfig& cfg) {
+  const int E = cfg.E, k = cfg.topk;
+  int cnt = 0;
+  if (cfg.n_group <= 1) {
+    if (bias)
+      for (int e = 0; e < E; ++e) topk_insert(val, idx, cnt, k, s[e] + bias[e], e);
+    else
+      for (int e = 0; e < E; ++e) topk_insert(val, idx, cnt, k, s[e] + 0.0f, e);
+    return;
+  }
+  const int ng = cfg.n_group, G = E / ng;
+  float gval[kRouterMaxGroups];
+  int32_t gidx[kRouterMaxGroups];
+  int gcnt = 0;
+  for (int g = 0; g < ng; ++g) {
+    float t1 = -INFINITY, t2 = -INFINITY;
+    for (int e = g * G; e < (g + 1) * G; ++e) {
+      float q = s[e] + (bias ? bias[e] : 0.0f);
+      if (q > t1) t2 = t1, t1 = q;
+      else if (q > t2) t2 = q;
+    }
+    float gs = cfg.group_score == GroupScore::Max || G < 2 ? t1 : t1 + t2;
+    topk_insert(gval, gidx, gcnt, cfg.topk_group, gs, g);
+  }
+  // Visit the chosen groups in increasing group index so that experts arrive in increasing index.
+  bool chosen[kRouterMaxGroups] = {};
+  for (int r = 0; r < gcnt; ++r) chosen[gidx[r]] = true;
+  for (int g = 0; g < ng; ++g) {
+    if (!chosen[g]) continue;
+    for (int e = g * G; e < (g + 1) * G; ++e) topk_insert(val, idx, cnt, k, s[e] + (bias ? bias[e] : 0.0f), e);
+  }
+}
+
+void check_ptrs(const char* op, const RouterConfig& cfg, int64_t N, void* ws, std::initializer_list<const void*> ps) {
+  router_validate(cfg, N);
+  if (N == 0) return;
+  for (const void* p : ps) MT_CHECK(p != nullptr, op, "null array argument (N=", N, ")");
+  MT_CHECK(ws != nullptr, op, "null workspace (need ", router_workspace_bytes(cfg, N), " bytes)");
+}
+
+}  // namespace
+
+void router_validate(const RouterConfig& c, int64_t N) {
+  const char* op = "router";
+  MT_CHECK(N >= 0, op, "negative token count N=", N);
+  MT_CHECK(c.E >= 1, op, "E=", c.E, " must be >= 1");
+  MT_CHECK(c.topk >= 1 && c.topk <= c.E, op, "topk=", c.topk, " must be in [1, E=", c.E, "]");
+  MT_CHECK(c.n_group >= 1 && c.n_group <= kRouterMaxGroups, op, "n_group=", c.n_group, " must be in [1, ",
+           kRouterMaxGroups, "]");
+  MT_CHECK(c.E % c.n_group == 0, op, "E=", c.E, " is not divisible by n_group=", c.n_group);
+  MT_CHECK(c.topk_group >= 1 && c.topk_group <= c.n_group, op, "topk_group=", c.topk_group,
+           " must be in [1, n_group=", c.n_group, "]");
+  MT_CHECK(int64_t(c.topk) <= int64_t(c.topk_group) * (c.E / c.n_group), op, "topk=", c.topk,
+           " exceeds the experts in the kept groups: topk_group=", c.topk_group, " * group size ", c.E / c.n_group);
+  MT_CHECK(std::isfinite(c.route_scale) && c.route_scale > 0, op, "route_scale=", c.route_scale, " must be > 0");
+  MT_CHECK(std::isfinite(c.aux_coef) && c.aux_coef >= 0, op, "aux_coef=", c.aux_coef, " must be >= 0");
+  MT_CHECK(std::isfinite(c.z_coef) && c.z_coef >= 0, op, "z_coef=", c.z_coef, " must be >= 0");
+  if (c.aux == AuxMode::SeqWise) {
+    MT_CHECK(c.seq_len > 0, op, "AuxMode::SeqWise needs seq_len > 0, got ", c.seq_len);
+    MT_CHECK(N % c.seq_len == 0, op, "N=", N, " is not a multiple of seq_len=", c.seq_len);
+  }
+}
+
+size_t router_workspace_bytes(const RouterConfig& cfg, int64_t N) {
+  int64_t S = std::max<int64_t>(aux_nseq(cfg, N), 1);
+  return align_up(size_t(N) * sizeof(double))      // tok_a
+         + align_up(size_t(N) * sizeof(double))    // tok_z
+         + align_up(size_t(S) * size_t(cfg.E) * sizeof(int32_t));  // cnt
+}
+
+void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* scores, RouterLosses* losses,
+                    const float* logits, const float* bias, const RouterConfig& cfg, int64_t N, void* ws) {
+  const char* op = "router_forward";
+  check_ptrs(op, cfg, N, ws, {topk_idx, topk_w, scores, logits});
+  MT_CHECK(counts != nullptr, op, "null counts");
+  const int E = cfg.E, k = cfg.topk;
+  if (bias)
+    for (int e = 0; e < E; ++e) MT_CHECK(std::isfinite(bias[e]), op, "non-finite bias[", e, "]=", bias[e]);
+  if (losses) *losses = RouterLosses{};
+  std::memset(counts, 0, sizeof(int32_t) * size_t(E));
+  if (N == 0) return;
+
+  Ws w = carve(ws, cfg, N);
+  const bool want_aux = losses && cfg.aux != AuxMode::None;
+  const bool want_z = losses && cfg.z_coef > 0;
+  const bool softmax = cfg.score == ScoreFn::Softmax;
+  const bool avx512 = active_isa() == Isa::Avx512;
+  const int64_t T = aux_seq_len(cfg, N), S = aux_nseq(cfg, N);
+  int64_t bad_row = -1;
+
+#pragma omp parallel
+  {
+    int64_t my_bad = -1;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* l = logits + n * E;
+      float* s = scores + n * E;
+      float lmax = l[0];
+      bool finite = true;
+      for (int e = 0; e < E; ++e) {
+        finite &= std::isfinite(l[e]);
+        lmax = std::max(lmax, l[e]);
+      }
+      if (!finite) {
+        if (my_bad < 0) my_bad = n;
+        for (int e = 0; e < E; ++e) s[e] = 0;
+      } else if (avx512) {
+        router_scores_rows_avx512(s, l, 1, E, softmax);
+      } else {
+        scores_row_scalar(s, l, E, softmax);
+      }
+      int32_t* idx = topk_idx + n * k;
+      float* wt = topk_w + n * k;
+      select_row(idx, wt, s, bias, cfg);
+      float sum = 0;
+      for (int j = 0; j < k; ++j) sum += s[idx[j]];
+      for (int j = 0; j < k; ++j)
+        wt[j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
+      if (want_z) {
+        double z = 0;
+        for (int e = 0; e < E; ++e) z += std::exp(double(l[e]) - double(lmax));
+        double lse = double(lmax) + std::log(z);
+        w.tok_z[n] = lse * lse;
+      }
+    }
+#pragma omp critical(router_forward_bad)
+    if (my_bad >= 0 && (bad_row < 0 || my_bad < bad_row)) bad_row = my_bad;
+
+#pragma omp single
+    for (int64_t i = 0; i < N * k; ++i) ++counts[topk_idx[i]];
+    // (implicit barrier: counts are complete)
+
+    if (want_aux) {
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < S; ++b) {
+        int32_t* c = w.cnt + b * E;
+        if (cfg.aux == AuxMode::Global) {
+          std::memcpy(c, counts, sizeof(int32_t) * size_t(E));
+        } else {
+          std::memset(c, 0, sizeof(int32_t) * size_t(E));
+          for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
+        }
+      }
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        const int32_t* c = w.cnt + (n / T) * E;
+        const float* s = scores + n * E;
+        double a = 0;
+        if (softmax) {
+          for (int e = 0; e < E; ++e) a += double(c[e]) * double(s[e]);
+        } else {
+          float sum = 0;
+          for (int e = 0; e < E; ++e) sum += s[e];
+          for (int e = 0; e < E; ++e) a += double(c[e]) * double(s[e] / (sum + kNormEps));
+        }
+        w.tok_a[n] = a;
+      }
+    }
+  }
+  MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
+  if (want_aux) {
+    double a = 0;
+    for (int64_t n = 0; n < N; ++n) a += w.tok_a[n];
+    // L = (1/S) sum_b aux_coef * E * sum_e (c_be / (T k)) * (1/T) sum_{n in b} s'_ne
+    losses->aux = float(double(cfg.aux_coef) * E * a / (double(T) * double(T) * k * double(S)));
+  }
+  if (want_z) {
+    double z = 0;
+    for (int64_t n = 0; n < N; ++n) z += w.tok_z[n];
+    losses->z = float(double(cfg.z_coef) * z / double(N));
+  }
+}
+
+void router_backward(float* dlogits, const float* dtopk_w, const float* scores, const int32_t* topk_idx,
+                     const float* logits, const RouterConfig& cfg, int64_t N, void* ws) {
+  const char* op = "router_backward";
+  check_ptrs(op, cfg, N, ws, {dlogits, dtopk_w, scores, topk_idx});
+  MT_CHECK(cfg.z_coef == 0 || logits != nullptr || N == 0, op, "z_coef=", cfg.z_coef, " needs the logits");
+  if (N == 0) return;
+  const int E = cfg.E, k = cfg.topk;
+  for (int64_t i = 0; i < N * k; ++i)
+    MT_CHECK(topk_idx[i] >= 0 && topk_idx[i] < E, op, "topk_idx[", i, "]=", topk_idx[i], " outside [0, E=", E, ")");
+  Ws w = carve(ws, cfg, N);
+  const bool aux = cfg.aux != AuxMode::None;
+  const bool softmax = cfg.score == ScoreFn::Softmax;
+  const int64_t T = aux_seq_len(cfg, N), S = aux_nseq(cfg, N);
+  // dL_aux/ds'_{n,e} = aux_coef * E * c_{b(n),e} / (T k) / (T S)
+  const float aux_scale = aux ? float(double(cfg.aux_coef) * E / (double(T) * double(T) * k * double(S))) : 0.0f;
+  const float rs = cfg.route_scale;
+  const double zc = 2.0 * double(cfg.z_coef) / double(N);
+
+#pragma omp parallel
+  {
+    if (aux) {
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < S; ++b) {
+        int32_t* c = w.cnt + b * E;
+        std::memset(c, 0, sizeof(int32_t) * size_t(E));
+        for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* s = scores + n * E;
+      const int32_t* idx = topk_idx + n * k;
+      const float* g = dtopk_w + n * k;
+      float* ds = dlogits + n * E;  // ds (dL/ds) first, transformed in place into dL/dl
+      // 1. weights
+      if (aux && softmax) {
+        const int32_t* c = w.cnt + (n / T) * E;
+        for (int e = 0; e < E; ++e) ds[e] = aux_scale * float(c[e]);
+      } else if (aux) {
+        const int32_t* c = w.cnt + (n / T) * E;
+        float sum = 0, cs = 0;
+        for (int e = 0; e < E; ++e) sum += s[e];
+        sum += kNormEps;
+        for (int e = 0; e < E; ++e) cs += aux_scale * float(c[e]) * s[e];
+        cs /= sum;
+        for (int e = 0; e < E; ++e) ds[e] = (aux_scale * float(c[e]) - cs) / sum;
+      } else {
+        for (int e = 0; e < E; ++e) ds[e] = 0;
+      }
+      if (cfg.norm_topk) {
+        // ds_i = rs / S * (g_i - sum_j g_j * (s_j / S)); with k = 1 the bracket is exactly 0, as it should be
+        float Ssum = 0, off = 0;
+        for (int j = 0; j < k; ++j) Ssum += s[idx[j]];
+        Ssum += kNormEps;
+        for (int j = 0; j < k; ++j) off += g[j] * (s[idx[j]] / Ssum);
+        const float inv = rs / Ssum;
+        for (int j = 0; j < k; ++j) ds[idx[j]] += inv * (g[j] - off);
+      } else {
+        for (int j = 0; j < k; ++j) ds[idx[j]] += rs * g[j];
+      }
+      // 3. score function
+      if (softmax) {
+        float dot = 0;
+        for (int e = 0; e < E; ++e) dot += ds[e] * s[e];
+        for (int e = 0; e < E; ++e) ds[e] = s[e] * (ds[e] - dot);
+      } else {
+        for (int e = 0; e < E; ++e) ds[e] = ds[e] * s[e] * (1.0f - s[e]);
+      }
+      // 4. z-loss
+      if (cfg.z_coef > 0) {
+        const float* l = logits + n * E;
+        float m = l[0];
+        for (int e = 1; e < E; ++e) m = std::max(m, l[e]);
+        double z = 0;
+        for (int e = 0; e < E; ++e) z += std::exp(double(l[e]) - double(m));
+        const double lse = double(m) + std::log(z);
+        const float f = float(zc * lse / z);
+        for (int e = 0; e < E; ++e) ds[e] += f * std::exp(l[e] - m);
+      }
+    }
+  }
+}
+
+template <class C>
+static void update_bias_impl(float* bias, const C* counts, int E, float rate) {
+  MT_CHECK(E >= 1 && bias && counts, "router_update_bias", "E=", E, " bias=", (const void*)bias, " counts=",
+           (const void*)counts);
+  int64_t total = 0;
+  for (int e = 0; e < E; ++e) {
+    MT_CHECK(counts[e] >= 0, "router_update_bias", "negative counts[", e, "]=", int64_t(counts[e]));
+    total += counts[e];
+  }
+  // sign(mean - c) = sign(total - E * c): exact in integers.
+  for (int e = 0; e < E; ++e) {
+    int64_t d = total - int64_t(E) * int64_t(counts[e]);
+    bias[e] += d > 0 ? rate : d < 0 ? -rate : 0.0f;
+  }
+}
+void router_update_bias(float* bias, const int64_t* counts, int E, float rate) {
+  update_bias_impl(bias, counts, E, rate);
+}
+void router_update_bias(float* bias, const int32_t* counts, int E, float rate) {
+  update_bias_impl(bias, counts, E, rate);
+}
+
+template <class C>
+static LoadStats load_stats_impl(const C* counts, int E) {
+  MT_CHECK(E >= 1 && counts, "router_load_stats", "E=", E);
+  LoadStats st;
+  st.min = st.max = counts[0];
+  double sum = 0;
+  for (int e = 0; e < E; ++e) {
+    st.min = std::min<int64_t>(st.min, counts[e]);
+    st.max = std::max<int64_t>(st.max, counts[e]);
+    sum += double(counts[e]);
+  }
+  st.mean = sum / E;
+  double var = 0;
+  for (int e = 0; e < E; ++e) var += (double(counts[e]) - st.mean) * (double(counts[e]) - st.mean);
+  var /= E;
+  st.cv = st.mean > 0 ? std::sqrt(var) / st.mean : 0.0;
+  return st;
+}
+LoadStats router_load_stats(const int32_t* counts, int E) { return load_stats_impl(counts, E); }
+LoadStats router_load_stats(const int64_t* counts, int E) { return load_stats_impl(counts, E); }
+
+}  // namespace moetron
