@@ -1,0 +1,98 @@
+// loss.h: fused output projection + softmax cross-entropy ("linear cross-entropy"), forward and
+// backward in one call, chunked over rows so that the [N, V] logits never exist in full.
+//   z = h · W^T                  h [N, C], W [V, C] (row per vocabulary entry: tieable with an embedding)
+//   loss = loss_scale * sum over rows n with targets[n] >= 0 of (logsumexp(z_n) - z_n[targets[n]])
+//   targets[n] == -1 ignores row n (zero loss, zero gradient)
+// Per chunk of `chunk_rows` rows: logits chunk (oneDNN GEMM, fp32 out), row-wise softmax in place,
+// minus one-hot, times loss_scale = dlogits chunk; dh_chunk = dlogits · W; dW += dlogits^T · h_chunk.
+// In the bf16 variant dlogits is rounded to bf16 (in place, over its own fp32 row) for the two backward
+// GEMMs, as in mixed-precision training; the fp32 variant keeps everything fp32.
+// Deterministic: the chunk partition depends on chunk_rows only (never on the thread count), each row's
+// softmax is done by one thread in a fixed order, row losses are summed in double in row order, and dW
+// accumulates chunk after chunk.
+// Not a general softmax or a vocabulary-parallel loss (a sharded-V variant comes with tensor parallelism).
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "moetron/dtype.h"
+
+namespace moetron {
+
+inline constexpr int32_t kIgnoreIndex = -1;
+
+// Default rows per chunk: about 8 MiB of fp32 logits (at least 16 rows, a multiple of 16). Depends on V only.
+int64_t linear_xent_default_chunk(int64_t V);
+// Workspace: the fp32 logits chunk [chunk, V] plus one double per chunk row. chunk_rows <= 0 means default.
+size_t linear_xent_workspace_bytes(int64_t N, int64_t V, int64_t chunk_rows);
+
+// Fused forward + backward. Returns the (scaled) loss. dh [N, C] is overwritten; dW [V, C] is accumulated
+// into (+=). ws: linear_xent_workspace_bytes(N, V, chunk_rows) bytes, 64-byte aligned.
+double linear_xent_fwd_bwd_bf16(float* dh /* [N, C] */, float* dW /* [V, C] += */, const bf16* h /* [N, C] */,
+                                const bf16* W /* [V, C] */, const int32_t* targets /* [N] */, int64_t N, int64_t C,
+                                int64_t V, float loss_scale, int64_t chunk_rows, void* ws);
+double linear_xent_fwd_bwd_f32(float* dh /* [N, C] */, float* dW /* [V, C] += */, const float* h /* [N, C] */,
+                               const float* W /* [V, C] */, const int32_t* targets /* [N] */, int64_t N, int64_t C,
+                               int64_t V, float loss_scale, int64_t chunk_rows, void* ws);
+
+// Forward only (validation). Returns the scaled loss; row_loss (may be null) gets the unscaled
+// logsumexp(z_n) - z_n[target] per row, 0 for ignored rows.
+double linear_xent_fwd_bf16(double* row_loss /* [N] or null */, const bf16* h /* [N, C] */,
+                            const bf16* W /* [V, C] */, const int32_t* targets /* [N] */, int64_t N, int64_t C,
+                            int64_t V, float loss_scale, int64_t chunk_rows, void* ws);
+double linear_xent_fwd_f32(double* row_loss /* [N] or null */, const float* h /* [N, C] */,
+                           const float* W /* [V, C] */, const int32_t* targets /* [N] */, int64_t N, int64_t C,
+                           int64_t V, float loss_scale, int64_t chunk_rows, void* ws);
+
+// ---- reference twin: unfused, materializes the [N, V] logits in T (float or double) ----
+// Returns the scaled loss; dh (=) and dW (+=) may be null for a forward-only evaluation.
+template <class T>
+T linear_xent_ref(T* row_loss /* [N] or null */, T* dh /* [N, C] or null */, T* dW /* [V, C] += or null */,
+                  const T* h /* [N, C] */, const T* W /* [V, C] */, const int32_t* targets /* [N] */, int64_t N,
+                  int64_t C, int64_t V, T loss_scale) {
+  std::vector<T> z(size_t(N * V));  // the full logits: what the fused kernel avoids
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t v = 0; v < V; ++v) {
+      T acc = 0;
+      for (int64_t c = 0; c < C; ++c) acc += h[n * C + c] * W[v * C + c];
+      z[n * V + v] = acc;
+    }
+  T loss = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    T* zn = &z[n * V];
+    const int32_t t = targets[n];
+    if (t < 0) {
+      if (row_loss) row_loss[n] = 0;
+      for (int64_t v = 0; v < V; ++v) zn[v] = 0;  // dlogits of an ignored row
+      continue;
+    }
+    T mx = zn[0];
+    for (int64_t v = 1; v < V; ++v) mx = zn[v] > mx ? zn[v] : mx;
+    T sum = 0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(zn[v] - mx);
+    const T lse = mx + std::log(sum);
+    const T ln = lse - zn[t];
+    if (row_loss) row_loss[n] = ln;
+    loss += ln * loss_scale;
+    for (int64_t v = 0; v < V; ++v) zn[v] = (std::exp(zn[v] - lse) - (v == t ? T(1) : T(0))) * loss_scale;
+  }
+  if (dh)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c) {
+        T acc = 0;
+        for (int64_t v = 0; v < V; ++v) acc += z[n * V + v] * W[v * C + c];
+        dh[n * C + c] = acc;
+      }
+  if (dW)
+    for (int64_t v = 0; v < V; ++v)
+      for (int64_t c = 0; c < C; ++c) {
+        T acc = 0;
+        for (int64_t n = 0; n < N; ++n) acc += z[n * V + v] * h[n * C + c];
+        dW[v * C + c] += acc;
+      }
+  return loss;
+}
+
+}  // namespace moetron
