@@ -1,0 +1,108 @@
+// accounting.h: THE parameter, FLOP and saved-activation accounting of a ModelSpec. One implementation,
+// read by `moetron model info`, by the planner (memory projection, cost model) and by the engine, whose
+// allocations are checked against it. Not a memory planner: no optimizer state, no parallel sharding,
+// no workspace; those are built on top of these numbers.
+//
+// Conventions (docs/model.md):
+//   params  - every weight, norms included; attention-internal norms (MLA q_a/kv_a norms, qk_norm) count
+//             as attention; the two per-layer RMSNorms count as norms; the router counts its gate matrix
+//             [E, d] plus, with aux_free balancing, its per-expert bias [E].
+//   active  - the weights a token touches: routed experts count topk of E. `active` includes the input
+//             embedding table and the output head (the convention of the DeepSeek and Mixtral papers:
+//             37B, 21B, 12.9B); `active_no_embed` leaves out the input embedding (a lookup, no FLOPs).
+//   flops   - model FLOPs per token for one training step = 3 x forward (backward = 2 x forward).
+//             forward = 2 x (matmul weights a token touches, head included, embedding excluded)
+//                     + attention core: 2*H*(dqk + dv) x context per layer, where context is the average
+//                       number of keys a query sees: (seq_len + 1) / 2 with causal masking (the default),
+//                       seq_len without. Recompute is NOT in model FLOPs (see hw_train).
+//   saved activations - per layer per micro-batch, a list of named terms (tensor name, bytes) that the
+//             layer's forward keeps for its backward, given precision and activation checkpointing.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moetron/config.h"
+#include "moetron/spec.h"
+
+namespace moetron {
+
+// ---- parameters ----------------------------------------------------------------------------------
+struct LayerParams {
+  int64_t attention = 0;
+  int64_t norms = 0;       // attn_norm + ffn_norm
+  int64_t dense_mlp = 0;
+  int64_t router = 0;
+  int64_t routed_experts = 0;  // all E experts
+  int64_t shared_experts = 0;
+  int64_t routed_active = 0;   // topk experts' worth
+  bool moe = false;
+  int64_t total() const { return attention + norms + dense_mlp + router + routed_experts + shared_experts; }
+  int64_t active() const { return attention + norms + dense_mlp + router + routed_active + shared_experts; }
+  // Weights used as GEMM operands (norms and norm-like vectors excluded): the FLOP base.
+  int64_t matmul_active = 0;
+};
+
+struct ParamCounts {
+  std::vector<LayerParams> layers;
+  int64_t embedding = 0;   // [V, d]
+  int64_t head = 0;        // [V, d], 0 when tied
+  int64_t final_norm = 0;  // [d]
+  int64_t total = 0;
+  int64_t active = 0;           // incl. input embedding and head
+  int64_t active_no_embed = 0;  // excl. input embedding (incl. head, or the tied table once)
+  int64_t dense_part = 0;       // everything but the routed experts (replicated under EP)
+  int64_t routed_experts = 0;   // sum over layers of all routed experts (sharded under EP)
+};
+
+// Parameters of one expert (SwiGLU: gate, up, down).
+int64_t expert_params(const ModelSpec& s);
+LayerParams layer_params(const ModelSpec& s, int64_t layer);
+ParamCounts count_params(const ModelSpec& s);
+
+// ---- FLOPs ----------------------------------------------------------------------------------------
+struct FlopsPerToken {
+  double fwd_matmul = 0;     // 2 x active matmul weights (layers + head)
+  double fwd_attention = 0;  // QK^T and PV, at the given seq_len and masking
+  double fwd() const { return fwd_matmul + fwd_attention; }
+  double train = 0;          // 3 x fwd: MODEL FLOPs per token (MFU numerator)
+  double hw_train = 0;       // train + the forward work recomputed under activation checkpointing
+  std::vector<double> layer_fwd;  // per layer forward FLOPs per token (matmul + attention)
+};
+FlopsPerToken flops_per_token(const ModelSpec& s, int64_t seq_len, bool causal = true,
+                              const ActivationCheckpointSpec& ac = {});
+
+// ---- saved activations ----------------------------------------------------------------------------
+struct ActTerm {
+  std::string name;  // e.g. "attn.q", "moe.gate_up"
+  int64_t bytes = 0;
+};
+struct LayerActivations {
+  int64_t layer = -1;  // -1 for the model-level terms (embedding, final norm, loss)
+  std::vector<ActTerm> terms;
+  int64_t total() const;
+};
+struct ActivationBytes {
+  std::vector<LayerActivations> layers;  // saved between forward and backward, per layer
+  LayerActivations outside;              // embedding ids, final norm, loss
+  int64_t total = 0;                     // sum of the above
+  // Largest set of terms re-materialized at once while recomputing a fully checkpointed layer
+  // (0 without full checkpointing): it adds to the peak during that layer's backward.
+  int64_t recompute_transient = 0;
+};
+// Bytes per micro-batch (micro_batch_size sequences of seq_len tokens) on one rank holding all layers.
+// With expert parallelism the routed-expert rows a rank holds are the same on average (T*topk).
+ActivationBytes activation_bytes(const ModelSpec& s, int64_t micro_batch, int64_t seq_len, Precision p,
+                                 const ActivationCheckpointSpec& ac = {});
+// The terms one layer saves under `ac` (pass {} for none: what a full recompute re-materializes).
+LayerActivations layer_activation_terms(const ModelSpec& s, int64_t layer, int64_t micro_batch,
+                                        int64_t seq_len, Precision p, const ActivationCheckpointSpec& ac);
+// Convenience: everything from a JobConfig (training.micro_batch_size, seq_len, dtype and the
+// [activation_checkpoint] section).
+ActivationBytes activation_bytes(const JobConfig& c);
+
+// Rows a MoE layer feeds to its routed experts for T tokens: T*topk when dropless, otherwise
+// E * ceil(capacity_factor * T * topk / E).
+int64_t routed_rows(const ModelSpec& s, int64_t tokens);
+
+}  // namespace moetron

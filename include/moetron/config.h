@@ -1,0 +1,154 @@
+// config.h: JobConfig, the whole description of a training job, loaded from TOML (toml++) with
+// `--section.key=value` command-line overrides, validated, and written back to TOML or JSON.
+// Not the trainer and not the planner: both read a JobConfig and nothing else.
+//
+// Sections: [job] [model] [training] [optimizer] [lr_scheduler] [parallelism] [checkpoint]
+// [activation_checkpoint] [metrics] [hardware]. Every key has a default (below); [model] sizes default
+// to 0 and must be given. Unknown sections or keys are errors with a "did you mean" suggestion.
+// Presets are flat files: there is no `inherit`/include mechanism. docs/model.md lists every key.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moetron/spec.h"
+
+namespace moetron {
+
+enum class Precision : uint8_t { BF16, FP32, FP8 };
+enum class DecayType : uint8_t { Cosine, Linear, None };
+enum class EpDispatcher : uint8_t { AllToAll, SyncFree, Hierarchical };
+enum class AcMode : uint8_t { None, Selective, Full };
+
+std::string_view to_string(Precision v);
+std::string_view to_string(DecayType v);
+std::string_view to_string(EpDispatcher v);
+std::string_view to_string(AcMode v);
+
+struct JobSpec {
+  std::string name = "moetron";
+  std::string dump_folder = "./outputs";
+  std::string description;
+  bool operator==(const JobSpec&) const = default;
+};
+
+struct TrainSpec {
+  int64_t seq_len = 0;
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 0;  // sequences per optimizer step; 0 = micro_batch_size * dp
+  int64_t steps = 1;
+  int64_t seed = 0;
+  double max_norm = 1.0;  // gradient clipping (0 = off)
+  std::string dataset = "synthetic";
+  std::string dataset_path;
+  int64_t val_interval = 0;  // 0 = no validation
+  int64_t val_steps = 0;
+  Precision dtype = Precision::BF16;
+  int64_t threads = 0;  // 0 = all hardware threads
+  bool operator==(const TrainSpec&) const = default;
+};
+
+struct OptimizerSpec {
+  std::string name = "adamw";
+  double lr = 3e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  bool operator==(const OptimizerSpec&) const = default;
+};
+
+struct LRSchedulerSpec {
+  int64_t warmup_steps = 0;
+  DecayType decay_type = DecayType::Cosine;
+  double min_lr_ratio = 0.1;
+  bool operator==(const LRSchedulerSpec&) const = default;
+};
+
+struct ParallelSpec {
+  int64_t dp_replicate = 1;
+  int64_t dp_shard = 1;
+  int64_t ep = 1;
+  int64_t pp = 1;  // reserved: pipeline generators come later
+  int64_t ranks_per_node = 8;
+  EpDispatcher ep_dispatcher = EpDispatcher::AllToAll;
+  bool fp8_dispatch = false;
+  int64_t zero = 0;             // 0, 1 or 3
+  std::string pipeline_layout;  // reserved, e.g. "Et*3|t*4|...|t*2,L"
+  int64_t dp() const { return dp_replicate * dp_shard; }
+  int64_t world_size() const { return dp() * pp; }
+  bool operator==(const ParallelSpec&) const = default;
+};
+
+struct CheckpointSpec {
+  bool enable = false;
+  int64_t interval = 500;
+  int64_t keep_latest_k = 2;  // 0 = keep all
+  std::string folder = "checkpoint";
+  bool operator==(const CheckpointSpec&) const = default;
+};
+
+struct ActivationCheckpointSpec {
+  AcMode mode = AcMode::None;
+  std::vector<int> layer_ids;         // layers the mode applies to; empty = every layer
+  std::vector<std::string> modules;   // selective: any of attention_core, moe_act, norm
+  bool applies_to(int64_t layer) const;
+  bool has_module(std::string_view m) const;
+  bool operator==(const ActivationCheckpointSpec&) const = default;
+};
+
+struct MetricsSpec {
+  int64_t log_interval = 10;
+  double peak_tflops = 0.0;  // 0 = measure at start-up
+  bool jsonl = true;
+  bool operator==(const MetricsSpec&) const = default;
+};
+
+// Reserved for the planner (GPU catalog entry and cluster size); the engine ignores it.
+struct HardwareSpec {
+  std::string name;  // e.g. "mi300x" (catalog key), empty = none
+  int64_t num_nodes = 0;
+  int64_t gpus_per_node = 0;
+  bool operator==(const HardwareSpec&) const = default;
+};
+
+struct JobConfig {
+  JobSpec job;
+  ModelSpec model;
+  TrainSpec training;
+  OptimizerSpec optimizer;
+  LRSchedulerSpec lr_scheduler;
+  ParallelSpec parallelism;
+  CheckpointSpec checkpoint;
+  ActivationCheckpointSpec activation_checkpoint;
+  MetricsSpec metrics;
+  HardwareSpec hardware;
+
+  void resolve();         // derived defaults (model dims, global_batch_size 0 -> micro * dp)
+  void validate() const;  // throws moetron::Error naming the key and the value
+  bool operator==(const JobConfig&) const = default;
+};
+
+// Load a TOML file, apply overrides (each "--section.key=value" or "section.key=value"), resolve and
+// validate. Errors name the file and line (when known), the key, and a suggestion for unknown keys.
+JobConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from TOML text; `source` names it in error messages.
+JobConfig load_config_string(std::string_view toml_text, const std::vector<std::string>& overrides = {},
+                             std::string_view source = "<string>");
+// Apply one "--section.key=value" override to an already loaded config (not re-validated).
+void apply_override(JobConfig& c, std::string_view override_text);
+
+// Every key, in file order; load_config_string(to_toml(c)) == c for any resolved config.
+std::string to_toml(const JobConfig& c);
+// JSON object {section: {key: value}} (for checkpoint metadata) and back.
+nlohmann::json to_json(const JobConfig& c);
+JobConfig config_from_json(const nlohmann::json& j);
+
+// The known keys, "section.key", in file order (for docs, completion and tests).
+std::vector<std::string> config_keys();
+// Closest known "section.key" to `name` by edit distance, or "" when nothing is close.
+std::string suggest_key(std::string_view name);
+
+}  // namespace moetron

@@ -1,0 +1,107 @@
+// spec.h: ModelSpec, the one description of a model's shape that the engine, the accounting and the
+// planner all read. Plain structs with validation; HF config.json import/export is declared here too.
+// Not a layer implementation and not a config loader (see config.h for TOML + overrides).
+//
+// Conventions (docs/model.md has the long form):
+//   - layer l is dense (SwiGLU MLP with inter_size) when n_routed_experts == 0, when l < first_k_dense,
+//     or when l is listed in dense_layers; otherwise it is an MoE layer;
+//   - every FFN is SwiGLU (gate, up, down; three matrices), no biases anywhere;
+//   - attention mha / gqa: q [d -> H*hd], k,v [d -> Hkv*hd], o [H*hd -> d], RoPE on the full head_dim;
+//     mla (DeepSeek-V2/V3): q via q_lora_rank (0 = plain q projection), kv via kv_lora_rank, decoupled
+//     RoPE part of width qk_rope_head_dim shared by all heads.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moetron {
+
+enum class AttnType : uint8_t { MHA, GQA, MLA };
+enum class ScoreFunc : uint8_t { Softmax, Sigmoid };
+enum class LoadBalance : uint8_t { None, AuxLoss, AuxFree };
+enum class DropPolicy : uint8_t { Probs, Position };
+
+std::string_view to_string(AttnType v);
+std::string_view to_string(ScoreFunc v);
+std::string_view to_string(LoadBalance v);
+std::string_view to_string(DropPolicy v);
+
+struct AttentionSpec {
+  AttnType type = AttnType::MHA;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;  // mha: == n_heads (0 = n_heads); gqa: divides n_heads; mla: unused (kept 0)
+  int64_t head_dim = 0;    // mha/gqa (0 = d_model / n_heads); mla: unused (kept 0)
+  bool qk_norm = false;    // RMSNorm with learned [head_dim] weights on q and on k (Qwen3); not for mla
+  // MLA only.
+  int64_t q_lora_rank = 0;  // 0 = no q compression (DeepSeek-V2-Lite)
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+
+  // Per-head widths, whatever the type.
+  int64_t qk_head_dim() const { return type == AttnType::MLA ? qk_nope_head_dim + qk_rope_head_dim : head_dim; }
+  int64_t v_dim() const { return type == AttnType::MLA ? v_head_dim : head_dim; }
+  int64_t kv_heads() const { return type == AttnType::MLA ? n_heads : n_kv_heads; }
+  bool operator==(const AttentionSpec&) const = default;
+};
+
+struct MoESpec {
+  int64_t n_routed_experts = 0;  // 0 = dense model (every layer dense)
+  int64_t n_shared_experts = 0;
+  int64_t moe_inter_size = 0;    // ffn width of one routed (and one shared) expert
+  int64_t topk = 0;
+  ScoreFunc score_func = ScoreFunc::Softmax;
+  int64_t n_group = 1;     // group-limited routing: experts split in n_group groups (1 = off)
+  int64_t topk_group = 1;  // ... a token may use experts of at most topk_group groups
+  bool norm_topk_prob = false;
+  double route_scale = 1.0;  // multiplies the combine weights (DeepSeek routed_scaling_factor)
+  LoadBalance load_balance = LoadBalance::AuxLoss;
+  double aux_coef = 0.001;         // balance loss coefficient (aux_loss; complementary loss with aux_free)
+  bool aux_seq_wise = false;       // balance loss per sequence (DeepSeek "seq_aux") rather than per batch
+  double bias_update_rate = 0.001; // aux_free: step of the per-expert bias update
+  double z_loss_coef = 0.0;
+  double capacity_factor = 0.0;    // 0 = dropless
+  DropPolicy drop_policy = DropPolicy::Probs;
+  bool operator==(const MoESpec&) const = default;
+};
+
+struct ModelSpec {
+  int64_t vocab_size = 0;
+  int64_t d_model = 0;
+  int64_t n_layers = 0;
+  int64_t first_k_dense = 0;          // the first k layers are dense ...
+  std::vector<int> dense_layers;      // ... or an explicit list of dense layer ids (not both)
+  int64_t inter_size = 0;             // dense SwiGLU ffn width
+  double norm_eps = 1e-6;
+  bool tie_embeddings = false;
+  double init_std = 0.02;
+  double rope_theta = 10000.0;
+  AttentionSpec attn;
+  MoESpec moe;
+
+  bool is_moe() const { return moe.n_routed_experts > 0; }
+  bool is_moe_layer(int64_t layer) const;
+  int64_t n_moe_layers() const;
+  int64_t n_dense_layers() const { return n_layers - n_moe_layers(); }
+
+  // Fill derived defaults (n_kv_heads, head_dim for mha/gqa) so that the stored spec is explicit.
+  void resolve();
+  // Throws moetron::Error naming the offending key ("model.topk: ...") for impossible values.
+  void validate() const;
+  bool operator==(const ModelSpec&) const = default;
+};
+
+// ---- Hugging Face config.json ----------------------------------------------------------------------
+// Supported model_type: deepseek (DeepSeekMoE V1), deepseek_v2, deepseek_v3 (the MTP module, if
+// num_nextn_predict_layers > 0, is ignored), mixtral, qwen3_moe. Returns a resolved, validated spec.
+ModelSpec model_spec_from_hf_json(std::string_view json_text, std::string_view source = "config.json");
+ModelSpec load_hf_config(const std::string& path);
+// The inverse. Chooses deepseek_v3 (mla + sigmoid), deepseek_v2 (mla), deepseek (mha/gqa with shared
+// experts or dense layers), qwen3_moe (qk_norm), mixtral (otherwise); throws if the spec is not
+// expressible in any of them. model_spec_from_hf_json(to_hf_config_json(s)) == s for the model fields
+// those formats carry.
+std::string to_hf_config_json(const ModelSpec& s);
+
+}  // namespace moetron

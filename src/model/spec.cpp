@@ -1,0 +1,140 @@
+// spec.cpp: ModelSpec helpers: enum names, dense/MoE layer map, derived defaults and validation.
+// Not the TOML loader (src/train/config.cpp) and not HF import (hf_config.cpp).
+#include "moetron/spec.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "moetron/check.h"
+
+namespace moetron {
+
+std::string_view to_string(AttnType v) {
+  switch (v) {
+    case AttnType::MHA: return "mha";
+    case AttnType::GQA: return "gqa";
+    case AttnType::MLA: return "mla";
+  }
+  return "?";
+}
+std::string_view to_string(ScoreFunc v) { return v == ScoreFunc::Softmax ? "softmax" : "sigmoid"; }
+std::string_view to_string(LoadBalance v) {
+  switch (v) {
+    case LoadBalance::None: return "none";
+    case LoadBalance::AuxLoss: return "aux_loss";
+    case LoadBalance::AuxFree: return "aux_free";
+  }
+  return "?";
+}
+std::string_view to_string(DropPolicy v) { return v == DropPolicy::Probs ? "probs" : "position"; }
+
+bool ModelSpec::is_moe_layer(int64_t layer) const {
+  if (!is_moe() || layer < first_k_dense) return false;
+  return std::find(dense_layers.begin(), dense_layers.end(), layer) == dense_layers.end();
+}
+
+int64_t ModelSpec::n_moe_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < n_layers; ++l) n += is_moe_layer(l);
+  return n;
+}
+
+void ModelSpec::resolve() {
+  if (attn.type == AttnType::MLA) return;
+  if (attn.n_kv_heads == 0) attn.n_kv_heads = attn.n_heads;
+  if (attn.head_dim == 0 && attn.n_heads > 0 && d_model % attn.n_heads == 0) attn.head_dim = d_model / attn.n_heads;
+}
+
+namespace {
+// Validation messages read "invalid config: model.<key> = <value>: <why>".
+template <class V, class... A>
+[[noreturn]] void bad(const char* key, const V& value, const A&... why) {
+  std::ostringstream os;
+  os << "invalid config: model." << key << " = " << value << ": ";
+  (os << ... << why);
+  throw Error(os.str());
+}
+}  // namespace
+
+void ModelSpec::validate() const {
+  if (vocab_size <= 0) bad("vocab_size", vocab_size, "must be > 0");
+  if (d_model <= 0) bad("d_model", d_model, "must be > 0");
+  if (n_layers <= 0) bad("n_layers", n_layers, "must be > 0");
+  if (first_k_dense < 0 || first_k_dense > n_layers)
+    bad("first_k_dense", first_k_dense, "must be in [0, n_layers = ", n_layers, "]");
+  if (first_k_dense > 0 && !dense_layers.empty())
+    bad("dense_layers", dense_layers.size(), " ids given together with model.first_k_dense = ", first_k_dense,
+        ": set one or the other");
+  for (size_t i = 0; i < dense_layers.size(); ++i) {
+    int l = dense_layers[i];
+    if (l < 0 || l >= n_layers) bad("dense_layers", l, "layer id out of range [0, ", n_layers, ")");
+    for (size_t j = 0; j < i; ++j)
+      if (dense_layers[j] == l) bad("dense_layers", l, "listed twice");
+  }
+  if (!(norm_eps > 0)) bad("norm_eps", norm_eps, "must be > 0");
+  if (!(init_std > 0)) bad("init_std", init_std, "must be > 0");
+  if (!(rope_theta > 0)) bad("rope_theta", rope_theta, "must be > 0");
+  if (n_dense_layers() > 0 && inter_size <= 0)
+    bad("inter_size", inter_size, "must be > 0: the model has ", n_dense_layers(), " dense layer(s)");
+  if (inter_size < 0) bad("inter_size", inter_size, "must be >= 0");
+
+  // Attention.
+  const auto& a = attn;
+  if (a.n_heads <= 0) bad("n_heads", a.n_heads, "must be > 0");
+  if (a.type == AttnType::MHA || a.type == AttnType::GQA) {
+    if (a.type == AttnType::MHA && d_model % a.n_heads != 0)
+      bad("n_heads", a.n_heads, "d_model (", d_model, ") must be divisible by n_heads for mha attention");
+    if (a.head_dim <= 0)
+      bad("head_dim", a.head_dim, "must be > 0 (or omitted with d_model divisible by n_heads = ", a.n_heads, ")");
+    if (a.head_dim % 2 != 0) bad("head_dim", a.head_dim, "must be even (RoPE rotates pairs)");
+    if (a.type == AttnType::MHA && a.n_kv_heads != a.n_heads)
+      bad("n_kv_heads", a.n_kv_heads, "mha attention needs n_kv_heads == n_heads (", a.n_heads,
+          "); use attn_type = \"gqa\"");
+    if (a.n_kv_heads <= 0) bad("n_kv_heads", a.n_kv_heads, "must be > 0");
+    if (a.n_heads % a.n_kv_heads != 0)
+      bad("n_kv_heads", a.n_kv_heads, "must divide n_heads (", a.n_heads, ")");
+    if (a.q_lora_rank || a.kv_lora_rank || a.qk_nope_head_dim || a.qk_rope_head_dim || a.v_head_dim)
+      bad("attn_type", to_string(a.type), "MLA dimensions (q_lora_rank, kv_lora_rank, qk_*_head_dim, v_head_dim) "
+          "are set but attention is not mla");
+  } else {
+    if (a.kv_lora_rank <= 0) bad("kv_lora_rank", a.kv_lora_rank, "mla attention needs kv_lora_rank > 0");
+    if (a.q_lora_rank < 0) bad("q_lora_rank", a.q_lora_rank, "must be >= 0 (0 = no q compression)");
+    if (a.qk_nope_head_dim <= 0) bad("qk_nope_head_dim", a.qk_nope_head_dim, "mla attention needs it > 0");
+    if (a.qk_rope_head_dim <= 0 || a.qk_rope_head_dim % 2 != 0)
+      bad("qk_rope_head_dim", a.qk_rope_head_dim, "mla attention needs it > 0 and even (RoPE rotates pairs)");
+    if (a.v_head_dim <= 0) bad("v_head_dim", a.v_head_dim, "mla attention needs it > 0");
+    if (a.qk_norm) bad("qk_norm", "true", "not supported with mla attention (MLA normalizes its latents)");
+    if (a.n_kv_heads != 0 && a.n_kv_heads != a.n_heads)
+      bad("n_kv_heads", a.n_kv_heads, "mla attention has n_heads (", a.n_heads, ") k/v heads; leave it unset");
+  }
+
+  // MoE.
+  const auto& m = moe;
+  if (m.n_routed_experts < 0) bad("n_routed_experts", m.n_routed_experts, "must be >= 0 (0 = dense model)");
+  if (m.n_shared_experts < 0) bad("n_shared_experts", m.n_shared_experts, "must be >= 0");
+  if (!is_moe()) {
+    if (m.n_shared_experts > 0)
+      bad("n_shared_experts", m.n_shared_experts, "shared experts need n_routed_experts > 0");
+    return;
+  }
+  if (n_moe_layers() == 0) bad("first_k_dense", first_k_dense, "every layer is dense although n_routed_experts > 0");
+  if (m.moe_inter_size <= 0) bad("moe_inter_size", m.moe_inter_size, "must be > 0 for a MoE model");
+  if (m.topk <= 0) bad("topk", m.topk, "must be > 0");
+  if (m.topk > m.n_routed_experts)
+    bad("topk", m.topk, "must be <= n_routed_experts (", m.n_routed_experts, ")");
+  if (m.n_group <= 0) bad("n_group", m.n_group, "must be >= 1 (1 = no group-limited routing)");
+  if (m.n_routed_experts % m.n_group != 0)
+    bad("n_group", m.n_group, "must divide n_routed_experts (", m.n_routed_experts, ")");
+  if (m.topk_group < 1 || m.topk_group > m.n_group)
+    bad("topk_group", m.topk_group, "must be in [1, n_group = ", m.n_group, "]");
+  if (m.topk > m.topk_group * (m.n_routed_experts / m.n_group))
+    bad("topk", m.topk, "more than the ", m.topk_group * (m.n_routed_experts / m.n_group),
+        " experts in topk_group (", m.topk_group, ") groups of ", m.n_routed_experts / m.n_group);
+  if (!(m.route_scale > 0)) bad("route_scale", m.route_scale, "must be > 0");
+  if (!(m.aux_coef >= 0)) bad("aux_coef", m.aux_coef, "must be >= 0");
+  if (!(m.bias_update_rate >= 0)) bad("bias_update_rate", m.bias_update_rate, "must be >= 0");
+  if (!(m.z_loss_coef >= 0)) bad("z_loss_coef", m.z_loss_coef, "must be >= 0");
+  if (!(m.capacity_factor >= 0)) bad("capacity_factor", m.capacity_factor, "must be >= 0 (0 = dropless)");
+}
+
+}  // namespace moetron
