@@ -1,4 +1,4 @@
-// dtype.h: element types (fp32, bf16, fp8 e4m3 / e5m2, int32, int64) and scalar conversions.
+// dtype.h: element types (fp32, bf16, fp8 e4m3 / e5m2, int32, int64, uint8) and scalar conversions.
 // Conversions round to nearest even. FP8 encoders saturate to the largest finite value (the "satfinite"
 // behaviour that FP8 training recipes use); NaN stays NaN. Vectorized conversions live in kernels.
 #pragma once
@@ -9,7 +9,7 @@
 
 namespace moetron {
 
-enum class DType : uint8_t { F32, BF16, F8E4M3, F8E5M2, I32, I64 };
+enum class DType : uint8_t { F32, BF16, F8E4M3, F8E5M2, I32, I64, U8 };
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);
@@ -58,5 +58,6 @@ template <> constexpr DType dtype_of<fp8_e4m3>() { return DType::F8E4M3; }
 template <> constexpr DType dtype_of<fp8_e5m2>() { return DType::F8E5M2; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::I32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::I64; }
+template <> constexpr DType dtype_of<uint8_t>() { return DType::U8; }
 
 }  // namespace moetron

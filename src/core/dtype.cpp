@@ -17,6 +17,7 @@ size_t dtype_size(DType t) {
     case DType::F8E5M2: return 1;
     case DType::I32: return 4;
     case DType::I64: return 8;
+    case DType::U8: return 1;
   }
   MT_FAIL("dtype_size", "unknown dtype ", int(t));
 }
@@ -29,14 +30,15 @@ std::string_view dtype_name(DType t) {
     case DType::F8E5M2: return "f8_e5m2";
     case DType::I32: return "i32";
     case DType::I64: return "i64";
+    case DType::U8: return "u8";
   }
   MT_FAIL("dtype_name", "unknown dtype ", int(t));
 }
 
 DType dtype_from_name(std::string_view n) {
-  for (DType t : {DType::F32, DType::BF16, DType::F8E4M3, DType::F8E5M2, DType::I32, DType::I64})
+  for (DType t : {DType::F32, DType::BF16, DType::F8E4M3, DType::F8E5M2, DType::I32, DType::I64, DType::U8})
     if (dtype_name(t) == n) return t;
-  MT_FAIL("dtype_from_name", "unknown dtype '", n, "' (expected f32, bf16, f8_e4m3, f8_e5m2, i32 or i64)");
+  MT_FAIL("dtype_from_name", "unknown dtype '", n, "' (expected f32, bf16, f8_e4m3, f8_e5m2, i32, i64 or u8)");
 }
 
 namespace {

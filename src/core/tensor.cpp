@@ -214,6 +214,7 @@ float Tensor::get(std::initializer_list<int64_t> idx) const {
     case DType::F8E5M2: return e5m2_bits_to_float(reinterpret_cast<const uint8_t*>(base)[off]);
     case DType::I32: return float(reinterpret_cast<const int32_t*>(base)[off]);
     case DType::I64: return float(reinterpret_cast<const int64_t*>(base)[off]);
+    case DType::U8: return float(reinterpret_cast<const uint8_t*>(base)[off]);
   }
   return 0.0f;
 }
