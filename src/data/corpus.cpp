@@ -88,6 +88,7 @@ std::string detokenize(const std::vector<std::string>& words) {
     } else if (w == "`") {
       w = "'";
       glue_after = true;
+      single_open = true;
     } else if (w == "'") {
       if (single_open) {
         space_before = false;

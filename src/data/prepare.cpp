@@ -259,10 +259,6 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
     say("re-preparing " + opt.out_dir + ": " + why);
   }
 
-  // The directory is incomplete from here until the new manifest is written.
-  fs::create_directories(dir);
-  fs::remove(mpath);
-
   if (!loaded) {
     say("loading corpus " + opt.source + " ...");
     corpus = load_corpus(opt.source, opt.npm_cache, opt.verbose);
@@ -287,8 +283,9 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   topt.vocab_size = opt.vocab_size;
   topt.seed = opt.seed;
   topt.character_coverage = opt.character_coverage;
-  const std::string tok_path = (dir / "tokenizer.model").string();
-  Tokenizer tok = Tokenizer::train(train_text, topt, tok_path);
+  // Trained in memory: nothing on disk changes until everything that can fail on bad input has run.
+  const std::string tok_proto = Tokenizer::train_model(train_text, topt);
+  Tokenizer tok = Tokenizer::from_serialized(tok_proto);
   train_text.clear();
   train_text.shrink_to_fit();
   res.seconds_tokenizer = now_s() - tt;
@@ -310,8 +307,11 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   MT_CHECK(err.empty(), "data", "encoding failed: ", err);
   res.seconds_encode = now_s() - te;
 
-  // Shards.
+  // The directory is incomplete from here until the new manifest is written.
   double tw = now_s();
+  fs::create_directories(dir);
+  fs::remove(mpath);
+  io::write_file_atomic((dir / "tokenizer.model").string(), {tok_proto});
   std::vector<const std::vector<int32_t>*> train_docs, val_docs;
   for (size_t i = 0; i < ndoc; ++i) (is_val[i] ? val_docs : train_docs).push_back(&ids[i]);
   const uint32_t V = uint32_t(tok.vocab_size()), eos = uint32_t(tok.eos_id());
@@ -340,7 +340,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
     xent /= double(val.tokens);
   }
 
-  std::string tok_bytes = tok.serialized();
+  const std::string& tok_bytes = tok_proto;
   json shards_train = json::array(), shards_val = json::array();
   for (const auto& s : train.shards) shards_train.push_back(shard_json(s));
   for (const auto& s : val.shards) shards_val.push_back(shard_json(s));
