@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -29,6 +30,12 @@ using json = nlohmann::json;
 namespace {
 
 constexpr const char* kManifest = "dataset.json";
+
+double cpu_s() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -205,7 +212,7 @@ DatasetInfo load_dataset(const std::string& dir) {
 
 PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   PrepareOptions opt = opt_in;
-  const double t0 = now_s();
+  const double t0 = now_s(), c0 = cpu_s();
   MT_CHECK(!opt.out_dir.empty(), "data", "empty output directory");
   MT_CHECK(opt.val_fraction >= 0 && opt.val_fraction <= 0.5, "data", "val_fraction ", opt.val_fraction,
            " must be in [0, 0.5]");
@@ -253,6 +260,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
       res.skipped = true;
       res.info = load_dataset(opt.out_dir);
       res.seconds = now_s() - t0;
+      res.cpu_seconds = cpu_s() - c0;
       say("dataset " + opt.out_dir + " is up to date (" + mpath.string() + " matches the options); nothing to do");
       return res;
     }
@@ -345,6 +353,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   for (const auto& s : train.shards) shards_train.push_back(shard_json(s));
   for (const auto& s : val.shards) shards_val.push_back(shard_json(s));
   res.seconds = now_s() - t0;
+  res.cpu_seconds = cpu_s() - c0;
   json m = {
       {"format", "moetron-dataset"},
       {"version", kDatasetFormatVersion},
@@ -414,8 +423,9 @@ std::string dataset_summary(const PrepareResult& r) {
   if (r.skipped) {
     std::snprintf(buf, sizeof buf, "time        %.2f s (originally prepared in %.2f s)\n", r.seconds, d.prepare_seconds);
   } else {
-    std::snprintf(buf, sizeof buf, "time        %.2f s (load %.2f, tokenizer %.2f, encode %.2f, write %.2f)\n",
-                  r.seconds, r.seconds_load, r.seconds_tokenizer, r.seconds_encode, r.seconds_write);
+    std::snprintf(buf, sizeof buf,
+                  "time        %.2f s wall (load %.2f, tokenizer %.2f, encode %.2f, write %.2f), %.2f s CPU\n", r.seconds,
+                  r.seconds_load, r.seconds_tokenizer, r.seconds_encode, r.seconds_write, r.cpu_seconds);
   }
   os << buf;
   return os.str();
