@@ -595,6 +595,7 @@ std::string suggest_key(std::string_view name) {
   for (const auto& f : fields()) {
     size_t d = levenshtein(name, f.full());
     if (f.key == key) d = std::min<size_t>(d, 1);  // right key, wrong (or no) section
+    if (key.size() >= 3 && f.full().rfind(name, 0) == 0) d = std::min<size_t>(d, 1);  // a prefix of a key
     if (d < best_d) best_d = d, best = &f;
   }
   const size_t limit = std::max<size_t>(2, name.size() / 3);
