@@ -37,12 +37,12 @@ std::string flops(double f) {
   return b;
 }
 
-nlohmann::json info_json(const JobConfig& c, const std::string& path) {
+nlohmann::ordered_json info_json(const JobConfig& c, const std::string& path) {
   const auto& s = c.model;
   ParamCounts pc = count_params(s);
   FlopsPerToken f = flops_per_token(s, c.training.seq_len, true, c.activation_checkpoint);
   ActivationBytes act = activation_bytes(c);
-  nlohmann::json j;
+  nlohmann::ordered_json j;
   j["name"] = c.job.name;
   j["config"] = path;
   j["total_params"] = pc.total;
@@ -64,10 +64,10 @@ nlohmann::json info_json(const JobConfig& c, const std::string& path) {
   j["param_bytes_fp32"] = pc.total * 4;
   j["activation_bytes"] = act.total;
   j["recompute_transient_bytes"] = act.recompute_transient;
-  nlohmann::json layers = nlohmann::json::array();
+  nlohmann::ordered_json layers = nlohmann::ordered_json::array();
   for (int64_t l = 0; l < s.n_layers; ++l) {
     const auto& p = pc.layers[l];
-    nlohmann::json terms = nlohmann::json::object();
+    nlohmann::ordered_json terms = nlohmann::ordered_json::object();
     for (const auto& t : act.layers[l].terms) terms[t.name] = t.bytes;
     layers.push_back({{"layer", l},
                       {"kind", p.moe ? "moe" : "dense"},
@@ -86,7 +86,7 @@ nlohmann::json info_json(const JobConfig& c, const std::string& path) {
                       {"activation_terms", terms}});
   }
   j["layers"] = layers;
-  nlohmann::json outside = nlohmann::json::object();
+  nlohmann::ordered_json outside = nlohmann::ordered_json::object();
   for (const auto& t : act.outside.terms) outside[t.name] = t.bytes;
   j["activation_terms_outside_layers"] = outside;
   return j;
@@ -135,7 +135,7 @@ void print_info(const JobConfig& c, const std::string& path) {
   std::printf("\nper layer: fp32 parameter bytes; activations saved for one micro-batch (%lld x %lld tokens, %s)\n",
               (long long)c.training.micro_batch_size, (long long)c.training.seq_len,
               std::string(to_string(c.training.dtype)).c_str());
-  std::printf("  %-9s %-6s %10s %10s %10s %10s %12s %12s\n", "layers", "kind", "attention", "mlp/exp", "router",
+  std::printf("  %-12s %-6s %10s %10s %10s %10s %12s %12s\n", "layers", "kind", "attention", "mlp/exp", "router",
               "params", "param bytes", "act bytes");
   int64_t l = 0;
   while (l < s.n_layers) {
@@ -144,18 +144,18 @@ void print_info(const JobConfig& c, const std::string& path) {
     while (e < s.n_layers && pc.layers[e].total() == p.total() && pc.layers[e].moe == p.moe &&
            act.layers[e].total() == act.layers[l].total())
       ++e;
-    std::string range = e - l == 1 ? std::to_string(l) : std::to_string(l) + "-" + std::to_string(e - 1);
-    std::printf("  %-9s %-6s %10s %10s %10s %10s %12s %12s%s\n", range.c_str(), p.moe ? "moe" : "dense",
+    std::string range = e - l == 1 ? std::to_string(l)
+                                   : std::to_string(l) + "-" + std::to_string(e - 1) + " x" + std::to_string(e - l);
+    std::printf("  %-12s %-6s %10s %10s %10s %10s %12s %12s\n", range.c_str(), p.moe ? "moe" : "dense",
                 count(p.attention).c_str(), count(p.dense_mlp + p.routed_experts + p.shared_experts).c_str(),
                 count(p.router).c_str(), count(p.total()).c_str(), mib(p.total() * 4.0).c_str(),
-                mib(act.layers[l].total()).c_str(),
-                e - l > 1 ? (" x" + std::to_string(e - l)).c_str() : "");
+                mib(act.layers[l].total()).c_str());
     l = e;
   }
-  std::printf("  %-9s %-6s %10s %10s %10s %10s %12s %12s\n", "outside", "", "", "", "",
+  std::printf("  %-12s %-6s %10s %10s %10s %10s %12s %12s\n", "outside", "", "", "", "",
               count(pc.embedding + pc.head + pc.final_norm).c_str(),
               mib((pc.embedding + pc.head + pc.final_norm) * 4.0).c_str(), mib(act.outside.total()).c_str());
-  std::printf("  %-9s %-6s %10s %10s %10s %10s %12s %12s\n", "total", "", "", "", "", count(pc.total).c_str(),
+  std::printf("  %-12s %-6s %10s %10s %10s %10s %12s %12s\n", "total", "", "", "", "", count(pc.total).c_str(),
               mib(pc.total * 4.0).c_str(), mib(act.total).c_str());
   if (act.recompute_transient > 0)
     std::printf("  + %s re-materialized while recomputing one fully checkpointed layer\n",
