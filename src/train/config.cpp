@@ -547,8 +547,12 @@ void apply_table(JobConfig& c, const toml::table& root, std::string_view source)
   for (auto&& [k, node] : root) {
     const std::string sec(k.str());
     const int64_t line = k.source().begin.line;
-    if (!node.is_table()) unknown_key(source, line, sec);
     const bool known = std::find(secs.begin(), secs.end(), sec) != secs.end();
+    if (!node.is_table()) {
+      if (known)
+        throw Error(where(source, line) + sec + ": expected a table ([" + sec + "]), got " + toml_type_name(node));
+      unknown_key(source, line, sec);
+    }
     for (auto&& [kk, v] : *node.as_table()) {
       const std::string key(kk.str());
       const Field* f = known ? find_field(sec, key) : nullptr;

@@ -220,6 +220,8 @@ TEST(Config, UnknownKeyNamesKeyLineAndSuggestion) {
   EXPECT_EQ(m.find("did you mean"), std::string::npos) << m;
   m = load_error("inherit = \"ds_tiny.toml\"\n");  // presets are flat
   EXPECT_HAS(m, "unknown key 'inherit'");
+  m = load_error("training = 5\n");  // a section given as a value
+  EXPECT_HAS(m, "test.toml:1: training: expected a table ([training]), got integer");
   m = load_error("[model.moe]\ntopk = 2\n");  // no nested tables
   EXPECT_HAS(m, "unknown key 'model.moe'");
 }
