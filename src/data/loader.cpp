@@ -64,6 +64,10 @@ DataLoader::DataLoader(const std::vector<std::string>& shard_paths, const Loader
   key_shuffle_ = rng_key(opt.seed, "data.loader.shuffle");
   key_offset_ = rng_key(opt.seed, "data.loader.offset");
   uint64_t n0 = windows_in_epoch(0);
+  // Phase 0 has the most windows: reserve once so later epochs do not reallocate.
+  uint64_t nmax = 0;
+  for (const auto& s : shards_) nmax += windows_in(s.size(), 0, uint64_t(opt.seq_len));
+  perm_.reserve(nmax);
   MT_CHECK(n0 >= uint64_t(G_), "loader", "dataset too small: ", total_, " tokens give ", n0,
            " windows of seq_len+1 = ", opt.seq_len + 1, " tokens, fewer than one global batch of ", G_);
 }

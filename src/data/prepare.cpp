@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -29,6 +30,12 @@ using json = nlohmann::json;
 namespace {
 
 constexpr const char* kManifest = "dataset.json";
+
+double cpu_s() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -205,7 +212,7 @@ DatasetInfo load_dataset(const std::string& dir) {
 
 PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   PrepareOptions opt = opt_in;
-  const double t0 = now_s();
+  const double t0 = now_s(), c0 = cpu_s();
   MT_CHECK(!opt.out_dir.empty(), "data", "empty output directory");
   MT_CHECK(opt.val_fraction >= 0 && opt.val_fraction <= 0.5, "data", "val_fraction ", opt.val_fraction,
            " must be in [0, 0.5]");
@@ -253,15 +260,12 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
       res.skipped = true;
       res.info = load_dataset(opt.out_dir);
       res.seconds = now_s() - t0;
+      res.cpu_seconds = cpu_s() - c0;
       say("dataset " + opt.out_dir + " is up to date (" + mpath.string() + " matches the options); nothing to do");
       return res;
     }
     say("re-preparing " + opt.out_dir + ": " + why);
   }
-
-  // The directory is incomplete from here until the new manifest is written.
-  fs::create_directories(dir);
-  fs::remove(mpath);
 
   if (!loaded) {
     say("loading corpus " + opt.source + " ...");
@@ -287,8 +291,9 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   topt.vocab_size = opt.vocab_size;
   topt.seed = opt.seed;
   topt.character_coverage = opt.character_coverage;
-  const std::string tok_path = (dir / "tokenizer.model").string();
-  Tokenizer tok = Tokenizer::train(train_text, topt, tok_path);
+  // Trained in memory: nothing on disk changes until everything that can fail on bad input has run.
+  const std::string tok_proto = Tokenizer::train_model(train_text, topt);
+  Tokenizer tok = Tokenizer::from_serialized(tok_proto);
   train_text.clear();
   train_text.shrink_to_fit();
   res.seconds_tokenizer = now_s() - tt;
@@ -310,8 +315,11 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   MT_CHECK(err.empty(), "data", "encoding failed: ", err);
   res.seconds_encode = now_s() - te;
 
-  // Shards.
+  // The directory is incomplete from here until the new manifest is written.
   double tw = now_s();
+  fs::create_directories(dir);
+  fs::remove(mpath);
+  io::write_file_atomic((dir / "tokenizer.model").string(), {tok_proto});
   std::vector<const std::vector<int32_t>*> train_docs, val_docs;
   for (size_t i = 0; i < ndoc; ++i) (is_val[i] ? val_docs : train_docs).push_back(&ids[i]);
   const uint32_t V = uint32_t(tok.vocab_size()), eos = uint32_t(tok.eos_id());
@@ -340,11 +348,12 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
     xent /= double(val.tokens);
   }
 
-  std::string tok_bytes = tok.serialized();
+  const std::string& tok_bytes = tok_proto;
   json shards_train = json::array(), shards_val = json::array();
   for (const auto& s : train.shards) shards_train.push_back(shard_json(s));
   for (const auto& s : val.shards) shards_val.push_back(shard_json(s));
   res.seconds = now_s() - t0;
+  res.cpu_seconds = cpu_s() - c0;
   json m = {
       {"format", "moetron-dataset"},
       {"version", kDatasetFormatVersion},
@@ -414,8 +423,9 @@ std::string dataset_summary(const PrepareResult& r) {
   if (r.skipped) {
     std::snprintf(buf, sizeof buf, "time        %.2f s (originally prepared in %.2f s)\n", r.seconds, d.prepare_seconds);
   } else {
-    std::snprintf(buf, sizeof buf, "time        %.2f s (load %.2f, tokenizer %.2f, encode %.2f, write %.2f)\n",
-                  r.seconds, r.seconds_load, r.seconds_tokenizer, r.seconds_encode, r.seconds_write);
+    std::snprintf(buf, sizeof buf,
+                  "time        %.2f s wall (load %.2f, tokenizer %.2f, encode %.2f, write %.2f), %.2f s CPU\n", r.seconds,
+                  r.seconds_load, r.seconds_tokenizer, r.seconds_encode, r.seconds_write, r.cpu_seconds);
   }
   os << buf;
   return os.str();

@@ -191,16 +191,35 @@ std::string Tokenizer::decode(const int32_t* ids, size_t n) const {
   return out;
 }
 
+#define MT_TOKENIZER_LOADED() MT_CHECK(impl_, "tokenizer", "empty Tokenizer (use train, load or from_serialized)")
 int Tokenizer::vocab_size() const { return impl_ ? impl_->sp.GetPieceSize() : 0; }
-int Tokenizer::unk_id() const { return impl_->sp.unk_id(); }
-int Tokenizer::bos_id() const { return impl_->sp.bos_id(); }
-int Tokenizer::eos_id() const { return impl_->sp.eos_id(); }
-int Tokenizer::newline_id() const { return impl_->newline_id; }
+int Tokenizer::unk_id() const {
+  MT_TOKENIZER_LOADED();
+  return impl_->sp.unk_id();
+}
+int Tokenizer::bos_id() const {
+  MT_TOKENIZER_LOADED();
+  return impl_->sp.bos_id();
+}
+int Tokenizer::eos_id() const {
+  MT_TOKENIZER_LOADED();
+  return impl_->sp.eos_id();
+}
+int Tokenizer::newline_id() const {
+  MT_TOKENIZER_LOADED();
+  return impl_->newline_id;
+}
 std::string Tokenizer::piece(int id) const {
   MT_CHECK(id >= 0 && id < vocab_size(), "tokenizer", "piece: id ", id, " outside [0, ", vocab_size(), ")");
   return impl_->sp.IdToPiece(id);
 }
-bool Tokenizer::is_byte(int id) const { return impl_->sp.IsByte(id); }
-const std::string& Tokenizer::serialized() const { return impl_->proto; }
+bool Tokenizer::is_byte(int id) const {
+  MT_TOKENIZER_LOADED();
+  return id >= 0 && id < vocab_size() && impl_->sp.IsByte(id);
+}
+const std::string& Tokenizer::serialized() const {
+  MT_TOKENIZER_LOADED();
+  return impl_->proto;
+}
 
 }  // namespace moetron::data

@@ -62,9 +62,11 @@ void ModelSpec::validate() const {
   if (n_layers <= 0) bad("n_layers", n_layers, "must be > 0");
   if (first_k_dense < 0 || first_k_dense > n_layers)
     bad("first_k_dense", first_k_dense, "must be in [0, n_layers = ", n_layers, "]");
-  if (first_k_dense > 0 && !dense_layers.empty())
-    bad("dense_layers", dense_layers.size(), " ids given together with model.first_k_dense = ", first_k_dense,
-        ": set one or the other");
+  if (first_k_dense > 0 && !dense_layers.empty()) {
+    std::string list = "[";
+    for (size_t i = 0; i < dense_layers.size(); ++i) list += (i ? ", " : "") + std::to_string(dense_layers[i]);
+    bad("dense_layers", list + "]", "set together with model.first_k_dense = ", first_k_dense, "; use one or the other");
+  }
   for (size_t i = 0; i < dense_layers.size(); ++i) {
     int l = dense_layers[i];
     if (l < 0 || l >= n_layers) bad("dense_layers", l, "layer id out of range [0, ", n_layers, ")");

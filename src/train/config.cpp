@@ -547,8 +547,12 @@ void apply_table(JobConfig& c, const toml::table& root, std::string_view source)
   for (auto&& [k, node] : root) {
     const std::string sec(k.str());
     const int64_t line = k.source().begin.line;
-    if (!node.is_table()) unknown_key(source, line, sec);
     const bool known = std::find(secs.begin(), secs.end(), sec) != secs.end();
+    if (!node.is_table()) {
+      if (known)
+        throw Error(where(source, line) + sec + ": expected a table ([" + sec + "]), got " + toml_type_name(node));
+      unknown_key(source, line, sec);
+    }
     for (auto&& [kk, v] : *node.as_table()) {
       const std::string key(kk.str());
       const Field* f = known ? find_field(sec, key) : nullptr;
@@ -595,6 +599,7 @@ std::string suggest_key(std::string_view name) {
   for (const auto& f : fields()) {
     size_t d = levenshtein(name, f.full());
     if (f.key == key) d = std::min<size_t>(d, 1);  // right key, wrong (or no) section
+    if (key.size() >= 3 && f.full().rfind(name, 0) == 0) d = std::min<size_t>(d, 1);  // a prefix of a key
     if (d < best_d) best_d = d, best = &f;
   }
   const size_t limit = std::max<size_t>(2, name.size() / 3);

@@ -61,7 +61,8 @@ struct DatasetInfo {
 struct PrepareResult {
   bool skipped = false;  // the manifest already matched: nothing was done
   DatasetInfo info;
-  double seconds = 0;    // this call
+  double seconds = 0;    // this call, wall clock
+  double cpu_seconds = 0;  // this call, CPU time of the process (all threads)
   double seconds_load = 0, seconds_tokenizer = 0, seconds_encode = 0, seconds_write = 0;
 };
 
