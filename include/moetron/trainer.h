@@ -37,6 +37,7 @@ struct TrainResult {
   double tokens_per_s = 0, tflops = 0, mfu = 0, peak_gflops = 0;
   double recompute_seconds = 0;
   int64_t mem_peak_bytes = 0;
+  int64_t act_peak_bytes = 0;  // peak of the activations category (what recompute saves)
   std::string dump_folder, metrics_path, checkpoint_dir;
   double unigram_entropy = -1;  // of the training data (nats/token) when known
 };

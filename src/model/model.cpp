@@ -74,7 +74,8 @@ struct LayerBufs {
 
 struct Layer {
   bool moe = false;
-  bool recompute = false;
+  bool recompute = false;                                 // full: re-run the whole layer forward
+  bool sel_norm = false, sel_attn = false, sel_act = false;  // selective: recompute these modules
   int moe_index = -1;
   // parameter indices (-1 = absent)
   int attn_norm = -1, ffn_norm = -1;
@@ -165,6 +166,10 @@ struct Model::Impl {
   void forward_layer(Layer& L, const float* xin, float* xout);
   void backward_layer(Layer& L, float* dxio);  // dxio: gradient w.r.t. layer output in, input out
   void attn_forward(Layer& L, LayerBufs& b);
+  void attn_core(LayerBufs& b);
+  void recompute_selected_ffn(Layer& L, LayerBufs& b);
+  void recompute_selected_attn(Layer& L, LayerBufs& b);
+  LayerBufs sel;  // buffers shared by the layers whose modules are selectively recomputed
   void attn_backward(Layer& L, LayerBufs& b, float* dh /* [N,d] out: grad of h1 */);
   void ffn_forward(Layer& L, LayerBufs& b, float* y /* [N,d] */);
   void ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2 /* out */, float aux_scale);
@@ -277,9 +282,37 @@ void Model::Impl::build() {
     L.bufs = owned_bufs.back().get();
     if (L.recompute) shared[L.moe] = L.bufs;
   }
+  // Selective recompute: the chosen modules' outputs live in one set of buffers shared by every
+  // selected layer; each layer recomputes them right before its backward needs them.
+  const bool selective = m.ac_.mode == AcMode::Selective;
+  bool any_norm = false, any_attn = false, any_act = false;
+  for (int64_t l = 0; l < s.n_layers; ++l) {
+    Layer& L = layers[l];
+    if (!selective || !m.ac_.applies_to(l)) continue;
+    L.sel_norm = m.ac_.has_module("norm");
+    L.sel_attn = m.ac_.has_module("attention_core");
+    L.sel_act = L.moe && m.ac_.has_module("moe_act");
+    any_norm |= L.sel_norm, any_attn |= L.sel_attn, any_act |= L.sel_act;
+  }
+  if (any_norm) sel.h1_16 = bf16buf(N * d), sel.h2 = f32buf(N * d), sel.h2_16 = bf16buf(N * d);
+  if (any_attn) sel.ao = f32buf(N * H * Dv), sel.ao16 = bf16buf(N * H * Dv), sel.lse = f32buf(N * H);
+  if (any_act) {
+    sel.eact16 = bf16buf(Rmax * Fe);
+    if (Fs > 0) sel.act16 = bf16buf(N * Fs);
+  }
+  for (auto& L : layers) {
+    if (!(L.sel_norm || L.sel_attn || L.sel_act)) continue;
+    LayerBufs& b = *L.bufs;  // owned by this layer (full recompute is a different mode)
+    if (L.sel_norm) b.h1_16 = sel.h1_16, b.h2 = sel.h2, b.h2_16 = sel.h2_16;
+    if (L.sel_attn) b.ao = sel.ao, b.ao16 = sel.ao16, b.lse = sel.lse;
+    if (L.sel_act) {
+      b.eact16 = sel.eact16;
+      if (Fs > 0) b.act16 = sel.act16;
+    }
+  }
   for (auto& L : layers) {
     if (!L.moe) continue;
-    L.bias = f32buf(E, MemCategory::Optimizer);
+    L.bias = f32buf(E, MemCategory::Params);
     L.count_acc.assign(size_t(E), 0);
     size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, E, d, 2 * Fe);
     size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, E, d, 2 * Fe);
@@ -428,7 +461,6 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
     float* qkv = b.qkv.data<float>();
     lin_fwd(qkv, h16, W(L.wqkv), N, d, Wqkv);
     rope_forward(qkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);  // q heads then k heads are adjacent
-    attention_forward(b.ao.data<float>(), b.lse.data<float>(), qkv, qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
   } else {
     float* q = b.q.data<float>();
     if (rq > 0) {
@@ -455,7 +487,19 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
         std::memcpy(k + (t * H + h) * Dqk, kv + (t * H + h) * (dn + Dv), size_t(dn) * 4);
         std::memcpy(k + (t * H + h) * Dqk + dn, kpe + t * dr, size_t(dr) * 4);
       }
-    attention_forward(b.ao.data<float>(), b.lse.data<float>(), q, k, kv + dn, ad, wsp());
+  }
+  attn_core(b);
+}
+
+// softmax(q k^T) v and its bf16 copy for the output projection (what attention_core recompute redoes).
+void Model::Impl::attn_core(LayerBufs& b) {
+  AttnDims ad = attn_dims();
+  if (s.attn.type != AttnType::MLA) {
+    const float* qkv = b.qkv.data<float>();
+    attention_forward(b.ao.data<float>(), b.lse.data<float>(), qkv, qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+  } else {
+    attention_forward(b.ao.data<float>(), b.lse.data<float>(), b.q.data<float>(), b.k.data<float>(),
+                      b.kv.data<float>() + dn, ad, wsp());
   }
   f32_to_bf16(b.ao16.data<bf16>(), b.ao.data<float>(), N * H * Dv);
 }
@@ -650,16 +694,41 @@ void Model::Impl::forward_layer(Layer& L, const float* xin, float* xout) {
   add_inplace(xout, xm, N * d);
 }
 
+void Model::Impl::recompute_selected_ffn(Layer& L, LayerBufs& b) {
+  if (!L.sel_norm && !L.sel_act) return;
+  auto t0 = std::chrono::steady_clock::now();
+  if (L.sel_norm)
+    rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), b.x_mid.data<float>(),
+                    P(L.ffn_norm), N, d, float(s.norm_eps));
+  if (L.sel_act) {
+    swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), b.R, Fe);
+    if (Fs > 0) swiglu_forward(s_f1.data<float>(), b.act16.data<bf16>(), b.gu.data<float>(), N, Fs);
+  }
+  m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Model::Impl::recompute_selected_attn(Layer& L, LayerBufs& b) {
+  if (!L.sel_norm && !L.sel_attn) return;
+  auto t0 = std::chrono::steady_clock::now();
+  if (L.sel_norm)
+    rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), L.x_in.data<float>(),
+                    P(L.attn_norm), N, d, float(s.norm_eps));
+  if (L.sel_attn) attn_core(b);
+  m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void Model::Impl::backward_layer(Layer& L, float* g) {
   LayerBufs& b = *L.bufs;
   // FFN branch: g is the gradient w.r.t. x_out = x_mid + ffn(norm(x_mid)).
   float* dffn = dh.data<float>();
+  recompute_selected_ffn(L, b);
   ffn_backward(L, b, g, dffn, cur_aux_scale);
   float* dxm = dh2.data<float>();
   rmsnorm_backward(dxm, G(L.ffn_norm), dffn, b.x_mid.data<float>(), P(L.ffn_norm), b.rstd2.data<float>(), N, d, wsp());
   add_inplace(g, dxm, N * d);  // g is now d x_mid
   // attention branch
   f32_to_bf16(dy16.data<bf16>(), g, N * d);
+  recompute_selected_attn(L, b);
   attn_backward(L, b, dffn);
   rmsnorm_backward(dxm, G(L.attn_norm), dffn, L.x_in.data<float>(), P(L.attn_norm), b.rstd1.data<float>(), N, d,
                    wsp());

@@ -355,6 +355,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   res.tflops = res.tokens_per_s * fpt.train * 1e-12;
   res.mfu = res.tflops * 1e3 / res.peak_gflops;
   res.mem_peak_bytes = mt.total_peak();
+  res.act_peak_bytes = mt.peak(MemCategory::Activations);
   res.recompute_seconds = model.recompute_seconds();
   if (say) {
     std::printf("\nsummary: steps %lld..%lld  final loss %.4f  val loss %s  %.0f tokens/s  %.3f TFLOPS  MFU %.1f%% "
