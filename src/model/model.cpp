@@ -22,6 +22,7 @@
 #include "moetron/router.h"
 #include "moetron/runtime.h"
 #include "moetron/swiglu.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -452,9 +453,10 @@ void Model::update_expert_bias(const std::vector<std::vector<int64_t>>& counts) 
 // attention
 
 void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
+  {
+  MT_TRACE("fwd.attn.proj");
   const int64_t B = m.B_, T = m.T_;
   const bf16* h16 = b.h1_16.data<bf16>();
-  AttnDims ad = attn_dims();
   const float* cs = rope_cos.data<float>();
   const float* sn = rope_sin.data<float>();
   if (s.attn.type != AttnType::MLA) {
@@ -488,11 +490,13 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
         std::memcpy(k + (t * H + h) * Dqk + dn, kpe + t * dr, size_t(dr) * 4);
       }
   }
+  }
   attn_core(b);
 }
 
 // softmax(q k^T) v and its bf16 copy for the output projection (what attention_core recompute redoes).
 void Model::Impl::attn_core(LayerBufs& b) {
+  MT_TRACE("fwd.attn.core");
   AttnDims ad = attn_dims();
   if (s.attn.type != AttnType::MLA) {
     const float* qkv = b.qkv.data<float>();
@@ -513,14 +517,21 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
   AttnDims ad = attn_dims();
   const float* cs = rope_cos.data<float>();
   const float* sn = rope_sin.data<float>();
-  lin_wgrad(G(L.wo), b.ao16.data<bf16>(), do16, N, H * Dv, d);
   float* dao = s_dao.data<float>();
-  lin_dgrad(dao, do16, W(L.wo), N, H * Dv, d);
+  {
+    MT_TRACE("bwd.attn.out_proj");
+    lin_wgrad(G(L.wo), b.ao16.data<bf16>(), do16, N, H * Dv, d);
+    lin_dgrad(dao, do16, W(L.wo), N, H * Dv, d);
+  }
   if (s.attn.type != AttnType::MLA) {
     const float* qkv = b.qkv.data<float>();
     float* dqkv = s_f1.data<float>();
+    {
+    MT_TRACE("bwd.attn.core");
     attention_backward(dqkv, dqkv + H * hd, dqkv + (H + Hkv) * hd, dao, b.ao.data<float>(), b.lse.data<float>(), qkv,
                        qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+    }
+    MT_TRACE("bwd.attn.proj");
     rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
     bf16* dqkv16 = s_b1.data<bf16>();
     f32_to_bf16(dqkv16, dqkv, N * Wqkv);
@@ -535,8 +546,12 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
   const float* q = b.q.data<float>();
   const float* kv = b.kv.data<float>();
   // dv lands directly in its slot of dkv (same strides as v); dk_nope is copied next to it afterwards.
+  {
+  MT_TRACE("bwd.attn.core");
   attention_backward(dq, dk, dkv + dn, dao, b.ao.data<float>(), b.lse.data<float>(), q, b.k.data<float>(), kv + dn,
                      ad, wsp());
+  }
+  MT_TRACE("bwd.attn.proj");
   float* dkpe = m_dkpe.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
@@ -588,6 +603,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   const bf16* h16 = b.h2_16.data<bf16>();
   float* hact = s_f3.data<float>();  // fp32 activation output (unused beyond the bf16 copy)
   if (!L.moe) {
+    MT_TRACE("fwd.mlp");
     lin_fwd(b.gu.data<float>(), h16, W(L.w13), N, d, 2 * F);
     swiglu_forward(hact, b.act16.data<bf16>(), b.gu.data<float>(), N, F);
     lin_fwd(y, b.act16.data<bf16>(), W(L.w2), N, F, d);
@@ -595,6 +611,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   }
   // router (fp32 gate GEMM: routing decisions are sensitive to rounding)
   float* logits = b.logits.data<float>();
+  trace::Scope tr_router("fwd.router");
   gemm_f32(Trans::N, Trans::N, N, E, d, 1.0f, b.h2.data<float>(), d, P(L.gate), E, 0.0f, logits, E);
   RouterLosses rl;
   const float* bias = s.moe.load_balance == LoadBalance::AuxFree ? L.bias.data<float>() : nullptr;
@@ -614,12 +631,22 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   const int64_t R = off[E];
   b.R = R;
   bf16* xp16 = b.xp16.data<bf16>();
-  moe_permute(xp16, b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
+  {
+    MT_TRACE("fwd.permute");
+    moe_permute(xp16, b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
+  }
+  {
+  MT_TRACE("fwd.experts");
   grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, E, R, d, 2 * Fe, wsp());
   swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
   grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, E, R, Fe, d, wsp());
+  }
+  {
+  MT_TRACE("fwd.combine");
   moe_unpermute(y, b.ez.data<float>(), b.row_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
+  }
   if (Fs > 0) {
+    MT_TRACE("fwd.shared");
     lin_fwd(b.gu.data<float>(), h16, W(L.ws13), N, d, 2 * Fs);
     swiglu_forward(hact, b.act16.data<bf16>(), b.gu.data<float>(), N, Fs);
     lin_fwd(y, b.act16.data<bf16>(), W(L.ws2), N, Fs, d, true);
@@ -632,6 +659,7 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   bf16* d16 = dy16.data<bf16>();
   f32_to_bf16(d16, dy, N * d);
   auto dense_bwd = [&](int w13, int w2, int64_t Fw, bool acc) {
+    MT_TRACE("bwd.mlp");
     lin_wgrad(G(w2), b.act16.data<bf16>(), d16, N, Fw, d);
     float* dact = s_f1.data<float>();
     lin_dgrad(dact, d16, W(w2), N, Fw, d);
@@ -652,7 +680,13 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   // combine backward -> gradient of expert outputs (bf16 for the GEMMs) and of the routing weights
   bf16* dz16 = s_b2.data<bf16>();
   float* dtw = dtopk_w.data<float>();
+  {
+  MT_TRACE("bwd.combine");
   moe_unpermute_backward(dz16, dtw, dy, b.ez.data<float>(), row_of, b.topk_w.data<float>(), N, int(K), R, d);
+  }
+  float* dxp = s_f1.data<float>();
+  {
+  MT_TRACE("bwd.experts");
   grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, E, R, Fe, d, true, wsp());
   float* deact = s_f1.data<float>();
   grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, E, R, Fe, d, wsp());
@@ -661,10 +695,14 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   bf16* degu16 = s_b1.data<bf16>();
   f32_to_bf16(degu16, degu, R * 2 * Fe);
   grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, E, R, d, 2 * Fe, true, wsp());
-  float* dxp = s_f1.data<float>();
   grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, E, R, d, 2 * Fe, wsp());
-  moe_permute_backward(dh2out, dxp, row_of, N, int(K), R, d);
+  }
+  {
+    MT_TRACE("bwd.permute");
+    moe_permute_backward(dh2out, dxp, row_of, N, int(K), R, d);
+  }
   // router
+  trace::Scope tr_router("bwd.router");
   RouterConfig rc = rcfg;
   rc.aux_coef *= aux_scale;
   rc.z_coef *= aux_scale;
@@ -672,8 +710,8 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   router_backward(dlg, dtw, b.scores.data<float>(), b.topk_idx.data<int32_t>(), b.logits.data<float>(), rc, N, wsp());
   gemm_f32(Trans::T, Trans::N, d, E, N, 1.0f, b.h2.data<float>(), d, dlg, E, 1.0f, G(L.gate), E);
   gemm_f32(Trans::N, Trans::T, N, d, E, 1.0f, dlg, E, P(L.gate), E, 1.0f, dh2out, d);
+  tr_router.stop();
   if (Fs > 0) {
-    f32_to_bf16(d16, dy, N * d);  // dy16 was not overwritten, but keep the contract explicit
     dense_bwd(L.ws13, L.ws2, Fs, true);
   }
 }
@@ -684,12 +722,21 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
 void Model::Impl::forward_layer(Layer& L, const float* xin, float* xout) {
   LayerBufs& b = *L.bufs;
   const float eps = float(s.norm_eps);
-  rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), xin, P(L.attn_norm), N, d, eps);
+  {
+    MT_TRACE("fwd.norm");
+    rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), xin, P(L.attn_norm), N, d, eps);
+  }
   attn_forward(L, b);
   float* xm = b.x_mid.data<float>();
-  lin_fwd(xm, b.ao16.data<bf16>(), W(L.wo), N, H * Dv, d);
-  add_inplace(xm, xin, N * d);
-  rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d, eps);
+  {
+    MT_TRACE("fwd.attn.out_proj");
+    lin_fwd(xm, b.ao16.data<bf16>(), W(L.wo), N, H * Dv, d);
+    add_inplace(xm, xin, N * d);
+  }
+  {
+    MT_TRACE("fwd.norm");
+    rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d, eps);
+  }
   ffn_forward(L, b, xout);
   add_inplace(xout, xm, N * d);
 }
@@ -724,8 +771,10 @@ void Model::Impl::backward_layer(Layer& L, float* g) {
   recompute_selected_ffn(L, b);
   ffn_backward(L, b, g, dffn, cur_aux_scale);
   float* dxm = dh2.data<float>();
+  trace::Scope tr_norm("bwd.norm");
   rmsnorm_backward(dxm, G(L.ffn_norm), dffn, b.x_mid.data<float>(), P(L.ffn_norm), b.rstd2.data<float>(), N, d, wsp());
   add_inplace(g, dxm, N * d);  // g is now d x_mid
+  tr_norm.stop();
   // attention branch
   f32_to_bf16(dy16.data<bf16>(), g, N * d);
   recompute_selected_attn(L, b);
@@ -758,6 +807,7 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
   ForwardStats st;
   for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
   const int64_t chunk = linear_xent_default_chunk(V);
+  trace::Scope tr_loss("loss.fused_linear_xent");
   if (!backward) {
     st.ce_sum = linear_xent_fwd_bf16(nullptr, hf16.data<bf16>(), W(head), targets, N, d, V, 1.0f, chunk, wsp());
   } else {
@@ -767,11 +817,16 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
     double scaled = linear_xent_fwd_bwd_bf16(dhf, G(head), hf16.data<bf16>(), W(head), targets, N, d, V, ce_scale,
                                              chunk, wsp());
     st.ce_sum = ce_scale != 0 ? scaled / ce_scale : 0;
+    tr_loss.stop();
+    {
+    MT_TRACE("bwd.norm");
     rmsnorm_backward(g, G(final_norm), dhf, xf.data<float>(), P(final_norm), rstdf.data<float>(), N, d, wsp());
+    }
     for (int64_t l = int64_t(layers.size()) - 1; l >= 0; --l) {
       Layer& L = layers[l];
       if (L.recompute) {
         auto t0 = std::chrono::steady_clock::now();
+        MT_TRACE("recompute.layer");
         recomputing = true;
         forward_layer(L, L.x_in.data<float>(), recompute_out.data<float>());
         recomputing = false;
@@ -780,6 +835,7 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
       backward_layer(L, g);
     }
     // embedding gradient: rows in token order (deterministic)
+    MT_TRACE("bwd.embed");
     float* gE = G(emb);
     for (int64_t t = 0; t < N; ++t) {
       float* dst = gE + int64_t(tokens[t]) * d;
