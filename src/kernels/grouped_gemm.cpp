@@ -96,8 +96,9 @@ void tile_f32_scalar(const Tile& t) {
 using TileFn = void (*)(const Tile&);
 TileFn tile_fn(GemmPrec prec) {
   const Isa isa = active_isa();
-  if (prec == GemmPrec::BF16) return isa == Isa::Avx512 ? gg::tile_bf16_avx512 : tile_bf16_scalar;
-  return isa == Isa::Avx512 ? gg::tile_f32_avx512 : tile_f32_scalar;
+  if (prec == GemmPrec::BF16)
+    return isa == Isa::Avx512 ? gg::tile_bf16_avx512 : isa == Isa::Avx2 ? gg::tile_bf16_avx2 : tile_bf16_scalar;
+  return isa == Isa::Avx512 ? gg::tile_f32_avx512 : isa == Isa::Avx2 ? gg::tile_f32_avx2 : tile_f32_scalar;
 }
 
 // Row pairs interleaved into 64-column panels (contract in grouped_gemm_tile.h).
