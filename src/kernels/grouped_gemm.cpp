@@ -370,26 +370,29 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E,
   MT_CHECK((data && W) || bytes == 0, "grouped_pack_weights", "null data or W");
   const PackGeom g = pack_geom(kind, prec, K, N);
   const bool fwd = kind == GroupedPackKind::Fwd;
-  // B(k, c) for expert e: W[e][k][c] (Fwd) or W[e][c][k] (Dgrad).
+  const bool avx512 = active_isa() == Isa::Avx512;
   const int64_t items = E * g.npanels;
 #pragma omp parallel for schedule(static) if (items > 1 && E * K * N > 65536)
   for (int64_t it = 0; it < items; ++it) {
     const int64_t e = it / g.npanels, p = it % g.npanels;
     const float* We = W + e * K * N;
     const int64_t c0 = p * kPanel, pc = std::min(kPanel, g.Nc - c0);
+    // B(k, c) = W_e[k][c0 + c] (Fwd) or W_e[c0 + c][k] (Dgrad); zero outside [0, Kc) x [0, pc).
     auto b = [&](int64_t k, int64_t c) -> float {
       if (k >= g.Kc || c >= pc) return 0.0f;
       return fwd ? We[k * N + c0 + c] : We[(c0 + c) * N + k];
     };
     if (prec == GemmPrec::BF16) {
       bf16* out = static_cast<bf16*>(data) + e * g.expert_elems + p * g.panel_elems;
-      if (fwd) {
+      if (avx512) {
+        gg::pack_weight_panel_bf16_avx512(out, We, K, N, fwd, c0, pc, g.steps);
+      } else if (fwd) {
         for (int64_t s = 0; s < g.steps; ++s)
           for (int64_t c = 0; c < kPanel; ++c) {
             out[(s * kPanel + c) * 2 + 0] = to_bf16(b(2 * s, c));
             out[(s * kPanel + c) * 2 + 1] = to_bf16(b(2 * s + 1, c));
           }
-      } else {  // read rows of W[e] (c fixed) contiguously
+      } else {  // read rows of W_e (c fixed) contiguously
         for (int64_t c = 0; c < kPanel; ++c)
           for (int64_t k = 0; k < 2 * g.steps; ++k) out[((k / 2) * kPanel + c) * 2 + (k & 1)] = to_bf16(b(k, c));
       }

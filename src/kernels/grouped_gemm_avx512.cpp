@@ -6,6 +6,9 @@
 // points is file-local.
 #include <immintrin.h>
 
+// GCC 12 reports a false -Wmaybe-uninitialized inside its own avx512fintrin.h shift intrinsics.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -206,6 +209,63 @@ void pack_pairs_avx512(bf16* out, int64_t panel_stride, const bf16* in, int64_t 
       uint16_t* dst = o + (c / kPanel) * panel_stride + p * 2 * kPanel + 2 * (c % kPanel);
       _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, ilo, b));
       _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, ihi, b));
+    }
+  }
+}
+
+namespace {
+// fp32 -> bf16 bits in the low 16 bits of each 32-bit lane, round to nearest even, NaN -> quiet NaN
+// (bitwise the same as moetron::to_bf16, denormals included).
+inline __m512i rne_bf16_epi32(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                 _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+}  // namespace
+
+void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_t N, bool fwd, int64_t c0, int64_t pc,
+                                   int64_t steps) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);  // one 32-bit word per (step, column) pair
+  if (fwd) {  // word (s, c) = (W[2s][c0+c], W[2s+1][c0+c])
+    for (int64_t s = 0; s < steps; ++s) {
+      const float* r0 = We + 2 * s * N + c0;
+      const float* r1 = 2 * s + 1 < K ? r0 + N : nullptr;
+      for (int v = 0; v < 4; ++v) {
+        const __mmask16 m = col_mask(std::max<int64_t>(0, pc - 16 * v));
+        const __m512i lo = rne_bf16_epi32(_mm512_maskz_loadu_ps(m, r0 + 16 * v));
+        const __m512i hi = r1 ? rne_bf16_epi32(_mm512_maskz_loadu_ps(m, r1 + 16 * v)) : _mm512_setzero_si512();
+        _mm512_storeu_si512(o + s * kPanel + 16 * v, _mm512_maskz_or_epi32(m, lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+    return;
+  }
+  // dgrad: word (q, c) = (W[c0+c][2q], W[c0+c][2q+1]) = word q of row c0+c converted to bf16: convert the row,
+  // then scatter its words down column c of the panel (the panel, steps*256 B, stays in L1).
+  alignas(64) uint32_t row[2048 + 16];
+  for (int64_t c = 0; c < kPanel; ++c) {
+    if (c >= pc) {
+      for (int64_t q = 0; q < steps; ++q) o[q * kPanel + c] = 0;
+      continue;
+    }
+    const float* w = We + (c0 + c) * N;
+    for (int64_t q0 = 0; q0 < steps; q0 += 2048) {
+      const int64_t nq = std::min<int64_t>(2048, steps - q0);
+      for (int64_t q = 0; q < nq; q += 16) {  // 16 words = 32 floats of the row
+        const int64_t j = 2 * (q0 + q);
+        const __mmask16 ma = col_mask(std::max<int64_t>(0, N - j)), mb = col_mask(std::max<int64_t>(0, N - j - 16));
+        const __m512i a = rne_bf16_epi32(_mm512_maskz_loadu_ps(ma, w + j));       // elements j .. j+15
+        const __m512i b = rne_bf16_epi32(_mm512_maskz_loadu_ps(mb, w + j + 16));  // elements j+16 .. j+31
+        // words: (a0,a1) (a2,a3) ... (b14,b15): even lanes low, odd lanes high
+        const __m512i packed = _mm512_permutex2var_epi16(
+            a, _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22,
+                                20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+            b);
+        _mm512_store_si512(row + q, packed);
+      }
+      for (int64_t q = 0; q < nq; ++q) o[(q0 + q) * kPanel + c] = row[q];
     }
   }
 }

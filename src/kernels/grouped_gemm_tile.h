@@ -63,4 +63,9 @@ void tile_f32_avx2(const Tile& t);
 void pack_pairs_avx512(bf16* out, int64_t panel_stride, const bf16* in /* [n_rows, ld] */, int64_t ld,
                        int64_t n_rows, int64_t cols);
 
+// Weight packing, one bf16 panel (layout in grouped_gemm.cpp): B = W_e [K, N] (fwd) or W_e^T (dgrad), panel
+// columns [c0, c0 + pc), `steps` pairs; rounding is bitwise moetron::to_bf16.
+void pack_weight_panel_bf16_avx512(bf16* out /* [steps][64][2] */, const float* We /* [K, N] */, int64_t K,
+                                   int64_t N, bool fwd, int64_t c0, int64_t pc, int64_t steps);
+
 }  // namespace moetron::gg

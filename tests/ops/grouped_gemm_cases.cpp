@@ -19,6 +19,7 @@
 #include "moetron/check.h"
 #include "moetron/grouped_gemm.h"
 #include "moetron/rng.h"
+#include "moetron/runtime.h"
 
 namespace moetron::ops {
 namespace {
@@ -200,6 +201,20 @@ struct GroupedCase : OpCase {
     omp_set_num_threads(nt0);
     r.check(same, "bitwise identical with 1, 3 and " + std::to_string(nt0) + " threads, and a 1-slot workspace");
     if (bad_inputs) check_bad_inputs(r, X, W);
+    // Packed weights are bitwise the same whichever ISA packs them (RNE as to_bf16 everywhere).
+    bool pack_same = true;
+    for (GroupedPackKind kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad}) {
+      const size_t nb = grouped_packed_bytes(kind, prec, E, K, N);
+      Buf a(nb), b(nb);
+      std::memset(a.p, 0xab, nb), std::memset(b.p, 0xcd, nb);
+      grouped_pack_weights(a.p, W.data(), E, K, N, prec, kind);
+      const Isa isa = active_isa();
+      set_isa_override(Isa::Scalar);
+      grouped_pack_weights(b.p, W.data(), E, K, N, prec, kind);
+      set_isa_override(isa);
+      pack_same = pack_same && std::memcmp(a.p, b.p, nb) == 0;
+    }
+    r.check(pack_same, "packed weights identical to the scalar packer");
   }
 
   // fp32 variant only (uses the fp32 overloads).
