@@ -1,12 +1,12 @@
 // grouped_gemm.cpp: grouped GEMM for MoE experts: validation, weight packing, workspace layout, the work-item
-// schedule (one OpenMP parallel region per call), and the portable (scalar) tile kernel. The AVX-512 tile
-// kernels live in grouped_gemm_avx512.cpp and are chosen by active_isa(). Not a dense GEMM (that is gemm.cpp,
-// through oneDNN).
+// schedule (one OpenMP parallel region per call), and the portable (scalar) tile kernel. The AVX-512 and AVX2
+// tile kernels live in grouped_gemm_avx512.cpp / grouped_gemm_avx2.cpp and are chosen by active_isa(). Not a
+// dense GEMM (that is gemm.cpp, through oneDNN).
 //
-// Work items. forward / dgrad: (expert, MT-row tile, NT-column tile); wgrad: (expert, KT-row tile of dW[e],
-// NT-column tile) with the whole reduction over the expert's tokens inside the item. Each output element is
-// computed by exactly one item in a fixed summation order, so results do not depend on the thread count or
-// on which thread runs which item. Items are handed out dynamically, largest experts first.
+// Work items. forward / dgrad: (expert, mt-row tile, nt-column tile); wgrad: (expert, mt-row tile of dW[e],
+// nt-column tile) with the whole reduction over the expert's tokens inside the item. Each output element is
+// computed by exactly one item in a fixed summation order, so results do not depend on the thread count, on
+// the tiling or on which thread runs which item. Items are handed out dynamically, largest experts first.
 #include <omp.h>
 
 #include <algorithm>
@@ -55,8 +55,7 @@ PackGeom pack_geom(GroupedPackKind kind, GemmPrec prec, int64_t K, int64_t N) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Portable tile kernel (scalar ISA and fallback). Same contract as the AVX-512 ones; plain loops.
-// a(r, s) offset of the tile contract (grouped_gemm_tile.h).
+// Portable tile kernel (scalar ISA). Same contract as the SIMD ones (grouped_gemm_tile.h); plain loops.
 inline int64_t a_at(const Tile& t, int64_t r, int64_t s) {
   return (r / t.a_rb) * t.a_bs + (r % t.a_rb) * t.a_rs + s * t.a_ss;
 }
@@ -276,7 +275,12 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
   check_common(op, counts, E, M, K, N, ws, ws_bytes, l.fixed + l.slot_bytes);
   MT_CHECK(dW || E * K * N == 0, op, "dW is null");
   MT_CHECK((X && dY) || M == 0 || K * N == 0, op, "null X or dY");
-  const Plan plan = plan_wgrad(prec, K, N);
+  Plan plan = plan_wgrad(prec, K, N);
+  // Few experts for many threads: cut dW[e] into more row tiles (at least ~4 items per thread). The slot
+  // was sized for plan.mt, and smaller tiles fit; results do not depend on the tiling.
+  const int64_t busy = std::max<int64_t>(1, int64_t(std::count_if(counts, counts + E, [](int32_t c) { return c > 0; })));
+  const int64_t want_tiles = ceil_div(4 * int64_t(num_threads()), busy);
+  if (want_tiles > 1) plan.mt = std::max<int64_t>(kPanel, std::min(plan.mt, round_up(ceil_div(K, want_tiles), kPanel)));
   const int64_t ntm = ceil_div(K, plan.mt), ntn = ceil_div(N, plan.nt);
   const Sched s = make_sched(ws, l, counts, E, M, [&](int64_t e) {
     return (accumulate && counts[e] == 0) ? int64_t(0) : ntm * ntn;  // accumulating an empty expert: no-op
