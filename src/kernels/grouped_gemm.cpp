@@ -341,6 +341,26 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
         t.b_ss = 2 * kPanel;
         t.steps = hp;
         t.accumulate = accumulate || r > 0;
+        // Overlap the next chunk's DRAM reads with this chunk's arithmetic: prefetch its rows of X and dY
+        // (the next chunk of this item, else the first chunk of the next item in schedule order, which this
+        // or the other thread will take; either way it comes from cache, not DRAM).
+        t.pf_bytes[0] = t.pf_bytes[1] = 0;
+        if (gg::tuning().prefetch) {
+          int64_t pe = e, pr = r + nr, pk0 = k0, pm = m;
+          if (pr >= m && item + 1 < nitems) {
+            int64_t pj, pl;
+            locate(s, E, item + 1, pj, pl);
+            pe = s.perm[pj], pr = 0, pk0 = (pl / ntn) * plan.mt, pm = counts[pe];
+          }
+          const int64_t pn = std::min(2 * mc, pm - pr);
+          if (pr < pm && pn > 0) {
+            const int64_t prow = s.off[pe] + pr, pcols = std::min(plan.mt, K - pk0);
+            t.pf[0] = reinterpret_cast<const char*>(static_cast<const bf16*>(X) + prow * K + pk0);
+            t.pf_bytes[0] = ((pn - 1) * K + pcols) * int64_t(sizeof(bf16));
+            t.pf[1] = reinterpret_cast<const char*>(static_cast<const bf16*>(dY) + prow * N);
+            t.pf_bytes[1] = pn * N * int64_t(sizeof(bf16));
+          }
+        }
         fn(t);
         r += nr;
       } while (r < m);

@@ -149,6 +149,17 @@ void run_tile(const Tile& t, int64_t kc_max, int64_t step_elems) {
   const E* A = static_cast<const E*>(t.A);
   const E* B = static_cast<const E*>(t.B);
   const int64_t npanels = (t.cols + kPanel - 1) / kPanel;
+  // Prefetch hint: spread the lines of t.pf over the microkernel calls of the first K block.
+  const int64_t ncalls = npanels * ((t.rows + kMR - 1) / kMR + (t.rows + t.a_rb - 1) / t.a_rb);
+  const int64_t pf_lines0 = (t.pf_bytes[0] + 63) / 64, pf_lines = pf_lines0 + (t.pf_bytes[1] + 63) / 64;
+  const int64_t pf_per_call = pf_lines ? (pf_lines + ncalls - 1) / ncalls : 0;
+  int64_t pf_next = 0;
+  auto prefetch_some = [&] {
+    for (int64_t i = 0; i < pf_per_call && pf_next < pf_lines; ++i, ++pf_next) {
+      const char* a = pf_next < pf_lines0 ? t.pf[0] + 64 * pf_next : t.pf[1] + 64 * (pf_next - pf_lines0);
+      _mm_prefetch(a, _MM_HINT_T1);
+    }
+  };
   int64_t s0 = 0;
   do {
     const int64_t ns = std::min(kc, t.steps - s0);
@@ -158,6 +169,7 @@ void run_tile(const Tile& t, int64_t kc_max, int64_t step_elems) {
     const int order = tuning().order;
     // Row blocks of kMR inside groups of a_rb rows (an A block never straddles a group).
     auto call = [&](int64_t p, int64_t g0, int64_t r0, int64_t ge) {
+      if (pf_next < pf_lines) prefetch_some();
       const int64_t pc = std::min(kPanel, t.cols - p * kPanel);
       const int nv = int((pc + 15) / 16);
       const __mmask16 mlast = col_mask(pc - 16 * (nv - 1));

@@ -35,6 +35,7 @@ struct Tuning {
   int64_t wmc = 128;      // wgrad bf16: token pairs per packed chunk
   int order = 1;          // tile loop: 0 panel-outer, 1 row-block-outer
   bool stream = false;    // non-temporal stores for write-only fp32 outputs (forward / dgrad)
+  bool prefetch = true;   // wgrad bf16: prefetch the next chunk's X / dY rows during the current chunk
 };
 Tuning& tuning();
 
@@ -50,6 +51,10 @@ struct Tile {
   bool a_odd_tail = false;
   bool accumulate = false;
   bool stream = false;  // C is write-only and not needed in cache soon: non-temporal stores where aligned
+  // Optional memory to prefetch into L2 while the tile computes (the next chunk's inputs): up to two byte
+  // ranges, spread over the microkernel calls. A hint only; never dereferenced.
+  const char* pf[2] = {nullptr, nullptr};
+  int64_t pf_bytes[2] = {0, 0};
 };
 
 // Entry points of the ISA files (plain functions; everything else there is file-local).
