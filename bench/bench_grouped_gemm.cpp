@@ -58,9 +58,8 @@ const std::vector<int32_t>& counts() {
   static const std::vector<int32_t> c = [] {
     auto c = routed_counts();
     auto mm = std::minmax_element(c.begin(), c.end());
-    std::printf("routed counts: E=%lld rows=%lld min=%d max=%d mean=%.1f (%lld empty)\n", (long long)kE,
-                (long long)kM, *mm.first, *mm.second, double(kM) / kE,
-                (long long)std::count(c.begin(), c.end(), 0));
+    std::printf("routed counts: E=%lld rows=%lld min=%d max=%d mean=%.1f (%lld empty)\n", (long long)kE, (long long)kM,
+                *mm.first, *mm.second, double(kM) / kE, (long long)std::count(c.begin(), c.end(), 0));
     return c;
   }();
   return c;
@@ -223,8 +222,15 @@ void BM_tile_bf16(benchmark::State& st) {
   for (auto _ : st) gg::tile_bf16_avx512(t);
   bench::report_flops(st, 2.0 * rows * cols * steps * 2);
 }
-BENCHMARK(BM_tile_bf16)->ArgNames({"rows", "cols", "pairs"})->Args({96, 192, 256})->Args({96, 192, 64})
-    ->Args({96, 512, 88})->Args({96, 64, 256})->Args({6, 64, 256})->Args({6, 64, 1024})->UseRealTime();
+BENCHMARK(BM_tile_bf16)
+    ->ArgNames({"rows", "cols", "pairs"})
+    ->Args({96, 192, 256})
+    ->Args({96, 192, 64})
+    ->Args({96, 512, 88})
+    ->Args({96, 64, 256})
+    ->Args({6, 64, 256})
+    ->Args({6, 64, 1024})
+    ->UseRealTime();
 
 // Args: {projection (0 up: K=512 N=176, 1 down: K=176 N=512), op (0 fwd, 1 dgrad, 2 wgrad)}
 void shapes(benchmark::internal::Benchmark* b) {

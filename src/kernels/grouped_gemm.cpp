@@ -7,6 +7,8 @@
 // nt-column tile) with the whole reduction over the expert's tokens inside the item. Each output element is
 // computed by exactly one item in a fixed summation order, so results do not depend on the thread count, on
 // the tiling or on which thread runs which item. Items are handed out dynamically, largest experts first.
+#include "moetron/grouped_gemm.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -16,7 +18,6 @@
 
 #include "kernels/grouped_gemm_tile.h"
 #include "moetron/check.h"
-#include "moetron/grouped_gemm.h"
 #include "moetron/runtime.h"
 
 namespace moetron {
@@ -167,8 +168,8 @@ WsLayout ws_layout(GroupedOp op, GemmPrec prec, int64_t E, int64_t K, int64_t N)
   if (op == GroupedOp::Wgrad && prec == GemmPrec::BF16) {
     const Plan p = plan_wgrad(prec, K, N);
     l.slot_a = align64(size_t(round_up(p.mt, kPanel)) * size_t(p.mc) * 2 * sizeof(bf16));
-    l.slot_bytes = l.slot_a + align64(size_t(round_up(std::max<int64_t>(N, 1), kPanel)) * size_t(p.mc) * 2 *
-                                      sizeof(bf16));
+    l.slot_bytes =
+        l.slot_a + align64(size_t(round_up(std::max<int64_t>(N, 1), kPanel)) * size_t(p.mc) * 2 * sizeof(bf16));
   }
   return l;
 }
@@ -211,8 +212,8 @@ void check_packed(const char* op, const GroupedPackedWeights& W, GroupedPackKind
                   int64_t K, int64_t N) {
   MT_CHECK(W.kind == kind, op, "weights packed for ", W.kind == GroupedPackKind::Fwd ? "Fwd" : "Dgrad",
            ", this op needs ", kind == GroupedPackKind::Fwd ? "Fwd" : "Dgrad");
-  MT_CHECK(W.prec == prec, op, "weights packed as ", W.prec == GemmPrec::BF16 ? "bf16" : "fp32",
-           " but inputs are ", prec == GemmPrec::BF16 ? "bf16" : "fp32");
+  MT_CHECK(W.prec == prec, op, "weights packed as ", W.prec == GemmPrec::BF16 ? "bf16" : "fp32", " but inputs are ",
+           prec == GemmPrec::BF16 ? "bf16" : "fp32");
   MT_CHECK(W.E == E && W.K == K && W.N == N, op, "packed weights are [", W.E, ",", W.K, ",", W.N,
            "] but the call has [", E, ",", K, ",", N, "]");
   MT_CHECK(W.data || E * K * N == 0, op, "packed weights data is null");
@@ -278,7 +279,8 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
   Plan plan = plan_wgrad(prec, K, N);
   // Few experts for many threads: cut dW[e] into more row tiles (at least ~4 items per thread). The slot
   // was sized for plan.mt, and smaller tiles fit; results do not depend on the tiling.
-  const int64_t busy = std::max<int64_t>(1, int64_t(std::count_if(counts, counts + E, [](int32_t c) { return c > 0; })));
+  const int64_t busy =
+      std::max<int64_t>(1, int64_t(std::count_if(counts, counts + E, [](int32_t c) { return c > 0; })));
   const int64_t want_tiles = ceil_div(4 * int64_t(num_threads()), busy);
   if (want_tiles > 1) plan.mt = std::max<int64_t>(kPanel, std::min(plan.mt, round_up(ceil_div(K, want_tiles), kPanel)));
   const int64_t ntm = ceil_div(K, plan.mt), ntn = ceil_div(N, plan.nt);
@@ -292,7 +294,7 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
       bf ? std::min<int64_t>(num_threads(), int64_t((ws_bytes - l.fixed) / l.slot_bytes)) : num_threads();
   const int64_t mc = plan.mc;
   char* w = static_cast<char*>(ws);
-#pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(nslots, nitems))))
+#pragma omp parallel num_threads(int(std::max <int64_t>(1, std::min <int64_t>(nslots, nitems))))
   {
     char* slot = w + l.slots + size_t(omp_get_thread_num()) * l.slot_bytes;
     bf16* abuf = reinterpret_cast<bf16*>(slot);
@@ -443,29 +445,30 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E,
 
 size_t grouped_gemm_workspace_bytes(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N,
                                     int threads) {
-  MT_CHECK(E >= 0 && M >= 0 && K >= 0 && N >= 0, "grouped_gemm", "negative size E=", E, " M=", M, " K=", K, " N=",
-           N);
+  MT_CHECK(E >= 0 && M >= 0 && K >= 0 && N >= 0, "grouped_gemm", "negative size E=", E, " M=", M, " K=", K, " N=", N);
   const WsLayout l = ws_layout(op, prec, E, K, N);
   return l.fixed + size_t(threads > 0 ? threads : num_threads()) * l.slot_bytes;
 }
 
 void grouped_gemm_fwd(float* Y, bf16* Y_bf16, const bf16* X, const GroupedPackedWeights& W, const int32_t* counts,
                       int64_t E, int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
-  run_mgrouped("grouped_gemm_fwd", GemmPrec::BF16, Y, Y_bf16, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws, ws_bytes);
+  run_mgrouped("grouped_gemm_fwd", GemmPrec::BF16, Y, Y_bf16, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws,
+               ws_bytes);
 }
 void grouped_gemm_fwd(float* Y, const float* X, const GroupedPackedWeights& W, const int32_t* counts, int64_t E,
                       int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
-  run_mgrouped("grouped_gemm_fwd", GemmPrec::F32, Y, nullptr, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws, ws_bytes);
+  run_mgrouped("grouped_gemm_fwd", GemmPrec::F32, Y, nullptr, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws,
+               ws_bytes);
 }
-void grouped_gemm_dgrad(float* dX, bf16* dX_bf16, const bf16* dY, const GroupedPackedWeights& Wt,
-                        const int32_t* counts, int64_t E, int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
+void grouped_gemm_dgrad(float* dX, bf16* dX_bf16, const bf16* dY, const GroupedPackedWeights& Wt, const int32_t* counts,
+                        int64_t E, int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
   run_mgrouped("grouped_gemm_dgrad", GemmPrec::BF16, dX, dX_bf16, dY, Wt, GroupedPackKind::Dgrad, counts, E, M, K, N,
                ws, ws_bytes);
 }
 void grouped_gemm_dgrad(float* dX, const float* dY, const GroupedPackedWeights& Wt, const int32_t* counts, int64_t E,
                         int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
-  run_mgrouped("grouped_gemm_dgrad", GemmPrec::F32, dX, nullptr, dY, Wt, GroupedPackKind::Dgrad, counts, E, M, K, N,
-               ws, ws_bytes);
+  run_mgrouped("grouped_gemm_dgrad", GemmPrec::F32, dX, nullptr, dY, Wt, GroupedPackKind::Dgrad, counts, E, M, K, N, ws,
+               ws_bytes);
 }
 void grouped_gemm_wgrad(float* dW, const bf16* X, const bf16* dY, const int32_t* counts, int64_t E, int64_t M,
                         int64_t K, int64_t N, bool accumulate, void* ws, size_t ws_bytes) {

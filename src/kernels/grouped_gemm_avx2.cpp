@@ -38,8 +38,8 @@ inline uint16_t f32_to_bf16_bits(float f) {  // round to nearest even, NaN stays
 
 // C[mr, nc <= 8] over `steps` steps. a(i, s) at A + i*rs + s*ss; b(s, :) at B + s*bss.
 template <int MR, bool BF>
-void ukr(const void* Av, int64_t rs, int64_t ss, const void* Bv, int64_t bss, int64_t steps, bool half_tail,
-         int64_t nc, float* C, int64_t ldc, bool from_c, bf16* Cb) {
+void ukr(const void* Av, int64_t rs, int64_t ss, const void* Bv, int64_t bss, int64_t steps, bool half_tail, int64_t nc,
+         float* C, int64_t ldc, bool from_c, bf16* Cb) {
   const __m256i m = tail_mask(nc);
   __m256 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = from_c ? _mm256_maskload_ps(C + i * ldc, m) : _mm256_setzero_ps();
@@ -79,8 +79,8 @@ void ukr(const void* Av, int64_t rs, int64_t ss, const void* Bv, int64_t bss, in
 }
 
 template <bool BF>
-using Fn = void (*)(const void*, int64_t, int64_t, const void*, int64_t, int64_t, bool, int64_t, float*, int64_t,
-                    bool, bf16*);
+using Fn = void (*)(const void*, int64_t, int64_t, const void*, int64_t, int64_t, bool, int64_t, float*, int64_t, bool,
+                    bf16*);
 template <bool BF>
 Fn<BF> pick(int mr) {
   static constexpr Fn<BF> t[kMR] = {ukr<1, BF>, ukr<2, BF>, ukr<3, BF>, ukr<4, BF>, ukr<5, BF>, ukr<6, BF>};

@@ -19,7 +19,6 @@ namespace moetron::gg {
 
 namespace {
 
-
 inline int32_t load_i32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -60,8 +59,8 @@ inline void load_acc(__m512 (&acc)[MR][NV], const float* C, int64_t ldc, bool fr
 
 // C[MR, 16*NV (last vector masked)] (= or +=) sum over `steps` pairs. A, B point at the block's first step.
 template <int MR, int NV>
-void ukr_bf16(const uint16_t* A, int64_t rs, int64_t ss, const uint16_t* B, int64_t bss, int64_t steps,
-              bool half_tail, __mmask16 mlast, float* C, int64_t ldc, bool from_c, bf16* Cb, bool stream) {
+void ukr_bf16(const uint16_t* A, int64_t rs, int64_t ss, const uint16_t* B, int64_t bss, int64_t steps, bool half_tail,
+              __mmask16 mlast, float* C, int64_t ldc, bool from_c, bf16* Cb, bool stream) {
   __m512 acc[MR][NV];
   load_acc<MR, NV>(acc, C, ldc, from_c, mlast);
   const int64_t full = steps - (half_tail ? 1 : 0);
@@ -94,14 +93,15 @@ void ukr_bf16(const uint16_t* A, int64_t rs, int64_t ss, const uint16_t* B, int6
 }
 
 template <int MR, int NV>
-void ukr_f32(const float* A, int64_t rs, int64_t ss, const float* B, int64_t bss, int64_t steps, bool,
-             __mmask16 mlast, float* C, int64_t ldc, bool from_c, bf16* Cb, bool stream) {
+void ukr_f32(const float* A, int64_t rs, int64_t ss, const float* B, int64_t bss, int64_t steps, bool, __mmask16 mlast,
+             float* C, int64_t ldc, bool from_c, bf16* Cb, bool stream) {
   __m512 acc[MR][NV];
   load_acc<MR, NV>(acc, C, ldc, from_c, mlast);
   for (int64_t s = 0; s < steps; ++s) {
     __m512 b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(mlast, B + 16 * v) : _mm512_loadu_ps(B + 16 * v);
+    for (int v = 0; v < NV; ++v)
+      b[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(mlast, B + 16 * v) : _mm512_loadu_ps(B + 16 * v);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       __m512 a = _mm512_set1_ps(A[r * rs]);
@@ -115,8 +115,8 @@ void ukr_f32(const float* A, int64_t rs, int64_t ss, const float* B, int64_t bss
 }
 
 template <class E>
-using UkrFn = void (*)(const E*, int64_t, int64_t, const E*, int64_t, int64_t, bool, __mmask16, float*, int64_t,
-                       bool, bf16*, bool);
+using UkrFn = void (*)(const E*, int64_t, int64_t, const E*, int64_t, int64_t, bool, __mmask16, float*, int64_t, bool,
+                       bf16*, bool);
 
 template <class E, template <int, int> class K>
 struct Table;
@@ -175,8 +175,8 @@ void run_tile(const Tile& t, int64_t kc_max, int64_t step_elems) {
       const __mmask16 mlast = col_mask(pc - 16 * (nv - 1));
       const E* Bp = B + p * t.b_ps + s0 * t.b_ss;
       const int mr = int(std::min<int64_t>(kMR, ge - r0));
-      pick<E, K>(mr, nv)(A + (g0 / t.a_rb) * t.a_bs + (r0 - g0) * t.a_rs + s0 * t.a_ss, t.a_rs, t.a_ss, Bp, t.b_ss,
-                         ns, tail, mlast, t.C + r0 * t.ldc + p * kPanel, t.ldc, from_c,
+      pick<E, K>(mr, nv)(A + (g0 / t.a_rb) * t.a_bs + (r0 - g0) * t.a_rs + s0 * t.a_ss, t.a_rs, t.a_ss, Bp, t.b_ss, ns,
+                         tail, mlast, t.C + r0 * t.ldc + p * kPanel, t.ldc, from_c,
                          last && t.Cb ? t.Cb + r0 * t.ldc + p * kPanel : nullptr, last && t.stream);
     };
     for (int64_t g0 = 0; g0 < t.rows; g0 += t.a_rb) {
@@ -232,8 +232,8 @@ inline __m512i rne_bf16_epi32(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                 _mm512_set1_epi32(0x7f800000));
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
 }
 }  // namespace
@@ -241,7 +241,7 @@ inline __m512i rne_bf16_epi32(__m512 x) {
 void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_t N, bool fwd, int64_t c0, int64_t pc,
                                    int64_t steps) {
   uint32_t* o = reinterpret_cast<uint32_t*>(out);  // one 32-bit word per (step, column) pair
-  if (fwd) {  // word (s, c) = (W[2s][c0+c], W[2s+1][c0+c])
+  if (fwd) {                                       // word (s, c) = (W[2s][c0+c], W[2s+1][c0+c])
     for (int64_t s = 0; s < steps; ++s) {
       const float* r0 = We + 2 * s * N + c0;
       const float* r1 = 2 * s + 1 < K ? r0 + N : nullptr;
@@ -271,10 +271,11 @@ void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_
         const __m512i a = rne_bf16_epi32(_mm512_maskz_loadu_ps(ma, w + j));       // elements j .. j+15
         const __m512i b = rne_bf16_epi32(_mm512_maskz_loadu_ps(mb, w + j + 16));  // elements j+16 .. j+31
         // words: (a0,a1) (a2,a3) ... (b14,b15): even lanes low, odd lanes high
-        const __m512i packed = _mm512_permutex2var_epi16(
-            a, _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22,
-                                20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
-            b);
+        const __m512i packed =
+            _mm512_permutex2var_epi16(a,
+                                      _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                                       30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+                                      b);
         _mm512_store_si512(row + q, packed);
       }
       for (int64_t q = 0; q < nq; ++q) o[(q0 + q) * kPanel + c] = row[q];

@@ -65,12 +65,12 @@ void tile_f32_avx2(const Tile& t);
 // bf16 wgrad packing: row pairs interleaved into 64-column panels (the VNNI layout of both wgrad operands):
 //   out[(c / 64) * panel_stride + p * 128 + 2*(c % 64) + j] = in[2p + j][c]
 // for p < ceil(n_rows / 2) and c < round_up(cols, 64); zero where 2p + j >= n_rows or c >= cols.
-void pack_pairs_avx512(bf16* out, int64_t panel_stride, const bf16* in /* [n_rows, ld] */, int64_t ld,
-                       int64_t n_rows, int64_t cols);
+void pack_pairs_avx512(bf16* out, int64_t panel_stride, const bf16* in /* [n_rows, ld] */, int64_t ld, int64_t n_rows,
+                       int64_t cols);
 
 // Weight packing, one bf16 panel (layout in grouped_gemm.cpp): B = W_e [K, N] (fwd) or W_e^T (dgrad), panel
 // columns [c0, c0 + pc), `steps` pairs; rounding is bitwise moetron::to_bf16.
-void pack_weight_panel_bf16_avx512(bf16* out /* [steps][64][2] */, const float* We /* [K, N] */, int64_t K,
-                                   int64_t N, bool fwd, int64_t c0, int64_t pc, int64_t steps);
+void pack_weight_panel_bf16_avx512(bf16* out /* [steps][64][2] */, const float* We /* [K, N] */, int64_t K, int64_t N,
+                                   bool fwd, int64_t c0, int64_t pc, int64_t steps);
 
 }  // namespace moetron::gg

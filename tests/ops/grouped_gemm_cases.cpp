@@ -52,8 +52,8 @@ void compare_bound(Report& r, const std::string& what, const float* got, const d
   std::ostringstream os;
   os << "n=" << n;
   if (wi >= 0)
-    os << " worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", bound " << bound[wi] << ", "
-       << worst << "x of bound)";
+    os << " worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", bound " << bound[wi] << ", " << worst
+       << "x of bound)";
   if (bad) os << " violations=" << bad;
   r.check(bad == 0, what, os.str());
 }
@@ -251,8 +251,10 @@ struct GroupedCase : OpCase {
            [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wd, counts.data(), E, M, K, N, ws.p, nws); });
     throws("packed shape mismatch",
            [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N + 1, ws.p, nws); });
-    throws("null workspace", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, nullptr, nws); });
-    throws("workspace too small", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, ws.p, 8); });
+    throws("null workspace",
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, nullptr, nws); });
+    throws("workspace too small",
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, ws.p, 8); });
     std::vector<bf16> Xb(Xf.size()), Yb(Y.size());
     throws("bf16 inputs with fp32-packed weights",
            [&] { grouped_gemm_fwd(Y.data(), nullptr, Xb.data(), Wf, counts.data(), E, M, K, N, ws.p, nws); });
@@ -350,10 +352,10 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
     add("skewed", {1, 0, 150, 2, 3, 0, 7}, 72, 80);  // one expert has two M tiles
     add("zero_groups", {0, 5, 0, 0, 9, 0}, 32, 40);
     add("all_empty", {0, 0, 0}, 16, 16);
-    add("single_expert", {37}, 17, 130);              // E = 1, odd K, two column panels + remainder
-    add("odd_shapes", {7, 13, 6}, 7, 33);             // odd K and N, masked tails
-    add("long_k", {50, 11, 1}, 301, 20);              // several K blocks, odd K
-    add("wide_n", {9, 20}, 24, 300);                  // several column tiles
+    add("single_expert", {37}, 17, 130);   // E = 1, odd K, two column panels + remainder
+    add("odd_shapes", {7, 13, 6}, 7, 33);  // odd K and N, masked tails
+    add("long_k", {50, 11, 1}, 301, 20);   // several K blocks, odd K
+    add("wide_n", {9, 20}, 24, 300);       // several column tiles
     add("skewed_many", skewed_counts(16, 400, 5), 40, 56);
   }
   return v;
