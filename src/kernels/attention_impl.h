@@ -5,6 +5,7 @@
 // own copy compiled with its own flags. Not a public header.
 //
 // Ops must provide (all static):
+//   static constexpr int64_t kRows;   rows per register block of its GEMM (the causal trimming granularity)
 //   void gemm(bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
 //             const float* B, int64_t ldb, float* C, int64_t ldc);
 //        C[M,N] (+)= op(A)[M,K] B[K,N], row-major; op(A)(m,k) = trans_a ? A[k*lda + m] : A[m*lda + k]
@@ -49,6 +50,40 @@ inline int64_t shared_floats(const moetron::AttnDims& d) {
   return (alias_k(d) ? d.B * d.Hkv * d.T * round16(d.Dqk) : 0) + (alias_v(d) ? d.B * d.Hkv * d.T * round16(d.Dv) : 0);
 }
 
+// The GEMMs of a diagonal tile (i0 == j0) only need part of the work: row block [m0, m0 + kRows) of
+// op(A) or C is cut where the causal mask makes the rest zero or unused (uncomputed C entries are
+// masked or never read by the caller).
+enum class Tri {
+  None,    // full GEMM
+  NUpTo,   // C(m, n) needed for n <= m only
+  NFrom,   // C(m, n) needed for n >= m only
+  KUpTo,   // op(A)(m, k) = 0 for k > m
+  KFrom,   // op(A)(m, k) = 0 for k < m
+};
+template <class Ops>
+void tri_gemm(Tri tri, bool acc, bool ta, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float* C, int64_t ldc) {
+  if (tri == Tri::None) return Ops::gemm(acc, ta, M, N, K, A, lda, B, ldb, C, ldc);
+  for (int64_t m0 = 0; m0 < M; m0 += Ops::kRows) {
+    const int64_t mr = std::min<int64_t>(Ops::kRows, M - m0);
+    const float* Am = ta ? A + m0 : A + m0 * lda;
+    float* Cm = C + m0 * ldc;
+    switch (tri) {
+      case Tri::NUpTo: Ops::gemm(acc, ta, mr, std::min(N, m0 + mr), K, Am, lda, B, ldb, Cm, ldc); break;
+      case Tri::NFrom:
+        if (m0 < N) Ops::gemm(acc, ta, mr, N - m0, K, Am, lda, B + m0, ldb, Cm + m0, ldc);
+        break;
+      case Tri::KUpTo: Ops::gemm(acc, ta, mr, N, std::min(K, m0 + mr), Am, lda, B, ldb, Cm, ldc); break;
+      case Tri::KFrom: {
+        const int64_t k0 = std::min(m0, K);
+        Ops::gemm(acc, ta, mr, N, K - k0, Am + (ta ? k0 * lda : k0), lda, B + k0 * ldb, ldb, Cm, ldc);
+        break;
+      }
+      case Tri::None: break;
+    }
+  }
+}
+
 // Forward. Work item = (b, q head, q tile), heaviest (last) tiles first, dynamic schedule: each item's
 // arithmetic does not depend on which thread runs it, so the result is thread-count independent.
 // Scores are computed transposed, S^T = K_j Q_i^T [keys, queries], so that Q_i is packed once per item
@@ -76,8 +111,9 @@ void flash_forward(float* out, float* lse, const float* q, const float* k, const
         const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
         const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
         const float* Vj = v + (b * d.T + j0) * d.ldv + hk * d.head_v;
-        Ops::gemm(false, false, nk, mq, d.Dqk, Kj, d.ldk, Qt, kTile, St, kTile);
-        if (kt == qt)  // diagonal tile (i0 == j0): key jj is visible to query r only if jj <= r
+        const bool diag = kt == qt;
+        tri_gemm<Ops>(diag ? Tri::NFrom : Tri::None, false, false, nk, mq, d.Dqk, Kj, d.ldk, Qt, kTile, St, kTile);
+        if (diag)  // diagonal tile (i0 == j0): key jj is visible to query r only if jj <= r
           for (int64_t jj = 1; jj < nk; ++jj)
             for (int64_t r = 0; r < std::min(jj, mq); ++r) St[jj * kTile + r] = -INFINITY;
         Ops::col_max(mx, St, kTile, nk, mq);
@@ -92,7 +128,7 @@ void flash_forward(float* out, float* lse, const float* q, const float* k, const
           l[r] = l[r] * alpha[r] + sum[r];
           if (kt > 0 && alpha[r] != 1.0f) Ops::scale_row(O + r * d.ldo, d.Dv, alpha[r]);
         }
-        Ops::gemm(kt > 0, true, mq, d.Dv, nk, St, kTile, Vj, d.ldv, O, d.ldo);
+        tri_gemm<Ops>(diag ? Tri::KUpTo : Tri::None, kt > 0, true, mq, d.Dv, nk, St, kTile, Vj, d.ldv, O, d.ldo);
       }
       float* L = lse + (b * d.Hq + h) * d.T + i0;
       for (int64_t r = 0; r < mq; ++r) {
@@ -152,8 +188,10 @@ void flash_backward(float* dq, float* dk, float* dv, const float* dout, const fl
               lse2[r] = L[r] * kLog2e;
               Dr[r] = Ops::dot(dO + r * d.ldo, O + r * d.ldo, d.Dv);
             }
-            Ops::gemm(false, false, mq, nk, d.Dqk, Q, d.ldq, Kt, kTile, S, kTile);
-            Ops::gemm(false, false, mq, nk, d.Dv, dO, d.ldo, Vt, kTile, dP, kTile);
+            const Tri up = qt == kt ? Tri::NUpTo : Tri::None, kup = qt == kt ? Tri::KUpTo : Tri::None,
+                      kfrom = qt == kt ? Tri::KFrom : Tri::None;
+            tri_gemm<Ops>(up, false, false, mq, nk, d.Dqk, Q, d.ldq, Kt, kTile, S, kTile);
+            tri_gemm<Ops>(up, false, false, mq, nk, d.Dv, dO, d.ldo, Vt, kTile, dP, kTile);
             for (int64_t r = 0; r < mq; ++r) {
               const int64_t nv = kt == qt ? std::min(nk, r + 1) : nk;
               Ops::ds_row(S + r * kTile, dP + r * kTile, nv, c, lse2[r], Dr[r], d.scale);
@@ -162,10 +200,10 @@ void flash_backward(float* dq, float* dk, float* dv, const float* dout, const fl
                 Ops::zero_row(dP + r * kTile + nv, nk - nv);
               }
             }
-            Ops::gemm(!first, true, nk, d.Dv, mq, S, kTile, dO, d.ldo, dVa, Dv16);
-            Ops::gemm(!first, true, nk, d.Dqk, mq, dP, kTile, Q, d.ldq, dKa, Dq16);
+            tri_gemm<Ops>(kfrom, !first, true, nk, d.Dv, mq, S, kTile, dO, d.ldo, dVa, Dv16);
+            tri_gemm<Ops>(kfrom, !first, true, nk, d.Dqk, mq, dP, kTile, Q, d.ldq, dKa, Dq16);
             float* dQ = dq + (b * d.T + i0) * d.ldq + h * d.head_q;
-            Ops::gemm(true, false, mq, d.Dqk, nk, dP, kTile, Kj, d.ldk, dQ, d.ldq);
+            tri_gemm<Ops>(kup, true, false, mq, d.Dqk, nk, dP, kTile, Kj, d.ldk, dQ, d.ldq);
             first = false;
           }
         }
