@@ -36,6 +36,7 @@ constexpr double kU = 5.9604644775390625e-08;  // 2^-24
 struct Spec {
   std::string variant;
   AttnDims d{};
+  float qscale = 2.0f;  // q ~ N(0, qscale^2): scores of spread ~qscale (peaked and flat rows both occur)
   int64_t in_size = 0, qoff = 0, koff = 0, voff = 0, out_size = 0;
 };
 
@@ -219,7 +220,7 @@ struct AttnCase : OpCase {
   }
   std::vector<float> make_in() const {
     auto x = randn(s.in_size, 41);
-    for (int64_t i : qi) x[i] *= 2.0f;  // scores of spread ~2: peaked and flat rows both occur
+    for (int64_t i : qi) x[i] *= s.qscale;
     return x;
   }
 
@@ -353,6 +354,10 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
   add(mla("mla_dn16_dr8_dv16_T72", 1, 72, 3, 16, 8, 16));
   add(mla("mla_v3_dims_H1_T64", 1, 64, 1, 128, 64, 128));
   add(separate("long_T1024_Hq2_Hkv1_D32", 1, 1024, 2, 1, 32, 32));
+  add(separate("tiny_dims_Dqk1_Dv3_T65", 2, 65, 2, 1, 1, 3));
+  Spec peaked = separate("peaked_scores_T64_x20", 1, 64, 2, 2, 16, 16);
+  peaked.qscale = 20.0f;  // scores spread ~20: most probabilities underflow, exercises the max tracking
+  add(peaked);
   v.push_back(std::make_unique<AttnChecks>());
   return v;
 }
