@@ -16,8 +16,12 @@
 
 namespace moetron {
 
-// router_avx512.cpp: score rows for `rows` tokens (softmax or sigmoid), and logsumexp rows.
-void router_scores_rows_avx512(float* s, const float* l, int64_t rows, int E, bool softmax);
+// router_avx512.cpp
+void router_scores_row_avx512(float* s, const float* l, int E, bool softmax);
+bool router_select_row_avx512(int32_t* idx, float* val, const float* s, const float* bias, int E, int k,
+                              int n_group, int topk_group, bool top2sum);
+float router_lse_row_avx512(const float* l, int E);
+void router_zgrad_row_avx512(float* dl, const float* l, int E, float coef);
 
 namespace {
 
@@ -96,9 +100,9 @@ void select_row(int32_t* idx, float* val, const float* s, const float* bias, con
   for (int g = 0; g < ng; ++g) {
     float t1 = -INFINITY, t2 = -INFINITY;
     for (int e = g * G; e < (g + 1) * G; ++e) {
-      float q = s[e] + (bias ? bias[e] : 0.0f);
-      if (q > t1) t2 = t1, t1 = q;
-      else if (q > t2) t2 = q;
+      const float q = s[e] + (bias ? bias[e] : 0.0f);
+      t2 = std::max(t2, std::min(t1, q));  // the two largest values, with multiplicity
+      t1 = std::max(t1, q);
     }
     float gs = cfg.group_score == GroupScore::Max || G < 2 ? t1 : t1 + t2;
     topk_insert(gval, gidx, gcnt, cfg.topk_group, gs, g);
@@ -186,18 +190,23 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
         if (my_bad < 0) my_bad = n;
         for (int e = 0; e < E; ++e) s[e] = 0;
       } else if (avx512) {
-        router_scores_rows_avx512(s, l, 1, E, softmax);
+        router_scores_row_avx512(s, l, E, softmax);
       } else {
         scores_row_scalar(s, l, E, softmax);
       }
       int32_t* idx = topk_idx + n * k;
       float* wt = topk_w + n * k;
-      select_row(idx, wt, s, bias, cfg);
+      if (!avx512 || !router_select_row_avx512(idx, wt, s, bias, E, k, cfg.n_group, cfg.topk_group,
+                                               cfg.group_score == GroupScore::Top2Sum))
+        select_row(idx, wt, s, bias, cfg);
       float sum = 0;
       for (int j = 0; j < k; ++j) sum += s[idx[j]];
       for (int j = 0; j < k; ++j)
         wt[j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
-      if (want_z) {
+      if (want_z && avx512 && finite) {
+        const double lse = router_lse_row_avx512(l, E);
+        w.tok_z[n] = lse * lse;
+      } else if (want_z) {
         double z = 0;
         for (int e = 0; e < E; ++e) z += std::exp(double(l[e]) - double(lmax));
         double lse = double(lmax) + std::log(z);
@@ -269,6 +278,7 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
   const float aux_scale = aux ? float(double(cfg.aux_coef) * E / (double(T) * double(T) * k * double(S))) : 0.0f;
   const float rs = cfg.route_scale;
   const double zc = 2.0 * double(cfg.z_coef) / double(N);
+  const bool avx512 = active_isa() == Isa::Avx512;
 
 #pragma omp parallel
   {
@@ -321,7 +331,9 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
         for (int e = 0; e < E; ++e) ds[e] = ds[e] * s[e] * (1.0f - s[e]);
       }
       // 4. z-loss
-      if (cfg.z_coef > 0) {
+      if (cfg.z_coef > 0 && avx512) {
+        router_zgrad_row_avx512(ds, logits + n * E, E, float(zc));
+      } else if (cfg.z_coef > 0) {
         const float* l = logits + n * E;
         float m = l[0];
         for (int e = 1; e < E; ++e) m = std::max(m, l[e]);
