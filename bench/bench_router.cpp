@@ -166,7 +166,7 @@ void BM_moe_unpermute_backward(benchmark::State& st) {
   IsaScope isa(st.range(0));
   auto& d = perm();
   for (auto _ : st)
-    moe_unpermute_backward(d.dyp.data(), d.dw.data(), d.dy.data(), d.yp.data(), d.row_of.data(), d.w.data(), kN, kK,
+    moe_unpermute_backward(d.dyp.data(), d.dw.data(), d.dy.data(), d.yp.data(), d.row_of.data(), d.token_of.data(), d.slot_of.data(), d.w.data(), kN, kK,
                            d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 * 2 + double(kN) * kD * 4);  // yp read, dyp written, dy read
 }
@@ -176,7 +176,7 @@ void BM_moe_unpermute_backward_bf16(benchmark::State& st) {
   IsaScope isa(st.range(0));
   auto& d = perm();
   for (auto _ : st)
-    moe_unpermute_backward(d.dypb.data(), d.dw.data(), d.dy.data(), d.yp.data(), d.row_of.data(), d.w.data(), kN, kK,
+    moe_unpermute_backward(d.dypb.data(), d.dw.data(), d.dy.data(), d.yp.data(), d.row_of.data(), d.token_of.data(), d.slot_of.data(), d.w.data(), kN, kK,
                            d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * (4 + 2) + double(kN) * kD * 4);
 }

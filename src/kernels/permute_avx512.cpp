@@ -166,21 +166,24 @@ inline float scale_and_dot(void* out, const float* g, const float* v, float ws, 
 
 }  // namespace
 
-// dyp[row(t,s)] = w[t,s] * dy[t] (fp32 into dyp32 or bf16 into dyp16); dw[t,s] = dot(dy[t], yp[row(t,s)]).
+// dyp[r] = w[t,s] * dy[t] (fp32 into dyp32 or bf16 into dyp16) and dw[t,s] = dot(dy[t], yp[r]), walking the
+// permuted rows r in order (t = token_of[r], s = slot_of[r]): the two large buffers stream sequentially and
+// only the dy rows are gathered. Dropped slots (row_of < 0) get dw = 0.
 void moe_unpermute_backward_avx512(float* dyp32, bf16* dyp16, float* dw, const float* dy, const float* yp,
-                                   const int32_t* row_of, const float* w, int64_t N, int k, int64_t D) {
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const float* g = dy + t * D;
-    for (int s = 0; s < k; ++s) {
-      const int32_t r = row_of[t * k + s];
-      if (r < 0) {
-        dw[t * k + s] = 0;
-        continue;
-      }
-      const float* v = yp + int64_t(r) * D;
-      dw[t * k + s] = dyp32 ? scale_and_dot<false>(dyp32 + int64_t(r) * D, g, v, w[t * k + s], D)
-                            : scale_and_dot<true>(dyp16 + int64_t(r) * D, g, v, w[t * k + s], D);
+                                   const int32_t* row_of, const int32_t* token_of, const int32_t* slot_of,
+                                   const float* w, int64_t N, int k, int64_t R, int64_t D) {
+#pragma omp parallel
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < N * k; ++i)
+      if (row_of[i] < 0) dw[i] = 0;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = int64_t(token_of[r]) * k + slot_of[r];
+      const float* g = dy + int64_t(token_of[r]) * D;
+      const float* v = yp + r * D;
+      dw[i] = dyp32 ? scale_and_dot<false>(dyp32 + r * D, g, v, w[i], D)
+                    : scale_and_dot<true>(dyp16 + r * D, g, v, w[i], D);
     }
   }
 }

@@ -136,13 +136,13 @@ class PermuteCase : public OpCase {
     // then a fixed tree); the scalar path sums sequentially: D u * sum|dy yp|; we allow the larger.
     {
       std::vector<float> dyp(R * D, NAN), dyp_r(R * D, NAN), dw(N * k), dw_r(N * k);
-      moe_unpermute_backward(dyp.data(), dw.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N, sp_.k, R, D);
+      moe_unpermute_backward(dyp.data(), dw.data(), dy_.data(), yp_.data(), row_of_.data(), token_of_.data(), slot_of_.data(), w_.data(), N, sp_.k, R, D);
       moe_unpermute_backward_ref(dyp_r.data(), dw_r.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N,
                                  sp_.k, D);
       r.compare("unpermute_backward dyp", dyp.data(), dyp_r.data(), R * D, 0, 0);
       std::vector<bf16> dyb(R * D), dyb_r(R * D);
       std::vector<float> dw2(N * k);
-      moe_unpermute_backward(dyb.data(), dw2.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N, sp_.k, R, D);
+      moe_unpermute_backward(dyb.data(), dw2.data(), dy_.data(), yp_.data(), row_of_.data(), token_of_.data(), slot_of_.data(), w_.data(), N, sp_.k, R, D);
       moe_unpermute_backward_ref(dyb_r.data(), dw_r.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N,
                                  sp_.k, D);
       std::vector<float> a(R * D), b(R * D);
@@ -250,6 +250,13 @@ class PermuteBadInput : public OpCase {
       std::vector<int32_t> r2 = row_of;
       r2[1] = int32_t(N * k);
       moe_unpermute(x.data(), xp.data(), r2.data(), w.data(), N, k, N * k, D);
+    });
+    expect_throw("slot_of out of range", [&] {
+      std::vector<int32_t> s2(N * k, 0), dyp(N * k * D);
+      s2[3] = k;
+      std::vector<float> dypf(N * k * D), dw(N * k);
+      moe_unpermute_backward(dypf.data(), dw.data(), x.data(), xp.data(), row_of.data(), token_of.data(), s2.data(),
+                             w.data(), N, k, N * k, D);
     });
     expect_throw("R > N*k", [&] { moe_permute_backward(x.data(), xp.data(), row_of.data(), N, k, N * k + 1, D); });
     expect_throw("k = 0", [&] { moe_unpermute(x.data(), xp.data(), row_of.data(), w.data(), N, 0, 0, D); });
