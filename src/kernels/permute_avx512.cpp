@@ -5,6 +5,7 @@
 // VCVTNE2PS2BF16 (round to nearest even; note: it flushes denormal inputs to zero, unlike to_bf16).
 // GCC 12 warns falsely about _mm512_undefined_* inside its own intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <cstdint>

@@ -66,6 +66,43 @@ void scores_row_scalar(float* s, const float* l, int E, bool softmax) {
   }
 }
 
+// Row reductions with 8 interleaved partial sums combined in a fixed tree: deterministic, and free of the
+// 64-long add-latency chain of a sequential sum (the compiler vectorizes the 8 lanes).
+float sum8(const float* x, int n) {
+  float p[8] = {};
+  int e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int j = 0; j < 8; ++j) p[j] += x[e + j];
+  for (int j = 0; e < n; ++e, ++j) p[j] += x[e];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+float dot8(const float* a, const float* b, int n) {
+  float p[8] = {};
+  int e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int j = 0; j < 8; ++j) p[j] += a[e + j] * b[e + j];
+  for (int j = 0; e < n; ++e, ++j) p[j] += a[e] * b[e];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+// sum_e c_e * s_e in fp64 (counts are exact; 4 partial sums).
+double dot_counts(const int32_t* c, const float* s, int n) {
+  double p[4] = {};
+  int e = 0;
+  for (; e + 4 <= n; e += 4)
+    for (int j = 0; j < 4; ++j) p[j] += double(c[e + j]) * double(s[e + j]);
+  for (int j = 0; e < n; ++e, ++j) p[j] += double(c[e]) * double(s[e]);
+  return (p[0] + p[1]) + (p[2] + p[3]);
+}
+// sum_e c_e * s_e in fp32 (counts < 2^24 are exact in fp32).
+float dot_counts_f(const int32_t* c, const float* s, int n) {
+  float p[8] = {};
+  int e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int j = 0; j < 8; ++j) p[j] += float(c[e + j]) * s[e + j];
+  for (int j = 0; e < n; ++e, ++j) p[j] += float(c[e]) * s[e];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
 // Insert (v, i) into the sorted list (val, idx) of length *cnt <= cap, keeping "larger value, then lower
 // index" first. Candidates arrive in increasing index, so an equal value goes after the ones already there.
 inline void topk_insert(float* val, int32_t* idx, int& cnt, int cap, float v, int32_t i) {
@@ -235,15 +272,9 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
       for (int64_t n = 0; n < N; ++n) {
         const int32_t* c = w.cnt + (n / T) * E;
         const float* s = scores + n * E;
-        double a = 0;
-        if (softmax) {
-          for (int e = 0; e < E; ++e) a += double(c[e]) * double(s[e]);
-        } else {
-          float sum = 0;
-          for (int e = 0; e < E; ++e) sum += s[e];
-          for (int e = 0; e < E; ++e) a += double(c[e]) * double(s[e] / (sum + kNormEps));
-        }
-        w.tok_a[n] = a;
+        // softmax: sum_e c_e s_e; sigmoid: sum_e c_e s_e / (sum_e s_e + 1e-20)
+        const double a = dot_counts(c, s, E);
+        w.tok_a[n] = softmax ? a : a / double(sum8(s, E) + kNormEps);
       }
     }
   }
@@ -302,11 +333,8 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
         for (int e = 0; e < E; ++e) ds[e] = aux_scale * float(c[e]);
       } else if (aux) {
         const int32_t* c = w.cnt + (n / T) * E;
-        float sum = 0, cs = 0;
-        for (int e = 0; e < E; ++e) sum += s[e];
-        sum += kNormEps;
-        for (int e = 0; e < E; ++e) cs += aux_scale * float(c[e]) * s[e];
-        cs /= sum;
+        const float sum = sum8(s, E) + kNormEps;
+        const float cs = aux_scale * dot_counts_f(c, s, E) / sum;
         for (int e = 0; e < E; ++e) ds[e] = (aux_scale * float(c[e]) - cs) / sum;
       } else {
         for (int e = 0; e < E; ++e) ds[e] = 0;
@@ -324,8 +352,7 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
       }
       // 3. score function
       if (softmax) {
-        float dot = 0;
-        for (int e = 0; e < E; ++e) dot += ds[e] * s[e];
+        const float dot = dot8(ds, s, E);
         for (int e = 0; e < E; ++e) ds[e] = s[e] * (ds[e] - dot);
       } else {
         for (int e = 0; e < E; ++e) ds[e] = ds[e] * s[e] * (1.0f - s[e]);

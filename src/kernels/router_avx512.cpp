@@ -5,6 +5,7 @@
 // differ from router_scores_ref<float> by a few ulp (the tolerance rationale is in docs/kernels/moe.md).
 // GCC 12 warns falsely about _mm512_undefined_* inside its own intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <cmath>
@@ -113,41 +114,48 @@ bool router_select_row_avx512(int32_t* idx, float* val, const float* s, const fl
   const int nv = (E + 15) / 16;
   if (n_group > 1) {
     const int G = E / n_group;
-    float gval[kSelMaxGroups];
+    float t1[kSelMaxGroups], t2[kSelMaxGroups], gval[kSelMaxGroups];
     int gidx[kSelMaxGroups];
-    bool chosen[kSelMaxGroups];
-    int gcnt = 0;
-    for (int g = 0; g < n_group; ++g) {
-      float t1 = -INFINITY, t2 = -INFINITY;  // the two largest values (with multiplicity), branch-free
-      for (int e = g * G; e < (g + 1) * G; ++e) {
-        const float v = q[e], lo = v < t1 ? v : t1;
-        t2 = lo > t2 ? lo : t2;
-        t1 = v > t1 ? v : t1;
+    for (int g = 0; g < n_group; ++g) t1[g] = t2[g] = -INFINITY;
+    // The two largest values of each group (with multiplicity), branch-free; groups interleaved so that the
+    // max/min chains of different groups overlap.
+    for (int j = 0; j < G; ++j)
+      for (int g = 0; g < n_group; ++g) {
+        const float v = q[g * G + j], lo = v < t1[g] ? v : t1[g];
+        t2[g] = lo > t2[g] ? lo : t2[g];
+        t1[g] = v > t1[g] ? v : t1[g];
       }
-      insert_sorted(gval, gidx, gcnt, topk_group, top2sum && G >= 2 ? t1 + t2 : t1, g);
-      chosen[g] = false;
-    }
+    int gcnt = 0;
+    for (int g = 0; g < n_group; ++g)
+      insert_sorted(gval, gidx, gcnt, topk_group, top2sum && G >= 2 ? t1[g] + t2[g] : t1[g], g);
+    bool chosen[kSelMaxGroups] = {};
     for (int r = 0; r < gcnt; ++r) chosen[gidx[r]] = true;
     for (int g = 0; g < n_group; ++g)
       if (!chosen[g])
         for (int e = g * G; e < (g + 1) * G; ++e) q[e] = -INFINITY;
   }
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
   for (int j = 0; j < k; ++j) {
     __m512 vm = _mm512_load_ps(q);
     for (int v = 1; v < nv; ++v) vm = _mm512_max_ps(vm, _mm512_load_ps(q + 16 * v));
     const float m = _mm512_reduce_max_ps(vm);
     const __m512 mv = _mm512_set1_ps(m);
+    // First lane equal to the maximum, four vectors (64 experts) per step.
     int e = 0;
-    for (int v = 0; v < nv; ++v) {
-      __mmask16 hit = _mm512_cmp_ps_mask(_mm512_load_ps(q + 16 * v), mv, _CMP_EQ_OQ);
+    for (int v = 0; v < nv; v += 4) {
+      uint64_t hit = 0;
+      for (int u = 0; u < 4 && v + u < nv; ++u)
+        hit |= uint64_t(_mm512_cmp_ps_mask(_mm512_load_ps(q + 16 * (v + u)), mv, _CMP_EQ_OQ)) << (16 * u);
       if (hit) {
-        e = 16 * v + __builtin_ctz(unsigned(hit));
+        e = 16 * v + __builtin_ctzll(hit);
         break;
       }
     }
     idx[j] = e;
     val[j] = m;
-    q[e] = -INFINITY;
+    // Knock the winner out with a vector blend (a scalar store followed by vector loads would stall).
+    float* qv = q + (e & ~15);
+    _mm512_store_ps(qv, _mm512_mask_blend_ps(__mmask16(1u << (e & 15)), _mm512_load_ps(qv), ninf));
   }
   return true;
 }
