@@ -69,7 +69,7 @@ struct LayerBufs {
   // dense ffn / shared experts
   Tensor gu, act16;
   // moe
-  Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, xp16, egu, eact16, ez;
+  Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, slot_of, xp16, egu, eact16, ez;
   int64_t R = 0;  // routed rows of the last forward
 };
 
@@ -157,7 +157,7 @@ struct Model::Impl {
     } else {
       b.logits = f32buf(N * E), b.scores = f32buf(N * E), b.topk_idx = i32buf(N * K), b.topk_w = f32buf(N * K);
       b.counts = i32buf(E), b.kept = i32buf(E), b.offsets = i32buf(E + 1), b.row_of = i32buf(N * K),
-      b.token_of = i32buf(N * K);
+      b.token_of = i32buf(N * K), b.slot_of = i32buf(N * K);
       b.xp16 = bf16buf(Rmax * d), b.egu = f32buf(Rmax * 2 * Fe), b.eact16 = bf16buf(Rmax * Fe), b.ez = f32buf(Rmax * d);
       if (Fs > 0) b.gu = f32buf(N * 2 * Fs), b.act16 = bf16buf(N * Fs);
     }
@@ -623,7 +623,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
     for (int64_t e = 0; e < E; ++e) L.count_acc[e] += counts[e];
   }
   int32_t* off = b.offsets.data<int32_t>();
-  int64_t dropped = moe_permute_plan(off, b.row_of.data<int32_t>(), b.token_of.data<int32_t>(), nullptr, idx, counts, N,
+  int64_t dropped = moe_permute_plan(off, b.row_of.data<int32_t>(), b.token_of.data<int32_t>(), b.slot_of.data<int32_t>(), idx, counts, N,
                                    int(K), int(E), s.moe.capacity_factor);
   if (!recomputing) last_dropped += dropped;
   int32_t* kept = b.kept.data<int32_t>();
@@ -637,9 +637,9 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   }
   {
   MT_TRACE("fwd.experts");
-  grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, E, R, d, 2 * Fe, wsp());
+  grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, E, R, d, 2 * Fe, wsp(), ws_bytes);
   swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
-  grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, E, R, Fe, d, wsp());
+  grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, E, R, Fe, d, wsp(), ws_bytes);
   }
   {
   MT_TRACE("fwd.combine");
@@ -682,20 +682,21 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   float* dtw = dtopk_w.data<float>();
   {
   MT_TRACE("bwd.combine");
-  moe_unpermute_backward(dz16, dtw, dy, b.ez.data<float>(), row_of, b.topk_w.data<float>(), N, int(K), R, d);
+  moe_unpermute_backward(dz16, dtw, dy, b.ez.data<float>(), row_of, b.token_of.data<int32_t>(),
+                         b.slot_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
   }
   float* dxp = s_f1.data<float>();
   {
   MT_TRACE("bwd.experts");
-  grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, E, R, Fe, d, true, wsp());
+  grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, E, R, Fe, d, true, wsp(), ws_bytes);
   float* deact = s_f1.data<float>();
-  grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, E, R, Fe, d, wsp());
+  grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, E, R, Fe, d, wsp(), ws_bytes);
   float* degu = s_f2.data<float>();
   swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
   bf16* degu16 = s_b1.data<bf16>();
   f32_to_bf16(degu16, degu, R * 2 * Fe);
-  grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, E, R, d, 2 * Fe, true, wsp());
-  grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, E, R, d, 2 * Fe, wsp());
+  grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, E, R, d, 2 * Fe, true, wsp(), ws_bytes);
+  grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, E, R, d, 2 * Fe, wsp(), ws_bytes);
   }
   {
     MT_TRACE("bwd.permute");
