@@ -4,6 +4,7 @@
 // Bytes counted: every array read or written once (a row read k times from cache is counted once).
 // Note: at this shape the permuted buffer is 25 MB and x is 4 MB, so the working set lives largely in the
 // 32 MB L3, while the memcpy limit is measured on 256 MB (DRAM): pct_memcpy above 100 is possible.
+#include <memory>
 #include <vector>
 
 #include "bench_common.h"
@@ -99,14 +100,19 @@ BENCHMARK(BM_router_bwd)->ArgNames({"dsv", "isa"})->Args({3, 2})->Args({3, 0})->
 
 // Permute data: a real routing (ds_mini V3 router on random logits) and its dropless plan.
 struct PermData {
+  int64_t kN;  // tokens (shadows the ds_mini constant: the big variant uses 8x the tokens)
   std::vector<int32_t> idx, cnt, off, row_of, token_of, slot_of;
   std::vector<float> x, xp, yp, y, w, dy, dyp, dw, dx;
   std::vector<bf16> xb, dypb;
   int64_t R = 0;
-  PermData() {
-    RouterData rd(ds_mini_v3());
-    rd.fwd();
-    idx = rd.idx, cnt = rd.cnt, w = rd.w;
+  explicit PermData(int64_t n) : kN(n) {
+    std::vector<float> logits = normal(kN * kE, "perm.logits"), bias = normal(kE, "bias", 0.1f);
+    RouterConfig c = ds_mini_v3();
+    c.aux = AuxMode::None;
+    std::vector<float> s(kN * kE);
+    std::vector<char> ws(router_workspace_bytes(c, kN));
+    idx.resize(kN * kK), cnt.resize(kE), w.resize(kN * kK);
+    router_forward(idx.data(), w.data(), cnt.data(), s.data(), nullptr, logits.data(), bias.data(), c, kN, ws.data());
     off.resize(kE + 1), row_of.resize(kN * kK), token_of.resize(kN * kK), slot_of.resize(kN * kK);
     moe_permute_plan(off.data(), row_of.data(), token_of.data(), slot_of.data(), idx.data(), cnt.data(), kN, kK, kE, 0);
     R = off[kE];
@@ -115,9 +121,15 @@ struct PermData {
     xb.resize(R * kD), dypb.resize(R * kD);
   }
 };
-PermData& perm() {
-  static PermData d;
-  return d;
+// ds_mini (N = 2048: the buffers mostly live in L3) or 8x the tokens (N = 16384: 200 MB buffers, DRAM-bound).
+// One instance at a time, so the big one does not stay resident.
+PermData& perm(int64_t n = kN) {
+  static std::unique_ptr<PermData> d;
+  if (!d || d->kN != n) {
+    d.reset();
+    d = std::make_unique<PermData>(n);
+  }
+  return *d;
 }
 
 void BM_moe_permute_plan(benchmark::State& st) {
@@ -132,55 +144,61 @@ BENCHMARK(BM_moe_permute_plan)->ArgNames({"cf_x100"})->Arg(0)->Arg(125)->Unit(be
 
 void BM_moe_permute_f32(benchmark::State& st) {
   IsaScope isa(st.range(0));
-  auto& d = perm();
+  auto& d = perm(st.range(1));
+  const int64_t kN = d.kN;
   for (auto _ : st) moe_permute(d.xp.data(), d.x.data(), d.token_of.data(), d.R, kN, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 * 2);
 }
-BENCHMARK(BM_moe_permute_f32)->ArgNames({"isa"})->Arg(2)->Arg(0)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_permute_f32)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_permute_bf16(benchmark::State& st) {
   IsaScope isa(st.range(0));
-  auto& d = perm();
+  auto& d = perm(st.range(1));
+  const int64_t kN = d.kN;
   for (auto _ : st) moe_permute(d.xb.data(), d.x.data(), d.token_of.data(), d.R, kN, kD);
   bench::report_bytes(st, double(d.R) * kD * (4 + 2));
 }
-BENCHMARK(BM_moe_permute_bf16)->ArgNames({"isa"})->Arg(2)->Arg(0)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_permute_bf16)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_permute_backward(benchmark::State& st) {
   IsaScope isa(st.range(0));
-  auto& d = perm();
+  auto& d = perm(st.range(1));
+  const int64_t kN = d.kN;
   for (auto _ : st) moe_permute_backward(d.dx.data(), d.yp.data(), d.row_of.data(), kN, kK, d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 + double(kN) * kD * 4);
 }
-BENCHMARK(BM_moe_permute_backward)->ArgNames({"isa"})->Arg(2)->Arg(0)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_permute_backward)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_unpermute(benchmark::State& st) {
   IsaScope isa(st.range(0));
-  auto& d = perm();
+  auto& d = perm(st.range(1));
+  const int64_t kN = d.kN;
   for (auto _ : st) moe_unpermute(d.y.data(), d.yp.data(), d.row_of.data(), d.w.data(), kN, kK, d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 + double(kN) * kD * 4);
 }
-BENCHMARK(BM_moe_unpermute)->ArgNames({"isa"})->Arg(2)->Arg(0)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_unpermute)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_unpermute_backward(benchmark::State& st) {
   IsaScope isa(st.range(0));
-  auto& d = perm();
+  auto& d = perm(st.range(1));
+  const int64_t kN = d.kN;
   for (auto _ : st)
     moe_unpermute_backward(d.dyp.data(), d.dw.data(), d.dy.data(), d.yp.data(), d.row_of.data(), d.token_of.data(), d.slot_of.data(), d.w.data(), kN, kK,
                            d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 * 2 + double(kN) * kD * 4);  // yp read, dyp written, dy read
 }
-BENCHMARK(BM_moe_unpermute_backward)->ArgNames({"isa"})->Arg(2)->Arg(0)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_unpermute_backward)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_unpermute_backward_bf16(benchmark::State& st) {
   IsaScope isa(st.range(0));
-  auto& d = perm();
+  auto& d = perm(st.range(1));
+  const int64_t kN = d.kN;
   for (auto _ : st)
     moe_unpermute_backward(d.dypb.data(), d.dw.data(), d.dy.data(), d.yp.data(), d.row_of.data(), d.token_of.data(), d.slot_of.data(), d.w.data(), kN, kK,
                            d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * (4 + 2) + double(kN) * kD * 4);
 }
-BENCHMARK(BM_moe_unpermute_backward_bf16)->ArgNames({"isa"})->Arg(2)->Arg(0)->Unit(benchmark::kMicrosecond)
+BENCHMARK(BM_moe_unpermute_backward_bf16)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
 }  // namespace

@@ -5,8 +5,8 @@
 // Parallel over tokens (one OpenMP region per call); each token's outputs depend only on its own logits.
 // The only cross-token quantities (counts, the loss values, per-sequence counts for the aux loss) are integer
 // histograms or fp64 sums taken in token order after the parallel part, so results never depend on the
-// thread count. The score rows (exp) go through an AVX-512 kernel when the ISA allows; the selection is
-// shared scalar code.
+// thread count. With AVX-512 the score rows, the selection and the z-loss rows go through router_avx512.cpp;
+// the portable path below performs the same operations as router_forward_ref<float> (bitwise equal scores).
 #include <cmath>
 #include <cstring>
 
