@@ -220,6 +220,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     }
   }
   res.start_step = step;
+  if (step >= tr.steps && say)
+    std::printf("nothing to train: the checkpoint is at step %lld and training.steps is %lld\n", (long long)step,
+                (long long)tr.steps);
 
   res.metrics_path = (fs::path(res.dump_folder) / "metrics.jsonl").string();
   std::ofstream metrics;
