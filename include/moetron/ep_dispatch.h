@@ -27,13 +27,14 @@
 //     slot order, from 0, on the token's home rank; so it is BITWISE the single-process result for fp32.
 //   hierarchical: y[t] = sum over the nodes b that t uses, in increasing b, of partial_b[t], where
 //     partial_b[t] = moe_unpermute over the slots of t whose expert is on node b (slot order, from 0);
-//     the outer sum is moe_permute_backward's (from 0, node order). When all of a token's experts sit on one
-//     node this equals the flat result bitwise; otherwise it is a different association (see
+//     the outer sum is moe_permute_backward's (from 0, node order). With fp32 combine rows and all of a token's
+//     experts on one node this equals the flat result bitwise; otherwise it is a different association (see
 //     ep_combine_hierarchical_ref for the reference and docs/parallel.md for the tolerance).
 //   weighted = false gives the unweighted sum (moe_permute_backward): the backward of dispatch.
 //
 // Payload. Dispatch rows cross as F32, BF16 or E4M3 (1 x 128 block scales per token row, quantized once per
-// token on the home rank, decoded to fp32 on the expert rank); combine rows as F32 or BF16. Every record
+// token on the home rank, decoded to fp32 on the expert rank); combine rows as F32 or BF16 (hierarchical with
+// BF16 rounds twice: the expert rows, then the forwarder's partial sum). Every record
 // carries a 16-byte header (token, source rank, slot, local expert, weight) so that the receiver can check
 // where it came from; hierarchical stage-1 records carry (token, k expert ids, k weights) instead.
 //

@@ -47,6 +47,9 @@ void EpTraffic::add(const EpTraffic& o) {
 namespace {
 
 constexpr int64_t kFp8Block = 128;
+// Loops over fewer elements than this stay serial: a parallel region costs more than it saves, and much
+// more when ranks oversubscribe the cores.
+constexpr int64_t kParMin = int64_t(1) << 16;
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -262,7 +265,7 @@ struct EpDispatch::Impl {
         pos[g] = cur[size_t(m.le) * P + m.src]++;
         ptr[g] = b.base + r * rec;
       }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * D >= kParMin)
     for (int64_t i = 0; i < R; ++i) {
       RecMeta m;
       std::memcpy(&m, ptr[i], sizeof m);
@@ -280,10 +283,10 @@ struct EpDispatch::Impl {
     char* out = csend.get(std::max<int64_t>(R * cb, 1));
     const int64_t* pos = pos_of_stage.data<int64_t>();
     if (cfg.combine_payload == EpPayload::F32) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * D >= kParMin)
       for (int64_t g = 0; g < R; ++g) std::memcpy(out + g * cb, yr + pos[g] * D, size_t(D * 4));
     } else {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * D >= kParMin)
       for (int64_t g = 0; g < R; ++g) f32_to_bf16(reinterpret_cast<bf16*>(out + g * cb), yr + pos[g] * D, D);
     }
     return out;
@@ -320,7 +323,7 @@ struct EpDispatch::Impl {
     if (sync_free)
       for (int q = 0; q < P; ++q) std::memcpy(sb + sd[size_t(q)], cnt.data() + size_t(q) * El, size_t(El * 8));
     const float* wc = wcopy.data<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * k * D >= kParMin)
     for (int64_t t = 0; t < n; ++t)
       for (int s = 0; s < k; ++s) {
         const int32_t e = idx[t * k + s];
@@ -433,7 +436,7 @@ struct EpDispatch::Impl {
     }
     char* sb = send1.get(std::max<int64_t>(S1 * rec1, 1));
     const float* wc = wcopy.data<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * k * D >= kParMin)
     for (int64_t t = 0; t < n; ++t)
       for (int j = 0; j < k; ++j) {
         const int32_t r = ro1[t * k + j];
@@ -505,7 +508,7 @@ struct EpDispatch::Impl {
     std::vector<int64_t> r1start(size_t(Nn) + 1, 0);
     for (int b = 0; b < Nn; ++b) r1start[size_t(b) + 1] = r1start[size_t(b)] + rcnt1[size_t(b)];
     char* sb2 = send2.get(std::max<int64_t>(S2 * rec, 1));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M1 * k * D >= kParMin)
     for (int64_t r = 0; r < M1; ++r) {
       const char* p = rb + r * rec1;
       const int a = int(std::upper_bound(r1start.begin(), r1start.end(), r) - r1start.begin()) - 1;
@@ -769,7 +772,7 @@ void ep_node_limit_scores(float* q_out, const float* q, int64_t N, int E, int n_
   check_node_args(op, N, E, n_nodes, max_nodes, k);
   MT_CHECK((q_out && q) || N == 0, op, "null array");
   const int G = E / n_nodes, top = std::max(1, std::min(G, k / max_nodes));
-#pragma omp parallel
+#pragma omp parallel if (int64_t(N) * E >= kParMin)
   {
     std::vector<float> v(static_cast<size_t>(G)), score(static_cast<size_t>(n_nodes));
     std::vector<int> order(static_cast<size_t>(n_nodes));
