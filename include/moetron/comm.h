@@ -73,8 +73,8 @@ class CommBackend;
 struct CommState;
 }  // namespace detail
 
-// A handle: copies share the communicator and its stats. A default-constructed Comm is the
-// single-process communicator (size 1).
+// A handle (like a shared_ptr: the methods are const, the communicator and its stats are shared by copies).
+// A default-constructed Comm is the single-process communicator (size 1).
 class Comm {
  public:
   Comm();
@@ -85,55 +85,55 @@ class Comm {
   std::string_view backend_name() const;  // "local" or "mpi"
 
   // In-place sum; the order above. n >= 0 elements.
-  void all_reduce(float* x /* [n] */, int64_t n);
-  void all_reduce(double* x /* [n] */, int64_t n);
-  void all_reduce(int32_t* x /* [n] */, int64_t n);
-  void all_reduce(int64_t* x /* [n] */, int64_t n);
-  void all_reduce(void* x /* [n] */, int64_t n, ReduceType t);
+  void all_reduce(float* x /* [n] */, int64_t n) const;
+  void all_reduce(double* x /* [n] */, int64_t n) const;
+  void all_reduce(int32_t* x /* [n] */, int64_t n) const;
+  void all_reduce(int64_t* x /* [n] */, int64_t n) const;
+  void all_reduce(void* x /* [n] */, int64_t n, ReduceType t) const;
 
   // out = the sum over ranks of block `rank()` of in (blocks of n elements), same order as all_reduce.
-  void reduce_scatter(float* out /* [n] */, const float* in /* [size*n] */, int64_t n);
-  void reduce_scatter(double* out /* [n] */, const double* in /* [size*n] */, int64_t n);
-  void reduce_scatter(int32_t* out /* [n] */, const int32_t* in /* [size*n] */, int64_t n);
-  void reduce_scatter(int64_t* out /* [n] */, const int64_t* in /* [size*n] */, int64_t n);
-  void reduce_scatter(void* out /* [n] */, const void* in /* [size*n] */, int64_t n, ReduceType t);
+  void reduce_scatter(float* out /* [n] */, const float* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(double* out /* [n] */, const double* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(int32_t* out /* [n] */, const int32_t* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(int64_t* out /* [n] */, const int64_t* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(void* out /* [n] */, const void* in /* [size*n] */, int64_t n, ReduceType t) const;
 
   // Sum in global order over every rank's parts (see above). out may not alias parts.
-  void all_reduce_ordered(float* out /* [n] */, const float* parts /* [m_local, n] */, int64_t m_local, int64_t n);
+  void all_reduce_ordered(float* out /* [n] */, const float* parts /* [m_local, n] */, int64_t m_local, int64_t n) const;
   void all_reduce_ordered(double* out /* [n] */, const double* parts /* [m_local, n] */, int64_t m_local,
-                          int64_t n);
+                          int64_t n) const;
 
   // out[r*bytes .. (r+1)*bytes) = rank r's `in`. out may not alias in.
-  void all_gather(void* out /* [size*bytes] */, const void* in /* [bytes] */, int64_t bytes);
+  void all_gather(void* out /* [size*bytes] */, const void* in /* [bytes] */, int64_t bytes) const;
   // Variable sizes: rank r contributes counts[r] bytes, placed at out + displs[r] (every rank passes the
   // same counts/displs); in has counts[rank()] bytes.
   void all_gather_v(void* out, const int64_t* counts /* [size] */, const int64_t* displs /* [size] */,
-                    const void* in);
+                    const void* in) const;
 
   // Byte counts and displacements per peer (any dtype as bytes). send_counts[p] on rank r must equal
   // recv_counts[r] on rank p. Buffers may not overlap.
   void all_to_all_v(void* recv, const int64_t* recv_counts /* [size] */, const int64_t* recv_displs /* [size] */,
                     const void* send, const int64_t* send_counts /* [size] */,
-                    const int64_t* send_displs /* [size] */);
+                    const int64_t* send_displs /* [size] */) const;
   // Equal blocks: bytes_per_peer to and from every rank.
-  void all_to_all(void* recv /* [size*b] */, const void* send /* [size*b] */, int64_t bytes_per_peer);
+  void all_to_all(void* recv /* [size*b] */, const void* send /* [size*b] */, int64_t bytes_per_peer) const;
 
   // One exchange without a count round: the message for peer p (send_counts[p] <= capacity bytes) lands at
   // recv + q*capacity on p, where q is the sender. Receivers do not learn the sizes from this call: the
   // payload must say them (e.g. a header). Only send_counts[p] bytes cross the wire.
   void exchange(void* recv /* [size*capacity] */, int64_t capacity, const void* send,
-                const int64_t* send_counts /* [size] */, const int64_t* send_displs /* [size] */);
+                const int64_t* send_counts /* [size] */, const int64_t* send_displs /* [size] */) const;
 
-  void send(const void* buf, int64_t bytes, int dst, int tag = 0);
-  void recv(void* buf, int64_t bytes, int src, int tag = 0);  // exactly `bytes` must arrive
-  void barrier();
+  void send(const void* buf, int64_t bytes, int dst, int tag = 0) const;
+  void recv(void* buf, int64_t bytes, int src, int tag = 0) const;  // exactly `bytes` must arrive
+  void barrier() const;
 
   // Ranks with the same color (>= 0) form a communicator, ordered by (key, rank). Collective.
   Comm split(int color, int key) const;
 
   CommStats stats() const;
-  void reset_stats();
-  void set_trace_hook(CommTraceHook hook);
+  void reset_stats() const;
+  void set_trace_hook(CommTraceHook hook) const;
 
  private:
   std::shared_ptr<detail::CommState> s_;

@@ -214,15 +214,15 @@ int Comm::rank() const { return s_->be->rank(); }
 int Comm::size() const { return s_->be->size(); }
 std::string_view Comm::backend_name() const { return s_->be->name(); }
 CommStats Comm::stats() const { return s_->stats; }
-void Comm::reset_stats() { s_->stats = CommStats{}; }
-void Comm::set_trace_hook(CommTraceHook hook) { s_->hook = std::move(hook); }
+void Comm::reset_stats() const { s_->stats = CommStats{}; }
+void Comm::set_trace_hook(CommTraceHook hook) const { s_->hook = std::move(hook); }
 
-void Comm::all_reduce(float* x, int64_t n) { all_reduce(x, n, ReduceType::F32); }
-void Comm::all_reduce(double* x, int64_t n) { all_reduce(x, n, ReduceType::F64); }
-void Comm::all_reduce(int32_t* x, int64_t n) { all_reduce(x, n, ReduceType::I32); }
-void Comm::all_reduce(int64_t* x, int64_t n) { all_reduce(x, n, ReduceType::I64); }
+void Comm::all_reduce(float* x, int64_t n) const { all_reduce(x, n, ReduceType::F32); }
+void Comm::all_reduce(double* x, int64_t n) const { all_reduce(x, n, ReduceType::F64); }
+void Comm::all_reduce(int32_t* x, int64_t n) const { all_reduce(x, n, ReduceType::I32); }
+void Comm::all_reduce(int64_t* x, int64_t n) const { all_reduce(x, n, ReduceType::I64); }
 
-void Comm::all_reduce(void* x, int64_t n, ReduceType t) {
+void Comm::all_reduce(void* x, int64_t n, ReduceType t) const {
   const char* op = "comm.all_reduce";
   MT_CHECK(n >= 0, op, "negative element count ", n);
   MT_CHECK(x != nullptr || n == 0, op, "null buffer for ", n, " elements");
@@ -257,16 +257,16 @@ void Comm::all_reduce(void* x, int64_t n, ReduceType t) {
   tm.done(n * es, wire);
 }
 
-void Comm::reduce_scatter(float* out, const float* in, int64_t n) { reduce_scatter(out, in, n, ReduceType::F32); }
-void Comm::reduce_scatter(double* out, const double* in, int64_t n) { reduce_scatter(out, in, n, ReduceType::F64); }
-void Comm::reduce_scatter(int32_t* out, const int32_t* in, int64_t n) {
+void Comm::reduce_scatter(float* out, const float* in, int64_t n) const { reduce_scatter(out, in, n, ReduceType::F32); }
+void Comm::reduce_scatter(double* out, const double* in, int64_t n) const { reduce_scatter(out, in, n, ReduceType::F64); }
+void Comm::reduce_scatter(int32_t* out, const int32_t* in, int64_t n) const {
   reduce_scatter(out, in, n, ReduceType::I32);
 }
-void Comm::reduce_scatter(int64_t* out, const int64_t* in, int64_t n) {
+void Comm::reduce_scatter(int64_t* out, const int64_t* in, int64_t n) const {
   reduce_scatter(out, in, n, ReduceType::I64);
 }
 
-void Comm::reduce_scatter(void* out, const void* in, int64_t n, ReduceType t) {
+void Comm::reduce_scatter(void* out, const void* in, int64_t n, ReduceType t) const {
   const char* op = "comm.reduce_scatter";
   MT_CHECK(n >= 0, op, "negative element count ", n);
   MT_CHECK((out && in) || n == 0, op, "null buffer for ", n, " elements per rank");
@@ -349,14 +349,14 @@ void ordered_impl(CommState& s, T* out, const T* parts, int64_t m_local, int64_t
 }
 }  // namespace
 
-void Comm::all_reduce_ordered(float* out, const float* parts, int64_t m_local, int64_t n) {
+void Comm::all_reduce_ordered(float* out, const float* parts, int64_t m_local, int64_t n) const {
   ordered_impl(*s_, out, parts, m_local, n);
 }
-void Comm::all_reduce_ordered(double* out, const double* parts, int64_t m_local, int64_t n) {
+void Comm::all_reduce_ordered(double* out, const double* parts, int64_t m_local, int64_t n) const {
   ordered_impl(*s_, out, parts, m_local, n);
 }
 
-void Comm::all_gather(void* out, const void* in, int64_t bytes) {
+void Comm::all_gather(void* out, const void* in, int64_t bytes) const {
   const char* op = "comm.all_gather";
   MT_CHECK(bytes >= 0, op, "negative byte count ", bytes);
   MT_CHECK((out && in) || bytes == 0, op, "null buffer");
@@ -375,7 +375,7 @@ void Comm::all_gather(void* out, const void* in, int64_t bytes) {
   tm.done(bytes, bytes * (p - 1));
 }
 
-void Comm::all_gather_v(void* out, const int64_t* counts, const int64_t* displs, const void* in) {
+void Comm::all_gather_v(void* out, const int64_t* counts, const int64_t* displs, const void* in) const {
   const char* op = "comm.all_gather_v";
   const int p = size(), me = rank();
   check_counts(op, counts, displs, p, "gather");
@@ -387,7 +387,7 @@ void Comm::all_gather_v(void* out, const int64_t* counts, const int64_t* displs,
 }
 
 void Comm::all_to_all_v(void* recv, const int64_t* recv_counts, const int64_t* recv_displs, const void* send,
-                        const int64_t* send_counts, const int64_t* send_displs) {
+                        const int64_t* send_counts, const int64_t* send_displs) const {
   const char* op = "comm.all_to_all_v";
   const int p = size(), me = rank();
   check_counts(op, send_counts, send_displs, p, "send");
@@ -406,7 +406,7 @@ void Comm::all_to_all_v(void* recv, const int64_t* recv_counts, const int64_t* r
   tm.done(sent, sent - send_counts[me]);
 }
 
-void Comm::all_to_all(void* recv, const void* send, int64_t bytes_per_peer) {
+void Comm::all_to_all(void* recv, const void* send, int64_t bytes_per_peer) const {
   MT_CHECK(bytes_per_peer >= 0, "comm.all_to_all", "negative byte count ", bytes_per_peer);
   const int p = size();
   std::vector<int64_t> c(size_t(p), bytes_per_peer), d(static_cast<size_t>(p));
@@ -415,7 +415,7 @@ void Comm::all_to_all(void* recv, const void* send, int64_t bytes_per_peer) {
 }
 
 void Comm::exchange(void* recv, int64_t capacity, const void* send, const int64_t* send_counts,
-                    const int64_t* send_displs) {
+                    const int64_t* send_displs) const {
   const char* op = "comm.exchange";
   const int p = size(), me = rank();
   MT_CHECK(capacity >= 0, op, "negative capacity ", capacity);
@@ -433,7 +433,7 @@ void Comm::exchange(void* recv, int64_t capacity, const void* send, const int64_
   tm.done(sent, sent - send_counts[me]);
 }
 
-void Comm::send(const void* buf, int64_t bytes, int dst, int tag) {
+void Comm::send(const void* buf, int64_t bytes, int dst, int tag) const {
   const char* op = "comm.send";
   MT_CHECK(dst >= 0 && dst < size(), op, "destination rank ", dst, " outside [0, ", size(), ")");
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
@@ -443,7 +443,7 @@ void Comm::send(const void* buf, int64_t bytes, int dst, int tag) {
   tm.done(bytes, dst == rank() ? 0 : bytes);
 }
 
-void Comm::recv(void* buf, int64_t bytes, int src, int tag) {
+void Comm::recv(void* buf, int64_t bytes, int src, int tag) const {
   const char* op = "comm.recv";
   MT_CHECK(src >= 0 && src < size(), op, "source rank ", src, " outside [0, ", size(), ")");
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
@@ -453,7 +453,7 @@ void Comm::recv(void* buf, int64_t bytes, int src, int tag) {
   tm.done(bytes, 0);
 }
 
-void Comm::barrier() {
+void Comm::barrier() const {
   OpTimer tm(*s_, CommOp::Barrier);
   s_->be->barrier();
   tm.done(0, 0);
