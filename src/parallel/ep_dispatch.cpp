@@ -21,8 +21,13 @@
 #include "moetron/gemm.h"
 #include "moetron/memory.h"
 #include "moetron/permute.h"
+#include "moetron/runtime.h"
 
 namespace moetron {
+
+// ep_dispatch_avx512.cpp
+void ep_f32_to_bf16_avx512(bf16* out, const float* in, int64_t n);
+void ep_bf16_to_f32_avx512(float* out, const bf16* in, int64_t n);
 
 std::string_view to_string(EpPayload p) {
   switch (p) {
@@ -52,6 +57,32 @@ constexpr int64_t kFp8Block = 128;
 constexpr int64_t kParMin = int64_t(1) << 16;
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Wire conversions: serial (the callers parallelize over rows), AVX-512 when active, else the scalar codecs
+// of dtype.h; both are bitwise to_bf16 / from_bf16.
+void to_wire_bf16(bf16* out, const float* in, int64_t n);
+void from_wire_bf16(float* out, const bf16* in, int64_t n);
+// Row-parallel versions for [rows, D] blocks.
+void to_wire_bf16_rows(bf16* out, const float* in, int64_t rows, int64_t D);
+void from_wire_bf16_rows(float* out, const bf16* in, int64_t rows, int64_t D);
+
+void to_wire_bf16(bf16* out, const float* in, int64_t n) {
+  if (active_isa() == Isa::Avx512) return ep_f32_to_bf16_avx512(out, in, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
+}
+void from_wire_bf16(float* out, const bf16* in, int64_t n) {
+  if (active_isa() == Isa::Avx512) return ep_bf16_to_f32_avx512(out, in, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = from_bf16(in[i]);
+}
+
+void to_wire_bf16_rows(bf16* out, const float* in, int64_t rows, int64_t D) {
+#pragma omp parallel for schedule(static) if (rows * D >= kParMin)
+  for (int64_t r = 0; r < rows; ++r) to_wire_bf16(out + r * D, in + r * D, D);
+}
+void from_wire_bf16_rows(float* out, const bf16* in, int64_t rows, int64_t D) {
+#pragma omp parallel for schedule(static) if (rows * D >= kParMin)
+  for (int64_t r = 0; r < rows; ++r) from_wire_bf16(out + r * D, in + r * D, D);
+}
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -156,7 +187,7 @@ struct EpDispatch::Impl {
   void encode_tokens(const float* x, int64_t n) {
     if (n == 0) return;
     if (cfg.dispatch_payload == EpPayload::BF16) {
-      f32_to_bf16(hbuf.get<bf16>(n * D), x, n * D);
+      to_wire_bf16_rows(hbuf.get<bf16>(n * D), x, n, D);
     } else if (cfg.dispatch_payload == EpPayload::E4M3) {
       fp8_quantize(qbuf.get<uint8_t>(n * D), sbuf.get<float>(n * nb), x, n, D, Fp8Format::E4M3, Fp8Scaling::Block, 1,
                    kFp8Block);
@@ -175,7 +206,7 @@ struct EpDispatch::Impl {
   void read_payload(float* out, const char* src) const {
     switch (cfg.dispatch_payload) {
       case EpPayload::F32: std::memcpy(out, src, size_t(D * 4)); break;
-      case EpPayload::BF16: bf16_to_f32(out, reinterpret_cast<const bf16*>(src), D); break;
+      case EpPayload::BF16: from_wire_bf16(out, reinterpret_cast<const bf16*>(src), D); break;
       case EpPayload::E4M3: {
         float sc_[1];
         fp8_decode(out, reinterpret_cast<const uint8_t*>(src + nb * 4), D, Fp8Format::E4M3);
@@ -191,13 +222,13 @@ struct EpDispatch::Impl {
   // Combine rows: fp32 rows [n, D] <-> wire rows [n, cb bytes].
   void encode_rows(char* dst, const float* src, int64_t n) const {
     if (n == 0) return;
-    if (cfg.combine_payload == EpPayload::BF16) f32_to_bf16(reinterpret_cast<bf16*>(dst), src, n * D);
+    if (cfg.combine_payload == EpPayload::BF16) to_wire_bf16_rows(reinterpret_cast<bf16*>(dst), src, n, D);
     else std::memcpy(dst, src, size_t(n * D * 4));
   }
   const float* decode_rows(Buf& tmp, const char* src, int64_t n) {
     if (cfg.combine_payload == EpPayload::F32) return reinterpret_cast<const float*>(src);
     float* o = tmp.get<float>(std::max<int64_t>(n * D, 1));
-    if (n > 0) bf16_to_f32(o, reinterpret_cast<const bf16*>(src), n * D);
+    if (n > 0) from_wire_bf16_rows(o, reinterpret_cast<const bf16*>(src), n, D);
     return o;
   }
 
@@ -287,7 +318,7 @@ struct EpDispatch::Impl {
       for (int64_t g = 0; g < R; ++g) std::memcpy(out + g * cb, yr + pos[g] * D, size_t(D * 4));
     } else {
 #pragma omp parallel for schedule(static) if (R * D >= kParMin)
-      for (int64_t g = 0; g < R; ++g) f32_to_bf16(reinterpret_cast<bf16*>(out + g * cb), yr + pos[g] * D, D);
+      for (int64_t g = 0; g < R; ++g) to_wire_bf16(reinterpret_cast<bf16*>(out + g * cb), yr + pos[g] * D, D);
     }
     return out;
   }
