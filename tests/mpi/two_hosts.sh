@@ -6,8 +6,9 @@
 #
 #   NP_PER_HOST=2 RATE=2gbit DELAY=100us tests/mpi/two_hosts.sh build/bench/mpi_bench_dispatch --rpn 2
 #
-# Ranks 0..NP_PER_HOST-1 run on host A, the others on host B (ranks_per_node = NP_PER_HOST). All MPI traffic
-# is TCP (btl tcp,self): between hosts it crosses the veth link; inside a host it stays on that host's stack.
+# Ranks 0..NP_PER_HOST-1 run on host A, the others on host B (ranks_per_node = NP_PER_HOST). Between hosts MPI
+# uses TCP over the veth link. Inside a host: shared memory (BTL=tcp,vader,self, the default, like a real
+# node) or TCP on that host's own stack (BTL=tcp,self).
 # RATE (tc tbf) and DELAY (tc netem) shape each direction of the veth link; unset = unshaped.
 # Addresses come from the benchmarking range 198.18.0.0/15 and traffic stays between the two namespaces.
 set -euo pipefail
@@ -15,6 +16,7 @@ CMD=("$@")
 [[ ${#CMD[@]} -gt 0 ]] || { echo "usage: $0 PROGRAM [ARGS...]" >&2; exit 2; }
 NP_PER_HOST=${NP_PER_HOST:-2}
 RATE=${RATE:-}
+BTL=${BTL:-tcp,vader,self}
 DELAY=${DELAY:-}
 NS_A=mt_comm_host_a
 NS_B=mt_comm_host_b
@@ -63,12 +65,14 @@ case "\$host" in
   $ADDR_B) ns=$NS_B ;;
   *) echo "unknown host \$host" >&2; exit 1 ;;
 esac
-exec ip netns exec "\$ns" /bin/sh -c "\$*"
+# A private /dev/shm per host: both hosts have the same host name, so OpenMPI's shared-memory segment names
+# would collide. (ip netns exec runs in its own mount namespace; the tmpfs vanishes with it.)
+exec ip netns exec "\$ns" /bin/sh -c "mount -t tmpfs -o size=8g mt_comm_shm /dev/shm && \$*"
 AGENT_EOF
 chmod +x "$AGENT"
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-ip netns exec "$NS_A" mpirun --oversubscribe --bind-to none -np $((2 * NP_PER_HOST)) \
+ip netns exec "$NS_A" /bin/sh -c 'mount -t tmpfs -o size=8g mt_comm_shm /dev/shm && exec "$@"' sh mpirun --oversubscribe --bind-to none -np $((2 * NP_PER_HOST)) \
   --host "$ADDR_A:$NP_PER_HOST,$ADDR_B:$NP_PER_HOST" --mca plm_rsh_agent "$AGENT" \
-  --mca btl tcp,self --mca btl_tcp_if_include "$NET" --mca oob_tcp_if_include "$NET" \
+  --mca btl "$BTL" --mca btl_tcp_if_include "$NET" --mca oob_tcp_if_include "$NET" \
   -x OMP_NUM_THREADS=1 -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM "${CMD[@]}"
