@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
     std::printf("# tokens/rank %lld, hidden %lld, top-%d of %d experts (%d per rank), nodes of %d ranks, iters %d\n",
                 (long long)N, (long long)D, k, E, E / P, a.rpn, a.iters);
     std::printf("%-13s %-10s %10s %10s %10s %9s %9s %9s %7s %9s %10s\n", "dispatcher", "payload", "ms_best", "ms_med",
-                "MB/rank", "GB/s", "raw_GB/s", "ratio", "inter%", "buf_MB", "fp8_err");
+                "MB/rank", "GB/s", "raw_GB/s", "ratio", "inter%", "buf_MB", "rel_err");
   }
 
   struct Case {
@@ -151,7 +151,7 @@ int main(int argc, char** argv) {
     const double bytes = double(d0.bytes_self + d0.bytes_remote() + c0.bytes_self + c0.bytes_remote());
     const double inter = double(d0.bytes_inter + c0.bytes_inter);
     const double avg_bytes = sum_over_ranks(bytes) / P, avg_inter = sum_over_ranks(inter) / P;
-    // fp8 error of what the experts received: max |x' - x| / amax of the row's 128-block (sampled rows).
+    // Payload error (bf16 / e4m3) of what the experts received: max |x' - x| / amax of the 128-block.
     double err = 0;
     if (c.dp != EpPayload::F32) {
       // Recompute from the source's inputs is not possible here (other ranks' x); use local rows: the tokens
