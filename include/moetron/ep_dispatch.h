@@ -84,6 +84,7 @@ struct EpTraffic {
 struct EpStats {
   EpTraffic dispatch, combine;            // totals since construction / reset_stats()
   EpTraffic last_dispatch, last_combine;  // the most recent call
+  EpTraffic backward, last_backward;      // redispatch + combine_scalars
 };
 
 // One named allocation (DeepEP style: a buffer size is a sum of named terms).
@@ -121,6 +122,19 @@ class EpDispatch {
 
   // y [N, D] for the N of the last dispatch; yr [R, D] in recv_x order (may be recv_x itself).
   void combine(float* y, const float* yr, bool weighted = true);
+
+  // Backward helpers. Collective; they reuse the layout of the last dispatch (no count round) and move rows
+  // as the combine payload (F32 or BF16). With them the MoE backward is, per (token, slot), the
+  // single-process computation:
+  //   dyr = redispatch(dy);                 expert rows of dy, in recv_x order
+  //   moe_unpermute_backward(dyr_w, dw_r, dyr, yr, identity [R,1], recv_weight(), R, 1, R, D)
+  //                                         dyr_w[r] = w_r * dy_r, dw_r[r] = dot(dy_r, yr[r]) on the expert rank
+  //   combine_scalars(dw, dw_r);            dw [N, k] back on the home rank
+  //   combine(dx, dxr, /*weighted=*/false); dx from the experts' input gradients
+  // out [R, D]: out[r] = x[t] for the (token t, slot) of received row r; x [N, D] on the home rank.
+  void redispatch(float* out, const float* x);
+  // out [N, k] on the home rank: out[t, s] = v[r] for the received row r of (t, s); v [R] on the expert rank.
+  void combine_scalars(float* out, const float* v);
 
   EpStats stats() const;
   void reset_stats();

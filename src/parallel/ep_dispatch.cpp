@@ -150,7 +150,8 @@ struct EpDispatch::Impl {
   // Hierarchical.
   Buf send2{"dispatch.send_stage2"}, recv2{"dispatch.recv_stage2"};
   Buf row_of2{"forward.row_of [M1,k] i32"}, w2{"forward.weights [M1,k] f32"};
-  std::vector<int64_t> cnt1, rcnt1, cnt2, rcnt2, off2;
+  std::vector<int64_t> cnt1, rcnt1, cnt2, rcnt2, off1, off2;
+  Buf slot_rec1{"home.slot_record [N,k] i32"};  // stage-1 record that carries slot (t, s)
   int64_t M1 = 0, S1 = 0, S2 = 0;  // stage-1 records received / sent, stage-2 records sent
 
   // Expert side (outputs of dispatch).
@@ -169,11 +170,12 @@ struct EpDispatch::Impl {
   Buf csend{"combine.send"}, crecv{"combine.recv"}, cdec{"combine.recv_f32"};
   Buf partial{"combine.partial [M1,D] f32"}, psend{"combine.partial_send"}, precv{"combine.partial_recv"},
       pdec{"combine.partial_recv_f32"};
+  Buf vsend{"backward.scalars_send"}, vrecv{"backward.scalars_recv"};  // combine_scalars
 
   std::vector<Buf*> all_bufs() {
     return {&wcopy, &row_of, &hbuf, &qbuf, &sbuf, &send1, &recv1, &send2, &recv2, &row_of2, &w2, &out_x, &out_src,
             &out_tok, &out_slot, &out_w, &pos_of_stage, &rec_ptr, &csend, &crecv, &cdec, &partial, &psend, &precv,
-            &pdec};
+            &pdec, &slot_rec1, &vsend, &vrecv};
   }
 
   int node_of(int ep_rank) const { return ep_rank / L; }
@@ -453,7 +455,8 @@ struct EpDispatch::Impl {
       const int m = token_nodes(t);
       for (int j = 0; j < m; ++j) ++cnt1[size_t(nodes[size_t(j)])];
     }
-    std::vector<int64_t> off1(static_cast<size_t>(Nn)), c1(static_cast<size_t>(Nn));
+    std::vector<int64_t> c1(static_cast<size_t>(Nn));
+    off1.assign(size_t(Nn), 0);
     int64_t acc = 0;
     for (int b = 0; b < Nn; ++b) {
       off1[size_t(b)] = acc;
@@ -461,9 +464,16 @@ struct EpDispatch::Impl {
     }
     S1 = acc;
     c1 = off1;
+    int32_t* sr1 = slot_rec1.get<int32_t>(std::max<int64_t>(n * k, 1));
     for (int64_t t = 0; t < n; ++t) {
       const int m = token_nodes(t);
       for (int j = 0; j < k; ++j) ro1[t * k + j] = j < m ? int32_t(c1[size_t(nodes[size_t(j)])]++) : -1;
+      for (int s = 0; s < k; ++s) {
+        const int b = (idx[t * k + s] / El) / L;
+        int j = 0;
+        while (nodes[size_t(j)] != b) ++j;
+        sr1[t * k + s] = ro1[t * k + j];
+      }
     }
     char* sb = send1.get(std::max<int64_t>(S1 * rec1, 1));
     const float* wc = wcopy.data<float>();
@@ -623,6 +633,149 @@ struct EpDispatch::Impl {
     const float* rows1 = decode_rows(pdec, in1, S1);
     moe_permute_backward(y, rows1, row_of.data<int32_t>(), N, k, S1, D);
   }
+
+  // ------------------------------------------------------------------------------------------------------
+  // Backward helpers: the layout of the last dispatch, run again with other rows (no count round).
+  // Row bytes are cb (the combine payload): gradients travel like combine rows.
+  void decode_staged(float* out, const char* staged) const {
+    const int64_t* pos = pos_of_stage.data<int64_t>();
+#pragma omp parallel for schedule(static) if (R * D >= kParMin)
+    for (int64_t g = 0; g < R; ++g) {
+      if (cfg.combine_payload == EpPayload::F32) std::memcpy(out + pos[g] * D, staged + g * cb, size_t(D * 4));
+      else from_wire_bf16(out + pos[g] * D, reinterpret_cast<const bf16*>(staged + g * cb), D);
+    }
+  }
+  void encode_row(char* dst, const float* src) const {
+    if (cfg.combine_payload == EpPayload::F32) std::memcpy(dst, src, size_t(D * 4));
+    else to_wire_bf16(reinterpret_cast<bf16*>(dst), src, D);
+  }
+
+  void redispatch_flat(float* out, const float* x, EpTraffic& tr) {
+    char* sb = crecv.get(std::max<int64_t>(N * k * cb, 1));
+    const int32_t* ro = row_of.data<int32_t>();
+#pragma omp parallel for schedule(static) if (N * k * D >= kParMin)
+    for (int64_t i = 0; i < N * k; ++i) encode_row(sb + int64_t(ro[i]) * cb, x + (i / k) * D);
+    int64_t rb = 0;
+    for (int q = 0; q < P; ++q) {
+      sc[size_t(q)] = peer_send[size_t(q)] * cb;
+      sd[size_t(q)] = off[size_t(q) * El] * cb;
+      rc[size_t(q)] = peer_recv[size_t(q)] * cb;
+      rd[size_t(q)] = rb;
+      rb += rc[size_t(q)];
+      classify(tr, q, sc[size_t(q)]);
+    }
+    char* in = csend.get(std::max<int64_t>(rb, 1));
+    comm.all_to_all_v(in, rc.data(), rd.data(), sb, sc.data(), sd.data());
+    tr.rounds += 1;
+    tr.rows_sent += N * k;
+    tr.rows_recv += R;
+    decode_staged(out, in);
+  }
+
+  void redispatch_hier(float* out, const float* x, EpTraffic& tr) {
+    // Home -> forwarders: one row per stage-1 record.
+    char* s1 = precv.get(std::max<int64_t>(S1 * cb, 1));
+    const int32_t* ro1 = row_of.data<int32_t>();
+#pragma omp parallel for schedule(static) if (N * k * D >= kParMin)
+    for (int64_t t = 0; t < N; ++t)
+      for (int j = 0; j < k && ro1[t * k + j] >= 0; ++j) encode_row(s1 + int64_t(ro1[t * k + j]) * cb, x + t * D);
+    std::vector<int64_t> a(static_cast<size_t>(Nn)), ad(static_cast<size_t>(Nn)), b(static_cast<size_t>(Nn)),
+        bd(static_cast<size_t>(Nn));
+    int64_t rb = 0;
+    for (int q = 0; q < Nn; ++q) {
+      a[size_t(q)] = cnt1[size_t(q)] * cb;
+      ad[size_t(q)] = off1[size_t(q)] * cb;
+      b[size_t(q)] = rcnt1[size_t(q)] * cb;
+      bd[size_t(q)] = rb;
+      rb += b[size_t(q)];
+      classify(tr, q * L + li, a[size_t(q)]);
+    }
+    char* f1 = psend.get(std::max<int64_t>(rb, 1));
+    rail_comm.all_to_all_v(f1, b.data(), bd.data(), s1, a.data(), ad.data());
+    // Forwarder -> experts: fan out to the stage-2 rows.
+    char* s2 = crecv.get(std::max<int64_t>(S2 * cb, 1));
+    const int32_t* ro2 = row_of2.data<int32_t>();
+    for (int64_t r = 0; r < M1; ++r)
+      for (int s = 0; s < k; ++s)
+        if (ro2[r * k + s] >= 0) std::memcpy(s2 + int64_t(ro2[r * k + s]) * cb, f1 + r * cb, size_t(cb));
+    std::vector<int64_t> c(static_cast<size_t>(L)), cd(static_cast<size_t>(L)), e(static_cast<size_t>(L)),
+        ed(static_cast<size_t>(L));
+    rb = 0;
+    for (int j = 0; j < L; ++j) {
+      c[size_t(j)] = cnt2[size_t(j)] * cb;
+      cd[size_t(j)] = off2[size_t(j)] * cb;
+      e[size_t(j)] = rcnt2[size_t(j)] * cb;
+      ed[size_t(j)] = rb;
+      rb += e[size_t(j)];
+      classify(tr, node * L + j, c[size_t(j)]);
+    }
+    char* in = csend.get(std::max<int64_t>(rb, 1));
+    node_comm.all_to_all_v(in, e.data(), ed.data(), s2, c.data(), cd.data());
+    tr.rounds += 2;
+    tr.rows_sent += S1 + S2;
+    tr.rows_recv += R;
+    decode_staged(out, in);
+  }
+
+  void scalars_flat(float* out, const float* v, EpTraffic& tr) {
+    float* sv = vsend.get<float>(std::max<int64_t>(R, 1));
+    const int64_t* pos = pos_of_stage.data<int64_t>();
+    for (int64_t g = 0; g < R; ++g) sv[g] = v[pos[g]];
+    int64_t sb = 0;
+    for (int q = 0; q < P; ++q) {
+      sc[size_t(q)] = peer_recv[size_t(q)] * 4;
+      sd[size_t(q)] = sb;
+      sb += sc[size_t(q)];
+      rc[size_t(q)] = peer_send[size_t(q)] * 4;
+      rd[size_t(q)] = off[size_t(q) * El] * 4;
+      classify(tr, q, sc[size_t(q)]);
+    }
+    float* rv = vrecv.get<float>(std::max<int64_t>(N * k, 1));
+    comm.all_to_all_v(rv, rc.data(), rd.data(), sv, sc.data(), sd.data());
+    tr.rounds += 1;
+    const int32_t* ro = row_of.data<int32_t>();
+    for (int64_t i = 0; i < N * k; ++i) out[i] = rv[ro[i]];
+  }
+
+  void scalars_hier(float* out, const float* v, EpTraffic& tr) {
+    // Experts -> forwarders (one float per stage-2 row), forwarders -> home (k floats per stage-1 record).
+    float* sv = vsend.get<float>(std::max<int64_t>(std::max(R, M1 * k), 1));
+    const int64_t* pos = pos_of_stage.data<int64_t>();
+    for (int64_t g = 0; g < R; ++g) sv[g] = v[pos[g]];
+    std::vector<int64_t> c(static_cast<size_t>(L)), cd(static_cast<size_t>(L)), e(static_cast<size_t>(L)),
+        ed(static_cast<size_t>(L));
+    int64_t sb = 0;
+    for (int j = 0; j < L; ++j) {
+      c[size_t(j)] = rcnt2[size_t(j)] * 4;
+      cd[size_t(j)] = sb;
+      sb += c[size_t(j)];
+      e[size_t(j)] = cnt2[size_t(j)] * 4;
+      ed[size_t(j)] = off2[size_t(j)] * 4;
+      classify(tr, node * L + j, c[size_t(j)]);
+    }
+    float* f2 = vrecv.get<float>(std::max<int64_t>(std::max(S2, S1 * k), 1));
+    node_comm.all_to_all_v(f2, e.data(), ed.data(), sv, c.data(), cd.data());
+    // Forwarder: k values per stage-1 record (0 for slots of other nodes; never read).
+    std::vector<float> per(static_cast<size_t>(std::max<int64_t>(M1 * k, 1)));
+    const int32_t* ro2 = row_of2.data<int32_t>();
+    for (int64_t i = 0; i < M1 * k; ++i) per[size_t(i)] = ro2[i] >= 0 ? f2[ro2[i]] : 0.0f;
+    std::vector<int64_t> a(static_cast<size_t>(Nn)), ad(static_cast<size_t>(Nn)), b(static_cast<size_t>(Nn)),
+        bd(static_cast<size_t>(Nn));
+    sb = 0;
+    for (int q = 0; q < Nn; ++q) {
+      a[size_t(q)] = rcnt1[size_t(q)] * k * 4;
+      ad[size_t(q)] = sb;
+      sb += a[size_t(q)];
+      b[size_t(q)] = cnt1[size_t(q)] * k * 4;
+      bd[size_t(q)] = off1[size_t(q)] * k * 4;
+      classify(tr, q * L + li, a[size_t(q)]);
+    }
+    std::vector<float> home(static_cast<size_t>(std::max<int64_t>(S1 * k, 1)));
+    rail_comm.all_to_all_v(home.data(), b.data(), bd.data(), per.data(), a.data(), ad.data());
+    tr.rounds += 2;
+    const int32_t* sr1 = slot_rec1.data<int32_t>();
+    for (int64_t i = 0; i < N * k; ++i) out[i] = home[size_t(int64_t(sr1[i]) * k + i % k)];
+  }
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -710,6 +863,8 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
     I.csend.get(Rmax * I.cb);
     I.crecv.get(Nm * k * I.cb);
     if (cfg.combine_payload == EpPayload::BF16) I.cdec.get<float>(Nm * k * D);
+    I.vsend.get<float>(Rmax);
+    I.vrecv.get<float>(Nm * k);
     for (Buf* b : I.all_bufs()) b->frozen = true;
   }
 }
@@ -764,6 +919,38 @@ void EpDispatch::combine(float* y, const float* yr, bool weighted) {
   tr.seconds = now_s() - t0;
   I.st.last_combine = tr;
   I.st.combine.add(tr);
+}
+
+void EpDispatch::redispatch(float* out, const float* x) {
+  Impl& I = *p_;
+  const char* op = "ep_redispatch";
+  MT_CHECK(I.N >= 0, op, "redispatch before any dispatch");
+  MT_CHECK(out != nullptr || I.R == 0, op, "null out for R=", I.R);
+  MT_CHECK(x != nullptr || I.N == 0, op, "null x for N=", I.N);
+  const double t0 = now_s();
+  EpTraffic tr;
+  tr.calls = 1;
+  if (I.hier) I.redispatch_hier(out, x, tr);
+  else I.redispatch_flat(out, x, tr);
+  tr.seconds = now_s() - t0;
+  I.st.last_backward = tr;
+  I.st.backward.add(tr);
+}
+
+void EpDispatch::combine_scalars(float* out, const float* v) {
+  Impl& I = *p_;
+  const char* op = "ep_combine_scalars";
+  MT_CHECK(I.N >= 0, op, "combine_scalars before any dispatch");
+  MT_CHECK(out != nullptr || I.N == 0, op, "null out for N=", I.N);
+  MT_CHECK(v != nullptr || I.R == 0, op, "null v for R=", I.R);
+  const double t0 = now_s();
+  EpTraffic tr;
+  tr.calls = 1;
+  if (I.hier) I.scalars_hier(out, v, tr);
+  else I.scalars_flat(out, v, tr);
+  tr.seconds = now_s() - t0;
+  I.st.last_backward = tr;
+  I.st.backward.add(tr);
 }
 
 EpStats EpDispatch::stats() const { return p_->st; }

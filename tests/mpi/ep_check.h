@@ -3,7 +3,8 @@
 // knows exactly which (source, token, slot) rows it must receive, in which order, with which payload; the
 // payload also carries (source rank, token) in its first two values (DeepEP style) and the check asserts
 // them. The experts apply y = x * (global expert id + 1) and the combine is compared with the single-process
-// computation (moe_unpermute over the same rows) bitwise for fp32 rows.
+// computation (moe_unpermute over the same rows) bitwise for fp32 rows. The backward helpers (redispatch,
+// combine_scalars) are checked the same way against moe_unpermute_backward.
 // Not a benchmark. Collective: every rank must call check_ep with the same arguments except the comm rank.
 #pragma once
 #include <gtest/gtest.h>
@@ -263,9 +264,63 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
         float mag = 0;
         for (int s = 0; s < k; ++s) mag += std::fabs(mine.w[size_t(t * k + s)] * yp[size_t((t * k + s) * D + d)]);
         const float tol = mag * (std::ldexp(1.0f, -8) + float(2 * (k + 1)) * std::ldexp(1.0f, -24));
-        EXPECT_LE(std::fabs(y[size_t(t * D + d)] - ref[size_t(t * D + d)]), tol) << "rank " << me << " t " << t;
-        if (std::fabs(y[size_t(t * D + d)] - ref[size_t(t * D + d)]) > tol) return res;
+        if (std::fabs(y[size_t(t * D + d)] - ref[size_t(t * D + d)]) > tol) {
+          ADD_FAILURE() << "rank " << me << " t " << t << " d " << d << ": |" << y[size_t(t * D + d)] << " - "
+                        << ref[size_t(t * D + d)] << "| > " << tol;
+          t = N;
+          break;
+        }
       }
+  }
+  // ---- backward helpers: redispatch(dy), per-row dgrad/dw on the expert, combine_scalars(dw) ----
+  {
+    std::vector<float> dyr(size_t(std::max<int64_t>(R, 1) * D)), dyw(dyr.size()), dwr(size_t(std::max<int64_t>(R, 1)));
+    std::vector<int32_t> id1(size_t(std::max<int64_t>(R, 1)));
+    for (int64_t r = 0; r < R; ++r) id1[size_t(r)] = int32_t(r);
+    auto dy_of = [&](int src, int64_t t, int64_t d) { return unit(seed + 1, uint64_t(src), uint64_t(t), uint64_t(d)); };
+    std::vector<float> dy(size_t(std::max<int64_t>(N, 1) * D));
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t d = 0; d < D; ++d) dy[size_t(t * D + d)] = dy_of(me, t, d);
+    ep.redispatch(dyr.data(), dy.data());
+    int64_t bad = 0;
+    if (R == int64_t(want.size()))
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; ++d) {
+          float v = dy_of(want[size_t(r)].src, want[size_t(r)].t, d);
+          if (cfg.combine_payload == EpPayload::BF16) v = round_bf16(v);
+          bad += std::memcmp(&v, &dyr[size_t(r * D + d)], 4) != 0;
+        }
+    EXPECT_EQ(bad, 0) << "rank " << me << ": redispatched rows differ";
+    if (R > 0)
+      moe_unpermute_backward(dyw.data(), dwr.data(), dyr.data(), yr.data(), id1.data(), ep.recv_weight(), R, 1, R, D);
+    std::vector<float> dw(size_t(std::max<int64_t>(N * k, 1)), -3.0f);
+    ep.combine_scalars(dw.data(), dwr.data());
+    // Reference: the single-process backward of the weighted sum, on the rows as the experts saw them.
+    if (N > 0) {
+      std::vector<float> dys(dy.size()), yexp(size_t(N * k * D)), dyp(size_t(N * k * D)), dwref(size_t(N * k));
+      for (int64_t i = 0; i < N * D; ++i)
+        dys[size_t(i)] = cfg.combine_payload == EpPayload::BF16 ? round_bf16(dy[size_t(i)]) : dy[size_t(i)];
+      for (int64_t t = 0; t < N; ++t)
+        for (int s = 0; s < k; ++s) {
+          const float f = float(mine.idx[size_t(t * k + s)] + 1);
+          for (int64_t d = 0; d < D; ++d) yexp[size_t((t * k + s) * D + d)] = xs[size_t(t * D + d)] * f;
+        }
+      moe_unpermute_backward(dyp.data(), dwref.data(), dys.data(), yexp.data(), ident.data(), mine.w.data(), N, k,
+                             N * k, D);
+      EXPECT_EQ(0, std::memcmp(dw.data(), dwref.data(), size_t(N * k) * 4)) << "rank " << me << ": dw differs";
+    }
+    // combine_scalars routes exactly: v = (source, token, slot) code comes back to (t, s).
+    std::vector<float> code(size_t(std::max<int64_t>(R, 1)));
+    for (int64_t r = 0; r < R; ++r)
+      code[size_t(r)] = float(ep.recv_src()[r] * 100000 + ep.recv_token()[r] * 10 + ep.recv_slot()[r]);
+    ep.combine_scalars(dw.data(), code.data());
+    for (int64_t t = 0; t < N; ++t)
+      for (int s = 0; s < k; ++s)
+        if (dw[size_t(t * k + s)] != float(me * 100000 + t * 10 + s)) {
+          ADD_FAILURE() << "rank " << me << " combine_scalars (" << t << ", " << s << ") got " << dw[size_t(t * k + s)];
+          t = N;
+          break;
+        }
   }
   if (hier && N > 0) {
     // Versus the flat (slot-order) result: a re-association of k products. |diff| <= 2 (k+1) u sum |w yp|.
