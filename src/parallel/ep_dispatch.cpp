@@ -151,6 +151,10 @@ struct EpDispatch::Impl {
   Buf send2{"dispatch.send_stage2"}, recv2{"dispatch.recv_stage2"};
   Buf row_of2{"forward.row_of [M1,k] i32"}, w2{"forward.weights [M1,k] f32"};
   std::vector<int64_t> cnt1, rcnt1, cnt2, rcnt2, off1, off2;
+  // Per-call scratch, sized once: [Nn] x 4 (rail counts / displacements), [L] x 4 (node), cursors.
+  std::vector<int64_t> rs[4], ns[4], c1s, c2s, r1start;
+  std::vector<int> nodes_;
+  Buf fwd_scalars{"backward.forward_scalars [M1,k] f32"}, home_scalars{"backward.home_scalars [S1,k] f32"};
   Buf slot_rec1{"home.slot_record [N,k] i32"};  // stage-1 record that carries slot (t, s)
   int64_t M1 = 0, S1 = 0, S2 = 0;  // stage-1 records received / sent, stage-2 records sent
 
@@ -175,7 +179,7 @@ struct EpDispatch::Impl {
   std::vector<Buf*> all_bufs() {
     return {&wcopy, &row_of, &hbuf, &qbuf, &sbuf, &send1, &recv1, &send2, &recv2, &row_of2, &w2, &out_x, &out_src,
             &out_tok, &out_slot, &out_w, &pos_of_stage, &rec_ptr, &csend, &crecv, &cdec, &partial, &psend, &precv,
-            &pdec, &slot_rec1, &vsend, &vrecv};
+            &pdec, &slot_rec1, &vsend, &vrecv, &fwd_scalars, &home_scalars};
   }
 
   int node_of(int ep_rank) const { return ep_rank / L; }
@@ -439,7 +443,7 @@ struct EpDispatch::Impl {
     // ---- stage 1 plan: (token, node) records, node-major then token order ----
     std::fill(cnt1.begin(), cnt1.end(), 0);
     int32_t* ro1 = row_of.get<int32_t>(std::max<int64_t>(n * k, 1));
-    std::vector<int> nodes(static_cast<size_t>(k));
+    std::vector<int>& nodes = nodes_;
     auto token_nodes = [&](int64_t t) {
       int m = 0;
       for (int s = 0; s < k; ++s) {
@@ -455,8 +459,7 @@ struct EpDispatch::Impl {
       const int m = token_nodes(t);
       for (int j = 0; j < m; ++j) ++cnt1[size_t(nodes[size_t(j)])];
     }
-    std::vector<int64_t> c1(static_cast<size_t>(Nn));
-    off1.assign(size_t(Nn), 0);
+    std::vector<int64_t>& c1 = c1s;
     int64_t acc = 0;
     for (int b = 0; b < Nn; ++b) {
       off1[size_t(b)] = acc;
@@ -497,7 +500,10 @@ struct EpDispatch::Impl {
     // Count round and exchange on the rail (same local index on every node).
     rail_comm.all_to_all(rcnt1.data(), cnt1.data(), 8);
     tr.rounds += 1;
-    std::vector<int64_t> s1c(static_cast<size_t>(Nn)), s1d(static_cast<size_t>(Nn)), r1c(static_cast<size_t>(Nn)), r1d(static_cast<size_t>(Nn));
+    auto& s1c = rs[0];
+    auto& s1d = rs[1];
+    auto& r1c = rs[2];
+    auto& r1d = rs[3];
     int64_t rbytes = 0;
     M1 = 0;
     for (int b = 0; b < Nn; ++b) {
@@ -535,7 +541,8 @@ struct EpDispatch::Impl {
       acc += cnt2[size_t(j)];
     }
     S2 = acc;
-    std::vector<int64_t> c2 = off2;
+    std::vector<int64_t>& c2 = c2s;
+    std::copy(off2.begin(), off2.end(), c2.begin());
     for (int64_t r = 0; r < M1; ++r) {
       const char* p = rb + r * rec1;
       for (int s = 0; s < k; ++s) {
@@ -546,7 +553,7 @@ struct EpDispatch::Impl {
       }
     }
     // Source node of each stage-1 record (records arrive grouped by rail peer = source node).
-    std::vector<int64_t> r1start(size_t(Nn) + 1, 0);
+    r1start[0] = 0;
     for (int b = 0; b < Nn; ++b) r1start[size_t(b) + 1] = r1start[size_t(b)] + rcnt1[size_t(b)];
     char* sb2 = send2.get(std::max<int64_t>(S2 * rec, 1));
 #pragma omp parallel for schedule(static) if (M1 * k * D >= kParMin)
@@ -568,7 +575,10 @@ struct EpDispatch::Impl {
     }
     node_comm.all_to_all(rcnt2.data(), cnt2.data(), 8);
     tr.rounds += 1;
-    std::vector<int64_t> s2c(static_cast<size_t>(L)), s2d(static_cast<size_t>(L)), r2c(static_cast<size_t>(L)), r2d(static_cast<size_t>(L));
+    auto& s2c = ns[0];
+    auto& s2d = ns[1];
+    auto& r2c = ns[2];
+    auto& r2d = ns[3];
     rbytes = 0;
     for (int j = 0; j < L; ++j) {
       s2c[size_t(j)] = cnt2[size_t(j)] * rec;
@@ -590,7 +600,10 @@ struct EpDispatch::Impl {
   void combine_hier(float* y, const float* yr, bool weighted, EpTraffic& tr) {
     // Expert -> forwarder (node), rows in stage-2 receive order.
     char* out = pack_combine_send(yr);
-    std::vector<int64_t> s2c(static_cast<size_t>(L)), s2d(static_cast<size_t>(L)), r2c(static_cast<size_t>(L)), r2d(static_cast<size_t>(L));
+    auto& s2c = ns[0];
+    auto& s2d = ns[1];
+    auto& r2c = ns[2];
+    auto& r2d = ns[3];
     int64_t sbytes = 0;
     for (int j = 0; j < L; ++j) {
       s2c[size_t(j)] = rcnt2[size_t(j)] * cb;
@@ -612,7 +625,10 @@ struct EpDispatch::Impl {
     // Forwarder -> home (rail), one partial row per stage-1 record, in stage-1 receive order.
     char* pout = psend.get(std::max<int64_t>(M1 * cb, 1));
     encode_rows(pout, part, M1);
-    std::vector<int64_t> s1c(static_cast<size_t>(Nn)), s1d(static_cast<size_t>(Nn)), r1c(static_cast<size_t>(Nn)), r1d(static_cast<size_t>(Nn));
+    auto& s1c = rs[0];
+    auto& s1d = rs[1];
+    auto& r1c = rs[2];
+    auto& r1d = rs[3];
     sbytes = 0;
     int64_t roff = 0;
     for (int b = 0; b < Nn; ++b) {
@@ -679,8 +695,10 @@ struct EpDispatch::Impl {
 #pragma omp parallel for schedule(static) if (N * k * D >= kParMin)
     for (int64_t t = 0; t < N; ++t)
       for (int j = 0; j < k && ro1[t * k + j] >= 0; ++j) encode_row(s1 + int64_t(ro1[t * k + j]) * cb, x + t * D);
-    std::vector<int64_t> a(static_cast<size_t>(Nn)), ad(static_cast<size_t>(Nn)), b(static_cast<size_t>(Nn)),
-        bd(static_cast<size_t>(Nn));
+    auto& a = rs[0];
+    auto& ad = rs[1];
+    auto& b = rs[2];
+    auto& bd = rs[3];
     int64_t rb = 0;
     for (int q = 0; q < Nn; ++q) {
       a[size_t(q)] = cnt1[size_t(q)] * cb;
@@ -698,8 +716,10 @@ struct EpDispatch::Impl {
     for (int64_t r = 0; r < M1; ++r)
       for (int s = 0; s < k; ++s)
         if (ro2[r * k + s] >= 0) std::memcpy(s2 + int64_t(ro2[r * k + s]) * cb, f1 + r * cb, size_t(cb));
-    std::vector<int64_t> c(static_cast<size_t>(L)), cd(static_cast<size_t>(L)), e(static_cast<size_t>(L)),
-        ed(static_cast<size_t>(L));
+    auto& c = ns[0];
+    auto& cd = ns[1];
+    auto& e = ns[2];
+    auto& ed = ns[3];
     rb = 0;
     for (int j = 0; j < L; ++j) {
       c[size_t(j)] = cnt2[size_t(j)] * cb;
@@ -742,8 +762,10 @@ struct EpDispatch::Impl {
     float* sv = vsend.get<float>(std::max<int64_t>(std::max(R, M1 * k), 1));
     const int64_t* pos = pos_of_stage.data<int64_t>();
     for (int64_t g = 0; g < R; ++g) sv[g] = v[pos[g]];
-    std::vector<int64_t> c(static_cast<size_t>(L)), cd(static_cast<size_t>(L)), e(static_cast<size_t>(L)),
-        ed(static_cast<size_t>(L));
+    auto& c = ns[0];
+    auto& cd = ns[1];
+    auto& e = ns[2];
+    auto& ed = ns[3];
     int64_t sb = 0;
     for (int j = 0; j < L; ++j) {
       c[size_t(j)] = rcnt2[size_t(j)] * 4;
@@ -756,11 +778,13 @@ struct EpDispatch::Impl {
     float* f2 = vrecv.get<float>(std::max<int64_t>(std::max(S2, S1 * k), 1));
     node_comm.all_to_all_v(f2, e.data(), ed.data(), sv, c.data(), cd.data());
     // Forwarder: k values per stage-1 record (0 for slots of other nodes; never read).
-    std::vector<float> per(static_cast<size_t>(std::max<int64_t>(M1 * k, 1)));
+    float* per = fwd_scalars.get<float>(std::max<int64_t>(M1 * k, 1));
     const int32_t* ro2 = row_of2.data<int32_t>();
-    for (int64_t i = 0; i < M1 * k; ++i) per[size_t(i)] = ro2[i] >= 0 ? f2[ro2[i]] : 0.0f;
-    std::vector<int64_t> a(static_cast<size_t>(Nn)), ad(static_cast<size_t>(Nn)), b(static_cast<size_t>(Nn)),
-        bd(static_cast<size_t>(Nn));
+    for (int64_t i = 0; i < M1 * k; ++i) per[i] = ro2[i] >= 0 ? f2[ro2[i]] : 0.0f;
+    auto& a = rs[0];
+    auto& ad = rs[1];
+    auto& b = rs[2];
+    auto& bd = rs[3];
     sb = 0;
     for (int q = 0; q < Nn; ++q) {
       a[size_t(q)] = rcnt1[size_t(q)] * k * 4;
@@ -770,11 +794,11 @@ struct EpDispatch::Impl {
       bd[size_t(q)] = off1[size_t(q)] * k * 4;
       classify(tr, q * L + li, a[size_t(q)]);
     }
-    std::vector<float> home(static_cast<size_t>(std::max<int64_t>(S1 * k, 1)));
-    rail_comm.all_to_all_v(home.data(), b.data(), bd.data(), per.data(), a.data(), ad.data());
+    float* home = home_scalars.get<float>(std::max<int64_t>(S1 * k, 1));
+    rail_comm.all_to_all_v(home, b.data(), bd.data(), per, a.data(), ad.data());
     tr.rounds += 2;
     const int32_t* sr1 = slot_rec1.data<int32_t>();
-    for (int64_t i = 0; i < N * k; ++i) out[i] = home[size_t(int64_t(sr1[i]) * k + i % k)];
+    for (int64_t i = 0; i < N * k; ++i) out[i] = home[int64_t(sr1[i]) * k + i % k];
   }
 };
 
@@ -836,6 +860,13 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
     I.cnt2.assign(size_t(I.L), 0);
     I.rcnt2.assign(size_t(I.L), 0);
     I.off2.assign(size_t(I.L), 0);
+    I.off1.assign(size_t(I.Nn), 0);
+    for (auto& v : I.rs) v.assign(size_t(I.Nn), 0);
+    for (auto& v : I.ns) v.assign(size_t(I.L), 0);
+    I.c1s.assign(size_t(I.Nn), 0);
+    I.c2s.assign(size_t(I.L), 0);
+    I.r1start.assign(size_t(I.Nn) + 1, 0);
+    I.nodes_.assign(size_t(I.k), 0);
   }
   if (I.sync_free) {
     // Worst case, one line per region (docs/parallel.md):
