@@ -305,7 +305,7 @@ void ordered_impl(CommState& s, T* out, const T* parts, int64_t m_local, int64_t
   MT_CHECK(parts != nullptr || n == 0 || m_local == 0, op, "null parts");
   MT_CHECK(n == 0 || m_local == 0 || (out + n <= parts || parts + m_local * n <= out), op, "out aliases parts");
   OpTimer tm(s, CommOp::AllReduce);
-  const int p = s.be->size(), me = s.be->rank();
+  const int p = s.be->size();
   // Everyone learns every rank's part count.
   std::vector<int64_t> m(static_cast<size_t>(p)), cnt(static_cast<size_t>(p)), dsp(static_cast<size_t>(p));
   for (int q = 0; q < p; ++q) {
@@ -344,7 +344,6 @@ void ordered_impl(CommState& s, T* out, const T* parts, int64_t m_local, int64_t
       for (int64_t j = 0; j < cw; ++j) o[j] += v[j];
     }
   }
-  (void)me;
   tm.done(m_local * n * es, wire);
 }
 }  // namespace

@@ -18,7 +18,6 @@
 
 #include "moetron/check.h"
 #include "moetron/fp8.h"
-#include "moetron/gemm.h"
 #include "moetron/memory.h"
 #include "moetron/permute.h"
 #include "moetron/runtime.h"
