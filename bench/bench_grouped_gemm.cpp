@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "kernels/grouped_gemm_tile.h"
 #include "moetron/gemm.h"
 #include "moetron/grouped_gemm.h"
 #include "moetron/rng.h"
@@ -57,9 +58,8 @@ const std::vector<int32_t>& counts() {
   static const std::vector<int32_t> c = [] {
     auto c = routed_counts();
     auto mm = std::minmax_element(c.begin(), c.end());
-    std::printf("routed counts: E=%lld rows=%lld min=%d max=%d mean=%.1f (%lld empty)\n", (long long)kE,
-                (long long)kM, *mm.first, *mm.second, double(kM) / kE,
-                (long long)std::count(c.begin(), c.end(), 0));
+    std::printf("routed counts: E=%lld rows=%lld min=%d max=%d mean=%.1f (%lld empty)\n", (long long)kE, (long long)kM,
+                *mm.first, *mm.second, double(kM) / kE, (long long)std::count(c.begin(), c.end(), 0));
     return c;
   }();
   return c;
@@ -79,6 +79,7 @@ struct Problem {
   std::vector<float> W;
   std::vector<bf16> Wb, X, dY;  // Wb: bf16 copy of W for the oneDNN baselines
   std::unique_ptr<AlignedBuf> pf, pd, ws;
+  size_t ws_bytes = 0;
   GroupedPackedWeights Wf, Wd;
   std::vector<float> Y, dX, dW;
   Problem(int64_t k, int64_t n) : K(k), N(n) {
@@ -96,6 +97,7 @@ struct Problem {
     for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
       wsb = std::max(wsb, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, kE, kM, K, N));
     ws = std::make_unique<AlignedBuf>(wsb);
+    ws_bytes = wsb;
     Y.resize(kM * N);
     dX.resize(kM * K);
     dW.resize(kE * K * N);
@@ -105,9 +107,9 @@ struct Problem {
   // op: 0 fwd, 1 dgrad, 2 wgrad
   void grouped(int op) {
     const int32_t* c = counts().data();
-    if (op == 0) grouped_gemm_fwd(Y.data(), nullptr, X.data(), Wf, c, kE, kM, K, N, ws->p);
-    if (op == 1) grouped_gemm_dgrad(dX.data(), nullptr, dY.data(), Wd, c, kE, kM, K, N, ws->p);
-    if (op == 2) grouped_gemm_wgrad(dW.data(), X.data(), dY.data(), c, kE, kM, K, N, false, ws->p);
+    if (op == 0) grouped_gemm_fwd(Y.data(), nullptr, X.data(), Wf, c, kE, kM, K, N, ws->p, ws_bytes);
+    if (op == 1) grouped_gemm_dgrad(dX.data(), nullptr, dY.data(), Wd, c, kE, kM, K, N, ws->p, ws_bytes);
+    if (op == 2) grouped_gemm_wgrad(dW.data(), X.data(), dY.data(), c, kE, kM, K, N, false, ws->p, ws_bytes);
   }
   // Dense oneDNN matmul with the same FLOPs and the same operand layouts (expert 0's weights).
   void dense(int op) {
@@ -204,6 +206,31 @@ void BM_pack_weights(benchmark::State& st) {  // Fwd + Dgrad packing of all expe
   }
   bench::report_bytes(st, double(p.W.size()) * (4 + 2) * 2);
 }
+
+// The AVX-512 bf16 tile kernel alone, operands in cache, on the calling thread: the ceiling the grouped
+// kernels can reach. Args: {rows, cols, steps (K pairs)}. Run with OMP_NUM_THREADS=1 so that pct_bf16_peak
+// compares with a one-core peak.
+void BM_tile_bf16(benchmark::State& st) {
+  const int64_t rows = st.range(0), cols = st.range(1), steps = st.range(2);
+  const int64_t npan = (cols + gg::kPanel - 1) / gg::kPanel;
+  std::vector<bf16> A = rand_bf16(rows * 2 * steps, "tile.A"), B = rand_bf16(npan * steps * gg::kPanel * 2, "tile.B");
+  std::vector<float> C(rows * cols);
+  gg::Tile t;
+  t.A = A.data(), t.a_bs = gg::kMR * 2 * steps, t.a_rs = 2 * steps, t.a_ss = 2;
+  t.B = B.data(), t.b_ps = steps * gg::kPanel * 2, t.b_ss = gg::kPanel * 2;
+  t.C = C.data(), t.ldc = cols, t.rows = rows, t.cols = cols, t.steps = steps;
+  for (auto _ : st) gg::tile_bf16_avx512(t);
+  bench::report_flops(st, 2.0 * rows * cols * steps * 2);
+}
+BENCHMARK(BM_tile_bf16)
+    ->ArgNames({"rows", "cols", "pairs"})
+    ->Args({96, 192, 256})
+    ->Args({96, 192, 64})
+    ->Args({96, 512, 88})
+    ->Args({96, 64, 256})
+    ->Args({6, 64, 256})
+    ->Args({6, 64, 1024})
+    ->UseRealTime();
 
 // Args: {projection (0 up: K=512 N=176, 1 down: K=176 N=512), op (0 fwd, 1 dgrad, 2 wgrad)}
 void shapes(benchmark::internal::Benchmark* b) {

@@ -12,4 +12,4 @@ int register_command(Registrar r);
 
 #define MT_CLI_CAT2(a, b) a##b
 #define MT_CLI_CAT(a, b) MT_CLI_CAT2(a, b)
-#define MT_REGISTER_COMMAND(fn) static int MT_CLI_CAT(mt_cmd_, __LINE__) = ::moetron::cli::register_command(fn)
+#define MT_REGISTER_COMMAND(...) static int MT_CLI_CAT(mt_cmd_, __LINE__) = ::moetron::cli::register_command(__VA_ARGS__)

@@ -20,7 +20,7 @@
 
 namespace moetron {
 
-enum class GemmPrec : uint8_t { F32, BF16 };       // element type of activations and packed weights
+enum class GemmPrec : uint8_t { F32, BF16 };          // element type of activations and packed weights
 enum class GroupedPackKind : uint8_t { Fwd, Dgrad };  // packed W[e] (forward) or W[e]^T (dgrad)
 
 // Rows of expert e are [off[e], off[e+1]). Throws if E < 0, M < 0, a count is negative or sum(counts) != M.
@@ -38,36 +38,40 @@ struct GroupedPackedWeights {
 size_t grouped_packed_bytes(GroupedPackKind kind, GemmPrec prec, int64_t E, int64_t K, int64_t N);
 // Pack fp32 W[E, K, N] into `data` (grouped_packed_bytes(kind, prec, E, K, N) bytes), rounding to bf16 for
 // GemmPrec::BF16. Parallel over (expert, panel). Returns the descriptor to pass to forward / dgrad.
-GroupedPackedWeights grouped_pack_weights(void* data, const float* W /* [E, K, N] */, int64_t E, int64_t K,
-                                          int64_t N, GemmPrec prec, GroupedPackKind kind);
+GroupedPackedWeights grouped_pack_weights(void* data, const float* W /* [E, K, N] */, int64_t E, int64_t K, int64_t N,
+                                          GemmPrec prec, GroupedPackKind kind);
 
-// Workspace for one call (schedule, and for bf16 wgrad the pair-interleaved copies of X and dY), valid for
-// any counts with sum(counts) = M. 64-byte aligned memory of at least this size.
+// Workspace for one call: the schedule (O(E)) and, for bf16 wgrad, one packing slot (~0.3 MiB at d=512) per
+// thread. Valid for any counts; `threads` <= 0 means num_threads(). Pass it as ws / ws_bytes (64-byte aligned);
+// a call uses at most as many threads as ws_bytes has slots for, and throws if it is below one slot.
 enum class GroupedOp : uint8_t { Fwd, Dgrad, Wgrad };
-size_t grouped_gemm_workspace_bytes(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N);
+size_t grouped_gemm_workspace_bytes(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N,
+                                    int threads = 0);
 
 // Forward. W must be packed with kind Fwd and the matching precision. Y_bf16 may be null.
 void grouped_gemm_fwd(float* Y /* [M, N] */, bf16* Y_bf16 /* [M, N] or null */, const bf16* X /* [M, K] */,
-                      const GroupedPackedWeights& W, const int32_t* counts /* [E] */, int64_t E, int64_t M,
-                      int64_t K, int64_t N, void* ws);
+                      const GroupedPackedWeights& W, const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K,
+                      int64_t N, void* ws, size_t ws_bytes);
 void grouped_gemm_fwd(float* Y /* [M, N] */, const float* X /* [M, K] */, const GroupedPackedWeights& W,
-                      const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N, void* ws);
+                      const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N, void* ws,
+                      size_t ws_bytes);
 
 // Data gradient. Wt must be packed with kind Dgrad (from the same W[E, K, N]). dX_bf16 may be null.
 void grouped_gemm_dgrad(float* dX /* [M, K] */, bf16* dX_bf16 /* [M, K] or null */, const bf16* dY /* [M, N] */,
                         const GroupedPackedWeights& Wt, const int32_t* counts /* [E] */, int64_t E, int64_t M,
-                        int64_t K, int64_t N, void* ws);
+                        int64_t K, int64_t N, void* ws, size_t ws_bytes);
 void grouped_gemm_dgrad(float* dX /* [M, K] */, const float* dY /* [M, N] */, const GroupedPackedWeights& Wt,
-                        const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N, void* ws);
+                        const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N, void* ws,
+                        size_t ws_bytes);
 
 // Weight gradient: dW[e] = X_e^T · dY_e, or dW[e] += X_e^T · dY_e with accumulate. An expert with no tokens
 // gets dW[e] = 0 (or keeps its value when accumulating).
 void grouped_gemm_wgrad(float* dW /* [E, K, N] */, const bf16* X /* [M, K] */, const bf16* dY /* [M, N] */,
-                        const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N,
-                        bool accumulate, void* ws);
+                        const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N, bool accumulate,
+                        void* ws, size_t ws_bytes);
 void grouped_gemm_wgrad(float* dW /* [E, K, N] */, const float* X /* [M, K] */, const float* dY /* [M, N] */,
-                        const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N,
-                        bool accumulate, void* ws);
+                        const int32_t* counts /* [E] */, int64_t E, int64_t M, int64_t K, int64_t N, bool accumulate,
+                        void* ws, size_t ws_bytes);
 
 // ---- naive twins (float or double): per-expert loops of gemm_ref on unpacked W ----
 template <class T>

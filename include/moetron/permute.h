@@ -44,11 +44,15 @@ void moe_permute_backward(float* dx /* [N, D] */, const float* dxp /* [R, D] */,
 
 void moe_unpermute(float* y /* [N, D] */, const float* yp /* [R, D] */, const int32_t* row_of /* [N, k] */,
                    const float* w /* [N, k] */, int64_t N, int k, int64_t R, int64_t D);
+// Walks the permuted rows in order (hence token_of and slot_of, which the plan must have produced);
+// row_of marks the dropped slots, whose dw is 0.
 void moe_unpermute_backward(float* dyp /* [R, D] */, float* dw /* [N, k] */, const float* dy /* [N, D] */,
                             const float* yp /* [R, D] */, const int32_t* row_of /* [N, k] */,
+                            const int32_t* token_of /* [R] */, const int32_t* slot_of /* [R] */,
                             const float* w /* [N, k] */, int64_t N, int k, int64_t R, int64_t D);
 void moe_unpermute_backward(bf16* dyp /* [R, D] */, float* dw /* [N, k] */, const float* dy /* [N, D] */,
                             const float* yp /* [R, D] */, const int32_t* row_of /* [N, k] */,
+                            const int32_t* token_of /* [R] */, const int32_t* slot_of /* [R] */,
                             const float* w /* [N, k] */, int64_t N, int k, int64_t R, int64_t D);
 
 // ---------------------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ struct RouterLosses {
   float z = 0;    // the z-loss, coefficient included
 };
 
-// Workspace for router_forward / router_backward (both take the same size).
+// Workspace for router_forward / router_backward (both take the same size; 8-byte aligned).
 size_t router_workspace_bytes(const RouterConfig& cfg, int64_t N);
 
 // topk_idx, topk_w, counts, scores are written in full. losses may be null (the loss values are then not

@@ -22,6 +22,8 @@ struct TrainOptions {
   bool progress = true;     // progress line on a terminal; plain lines otherwise
   bool quiet = false;       // no output at all (tests)
   std::string data_root = "data";  // where named datasets (brown) are prepared
+  bool profile = false;            // per-op time breakdown at the end (MT_TRACE scopes)
+  std::string trace_path;          // also write a Chrome trace JSON there (implies profile)
 };
 
 struct StepRecord {
@@ -37,8 +39,10 @@ struct TrainResult {
   double tokens_per_s = 0, tflops = 0, mfu = 0, peak_gflops = 0;
   double recompute_seconds = 0;
   int64_t mem_peak_bytes = 0;
+  int64_t act_peak_bytes = 0;  // peak of the activations category (what recompute saves)
   std::string dump_folder, metrics_path, checkpoint_dir;
-  double unigram_entropy = -1;  // of the training data (nats/token) when known
+  double unigram_entropy = -1;
+  std::vector<std::pair<std::string, double>> op_seconds;  // per-op breakdown when profiling  // of the training data (nats/token) when known
 };
 
 TrainResult train(const JobConfig& cfg, const TrainOptions& opt = {});

@@ -22,6 +22,7 @@ void backward(float* dq, float* dk, float* dv, const float* dout, const float* o
 namespace {
 
 struct PortableOps {
+  static constexpr int64_t kRows = 8;
   static void gemm(bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                    const float* B, int64_t ldb, float* C, int64_t ldc) {
     for (int64_t m = 0; m < M; ++m) {

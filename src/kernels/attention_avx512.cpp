@@ -113,6 +113,7 @@ inline void transpose16(float* dst, int64_t ldd, const float* src, int64_t lds) 
 }
 
 struct Avx512Ops {
+  static constexpr int64_t kRows = kMR;
   static void gemm(bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                    const float* B, int64_t ldb, float* C, int64_t ldc) {
     for (int64_t n0 = 0; n0 < N; n0 += 16 * kNV) {

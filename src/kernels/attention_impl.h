@@ -5,6 +5,7 @@
 // own copy compiled with its own flags. Not a public header.
 //
 // Ops must provide (all static):
+//   static constexpr int64_t kRows;   rows per register block of its GEMM (the causal trimming granularity)
 //   void gemm(bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
 //             const float* B, int64_t ldb, float* C, int64_t ldc);
 //        C[M,N] (+)= op(A)[M,K] B[K,N], row-major; op(A)(m,k) = trans_a ? A[k*lda + m] : A[m*lda + k]
@@ -49,6 +50,40 @@ inline int64_t shared_floats(const moetron::AttnDims& d) {
   return (alias_k(d) ? d.B * d.Hkv * d.T * round16(d.Dqk) : 0) + (alias_v(d) ? d.B * d.Hkv * d.T * round16(d.Dv) : 0);
 }
 
+// The GEMMs of a diagonal tile (i0 == j0) only need part of the work: row block [m0, m0 + kRows) of
+// op(A) or C is cut where the causal mask makes the rest zero or unused (uncomputed C entries are
+// masked or never read by the caller).
+enum class Tri {
+  None,    // full GEMM
+  NUpTo,   // C(m, n) needed for n <= m only
+  NFrom,   // C(m, n) needed for n >= m only
+  KUpTo,   // op(A)(m, k) = 0 for k > m
+  KFrom,   // op(A)(m, k) = 0 for k < m
+};
+template <class Ops>
+void tri_gemm(Tri tri, bool acc, bool ta, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float* C, int64_t ldc) {
+  if (tri == Tri::None) return Ops::gemm(acc, ta, M, N, K, A, lda, B, ldb, C, ldc);
+  for (int64_t m0 = 0; m0 < M; m0 += Ops::kRows) {
+    const int64_t mr = std::min<int64_t>(Ops::kRows, M - m0);
+    const float* Am = ta ? A + m0 : A + m0 * lda;
+    float* Cm = C + m0 * ldc;
+    switch (tri) {
+      case Tri::NUpTo: Ops::gemm(acc, ta, mr, std::min(N, m0 + mr), K, Am, lda, B, ldb, Cm, ldc); break;
+      case Tri::NFrom:
+        if (m0 < N) Ops::gemm(acc, ta, mr, N - m0, K, Am, lda, B + m0, ldb, Cm + m0, ldc);
+        break;
+      case Tri::KUpTo: Ops::gemm(acc, ta, mr, N, std::min(K, m0 + mr), Am, lda, B, ldb, Cm, ldc); break;
+      case Tri::KFrom: {
+        const int64_t k0 = std::min(m0, K);
+        Ops::gemm(acc, ta, mr, N, K - k0, Am + (ta ? k0 * lda : k0), lda, B + k0 * ldb, ldb, Cm, ldc);
+        break;
+      }
+      case Tri::None: break;
+    }
+  }
+}
+
 // Forward. Work item = (b, q head, q tile), heaviest (last) tiles first, dynamic schedule: each item's
 // arithmetic does not depend on which thread runs it, so the result is thread-count independent.
 // Scores are computed transposed, S^T = K_j Q_i^T [keys, queries], so that Q_i is packed once per item
@@ -76,8 +111,9 @@ void flash_forward(float* out, float* lse, const float* q, const float* k, const
         const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
         const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
         const float* Vj = v + (b * d.T + j0) * d.ldv + hk * d.head_v;
-        Ops::gemm(false, false, nk, mq, d.Dqk, Kj, d.ldk, Qt, kTile, St, kTile);
-        if (kt == qt)  // diagonal tile (i0 == j0): key jj is visible to query r only if jj <= r
+        const bool diag = kt == qt;
+        tri_gemm<Ops>(diag ? Tri::NFrom : Tri::None, false, false, nk, mq, d.Dqk, Kj, d.ldk, Qt, kTile, St, kTile);
+        if (diag)  // diagonal tile (i0 == j0): key jj is visible to query r only if jj <= r
           for (int64_t jj = 1; jj < nk; ++jj)
             for (int64_t r = 0; r < std::min(jj, mq); ++r) St[jj * kTile + r] = -INFINITY;
         Ops::col_max(mx, St, kTile, nk, mq);
@@ -92,7 +128,7 @@ void flash_forward(float* out, float* lse, const float* q, const float* k, const
           l[r] = l[r] * alpha[r] + sum[r];
           if (kt > 0 && alpha[r] != 1.0f) Ops::scale_row(O + r * d.ldo, d.Dv, alpha[r]);
         }
-        Ops::gemm(kt > 0, true, mq, d.Dv, nk, St, kTile, Vj, d.ldv, O, d.ldo);
+        tri_gemm<Ops>(diag ? Tri::KUpTo : Tri::None, kt > 0, true, mq, d.Dv, nk, St, kTile, Vj, d.ldv, O, d.ldo);
       }
       float* L = lse + (b * d.Hq + h) * d.T + i0;
       for (int64_t r = 0; r < mq; ++r) {
@@ -103,78 +139,126 @@ void flash_forward(float* out, float* lse, const float* q, const float* k, const
   }
 }
 
-// Backward. Work item = (b, kv head): it owns dk/dv of its kv head and dq of the q heads of its group,
-// so nothing is shared between threads. For each kv tile j (ascending), for each q head of the group,
-// for each q tile i >= j (ascending): recompute P from lse, then dV_j += P^T dO_i, dP = dO_i V_j^T,
-// dS = scale P (dP - D_i), dK_j += dS^T Q_i, dQ_i += dS K_j (accumulated in dq, j ascending).
+// Backward. One (key tile j, q head h, q tile i >= j) pair: recompute P from lse, then dV_j += P^T dO_i,
+// dP = dO_i V_j^T, dS = scale P (dP - D_i), dK_j += dS^T Q_i (into the tile accumulators dKa/dVa), and
+// dQ_i += dS K_j (into dq). K_j^T and V_j^T must be packed in Kt/Vt.
+struct BwdScratch {
+  float *Kt, *Vt, *dKa, *dVa, *S, *dP, *lse2, *Dr;
+};
+template <class Ops>
+void bwd_pair(const BwdScratch& w, bool first, bool do_kv, bool do_q, int64_t b, int64_t h, int64_t kt, int64_t qt,
+              float* dq, const float* dout, const float* out, const float* lse, const float* q, const float* k,
+              const moetron::AttnDims& d) {
+  const int64_t Dq16 = round16(d.Dqk), Dv16 = round16(d.Dv), hk = h / (d.Hq / d.Hkv);
+  const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0), i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
+  const float c = d.scale * kLog2e;
+  const float* Q = q + (b * d.T + i0) * d.ldq + h * d.head_q;
+  const float* dO = dout + (b * d.T + i0) * d.ldo + h * d.head_o;
+  const float* O = out + (b * d.T + i0) * d.ldo + h * d.head_o;
+  const float* L = lse + (b * d.Hq + h) * d.T + i0;
+  for (int64_t r = 0; r < mq; ++r) {
+    w.lse2[r] = L[r] * kLog2e;
+    w.Dr[r] = Ops::dot(dO + r * d.ldo, O + r * d.ldo, d.Dv);
+  }
+  const bool diag = qt == kt;
+  const Tri up = diag ? Tri::NUpTo : Tri::None, kup = diag ? Tri::KUpTo : Tri::None,
+            kfrom = diag ? Tri::KFrom : Tri::None;
+  tri_gemm<Ops>(up, false, false, mq, nk, d.Dqk, Q, d.ldq, w.Kt, kTile, w.S, kTile);
+  tri_gemm<Ops>(up, false, false, mq, nk, d.Dv, dO, d.ldo, w.Vt, kTile, w.dP, kTile);
+  for (int64_t r = 0; r < mq; ++r) {
+    const int64_t nv = diag ? std::min(nk, r + 1) : nk;
+    Ops::ds_row(w.S + r * kTile, w.dP + r * kTile, nv, c, w.lse2[r], w.Dr[r], d.scale);
+    if (nv < nk) {
+      Ops::zero_row(w.S + r * kTile + nv, nk - nv);
+      Ops::zero_row(w.dP + r * kTile + nv, nk - nv);
+    }
+  }
+  if (do_kv) {
+    tri_gemm<Ops>(kfrom, !first, true, nk, d.Dv, mq, w.S, kTile, dO, d.ldo, w.dVa, Dv16);
+    tri_gemm<Ops>(kfrom, !first, true, nk, d.Dqk, mq, w.dP, kTile, Q, d.ldq, w.dKa, Dq16);
+  }
+  if (do_q) {
+    const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
+    float* dQ = dq + (b * d.T + i0) * d.ldq + h * d.head_q;
+    tri_gemm<Ops>(kup, true, false, mq, d.Dqk, nk, w.dP, kTile, Kj, d.ldk, dQ, d.ldq);
+  }
+}
+
+// Backward driver. Every element's arithmetic is one fixed sequence: dK_j, dV_j sum over (q head of the
+// group, q tile i >= j) in that order; dQ_i sums over key tiles j <= i ascending. Two schedules perform
+// exactly that sequence, so they give bitwise equal results:
+//  - one pass: work item = (b, kv head), owning dk/dv of its head and dq of its group's q heads;
+//  - two passes, when there are fewer (b, kv head) items than 2 x threads: first items (b, kv head, key
+//    tile) for dK/dV, then items (b, q head, q tile) for dQ (recomputing P and dS: 3 more GEMMs per pair
+//    out of 5, for up to B*Hq*T/64 parallel items instead of B*Hkv).
+// Nothing is shared between threads, so there are no atomics.
 template <class Ops>
 void flash_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                     const float* q, const float* k, const float* v, const moetron::AttnDims& d, float* ws,
                     int nthreads) {
-  const int64_t G = d.Hq / d.Hkv, nqt = (d.T + kTile - 1) / kTile, items = d.B * d.Hkv;
+  const int64_t G = d.Hq / d.Hkv, nqt = (d.T + kTile - 1) / kTile;
   const int64_t Dq16 = round16(d.Dqk), Dv16 = round16(d.Dv);
-  const float c = d.scale * kLog2e;
   const int64_t per_thread = thread_floats(d);
   const bool ak = alias_k(d), av = alias_v(d);
+  const bool two_pass = nthreads > 1 && d.B * d.Hkv < 2 * nthreads;
   float* part_k = ws + per_thread * nthreads;                       // [B, Hkv, T, Dq16] when ak
   float* part_v = part_k + (ak ? d.B * d.Hkv * d.T * Dq16 : 0);    // [B, Hkv, T, Dv16] when av
 #pragma omp parallel num_threads(nthreads)
   {
-    float* Kt = ws + per_thread * omp_get_thread_num();  // [Dqk, kTile]
-    float* Vt = Kt + Dq16 * kTile;                       // [Dv, kTile]
-    float* dKa = Vt + Dv16 * kTile;                      // [kTile, Dq16]
-    float* dVa = dKa + kTile * Dq16;                     // [kTile, Dv16]
-    float* S = dVa + kTile * Dv16;                       // [kTile, kTile]  scores, then P
-    float* dP = S + kTile * kTile;                       // [kTile, kTile]  dP, then dS
-    float* lse2 = dP + kTile * kTile;                    // [kTile]
-    float* Dr = lse2 + kTile;                            // [kTile]
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t b = it / d.Hkv, hk = it % d.Hkv;
+    BwdScratch w;
+    w.Kt = ws + per_thread * omp_get_thread_num();  // [Dqk, kTile]
+    w.Vt = w.Kt + Dq16 * kTile;                     // [Dv, kTile]
+    w.dKa = w.Vt + Dv16 * kTile;                    // [kTile, Dq16]
+    w.dVa = w.dKa + kTile * Dq16;                   // [kTile, Dv16]
+    w.S = w.dVa + kTile * Dv16;                     // [kTile, kTile]  scores, then P
+    w.dP = w.S + kTile * kTile;                     // [kTile, kTile]  dP, then dS
+    w.lse2 = w.dP + kTile * kTile;                  // [kTile]
+    w.Dr = w.lse2 + kTile;                          // [kTile]
+    auto pack = [&](int64_t b, int64_t hk, int64_t kt) {
+      const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
+      Ops::pack_t(w.Kt, kTile, k + (b * d.T + j0) * d.ldk + hk * d.head_k, d.ldk, nk, d.Dqk);
+      Ops::pack_t(w.Vt, kTile, v + (b * d.T + j0) * d.ldv + hk * d.head_v, d.ldv, nk, d.Dv);
+    };
+    // dK_j, dV_j of (b, hk) for key tile kt, over the group's q heads; with_q: dQ contributions too.
+    auto kv_tile = [&](int64_t b, int64_t hk, int64_t kt, bool with_q) {
+      const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
+      pack(b, hk, kt);
+      bool first = true;  // the first contribution overwrites dKa/dVa
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < d.T; ++t) Ops::zero_row(dq + (b * d.T + t) * d.ldq + (hk * G + g) * d.head_q, d.Dqk);
-      for (int64_t kt = 0; kt < nqt; ++kt) {
-        const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
-        const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
-        const float* Vj = v + (b * d.T + j0) * d.ldv + hk * d.head_v;
-        Ops::pack_t(Kt, kTile, Kj, d.ldk, nk, d.Dqk);
-        Ops::pack_t(Vt, kTile, Vj, d.ldv, nk, d.Dv);
-        bool first = true;  // the first contribution overwrites dKa/dVa
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = hk * G + g;
-          for (int64_t qt = kt; qt < nqt; ++qt) {
-            const int64_t i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
-            const float* Q = q + (b * d.T + i0) * d.ldq + h * d.head_q;
-            const float* dO = dout + (b * d.T + i0) * d.ldo + h * d.head_o;
-            const float* O = out + (b * d.T + i0) * d.ldo + h * d.head_o;
-            const float* L = lse + (b * d.Hq + h) * d.T + i0;
-            for (int64_t r = 0; r < mq; ++r) {
-              lse2[r] = L[r] * kLog2e;
-              Dr[r] = Ops::dot(dO + r * d.ldo, O + r * d.ldo, d.Dv);
-            }
-            Ops::gemm(false, false, mq, nk, d.Dqk, Q, d.ldq, Kt, kTile, S, kTile);
-            Ops::gemm(false, false, mq, nk, d.Dv, dO, d.ldo, Vt, kTile, dP, kTile);
-            for (int64_t r = 0; r < mq; ++r) {
-              const int64_t nv = kt == qt ? std::min(nk, r + 1) : nk;
-              Ops::ds_row(S + r * kTile, dP + r * kTile, nv, c, lse2[r], Dr[r], d.scale);
-              if (nv < nk) {
-                Ops::zero_row(S + r * kTile + nv, nk - nv);
-                Ops::zero_row(dP + r * kTile + nv, nk - nv);
-              }
-            }
-            Ops::gemm(!first, true, nk, d.Dv, mq, S, kTile, dO, d.ldo, dVa, Dv16);
-            Ops::gemm(!first, true, nk, d.Dqk, mq, dP, kTile, Q, d.ldq, dKa, Dq16);
-            float* dQ = dq + (b * d.T + i0) * d.ldq + h * d.head_q;
-            Ops::gemm(true, false, mq, d.Dqk, nk, dP, kTile, Kj, d.ldk, dQ, d.ldq);
-            first = false;
-          }
-        }
-        // Write dK_j, dV_j (every kv tile has at least its diagonal q tile, so dKa/dVa are set).
-        for (int64_t r = 0; r < nk; ++r) {
-          float* dkr = ak ? part_k + ((it * d.T) + j0 + r) * Dq16 : dk + (b * d.T + j0 + r) * d.ldk + hk * d.head_k;
-          float* dvr = av ? part_v + ((it * d.T) + j0 + r) * Dv16 : dv + (b * d.T + j0 + r) * d.ldv + hk * d.head_v;
-          std::copy(dKa + r * Dq16, dKa + r * Dq16 + d.Dqk, dkr);
-          std::copy(dVa + r * Dv16, dVa + r * Dv16 + d.Dv, dvr);
+        for (int64_t qt = kt; qt < nqt; ++qt, first = false)
+          bwd_pair<Ops>(w, first, true, with_q, b, hk * G + g, kt, qt, dq, dout, out, lse, q, k, d);
+      // Every key tile has at least its diagonal q tile, so dKa/dVa are set.
+      const int64_t it = b * d.Hkv + hk;
+      for (int64_t r = 0; r < nk; ++r) {
+        float* dkr = ak ? part_k + ((it * d.T) + j0 + r) * Dq16 : dk + (b * d.T + j0 + r) * d.ldk + hk * d.head_k;
+        float* dvr = av ? part_v + ((it * d.T) + j0 + r) * Dv16 : dv + (b * d.T + j0 + r) * d.ldv + hk * d.head_v;
+        std::copy(w.dKa + r * Dq16, w.dKa + r * Dq16 + d.Dqk, dkr);
+        std::copy(w.dVa + r * Dv16, w.dVa + r * Dv16 + d.Dv, dvr);
+      }
+    };
+    if (!two_pass) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < d.B * d.Hkv; ++it) {
+        const int64_t b = it / d.Hkv, hk = it % d.Hkv;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t t = 0; t < d.T; ++t)
+            Ops::zero_row(dq + (b * d.T + t) * d.ldq + (hk * G + g) * d.head_q, d.Dqk);
+        for (int64_t kt = 0; kt < nqt; ++kt) kv_tile(b, hk, kt, true);
+      }
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < d.B * d.Hkv * nqt; ++it) {  // key tile 0 (the heaviest) first
+        const int64_t kt = it / (d.B * d.Hkv), bh = it % (d.B * d.Hkv);
+        kv_tile(bh / d.Hkv, bh % d.Hkv, kt, false);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < d.B * d.Hq * nqt; ++it) {  // last q tile (the heaviest) first
+        const int64_t qt = nqt - 1 - it / (d.B * d.Hq), bh = it % (d.B * d.Hq), b = bh / d.Hq, h = bh % d.Hq;
+        const int64_t i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
+        for (int64_t r = 0; r < mq; ++r) Ops::zero_row(dq + (b * d.T + i0 + r) * d.ldq + h * d.head_q, d.Dqk);
+        for (int64_t kt = 0; kt <= qt; ++kt) {
+          pack(b, h / G, kt);
+          bwd_pair<Ops>(w, true, false, true, b, h, kt, qt, dq, dout, out, lse, q, k, d);
         }
       }
     }

@@ -1,24 +1,31 @@
 // grouped_gemm.cpp: grouped GEMM for MoE experts: validation, weight packing, workspace layout, the work-item
-// schedule (one OpenMP parallel region per call), and the portable (scalar) tile kernel. The AVX-512 tile
-// kernels live in grouped_gemm_avx512.cpp and are chosen by active_isa(). Not a dense GEMM (that is gemm.cpp,
-// through oneDNN).
+// schedule (one OpenMP parallel region per call), and the portable (scalar) tile kernel. The AVX-512 and AVX2
+// tile kernels live in grouped_gemm_avx512.cpp / grouped_gemm_avx2.cpp and are chosen by active_isa(). Not a
+// dense GEMM (that is gemm.cpp, through oneDNN).
 //
-// Work items. forward / dgrad: (expert, MT-row tile, NT-column tile); wgrad: (expert, KT-row tile of dW[e],
-// NT-column tile) with the whole reduction over the expert's tokens inside the item. Each output element is
-// computed by exactly one item in a fixed summation order, so results do not depend on the thread count or
-// on which thread runs which item. Items are handed out dynamically, largest experts first.
+// Work items. forward / dgrad: (expert, mt-row tile, nt-column tile); wgrad: (expert, mt-row tile of dW[e],
+// nt-column tile) with the whole reduction over the expert's tokens inside the item. Each output element is
+// computed by exactly one item in a fixed summation order, so results do not depend on the thread count, on
+// the tiling or on which thread runs which item. Items are handed out dynamically, largest experts first.
+#include "moetron/grouped_gemm.h"
+
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 
 #include "kernels/grouped_gemm_tile.h"
 #include "moetron/check.h"
-#include "moetron/grouped_gemm.h"
 #include "moetron/runtime.h"
 
 namespace moetron {
+
+gg::Tuning& gg::tuning() {
+  static Tuning t;
+  return t;
+}
 
 using gg::kPanel;
 using gg::Tile;
@@ -49,7 +56,11 @@ PackGeom pack_geom(GroupedPackKind kind, GemmPrec prec, int64_t K, int64_t N) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Portable tile kernel (scalar ISA and fallback). Same contract as the AVX-512 ones; plain loops.
+// Portable tile kernel (scalar ISA). Same contract as the SIMD ones (grouped_gemm_tile.h); plain loops.
+inline int64_t a_at(const Tile& t, int64_t r, int64_t s) {
+  return (r / t.a_rb) * t.a_bs + (r % t.a_rb) * t.a_rs + s * t.a_ss;
+}
+
 void tile_bf16_scalar(const Tile& t) {
   const uint16_t* A = static_cast<const uint16_t*>(t.A);
   const uint16_t* B = static_cast<const uint16_t*>(t.B);
@@ -59,7 +70,7 @@ void tile_bf16_scalar(const Tile& t) {
       const int64_t p = c / kPanel, cc = c % kPanel;
       float acc = t.accumulate ? t.C[r * t.ldc + c] : 0.0f;
       for (int64_t s = 0; s < t.steps; ++s) {
-        const uint16_t* a = A + r * t.a_rs + s * t.a_ss;
+        const uint16_t* a = A + a_at(t, r, s);
         const uint16_t* b = B + p * t.b_ps + s * t.b_ss + 2 * cc;
         acc += f(a[0]) * f(b[0]);
         if (!(t.a_odd_tail && s == t.steps - 1)) acc += f(a[1]) * f(b[1]);
@@ -76,7 +87,7 @@ void tile_f32_scalar(const Tile& t) {
     for (int64_t c = 0; c < t.cols; ++c) {
       const int64_t p = c / kPanel, cc = c % kPanel;
       float acc = t.accumulate ? t.C[r * t.ldc + c] : 0.0f;
-      for (int64_t s = 0; s < t.steps; ++s) acc += A[r * t.a_rs + s * t.a_ss] * B[p * t.b_ps + s * t.b_ss + cc];
+      for (int64_t s = 0; s < t.steps; ++s) acc += A[a_at(t, r, s)] * B[p * t.b_ps + s * t.b_ss + cc];
       t.C[r * t.ldc + c] = acc;
       if (t.Cb) t.Cb[r * t.ldc + c] = to_bf16(acc);
     }
@@ -85,53 +96,64 @@ void tile_f32_scalar(const Tile& t) {
 using TileFn = void (*)(const Tile&);
 TileFn tile_fn(GemmPrec prec) {
   const Isa isa = active_isa();
-  if (prec == GemmPrec::BF16) return isa == Isa::Avx512 ? gg::tile_bf16_avx512 : tile_bf16_scalar;
-  return isa == Isa::Avx512 ? gg::tile_f32_avx512 : tile_f32_scalar;
+  if (prec == GemmPrec::BF16)
+    return isa == Isa::Avx512 ? gg::tile_bf16_avx512 : isa == Isa::Avx2 ? gg::tile_bf16_avx2 : tile_bf16_scalar;
+  return isa == Isa::Avx512 ? gg::tile_f32_avx512 : isa == Isa::Avx2 ? gg::tile_f32_avx2 : tile_f32_scalar;
 }
 
-// out[p][c][2] = (in[2p][c], in[2p+1][c]); rows >= n_rows and columns in [cols, width) are zero.
-void interleave_rows(bf16* out, const bf16* in, int64_t ld, int64_t n_rows, int64_t cols, int64_t width) {
-  if (active_isa() == Isa::Avx512) return gg::interleave_rows_avx512(out, in, ld, n_rows, cols, width);
-  const int64_t npairs = ceil_div(n_rows, 2);
+// Row pairs interleaved into 64-column panels (contract in grouped_gemm_tile.h).
+void pack_pairs(bf16* out, int64_t panel_stride, const bf16* in, int64_t ld, int64_t n_rows, int64_t cols) {
+  if (active_isa() == Isa::Avx512) return gg::pack_pairs_avx512(out, panel_stride, in, ld, n_rows, cols);
+  const int64_t npairs = ceil_div(n_rows, 2), width = round_up(cols, kPanel);
   for (int64_t p = 0; p < npairs; ++p)
     for (int64_t c = 0; c < width; ++c)
       for (int64_t j = 0; j < 2; ++j)
-        out[(p * width + c) * 2 + j] = (2 * p + j < n_rows && c < cols) ? in[(2 * p + j) * ld + c] : bf16{};
+        out[(c / kPanel) * panel_stride + p * 2 * kPanel + 2 * (c % kPanel) + j] =
+            (2 * p + j < n_rows && c < cols) ? in[(2 * p + j) * ld + c] : bf16{};
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Tile-size heuristics (kept apart from the kernels). Rows per item are a multiple of the microkernel's 6
-// rows; columns per item a multiple of the 64-wide panel.
+// Tile-size heuristics (kept apart from the kernels; values in gg::tuning()). Rows per item are a multiple
+// of the microkernel's 6 rows, columns a multiple of the 64-wide panel. None of them changes results: every
+// output element is summed in the same order whatever the tiling (K blocks and wgrad row chunks continue
+// the running sum through C).
 struct Plan {
-  int64_t mt = 96;   // rows per item (M-grouped: tokens; wgrad: rows of dW[e], i.e. K)
-  int64_t nt = 192;  // columns per item
+  int64_t mt = 0;  // rows per item (M-grouped: tokens; wgrad: rows of dW[e], i.e. K)
+  int64_t nt = 0;  // columns per item
+  int64_t mc = 0;  // bf16 wgrad: token pairs per packed chunk
 };
 Plan plan_mgrouped(int64_t n_out) {
+  const gg::Tuning& tu = gg::tuning();
   Plan p;
-  p.mt = 96;
-  p.nt = std::min<int64_t>(round_up(std::max<int64_t>(n_out, 1), kPanel), 256);
+  p.mt = tu.mt;
+  p.nt = std::min<int64_t>(round_up(std::max<int64_t>(n_out, 1), kPanel), tu.nt);
   return p;
 }
-Plan plan_wgrad(int64_t K, int64_t N) {
+Plan plan_wgrad(GemmPrec prec, int64_t K, int64_t N) {
+  const gg::Tuning& tu = gg::tuning();
   Plan p;
-  p.mt = 96;
-  p.nt = std::min<int64_t>(round_up(std::max<int64_t>(N, 1), kPanel), 256);
-  (void)K;
+  p.mt = std::min<int64_t>(round_up(std::max<int64_t>(K, 1), gg::kMR), tu.wmt);
+  // bf16 packs whole rows of dY per chunk, so an item covers all N columns.
+  p.nt = prec == GemmPrec::BF16 ? round_up(std::max<int64_t>(N, 1), kPanel)
+                                : std::min<int64_t>(round_up(std::max<int64_t>(N, 1), kPanel), tu.wnt);
+  p.mc = tu.wmc;
   return p;
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Workspace: schedule arrays (int64) then, for bf16 wgrad, the interleaved operands.
-//   off[E+1]    row offsets                      perm[E]      experts by descending count (stable)
+// Workspace: schedule arrays (int64), then for bf16 wgrad one packing slot per thread:
+//   off[E+1]    row offsets
+//   perm[E]     experts by descending count (ties by index): big experts are handed out first
 //   pref[E+1]   prefix of work items in perm order
-//   poff[E+1]   row offsets with each count rounded up to even     (bf16 wgrad)
-//   cpref[E+1]  prefix of packing chunks per expert                  (bf16 wgrad)
-//   xp          [sum ceil(m_e/2)][K16][2] bf16     yp         [sum ceil(m_e/2)][N16][2] bf16
+//   slot[t]     a  [ceil(mt/64)][mc][64][2] bf16 (A operand: 64-row groups of a chunk of X_e^T)
+//               b  [ceil(N/64)][mc][64][2] bf16  (B operand: 64-column panels of a chunk of dY_e)
+// The number of slots is what ws_bytes allows, at most the OpenMP thread count; it caps the threads of the
+// wgrad region (results do not depend on it).
 struct WsLayout {
-  size_t off, perm, pref, poff, cpref, xp, yp, total;
+  size_t off = 0, perm = 0, pref = 0, slots = 0, slot_a = 0, slot_bytes = 0, fixed = 0;
 };
-WsLayout ws_layout(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N) {
-  WsLayout l{};
+WsLayout ws_layout(GroupedOp op, GemmPrec prec, int64_t E, int64_t K, int64_t N) {
+  WsLayout l;
   size_t at = 0;
   auto take = [&](size_t bytes) {
     size_t p = at;
@@ -142,14 +164,13 @@ WsLayout ws_layout(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K,
   l.off = take(e1);
   l.perm = take(size_t(E) * sizeof(int64_t));
   l.pref = take(e1);
-  l.poff = take(e1);
-  l.cpref = take(e1);
+  l.slots = l.fixed = at;
   if (op == GroupedOp::Wgrad && prec == GemmPrec::BF16) {
-    const size_t padded_rows = size_t(M + E);  // sum of round_up(m_e, 2) <= M + E
-    l.xp = take(padded_rows * size_t(round_up(K, 16)) * 2);
-    l.yp = take(padded_rows * size_t(round_up(N, 16)) * 2);
+    const Plan p = plan_wgrad(prec, K, N);
+    l.slot_a = align64(size_t(round_up(p.mt, kPanel)) * size_t(p.mc) * 2 * sizeof(bf16));
+    l.slot_bytes =
+        l.slot_a + align64(size_t(round_up(std::max<int64_t>(N, 1), kPanel)) * size_t(p.mc) * 2 * sizeof(bf16));
   }
-  l.total = at;
   return l;
 }
 
@@ -157,15 +178,14 @@ struct Sched {
   int64_t* off;
   int64_t* perm;
   int64_t* pref;
-  int64_t* poff;
 };
 
-// Fills off, perm (descending count, ties by index) and pref (items of perm[j] = tiles(count)).
+// Fills off, perm and pref (items of perm[j] = tiles_of(perm[j])).
 template <class TilesOf>
 Sched make_sched(void* ws, const WsLayout& l, const int32_t* counts, int64_t E, int64_t M, TilesOf tiles_of) {
   char* w = static_cast<char*>(ws);
   Sched s{reinterpret_cast<int64_t*>(w + l.off), reinterpret_cast<int64_t*>(w + l.perm),
-          reinterpret_cast<int64_t*>(w + l.pref), reinterpret_cast<int64_t*>(w + l.poff)};
+          reinterpret_cast<int64_t*>(w + l.pref)};
   grouped_offsets(s.off, counts, E, M);
   std::iota(s.perm, s.perm + E, int64_t(0));
   std::stable_sort(s.perm, s.perm + E, [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
@@ -180,18 +200,20 @@ inline void locate(const Sched& s, int64_t E, int64_t item, int64_t& j, int64_t&
   local = item - s.pref[j];
 }
 
-void check_common(const char* op, const int32_t* counts, int64_t E, int64_t M, int64_t K, int64_t N, const void* ws) {
+void check_common(const char* op, const int32_t* counts, int64_t E, int64_t M, int64_t K, int64_t N, const void* ws,
+                  size_t ws_bytes, size_t need) {
   MT_CHECK(E >= 0 && M >= 0 && K >= 0 && N >= 0, op, "negative size E=", E, " M=", M, " K=", K, " N=", N);
   MT_CHECK(counts || E == 0, op, "counts is null (E=", E, ")");
   MT_CHECK(ws, op, "workspace is null (need grouped_gemm_workspace_bytes)");
+  MT_CHECK(ws_bytes >= need, op, "workspace of ", ws_bytes, " bytes, need at least ", need);
 }
 
 void check_packed(const char* op, const GroupedPackedWeights& W, GroupedPackKind kind, GemmPrec prec, int64_t E,
                   int64_t K, int64_t N) {
   MT_CHECK(W.kind == kind, op, "weights packed for ", W.kind == GroupedPackKind::Fwd ? "Fwd" : "Dgrad",
            ", this op needs ", kind == GroupedPackKind::Fwd ? "Fwd" : "Dgrad");
-  MT_CHECK(W.prec == prec, op, "weights packed as ", W.prec == GemmPrec::BF16 ? "bf16" : "fp32",
-           " but inputs are ", prec == GemmPrec::BF16 ? "bf16" : "fp32");
+  MT_CHECK(W.prec == prec, op, "weights packed as ", W.prec == GemmPrec::BF16 ? "bf16" : "fp32", " but inputs are ",
+           prec == GemmPrec::BF16 ? "bf16" : "fp32");
   MT_CHECK(W.E == E && W.K == K && W.N == N, op, "packed weights are [", W.E, ",", W.K, ",", W.N,
            "] but the call has [", E, ",", K, ",", N, "]");
   MT_CHECK(W.data || E * K * N == 0, op, "packed weights data is null");
@@ -200,12 +222,12 @@ void check_packed(const char* op, const GroupedPackedWeights& W, GroupedPackKind
 // M-grouped: Out[M, Nc] = In[M, Kc] · B_e (packed). Forward: (Kc, Nc) = (K, N); dgrad: (N, K).
 void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, const void* in,
                   const GroupedPackedWeights& W, GroupedPackKind kind, const int32_t* counts, int64_t E, int64_t M,
-                  int64_t K, int64_t N, void* ws) {
-  check_common(op, counts, E, M, K, N, ws);
+                  int64_t K, int64_t N, void* ws, size_t ws_bytes) {
+  const WsLayout l = ws_layout(kind == GroupedPackKind::Fwd ? GroupedOp::Fwd : GroupedOp::Dgrad, prec, E, K, N);
+  check_common(op, counts, E, M, K, N, ws, ws_bytes, l.fixed);
   check_packed(op, W, kind, prec, E, K, N);
   const PackGeom g = pack_geom(kind, prec, K, N);
   MT_CHECK((out && in) || M == 0 || g.Nc == 0, op, "null input or output");
-  const WsLayout l = ws_layout(kind == GroupedPackKind::Fwd ? GroupedOp::Fwd : GroupedOp::Dgrad, prec, E, M, K, N);
   const Plan plan = plan_mgrouped(g.Nc);
   const int64_t ntn = ceil_div(g.Nc, plan.nt);
   const Sched s = make_sched(ws, l, counts, E, M, [&](int64_t e) { return ceil_div(counts[e], plan.mt) * ntn; });
@@ -226,6 +248,7 @@ void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, con
     t.rows = std::min(plan.mt, s.off[e + 1] - r0);
     t.cols = std::min(plan.nt, g.Nc - c0);
     t.A = inb + r0 * g.Kc * esz;
+    t.a_bs = gg::kMR * g.Kc;
     t.a_rs = g.Kc;
     t.a_ss = prec == GemmPrec::BF16 ? 2 : 1;
     t.B = wb + (e * g.expert_elems + (c0 / kPanel) * g.panel_elems) * esz;
@@ -237,89 +260,112 @@ void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, con
     t.steps = g.steps;
     t.a_odd_tail = prec == GemmPrec::BF16 && (g.Kc % 2 == 1);
     t.accumulate = false;
+    t.stream = gg::tuning().stream && out_bf16 == nullptr;
     fn(t);
   }
 }
 
+// K-grouped: dW[e][K, N] (+)= X_e^T · dY_e. Items: (expert, mt-row tile of dW[e], nt-column tile), the whole
+// reduction over the expert's tokens inside the item. bf16: the item packs its operands chunk by chunk (mc
+// token pairs) into its thread's slot, which stays in L2, and accumulates the chunks through C in token order.
+// fp32: the kernel reads X and dY in place (no packing).
 void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const void* dY, const int32_t* counts,
-               int64_t E, int64_t M, int64_t K, int64_t N, bool accumulate, void* ws) {
-  check_common(op, counts, E, M, K, N, ws);
+               int64_t E, int64_t M, int64_t K, int64_t N, bool accumulate, void* ws, size_t ws_bytes) {
+  const bool bf = prec == GemmPrec::BF16;
+  const WsLayout l = ws_layout(GroupedOp::Wgrad, prec, E, K, N);
+  check_common(op, counts, E, M, K, N, ws, ws_bytes, l.fixed + l.slot_bytes);
   MT_CHECK(dW || E * K * N == 0, op, "dW is null");
   MT_CHECK((X && dY) || M == 0 || K * N == 0, op, "null X or dY");
-  const WsLayout l = ws_layout(GroupedOp::Wgrad, prec, E, M, K, N);
-  const Plan plan = plan_wgrad(K, N);
+  Plan plan = plan_wgrad(prec, K, N);
+  // Few experts for many threads: cut dW[e] into more row tiles (at least ~4 items per thread). The slot
+  // was sized for plan.mt, and smaller tiles fit; results do not depend on the tiling.
+  const int64_t busy =
+      std::max<int64_t>(1, int64_t(std::count_if(counts, counts + E, [](int32_t c) { return c > 0; })));
+  const int64_t want_tiles = ceil_div(4 * int64_t(num_threads()), busy);
+  if (want_tiles > 1) plan.mt = std::max<int64_t>(kPanel, std::min(plan.mt, round_up(ceil_div(K, want_tiles), kPanel)));
   const int64_t ntm = ceil_div(K, plan.mt), ntn = ceil_div(N, plan.nt);
   const Sched s = make_sched(ws, l, counts, E, M, [&](int64_t e) {
-    return (accumulate && counts[e] == 0) ? int64_t(0) : ntm * ntn;  // accumulate into an empty expert: no-op
+    return (accumulate && counts[e] == 0) ? int64_t(0) : ntm * ntn;  // accumulating an empty expert: no-op
   });
   if (K == 0 || N == 0) return;
   const TileFn fn = tile_fn(prec);
-  const int64_t K16 = round_up(K, 16), N16 = round_up(N, 16);
-  const bool bf = prec == GemmPrec::BF16;
-  char* w = static_cast<char*>(ws);
-  bf16* xp = bf ? reinterpret_cast<bf16*>(w + l.xp) : nullptr;
-  bf16* yp = bf ? reinterpret_cast<bf16*>(w + l.yp) : nullptr;
-  // bf16 packing items: (expert, chunk of kPackPairs row pairs), in expert order.
-  constexpr int64_t kPackPairs = 64;
-  int64_t* poff = s.poff;
-  int64_t* cpref = reinterpret_cast<int64_t*>(w + l.cpref);
-  poff[0] = cpref[0] = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    poff[e + 1] = poff[e] + round_up(counts[e], 2);
-    cpref[e + 1] = cpref[e] + (bf ? ceil_div(ceil_div(counts[e], 2), kPackPairs) : 0);
-  }
-  const int64_t npack = cpref[E];
   const int64_t nitems = s.pref[E];
-  const char* xb = static_cast<const char*>(X);
-  const char* yb = static_cast<const char*>(dY);
-  const int64_t esz = bf ? 2 : 4;
-#pragma omp parallel
+  const int64_t nslots =
+      bf ? std::min<int64_t>(num_threads(), int64_t((ws_bytes - l.fixed) / l.slot_bytes)) : num_threads();
+  const int64_t mc = plan.mc;
+  char* w = static_cast<char*>(ws);
+#pragma omp parallel num_threads(int(std::max <int64_t>(1, std::min <int64_t>(nslots, nitems))))
   {
-    if (bf) {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t it = 0; it < npack; ++it) {
-        const int64_t e = int64_t(std::upper_bound(cpref, cpref + E + 1, it) - cpref) - 1;
-        const int64_t c = it - cpref[e], pe = poff[e];
-        const int64_t r0 = 2 * c * kPackPairs;
-        const int64_t nr = std::min<int64_t>(2 * kPackPairs, counts[e] - r0);
-        const int64_t row = s.off[e] + r0;
-        interleave_rows(xp + (pe + r0) * K16, reinterpret_cast<const bf16*>(X) + row * K, K, nr, K, K16);
-        interleave_rows(yp + (pe + r0) * N16, reinterpret_cast<const bf16*>(dY) + row * N, N, nr, N, N16);
-      }
-    }
+    char* slot = w + l.slots + size_t(omp_get_thread_num()) * l.slot_bytes;
+    bf16* abuf = reinterpret_cast<bf16*>(slot);
+    bf16* bbuf = reinterpret_cast<bf16*>(slot + l.slot_a);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < nitems; ++item) {
       int64_t j, local;
       locate(s, E, item, j, local);
       const int64_t e = s.perm[j];
       const int64_t mi = local / ntn, ni = local % ntn;
-      const int64_t k0 = mi * plan.mt, n0 = ni * plan.nt;
-      const int64_t m = counts[e];
+      const int64_t k0 = mi * plan.mt, n0 = ni * plan.nt, m = counts[e], row0 = s.off[e];
       Tile t;
       t.rows = std::min(plan.mt, K - k0);
       t.cols = std::min(plan.nt, N - n0);
-      if (bf) {
-        const int64_t pe = poff[e];
-        t.A = xp + pe * K16 + 2 * k0;
-        t.a_rs = 2;
-        t.a_ss = 2 * K16;
-        t.B = yp + pe * N16 + 2 * n0;
-        t.b_ps = 2 * kPanel;
-        t.b_ss = 2 * N16;
-        t.steps = ceil_div(m, 2);
-      } else {
-        t.A = xb + (s.off[e] * K + k0) * esz;
+      t.C = dW + e * K * N + k0 * N + n0;
+      t.ldc = N;
+      if (!bf) {
+        t.A = static_cast<const float*>(X) + row0 * K + k0;
+        t.a_bs = gg::kMR;
         t.a_rs = 1;
         t.a_ss = K;
-        t.B = yb + (s.off[e] * N + n0) * esz;
+        t.B = static_cast<const float*>(dY) + row0 * N + n0;
         t.b_ps = kPanel;
         t.b_ss = N;
         t.steps = m;
+        t.accumulate = accumulate;
+        fn(t);
+        continue;
       }
-      t.C = dW + e * K * N + k0 * N + n0;
-      t.ldc = N;
-      t.accumulate = accumulate;
-      fn(t);
+      int64_t r = 0;
+      do {  // chunks of 2*mc tokens; an empty expert runs once with 0 steps (writes zeros)
+        const int64_t nr = std::min(2 * mc, m - r), hp = ceil_div(nr, 2);
+        const bf16* xr = static_cast<const bf16*>(X) + (row0 + r) * K + k0;
+        const bf16* yr = static_cast<const bf16*>(dY) + (row0 + r) * N;
+        if (nr > 0) {
+          pack_pairs(abuf, hp * 2 * kPanel, xr, K, nr, t.rows);
+          pack_pairs(bbuf, hp * 2 * kPanel, yr, N, nr, N);
+        }
+        t.A = abuf;
+        t.a_rb = kPanel;
+        t.a_bs = hp * 2 * kPanel;
+        t.a_rs = 2;
+        t.a_ss = 2 * kPanel;
+        t.B = bbuf;
+        t.b_ps = hp * 2 * kPanel;
+        t.b_ss = 2 * kPanel;
+        t.steps = hp;
+        t.accumulate = accumulate || r > 0;
+        // Overlap the next chunk's DRAM reads with this chunk's arithmetic: prefetch its rows of X and dY
+        // (the next chunk of this item, else the first chunk of the next item in schedule order, which this
+        // or the other thread will take; either way it comes from cache, not DRAM).
+        t.pf_bytes[0] = t.pf_bytes[1] = 0;
+        if (gg::tuning().prefetch) {
+          int64_t pe = e, pr = r + nr, pk0 = k0, pm = m;
+          if (pr >= m && item + 1 < nitems) {
+            int64_t pj, pl;
+            locate(s, E, item + 1, pj, pl);
+            pe = s.perm[pj], pr = 0, pk0 = (pl / ntn) * plan.mt, pm = counts[pe];
+          }
+          const int64_t pn = std::min(2 * mc, pm - pr);
+          if (pr < pm && pn > 0) {
+            const int64_t prow = s.off[pe] + pr, pcols = std::min(plan.mt, K - pk0);
+            t.pf[0] = reinterpret_cast<const char*>(static_cast<const bf16*>(X) + prow * K + pk0);
+            t.pf_bytes[0] = ((pn - 1) * K + pcols) * int64_t(sizeof(bf16));
+            t.pf[1] = reinterpret_cast<const char*>(static_cast<const bf16*>(dY) + prow * N);
+            t.pf_bytes[1] = pn * N * int64_t(sizeof(bf16));
+          }
+        }
+        fn(t);
+        r += nr;
+      } while (r < m);
     }
   }
 }
@@ -350,26 +396,29 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E,
   MT_CHECK((data && W) || bytes == 0, "grouped_pack_weights", "null data or W");
   const PackGeom g = pack_geom(kind, prec, K, N);
   const bool fwd = kind == GroupedPackKind::Fwd;
-  // B(k, c) for expert e: W[e][k][c] (Fwd) or W[e][c][k] (Dgrad).
+  const bool avx512 = active_isa() == Isa::Avx512;
   const int64_t items = E * g.npanels;
 #pragma omp parallel for schedule(static) if (items > 1 && E * K * N > 65536)
   for (int64_t it = 0; it < items; ++it) {
     const int64_t e = it / g.npanels, p = it % g.npanels;
     const float* We = W + e * K * N;
     const int64_t c0 = p * kPanel, pc = std::min(kPanel, g.Nc - c0);
+    // B(k, c) = W_e[k][c0 + c] (Fwd) or W_e[c0 + c][k] (Dgrad); zero outside [0, Kc) x [0, pc).
     auto b = [&](int64_t k, int64_t c) -> float {
       if (k >= g.Kc || c >= pc) return 0.0f;
       return fwd ? We[k * N + c0 + c] : We[(c0 + c) * N + k];
     };
     if (prec == GemmPrec::BF16) {
       bf16* out = static_cast<bf16*>(data) + e * g.expert_elems + p * g.panel_elems;
-      if (fwd) {
+      if (avx512) {
+        gg::pack_weight_panel_bf16_avx512(out, We, K, N, fwd, c0, pc, g.steps);
+      } else if (fwd) {
         for (int64_t s = 0; s < g.steps; ++s)
           for (int64_t c = 0; c < kPanel; ++c) {
             out[(s * kPanel + c) * 2 + 0] = to_bf16(b(2 * s, c));
             out[(s * kPanel + c) * 2 + 1] = to_bf16(b(2 * s + 1, c));
           }
-      } else {  // read rows of W[e] (c fixed) contiguously
+      } else {  // read rows of W_e (c fixed) contiguously
         for (int64_t c = 0; c < kPanel; ++c)
           for (int64_t k = 0; k < 2 * g.steps; ++k) out[((k / 2) * kPanel + c) * 2 + (k & 1)] = to_bf16(b(k, c));
       }
@@ -394,37 +443,40 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E,
   return w;
 }
 
-size_t grouped_gemm_workspace_bytes(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N) {
-  MT_CHECK(E >= 0 && M >= 0 && K >= 0 && N >= 0, "grouped_gemm", "negative size E=", E, " M=", M, " K=", K, " N=",
-           N);
-  return ws_layout(op, prec, E, M, K, N).total;
+size_t grouped_gemm_workspace_bytes(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N,
+                                    int threads) {
+  MT_CHECK(E >= 0 && M >= 0 && K >= 0 && N >= 0, "grouped_gemm", "negative size E=", E, " M=", M, " K=", K, " N=", N);
+  const WsLayout l = ws_layout(op, prec, E, K, N);
+  return l.fixed + size_t(threads > 0 ? threads : num_threads()) * l.slot_bytes;
 }
 
 void grouped_gemm_fwd(float* Y, bf16* Y_bf16, const bf16* X, const GroupedPackedWeights& W, const int32_t* counts,
-                      int64_t E, int64_t M, int64_t K, int64_t N, void* ws) {
-  run_mgrouped("grouped_gemm_fwd", GemmPrec::BF16, Y, Y_bf16, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws);
+                      int64_t E, int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
+  run_mgrouped("grouped_gemm_fwd", GemmPrec::BF16, Y, Y_bf16, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws,
+               ws_bytes);
 }
 void grouped_gemm_fwd(float* Y, const float* X, const GroupedPackedWeights& W, const int32_t* counts, int64_t E,
-                      int64_t M, int64_t K, int64_t N, void* ws) {
-  run_mgrouped("grouped_gemm_fwd", GemmPrec::F32, Y, nullptr, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws);
+                      int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
+  run_mgrouped("grouped_gemm_fwd", GemmPrec::F32, Y, nullptr, X, W, GroupedPackKind::Fwd, counts, E, M, K, N, ws,
+               ws_bytes);
 }
-void grouped_gemm_dgrad(float* dX, bf16* dX_bf16, const bf16* dY, const GroupedPackedWeights& Wt,
-                        const int32_t* counts, int64_t E, int64_t M, int64_t K, int64_t N, void* ws) {
+void grouped_gemm_dgrad(float* dX, bf16* dX_bf16, const bf16* dY, const GroupedPackedWeights& Wt, const int32_t* counts,
+                        int64_t E, int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
   run_mgrouped("grouped_gemm_dgrad", GemmPrec::BF16, dX, dX_bf16, dY, Wt, GroupedPackKind::Dgrad, counts, E, M, K, N,
-               ws);
+               ws, ws_bytes);
 }
 void grouped_gemm_dgrad(float* dX, const float* dY, const GroupedPackedWeights& Wt, const int32_t* counts, int64_t E,
-                        int64_t M, int64_t K, int64_t N, void* ws) {
-  run_mgrouped("grouped_gemm_dgrad", GemmPrec::F32, dX, nullptr, dY, Wt, GroupedPackKind::Dgrad, counts, E, M, K, N,
-               ws);
+                        int64_t M, int64_t K, int64_t N, void* ws, size_t ws_bytes) {
+  run_mgrouped("grouped_gemm_dgrad", GemmPrec::F32, dX, nullptr, dY, Wt, GroupedPackKind::Dgrad, counts, E, M, K, N, ws,
+               ws_bytes);
 }
 void grouped_gemm_wgrad(float* dW, const bf16* X, const bf16* dY, const int32_t* counts, int64_t E, int64_t M,
-                        int64_t K, int64_t N, bool accumulate, void* ws) {
-  run_wgrad("grouped_gemm_wgrad", GemmPrec::BF16, dW, X, dY, counts, E, M, K, N, accumulate, ws);
+                        int64_t K, int64_t N, bool accumulate, void* ws, size_t ws_bytes) {
+  run_wgrad("grouped_gemm_wgrad", GemmPrec::BF16, dW, X, dY, counts, E, M, K, N, accumulate, ws, ws_bytes);
 }
 void grouped_gemm_wgrad(float* dW, const float* X, const float* dY, const int32_t* counts, int64_t E, int64_t M,
-                        int64_t K, int64_t N, bool accumulate, void* ws) {
-  run_wgrad("grouped_gemm_wgrad", GemmPrec::F32, dW, X, dY, counts, E, M, K, N, accumulate, ws);
+                        int64_t K, int64_t N, bool accumulate, void* ws, size_t ws_bytes) {
+  run_wgrad("grouped_gemm_wgrad", GemmPrec::F32, dW, X, dY, counts, E, M, K, N, accumulate, ws, ws_bytes);
 }
 
 }  // namespace moetron

@@ -62,6 +62,8 @@ void add_rows(float* acc, const float* x, int64_t n) {
 // dw is reduced over fixed row blocks: the block count depends on N only (never on the thread count),
 // at most kMaxBlocks so the partials stay small (kMaxBlocks * C floats).
 constexpr int64_t kMaxBlocks = 64, kMinRowsPerBlock = 16;
+// Below this many elements one thread is faster than waking a team (results do not depend on it).
+constexpr int64_t kParallelMin = 32768;
 int64_t num_blocks(int64_t N) { return std::max<int64_t>(1, std::min(kMaxBlocks, (N + kMinRowsPerBlock - 1) / kMinRowsPerBlock)); }
 int64_t pad16(int64_t C) { return (C + 15) / 16 * 16; }
 
@@ -82,7 +84,7 @@ void backward_impl(const char* op, float* dx, float* dw, const float* dy, const 
     own.reset(new float[size_t(nblk * ldp)]);
     part = own.get();
   }
-#pragma omp parallel
+#pragma omp parallel if (N * C >= kParallelMin)
   {
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblk; ++blk) {
@@ -124,7 +126,7 @@ void rmsnorm_forward(float* y, bf16* y16, float* rstd, const float* x, const flo
   if (N == 0) return;
   MT_CHECK(y && rstd && x && w, "rmsnorm_forward", "null pointer (y, rstd, x and w are required)");
   const bool simd = active_isa() == Isa::Avx512;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     bf16* y16r = y16 ? y16 + n * C : nullptr;
     if (simd) norm_avx512::rmsnorm_fwd_row(y + n * C, y16r, rstd + n, x + n * C, w, C, eps);

@@ -26,7 +26,8 @@ void moe_permute_backward_avx512(float* dx, const float* dxp, const int32_t* row
 void moe_unpermute_avx512(float* y, const float* yp, const int32_t* row_of, const float* w, int64_t N, int k,
                           int64_t D);
 void moe_unpermute_backward_avx512(float* dyp32, bf16* dyp16, float* dw, const float* dy, const float* yp,
-                                   const int32_t* row_of, const float* w, int64_t N, int k, int64_t D);
+                                   const int32_t* row_of, const int32_t* token_of, const int32_t* slot_of,
+                                   const float* w, int64_t N, int k, int64_t R, int64_t D);
 
 namespace {
 
@@ -50,33 +51,47 @@ void check_token_of(const char* op, const int32_t* token_of, int64_t R, int64_t 
     MT_CHECK(token_of[r] >= 0 && token_of[r] < N, op, "token_of[", r, "]=", token_of[r], " outside [0, N=", N, ")");
 }
 
+void check_slot_of(const char* op, const int32_t* slot_of, int64_t R, int k) {
+  MT_CHECK(slot_of != nullptr || R == 0, op, "null slot_of");
+  for (int64_t r = 0; r < R; ++r)
+    MT_CHECK(slot_of[r] >= 0 && slot_of[r] < k, op, "slot_of[", r, "]=", slot_of[r], " outside [0, k=", k, ")");
+}
+
 template <class TO>
 void unpermute_backward_impl(TO* dyp, float* dw, const float* dy, const float* yp, const int32_t* row_of,
-                             const float* w, int64_t N, int k, int64_t R, int64_t D) {
+                             const int32_t* token_of, const int32_t* slot_of, const float* w, int64_t N, int k,
+                             int64_t R, int64_t D) {
   const char* op = "moe_unpermute_backward";
   check_sizes(op, N, k, R, D);
   check_row_of(op, row_of, N, k, R);
+  check_token_of(op, token_of, R, N);
+  check_slot_of(op, slot_of, R, k);
   if (N == 0) return;
-  MT_CHECK(dw && dy && w && (R == 0 || (dyp && yp)) , op, "null array argument");
+  MT_CHECK(dw && dy && w && (R == 0 || (dyp && yp)), op, "null array argument");
   if (use_avx512()) {
-    if constexpr (std::is_same_v<TO, bf16>) moe_unpermute_backward_avx512(nullptr, dyp, dw, dy, yp, row_of, w, N, k, D);
-    else moe_unpermute_backward_avx512(dyp, nullptr, dw, dy, yp, row_of, w, N, k, D);
+    if constexpr (std::is_same_v<TO, bf16>)
+      moe_unpermute_backward_avx512(nullptr, dyp, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
+    else
+      moe_unpermute_backward_avx512(dyp, nullptr, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
     return;
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const float* g = dy + t * D;
-    for (int s = 0; s < k; ++s) {
-      const int32_t r = row_of[t * k + s];
+  // Portable path: per permuted row, in order (sequential over the two large buffers).
+#pragma omp parallel
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < N * k; ++i)
+      if (row_of[i] < 0) dw[i] = 0;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = int64_t(token_of[r]) * k + slot_of[r];
+      const float* g = dy + int64_t(token_of[r]) * D;
+      const float* v = yp + r * D;
+      const float ws = w[i];
+      TO* o = dyp + r * D;
       float acc = 0;
-      if (r >= 0) {
-        const float ws = w[t * k + s];
-        TO* o = dyp + int64_t(r) * D;
-        const float* v = yp + int64_t(r) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = permute_detail::cvt<TO>(ws * g[d]);
-        for (int64_t d = 0; d < D; ++d) acc += g[d] * v[d];
-      }
-      dw[t * k + s] = acc;
+      for (int64_t d = 0; d < D; ++d) o[d] = permute_detail::cvt<TO>(ws * g[d]);
+      for (int64_t d = 0; d < D; ++d) acc += g[d] * v[d];
+      dw[i] = acc;
     }
   }
 }
@@ -220,12 +235,14 @@ void moe_unpermute(float* y, const float* yp, const int32_t* row_of, const float
 }
 
 void moe_unpermute_backward(float* dyp, float* dw, const float* dy, const float* yp, const int32_t* row_of,
-                            const float* w, int64_t N, int k, int64_t R, int64_t D) {
-  unpermute_backward_impl(dyp, dw, dy, yp, row_of, w, N, k, R, D);
+                            const int32_t* token_of, const int32_t* slot_of, const float* w, int64_t N, int k,
+                            int64_t R, int64_t D) {
+  unpermute_backward_impl(dyp, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
 }
 void moe_unpermute_backward(bf16* dyp, float* dw, const float* dy, const float* yp, const int32_t* row_of,
-                            const float* w, int64_t N, int k, int64_t R, int64_t D) {
-  unpermute_backward_impl(dyp, dw, dy, yp, row_of, w, N, k, R, D);
+                            const int32_t* token_of, const int32_t* slot_of, const float* w, int64_t N, int k,
+                            int64_t R, int64_t D) {
+  unpermute_backward_impl(dyp, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
 }
 
 }  // namespace moetron

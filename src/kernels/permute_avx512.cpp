@@ -5,6 +5,7 @@
 // VCVTNE2PS2BF16 (round to nearest even; note: it flushes denormal inputs to zero, unlike to_bf16).
 // GCC 12 warns falsely about _mm512_undefined_* inside its own intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <cstdint>
@@ -45,43 +46,6 @@ inline void cvt_row(bf16* dst, const float* src, int64_t D) {
     __mmask16 m = tail_mask(D - d);
     _mm256_mask_storeu_epi16(dst + d, m, cvt16(_mm512_maskz_loadu_ps(m, src + d)));
   }
-}
-
-inline void scaled_row_f32(float* dst, const float* src, float s, int64_t D) {
-  const __m512 vs = _mm512_set1_ps(s);
-  for (int64_t d = 0; d < D; d += 16) {
-    __mmask16 m = tail_mask(D - d);
-    _mm512_mask_storeu_ps(dst + d, m, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, src + d)));
-  }
-}
-
-inline void scaled_row_bf16(bf16* dst, const float* src, float s, int64_t D) {
-  const __m512 vs = _mm512_set1_ps(s);
-  int64_t d = 0;
-  for (; d + 32 <= D; d += 32) {
-    __m512 lo = _mm512_mul_ps(vs, _mm512_loadu_ps(src + d)), hi = _mm512_mul_ps(vs, _mm512_loadu_ps(src + d + 16));
-    _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-  for (; d < D; d += 16) {
-    __mmask16 m = tail_mask(D - d);
-    _mm256_mask_storeu_epi16(dst + d, m, cvt16(_mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, src + d))));
-  }
-}
-
-inline float dot_row(const float* a, const float* b, int64_t D) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
-    s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 32), _mm512_loadu_ps(b + d + 32), s2);
-    s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 48), _mm512_loadu_ps(b + d + 48), s3);
-  }
-  for (; d < D; d += 16) {
-    __mmask16 m = tail_mask(D - d);
-    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), s0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 
 }  // namespace
@@ -164,21 +128,63 @@ void moe_unpermute_avx512(float* y, const float* yp, const int32_t* row_of, cons
   }
 }
 
-// dyp[row(t,s)] = w[t,s] * dy[t] (fp32 into dyp32 or bf16 into dyp16); dw[t,s] = dot(dy[t], yp[row(t,s)]).
+namespace {
+
+// One pass over a (t, s) pair: o = ws * g (fp32 or bf16) and returns dot(g, v), 16 lanes x 4 accumulators.
+template <bool kBf16>
+inline float scale_and_dot(void* out, const float* g, const float* v, float ws, int64_t D) {
+  const __m512 vs = _mm512_set1_ps(ws);
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m512 g0 = _mm512_loadu_ps(g + d), g1 = _mm512_loadu_ps(g + d + 16);
+    __m512 g2 = _mm512_loadu_ps(g + d + 32), g3 = _mm512_loadu_ps(g + d + 48);
+    if constexpr (kBf16) {
+      bf16* o = static_cast<bf16*>(out) + d;
+      _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(vs, g1), _mm512_mul_ps(vs, g0)));
+      _mm512_storeu_si512(o + 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(vs, g3), _mm512_mul_ps(vs, g2)));
+    } else {
+      float* o = static_cast<float*>(out) + d;
+      _mm512_storeu_ps(o, _mm512_mul_ps(vs, g0));
+      _mm512_storeu_ps(o + 16, _mm512_mul_ps(vs, g1));
+      _mm512_storeu_ps(o + 32, _mm512_mul_ps(vs, g2));
+      _mm512_storeu_ps(o + 48, _mm512_mul_ps(vs, g3));
+    }
+    s0 = _mm512_fmadd_ps(g0, _mm512_loadu_ps(v + d), s0);
+    s1 = _mm512_fmadd_ps(g1, _mm512_loadu_ps(v + d + 16), s1);
+    s2 = _mm512_fmadd_ps(g2, _mm512_loadu_ps(v + d + 32), s2);
+    s3 = _mm512_fmadd_ps(g3, _mm512_loadu_ps(v + d + 48), s3);
+  }
+  for (; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    __m512 g0 = _mm512_maskz_loadu_ps(m, g + d);
+    if constexpr (kBf16) _mm256_mask_storeu_epi16(static_cast<bf16*>(out) + d, m, cvt16(_mm512_mul_ps(vs, g0)));
+    else _mm512_mask_storeu_ps(static_cast<float*>(out) + d, m, _mm512_mul_ps(vs, g0));
+    s0 = _mm512_fmadd_ps(g0, _mm512_maskz_loadu_ps(m, v + d), s0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+}
+
+}  // namespace
+
+// dyp[r] = w[t,s] * dy[t] (fp32 into dyp32 or bf16 into dyp16) and dw[t,s] = dot(dy[t], yp[r]), walking the
+// permuted rows r in order (t = token_of[r], s = slot_of[r]): the two large buffers stream sequentially and
+// only the dy rows are gathered. Dropped slots (row_of < 0) get dw = 0.
 void moe_unpermute_backward_avx512(float* dyp32, bf16* dyp16, float* dw, const float* dy, const float* yp,
-                                   const int32_t* row_of, const float* w, int64_t N, int k, int64_t D) {
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const float* g = dy + t * D;
-    for (int s = 0; s < k; ++s) {
-      const int32_t r = row_of[t * k + s];
-      if (r < 0) {
-        dw[t * k + s] = 0;
-        continue;
-      }
-      if (dyp32) scaled_row_f32(dyp32 + int64_t(r) * D, g, w[t * k + s], D);
-      else scaled_row_bf16(dyp16 + int64_t(r) * D, g, w[t * k + s], D);
-      dw[t * k + s] = dot_row(g, yp + int64_t(r) * D, D);
+                                   const int32_t* row_of, const int32_t* token_of, const int32_t* slot_of,
+                                   const float* w, int64_t N, int k, int64_t R, int64_t D) {
+#pragma omp parallel
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < N * k; ++i)
+      if (row_of[i] < 0) dw[i] = 0;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = int64_t(token_of[r]) * k + slot_of[r];
+      const float* g = dy + int64_t(token_of[r]) * D;
+      const float* v = yp + r * D;
+      dw[i] = dyp32 ? scale_and_dot<false>(dyp32 + r * D, g, v, w[i], D)
+                    : scale_and_dot<true>(dyp16 + r * D, g, v, w[i], D);
     }
   }
 }

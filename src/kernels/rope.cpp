@@ -37,7 +37,7 @@ void apply(const char* op, float* x, int64_t B, int64_t T, int64_t H, int64_t ld
   MT_CHECK(x && cos && sin, op, "null pointer");
   const bool simd = active_isa() == Isa::Avx512;
   const int64_t half = R / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (B * T * H * R >= 32768)
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const int64_t t = bt % T;
     const float* c = cos + t * half;

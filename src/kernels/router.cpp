@@ -5,8 +5,8 @@
 // Parallel over tokens (one OpenMP region per call); each token's outputs depend only on its own logits.
 // The only cross-token quantities (counts, the loss values, per-sequence counts for the aux loss) are integer
 // histograms or fp64 sums taken in token order after the parallel part, so results never depend on the
-// thread count. The score rows (exp) go through an AVX-512 kernel when the ISA allows; the selection is
-// shared scalar code.
+// thread count. With AVX-512 the score rows, the selection and the z-loss rows go through router_avx512.cpp;
+// the portable path below performs the same operations as router_forward_ref<float> (bitwise equal scores).
 #include <cmath>
 #include <cstring>
 
@@ -16,8 +16,12 @@
 
 namespace moetron {
 
-// router_avx512.cpp: score rows for `rows` tokens (softmax or sigmoid), and logsumexp rows.
-void router_scores_rows_avx512(float* s, const float* l, int64_t rows, int E, bool softmax);
+// router_avx512.cpp
+void router_scores_row_avx512(float* s, const float* l, int E, bool softmax);
+bool router_select_row_avx512(int32_t* idx, float* val, const float* s, const float* bias, int E, int k,
+                              int n_group, int topk_group, bool top2sum);
+float router_lse_row_avx512(const float* l, int E);
+void router_zgrad_row_avx512(float* dl, const float* l, int E, float coef);
 
 namespace {
 
@@ -62,6 +66,43 @@ void scores_row_scalar(float* s, const float* l, int E, bool softmax) {
   }
 }
 
+// Row reductions with 8 interleaved partial sums combined in a fixed tree: deterministic, and free of the
+// 64-long add-latency chain of a sequential sum (the compiler vectorizes the 8 lanes).
+float sum8(const float* x, int n) {
+  float p[8] = {};
+  int e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int j = 0; j < 8; ++j) p[j] += x[e + j];
+  for (int j = 0; e < n; ++e, ++j) p[j] += x[e];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+float dot8(const float* a, const float* b, int n) {
+  float p[8] = {};
+  int e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int j = 0; j < 8; ++j) p[j] += a[e + j] * b[e + j];
+  for (int j = 0; e < n; ++e, ++j) p[j] += a[e] * b[e];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+// sum_e c_e * s_e in fp64 (counts are exact; 4 partial sums).
+double dot_counts(const int32_t* c, const float* s, int n) {
+  double p[4] = {};
+  int e = 0;
+  for (; e + 4 <= n; e += 4)
+    for (int j = 0; j < 4; ++j) p[j] += double(c[e + j]) * double(s[e + j]);
+  for (int j = 0; e < n; ++e, ++j) p[j] += double(c[e]) * double(s[e]);
+  return (p[0] + p[1]) + (p[2] + p[3]);
+}
+// sum_e c_e * s_e in fp32 (counts < 2^24 are exact in fp32).
+float dot_counts_f(const int32_t* c, const float* s, int n) {
+  float p[8] = {};
+  int e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int j = 0; j < 8; ++j) p[j] += float(c[e + j]) * s[e + j];
+  for (int j = 0; e < n; ++e, ++j) p[j] += float(c[e]) * s[e];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
 // Insert (v, i) into the sorted list (val, idx) of length *cnt <= cap, keeping "larger value, then lower
 // index" first. Candidates arrive in increasing index, so an equal value goes after the ones already there.
 inline void topk_insert(float* val, int32_t* idx, int& cnt, int cap, float v, int32_t i) {
@@ -96,9 +137,9 @@ void select_row(int32_t* idx, float* val, const float* s, const float* bias, con
   for (int g = 0; g < ng; ++g) {
     float t1 = -INFINITY, t2 = -INFINITY;
     for (int e = g * G; e < (g + 1) * G; ++e) {
-      float q = s[e] + (bias ? bias[e] : 0.0f);
-      if (q > t1) t2 = t1, t1 = q;
-      else if (q > t2) t2 = q;
+      const float q = s[e] + (bias ? bias[e] : 0.0f);
+      t2 = std::max(t2, std::min(t1, q));  // the two largest values, with multiplicity
+      t1 = std::max(t1, q);
     }
     float gs = cfg.group_score == GroupScore::Max || G < 2 ? t1 : t1 + t2;
     topk_insert(gval, gidx, gcnt, cfg.topk_group, gs, g);
@@ -186,18 +227,23 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
         if (my_bad < 0) my_bad = n;
         for (int e = 0; e < E; ++e) s[e] = 0;
       } else if (avx512) {
-        router_scores_rows_avx512(s, l, 1, E, softmax);
+        router_scores_row_avx512(s, l, E, softmax);
       } else {
         scores_row_scalar(s, l, E, softmax);
       }
       int32_t* idx = topk_idx + n * k;
       float* wt = topk_w + n * k;
-      select_row(idx, wt, s, bias, cfg);
+      if (!avx512 || !router_select_row_avx512(idx, wt, s, bias, E, k, cfg.n_group, cfg.topk_group,
+                                               cfg.group_score == GroupScore::Top2Sum))
+        select_row(idx, wt, s, bias, cfg);
       float sum = 0;
       for (int j = 0; j < k; ++j) sum += s[idx[j]];
       for (int j = 0; j < k; ++j)
         wt[j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
-      if (want_z) {
+      if (want_z && avx512 && finite) {
+        const double lse = router_lse_row_avx512(l, E);
+        w.tok_z[n] = lse * lse;
+      } else if (want_z) {
         double z = 0;
         for (int e = 0; e < E; ++e) z += std::exp(double(l[e]) - double(lmax));
         double lse = double(lmax) + std::log(z);
@@ -226,15 +272,9 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
       for (int64_t n = 0; n < N; ++n) {
         const int32_t* c = w.cnt + (n / T) * E;
         const float* s = scores + n * E;
-        double a = 0;
-        if (softmax) {
-          for (int e = 0; e < E; ++e) a += double(c[e]) * double(s[e]);
-        } else {
-          float sum = 0;
-          for (int e = 0; e < E; ++e) sum += s[e];
-          for (int e = 0; e < E; ++e) a += double(c[e]) * double(s[e] / (sum + kNormEps));
-        }
-        w.tok_a[n] = a;
+        // softmax: sum_e c_e s_e; sigmoid: sum_e c_e s_e / (sum_e s_e + 1e-20)
+        const double a = dot_counts(c, s, E);
+        w.tok_a[n] = softmax ? a : a / double(sum8(s, E) + kNormEps);
       }
     }
   }
@@ -269,6 +309,7 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
   const float aux_scale = aux ? float(double(cfg.aux_coef) * E / (double(T) * double(T) * k * double(S))) : 0.0f;
   const float rs = cfg.route_scale;
   const double zc = 2.0 * double(cfg.z_coef) / double(N);
+  const bool avx512 = active_isa() == Isa::Avx512;
 
 #pragma omp parallel
   {
@@ -292,11 +333,8 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
         for (int e = 0; e < E; ++e) ds[e] = aux_scale * float(c[e]);
       } else if (aux) {
         const int32_t* c = w.cnt + (n / T) * E;
-        float sum = 0, cs = 0;
-        for (int e = 0; e < E; ++e) sum += s[e];
-        sum += kNormEps;
-        for (int e = 0; e < E; ++e) cs += aux_scale * float(c[e]) * s[e];
-        cs /= sum;
+        const float sum = sum8(s, E) + kNormEps;
+        const float cs = aux_scale * dot_counts_f(c, s, E) / sum;
         for (int e = 0; e < E; ++e) ds[e] = (aux_scale * float(c[e]) - cs) / sum;
       } else {
         for (int e = 0; e < E; ++e) ds[e] = 0;
@@ -314,14 +352,15 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
       }
       // 3. score function
       if (softmax) {
-        float dot = 0;
-        for (int e = 0; e < E; ++e) dot += ds[e] * s[e];
+        const float dot = dot8(ds, s, E);
         for (int e = 0; e < E; ++e) ds[e] = s[e] * (ds[e] - dot);
       } else {
         for (int e = 0; e < E; ++e) ds[e] = ds[e] * s[e] * (1.0f - s[e]);
       }
       // 4. z-loss
-      if (cfg.z_coef > 0) {
+      if (cfg.z_coef > 0 && avx512) {
+        router_zgrad_row_avx512(ds, logits + n * E, E, float(zc));
+      } else if (cfg.z_coef > 0) {
         const float* l = logits + n * E;
         float m = l[0];
         for (int e = 1; e < E; ++e) m = std::max(m, l[e]);

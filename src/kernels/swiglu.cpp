@@ -45,7 +45,7 @@ void check_args(const char* op, const void* a, const void* b, const void* c, int
 
 void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
   const bool simd = active_isa() == Isa::Avx512;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * F >= 16384)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * F;
     bf16* h16r = h16 ? h16 + n * F : nullptr;
@@ -57,7 +57,7 @@ void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t 
 
 void backward_impl(float* dgu, float* ds, const float* dh, const float* gu, const float* s, int64_t N, int64_t F) {
   const bool simd = active_isa() == Isa::Avx512;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * F >= 16384)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * F;
     float* dg = dgu + n * 2 * F;

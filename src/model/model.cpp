@@ -22,6 +22,7 @@
 #include "moetron/router.h"
 #include "moetron/runtime.h"
 #include "moetron/swiglu.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -68,13 +69,14 @@ struct LayerBufs {
   // dense ffn / shared experts
   Tensor gu, act16;
   // moe
-  Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, xp16, egu, eact16, ez;
+  Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, slot_of, xp16, egu, eact16, ez;
   int64_t R = 0;  // routed rows of the last forward
 };
 
 struct Layer {
   bool moe = false;
-  bool recompute = false;
+  bool recompute = false;                                 // full: re-run the whole layer forward
+  bool sel_norm = false, sel_attn = false, sel_act = false;  // selective: recompute these modules
   int moe_index = -1;
   // parameter indices (-1 = absent)
   int attn_norm = -1, ffn_norm = -1;
@@ -155,7 +157,7 @@ struct Model::Impl {
     } else {
       b.logits = f32buf(N * E), b.scores = f32buf(N * E), b.topk_idx = i32buf(N * K), b.topk_w = f32buf(N * K);
       b.counts = i32buf(E), b.kept = i32buf(E), b.offsets = i32buf(E + 1), b.row_of = i32buf(N * K),
-      b.token_of = i32buf(N * K);
+      b.token_of = i32buf(N * K), b.slot_of = i32buf(N * K);
       b.xp16 = bf16buf(Rmax * d), b.egu = f32buf(Rmax * 2 * Fe), b.eact16 = bf16buf(Rmax * Fe), b.ez = f32buf(Rmax * d);
       if (Fs > 0) b.gu = f32buf(N * 2 * Fs), b.act16 = bf16buf(N * Fs);
     }
@@ -165,6 +167,10 @@ struct Model::Impl {
   void forward_layer(Layer& L, const float* xin, float* xout);
   void backward_layer(Layer& L, float* dxio);  // dxio: gradient w.r.t. layer output in, input out
   void attn_forward(Layer& L, LayerBufs& b);
+  void attn_core(LayerBufs& b);
+  void recompute_selected_ffn(Layer& L, LayerBufs& b);
+  void recompute_selected_attn(Layer& L, LayerBufs& b);
+  LayerBufs sel;  // buffers shared by the layers whose modules are selectively recomputed
   void attn_backward(Layer& L, LayerBufs& b, float* dh /* [N,d] out: grad of h1 */);
   void ffn_forward(Layer& L, LayerBufs& b, float* y /* [N,d] */);
   void ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2 /* out */, float aux_scale);
@@ -277,9 +283,37 @@ void Model::Impl::build() {
     L.bufs = owned_bufs.back().get();
     if (L.recompute) shared[L.moe] = L.bufs;
   }
+  // Selective recompute: the chosen modules' outputs live in one set of buffers shared by every
+  // selected layer; each layer recomputes them right before its backward needs them.
+  const bool selective = m.ac_.mode == AcMode::Selective;
+  bool any_norm = false, any_attn = false, any_act = false;
+  for (int64_t l = 0; l < s.n_layers; ++l) {
+    Layer& L = layers[l];
+    if (!selective || !m.ac_.applies_to(l)) continue;
+    L.sel_norm = m.ac_.has_module("norm");
+    L.sel_attn = m.ac_.has_module("attention_core");
+    L.sel_act = L.moe && m.ac_.has_module("moe_act");
+    any_norm |= L.sel_norm, any_attn |= L.sel_attn, any_act |= L.sel_act;
+  }
+  if (any_norm) sel.h1_16 = bf16buf(N * d), sel.h2 = f32buf(N * d), sel.h2_16 = bf16buf(N * d);
+  if (any_attn) sel.ao = f32buf(N * H * Dv), sel.ao16 = bf16buf(N * H * Dv), sel.lse = f32buf(N * H);
+  if (any_act) {
+    sel.eact16 = bf16buf(Rmax * Fe);
+    if (Fs > 0) sel.act16 = bf16buf(N * Fs);
+  }
+  for (auto& L : layers) {
+    if (!(L.sel_norm || L.sel_attn || L.sel_act)) continue;
+    LayerBufs& b = *L.bufs;  // owned by this layer (full recompute is a different mode)
+    if (L.sel_norm) b.h1_16 = sel.h1_16, b.h2 = sel.h2, b.h2_16 = sel.h2_16;
+    if (L.sel_attn) b.ao = sel.ao, b.ao16 = sel.ao16, b.lse = sel.lse;
+    if (L.sel_act) {
+      b.eact16 = sel.eact16;
+      if (Fs > 0) b.act16 = sel.act16;
+    }
+  }
   for (auto& L : layers) {
     if (!L.moe) continue;
-    L.bias = f32buf(E, MemCategory::Optimizer);
+    L.bias = f32buf(E, MemCategory::Params);
     L.count_acc.assign(size_t(E), 0);
     size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, E, d, 2 * Fe);
     size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, E, d, 2 * Fe);
@@ -419,16 +453,16 @@ void Model::update_expert_bias(const std::vector<std::vector<int64_t>>& counts) 
 // attention
 
 void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
+  {
+  MT_TRACE("fwd.attn.proj");
   const int64_t B = m.B_, T = m.T_;
   const bf16* h16 = b.h1_16.data<bf16>();
-  AttnDims ad = attn_dims();
   const float* cs = rope_cos.data<float>();
   const float* sn = rope_sin.data<float>();
   if (s.attn.type != AttnType::MLA) {
     float* qkv = b.qkv.data<float>();
     lin_fwd(qkv, h16, W(L.wqkv), N, d, Wqkv);
     rope_forward(qkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);  // q heads then k heads are adjacent
-    attention_forward(b.ao.data<float>(), b.lse.data<float>(), qkv, qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
   } else {
     float* q = b.q.data<float>();
     if (rq > 0) {
@@ -455,7 +489,21 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
         std::memcpy(k + (t * H + h) * Dqk, kv + (t * H + h) * (dn + Dv), size_t(dn) * 4);
         std::memcpy(k + (t * H + h) * Dqk + dn, kpe + t * dr, size_t(dr) * 4);
       }
-    attention_forward(b.ao.data<float>(), b.lse.data<float>(), q, k, kv + dn, ad, wsp());
+  }
+  }
+  attn_core(b);
+}
+
+// softmax(q k^T) v and its bf16 copy for the output projection (what attention_core recompute redoes).
+void Model::Impl::attn_core(LayerBufs& b) {
+  MT_TRACE("fwd.attn.core");
+  AttnDims ad = attn_dims();
+  if (s.attn.type != AttnType::MLA) {
+    const float* qkv = b.qkv.data<float>();
+    attention_forward(b.ao.data<float>(), b.lse.data<float>(), qkv, qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+  } else {
+    attention_forward(b.ao.data<float>(), b.lse.data<float>(), b.q.data<float>(), b.k.data<float>(),
+                      b.kv.data<float>() + dn, ad, wsp());
   }
   f32_to_bf16(b.ao16.data<bf16>(), b.ao.data<float>(), N * H * Dv);
 }
@@ -469,14 +517,21 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
   AttnDims ad = attn_dims();
   const float* cs = rope_cos.data<float>();
   const float* sn = rope_sin.data<float>();
-  lin_wgrad(G(L.wo), b.ao16.data<bf16>(), do16, N, H * Dv, d);
   float* dao = s_dao.data<float>();
-  lin_dgrad(dao, do16, W(L.wo), N, H * Dv, d);
+  {
+    MT_TRACE("bwd.attn.out_proj");
+    lin_wgrad(G(L.wo), b.ao16.data<bf16>(), do16, N, H * Dv, d);
+    lin_dgrad(dao, do16, W(L.wo), N, H * Dv, d);
+  }
   if (s.attn.type != AttnType::MLA) {
     const float* qkv = b.qkv.data<float>();
     float* dqkv = s_f1.data<float>();
+    {
+    MT_TRACE("bwd.attn.core");
     attention_backward(dqkv, dqkv + H * hd, dqkv + (H + Hkv) * hd, dao, b.ao.data<float>(), b.lse.data<float>(), qkv,
                        qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+    }
+    MT_TRACE("bwd.attn.proj");
     rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
     bf16* dqkv16 = s_b1.data<bf16>();
     f32_to_bf16(dqkv16, dqkv, N * Wqkv);
@@ -491,8 +546,12 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
   const float* q = b.q.data<float>();
   const float* kv = b.kv.data<float>();
   // dv lands directly in its slot of dkv (same strides as v); dk_nope is copied next to it afterwards.
+  {
+  MT_TRACE("bwd.attn.core");
   attention_backward(dq, dk, dkv + dn, dao, b.ao.data<float>(), b.lse.data<float>(), q, b.k.data<float>(), kv + dn,
                      ad, wsp());
+  }
+  MT_TRACE("bwd.attn.proj");
   float* dkpe = m_dkpe.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
@@ -544,6 +603,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   const bf16* h16 = b.h2_16.data<bf16>();
   float* hact = s_f3.data<float>();  // fp32 activation output (unused beyond the bf16 copy)
   if (!L.moe) {
+    MT_TRACE("fwd.mlp");
     lin_fwd(b.gu.data<float>(), h16, W(L.w13), N, d, 2 * F);
     swiglu_forward(hact, b.act16.data<bf16>(), b.gu.data<float>(), N, F);
     lin_fwd(y, b.act16.data<bf16>(), W(L.w2), N, F, d);
@@ -551,6 +611,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   }
   // router (fp32 gate GEMM: routing decisions are sensitive to rounding)
   float* logits = b.logits.data<float>();
+  trace::Scope tr_router("fwd.router");
   gemm_f32(Trans::N, Trans::N, N, E, d, 1.0f, b.h2.data<float>(), d, P(L.gate), E, 0.0f, logits, E);
   RouterLosses rl;
   const float* bias = s.moe.load_balance == LoadBalance::AuxFree ? L.bias.data<float>() : nullptr;
@@ -562,7 +623,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
     for (int64_t e = 0; e < E; ++e) L.count_acc[e] += counts[e];
   }
   int32_t* off = b.offsets.data<int32_t>();
-  int64_t dropped = moe_permute_plan(off, b.row_of.data<int32_t>(), b.token_of.data<int32_t>(), nullptr, idx, counts, N,
+  int64_t dropped = moe_permute_plan(off, b.row_of.data<int32_t>(), b.token_of.data<int32_t>(), b.slot_of.data<int32_t>(), idx, counts, N,
                                    int(K), int(E), s.moe.capacity_factor);
   if (!recomputing) last_dropped += dropped;
   int32_t* kept = b.kept.data<int32_t>();
@@ -570,12 +631,22 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   const int64_t R = off[E];
   b.R = R;
   bf16* xp16 = b.xp16.data<bf16>();
-  moe_permute(xp16, b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
-  grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, E, R, d, 2 * Fe, wsp());
+  {
+    MT_TRACE("fwd.permute");
+    moe_permute(xp16, b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
+  }
+  {
+  MT_TRACE("fwd.experts");
+  grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, E, R, d, 2 * Fe, wsp(), ws_bytes);
   swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
-  grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, E, R, Fe, d, wsp());
+  grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, E, R, Fe, d, wsp(), ws_bytes);
+  }
+  {
+  MT_TRACE("fwd.combine");
   moe_unpermute(y, b.ez.data<float>(), b.row_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
+  }
   if (Fs > 0) {
+    MT_TRACE("fwd.shared");
     lin_fwd(b.gu.data<float>(), h16, W(L.ws13), N, d, 2 * Fs);
     swiglu_forward(hact, b.act16.data<bf16>(), b.gu.data<float>(), N, Fs);
     lin_fwd(y, b.act16.data<bf16>(), W(L.ws2), N, Fs, d, true);
@@ -588,6 +659,7 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   bf16* d16 = dy16.data<bf16>();
   f32_to_bf16(d16, dy, N * d);
   auto dense_bwd = [&](int w13, int w2, int64_t Fw, bool acc) {
+    MT_TRACE("bwd.mlp");
     lin_wgrad(G(w2), b.act16.data<bf16>(), d16, N, Fw, d);
     float* dact = s_f1.data<float>();
     lin_dgrad(dact, d16, W(w2), N, Fw, d);
@@ -608,19 +680,30 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   // combine backward -> gradient of expert outputs (bf16 for the GEMMs) and of the routing weights
   bf16* dz16 = s_b2.data<bf16>();
   float* dtw = dtopk_w.data<float>();
-  moe_unpermute_backward(dz16, dtw, dy, b.ez.data<float>(), row_of, b.topk_w.data<float>(), N, int(K), R, d);
-  grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, E, R, Fe, d, true, wsp());
+  {
+  MT_TRACE("bwd.combine");
+  moe_unpermute_backward(dz16, dtw, dy, b.ez.data<float>(), row_of, b.token_of.data<int32_t>(),
+                         b.slot_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
+  }
+  float* dxp = s_f1.data<float>();
+  {
+  MT_TRACE("bwd.experts");
+  grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, E, R, Fe, d, true, wsp(), ws_bytes);
   float* deact = s_f1.data<float>();
-  grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, E, R, Fe, d, wsp());
+  grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, E, R, Fe, d, wsp(), ws_bytes);
   float* degu = s_f2.data<float>();
   swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
   bf16* degu16 = s_b1.data<bf16>();
   f32_to_bf16(degu16, degu, R * 2 * Fe);
-  grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, E, R, d, 2 * Fe, true, wsp());
-  float* dxp = s_f1.data<float>();
-  grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, E, R, d, 2 * Fe, wsp());
-  moe_permute_backward(dh2out, dxp, row_of, N, int(K), R, d);
+  grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, E, R, d, 2 * Fe, true, wsp(), ws_bytes);
+  grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, E, R, d, 2 * Fe, wsp(), ws_bytes);
+  }
+  {
+    MT_TRACE("bwd.permute");
+    moe_permute_backward(dh2out, dxp, row_of, N, int(K), R, d);
+  }
   // router
+  trace::Scope tr_router("bwd.router");
   RouterConfig rc = rcfg;
   rc.aux_coef *= aux_scale;
   rc.z_coef *= aux_scale;
@@ -628,8 +711,8 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   router_backward(dlg, dtw, b.scores.data<float>(), b.topk_idx.data<int32_t>(), b.logits.data<float>(), rc, N, wsp());
   gemm_f32(Trans::T, Trans::N, d, E, N, 1.0f, b.h2.data<float>(), d, dlg, E, 1.0f, G(L.gate), E);
   gemm_f32(Trans::N, Trans::T, N, d, E, 1.0f, dlg, E, P(L.gate), E, 1.0f, dh2out, d);
+  tr_router.stop();
   if (Fs > 0) {
-    f32_to_bf16(d16, dy, N * d);  // dy16 was not overwritten, but keep the contract explicit
     dense_bwd(L.ws13, L.ws2, Fs, true);
   }
 }
@@ -640,26 +723,62 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
 void Model::Impl::forward_layer(Layer& L, const float* xin, float* xout) {
   LayerBufs& b = *L.bufs;
   const float eps = float(s.norm_eps);
-  rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), xin, P(L.attn_norm), N, d, eps);
+  {
+    MT_TRACE("fwd.norm");
+    rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), xin, P(L.attn_norm), N, d, eps);
+  }
   attn_forward(L, b);
   float* xm = b.x_mid.data<float>();
-  lin_fwd(xm, b.ao16.data<bf16>(), W(L.wo), N, H * Dv, d);
-  add_inplace(xm, xin, N * d);
-  rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d, eps);
+  {
+    MT_TRACE("fwd.attn.out_proj");
+    lin_fwd(xm, b.ao16.data<bf16>(), W(L.wo), N, H * Dv, d);
+    add_inplace(xm, xin, N * d);
+  }
+  {
+    MT_TRACE("fwd.norm");
+    rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d, eps);
+  }
   ffn_forward(L, b, xout);
   add_inplace(xout, xm, N * d);
+}
+
+void Model::Impl::recompute_selected_ffn(Layer& L, LayerBufs& b) {
+  if (!L.sel_norm && !L.sel_act) return;
+  auto t0 = std::chrono::steady_clock::now();
+  if (L.sel_norm)
+    rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), b.x_mid.data<float>(),
+                    P(L.ffn_norm), N, d, float(s.norm_eps));
+  if (L.sel_act) {
+    swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), b.R, Fe);
+    if (Fs > 0) swiglu_forward(s_f1.data<float>(), b.act16.data<bf16>(), b.gu.data<float>(), N, Fs);
+  }
+  m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Model::Impl::recompute_selected_attn(Layer& L, LayerBufs& b) {
+  if (!L.sel_norm && !L.sel_attn) return;
+  auto t0 = std::chrono::steady_clock::now();
+  if (L.sel_norm)
+    rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), L.x_in.data<float>(),
+                    P(L.attn_norm), N, d, float(s.norm_eps));
+  if (L.sel_attn) attn_core(b);
+  m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void Model::Impl::backward_layer(Layer& L, float* g) {
   LayerBufs& b = *L.bufs;
   // FFN branch: g is the gradient w.r.t. x_out = x_mid + ffn(norm(x_mid)).
   float* dffn = dh.data<float>();
+  recompute_selected_ffn(L, b);
   ffn_backward(L, b, g, dffn, cur_aux_scale);
   float* dxm = dh2.data<float>();
+  trace::Scope tr_norm("bwd.norm");
   rmsnorm_backward(dxm, G(L.ffn_norm), dffn, b.x_mid.data<float>(), P(L.ffn_norm), b.rstd2.data<float>(), N, d, wsp());
   add_inplace(g, dxm, N * d);  // g is now d x_mid
+  tr_norm.stop();
   // attention branch
   f32_to_bf16(dy16.data<bf16>(), g, N * d);
+  recompute_selected_attn(L, b);
   attn_backward(L, b, dffn);
   rmsnorm_backward(dxm, G(L.attn_norm), dffn, L.x_in.data<float>(), P(L.attn_norm), b.rstd1.data<float>(), N, d,
                    wsp());
@@ -689,6 +808,7 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
   ForwardStats st;
   for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
   const int64_t chunk = linear_xent_default_chunk(V);
+  trace::Scope tr_loss("loss.fused_linear_xent");
   if (!backward) {
     st.ce_sum = linear_xent_fwd_bf16(nullptr, hf16.data<bf16>(), W(head), targets, N, d, V, 1.0f, chunk, wsp());
   } else {
@@ -698,11 +818,16 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
     double scaled = linear_xent_fwd_bwd_bf16(dhf, G(head), hf16.data<bf16>(), W(head), targets, N, d, V, ce_scale,
                                              chunk, wsp());
     st.ce_sum = ce_scale != 0 ? scaled / ce_scale : 0;
+    tr_loss.stop();
+    {
+    MT_TRACE("bwd.norm");
     rmsnorm_backward(g, G(final_norm), dhf, xf.data<float>(), P(final_norm), rstdf.data<float>(), N, d, wsp());
+    }
     for (int64_t l = int64_t(layers.size()) - 1; l >= 0; --l) {
       Layer& L = layers[l];
       if (L.recompute) {
         auto t0 = std::chrono::steady_clock::now();
+        MT_TRACE("recompute.layer");
         recomputing = true;
         forward_layer(L, L.x_in.data<float>(), recompute_out.data<float>());
         recomputing = false;
@@ -711,6 +836,7 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
       backward_layer(L, g);
     }
     // embedding gradient: rows in token order (deterministic)
+    MT_TRACE("bwd.embed");
     float* gE = G(emb);
     for (int64_t t = 0; t < N; ++t) {
       float* dst = gE + int64_t(tokens[t]) * d;

@@ -21,6 +21,7 @@
 #include "moetron/rng.h"
 #include "moetron/router.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -257,7 +258,8 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
                 (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops);
 
   mt.reset_peaks();
-  std::vector<const float*> gptr;
+  const bool profiling = opt.profile || !opt.trace_path.empty();
+  trace::reset();
   AdamWConfig ac;
   ac.beta1 = float(cfg.optimizer.beta1), ac.beta2 = float(cfg.optimizer.beta2), ac.eps = float(cfg.optimizer.eps);
   ac.weight_decay = float(cfg.optimizer.weight_decay);
@@ -267,6 +269,8 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   int64_t window_tok = 0;
   std::vector<int64_t> load_sum;
   while (step < tr.steps) {
+    // The first step warms caches and oneDNN primitives: it is not profiled.
+    trace::enable(profiling && step > res.start_step);
     auto t0 = std::chrono::steady_clock::now();
     ++step;
     model.zero_grads();
@@ -274,10 +278,14 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     int64_t ce_n = 0;
     const float ce_scale = float(1.0 / double(G * T));
     for (int64_t mb = 0; mb < micro; ++mb) {
-      src->next(in.data(), tg.data());
+      {
+        MT_TRACE("data");
+        src->next(in.data(), tg.data());
+      }
       ForwardStats fs_ = model.forward_backward(in.data(), tg.data(), ce_scale, float(1.0 / double(micro)));
       ce += fs_.ce_sum, ce_n += fs_.ce_count, aux += fs_.aux_loss / double(micro);
     }
+    trace::Scope tr_opt("optimizer");
     double gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
@@ -286,7 +294,12 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
                  model.grad_data() + p.offset, p.numel, ac, step, clip, p.decay);
     auto counts = model.take_expert_counts();
     model.update_expert_bias(counts);
-    model.sync_weights();
+    tr_opt.stop();
+    {
+      MT_TRACE("sync_weights");
+      model.sync_weights();
+    }
+    trace::enable(false);
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     time_total += dt, tokens_total += G * T, window_t += dt, window_tok += G * T;
 
@@ -355,13 +368,30 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   res.tflops = res.tokens_per_s * fpt.train * 1e-12;
   res.mfu = res.tflops * 1e3 / res.peak_gflops;
   res.mem_peak_bytes = mt.total_peak();
+  res.act_peak_bytes = mt.peak(MemCategory::Activations);
   res.recompute_seconds = model.recompute_seconds();
+  if (profiling) {
+    double tot = 0;
+    for (auto& t : trace::totals()) {
+      res.op_seconds.push_back({t.name, t.seconds});
+      if (t.name != "recompute.layer") tot += t.seconds;
+    }
+    if (!opt.trace_path.empty()) trace::write_chrome_trace(opt.trace_path, 0);
+    if (say) {
+      std::printf("\nper-op time over steps %lld..%lld (first step excluded; recompute.layer contains fwd.*):\n",
+                  (long long)res.start_step + 2, (long long)res.end_step);
+      for (auto& [n, sec] : res.op_seconds)
+        std::printf("  %-22s %8.3f s  %5.1f%%\n", n.c_str(), sec, tot > 0 ? 100 * sec / tot : 0.0);
+      if (!opt.trace_path.empty()) std::printf("chrome trace: %s\n", opt.trace_path.c_str());
+    }
+  }
   if (say) {
     std::printf("\nsummary: steps %lld..%lld  final loss %.4f  val loss %s  %.0f tokens/s  %.3f TFLOPS  MFU %.1f%% "
-                "(of %.0f GFLOPS bf16 measured)\n",
+                "(of %.0f GFLOPS bf16 %s)\n",
                 (long long)res.start_step, (long long)res.end_step, res.final_loss,
                 res.final_val_loss >= 0 ? std::to_string(res.final_val_loss).c_str() : "n/a", res.tokens_per_s,
-                res.tflops, res.mfu * 100, res.peak_gflops);
+                res.tflops, res.mfu * 100, res.peak_gflops,
+                cfg.metrics.peak_tflops > 0 ? "stated in [metrics] peak_tflops" : "measured at start-up");
     auto snap = mt.snapshot();
     std::printf("memory peak %s:", human_bytes(snap.total_peak).c_str());
     for (int c = 0; c < kNumMemCategories; ++c)

@@ -6,7 +6,9 @@
 //       with the bounds below; elements of the buffers outside the q/k/v/out views untouched; bitwise equal
 //       results with 1 and 2 threads and with a caller-provided workspace.
 // grad: the fp64 reference backward against central finite differences of sum(out * R) w.r.t. q, k, v.
-// Tolerances: first-order rounding-error bounds (u = 2^-24), evaluated in fp64 from the data and doubled
+// Tolerances: (1) rms(err) <= 2u sqrt(Dqk + Dv + T) rms(want), the random-walk size of the rounding errors of
+// the dot products and sums involved (observed 0.3 - 0.8 of u sqrt(Dqk + Dv + T)); (2) element by element,
+// first-order rounding-error bounds (u = 2^-24), evaluated in fp64 from the data and doubled
 // for the second-order terms left out:
 //   score s = scale q.k:   eS = scale (Dqk + 2) u sum_e |q_e k_e|
 //   p = 2^(s log2e - m):   relative eP = eS + 4u (|s| + |m|) + 4u   (argument rounding, ~2 ulp exp2)
@@ -34,6 +36,7 @@ constexpr double kU = 5.9604644775390625e-08;  // 2^-24
 struct Spec {
   std::string variant;
   AttnDims d{};
+  float qscale = 2.0f;  // q ~ N(0, qscale^2): scores of spread ~qscale (peaked and flat rows both occur)
   int64_t in_size = 0, qoff = 0, koff = 0, voff = 0, out_size = 0;
 };
 
@@ -170,22 +173,27 @@ Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vec
 }
 
 // |got - want| <= bound at the listed positions.
+// Also, statistically: rms(err) <= rms_rel * rms(want) + 0.1 rms(bound) (the floor for outputs that
+// vanish by cancellation, where only the element-wise bound means something).
 void check_at(Report& r, const std::string& what, const std::vector<int64_t>& idx, const float* got,
-              const double* want, const double* bound) {
+              const double* want, const double* bound, double rms_rel) {
   int64_t bad = 0, wi = -1;
-  double worst = -1;
+  double worst = -1, se = 0, sw = 0, sb = 0;
   for (int64_t i : idx) {
     const double e = std::fabs(double(got[i]) - want[i]), ratio = e == 0 ? 0 : e / (bound[i] + 1e-300);
+    se += e * e, sw += want[i] * want[i], sb += bound[i] * bound[i];
     if (!(ratio <= 1)) ++bad;
     if (!(ratio <= worst)) worst = ratio, wi = i;
   }
   std::ostringstream os;
-  os << what << ": n=" << idx.size() << " element-wise bound";
+  const bool rms_ok = std::sqrt(se) <= rms_rel * std::sqrt(sw) + 0.1 * std::sqrt(sb);
+  os << what << ": n=" << idx.size() << " rms(err)/rms(want)=" << std::sqrt(se / (sw + 1e-300)) / kU << "u (limit "
+     << rms_rel / kU << "u" << (rms_ok ? "" : " EXCEEDED") << "), element-wise bound";
   if (wi >= 0)
     os << ", worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", " << worst << "x of bound "
        << bound[wi] << ")";
   if (bad) os << " violations=" << bad;
-  r.check(bad == 0, os.str());
+  r.check(bad == 0 && rms_ok, os.str());
 }
 
 struct AttnCase : OpCase {
@@ -212,7 +220,7 @@ struct AttnCase : OpCase {
   }
   std::vector<float> make_in() const {
     auto x = randn(s.in_size, 41);
-    for (int64_t i : qi) x[i] *= 2.0f;  // scores of spread ~2: peaked and flat rows both occur
+    for (int64_t i : qi) x[i] *= s.qscale;
     return x;
   }
 
@@ -248,13 +256,14 @@ struct AttnCase : OpCase {
                                    doutd.data(), outd.data(), ind.data() + s.qoff, ind.data() + s.koff,
                                    ind.data() + s.voff, d);
     Bounds bd = error_bounds(s, ind, doutd, outd);
-    check_at(r, "out", oi, res.out.data(), out_ref.data(), bd.out.data());
+    const double rr = 2 * kU * std::sqrt(double(d.Dqk + d.Dv + d.T));
+    check_at(r, "out", oi, res.out.data(), out_ref.data(), bd.out.data(), rr);
     std::vector<int64_t> li(lse_ref.size());
     for (size_t i = 0; i < li.size(); ++i) li[i] = int64_t(i);
-    check_at(r, "lse", li, res.lse.data(), lse_ref.data(), bd.lse.data());
-    check_at(r, "dq", qi, res.din.data(), din_ref.data(), bd.din.data());
-    check_at(r, "dk", ki, res.din.data(), din_ref.data(), bd.din.data());
-    check_at(r, "dv", vi, res.din.data(), din_ref.data(), bd.din.data());
+    check_at(r, "lse", li, res.lse.data(), lse_ref.data(), bd.lse.data(), rr);
+    check_at(r, "dq", qi, res.din.data(), din_ref.data(), bd.din.data(), rr);
+    check_at(r, "dk", ki, res.din.data(), din_ref.data(), bd.din.data(), rr);
+    check_at(r, "dv", vi, res.din.data(), din_ref.data(), bd.din.data(), rr);
     int64_t touched = 0;
     for (int64_t i = 0; i < s.out_size; ++i) touched += !out_owned[i] && res.out[i] != 12345.0f;
     for (int64_t i = 0; i < s.in_size; ++i) touched += !in_owned[i] && res.din[i] != 777.0f;
@@ -278,7 +287,9 @@ struct AttnCase : OpCase {
     fwd();
     attention_backward_ref<double>(din.data() + s.qoff, din.data() + s.koff, din.data() + s.voff, R.data(), out.data(),
                                    in.data() + s.qoff, in.data() + s.koff, in.data() + s.voff, d);
-    const int checks = d.T > 128 ? 6 : 48;
+    // Each loss evaluation is a full fp64 reference forward: check fewer coordinates on the big shapes.
+    const double cost = double(d.B * d.Hq) * double(d.T) * double(d.T) * double(d.Dqk + d.Dv);
+    const int checks = cost > 1e8 ? 3 : cost > 4e6 ? 8 : 48;
     for (auto [what, idx] : {std::pair{"dq", &qi}, std::pair{"dk", &ki}, std::pair{"dv", &vi}}) {
       // Perturb a compact copy of one view; the loss scatters it back into the buffer.
       std::vector<double> x(idx->size()), dx(idx->size());
@@ -343,6 +354,10 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
   add(mla("mla_dn16_dr8_dv16_T72", 1, 72, 3, 16, 8, 16));
   add(mla("mla_v3_dims_H1_T64", 1, 64, 1, 128, 64, 128));
   add(separate("long_T1024_Hq2_Hkv1_D32", 1, 1024, 2, 1, 32, 32));
+  add(separate("tiny_dims_Dqk1_Dv3_T65", 2, 65, 2, 1, 1, 3));
+  Spec peaked = separate("peaked_scores_T64_x20", 1, 64, 2, 2, 16, 16);
+  peaked.qscale = 20.0f;  // scores spread ~20: most probabilities underflow, exercises the max tracking
+  add(peaked);
   v.push_back(std::make_unique<AttnChecks>());
   return v;
 }

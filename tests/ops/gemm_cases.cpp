@@ -95,7 +95,8 @@ struct GemmCase : OpCase {
       }
     std::ostringstream os;
     os << "n=" << M * N;
-    if (wi >= 0) os << " worst " << worst << "x of bound at " << wi << " (got " << C[wi] << ", want " << Cref[wi] << ")";
+    if (wi >= 0)
+      os << " worst " << worst << "x of bound at " << wi << " (got " << C[wi] << ", want " << Cref[wi] << ")";
     if (bad) os << " violations=" << bad;
     r.check(bad == 0, "C vs gemm_ref<double> (gamma_K bound)", os.str());
     r.check(pad_touched == 0, "padding columns of C untouched", std::to_string(pad_touched) + " changed");

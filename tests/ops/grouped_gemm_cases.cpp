@@ -19,6 +19,7 @@
 #include "moetron/check.h"
 #include "moetron/grouped_gemm.h"
 #include "moetron/rng.h"
+#include "moetron/runtime.h"
 
 namespace moetron::ops {
 namespace {
@@ -51,8 +52,8 @@ void compare_bound(Report& r, const std::string& what, const float* got, const d
   std::ostringstream os;
   os << "n=" << n;
   if (wi >= 0)
-    os << " worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", bound " << bound[wi] << ", "
-       << worst << "x of bound)";
+    os << " worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", bound " << bound[wi] << ", " << worst
+       << "x of bound)";
   if (bad) os << " violations=" << bad;
   r.check(bad == 0, what, os.str());
 }
@@ -99,15 +100,18 @@ struct GroupedCase : OpCase {
     flops = 2.0 * double(M) * double(K) * double(N);
   }
 
-  size_t ws_bytes(GroupedOp op) const { return grouped_gemm_workspace_bytes(op, prec, E, M, K, N); }
+  size_t ws_bytes(GroupedOp op, int threads = 0) const {
+    return grouped_gemm_workspace_bytes(op, prec, E, M, K, N, threads);
+  }
 
   // Runs the three optimized ops at the current thread count.
   struct Out {
     std::vector<float> Y, dX, dW, dWacc;
     std::vector<bf16> Yb, dXb;
   };
+  // ws_threads > 0: workspace sized for that many threads (fewer slots than threads is allowed).
   Out run(const std::vector<float>& X, const std::vector<float>& W, const std::vector<float>& dY,
-          const std::vector<float>& dW0) const {
+          const std::vector<float>& dW0, int ws_threads = 0) const {
     Out o;
     o.Y.assign(M * N, NAN);
     o.dX.assign(M * K, NAN);
@@ -119,18 +123,20 @@ struct GroupedCase : OpCase {
     Buf pd(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, E, K, N));
     auto Wf = grouped_pack_weights(pf.p, W.data(), E, K, N, prec, GroupedPackKind::Fwd);
     auto Wd = grouped_pack_weights(pd.p, W.data(), E, K, N, prec, GroupedPackKind::Dgrad);
-    Buf wsf(ws_bytes(GroupedOp::Fwd)), wsd(ws_bytes(GroupedOp::Dgrad)), wsw(ws_bytes(GroupedOp::Wgrad));
+    const size_t nf = ws_bytes(GroupedOp::Fwd, ws_threads), nd = ws_bytes(GroupedOp::Dgrad, ws_threads),
+                 nw = ws_bytes(GroupedOp::Wgrad, ws_threads);
+    Buf wsf(nf), wsd(nd), wsw(nw);
     if (prec == GemmPrec::BF16) {
       auto Xb = to_bf16_vec(X), dYb = to_bf16_vec(dY);
-      grouped_gemm_fwd(o.Y.data(), o.Yb.data(), Xb.data(), Wf, counts.data(), E, M, K, N, wsf.p);
-      grouped_gemm_dgrad(o.dX.data(), o.dXb.data(), dYb.data(), Wd, counts.data(), E, M, K, N, wsd.p);
-      grouped_gemm_wgrad(o.dW.data(), Xb.data(), dYb.data(), counts.data(), E, M, K, N, false, wsw.p);
-      grouped_gemm_wgrad(o.dWacc.data(), Xb.data(), dYb.data(), counts.data(), E, M, K, N, true, wsw.p);
+      grouped_gemm_fwd(o.Y.data(), o.Yb.data(), Xb.data(), Wf, counts.data(), E, M, K, N, wsf.p, nf);
+      grouped_gemm_dgrad(o.dX.data(), o.dXb.data(), dYb.data(), Wd, counts.data(), E, M, K, N, wsd.p, nd);
+      grouped_gemm_wgrad(o.dW.data(), Xb.data(), dYb.data(), counts.data(), E, M, K, N, false, wsw.p, nw);
+      grouped_gemm_wgrad(o.dWacc.data(), Xb.data(), dYb.data(), counts.data(), E, M, K, N, true, wsw.p, nw);
     } else {
-      grouped_gemm_fwd(o.Y.data(), X.data(), Wf, counts.data(), E, M, K, N, wsf.p);
-      grouped_gemm_dgrad(o.dX.data(), dY.data(), Wd, counts.data(), E, M, K, N, wsd.p);
-      grouped_gemm_wgrad(o.dW.data(), X.data(), dY.data(), counts.data(), E, M, K, N, false, wsw.p);
-      grouped_gemm_wgrad(o.dWacc.data(), X.data(), dY.data(), counts.data(), E, M, K, N, true, wsw.p);
+      grouped_gemm_fwd(o.Y.data(), X.data(), Wf, counts.data(), E, M, K, N, wsf.p, nf);
+      grouped_gemm_dgrad(o.dX.data(), dY.data(), Wd, counts.data(), E, M, K, N, wsd.p, nd);
+      grouped_gemm_wgrad(o.dW.data(), X.data(), dY.data(), counts.data(), E, M, K, N, false, wsw.p, nw);
+      grouped_gemm_wgrad(o.dWacc.data(), X.data(), dY.data(), counts.data(), E, M, K, N, true, wsw.p, nw);
     }
     return o;
   }
@@ -186,15 +192,29 @@ struct GroupedCase : OpCase {
     // Bitwise independence of the thread count.
     const int nt0 = omp_get_max_threads();
     bool same = true;
-    for (int nt : {1, 3}) {
-      omp_set_num_threads(nt);
-      Out p = run(X, W, dY, dW0);
+    for (int nt : {1, 3, -1}) {  // -1: default threads, workspace with a single slot
+      omp_set_num_threads(nt > 0 ? nt : nt0);
+      Out p = run(X, W, dY, dW0, nt > 0 ? 0 : 1);
       same = same && bitwise_equal(o.Y, p.Y) && bitwise_equal(o.dX, p.dX) && bitwise_equal(o.dW, p.dW) &&
              bitwise_equal(o.dWacc, p.dWacc);
     }
     omp_set_num_threads(nt0);
-    r.check(same, "bitwise identical with 1, 3 and " + std::to_string(nt0) + " threads");
+    r.check(same, "bitwise identical with 1, 3 and " + std::to_string(nt0) + " threads, and a 1-slot workspace");
     if (bad_inputs) check_bad_inputs(r, X, W);
+    // Packed weights are bitwise the same whichever ISA packs them (RNE as to_bf16 everywhere).
+    bool pack_same = true;
+    for (GroupedPackKind kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad}) {
+      const size_t nb = grouped_packed_bytes(kind, prec, E, K, N);
+      Buf a(nb), b(nb);
+      std::memset(a.p, 0xab, nb), std::memset(b.p, 0xcd, nb);
+      grouped_pack_weights(a.p, W.data(), E, K, N, prec, kind);
+      const Isa isa = active_isa();
+      set_isa_override(Isa::Scalar);
+      grouped_pack_weights(b.p, W.data(), E, K, N, prec, kind);
+      set_isa_override(isa);
+      pack_same = pack_same && std::memcmp(a.p, b.p, nb) == 0;
+    }
+    r.check(pack_same, "packed weights identical to the scalar packer");
   }
 
   // fp32 variant only (uses the fp32 overloads).
@@ -212,7 +232,8 @@ struct GroupedCase : OpCase {
     Buf pd(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, E, K, N));
     auto Wf = grouped_pack_weights(pf.p, W.data(), E, K, N, prec, GroupedPackKind::Fwd);
     auto Wd = grouped_pack_weights(pd.p, W.data(), E, K, N, prec, GroupedPackKind::Dgrad);
-    Buf ws(ws_bytes(GroupedOp::Wgrad));
+    const size_t nws = ws_bytes(GroupedOp::Wgrad);
+    Buf ws(nws);
     std::vector<float> Y(M * N + N), dWv(E * K * N);
     std::vector<float> Xf = X;
     Xf.resize(M * K + K);
@@ -220,20 +241,23 @@ struct GroupedCase : OpCase {
     neg[1] += neg[0] + 1, neg[0] = -1;  // still sums to M
     auto more = counts;
     more[0] += 1;  // sums to M + 1
-    throws("negative count", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, neg.data(), E, M, K, N, ws.p); });
-    throws("counts sum != M", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, more.data(), E, M, K, N, ws.p); });
+    throws("negative count", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, neg.data(), E, M, K, N, ws.p, nws); });
+    throws("counts sum != M", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, more.data(), E, M, K, N, ws.p, nws); });
     throws("wgrad counts sum != M",
-           [&] { grouped_gemm_wgrad(dWv.data(), Xf.data(), Y.data(), more.data(), E, M, K, N, false, ws.p); });
+           [&] { grouped_gemm_wgrad(dWv.data(), Xf.data(), Y.data(), more.data(), E, M, K, N, false, ws.p, nws); });
     throws("dgrad with Fwd-packed weights",
-           [&] { grouped_gemm_dgrad(Xf.data(), Y.data(), Wf, counts.data(), E, M, K, N, ws.p); });
+           [&] { grouped_gemm_dgrad(Xf.data(), Y.data(), Wf, counts.data(), E, M, K, N, ws.p, nws); });
     throws("fwd with Dgrad-packed weights",
-           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wd, counts.data(), E, M, K, N, ws.p); });
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wd, counts.data(), E, M, K, N, ws.p, nws); });
     throws("packed shape mismatch",
-           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N + 1, ws.p); });
-    throws("null workspace", [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, nullptr); });
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N + 1, ws.p, nws); });
+    throws("null workspace",
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, nullptr, nws); });
+    throws("workspace too small",
+           [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, ws.p, 8); });
     std::vector<bf16> Xb(Xf.size()), Yb(Y.size());
     throws("bf16 inputs with fp32-packed weights",
-           [&] { grouped_gemm_fwd(Y.data(), nullptr, Xb.data(), Wf, counts.data(), E, M, K, N, ws.p); });
+           [&] { grouped_gemm_fwd(Y.data(), nullptr, Xb.data(), Wf, counts.data(), E, M, K, N, ws.p, nws); });
     throws("negative E", [&] { grouped_gemm_workspace_bytes(GroupedOp::Fwd, prec, -1, M, K, N); });
   }
 
@@ -281,19 +305,21 @@ struct GroupedCase : OpCase {
       pXb = to_bf16_vec(pX);
       pack = std::make_unique<Buf>(grouped_packed_bytes(GroupedPackKind::Fwd, prec, E, K, N));
       pW = grouped_pack_weights(pack->p, W.data(), E, K, N, prec, GroupedPackKind::Fwd);
-      pws = std::make_unique<Buf>(ws_bytes(GroupedOp::Fwd));
+      pws_bytes = ws_bytes(GroupedOp::Fwd);
+      pws = std::make_unique<Buf>(pws_bytes);
       perf_ready = true;
     }
     Y.resize(M * N);
     if (prec == GemmPrec::BF16)
-      grouped_gemm_fwd(Y.data(), nullptr, pXb.data(), pW, counts.data(), E, M, K, N, pws->p);
+      grouped_gemm_fwd(Y.data(), nullptr, pXb.data(), pW, counts.data(), E, M, K, N, pws->p, pws_bytes);
     else
-      grouped_gemm_fwd(Y.data(), pX.data(), pW, counts.data(), E, M, K, N, pws->p);
+      grouped_gemm_fwd(Y.data(), pX.data(), pW, counts.data(), E, M, K, N, pws->p, pws_bytes);
   }
   bool perf_ready = false;
   std::vector<float> pX;
   std::vector<bf16> pXb;
   std::unique_ptr<Buf> pack, pws;
+  size_t pws_bytes = 0;
   GroupedPackedWeights pW;
 };
 
@@ -326,10 +352,10 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
     add("skewed", {1, 0, 150, 2, 3, 0, 7}, 72, 80);  // one expert has two M tiles
     add("zero_groups", {0, 5, 0, 0, 9, 0}, 32, 40);
     add("all_empty", {0, 0, 0}, 16, 16);
-    add("single_expert", {37}, 17, 130);              // E = 1, odd K, two column panels + remainder
-    add("odd_shapes", {7, 13, 6}, 7, 33);             // odd K and N, masked tails
-    add("long_k", {50, 11, 1}, 301, 20);              // several K blocks, odd K
-    add("wide_n", {9, 20}, 24, 300);                  // several column tiles
+    add("single_expert", {37}, 17, 130);   // E = 1, odd K, two column panels + remainder
+    add("odd_shapes", {7, 13, 6}, 7, 33);  // odd K and N, masked tails
+    add("long_k", {50, 11, 1}, 301, 20);   // several K blocks, odd K
+    add("wide_n", {9, 20}, 24, 300);       // several column tiles
     add("skewed_many", skewed_counts(16, 400, 5), 40, 56);
   }
   return v;

@@ -4,8 +4,11 @@
 //         within the bound of a D-term fp32 dot product.
 //   grad: the references in fp64 vs central differences (the ops are linear / bilinear, so smooth).
 // Not a benchmark: bench/bench_router.cpp has the GB/s figures.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "harness.h"
 #include "moetron/check.h"
@@ -136,13 +139,13 @@ class PermuteCase : public OpCase {
     // then a fixed tree); the scalar path sums sequentially: D u * sum|dy yp|; we allow the larger.
     {
       std::vector<float> dyp(R * D, NAN), dyp_r(R * D, NAN), dw(N * k), dw_r(N * k);
-      moe_unpermute_backward(dyp.data(), dw.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N, sp_.k, R, D);
+      moe_unpermute_backward(dyp.data(), dw.data(), dy_.data(), yp_.data(), row_of_.data(), token_of_.data(), slot_of_.data(), w_.data(), N, sp_.k, R, D);
       moe_unpermute_backward_ref(dyp_r.data(), dw_r.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N,
                                  sp_.k, D);
       r.compare("unpermute_backward dyp", dyp.data(), dyp_r.data(), R * D, 0, 0);
       std::vector<bf16> dyb(R * D), dyb_r(R * D);
       std::vector<float> dw2(N * k);
-      moe_unpermute_backward(dyb.data(), dw2.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N, sp_.k, R, D);
+      moe_unpermute_backward(dyb.data(), dw2.data(), dy_.data(), yp_.data(), row_of_.data(), token_of_.data(), slot_of_.data(), w_.data(), N, sp_.k, R, D);
       moe_unpermute_backward_ref(dyb_r.data(), dw_r.data(), dy_.data(), yp_.data(), row_of_.data(), w_.data(), N,
                                  sp_.k, D);
       std::vector<float> a(R * D), b(R * D);
@@ -167,10 +170,32 @@ class PermuteCase : public OpCase {
       for (int64_t i = 0; i < N * k; ++i) zero_dropped &= row_of_[i] >= 0 || dw[i] == 0.0f;
       r.check(zero_dropped, "dw is 0 for dropped slots");
     }
+    // Determinism: bitwise the same outputs with 1 and 3 threads (uneven static splits).
+    if (R * D >= (int64_t(1) << 20)) {
+      const int saved = omp_get_max_threads();
+      auto run = [&](int threads, std::vector<float>& y, std::vector<float>& dx, std::vector<float>& dw) {
+        omp_set_num_threads(threads);
+        std::vector<float> dyp(R * D);
+        moe_unpermute(y.data(), yp_.data(), row_of_.data(), w_.data(), N, sp_.k, R, D);
+        moe_permute_backward(dx.data(), dxp_.data(), row_of_.data(), N, sp_.k, R, D);
+        moe_unpermute_backward(dyp.data(), dw.data(), dy_.data(), yp_.data(), row_of_.data(), token_of_.data(),
+                               slot_of_.data(), w_.data(), N, sp_.k, R, D);
+      };
+      std::vector<float> y1(N * D), y3(N * D), x1(N * D), x3(N * D), w1(N * k), w3(N * k);
+      run(1, y1, x1, w1);
+      run(3, y3, x3, w3);
+      omp_set_num_threads(saved);
+      r.check(std::memcmp(y1.data(), y3.data(), y1.size() * 4) == 0 && std::memcmp(x1.data(), x3.data(), x1.size() * 4) == 0 &&
+                  std::memcmp(w1.data(), w3.data(), w1.size() * 4) == 0,
+              "bitwise identical with 1 and 3 threads (y, dx, dw)");
+    }
   }
 
   void grad(Report& r) override {
     const int64_t N = sp_.N, k = sp_.k, D = sp_.D, R = R_;
+    // Each loss evaluation touches the whole buffer: few coordinates for the big shape (the small cases cover
+    // every code path; linear ops have no coordinate-dependent behaviour besides dropped rows).
+    const int checks = R * D > (int64_t(1) << 20) ? 6 : 48;
     // permute: loss = sum G . xp(x)
     {
       std::vector<double> x = to_f64(x_), G = to_f64(dxp_), xp(R * D), dx(N * D);
@@ -179,7 +204,7 @@ class PermuteCase : public OpCase {
         moe_permute_ref(xp.data(), x.data(), token_of_.data(), R, D);
         return dot(G.data(), xp.data(), R * D);
       };
-      r.fd_check("permute: dx", x.data(), N * D, dx.data(), loss, fd_eps, grad_tol);
+      r.fd_check("permute: dx", x.data(), N * D, dx.data(), loss, fd_eps, grad_tol, checks);
     }
     // unpermute: loss = sum H . y(yp, w)
     {
@@ -189,8 +214,8 @@ class PermuteCase : public OpCase {
         moe_unpermute_ref(y.data(), yp.data(), row_of_.data(), w.data(), N, sp_.k, D);
         return dot(H.data(), y.data(), N * D);
       };
-      r.fd_check("unpermute: dyp", yp.data(), R * D, dyp.data(), loss, fd_eps, grad_tol);
-      r.fd_check("unpermute: dw", w.data(), N * k, dw.data(), loss, fd_eps, grad_tol);
+      r.fd_check("unpermute: dyp", yp.data(), R * D, dyp.data(), loss, fd_eps, grad_tol, checks);
+      r.fd_check("unpermute: dw", w.data(), N * k, dw.data(), loss, fd_eps, grad_tol, checks);
     }
   }
 
@@ -250,6 +275,13 @@ class PermuteBadInput : public OpCase {
       std::vector<int32_t> r2 = row_of;
       r2[1] = int32_t(N * k);
       moe_unpermute(x.data(), xp.data(), r2.data(), w.data(), N, k, N * k, D);
+    });
+    expect_throw("slot_of out of range", [&] {
+      std::vector<int32_t> s2(N * k, 0), dyp(N * k * D);
+      s2[3] = k;
+      std::vector<float> dypf(N * k * D), dw(N * k);
+      moe_unpermute_backward(dypf.data(), dw.data(), x.data(), xp.data(), row_of.data(), token_of.data(), s2.data(),
+                             w.data(), N, k, N * k, D);
     });
     expect_throw("R > N*k", [&] { moe_permute_backward(x.data(), xp.data(), row_of.data(), N, k, N * k + 1, D); });
     expect_throw("k = 0", [&] { moe_unpermute(x.data(), xp.data(), row_of.data(), w.data(), N, 0, 0, D); });

@@ -122,6 +122,27 @@ TEST(Trainer, FullRecomputeGivesIdenticalLossAndSavesActivationMemory) {
   for (size_t i = 0; i < 3; ++i)
     EXPECT_EQ(std::memcmp(&a.history[i].loss, &b.history[i].loss, sizeof(double)), 0) << "step " << i + 1;
   EXPECT_GT(b.recompute_seconds, 0.0);
+  EXPECT_LT(b.act_peak_bytes, a.act_peak_bytes);
+  for (const char* mods : {"[\"norm\"]", "[\"attention_core\"]", "[\"moe_act\"]",
+                           "[\"norm\", \"attention_core\", \"moe_act\"]"}) {
+    auto c = train(tiny(fresh_dir("ac_sel"), {"--training.steps=3", "--activation_checkpoint.mode=selective",
+                                              std::string("--activation_checkpoint.modules=") + mods}),
+                   quiet());
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(std::memcmp(&a.history[i].loss, &c.history[i].loss, sizeof(double)), 0) << mods << " step " << i + 1;
+    EXPECT_LT(c.act_peak_bytes, a.act_peak_bytes) << mods;
+    EXPECT_GT(c.recompute_seconds, 0.0) << mods;
+  }
+  // layer_ids restricts recompute to the listed layers: less saving than all layers.
+  auto one = train(tiny(fresh_dir("ac_one"), {"--training.steps=3", "--activation_checkpoint.mode=selective",
+                                              "--activation_checkpoint.modules=[\"norm\"]",
+                                              "--activation_checkpoint.layer_ids=[2]"}),
+                   quiet());
+  auto all = train(tiny(fresh_dir("ac_all"), {"--training.steps=3", "--activation_checkpoint.mode=selective",
+                                              "--activation_checkpoint.modules=[\"norm\"]"}),
+                   quiet());
+  EXPECT_EQ(std::memcmp(&a.history[2].loss, &one.history[2].loss, sizeof(double)), 0);
+  EXPECT_LE(all.act_peak_bytes, one.act_peak_bytes);
 }
 
 TEST(Trainer, BadInputGivesClearErrors) {
