@@ -127,7 +127,7 @@ class EpDispatch {
   // as the combine payload (F32 or BF16). With them the MoE backward is, per (token, slot), the
   // single-process computation:
   //   dyr = redispatch(dy);                 expert rows of dy, in recv_x order
-  //   moe_unpermute_backward(dyr_w, dw_r, dyr, yr, identity [R,1], recv_weight(), R, 1, R, D)
+  //   moe_unpermute_backward(dyr_w, dw_r, dyr, yr, iota [R], iota [R], zeros [R], recv_weight(), R, 1, R, D)
   //                                         dyr_w[r] = w_r * dy_r, dw_r[r] = dot(dy_r, yr[r]) on the expert rank
   //   combine_scalars(dw, dw_r);            dw [N, k] back on the home rank
   //   combine(dx, dxr, /*weighted=*/false); dx from the experts' input gradients

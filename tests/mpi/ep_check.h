@@ -275,7 +275,7 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
   // ---- backward helpers: redispatch(dy), per-row dgrad/dw on the expert, combine_scalars(dw) ----
   {
     std::vector<float> dyr(size_t(std::max<int64_t>(R, 1) * D)), dyw(dyr.size()), dwr(size_t(std::max<int64_t>(R, 1)));
-    std::vector<int32_t> id1(size_t(std::max<int64_t>(R, 1)));
+    std::vector<int32_t> id1(size_t(std::max<int64_t>(R, 1))), zero1(id1.size(), 0);
     for (int64_t r = 0; r < R; ++r) id1[size_t(r)] = int32_t(r);
     auto dy_of = [&](int src, int64_t t, int64_t d) { return unit(seed + 1, uint64_t(src), uint64_t(t), uint64_t(d)); };
     std::vector<float> dy(size_t(std::max<int64_t>(N, 1) * D));
@@ -292,7 +292,8 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
         }
     EXPECT_EQ(bad, 0) << "rank " << me << ": redispatched rows differ";
     if (R > 0)
-      moe_unpermute_backward(dyw.data(), dwr.data(), dyr.data(), yr.data(), id1.data(), ep.recv_weight(), R, 1, R, D);
+      moe_unpermute_backward(dyw.data(), dwr.data(), dyr.data(), yr.data(), id1.data(), id1.data(), zero1.data(),
+                             ep.recv_weight(), R, 1, R, D);
     std::vector<float> dw(size_t(std::max<int64_t>(N * k, 1)), -3.0f);
     ep.combine_scalars(dw.data(), dwr.data());
     // Reference: the single-process backward of the weighted sum, on the rows as the experts saw them.
@@ -305,8 +306,10 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
           const float f = float(mine.idx[size_t(t * k + s)] + 1);
           for (int64_t d = 0; d < D; ++d) yexp[size_t((t * k + s) * D + d)] = xs[size_t(t * D + d)] * f;
         }
-      moe_unpermute_backward(dyp.data(), dwref.data(), dys.data(), yexp.data(), ident.data(), mine.w.data(), N, k,
-                             N * k, D);
+      std::vector<int32_t> tok_of(size_t(N * k)), slot_of(size_t(N * k));
+      for (int64_t i = 0; i < N * k; ++i) tok_of[size_t(i)] = int32_t(i / k), slot_of[size_t(i)] = int32_t(i % k);
+      moe_unpermute_backward(dyp.data(), dwref.data(), dys.data(), yexp.data(), ident.data(), tok_of.data(),
+                             slot_of.data(), mine.w.data(), N, k, N * k, D);
       EXPECT_EQ(0, std::memcmp(dw.data(), dwref.data(), size_t(N * k) * 4)) << "rank " << me << ": dw differs";
     }
     // combine_scalars routes exactly: v = (source, token, slot) code comes back to (t, s).
