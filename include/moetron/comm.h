@@ -1,0 +1,151 @@
+// comm.h: Comm, the one narrow communication interface of moetron: rank/size, all_reduce (sum),
+// reduce_scatter, all_gather, all_to_all_v, a capped exchange, send/recv, barrier and split. Two
+// backends: MPI (src/parallel/comm_mpi.cpp, when built with MOETRON_WITH_MPI) and single-process (size 1,
+// collectives are copies). Every call is timed and its bytes counted per op kind (stats()), and can be
+// reported to a trace hook. Not a tensor library and not a scheduler: raw pointers, sizes, blocking calls.
+//
+// Reduction order (all_reduce, reduce_scatter, all_reduce_ordered); this is what parallel-equivalence
+// tests can rely on:
+//   every reduced element is the left fold  ((x_0 + x_1) + x_2) + ... + x_{p-1}  over the ranks in rank
+//   order 0..p-1 (x_r = that element on rank r), computed once, by one rank, and copied to the others.
+//   So the result is bitwise identical on every rank, bitwise reproducible run to run, and does not depend
+//   on how the vector is chunked between ranks; it does depend on p (a different association).
+//   Implementation: fixed chunks of at most kCommReduceSegment elements; inside a segment, rank r owns the
+//   elements [r*m/p, (r+1)*m/p); all_to_all_v delivers every rank's copy of its chunk, the owner folds them
+//   in rank order, all_gather_v returns the chunks. MPI_Allreduce is not used (its order is unspecified).
+//   Integer sums are exact (two's complement wrap on overflow).
+//   all_reduce_ordered(parts, m): each rank holds m_r >= 0 vectors; the result is the left fold over ALL
+//   vectors in global order (rank 0's parts, then rank 1's, ...), so it equals the single-process
+//   sequential sum of the same list whatever the split between ranks (p = 1 with all parts included).
+//
+// Bytes. Each op records `bytes` (the payload of the call seen from this rank: all_reduce n*elem;
+// reduce_scatter its input; all_gather / all_to_all_v / exchange what this rank contributes; send what is
+// sent; recv what is received) and `wire_bytes` (what this rank itself sends to OTHER ranks for the
+// algorithm used: e.g. all_to_all_v excludes the self block; all_reduce counts both phases).
+//
+// Tags: user send/recv tags must be in [0, kCommMaxUserTag]; larger tags are reserved.
+// Thread safety: a Comm is used by one thread at a time (MPI is initialized with MPI_THREAD_FUNNELED).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace moetron {
+
+enum class CommOp : uint8_t { AllReduce, ReduceScatter, AllGather, AllToAllV, Exchange, Send, Recv, Barrier, Split };
+inline constexpr int kNumCommOps = 9;
+std::string_view comm_op_name(CommOp op);
+
+enum class ReduceType : uint8_t { F32, F64, I32, I64 };
+size_t reduce_type_size(ReduceType t);
+
+inline constexpr int kCommMaxUserTag = 29999;
+inline constexpr int64_t kCommReduceSegment = int64_t(1) << 22;  // elements per all_reduce segment
+
+struct CommOpStats {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+  int64_t wire_bytes = 0;
+  double seconds = 0;
+};
+
+struct CommStats {
+  std::array<CommOpStats, kNumCommOps> op{};
+  const CommOpStats& operator[](CommOp o) const { return op[size_t(o)]; }
+  CommOpStats total() const;
+  std::string summary() const;  // one line per op kind that was called
+};
+
+// One call, for traces. Times are seconds on std::chrono::steady_clock since its epoch.
+struct CommEvent {
+  CommOp op;
+  int64_t bytes = 0, wire_bytes = 0;
+  double t_begin = 0, t_end = 0;
+  int comm_size = 1;
+};
+using CommTraceHook = std::function<void(const CommEvent&)>;
+
+namespace detail {
+class CommBackend;
+struct CommState;
+}  // namespace detail
+
+// A handle (like a shared_ptr: the methods are const, the communicator and its stats are shared by copies).
+// A default-constructed Comm is the single-process communicator (size 1).
+class Comm {
+ public:
+  Comm();
+  explicit Comm(std::shared_ptr<detail::CommBackend> backend);
+
+  int rank() const;
+  int size() const;
+  std::string_view backend_name() const;  // "local" or "mpi"
+
+  // In-place sum; the order above. n >= 0 elements.
+  void all_reduce(float* x /* [n] */, int64_t n) const;
+  void all_reduce(double* x /* [n] */, int64_t n) const;
+  void all_reduce(int32_t* x /* [n] */, int64_t n) const;
+  void all_reduce(int64_t* x /* [n] */, int64_t n) const;
+  void all_reduce(void* x /* [n] */, int64_t n, ReduceType t) const;
+
+  // out = the sum over ranks of block `rank()` of in (blocks of n elements), same order as all_reduce.
+  void reduce_scatter(float* out /* [n] */, const float* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(double* out /* [n] */, const double* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(int32_t* out /* [n] */, const int32_t* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(int64_t* out /* [n] */, const int64_t* in /* [size*n] */, int64_t n) const;
+  void reduce_scatter(void* out /* [n] */, const void* in /* [size*n] */, int64_t n, ReduceType t) const;
+
+  // Sum in global order over every rank's parts (see above). out may not alias parts.
+  void all_reduce_ordered(float* out /* [n] */, const float* parts /* [m_local, n] */, int64_t m_local, int64_t n) const;
+  void all_reduce_ordered(double* out /* [n] */, const double* parts /* [m_local, n] */, int64_t m_local,
+                          int64_t n) const;
+
+  // out[r*bytes .. (r+1)*bytes) = rank r's `in`. out may not alias in.
+  void all_gather(void* out /* [size*bytes] */, const void* in /* [bytes] */, int64_t bytes) const;
+  // Variable sizes: rank r contributes counts[r] bytes, placed at out + displs[r] (every rank passes the
+  // same counts/displs); in has counts[rank()] bytes.
+  void all_gather_v(void* out, const int64_t* counts /* [size] */, const int64_t* displs /* [size] */,
+                    const void* in) const;
+
+  // Byte counts and displacements per peer (any dtype as bytes). send_counts[p] on rank r must equal
+  // recv_counts[r] on rank p. Buffers may not overlap.
+  void all_to_all_v(void* recv, const int64_t* recv_counts /* [size] */, const int64_t* recv_displs /* [size] */,
+                    const void* send, const int64_t* send_counts /* [size] */,
+                    const int64_t* send_displs /* [size] */) const;
+  // Equal blocks: bytes_per_peer to and from every rank.
+  void all_to_all(void* recv /* [size*b] */, const void* send /* [size*b] */, int64_t bytes_per_peer) const;
+
+  // One exchange without a count round: the message for peer p (send_counts[p] <= capacity bytes) lands at
+  // recv + q*capacity on p, where q is the sender. Receivers do not learn the sizes from this call: the
+  // payload must say them (e.g. a header). Only send_counts[p] bytes cross the wire.
+  void exchange(void* recv /* [size*capacity] */, int64_t capacity, const void* send,
+                const int64_t* send_counts /* [size] */, const int64_t* send_displs /* [size] */) const;
+
+  void send(const void* buf, int64_t bytes, int dst, int tag = 0) const;
+  void recv(void* buf, int64_t bytes, int src, int tag = 0) const;  // exactly `bytes` must arrive
+  void barrier() const;
+
+  // Ranks with the same color (>= 0) form a communicator, ordered by (key, rank). Collective.
+  Comm split(int color, int key) const;
+
+  CommStats stats() const;
+  void reset_stats() const;
+  void set_trace_hook(CommTraceHook hook) const;
+
+ private:
+  std::shared_ptr<detail::CommState> s_;
+};
+
+Comm comm_local();
+// MPI_COMM_WORLD when built with MPI and either MPI is already initialized or the process was started by
+// an MPI launcher (OMPI_COMM_WORLD_SIZE / PMI_SIZE / PMIX_RANK set): initializes MPI on first use.
+// Otherwise the single-process communicator.
+Comm comm_world();
+bool comm_mpi_built();
+// Finalizes MPI if comm_world() initialized it (idempotent; also registered with atexit).
+void comm_finalize();
+
+}  // namespace moetron

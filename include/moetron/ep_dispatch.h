@@ -1,0 +1,170 @@
+// ep_dispatch.h: expert-parallel dispatch and combine over an EP communicator. Each rank holds N tokens,
+// the router's top-k expert ids and weights for each; the E routed experts are sharded contiguously over the
+// P ranks of the EP group (El = E / P per rank: rank q owns experts q*El .. q*El+El-1). dispatch sends each
+// (token, slot) row to the rank owning its expert; combine brings the expert outputs back and sums them on
+// the token's home rank. Also a router-side helper for node-limited routing.
+// Not the router, not the expert GEMMs, not the in-process permute (permute.h), not the trainer wiring.
+//
+// Three dispatchers (EpDispatcher in config.h); all give the SAME received rows in the same order:
+//   alltoall      count round (all_to_all of El counts per peer), then all_to_all_v of the records.
+//   sync_free     one exchange, no count round: every peer slot is a fixed worst-case region
+//                 (header with the El counts + capacity max_tokens * min(k, El) records) and all buffers are
+//                 allocated once, at construction; nothing is allocated per call. Only the real bytes cross
+//                 the wire (Comm::exchange). Extra memory: see buffers().
+//   hierarchical  DeepEP-style, ranks in nodes of ranks_per_node consecutive EP ranks (L per node, P / L
+//                 nodes). Stage 1 (inter-node, "rail" ranks with the same local index): a token bound for
+//                 experts on a node crosses ONCE to the rank with its own local index on that node (its own
+//                 node included: then the "forwarder" is the rank itself). Stage 2 (intra-node): the
+//                 forwarder fans the token out to the (slot) rows of the experts on its node. Combine runs
+//                 backwards: the forwarder reduces the rows of its node first (weighted, slot order), and one
+//                 partial row per (token, node) crosses back.
+//
+// Received rows (recv_x and the metadata arrays, R rows): grouped by local expert (recv_offsets), and in
+// each group ordered by (source rank, token, slot). This is the input of the grouped GEMM.
+//
+// Combine and its order (what the equivalence tests state):
+//   flat (alltoall, sync_free): y[t] = moe_unpermute(rows of t, w[t]) exactly as the single-process MoE does:
+//     slot order, from 0, on the token's home rank; so it is BITWISE the single-process result for fp32.
+//   hierarchical: y[t] = sum over the nodes b that t uses, in increasing b, of partial_b[t], where
+//     partial_b[t] = moe_unpermute over the slots of t whose expert is on node b (slot order, from 0);
+//     the outer sum is moe_permute_backward's (from 0, node order). With fp32 combine rows and all of a token's
+//     experts on one node this equals the flat result bitwise; otherwise it is a different association (see
+//     ep_combine_hierarchical_ref for the reference and docs/parallel.md for the tolerance).
+//   weighted = false gives the unweighted sum (moe_permute_backward): the backward of dispatch.
+//
+// Payload. Dispatch rows cross as F32, BF16 or E4M3 (1 x 128 block scales per token row, quantized once per
+// token on the home rank, decoded to fp32 on the expert rank); combine rows as F32 or BF16 (hierarchical with
+// BF16 rounds twice: the expert rows, then the forwarder's partial sum). Every record
+// carries a 16-byte header (token, source rank, slot, local expert, weight) so that the receiver can check
+// where it came from; hierarchical stage-1 records carry (token, k expert ids, k weights) instead.
+//
+// All calls are collective over the EP communicator. topk_idx entries must be in [0, E) and distinct within a
+// token (the router guarantees it; sync_free's capacity bound relies on it). N may differ between ranks and
+// may be 0; experts may receive nothing.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moetron/comm.h"
+#include "moetron/config.h"
+
+namespace moetron {
+
+enum class EpPayload : uint8_t { F32, BF16, E4M3 };
+std::string_view to_string(EpPayload p);
+
+struct EpDispatchConfig {
+  EpDispatcher kind = EpDispatcher::AllToAll;
+  int n_experts = 0;       // E, all routed experts (a multiple of the EP size)
+  int topk = 0;            // k
+  int64_t hidden = 0;      // D
+  int64_t max_tokens = 0;  // upper bound on N per rank per call: sync_free sizes its buffers from it (required
+                           // > 0 there); the others reserve for it and grow beyond it (0: grow on demand)
+  int ranks_per_node = 0;  // EP ranks per node (EP ranks r, r' share a node iff r / rpn == r' / rpn);
+                           // 0 = all on one node. Must divide the EP size. See DeviceMesh::ep_ranks_per_node.
+  EpPayload dispatch_payload = EpPayload::F32;
+  EpPayload combine_payload = EpPayload::F32;  // F32 or BF16
+};
+
+// What one rank did in one call (or a sum of calls). Bytes are the bytes this rank SENT, split by where
+// they went: to itself, to a rank on its node, to a rank on another node (count rounds included).
+struct EpTraffic {
+  int64_t calls = 0;
+  int64_t rows_sent = 0, rows_recv = 0;  // records (dispatch) or rows (combine) sent / received by this rank
+  int64_t bytes_self = 0, bytes_intra = 0, bytes_inter = 0;
+  int64_t rounds = 0;  // communication calls made (count rounds included)
+  double seconds = 0;
+  int64_t bytes_remote() const { return bytes_intra + bytes_inter; }
+  void add(const EpTraffic& o);
+};
+
+struct EpStats {
+  EpTraffic dispatch, combine;            // totals since construction / reset_stats()
+  EpTraffic last_dispatch, last_combine;  // the most recent call
+  EpTraffic backward, last_backward;      // redispatch + combine_scalars
+};
+
+// One named allocation (DeepEP style: a buffer size is a sum of named terms).
+struct EpBufferTerm {
+  std::string name;
+  int64_t bytes = 0;
+};
+
+class EpDispatch {
+ public:
+  // Collective (hierarchical splits the EP communicator into node and rail communicators).
+  EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg);
+  ~EpDispatch();
+  EpDispatch(const EpDispatch&) = delete;
+  EpDispatch& operator=(const EpDispatch&) = delete;
+
+  const EpDispatchConfig& config() const;
+  int ep_size() const;
+  int ep_rank() const;
+  int local_experts() const;  // El
+  int first_expert() const;   // ep_rank * El
+
+  // x [N, D]; topk_idx [N, k] global expert ids; topk_w [N, k] or null (all weights 1). Returns R.
+  int64_t dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N);
+
+  // Results of the last dispatch (valid until the next dispatch).
+  int64_t recv_rows() const;
+  const float* recv_x() const;          // [R, D]
+  const int64_t* recv_counts() const;   // [El] rows per local expert
+  const int64_t* recv_offsets() const;  // [El + 1]
+  const int32_t* recv_src() const;      // [R] source EP rank
+  const int32_t* recv_token() const;    // [R] token index on the source rank
+  const int32_t* recv_slot() const;     // [R] slot (0..k-1)
+  const float* recv_weight() const;     // [R] router weight of (token, slot)
+
+  // y [N, D] for the N of the last dispatch; yr [R, D] in recv_x order (may be recv_x itself).
+  void combine(float* y, const float* yr, bool weighted = true);
+
+  // Backward helpers. Collective; they reuse the layout of the last dispatch (no count round) and move rows
+  // as the combine payload (F32 or BF16). With them the MoE backward is, per (token, slot), the
+  // single-process computation:
+  //   dyr = redispatch(dy);                 expert rows of dy, in recv_x order
+  //   moe_unpermute_backward(dyr_w, dw_r, dyr, yr, iota [R], iota [R], zeros [R], recv_weight(), R, 1, R, D)
+  //                                         dyr_w[r] = w_r * dy_r, dw_r[r] = dot(dy_r, yr[r]) on the expert rank
+  //   combine_scalars(dw, dw_r);            dw [N, k] back on the home rank
+  //   combine(dx, dxr, /*weighted=*/false); dx from the experts' input gradients
+  // out [R, D]: out[r] = x[t] for the (token t, slot) of received row r; x [N, D] on the home rank.
+  void redispatch(float* out, const float* x);
+  // out [N, k] on the home rank: out[t, s] = v[r] for the received row r of (t, s); v [R] on the expert rank.
+  void combine_scalars(float* out, const float* v);
+
+  EpStats stats() const;
+  void reset_stats();
+  std::vector<EpBufferTerm> buffers() const;  // current allocations, one line per region
+  int64_t buffer_bytes() const;               // their sum
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> p_;
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Node-limited routing (DeepSeek-V3): a token may use experts on at most M nodes. Experts are grouped into
+// n_nodes contiguous groups of E / n_nodes (the experts of one node when they are sharded contiguously over
+// an EP group of n_nodes nodes). Node score = sum of the top max(1, k / M) selection scores q of its
+// experts; the M best nodes are kept (ties to the lower index), the other experts get -inf.
+// q_out may alias q. Apply top-k to q_out (ties to the lower index, like the router) to select.
+void ep_node_limit_scores(float* q_out /* [N, E] */, const float* q /* [N, E] */, int64_t N, int E, int n_nodes,
+                          int max_nodes, int k);
+// Selection under the limit: topk_idx[n, j] = the j-th best eligible expert (larger q first, ties lower index).
+void ep_node_limited_topk(int32_t* topk_idx /* [N, k] */, const float* q /* [N, E] */, int64_t N, int E, int k,
+                          int n_nodes, int max_nodes);
+// The largest number of distinct nodes any token uses.
+int ep_max_nodes_per_token(const int32_t* topk_idx /* [N, k] */, int64_t N, int k, int E, int n_nodes);
+
+// Reference for the hierarchical combine order on one process: yp [N*k, D] holds the expert output of
+// (t, s) at row t*k + s; node_of_expert(e) = e / (E / n_nodes). y as defined above (weights w or 1).
+void ep_combine_hierarchical_ref(float* y /* [N, D] */, const float* yp /* [N*k, D] */,
+                                 const int32_t* topk_idx /* [N, k] */, const float* w /* [N, k] or null */,
+                                 int64_t N, int k, int64_t D, int E, int n_nodes);
+
+}  // namespace moetron

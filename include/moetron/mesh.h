@@ -1,0 +1,86 @@
+// mesh.h: the device mesh. From a ParallelSpec and the world size: the dimensions (pp, dp_replicate,
+// dp_shard) with expert parallelism carved out of data parallelism, the rank <-> coordinate mapping, the
+// node layout, validation with errors that name the rule, and the sub-communicators.
+// Not a scheduler and not the sharding of tensors (DP/ZeRO and pipeline code use the groups made here).
+//
+// Rank order (row-major, pp outermost, dp_shard innermost):
+//   rank = (pp_idx * dp_replicate + rep_idx) * dp_shard + shard_idx
+//   dp_idx = rep_idx * dp_shard + shard_idx                       in [0, dp),  dp = dp_replicate * dp_shard
+// Expert parallelism splits dp_idx (ep must divide dp; edp = dp / ep is the expert-data-parallel size):
+//   ep_idx = dp_idx % ep,  edp_idx = dp_idx / ep
+// so the ranks of one EP group are CONTIGUOUS (rank = pp_idx*dp + edp_idx*ep + ep_idx) and sit within one
+// node whenever ep <= ranks_per_node and ranks_per_node % ep == 0. The EDP group of a rank (the ranks that
+// hold the same experts and all-reduce their gradients) has stride ep.
+// Nodes: node = rank / ranks_per_node, local_rank = rank % ranks_per_node. A world smaller than one node
+// is one node (ranks_per_node is then taken as world_size).
+// Groups (each ordered by its own index, which is the rank within the sub-communicator):
+//   dp           same pp_idx;                      index dp_idx       (size dp)
+//   dp_shard     same pp_idx, rep_idx;             index shard_idx    (size dp_shard)
+//   dp_replicate same pp_idx, shard_idx;           index rep_idx      (size dp_replicate)
+//   ep           same pp_idx, edp_idx;             index ep_idx       (size ep)
+//   edp          same pp_idx, ep_idx;              index edp_idx      (size dp / ep)
+//   pp           same dp_idx;                      index pp_idx       (size pp; reserved for pipelines)
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moetron/comm.h"
+#include "moetron/config.h"
+
+namespace moetron {
+
+struct MeshCoord {
+  int rank = 0;
+  int pp = 0, dp = 0, dp_replicate = 0, dp_shard = 0;
+  int ep = 0, edp = 0;
+  int node = 0, local_rank = 0;
+};
+
+enum class MeshGroup : uint8_t { Dp, DpShard, DpReplicate, Ep, Edp, Pp };
+
+class DeviceMesh {
+ public:
+  // Validates; throws moetron::Error naming the rule and the values:
+  //   world_size >= 1 and every dimension >= 1;  world_size == pp * dp_replicate * dp_shard;
+  //   dp % ep == 0;  n_routed_experts % ep == 0 (n_routed_experts = -1: unknown, not checked;
+  //   0: a dense model, which allows only ep == 1);  ranks_per_node >= 1 and, when world_size >
+  //   ranks_per_node, world_size % ranks_per_node == 0;  with ep_dispatcher = hierarchical the EP group must
+  //   cover whole nodes or lie inside one: ep % rpn == 0 or rpn % ep == 0 (rpn = effective ranks_per_node).
+  DeviceMesh(const ParallelSpec& spec, int world_size, int64_t n_routed_experts = -1);
+
+  int world_size() const { return world_; }
+  int pp() const { return pp_; }
+  int dp() const { return dp_rep_ * dp_shard_; }
+  int dp_replicate() const { return dp_rep_; }
+  int dp_shard() const { return dp_shard_; }
+  int ep() const { return ep_; }
+  int edp() const { return dp() / ep_; }
+  int ranks_per_node() const { return rpn_; }  // effective: min(spec.ranks_per_node, world_size)
+  int num_nodes() const { return world_ / rpn_; }
+  // EP ranks per node as the EP dispatcher sees them (ep ranks r, r' share a node iff r / this == r' / this).
+  int ep_ranks_per_node() const { return ep_ < rpn_ ? ep_ : rpn_; }
+  bool ep_within_node() const { return ep_ <= rpn_ && rpn_ % ep_ == 0; }
+  const ParallelSpec& spec() const { return spec_; }
+
+  MeshCoord coord(int rank) const;
+  int rank_of(int pp_idx, int dp_idx) const;
+  int rank_of_ep(int pp_idx, int edp_idx, int ep_idx) const;
+  // The world ranks of `rank`'s group, in group-index order (position i holds the rank with index i).
+  std::vector<int> group(MeshGroup g, int rank) const;
+  std::string describe() const;  // one line, e.g. "world 8 = pp 1 x dp_replicate 2 x dp_shard 4; ep 4 ..."
+
+ private:
+  ParallelSpec spec_;
+  int world_ = 1, pp_ = 1, dp_rep_ = 1, dp_shard_ = 1, ep_ = 1, rpn_ = 1;
+};
+
+struct MeshComms {
+  Comm world, dp, dp_shard, dp_replicate, ep, edp, pp;
+  const Comm& get(MeshGroup g) const;
+};
+
+// Collective over `world` (whose size must equal mesh.world_size()): splits every group.
+MeshComms make_mesh_comms(const DeviceMesh& mesh, const Comm& world);
+
+}  // namespace moetron

@@ -1,0 +1,40 @@
+// comm_backend.h (internal): the raw transport a Comm wraps. A backend moves bytes and nothing else:
+// no reductions (Comm folds in a fixed order itself), no timing, no statistics. Two implementations:
+// the single-process backend (comm.cpp) and MPI (comm_mpi.cpp, only when MOETRON_WITH_MPI).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+namespace moetron::detail {
+
+// Tags above kCommMaxUserTag (comm.h) that the backends use for their own point-to-point traffic.
+inline constexpr int kExchangeTag = 30001;
+
+class CommBackend {
+ public:
+  virtual ~CommBackend() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string_view name() const = 0;
+  // Byte counts / displacements per peer, validated by Comm before the call.
+  virtual void all_to_all_v(void* recv, const int64_t* recv_counts, const int64_t* recv_displs, const void* send,
+                            const int64_t* send_counts, const int64_t* send_displs) = 0;
+  virtual void all_gather_v(void* out, const int64_t* counts, const int64_t* displs, const void* in) = 0;
+  virtual void exchange(void* recv, int64_t capacity, const void* send, const int64_t* send_counts,
+                        const int64_t* send_displs) = 0;
+  virtual void send(const void* buf, int64_t bytes, int dst, int tag) = 0;
+  virtual void recv(void* buf, int64_t bytes, int src, int tag) = 0;
+  virtual void barrier() = 0;
+  virtual std::shared_ptr<CommBackend> split(int color, int key) = 0;
+};
+
+std::shared_ptr<CommBackend> make_local_backend();
+
+#if MOETRON_WITH_MPI
+bool mpi_launched();                                 // started by an MPI launcher, or MPI already initialized
+std::shared_ptr<CommBackend> mpi_world_backend();    // initializes MPI on first use
+void mpi_finalize_if_owned();
+#endif
+
+}  // namespace moetron::detail

@@ -1,0 +1,137 @@
+// mesh.cpp: DeviceMesh validation and rank <-> coordinate mapping (the order is documented in mesh.h),
+// and the sub-communicators. Not the EP dispatcher.
+#include "moetron/mesh.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "moetron/check.h"
+
+namespace moetron {
+
+DeviceMesh::DeviceMesh(const ParallelSpec& spec, int world_size, int64_t n_routed_experts) : spec_(spec) {
+  const char* op = "mesh";
+  MT_CHECK(world_size >= 1, op, "world size ", world_size, " must be >= 1");
+  MT_CHECK(spec.pp >= 1, op, "parallelism.pp = ", spec.pp, " must be >= 1");
+  MT_CHECK(spec.dp_replicate >= 1, op, "parallelism.dp_replicate = ", spec.dp_replicate, " must be >= 1");
+  MT_CHECK(spec.dp_shard >= 1, op, "parallelism.dp_shard = ", spec.dp_shard, " must be >= 1");
+  MT_CHECK(spec.ep >= 1, op, "parallelism.ep = ", spec.ep, " must be >= 1");
+  MT_CHECK(spec.ranks_per_node >= 1, op, "parallelism.ranks_per_node = ", spec.ranks_per_node, " must be >= 1");
+  const int64_t prod = spec.pp * spec.dp_replicate * spec.dp_shard;
+  MT_CHECK(prod == world_size, op, "world size ", world_size, " != pp (", spec.pp, ") * dp_replicate (",
+           spec.dp_replicate, ") * dp_shard (", spec.dp_shard, ") = ", prod);
+  const int64_t dp = spec.dp_replicate * spec.dp_shard;
+  MT_CHECK(dp % spec.ep == 0, op, "ep (", spec.ep, ") must divide dp = dp_replicate * dp_shard (", dp,
+           "): expert parallelism is carved out of data parallelism");
+  if (n_routed_experts == 0)
+    MT_CHECK(spec.ep == 1, op, "ep = ", spec.ep, " needs a MoE model (n_routed_experts is 0)");
+  if (n_routed_experts > 0)
+    MT_CHECK(n_routed_experts % spec.ep == 0, op, "ep (", spec.ep, ") must divide n_routed_experts (",
+             n_routed_experts, "): experts are sharded contiguously, E/ep per rank");
+  if (world_size > spec.ranks_per_node)
+    MT_CHECK(world_size % spec.ranks_per_node == 0, op, "ranks_per_node (", spec.ranks_per_node,
+             ") must divide the world size (", world_size, ")");
+  world_ = world_size;
+  pp_ = int(spec.pp);
+  dp_rep_ = int(spec.dp_replicate);
+  dp_shard_ = int(spec.dp_shard);
+  ep_ = int(spec.ep);
+  rpn_ = int(std::min<int64_t>(spec.ranks_per_node, world_size));
+  if (spec.ep_dispatcher == EpDispatcher::Hierarchical)
+    MT_CHECK(ep_ % rpn_ == 0 || rpn_ % ep_ == 0, op, "hierarchical dispatch needs the EP group (ep = ", ep_,
+             ") to cover whole nodes or lie inside one node (ranks_per_node = ", rpn_,
+             "): ep % ranks_per_node == 0 or ranks_per_node % ep == 0");
+}
+
+MeshCoord DeviceMesh::coord(int rank) const {
+  MT_CHECK(rank >= 0 && rank < world_, "mesh.coord", "rank ", rank, " outside [0, ", world_, ")");
+  MeshCoord c;
+  c.rank = rank;
+  const int dp = this->dp();
+  c.pp = rank / dp;
+  c.dp = rank % dp;
+  c.dp_replicate = c.dp / dp_shard_;
+  c.dp_shard = c.dp % dp_shard_;
+  c.ep = c.dp % ep_;
+  c.edp = c.dp / ep_;
+  c.node = rank / rpn_;
+  c.local_rank = rank % rpn_;
+  return c;
+}
+
+int DeviceMesh::rank_of(int pp_idx, int dp_idx) const {
+  MT_CHECK(pp_idx >= 0 && pp_idx < pp_ && dp_idx >= 0 && dp_idx < dp(), "mesh.rank_of", "coordinates (pp ",
+           pp_idx, ", dp ", dp_idx, ") outside (", pp_, ", ", dp(), ")");
+  return pp_idx * dp() + dp_idx;
+}
+
+int DeviceMesh::rank_of_ep(int pp_idx, int edp_idx, int ep_idx) const {
+  MT_CHECK(edp_idx >= 0 && edp_idx < edp() && ep_idx >= 0 && ep_idx < ep_, "mesh.rank_of_ep", "coordinates (edp ",
+           edp_idx, ", ep ", ep_idx, ") outside (", edp(), ", ", ep_, ")");
+  return rank_of(pp_idx, edp_idx * ep_ + ep_idx);
+}
+
+std::vector<int> DeviceMesh::group(MeshGroup g, int rank) const {
+  const MeshCoord c = coord(rank);
+  std::vector<int> out;
+  switch (g) {
+    case MeshGroup::Dp:
+      for (int i = 0; i < dp(); ++i) out.push_back(rank_of(c.pp, i));
+      break;
+    case MeshGroup::DpShard:
+      for (int i = 0; i < dp_shard_; ++i) out.push_back(rank_of(c.pp, c.dp_replicate * dp_shard_ + i));
+      break;
+    case MeshGroup::DpReplicate:
+      for (int i = 0; i < dp_rep_; ++i) out.push_back(rank_of(c.pp, i * dp_shard_ + c.dp_shard));
+      break;
+    case MeshGroup::Ep:
+      for (int i = 0; i < ep_; ++i) out.push_back(rank_of_ep(c.pp, c.edp, i));
+      break;
+    case MeshGroup::Edp:
+      for (int i = 0; i < edp(); ++i) out.push_back(rank_of_ep(c.pp, i, c.ep));
+      break;
+    case MeshGroup::Pp:
+      for (int i = 0; i < pp_; ++i) out.push_back(rank_of(i, c.dp));
+      break;
+  }
+  return out;
+}
+
+std::string DeviceMesh::describe() const {
+  std::ostringstream os;
+  os << "world " << world_ << " = pp " << pp_ << " x dp_replicate " << dp_rep_ << " x dp_shard " << dp_shard_
+     << "; ep " << ep_ << " x edp " << edp() << "; " << num_nodes() << " node(s) of " << rpn_ << " ranks"
+     << (ep_within_node() ? " (EP groups inside a node)" : " (EP groups span nodes)");
+  return os.str();
+}
+
+const Comm& MeshComms::get(MeshGroup g) const {
+  switch (g) {
+    case MeshGroup::Dp: return dp;
+    case MeshGroup::DpShard: return dp_shard;
+    case MeshGroup::DpReplicate: return dp_replicate;
+    case MeshGroup::Ep: return ep;
+    case MeshGroup::Edp: return edp;
+    case MeshGroup::Pp: return pp;
+  }
+  return world;
+}
+
+MeshComms make_mesh_comms(const DeviceMesh& mesh, const Comm& world) {
+  MT_CHECK(world.size() == mesh.world_size(), "mesh.comms", "communicator size ", world.size(),
+           " != mesh world size ", mesh.world_size());
+  const MeshCoord c = mesh.coord(world.rank());
+  const int dp = mesh.dp(), ep = mesh.ep();
+  MeshComms m;
+  m.world = world;
+  // color: the coordinates held fixed, flattened; key: the group index.
+  m.dp = world.split(c.pp, c.dp);
+  m.dp_shard = world.split(c.pp * mesh.dp_replicate() + c.dp_replicate, c.dp_shard);
+  m.dp_replicate = world.split(c.pp * mesh.dp_shard() + c.dp_shard, c.dp_replicate);
+  m.ep = world.split(c.pp * (dp / ep) + c.edp, c.ep);
+  m.edp = world.split(c.pp * ep + c.ep, c.edp);
+  m.pp = world.split(c.dp, c.pp);
+  return m;
+}
+
+}  // namespace moetron
