@@ -79,6 +79,6 @@ void BM_rope_fwd(benchmark::State& st) {
 BENCHMARK(BM_rmsnorm_fwd)->Args({2048, 512})->Args({16384, 2048})->UseRealTime();
 BENCHMARK(BM_rmsnorm_fwd_bf16out)->Args({2048, 512})->Args({16384, 2048})->UseRealTime();
 BENCHMARK(BM_rmsnorm_bwd)->Args({2048, 512})->Args({16384, 2048})->UseRealTime();
-BENCHMARK(BM_swiglu_fwd)->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
-BENCHMARK(BM_swiglu_bwd)->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
+BENCHMARK(BM_swiglu_fwd)->Args({64, 1408})->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
+BENCHMARK(BM_swiglu_bwd)->Args({64, 1408})->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
 BENCHMARK(BM_rope_fwd)->Args({2048, 8, 64})->Args({16384, 16, 128})->UseRealTime();
