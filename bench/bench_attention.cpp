@@ -75,6 +75,7 @@ void shapes(benchmark::internal::Benchmark* b) {
   b->Args({8, 256, 8, 2, 64, 64});     // ds_mini with GQA 4:1
   b->Args({2, 1024, 8, 8, 64, 64});    // longer sequence, same tokens
   b->Args({2, 256, 8, 8, 192, 128});   // MLA head dims (DeepSeek-V3: dn 128 + dr 64, dv 128)
+  b->Args({1, 1024, 8, 1, 64, 64});    // one MQA sequence: the backward takes its two-pass schedule
   b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 

@@ -1,7 +1,9 @@
 // bench_elementwise.cpp: the bandwidth-bound kernels next to attention: RMSNorm (forward, backward),
 // SwiGLU (forward, backward) and RoPE (forward, in place). Bytes count each array read or written once
 // (the minimum traffic); counters GBps and pct_memcpy (vs a 256 MiB memcpy, read + write).
-// Shapes: ds_mini-like (2048 tokens: fits in L2/L3, so it can beat memcpy) and a large one (DRAM-bound).
+// Shapes: ds_mini-like (2048 tokens: fits in L3, so it can beat the 256 MiB memcpy) and a large one
+// (DRAM-bound); BM_memcpy at 4, 64 and 256 MiB gives the like-for-like copy rate for each footprint.
+#include <cstring>
 #include <vector>
 
 #include "bench_common.h"
@@ -74,11 +76,23 @@ void BM_rope_fwd(benchmark::State& st) {
   bench::report_bytes(st, 4.0 * double(2 * N * H * D));
 }
 
+// The reference line: memcpy of the same footprint (read + write counted), in this process's conditions.
+void BM_memcpy(benchmark::State& st) {
+  const size_t bytes = size_t(st.range(0)) << 20;
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  for (auto _ : st) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::DoNotOptimize(dst.data());
+  }
+  bench::report_bytes(st, 2.0 * double(bytes));
+}
+
 }  // namespace
 
+BENCHMARK(BM_memcpy)->Arg(4)->Arg(64)->Arg(256)->UseRealTime();
 BENCHMARK(BM_rmsnorm_fwd)->Args({2048, 512})->Args({16384, 2048})->UseRealTime();
 BENCHMARK(BM_rmsnorm_fwd_bf16out)->Args({2048, 512})->Args({16384, 2048})->UseRealTime();
 BENCHMARK(BM_rmsnorm_bwd)->Args({2048, 512})->Args({16384, 2048})->UseRealTime();
-BENCHMARK(BM_swiglu_fwd)->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
-BENCHMARK(BM_swiglu_bwd)->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
+BENCHMARK(BM_swiglu_fwd)->Args({64, 1408})->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
+BENCHMARK(BM_swiglu_bwd)->Args({64, 1408})->Args({2048, 1408})->Args({16384, 2048})->UseRealTime();
 BENCHMARK(BM_rope_fwd)->Args({2048, 8, 64})->Args({16384, 16, 128})->UseRealTime();

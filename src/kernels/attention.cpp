@@ -2,6 +2,7 @@
 // backend of the tiled algorithm in attention_impl.h (plain loops the compiler vectorizes at the baseline
 // ISA). The AVX-512 backend is attention_avx512.cpp. Not the reference (attention_*_ref in attention.h).
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 
