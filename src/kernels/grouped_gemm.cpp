@@ -205,6 +205,7 @@ void check_common(const char* op, const int32_t* counts, int64_t E, int64_t M, i
   MT_CHECK(E >= 0 && M >= 0 && K >= 0 && N >= 0, op, "negative size E=", E, " M=", M, " K=", K, " N=", N);
   MT_CHECK(counts || E == 0, op, "counts is null (E=", E, ")");
   MT_CHECK(ws, op, "workspace is null (need grouped_gemm_workspace_bytes)");
+  MT_CHECK(reinterpret_cast<uintptr_t>(ws) % 64 == 0, op, "workspace ", ws, " is not 64-byte aligned");
   MT_CHECK(ws_bytes >= need, op, "workspace of ", ws_bytes, " bytes, need at least ", need);
 }
 
@@ -394,6 +395,8 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E,
                                           GroupedPackKind kind) {
   const size_t bytes = grouped_packed_bytes(kind, prec, E, K, N);
   MT_CHECK((data && W) || bytes == 0, "grouped_pack_weights", "null data or W");
+  MT_CHECK(reinterpret_cast<uintptr_t>(data) % 64 == 0, "grouped_pack_weights", "data ", data,
+           " is not 64-byte aligned");
   const PackGeom g = pack_geom(kind, prec, K, N);
   const bool fwd = kind == GroupedPackKind::Fwd;
   const bool avx512 = active_isa() == Isa::Avx512;

@@ -253,6 +253,9 @@ struct GroupedCase : OpCase {
            [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N + 1, ws.p, nws); });
     throws("null workspace",
            [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, nullptr, nws); });
+    throws("misaligned workspace", [&] {
+      grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, static_cast<char*>(ws.p) + 8, nws - 8);
+    });
     throws("workspace too small",
            [&] { grouped_gemm_fwd(Y.data(), Xf.data(), Wf, counts.data(), E, M, K, N, ws.p, 8); });
     std::vector<bf16> Xb(Xf.size()), Yb(Y.size());
