@@ -35,8 +35,12 @@ void gemm_ref(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, T alpha, cons
     }
 }
 
-// Vector conversions (SIMD-dispatched): fp32 <-> bf16, round to nearest even.
+// Vector conversions (SIMD-dispatched), bitwise equal to to_bf16 / from_bf16 (round to nearest even,
+// denormals kept). The plain versions split large arrays over the OpenMP threads in fixed chunks; the
+// _serial versions run on the calling thread (for use inside parallel regions).
 void f32_to_bf16(bf16* out, const float* in, int64_t n);
 void bf16_to_f32(float* out, const bf16* in, int64_t n);
+void f32_to_bf16_serial(bf16* out, const float* in, int64_t n);
+void bf16_to_f32_serial(float* out, const bf16* in, int64_t n);
 
 }  // namespace moetron

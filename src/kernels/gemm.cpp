@@ -2,6 +2,7 @@
 // cached per shape, alpha and beta (oneDNN primitive creation costs far more than a small matmul); alpha is an
 // output scale and beta a sum post-op. Strides and transposes are expressed as memory-descriptor strides, so
 // no data is copied. Not a GEMM implementation of its own: the grouped (MoE) GEMM is grouped_gemm.cpp.
+#include <algorithm>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
@@ -9,6 +10,7 @@
 
 #include "moetron/check.h"
 #include "moetron/gemm.h"
+#include "moetron/runtime.h"
 
 namespace moetron {
 
@@ -122,14 +124,36 @@ void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
   s.wait();
 }
 
-void f32_to_bf16(bf16* out, const float* in, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > 262144)
+void f32_to_bf16_avx512(bf16* out, const float* in, int64_t n);  // convert_avx512.cpp
+void bf16_to_f32_avx512(float* out, const bf16* in, int64_t n);
+
+void f32_to_bf16_serial(bf16* out, const float* in, int64_t n) {
+  if (active_isa() == Isa::Avx512) return f32_to_bf16_avx512(out, in, n);
   for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
 }
 
-void bf16_to_f32(float* out, const bf16* in, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > 262144)
+void bf16_to_f32_serial(float* out, const bf16* in, int64_t n) {
+  if (active_isa() == Isa::Avx512) return bf16_to_f32_avx512(out, in, n);
   for (int64_t i = 0; i < n; ++i) out[i] = from_bf16(in[i]);
+}
+
+namespace {
+constexpr int64_t kConvertChunk = 1 << 16;  // elements per work item: fixed, so results never depend on threads
+template <class F>
+void chunked(int64_t n, F&& f) {
+  if (n <= kConvertChunk) return f(int64_t(0), n);
+  const int64_t chunks = (n + kConvertChunk - 1) / kConvertChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) f(c * kConvertChunk, std::min(n, (c + 1) * kConvertChunk) - c * kConvertChunk);
+}
+}  // namespace
+
+void f32_to_bf16(bf16* out, const float* in, int64_t n) {
+  chunked(n, [&](int64_t o, int64_t m) { f32_to_bf16_serial(out + o, in + o, m); });
+}
+
+void bf16_to_f32(float* out, const bf16* in, int64_t n) {
+  chunked(n, [&](int64_t o, int64_t m) { bf16_to_f32_serial(out + o, in + o, m); });
 }
 
 }  // namespace moetron

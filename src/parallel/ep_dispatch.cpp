@@ -9,6 +9,7 @@
 // The combine reverses the staging order: the expert rank sends row g of its staging (receive) order back to
 // where it came from, so the home rank gets its rows in its own send order and indexes them with row_of.
 #include "moetron/ep_dispatch.h"
+#include "moetron/gemm.h"
 
 #include <algorithm>
 #include <chrono>
@@ -25,8 +26,6 @@
 namespace moetron {
 
 // ep_dispatch_avx512.cpp
-void ep_f32_to_bf16_avx512(bf16* out, const float* in, int64_t n);
-void ep_bf16_to_f32_avx512(float* out, const bf16* in, int64_t n);
 
 std::string_view to_string(EpPayload p) {
   switch (p) {
@@ -65,14 +64,8 @@ void from_wire_bf16(float* out, const bf16* in, int64_t n);
 void to_wire_bf16_rows(bf16* out, const float* in, int64_t rows, int64_t D);
 void from_wire_bf16_rows(float* out, const bf16* in, int64_t rows, int64_t D);
 
-void to_wire_bf16(bf16* out, const float* in, int64_t n) {
-  if (active_isa() == Isa::Avx512) return ep_f32_to_bf16_avx512(out, in, n);
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(in[i]);
-}
-void from_wire_bf16(float* out, const bf16* in, int64_t n) {
-  if (active_isa() == Isa::Avx512) return ep_bf16_to_f32_avx512(out, in, n);
-  for (int64_t i = 0; i < n; ++i) out[i] = from_bf16(in[i]);
-}
+void to_wire_bf16(bf16* out, const float* in, int64_t n) { f32_to_bf16_serial(out, in, n); }
+void from_wire_bf16(float* out, const bf16* in, int64_t n) { bf16_to_f32_serial(out, in, n); }
 
 void to_wire_bf16_rows(bf16* out, const float* in, int64_t rows, int64_t D) {
 #pragma omp parallel for schedule(static) if (rows * D >= kParMin)

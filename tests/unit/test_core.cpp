@@ -213,3 +213,37 @@ TEST(Check, MessageNamesFileOpAndValues) {
     EXPECT_NE(m.find("got 7 expected 3"), std::string::npos) << m;
   }
 }
+
+#include "moetron/gemm.h"
+
+TEST(Convert, VectorBf16IsBitwiseTheScalarCodecAtEveryIsa) {
+  // Random bit patterns cover normals, denormals, infinities and NaNs; plus exact ties.
+  std::vector<float> x(300007);
+  auto key = rng_key(11, "convert");
+  for (size_t i = 0; i < x.size(); ++i) {
+    auto r = philox4x32(key, i);
+    uint32_t u = r[0];
+    if (i % 7 == 0) u = (u & 0xffff0000u) | 0x8000u;  // halfway cases
+    if (i % 11 == 0) u &= 0x807fffffu;                // denormals
+    std::memcpy(&x[i], &u, 4);
+  }
+  Isa before = active_isa();
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    set_isa_override(isa);
+    std::vector<bf16> y(x.size());
+    std::vector<float> back(x.size());
+    f32_to_bf16(y.data(), x.data(), int64_t(x.size()));
+    bf16_to_f32(back.data(), y.data(), int64_t(y.size()));
+    int bad = 0;
+    for (size_t i = 0; i < x.size() && bad < 5; ++i) {
+      uint16_t want = to_bf16(x[i]).bits;
+      if (y[i].bits != want) {
+        ++bad;
+        ADD_FAILURE() << isa_name(active_isa()) << " element " << i << " got " << y[i].bits << " want " << want;
+      }
+      float f = from_bf16(y[i]);
+      if (std::memcmp(&f, &back[i], 4) != 0) ++bad, ADD_FAILURE() << "bf16_to_f32 mismatch at " << i;
+    }
+  }
+  set_isa_override(before);
+}

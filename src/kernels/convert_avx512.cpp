@@ -1,7 +1,6 @@
-// ep_dispatch_avx512.cpp: AVX-512 conversions for the EP dispatch wire formats: fp32 -> bf16 with exactly
-// to_bf16's rounding (round to nearest even, NaN kept quiet, denormals NOT flushed: integer arithmetic, not
-// VCVTNEPS2BF16) and bf16 -> fp32. Called by ep_dispatch.cpp after checking active_isa(); helpers stay in an
-// anonymous namespace. Not the gemm.h conversions (those are the project-wide scalar loops).
+// convert_avx512.cpp: AVX-512 fp32 -> bf16 with exactly to_bf16's rounding (round to nearest even, NaN kept
+// quiet, denormals NOT flushed: integer arithmetic, not VCVTNEPS2BF16) and bf16 -> fp32. Serial; called by
+// the dispatchers in gemm.cpp after checking active_isa(); helpers stay in an anonymous namespace.
 // GCC 12 warns falsely about _mm512_undefined_* inside its own intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -26,7 +25,7 @@ inline __m256i f32_to_bf16_16(__m512 v) {
 }
 }  // namespace
 
-void ep_f32_to_bf16_avx512(bf16* out, const float* in, int64_t n) {
+void f32_to_bf16_avx512(bf16* out, const float* in, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), f32_to_bf16_16(_mm512_loadu_ps(in + i)));
@@ -36,7 +35,7 @@ void ep_f32_to_bf16_avx512(bf16* out, const float* in, int64_t n) {
   }
 }
 
-void ep_bf16_to_f32_avx512(float* out, const bf16* in, int64_t n) {
+void bf16_to_f32_avx512(float* out, const bf16* in, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
