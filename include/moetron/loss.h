@@ -23,7 +23,8 @@ namespace moetron {
 
 inline constexpr int32_t kIgnoreIndex = -1;
 
-// Default rows per chunk: about 8 MiB of fp32 logits (at least 16 rows, a multiple of 16). Depends on V only.
+// Default rows per chunk: max(256, rows filling 8 MiB of fp32 logits, a multiple of 16). Depends on V only.
+// The floor keeps the dW GEMM (K = rows, dW re-read and re-written per chunk) compute bound.
 int64_t linear_xent_default_chunk(int64_t V);
 // Workspace: the fp32 logits chunk [chunk, V] plus one double per chunk row. chunk_rows <= 0 means default.
 size_t linear_xent_workspace_bytes(int64_t N, int64_t V, int64_t chunk_rows);

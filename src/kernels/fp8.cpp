@@ -132,7 +132,19 @@ void scaled_pass(const Plan& p, float* scales, const float* x, Fp8Format f, bool
     for (int64_t r = r0; r < r1; ++r) m = std::max(m, k.amax(x + r * p.C + c0, len));
     return m;
   };
-  if (nb >= 2 * int64_t(omp_get_max_threads())) {
+  const int64_t nthr = omp_get_max_threads();
+  if (p.br == 1 && p.R >= 2 * nthr) {  // row and 1 x bc blocks: a row is a work item, blocks left to right
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < p.R; ++r)
+      for (int64_t bj = 0, c0 = 0; bj < p.nbc; ++bj, c0 += p.bc) {
+        const int64_t len = std::min(p.bc, p.C - c0);
+        const float s = fp8_scale_from_amax(k.amax(x + r * p.C + c0, len), f, pow2);
+        scales[r * p.nbc + bj] = s;
+        emit(r, c0, len, s);
+      }
+    return;
+  }
+  if (nb >= 2 * nthr) {
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t bi = b / p.nbc, bj = b % p.nbc;

@@ -154,6 +154,7 @@ struct QuantCase : OpCase {
     os << "fp8/" << fp8_format_name(f) << "_" << fp8_scaling_name(s);
     if (s == Fp8Scaling::Block) os << br << "x" << bc;
     if (p2) os << "_pow2";
+    os << "_" << R << "x" << C;
     name = os.str();
     bytes = 5.0 * 2048 * 2048;  // perf: read fp32, write fp8
   }
@@ -342,6 +343,9 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
   v.push_back(std::make_unique<QuantCase>(F::E5M2, S::Block, 37, 300, 1, 128, false));
   v.push_back(std::make_unique<QuantCase>(F::E4M3, S::Block, 200, 330, 128, 128, false));
   v.push_back(std::make_unique<QuantCase>(F::E5M2, S::Block, 200, 330, 128, 128, true));
+  // 3 blocks: with 2 threads the per-block amax is a parallel reduction, with 1 thread each block is a
+  // work item, so the thread-count check also compares the two code paths bitwise.
+  v.push_back(std::make_unique<QuantCase>(F::E4M3, S::Block, 100, 300, 128, 128, false));
   return v;
 }
 

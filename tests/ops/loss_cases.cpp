@@ -147,6 +147,18 @@ struct FusedCase : OpCase {
     r.compare("dh vs ref", dhf.data(), dh_ref.data(), N * C, atol_dh, 0.0);
     r.compare("dW (+= onto nonzero) vs ref", dWf.data(), dW_ref.data(), V * C, atol_dW, 0.0);
 
+    // The twin in T = float (same unfused algorithm, fp32 sums): within the same analytic bounds.
+    {
+      std::vector<float> dhr(N * C), dWr = dW0, rlr(N);
+      const float lr = linear_xent_ref<float>(rlr.data(), dhr.data(), dWr.data(), h.data(), W.data(), t.data(), N, C, V,
+                                              scale);
+      const double lrd = lr;
+      auto a = to_f64(dhr), b = to_f64(dWr);
+      r.compare("ref<float> loss vs ref<double>", &lrd, &loss_ref, 1, atol_loss + scale * valid * V * u * 4, 0.0);
+      r.compare("ref<float> dh vs ref<double>", a.data(), dh_ref.data(), N * C, atol_dh, 0.0);
+      r.compare("ref<float> dW vs ref<double>", b.data(), dW_ref.data(), V * C, atol_dW, 0.0);
+    }
+
     // Forward only: the same loss bitwise (same GEMM, same row kernel), and per-row losses.
     std::vector<double> rl(N, -1.0);
     std::vector<float> unused;
