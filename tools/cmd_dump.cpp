@@ -79,7 +79,8 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   dbg->require_subcommand(1);
   auto* dump = dbg->add_subcommand("dump-init", "Write the initial parameters and a deterministic batch "
                                                 "(safetensors) for tools/torch_ref/moetron_ref.py");
-  static std::string config, out;
+  static std::string config;
+  static std::string out;
   static double bias_std = 0.02;
   dump->add_option("config", config, "TOML config")->required();
   dump->add_option("out", out, "output .safetensors")->required();

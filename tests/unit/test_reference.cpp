@@ -16,8 +16,10 @@
 // counts.<i> are the emu choice at step 1 and the engine must reproduce them exactly).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -38,13 +40,13 @@ const fs::path kRoot = fs::path(__FILE__).parent_path().parent_path().parent_pat
 const char* kStale = "reference file is stale: run tools/torch_ref/gen_refs.sh";
 
 std::vector<float> read_f32(const SafetensorsFile& f, const std::string& name, int64_t n) {
-  std::vector<float> v(size_t(n));
+  std::vector<float> v(static_cast<size_t>(n));
   load_into(f, name, DType::F32, {n}, v.data());
   return v;
 }
 std::vector<float> read_f32(const SafetensorsFile& f, const std::string& name) {
   const auto& i = f.info(name);
-  std::vector<float> v(size_t(shape_numel(i.shape)));
+  std::vector<float> v(static_cast<size_t>(shape_numel(i.shape)));
   load_into(f, name, DType::F32, i.shape, v.data());
   return v;
 }
@@ -68,68 +70,81 @@ Err compare(const float* a, const float* b, int64_t n, const float* base = nullp
   return e;
 }
 
-// Tolerances (per tensor: rel on the Frobenius norm, max on the largest element), see the derivation below.
+// Tolerances (per tensor: rel on the Frobenius norm, max on the largest element; scalars: relative). Derived
+// below from the rounding model; "measured" is the worst over the six variants at the time of writing (the
+// test prints its per-variant summary; MOETRON_REF_VERBOSE=1 prints every tensor).
 struct Tol {
   double rel, max;
 };
 struct Tols {
   Tol logits, grad, step5;
-  double loss;  // |a - b| / |b| for CE loss, aux loss and z-loss values
+  double loss;  // CE loss (step 1 and every step), aux loss, z-loss
 };
 
-// ---- exact (float64) reference: bf16 rounding budget -------------------------------------------------
-// bf16 keeps 8 significant bits: round-to-nearest gives a relative error |d| <= u = 2^-9 = 1.95e-3 per
-// rounding, uniformly distributed for random data, i.e. RMS u/sqrt(3) = 1.1e-3. A GEMM with both operands
-// rounded has a norm-wise relative output error of about sqrt(2) * 1.1e-3 = 1.6e-3 (independent errors add in
-// quadrature over the K-term dot products, relative to a sum that grows the same way).
-// Forward, logits: embedding -> 3 layers of (attention: 2-4 chained GEMMs; FFN: 2 GEMMs) -> head. The residual
-// stream carries most of the signal unrounded, so the logits see ~ 1 GEMM's error plus the branch errors
-// scaled by the branches' share: measured 3e-3; budget 1e-2 (3 GEMM errors in series, sqrt(9) * 1.6e-3 = 5e-3,
-// times 2 for the max-norm spread across tensors).
-// Backward: a weight gradient is a GEMM of two rounded operands (x16, dy16) whose dy went through up to ~20
-// rounded GEMMs from the head down to layer 0; sqrt(20) * 1.6e-3 = 7e-3, and some gradients are differences of
-// near-cancelling terms (the softmax-router gate, RMSNorm weights: the projection onto x-hat removes most of
-// dy), which amplifies relative errors by ~3x: budget 3e-2. Measured worst: see the per-variant summary the
-// test prints (all below 1.5e-2).
-// Max-element checks: an element's error is bounded by the same rounding budget relative to the row norms, so
-// relative to the tensor's largest element we allow 3x the norm budget.
-// After 5 AdamW steps the updates, not the parameters, are compared (parameters are equal at step 0). Adam's
-// first update is lr * g / (|g| + eps) = lr * sign(g): an element whose gradient is smaller than the bf16
-// noise (1e-2 * rms) flips sign and moves 2 lr instead of 0. For Gaussian gradients that is ~1% of the elements,
-// a norm-wise relative error of sqrt(0.01 * 4) = 0.2 on the update; the fp64 comparison of step5 can only
-// catch gross errors (a wrong learning rate, decay on norms, a missing clip: all >= 0.5), budget 0.35. The emu
-// reference below is the meaningful optimizer check.
-constexpr Tols kExact{{1e-2, 3e-2}, {3e-2, 1e-1}, {0.35, 1.0}, 1e-2};
+// ---- exact (float64) reference: the bf16 budget ---------------------------------------------------------
+// bf16 keeps 8 significant bits: round-to-nearest-even has |relative error| <= u = 2^-9 = 1.95e-3, RMS about
+// u/sqrt(3) = 1.1e-3 for random data. A GEMM whose two operands are rounded has a norm-wise relative output
+// error of about sqrt(2) * 1.1e-3 = 1.6e-3 (the per-product errors are independent and add in quadrature,
+// like the products themselves); fp32 accumulation adds nothing visible (2^-24 sqrt(K)).
+// logits = bf16(h_final) . bf16(head)^T: the head GEMM's own 1.6e-3 plus the error of h_final, which the residual
+//   stream keeps at about one GEMM's worth (each branch is rounded, the stream is not): predicted ~2.3e-3,
+//   measured 2.8e-3 (max element 3.6e-3). Budget 1e-2 / 2e-2.
+// gradients: a weight gradient is bf16(x)^T bf16(dy) where dy crossed up to ~20 rounded GEMMs from the head down
+//   to layer 0: sqrt(20) * 1.6e-3 = 7e-3; RMSNorm-weight gradients (q_norm, kv_norm, attn/ffn norms) are sums
+//   of dy * x-hat that mostly cancel, which doubles the relative error. Predicted <= 1.4e-2, measured 1.3e-2
+//   (max element 1.1e-2). Budget 4e-2 / 4e-2.
+// losses: per-token logit errors are independent and average out over the 64 tokens: measured <= 3.2e-5
+//   (CE, aux, z, every step). Budget 3e-4.
+// step5: the updates p5 - p0 are compared (p0 is bitwise equal). The first AdamW update is
+//   lr * g / (|g| + eps): elements with |g| > eps (1e-5 in these configs) move by ~lr whatever |g|, so an element
+//   whose gradient error exceeds its gradient flips sign (2 lr instead of 0). eps = 1e-5 (not 1e-8) keeps that
+//   set small: measured 2.3e-2. Budget 0.1: a wrong lr, decay on the norms, a missing clip or bias correction
+//   all move the update by >= 0.3. The max-element bound (1.0 of the largest update) is a sanity check only
+//   (one flipped element legitimately moves by 2 lr): measured 0.35.
+constexpr Tols kExact{{1e-2, 2e-2}, {4e-2, 4e-2}, {0.1, 1.0}, 3e-4};
 
-// ---- emu reference: same roundings, fp32 vs fp64 arithmetic ----------------------------------------------
-// Left: fp32 accumulation (|error| <= K * 2^-24 worst case, ~sqrt(K) * 6e-8 typical for K <= 512: 1.3e-6)
-// and fp32 elementwise math (softmax, exp, rsqrt: a few ulp), compounded over ~20 ops: ~1e-5. On top, a value
-// that lands within that distance of a bf16 rounding boundary rounds the other way in one implementation:
-// a 2^-8 relative jump of one element (probability ~ 1e-5 / 4e-3 per element), which for a tensor of n
-// elements adds about 2^-8 * sqrt(p) ~ 2e-4 to the norm-wise error of whatever it feeds. Budget: 2e-3
-// for gradients (measured worst 5e-4), 5e-4 for logits and losses.
-// Step5: a sign flip of the first Adam update now needs |g| < 1e-4 * rms (probability ~1e-4), so the
-// update's norm-wise error is ~ sqrt(1e-4 * 4) = 2e-2 at worst; budget 5e-2, and a max-element budget
-// of 2 lr-steps (1.0 of the largest update: one flipped element may move by that much).
-constexpr Tols kEmu{{5e-4, 2e-3}, {2e-3, 2e-2}, {5e-2, 1.0}, 5e-4};
+// ---- emu reference: the same roundings; what is left ----------------------------------------------------
+// Without the bf16 error the engine matches to fp32 level (logits 3.4e-8, gradients 1e-7 .. 1e-6 in variants
+// where nothing else happens), EXCEPT where a value lands within fp32 noise (~1e-7 relative) of a bf16
+// rounding midpoint: the engine and the reference then round it in opposite directions, a 2^-8 jump of one
+// element. With ~1e-7 / 2^-8 = 3e-5 probability per rounded element and ~50k rounded elements per step that
+// happens a few times per variant. One forward flip (gqa: one element of an activation) moves the logits by
+// 2.6e-4 (max element 1.5e-3); two backward flips (mla) move a norm-weight gradient by 2.1e-3 (max element
+// 4.3e-3). Flipping exactly those roundings in the reference brings them back to 3.4e-8 and 2e-5
+// (docs/torch_ref.md), so these are rounding ties, not model differences. Budgets, about 3x the flip-driven
+// worst case: logits 1e-3 / 5e-3, gradients 8e-3 / 1.5e-2, losses 1e-4 (measured 1.3e-5), step5 3e-2
+// (measured 8.6e-3; max element: sanity 1.0, measured 0.23). The emu set is thus 4-10x tighter than the exact
+// one in the worst case and ~1e4x in the typical tensor (the per-variant summary prints the median).
+constexpr Tols kEmu{{1e-3, 5e-3}, {8e-3, 1.5e-2}, {3e-2, 1.0}, 1e-4};
 
 struct Worst {
   double rel = 0, max = 0;
   std::string rel_at, max_at;
+  std::vector<double> all;
+  double median() {
+    if (all.empty()) return 0;
+    std::sort(all.begin(), all.end());
+    return all[all.size() / 2];
+  }
   void add(const Err& e, const std::string& what) {
+    all.push_back(e.rel);
     if (e.rel > rel) rel = e.rel, rel_at = what;
     if (e.max > max) max = e.max, max_at = what;
   }
 };
 
+const bool kVerbose = std::getenv("MOETRON_REF_VERBOSE") != nullptr;
+
 void check(const char* set, const char* kind, const std::string& name, const Err& e, const Tol& t, Worst& w) {
   w.add(e, name);
+  if (kVerbose) std::printf("    %-5s %-6s %-28s rel %.3e  max %.3e\n", set, kind, name.c_str(), e.rel, e.max);
   EXPECT_LE(e.rel, t.rel) << set << " " << kind << " " << name << ": ||a-b||/||b|| = " << e.rel;
   EXPECT_LE(e.max, t.max) << set << " " << kind << " " << name << ": max|a-b|/max|b| = " << e.max;
 }
 
 void check_scalar(const char* set, const char* what, double got, double want, double tol) {
   double rel = std::fabs(got - want) / std::max(std::fabs(want), 1e-12);
+  if (kVerbose) std::printf("    %-5s %-28s engine %.8g  reference %.8g  rel %.3e\n", set, what, got, want, rel);
   EXPECT_LE(rel, tol) << set << " " << what << ": engine " << got << ", reference " << want << " (rel " << rel
                       << ")";
 }
@@ -161,7 +176,7 @@ TEST_P(Reference, MatchesTorch) {
     auto b = read_f32(ref, "expert_bias." + std::to_string(i), E);
     std::copy(b.begin(), b.end(), model.expert_bias(i));
   }
-  std::vector<int32_t> tokens(size_t(N)), targets(size_t(N));
+  std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
   load_into(ref, "tokens", DType::I32, {N}, tokens.data());
   load_into(ref, "targets", DType::I32, {N}, targets.data());
   std::vector<float> p0(model.param_data(), model.param_data() + np);
@@ -172,14 +187,25 @@ TEST_P(Reference, MatchesTorch) {
   const Tols* tols[2] = {&kExact, &kEmu};
 
   // ---- logits and routing
-  std::vector<float> logits(size_t(N * V));
+  std::vector<float> logits(static_cast<size_t>(N * V));
   model.compute_logits(logits.data(), tokens.data());
   for (int s = 0; s < 2; ++s)
     check(sets[s], "logits", "logits", compare(logits.data(), read_f32(ref, std::string(pre[s]) + "logits").data(), N * V),
           tols[s]->logits, w[s][0]);
+  // Debugging aid: MOETRON_REF_DUMP=DIR writes the engine's step-1 logits and gradients to DIR/<v>.engine.safetensors.
+  std::vector<float> grads_copy;
+  auto dump_engine = [&]() {
+    const char* dir = std::getenv("MOETRON_REF_DUMP");
+    if (!dir) return;
+    grads_copy.assign(model.grad_data(), model.grad_data() + np);
+    std::vector<SafetensorsEntry> ents{{"logits", DType::F32, {N, V}, logits.data(), logits.size() * 4}};
+    for (auto& p : model.params())
+      ents.push_back({"grad." + p.name, DType::F32, p.shape, grads_copy.data() + p.offset, size_t(p.numel) * 4});
+    write_safetensors((fs::path(dir) / (v + ".engine.safetensors")).string(), ents);
+  };
   auto counts = model.take_expert_counts();
   for (int i = 0; i < model.n_moe_layers(); ++i) {
-    std::vector<int32_t> want(size_t(E));
+    std::vector<int32_t> want(static_cast<size_t>(E));
     load_into(ref, "counts." + std::to_string(i), DType::I32, {E}, want.data());
     for (int64_t e = 0; e < E; ++e)
       EXPECT_EQ(counts[size_t(i)][size_t(e)], want[size_t(e)])
@@ -190,6 +216,7 @@ TEST_P(Reference, MatchesTorch) {
   model.zero_grads();
   ForwardStats fs1 = model.forward_backward(tokens.data(), targets.data(), float(1.0 / double(N)), 1.0f);
   ASSERT_EQ(fs1.ce_count, N);
+  dump_engine();
   for (int s = 0; s < 2; ++s) {
     const std::string p = pre[s];
     check_scalar(sets[s], "loss", fs1.ce_sum / double(fs1.ce_count), read_f32(ref, p + "loss", 1)[0], tols[s]->loss);
@@ -222,7 +249,15 @@ TEST_P(Reference, MatchesTorch) {
     for (auto& p : model.params())
       adamw_step(model.param_data() + p.offset, mbuf.data<float>() + p.offset, vbuf.data<float>() + p.offset,
                  model.grad_data() + p.offset, p.numel, ac, step, clip, p.decay);
-    model.update_expert_bias(model.take_expert_counts());
+    auto step_counts = model.take_expert_counts();
+    for (int i = 0; i < model.n_moe_layers(); ++i) {
+      std::vector<int32_t> want(static_cast<size_t>(E));
+      load_into(ref, "emu.counts.step" + std::to_string(step) + "." + std::to_string(i), DType::I32, {E}, want.data());
+      for (int64_t e = 0; e < E; ++e)
+        EXPECT_EQ(step_counts[size_t(i)][size_t(e)], want[size_t(e)])
+            << "step " << step << " MoE layer " << i << " expert " << e << ": routing diverged from the reference";
+    }
+    model.update_expert_bias(step_counts);
     model.sync_weights();
   }
   for (int s = 0; s < 2; ++s) {
@@ -243,9 +278,9 @@ TEST_P(Reference, MatchesTorch) {
     }
   }
   for (int s = 0; s < 2; ++s)
-    std::printf("[ %-7s ] %-7s %-5s logits %.2e/%.2e  grad %.2e (%s)/%.2e (%s)  step5 %.2e (%s)/%.2e\n", v.c_str(),
-                sets[s], "", w[s][0].rel, w[s][0].max, w[s][1].rel, w[s][1].rel_at.c_str(), w[s][1].max,
-                w[s][1].max_at.c_str(), w[s][2].rel, w[s][2].rel_at.c_str(), w[s][2].max);
+    std::printf("[ %-7s ] %-5s logits %.1e/%.1e  grad %.1e (%s) max %.1e median %.1e  step5 %.1e (%s) median %.1e\n",
+                v.c_str(), sets[s], w[s][0].rel, w[s][0].max, w[s][1].rel, w[s][1].rel_at.c_str(), w[s][1].max,
+                w[s][1].median(), w[s][2].rel, w[s][2].rel_at.c_str(), w[s][2].median());
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, Reference,

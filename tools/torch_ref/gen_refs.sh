@@ -18,5 +18,6 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for v in "$@"; do
   "$cli" debug dump-init "$root/tests/data/ref/$v.toml" "$tmp/$v.dump.safetensors" >/dev/null
-  "$py" "$root/tools/torch_ref/moetron_ref.py" gen "$tmp/$v.dump.safetensors" "$root/tests/data/ref/$v.safetensors"
+  "$py" "$root/tools/torch_ref/moetron_ref.py" gen "$tmp/$v.dump.safetensors" "$root/tests/data/ref/$v.safetensors" \
+    "$root/tests/data/ref/$v.toml"
 done

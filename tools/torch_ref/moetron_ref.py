@@ -591,9 +591,15 @@ def train_reference(cfg, P0, biases0, tokens, targets, B, T, mode, steps, forced
     return out
 
 
-def gen(dump_path, out_path, steps=5):
+def gen(dump_path, out_path, steps=5, toml_path=None):
     t, meta = read_safetensors(dump_path)
-    cfg = config_from_toml_text(meta["config_toml"])
+    cfg = config_from_toml_text(meta["config_toml"])  # the engine's resolved config: every key explicit
+    if toml_path:  # this file's TOML loader + defaults must agree with the engine's on the original file
+        mine = load_config(toml_path)
+        for sec in DEFAULTS:
+            if mine[sec] != cfg[sec]:
+                diff = {k: (mine[sec][k], cfg[sec][k]) for k in cfg[sec] if mine[sec][k] != cfg[sec][k]}
+                raise SystemExit(f"{toml_path}: [{sec}] read differently by moetron_ref.py (mine, engine): {diff}")
     B, T = int(meta["B"]), int(meta["T"])
     m = cfg["model"]
     assert B == cfg["training"]["micro_batch_size"] and T == cfg["training"]["seq_len"]
@@ -639,6 +645,9 @@ def gen(dump_path, out_path, steps=5):
             o[prefix + f"step5.expert_bias.{i}"] = f32(b)
     for i, c in enumerate(emu["counts"][0]):
         o[f"counts.{i}"] = c.numpy().astype(np.int32)
+    for s_, cs in enumerate(emu["counts"]):  # tokens per expert at every step (the bias updates follow them)
+        for i, c in enumerate(cs):
+            o[f"emu.counts.step{s_ + 1}.{i}"] = c.numpy().astype(np.int32)
     lrs = ",".join(f"{x:.9g}" for x in emu["lrs"])
     md = dict(meta)
     md.update({"generator": "tools/torch_ref/moetron_ref.py gen", "torch": torch.__version__, "steps": str(steps),
@@ -652,10 +661,10 @@ def gen(dump_path, out_path, steps=5):
 
 def main(argv):
     if len(argv) >= 3 and argv[0] == "gen":
-        gen(argv[1], argv[2], int(argv[3]) if len(argv) > 3 else 5)
+        gen(argv[1], argv[2], 5, argv[3] if len(argv) > 3 else None)
         return 0
     print(__doc__)
-    print("usage: moetron_ref.py gen DUMP.safetensors OUT.safetensors [steps]")
+    print("usage: moetron_ref.py gen DUMP.safetensors OUT.safetensors [CONFIG.toml (cross-check)]")
     return 2
 
 
