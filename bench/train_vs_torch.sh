@@ -30,11 +30,13 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 w = int(sys.argv[2])
 tok = 8 * 256 * (len(rows) - w)
 print(f"{tok / (rows[-1]['time_s'] - rows[w - 1]['time_s'] if w > 0 else rows[-1]['time_s']):.1f}")
+print("    per step (tokens/s): " + " ".join(f"{r['tokens_per_s']:.0f}" for r in rows), file=sys.stderr)
 PY
 }
 run_torch() {
   "$py" "$root/bench/torch_ds_mini.py" --config "$root/configs/ds_mini.toml" --steps $steps --warmup $warmup \
     --threads $threads > "$tmp/torch.$1.log"
+  echo "    per step (tokens/s): $(sed -n 's/.* s  \([0-9]*\) tok\/s$/\1/p' "$tmp/torch.$1.log" | tr '\n' ' ')" >&2
   sed -n 's/^tokens_per_s: //p' "$tmp/torch.$1.log"
 }
 
@@ -42,8 +44,10 @@ echo "ds_mini, micro-batch 8 x 256, $threads threads, $warmup warm-up + $steps t
 echo "machine: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start"
 A=() ; Bv=()
 for r in $(seq 1 "$rounds"); do
-  a=$(run_moetron "$r"); A+=("$a"); echo "round $r  A moetron  $a tokens/s"
-  b=$(run_torch "$r");   Bv+=("$b"); echo "round $r  B torch    $b tokens/s"
+  a=$(run_moetron "$r" 2>"$tmp/a.err") || { cat "$tmp/a.err" >&2; exit 1; }
+  A+=("$a"); echo "round $r  A moetron  $a tokens/s"; cat "$tmp/a.err"
+  b=$(run_torch "$r" 2>"$tmp/b.err") || { cat "$tmp/b.err" >&2; exit 1; }
+  Bv+=("$b"); echo "round $r  B torch    $b tokens/s"; cat "$tmp/b.err"
 done
 "$py" - "${A[*]}" "${Bv[*]}" <<'PY'
 import sys, statistics as st
