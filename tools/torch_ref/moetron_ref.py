@@ -1,0 +1,672 @@
+"""moetron_ref.py: the moetron model (src/model/model.cpp) written again in PyTorch, for two uses:
+
+  1. the reference for tests/unit/test_reference.cpp (llm.c's train_gpt2.py / test_gpt2.c pattern):
+     `moetron_ref.py gen DUMP.safetensors OUT.safetensors` reads the engine's initial parameters and a batch
+     (written by `moetron debug dump-init`), runs forward / backward and 5 AdamW steps in float64 and writes
+     the logits, losses, gradients and parameters after 5 steps;
+  2. the eager PyTorch model of bench/torch_ds_mini.py (float32 parameters under CPU bf16 autocast).
+
+It is NOT a second engine: no data pipeline, no checkpoints, no capacity dropping (capacity_factor must be 0).
+
+Everything mirrors model.cpp and the kernel headers:
+  - parameter names, shapes and layouts are the engine's: weights [in, out]; embed and head [V, d]; fused
+    w13 = [gate | up]; MHA/GQA wqkv = [q heads | k heads | v heads]; MLA wdq, q_norm, wuq (or wq), wdkv, wkr,
+    kv_norm, wukv (per head [k_nope | v]); experts [E, d, 2F] and [E, F, d]; shared experts one SwiGLU of
+    width n_shared * F;
+  - RoPE half-split (rope.h) on the whole head (MHA/GQA) or on the decoupled rotary slice (MLA: q heads at
+    offset qk_nope_head_dim, the single shared k_pe head);
+  - router (router.h): softmax / sigmoid scores, bias for selection only, group-limited top-k (group score
+    max for softmax, top-2 sum for sigmoid, as model.cpp chooses), ties to the lower index, norm_topk,
+    route_scale, aux loss global or per sequence with f held constant, z-loss;
+  - cross-entropy mean over the B*T tokens (ce_scale = 1/N), targets -1 ignored;
+  - AdamW exactly as optim.h, with the trainer's clipping (clip_coefficient) and lr_at schedule, decay only
+    on matrices (decay=true in model.cpp: every parameter except the RMSNorm weights).
+
+Precision modes (`Prec`):
+  fp64    every op in float64: the mathematically exact model;
+  emu     float64, but every matmul operand is rounded to bf16 exactly where model.cpp rounds it (x16 / W16 in
+          the forward, dy16 in both backward GEMMs; the router gate stays unrounded like the engine's fp32
+          gate GEMM). This removes the bf16 error from the comparison and leaves only fp32-vs-fp64
+          accumulation, so the C++ test can use tight tolerances;
+  autocast float32 parameters, matmuls under torch.autocast("cpu", bfloat16) (benchmark only).
+
+Only /usr/bin/python3 (Debian python3-torch 1.13) has torch on this machine.
+"""
+import json
+import math
+import struct
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:
+    import tomllib
+except ImportError:  # pragma: no cover
+    tomllib = None
+
+# ---------------------------------------------------------------------------------------------------------
+# safetensors (stdlib reader / writer: 8-byte LE header length, JSON header, row-major LE data)
+
+_ST_DTYPES = {"F32": (np.float32, 4), "F64": (np.float64, 8), "I32": (np.int32, 4), "I64": (np.int64, 8),
+              "U8": (np.uint8, 1)}
+
+
+def read_safetensors(path):
+    """Returns ({name: numpy array}, metadata dict)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n].decode("utf-8"))
+    meta = header.pop("__metadata__", {}) or {}
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        dt = info["dtype"]
+        if dt not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name}: unsupported dtype {dt}")
+        npdt, size = _ST_DTYPES[dt]
+        b, e = info["data_offsets"]
+        arr = np.frombuffer(data[base + b:base + e], dtype=npdt).copy()
+        shape = info["shape"]
+        if arr.size != (math.prod(shape) if shape else 1):
+            raise ValueError(f"{path}: tensor {name}: {arr.size} elements for shape {shape}")
+        out[name] = arr.reshape(shape)
+    return out, meta
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """tensors: {name: numpy array} of float32 / int32 (written in name order)."""
+    header, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype == np.float32:
+            dt = "F32"
+        elif a.dtype == np.int32:
+            dt = "I32"
+        else:
+            raise ValueError(f"tensor {name}: write float32 or int32, not {a.dtype}")
+        raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    h = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# config: the same TOML as the engine, with the defaults of include/moetron/{config,spec}.h
+
+DEFAULTS = {
+    "model": dict(vocab_size=0, d_model=0, n_layers=0, first_k_dense=0, dense_layers=[], inter_size=0,
+                  norm_eps=1e-6, tie_embeddings=False, init_std=0.02, rope_theta=10000.0, attn_type="mha",
+                  n_heads=0, n_kv_heads=0, head_dim=0, qk_norm=False, q_lora_rank=0, kv_lora_rank=0,
+                  qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, n_routed_experts=0, n_shared_experts=0,
+                  moe_inter_size=0, topk=0, score_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
+                  route_scale=1.0, load_balance="aux_loss", aux_coef=0.001, aux_seq_wise=False,
+                  bias_update_rate=0.001, z_loss_coef=0.0, capacity_factor=0.0, drop_policy="probs"),
+    "training": dict(seq_len=0, micro_batch_size=1, global_batch_size=0, steps=1, seed=0, max_norm=1.0,
+                     dataset="synthetic", dataset_path="", val_interval=0, val_steps=0, dtype="bf16", threads=0),
+    "optimizer": dict(name="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
+    "lr_scheduler": dict(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.1),
+}
+
+
+def config_from_toml_text(text, overrides=()):
+    raw = tomllib.loads(text)
+    cfg = {}
+    for sec, d in DEFAULTS.items():
+        got = dict(raw.get(sec, {}))
+        unknown = set(got) - set(d)
+        if unknown:
+            raise ValueError(f"[{sec}]: keys unknown to moetron_ref.py: {sorted(unknown)}")
+        cfg[sec] = {**d, **got}
+    for o in overrides:  # --section.key=value, value parsed as TOML (strings may be bare)
+        k, v = o.lstrip("-").split("=", 1)
+        sec, key = k.split(".", 1)
+        if sec not in cfg:
+            continue
+        try:
+            val = tomllib.loads(f"x = {v}")["x"]
+        except Exception:
+            val = v
+        cfg[sec][key] = val
+    m = cfg["model"]
+    if m["attn_type"] != "mla":  # ModelSpec::resolve
+        if m["n_kv_heads"] == 0:
+            m["n_kv_heads"] = m["n_heads"]
+        if m["head_dim"] == 0 and m["n_heads"] > 0 and m["d_model"] % m["n_heads"] == 0:
+            m["head_dim"] = m["d_model"] // m["n_heads"]
+    t = cfg["training"]
+    if t["global_batch_size"] == 0:
+        t["global_batch_size"] = t["micro_batch_size"]
+    if m["capacity_factor"] != 0:
+        raise ValueError("moetron_ref.py implements dropless MoE only (capacity_factor = 0)")
+    if m["qk_norm"]:
+        raise ValueError("qk_norm is not implemented by the engine")
+    return cfg
+
+
+def load_config(path, overrides=()):
+    with open(path, "r") as f:
+        return config_from_toml_text(f.read(), overrides)
+
+
+def is_moe_layer(m, l):
+    if m["n_routed_experts"] <= 0 or l < m["first_k_dense"]:
+        return False
+    return l not in m["dense_layers"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parameters: the engine's list (model.cpp Impl::build), in its order
+
+def param_specs(m):
+    """[(name, shape, kind)] with kind 'ones' (RMSNorm weights, no decay) or 'normal' (matrices, decay)."""
+    V, d, H = m["vocab_size"], m["d_model"], m["n_heads"]
+    ps = [("embed", (V, d), "normal")]
+    mla = m["attn_type"] == "mla"
+    if mla:
+        dn, dr, dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+        rq, rkv = m["q_lora_rank"], m["kv_lora_rank"]
+        dqk = dn + dr
+    else:
+        hd, hkv = m["head_dim"], m["n_kv_heads"]
+        dv = hd
+    E, Fe = m["n_routed_experts"], m["moe_inter_size"]
+    Fs = m["n_shared_experts"] * Fe
+    for l in range(m["n_layers"]):
+        p = f"layers.{l}."
+        ps.append((p + "attn_norm", (d,), "ones"))
+        if mla:
+            if rq > 0:
+                ps += [(p + "attn.wdq", (d, rq), "normal"), (p + "attn.q_norm", (rq,), "ones"),
+                       (p + "attn.wuq", (rq, H * dqk), "normal")]
+            else:
+                ps.append((p + "attn.wq", (d, H * dqk), "normal"))
+            ps += [(p + "attn.wdkv", (d, rkv), "normal"), (p + "attn.wkr", (d, dr), "normal"),
+                   (p + "attn.kv_norm", (rkv,), "ones"), (p + "attn.wukv", (rkv, H * (dn + dv)), "normal")]
+        else:
+            ps.append((p + "attn.wqkv", (d, (H + 2 * hkv) * hd), "normal"))
+        ps.append((p + "attn.wo", (H * dv, d), "normal"))
+        ps.append((p + "ffn_norm", (d,), "ones"))
+        if not is_moe_layer(m, l):
+            F_ = m["inter_size"]
+            ps += [(p + "mlp.w13", (d, 2 * F_), "normal"), (p + "mlp.w2", (F_, d), "normal")]
+        else:
+            ps += [(p + "moe.gate", (d, E), "normal"), (p + "moe.experts.w13", (E, d, 2 * Fe), "normal"),
+                   (p + "moe.experts.w2", (E, Fe, d), "normal")]
+            if Fs > 0:
+                ps += [(p + "moe.shared.w13", (d, 2 * Fs), "normal"), (p + "moe.shared.w2", (Fs, d), "normal")]
+    ps.append(("final_norm", (d,), "ones"))
+    if not m["tie_embeddings"]:
+        ps.append(("head", (V, d), "normal"))
+    return ps
+
+
+def init_params(m, dtype=torch.float32, seed=0):
+    """Fresh parameters for the benchmark (torch RNG, not the engine's Philox: values differ, shapes agree)."""
+    g = torch.Generator().manual_seed(seed)
+    P = {}
+    for name, shape, kind in param_specs(m):
+        if kind == "ones":
+            t = torch.ones(shape, dtype=dtype)
+        else:
+            t = torch.randn(shape, generator=g, dtype=torch.float32).mul_(m["init_std"]).to(dtype)
+        P[name] = t.requires_grad_(True)
+    return P
+
+
+def decays(name):
+    return not name.endswith("norm")  # model.cpp: decay=false exactly for the RMSNorm weights
+
+
+# ---------------------------------------------------------------------------------------------------------
+# precision
+
+def bf16_round(x):
+    """Round to bf16 (round to nearest even) and back, keeping x's dtype."""
+    return x.to(torch.float32).to(torch.bfloat16).to(x.dtype)
+
+
+class _Lin16(torch.autograd.Function):
+    """y = bf16(x) @ bf16(w); backward rounds dy once to bf16 and uses it for both GEMMs (model.cpp lin_*)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        xr, wr = bf16_round(x), bf16_round(w)
+        ctx.save_for_backward(xr, wr)
+        return xr @ wr
+
+    @staticmethod
+    def backward(ctx, dy):
+        xr, wr = ctx.saved_tensors
+        dyr = bf16_round(dy)
+        return dyr @ wr.transpose(-1, -2), xr.transpose(-1, -2) @ dyr
+
+
+class Prec:
+    def __init__(self, mode):
+        assert mode in ("fp64", "emu", "autocast"), mode
+        self.mode = mode
+
+    def mm(self, x, w):
+        """x [..., in] @ w [in, out] with the engine's bf16 operands (emu) or plainly."""
+        if self.mode == "emu":
+            return _Lin16.apply(x, w)
+        return x @ w
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layers
+
+def rmsnorm(x, w, eps):
+    xf = x.float() if x.dtype == torch.bfloat16 else x
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * rstd * w
+
+
+def rope_tables(T, R, theta, dtype):
+    """cos/sin [T, R/2]: angle t * theta^(-2i/R) (rope.h)."""
+    i = torch.arange(R // 2, dtype=torch.float64)
+    inv = theta ** (-2.0 * i / R)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+
+
+def rope(x, cos, sin):
+    """Half-split rotation of the last dim of x [B, T, ..., R]; cos/sin [T, R/2]."""
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half], x[..., half:]
+    shape = [1, cos.shape[0]] + [1] * (x.dim() - 3) + [half]
+    c, s = cos.view(shape), sin.view(shape)
+    return torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1)
+
+
+def causal_attention(q, k, v, scale):
+    """q [B, T, H, Dqk], k [B, T, H, Dqk], v [B, T, H, Dv] -> out [B, T, H * Dv]. Scores and softmax in
+    float32 at least (float64 in the reference); under autocast the two matmuls run in bf16."""
+    B, T, H, _ = q.shape
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    s = q @ k.transpose(-1, -2)
+    if s.dtype != torch.float64:
+        s = s.float()
+    s = (s * scale).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v
+    return o.transpose(1, 2).reshape(B, T, -1)
+
+
+def swiglu(gu):
+    Fw = gu.shape[-1] // 2
+    return F.silu(gu[..., :Fw]) * gu[..., Fw:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# router (router.h)
+
+def _stable_desc_order(x):
+    """Indices sorting x [N, M] by decreasing value, ties to the lower index."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices
+
+
+def route(logits, bias, m, T, forced_idx=None):
+    """Returns (topk_idx [N, k], topk_w [N, k], counts [E], aux, z, margin).
+    logits [N, E] (float32 or float64, not rounded); bias [E] tensor or None; margin = the smallest gap between
+    the last chosen and the first rejected selection score (and between the kept and dropped groups)."""
+    N, E = logits.shape
+    k, ng, tg = m["topk"], m["n_group"], m["topk_group"]
+    sigmoid = m["score_func"] == "sigmoid"
+    s = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    q = s.detach() + (bias.to(s.dtype) if bias is not None else 0)
+    margin = math.inf
+    if ng > 1:
+        G = E // ng
+        qg = q.view(N, ng, G)
+        if sigmoid:  # GroupScore::Top2Sum (model.cpp ties the group score to the score function)
+            top = torch.sort(qg, dim=-1, descending=True).values
+            gs = top[..., 0] + top[..., 1] if G >= 2 else top[..., 0]
+        else:  # GroupScore::Max
+            gs = qg.max(dim=-1).values
+        order = _stable_desc_order(gs)
+        if tg < ng:
+            gsorted = gs.gather(1, order)
+            margin = min(margin, float((gsorted[:, tg - 1] - gsorted[:, tg]).min()))
+        keep = torch.zeros(N, ng, dtype=torch.bool)
+        keep.scatter_(1, order[:, :tg], True)
+        eligible = keep[:, :, None].expand(N, ng, G).reshape(N, E)
+        qsel = q.masked_fill(~eligible, float("-inf"))
+    else:
+        qsel = q
+    order = _stable_desc_order(qsel)
+    idx = order[:, :k]
+    qs = qsel.gather(1, order)
+    if k < E:
+        gap = qs[:, k - 1] - qs[:, k]
+        gap = gap[torch.isfinite(gap)]
+        if gap.numel():
+            margin = min(margin, float(gap.min()))
+    if forced_idx is not None:
+        idx = forced_idx
+    w = s.gather(1, idx)
+    if m["norm_topk_prob"]:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * m["route_scale"]
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    # aux loss: model.cpp enables it for load_balance = aux_loss, and for aux_free when aux_coef > 0
+    lb = m["load_balance"]
+    aux = logits.new_zeros(())
+    if lb == "aux_loss" or (lb == "aux_free" and m["aux_coef"] > 0):
+        sp = s / (s.sum(-1, keepdim=True) + 1e-20) if sigmoid else s
+        Ts = T if m["aux_seq_wise"] else N
+        S = N // Ts
+        oh = F.one_hot(idx.reshape(S, Ts * k), E).to(s.dtype)  # f: counts per sequence, no gradient
+        f = oh.sum(1) / (Ts * k)                                  # [S, E]
+        P = sp.view(S, Ts, E).mean(1)                             # [S, E]
+        aux = (m["aux_coef"] * E * (f * P).sum(-1)).mean()
+    z = logits.new_zeros(())
+    if m["z_loss_coef"] > 0:
+        z = m["z_loss_coef"] * torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return idx, w, counts, aux, z, margin
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the model
+
+class State:
+    """Per-call inputs and outputs besides parameters: expert biases, forced selections, recorded routing."""
+
+    def __init__(self, biases=None, forced=None):
+        self.biases = biases or {}   # moe layer index -> [E] tensor (aux_free)
+        self.forced = forced         # list of [N, k] index tensors per MoE layer, or None
+        self.idx, self.counts, self.margins = [], [], []
+
+
+def forward(P, tokens, targets, cfg, prec, st, B, T):
+    """Returns (total loss for backward, ce mean, aux sum, z sum, logits [N, V])."""
+    m = cfg["model"]
+    V, d, H, eps = m["vocab_size"], m["d_model"], m["n_heads"], m["norm_eps"]
+    N = B * T
+    mla = m["attn_type"] == "mla"
+    pdt = P["embed"].dtype
+    if mla:
+        dn, dr, dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+        rq, rkv = m["q_lora_rank"], m["kv_lora_rank"]
+        dqk = dn + dr
+        cos, sin = rope_tables(T, dr, m["rope_theta"], pdt)
+    else:
+        hd, hkv = m["head_dim"], m["n_kv_heads"]
+        dqk = dv = hd
+        cos, sin = rope_tables(T, hd, m["rope_theta"], pdt)
+    scale = 1.0 / math.sqrt(dqk)
+    mm = prec.mm
+    x = P["embed"][tokens]  # [N, d]
+    aux_sum = x.new_zeros(())
+    z_sum = x.new_zeros(())
+    moe_i = 0
+    for l in range(m["n_layers"]):
+        p = f"layers.{l}."
+        h = rmsnorm(x, P[p + "attn_norm"], eps)
+        if not mla:
+            qkv = mm(h, P[p + "attn.wqkv"]).view(B, T, H + 2 * hkv, hd)
+            qk = rope(qkv[:, :, :H + hkv], cos, sin)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+            v = qkv[:, :, H + hkv:]
+            if hkv != H:
+                k = k.repeat_interleave(H // hkv, dim=2)
+                v = v.repeat_interleave(H // hkv, dim=2)
+        else:
+            if rq > 0:
+                cq = rmsnorm(mm(h, P[p + "attn.wdq"]), P[p + "attn.q_norm"], eps)
+                q = mm(cq, P[p + "attn.wuq"])
+            else:
+                q = mm(h, P[p + "attn.wq"])
+            q = q.view(B, T, H, dqk)
+            q = torch.cat([q[..., :dn], rope(q[..., dn:], cos, sin)], dim=-1)
+            ckv = rmsnorm(mm(h, P[p + "attn.wdkv"]), P[p + "attn.kv_norm"], eps)
+            kpe = rope(mm(h, P[p + "attn.wkr"]).view(B, T, 1, dr), cos, sin)
+            kv = mm(ckv, P[p + "attn.wukv"]).view(B, T, H, dn + dv)
+            k = torch.cat([kv[..., :dn], kpe.expand(B, T, H, dr)], dim=-1)
+            v = kv[..., dn:]
+        ao = causal_attention(q, k, v, scale).reshape(N, H * dv)
+        x = x + mm(ao, P[p + "attn.wo"])
+        h2 = rmsnorm(x, P[p + "ffn_norm"], eps)
+        if not is_moe_layer(m, l):
+            y = mm(swiglu(mm(h2, P[p + "mlp.w13"])), P[p + "mlp.w2"])
+        else:
+            y = moe_ffn(P, p, h2, m, mm, st, moe_i, T)
+            aux_sum = aux_sum + st.last_aux
+            z_sum = z_sum + st.last_z
+            moe_i += 1
+        x = x + y
+    hf = rmsnorm(x, P["final_norm"], eps)
+    head = P["embed"] if m["tie_embeddings"] else P["head"]
+    logits = mm(hf, head.t())  # [N, V]
+    ce = F.cross_entropy(logits.float() if logits.dtype == torch.bfloat16 else logits, targets,
+                         ignore_index=-1, reduction="sum") / N
+    total = ce + aux_sum + z_sum
+    return total, ce, aux_sum, z_sum, logits
+
+
+def moe_ffn(P, p, h2, m, mm, st, moe_i, T):
+    """Routed experts (eager: loop over experts, index_select / index_add) plus the shared experts."""
+    N, d = h2.shape
+    E, k = m["n_routed_experts"], m["topk"]
+    gate = P[p + "moe.gate"]
+    if torch.is_autocast_cpu_enabled():
+        with torch.autocast("cpu", enabled=False):  # the engine's gate GEMM is fp32
+            logits = h2.float() @ gate.float()
+    else:
+        logits = h2 @ gate  # unrounded, like model.cpp's gemm_f32
+    forced = st.forced[moe_i] if st.forced is not None else None
+    idx, w, counts, aux, z, margin = route(logits, st.biases.get(moe_i), m, T, forced)
+    st.idx.append(idx)
+    st.counts.append(counts)
+    st.margins.append(margin)
+    st.last_aux, st.last_z = aux, z
+    # expert-major plan, stable in (token, slot) order (permute.h)
+    flat = idx.reshape(-1)
+    perm = torch.sort(flat, stable=True).indices
+    tok = perm // k
+    wflat = w.reshape(-1)
+    bounds = [0] + torch.cumsum(counts, 0).tolist()
+    W13, W2 = P[p + "moe.experts.w13"], P[p + "moe.experts.w2"]
+    y = None
+    parts = []
+    for e in range(E):
+        b, en = bounds[e], bounds[e + 1]
+        if en == b:
+            continue
+        te = tok[b:en]
+        xe = h2.index_select(0, te)
+        ze = mm(swiglu(mm(xe, W13[e])), W2[e])
+        parts.append((te, ze * wflat.index_select(0, perm[b:en])[:, None].to(ze.dtype)))
+    y = torch.zeros(N, d, dtype=parts[0][1].dtype if parts else h2.dtype)
+    for te, ye in parts:
+        y = y.index_add(0, te, ye)
+    if m["n_shared_experts"] > 0:
+        ys = mm(swiglu(mm(h2, P[p + "moe.shared.w13"])), P[p + "moe.shared.w2"])
+        y = y + ys
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# optimizer and schedule (trainer.cpp lr_at, optim.h)
+
+def lr_at(cfg, step, total):
+    o, s = cfg["optimizer"], cfg["lr_scheduler"]
+    lr = o["lr"]
+    if s["warmup_steps"] > 0 and step <= s["warmup_steps"]:
+        return lr * step / s["warmup_steps"]
+    if s["decay_type"] == "none":
+        return lr
+    span = total - s["warmup_steps"]
+    pr = min(1.0, (step - s["warmup_steps"]) / span) if span > 0 else 1.0
+    mn = s["min_lr_ratio"]
+    f = mn + (1 - mn) * 0.5 * (1 + math.cos(math.pi * pr)) if s["decay_type"] == "cosine" else 1 - (1 - mn) * pr
+    return lr * f
+
+
+def clip_coefficient(norm, max_norm):
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+@torch.no_grad()
+def adamw_step(P, grads, M, Vv, cfg, step, lr, clip):
+    """Textbook AdamW (optim.h order): gi = g * clip; m, v; decoupled decay; bias-corrected update."""
+    o = cfg["optimizer"]
+    b1, b2, eps, wd = o["beta1"], o["beta2"], o["eps"], o["weight_decay"]
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    for name, p in P.items():
+        g = grads[name] * clip
+        M[name].mul_(b1).add_((1 - b1) * g)
+        Vv[name].mul_(b2).add_((1 - b2) * g * g)
+        if decays(name):
+            p.mul_(1 - lr * wd)
+        p.sub_(lr / bc1 * M[name] / (Vv[name].sqrt() / math.sqrt(bc2) + eps))
+
+
+def update_bias(bias, counts, rate):
+    """router_update_bias: bias_e += rate * sign(mean_count - counts_e)."""
+    c = counts.to(torch.float64)
+    mean = c.sum() / c.numel()
+    bias += rate * torch.sign(mean - c).to(bias.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reference generation
+
+def train_reference(cfg, P0, biases0, tokens, targets, B, T, mode, steps, forced_steps=None):
+    """Runs `steps` trainer steps (one micro-batch each, same batch) in float64 with precision `mode`.
+    Returns a dict with step-1 logits / losses / grads, per-step losses, final params and biases, and the
+    routing of every step (to replay in another mode)."""
+    m = cfg["model"]
+    prec = Prec(mode)
+    P = {n: torch.tensor(a, dtype=torch.float64).requires_grad_(True) for n, a in P0.items()}
+    biases = {i: torch.tensor(b, dtype=torch.float64) for i, b in biases0.items()}
+    M = {n: torch.zeros_like(p) for n, p in P.items()}
+    Vv = {n: torch.zeros_like(p) for n, p in P.items()}
+    tok = torch.tensor(tokens, dtype=torch.int64)
+    tgt = torch.tensor(targets, dtype=torch.int64)
+    out = {"losses": [], "aux_losses": [], "z_losses": [], "grad_norms": [], "lrs": [], "routing": [],
+           "margins": [], "counts": []}
+    for step in range(1, steps + 1):
+        st = State(biases={i: b.clone() for i, b in biases.items()},
+                   forced=forced_steps[step - 1] if forced_steps is not None else None)
+        for p in P.values():
+            p.grad = None
+        total, ce, aux, z, logits = forward(P, tok, tgt, cfg, prec, st, B, T)
+        total.backward()
+        grads = {n: p.grad.detach().clone() for n, p in P.items()}
+        gn = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        clip = clip_coefficient(gn, cfg["training"]["max_norm"])
+        lr = lr_at(cfg, step, steps)
+        if step == 1:
+            out["logits"] = logits.detach().clone()
+            out["grads"] = grads
+            out["loss"], out["aux_loss"], out["z_loss"] = float(ce), float(aux), float(z)
+        out["losses"].append(float(ce))
+        out["aux_losses"].append(float(aux))
+        out["z_losses"].append(float(z))
+        out["grad_norms"].append(gn)
+        out["lrs"].append(lr)
+        out["routing"].append([i.clone() for i in st.idx])
+        out["margins"].append(min(st.margins) if st.margins else math.inf)
+        out["counts"].append([c.clone() for c in st.counts])
+        adamw_step(P, grads, M, Vv, cfg, step, lr, clip)
+        if m["load_balance"] == "aux_free":
+            for i, c in enumerate(st.counts):
+                update_bias(biases[i], c, m["bias_update_rate"])
+    out["params"] = {n: p.detach().clone() for n, p in P.items()}
+    out["biases"] = biases
+    return out
+
+
+def gen(dump_path, out_path, steps=5, toml_path=None):
+    t, meta = read_safetensors(dump_path)
+    cfg = config_from_toml_text(meta["config_toml"])  # the engine's resolved config: every key explicit
+    if toml_path:  # this file's TOML loader + defaults must agree with the engine's on the original file
+        mine = load_config(toml_path)
+        for sec in DEFAULTS:
+            if mine[sec] != cfg[sec]:
+                diff = {k: (mine[sec][k], cfg[sec][k]) for k in cfg[sec] if mine[sec][k] != cfg[sec][k]}
+                raise SystemExit(f"{toml_path}: [{sec}] read differently by moetron_ref.py (mine, engine): {diff}")
+    B, T = int(meta["B"]), int(meta["T"])
+    m = cfg["model"]
+    assert B == cfg["training"]["micro_batch_size"] and T == cfg["training"]["seq_len"]
+    specs = param_specs(m)
+    names = [n for n, _, _ in specs]
+    got = sorted(k[len("param."):] for k in t if k.startswith("param."))
+    if sorted(names) != got:
+        raise SystemExit(f"parameter set differs from the engine's:\n ref {sorted(names)}\n engine {got}")
+    for n, shape, _ in specs:
+        if tuple(t["param." + n].shape) != tuple(shape):
+            raise SystemExit(f"{n}: engine shape {t['param.' + n].shape}, reference {shape}")
+    P0 = {n: t["param." + n] for n in names}
+    nmoe = sum(is_moe_layer(m, l) for l in range(m["n_layers"]))
+    biases0 = {i: t[f"expert_bias.{i}"] for i in range(nmoe)}
+    tokens, targets = t["tokens"], t["targets"]
+    torch.set_num_threads(1)
+
+    emu = train_reference(cfg, P0, biases0, tokens, targets, B, T, "emu", steps)
+    # fp64: the exact model with the routing held fixed to the emu run's choice at every step (top-k is
+    # piecewise constant; near-ties would otherwise flip experts between bf16 and fp64 and no tolerance fits)
+    ex = train_reference(cfg, P0, biases0, tokens, targets, B, T, "fp64", steps, forced_steps=emu["routing"])
+    # free fp64 routing: how often would it differ (diagnostic only)
+    free = train_reference(cfg, P0, biases0, tokens, targets, B, T, "fp64", 1)
+    flips = sum(int((a != b).any(dim=1).sum()) for a, b in zip(free["routing"][0], emu["routing"][0]))
+
+    f32 = lambda x: np.asarray(x.detach().numpy() if torch.is_tensor(x) else x, dtype=np.float32)
+    o = {"tokens": tokens.astype(np.int32), "targets": targets.astype(np.int32)}
+    for n in names:
+        o["param." + n] = P0[n].astype(np.float32)
+    for i, b in biases0.items():
+        o[f"expert_bias.{i}"] = b.astype(np.float32)
+    for prefix, r in (("", ex), ("emu.", emu)):
+        o[prefix + "logits"] = f32(r["logits"])
+        o[prefix + "loss"] = f32([r["loss"]])
+        o[prefix + "aux_loss"] = f32([r["aux_loss"]])
+        o[prefix + "z_loss"] = f32([r["z_loss"]])
+        o[prefix + "losses"] = f32(r["losses"])
+        o[prefix + "grad_norms"] = f32(r["grad_norms"])
+        for n in names:
+            o[prefix + "grad." + n] = f32(r["grads"][n])
+            o[prefix + "step5." + n] = f32(r["params"][n])
+        for i, b in r["biases"].items():
+            o[prefix + f"step5.expert_bias.{i}"] = f32(b)
+    for i, c in enumerate(emu["counts"][0]):
+        o[f"counts.{i}"] = c.numpy().astype(np.int32)
+    for s_, cs in enumerate(emu["counts"]):  # tokens per expert at every step (the bias updates follow them)
+        for i, c in enumerate(cs):
+            o[f"emu.counts.step{s_ + 1}.{i}"] = c.numpy().astype(np.int32)
+    lrs = ",".join(f"{x:.9g}" for x in emu["lrs"])
+    md = dict(meta)
+    md.update({"generator": "tools/torch_ref/moetron_ref.py gen", "torch": torch.__version__, "steps": str(steps),
+               "lrs": lrs, "routing_margin_min": f"{min(emu['margins']):.3e}",
+               "fp64_free_routing_flips_step1": str(flips)})
+    write_safetensors(out_path, o, md)
+    print(f"{out_path}: loss {ex['loss']:.6f} (emu {emu['loss']:.6f}) aux {ex['aux_loss']:.3e} z {ex['z_loss']:.3e} "
+          f"grad norm {ex['grad_norms'][0]:.4f} losses {[round(x, 5) for x in ex['losses']]} lrs {lrs} "
+          f"routing margin {min(emu['margins']):.2e}, free-fp64 routing flips at step 1: {flips}")
+
+
+def main(argv):
+    if len(argv) >= 3 and argv[0] == "gen":
+        gen(argv[1], argv[2], 5, argv[3] if len(argv) > 3 else None)
+        return 0
+    print(__doc__)
+    print("usage: moetron_ref.py gen DUMP.safetensors OUT.safetensors [CONFIG.toml (cross-check)]")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
