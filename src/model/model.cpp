@@ -612,7 +612,10 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   // router (fp32 gate GEMM: routing decisions are sensitive to rounding)
   float* logits = b.logits.data<float>();
   trace::Scope tr_router("fwd.router");
-  gemm_f32(Trans::N, Trans::N, N, E, d, 1.0f, b.h2.data<float>(), d, P(L.gate), E, 0.0f, logits, E);
+  {
+    MT_TRACE("fwd.router.gate_gemm");
+    gemm_f32(Trans::N, Trans::N, N, E, d, 1.0f, b.h2.data<float>(), d, P(L.gate), E, 0.0f, logits, E);
+  }
   RouterLosses rl;
   const float* bias = s.moe.load_balance == LoadBalance::AuxFree ? L.bias.data<float>() : nullptr;
   int32_t* idx = b.topk_idx.data<int32_t>();
