@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "moetron/fp8.h"  // fp8_scale_from_amax (an out-of-line baseline function); no inline helpers used
+
 namespace moetron::fp8_avx512 {
 
 namespace {
@@ -174,6 +176,27 @@ void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt) 
 void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt) {
   if (fmt == 0) fake_impl<kE4M3>(y, x, n, scale);
   else fake_impl<kE5M2>(y, x, n, scale);
+}
+
+template <const Fmt& F>
+void row_blocks_impl(void* out, float* scales, const float* x, int64_t C, int64_t bc, Fp8Format f, bool pow2,
+                     bool fake) {
+  // Two sweeps over the row (it stays in L1/L2): all block scales first, so that the latency chains of
+  // the blocks' amax reductions overlap, then the encodes.
+  for (int64_t bj = 0, c0 = 0; c0 < C; ++bj, c0 += bc)
+    scales[bj] = fp8_scale_from_amax(amax(x + c0, C - c0 < bc ? C - c0 : bc), f, pow2);
+  for (int64_t bj = 0, c0 = 0; c0 < C; ++bj, c0 += bc) {
+    const int64_t len = C - c0 < bc ? C - c0 : bc;
+    const float s = scales[bj];
+    if (fake) fake_impl<F>(static_cast<float*>(out) + c0, x + c0, len, s);
+    else if (s == 1.0f) encode_impl<F, false>(static_cast<uint8_t*>(out) + c0, x + c0, len, s);
+    else encode_impl<F, true>(static_cast<uint8_t*>(out) + c0, x + c0, len, s);
+  }
+}
+
+void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake) {
+  if (fmt == 0) row_blocks_impl<kE4M3>(out, scales, x, C, bc, Fp8Format::E4M3, pow2, fake);
+  else row_blocks_impl<kE5M2>(out, scales, x, C, bc, Fp8Format::E5M2, pow2, fake);
 }
 
 }  // namespace moetron::fp8_avx512
