@@ -28,6 +28,7 @@ void encode_scaled(uint8_t* q, const float* x, int64_t n, float scale, int fmt);
 void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt);
 void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt);
 void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake);
+float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld);
 }  // namespace fp8_avx512
 
 float fp8_max(Fp8Format f) { return f == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max; }
@@ -85,6 +86,11 @@ float amax_scalar(const float* x, int64_t n) {
   }
   return m;
 }
+float amax_rows_scalar(const float* x, int64_t rows, int64_t n, int64_t ld) {
+  float m = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) m = std::max(m, amax_scalar(x + r * ld, n));
+  return m;
+}
 void encode_scalar(uint8_t* q, const float* x, int64_t n, float scale, int fmt) {
   for (int64_t i = 0; i < n; ++i) q[i] = enc(x[i] / scale, fmt);
 }
@@ -113,12 +119,13 @@ struct RowKernels {
   void (*decode)(float*, const uint8_t*, int64_t, float, int);
   void (*fake)(float*, const float*, int64_t, float, int);
   void (*row_blocks)(void*, float*, const float*, int64_t, int64_t, int, bool, bool);
+  float (*amax_rows)(const float*, int64_t, int64_t, int64_t);
 };
 RowKernels kernels() {
   if (active_isa() == Isa::Avx512)
     return {fp8_avx512::amax, fp8_avx512::encode_scaled, fp8_avx512::decode_scaled, fp8_avx512::fake_scaled,
-            fp8_avx512::row_blocks};
-  return {amax_scalar, encode_scalar, decode_scalar, fake_scalar, row_blocks_scalar};
+            fp8_avx512::row_blocks, fp8_avx512::amax_rows};
+  return {amax_scalar, encode_scalar, decode_scalar, fake_scalar, row_blocks_scalar, amax_rows_scalar};
 }
 
 struct Plan {
@@ -148,9 +155,7 @@ void scaled_pass(const Plan& p, void* out, bool fake, float* scales, const float
   const int64_t nb = p.nblocks();
   auto block_amax = [&](int64_t bj, int64_t r0, int64_t r1) {
     const int64_t c0 = bj * p.bc, len = std::min(p.bc, p.C - c0);
-    float m = 0.0f;
-    for (int64_t r = r0; r < r1; ++r) m = std::max(m, k.amax(x + r * p.C + c0, len));
-    return m;
+    return k.amax_rows(x + r0 * p.C + c0, r1 - r0, len, p.C);
   };
   const int64_t nthr = omp_get_max_threads();
   if (p.br == 1 && p.R >= 2 * nthr) {  // row and 1 x bc blocks: a row is a work item, blocks left to right

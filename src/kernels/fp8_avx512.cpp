@@ -134,6 +134,30 @@ void fake_impl(float* y, const float* x, int64_t n, float scale) {
 
 }  // namespace
 
+// amax over a [rows, n] sub-matrix with leading dimension ld: one vector accumulator, one reduction.
+float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld) {
+  const __m512 inf = _mm512_set1_ps(__builtin_inff());
+  const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+  __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ld;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(xr + i)), absmask));
+      __m512 b = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(xr + i + 16)), absmask));
+      m0 = _mm512_mask_max_ps(m0, _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), m0, a);
+      m1 = _mm512_mask_max_ps(m1, _mm512_cmp_ps_mask(b, inf, _CMP_LT_OQ), m1, b);
+    }
+    for (; i < n; i += 16) {
+      const __mmask16 t = n - i >= 16 ? __mmask16(0xffff) : tail_mask(n - i);
+      __m512 a =
+          _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_maskz_loadu_ps(t, xr + i)), absmask));
+      m0 = _mm512_mask_max_ps(m0, _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), m0, a);
+    }
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+
 float amax(const float* x, int64_t n) {
   const __m512 inf = _mm512_set1_ps(__builtin_inff());
   const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
