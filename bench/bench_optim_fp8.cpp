@@ -2,6 +2,9 @@
 // dequantize / fake quant, each as GB/s with the percentage of the memcpy bandwidth measured in the
 // same process (bench_common). Bytes are the logical traffic: every array read or written once.
 // Tensor scaling reads x twice (amax pass, then encode) but is counted once, like the others.
+#include <omp.h>
+
+#include <cstring>
 #include <vector>
 
 #include "bench_common.h"
@@ -18,6 +21,24 @@ std::vector<float> randn_vec(int64_t n, const char* name, float sd) {
   fill_normal(v.data(), n, rng_key(1, name), 0, 0, sd);
   return v;
 }
+
+// A copy split over the OpenMP threads: the bandwidth the threaded kernels below can reach (the
+// bench_common memcpy limit is one thread's std::memcpy, which one core cannot saturate DRAM with).
+void BM_parallel_copy(benchmark::State& st) {
+  const int64_t n = st.range(0);
+  std::vector<float> a = randn_vec(n, "a", 1.0f), b(n);
+  for (auto _ : st) {
+#pragma omp parallel
+    {
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t i0 = n * t / T, i1 = n * (t + 1) / T;
+      std::memcpy(b.data() + i0, a.data() + i0, size_t(i1 - i0) * sizeof(float));
+    }
+    benchmark::ClobberMemory();
+  }
+  bench::report_bytes(st, 8.0 * double(n));
+}
+BENCHMARK(BM_parallel_copy)->Arg(1 << 24)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_adamw_step(benchmark::State& st) {
   const int64_t n = st.range(0);

@@ -27,6 +27,8 @@ float amax(const float* x, int64_t n);
 void encode_scaled(uint8_t* q, const float* x, int64_t n, float scale, int fmt);
 void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt);
 void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt);
+void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake);
+float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld);
 }  // namespace fp8_avx512
 
 float fp8_max(Fp8Format f) { return f == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max; }
@@ -84,6 +86,11 @@ float amax_scalar(const float* x, int64_t n) {
   }
   return m;
 }
+float amax_rows_scalar(const float* x, int64_t rows, int64_t n, int64_t ld) {
+  float m = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) m = std::max(m, amax_scalar(x + r * ld, n));
+  return m;
+}
 void encode_scalar(uint8_t* q, const float* x, int64_t n, float scale, int fmt) {
   for (int64_t i = 0; i < n; ++i) q[i] = enc(x[i] / scale, fmt);
 }
@@ -94,16 +101,31 @@ void fake_scalar(float* y, const float* x, int64_t n, float scale, int fmt) {
   for (int64_t i = 0; i < n; ++i) y[i] = dec(enc(x[i] / scale, fmt), fmt) * scale;
 }
 
+// One row of 1 x bc blocks: per block amax, scale (written to scales[bj]), then encode or fake quant.
+void row_blocks_scalar(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2,
+                       bool fake) {
+  for (int64_t bj = 0, c0 = 0; c0 < C; ++bj, c0 += bc) {
+    const int64_t len = std::min(bc, C - c0);
+    const float s = fp8_scale_from_amax(amax_scalar(x + c0, len), Fp8Format(fmt), pow2);
+    scales[bj] = s;
+    if (fake) fake_scalar(static_cast<float*>(out) + c0, x + c0, len, s, fmt);
+    else encode_scalar(static_cast<uint8_t*>(out) + c0, x + c0, len, s, fmt);
+  }
+}
+
 struct RowKernels {
   float (*amax)(const float*, int64_t);
   void (*encode)(uint8_t*, const float*, int64_t, float, int);
   void (*decode)(float*, const uint8_t*, int64_t, float, int);
   void (*fake)(float*, const float*, int64_t, float, int);
+  void (*row_blocks)(void*, float*, const float*, int64_t, int64_t, int, bool, bool);
+  float (*amax_rows)(const float*, int64_t, int64_t, int64_t);
 };
 RowKernels kernels() {
   if (active_isa() == Isa::Avx512)
-    return {fp8_avx512::amax, fp8_avx512::encode_scaled, fp8_avx512::decode_scaled, fp8_avx512::fake_scaled};
-  return {amax_scalar, encode_scalar, decode_scalar, fake_scalar};
+    return {fp8_avx512::amax, fp8_avx512::encode_scaled, fp8_avx512::decode_scaled, fp8_avx512::fake_scaled,
+            fp8_avx512::row_blocks, fp8_avx512::amax_rows};
+  return {amax_scalar, encode_scalar, decode_scalar, fake_scalar, row_blocks_scalar, amax_rows_scalar};
 }
 
 struct Plan {
@@ -120,28 +142,28 @@ Plan make_plan(const char* op, int64_t R, int64_t C, Fp8Format f, Fp8Scaling s, 
   return p;
 }
 
-// Quantize or fake-quantize: `emit(r, c0, len, scale)` writes row r, columns [c0, c0 + len).
-template <class Emit>
-void scaled_pass(const Plan& p, float* scales, const float* x, Fp8Format f, bool pow2, const RowKernels& k,
-                 Emit emit) {
+// Quantize (out = q, uint8) or fake-quantize (out = y, float) with block scales.
+void scaled_pass(const Plan& p, void* out, bool fake, float* scales, const float* x, Fp8Format f, bool pow2,
+                 const RowKernels& k) {
   if (p.R == 0 || p.C == 0) return;
+  const int fmt = int(f);
+  auto emit = [&](int64_t r, int64_t c0, int64_t len, float s) {
+    const int64_t off = r * p.C + c0;
+    if (fake) k.fake(static_cast<float*>(out) + off, x + off, len, s, fmt);
+    else k.encode(static_cast<uint8_t*>(out) + off, x + off, len, s, fmt);
+  };
   const int64_t nb = p.nblocks();
-  auto block_amax = [&](int64_t bi, int64_t bj, int64_t r0, int64_t r1) {
+  auto block_amax = [&](int64_t bj, int64_t r0, int64_t r1) {
     const int64_t c0 = bj * p.bc, len = std::min(p.bc, p.C - c0);
-    float m = 0.0f;
-    for (int64_t r = r0; r < r1; ++r) m = std::max(m, k.amax(x + r * p.C + c0, len));
-    return m;
+    return k.amax_rows(x + r0 * p.C + c0, r1 - r0, len, p.C);
   };
   const int64_t nthr = omp_get_max_threads();
   if (p.br == 1 && p.R >= 2 * nthr) {  // row and 1 x bc blocks: a row is a work item, blocks left to right
+    const size_t esz = fake ? sizeof(float) : 1;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < p.R; ++r)
-      for (int64_t bj = 0, c0 = 0; bj < p.nbc; ++bj, c0 += p.bc) {
-        const int64_t len = std::min(p.bc, p.C - c0);
-        const float s = fp8_scale_from_amax(k.amax(x + r * p.C + c0, len), f, pow2);
-        scales[r * p.nbc + bj] = s;
-        emit(r, c0, len, s);
-      }
+      k.row_blocks(static_cast<char*>(out) + size_t(r * p.C) * esz, scales + r * p.nbc, x + r * p.C, p.C, p.bc, fmt,
+                   pow2, fake);
     return;
   }
   if (nb >= 2 * nthr) {
@@ -150,7 +172,7 @@ void scaled_pass(const Plan& p, float* scales, const float* x, Fp8Format f, bool
       const int64_t bi = b / p.nbc, bj = b % p.nbc;
       const int64_t r0 = bi * p.br, r1 = std::min(p.R, r0 + p.br);
       const int64_t c0 = bj * p.bc, len = std::min(p.bc, p.C - c0);
-      const float s = fp8_scale_from_amax(block_amax(bi, bj, r0, r1), f, pow2);
+      const float s = fp8_scale_from_amax(block_amax(bj, r0, r1), f, pow2);
       scales[b] = s;
       for (int64_t r = r0; r < r1; ++r) emit(r, c0, len, s);
     }
@@ -165,7 +187,7 @@ void scaled_pass(const Plan& p, float* scales, const float* x, Fp8Format f, bool
 #pragma omp single
       red = 0.0f;
 #pragma omp for schedule(static) reduction(max : red)
-      for (int64_t r = r0; r < r1; ++r) red = std::max(red, block_amax(bi, bj, r, r + 1));
+      for (int64_t r = r0; r < r1; ++r) red = std::max(red, block_amax(bj, r, r + 1));
 #pragma omp single
       scales[b] = fp8_scale_from_amax(red, f, pow2);
     }
@@ -186,11 +208,7 @@ void fp8_quantize(uint8_t* q, float* scales, const float* x, int64_t R, int64_t 
   if (R * C == 0) return;
   MT_CHECK(q && scales && x, "fp8_quantize", "null pointer (q=", (void*)q, " scales=", (void*)scales,
            " x=", (const void*)x, ")");
-  const RowKernels k = kernels();
-  const int fmt = int(f);
-  scaled_pass(p, scales, x, f, pow2_scales, k, [&](int64_t r, int64_t c0, int64_t len, float sc) {
-    k.encode(q + r * C + c0, x + r * C + c0, len, sc, fmt);
-  });
+  scaled_pass(p, q, false, scales, x, f, pow2_scales, kernels());
 }
 
 void fp8_fake_quant(float* y, float* scales, const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Scaling s,
@@ -199,11 +217,7 @@ void fp8_fake_quant(float* y, float* scales, const float* x, int64_t R, int64_t 
   if (R * C == 0) return;
   MT_CHECK(y && scales && x, "fp8_fake_quant", "null pointer (y=", (void*)y, " scales=", (void*)scales,
            " x=", (const void*)x, ")");
-  const RowKernels k = kernels();
-  const int fmt = int(f);
-  scaled_pass(p, scales, x, f, pow2_scales, k, [&](int64_t r, int64_t c0, int64_t len, float sc) {
-    k.fake(y + r * C + c0, x + r * C + c0, len, sc, fmt);
-  });
+  scaled_pass(p, y, true, scales, x, f, pow2_scales, kernels());
 }
 
 void fp8_dequantize(float* x, const uint8_t* q, const float* scales, int64_t R, int64_t C, Fp8Format f,

@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "moetron/fp8.h"  // fp8_scale_from_amax (an out-of-line baseline function); no inline helpers used
+
 namespace moetron::fp8_avx512 {
 
 namespace {
@@ -132,6 +134,30 @@ void fake_impl(float* y, const float* x, int64_t n, float scale) {
 
 }  // namespace
 
+// amax over a [rows, n] sub-matrix with leading dimension ld: one vector accumulator, one reduction.
+float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld) {
+  const __m512 inf = _mm512_set1_ps(__builtin_inff());
+  const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+  __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ld;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(xr + i)), absmask));
+      __m512 b = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(xr + i + 16)), absmask));
+      m0 = _mm512_mask_max_ps(m0, _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), m0, a);
+      m1 = _mm512_mask_max_ps(m1, _mm512_cmp_ps_mask(b, inf, _CMP_LT_OQ), m1, b);
+    }
+    for (; i < n; i += 16) {
+      const __mmask16 t = n - i >= 16 ? __mmask16(0xffff) : tail_mask(n - i);
+      __m512 a =
+          _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_maskz_loadu_ps(t, xr + i)), absmask));
+      m0 = _mm512_mask_max_ps(m0, _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), m0, a);
+    }
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+
 float amax(const float* x, int64_t n) {
   const __m512 inf = _mm512_set1_ps(__builtin_inff());
   const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
@@ -174,6 +200,27 @@ void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt) 
 void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt) {
   if (fmt == 0) fake_impl<kE4M3>(y, x, n, scale);
   else fake_impl<kE5M2>(y, x, n, scale);
+}
+
+template <const Fmt& F>
+void row_blocks_impl(void* out, float* scales, const float* x, int64_t C, int64_t bc, Fp8Format f, bool pow2,
+                     bool fake) {
+  // Two sweeps over the row (it stays in L1/L2): all block scales first, so that the latency chains of
+  // the blocks' amax reductions overlap, then the encodes.
+  for (int64_t bj = 0, c0 = 0; c0 < C; ++bj, c0 += bc)
+    scales[bj] = fp8_scale_from_amax(amax(x + c0, C - c0 < bc ? C - c0 : bc), f, pow2);
+  for (int64_t bj = 0, c0 = 0; c0 < C; ++bj, c0 += bc) {
+    const int64_t len = C - c0 < bc ? C - c0 : bc;
+    const float s = scales[bj];
+    if (fake) fake_impl<F>(static_cast<float*>(out) + c0, x + c0, len, s);
+    else if (s == 1.0f) encode_impl<F, false>(static_cast<uint8_t*>(out) + c0, x + c0, len, s);
+    else encode_impl<F, true>(static_cast<uint8_t*>(out) + c0, x + c0, len, s);
+  }
+}
+
+void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake) {
+  if (fmt == 0) row_blocks_impl<kE4M3>(out, scales, x, C, bc, Fp8Format::E4M3, pow2, fake);
+  else row_blocks_impl<kE5M2>(out, scales, x, C, bc, Fp8Format::E5M2, pow2, fake);
 }
 
 }  // namespace moetron::fp8_avx512
