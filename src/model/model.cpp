@@ -629,6 +629,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   int64_t dropped = moe_permute_plan(off, b.row_of.data<int32_t>(), b.token_of.data<int32_t>(), b.slot_of.data<int32_t>(), idx, counts, N,
                                    int(K), int(E), s.moe.capacity_factor);
   if (!recomputing) last_dropped += dropped;
+  tr_router.stop();
   int32_t* kept = b.kept.data<int32_t>();
   for (int64_t e = 0; e < E; ++e) kept[e] = off[e + 1] - off[e];
   const int64_t R = off[E];
