@@ -15,20 +15,12 @@
 #include "moetron/ep_dispatch.h"
 #include "moetron/mesh.h"
 #include "moetron/router.h"
+#include "test_util.h"
 
 using namespace moetron;
 
 namespace {
-// Runs f and returns the moetron::Error message ("" if nothing was thrown).
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetron::testing::error_of;
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include "moetron/accounting.h"
 #include "moetron/check.h"
 #include "moetron/config.h"
+#include "test_util.h"
 
 using namespace moetron;
 namespace fs = std::filesystem;
@@ -44,16 +45,7 @@ micro_batch_size = 2
 global_batch_size = 4
 )";
 
-// The error message of `f`, or "" if it did not throw moetron::Error.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetron::testing::error_of;
 std::string load_error(const std::string& toml, std::vector<std::string> overrides = {}) {
   return error_of([&] { load_config_string(toml, overrides, "test.toml"); });
 }

@@ -20,6 +20,7 @@
 
 #include "moetron/check.h"
 #include "moetron/data.h"
+#include "test_util.h"
 
 using namespace moetron;
 using namespace moetron::data;
@@ -52,16 +53,7 @@ void spit(const std::string& p, const std::string& bytes) {
   f << bytes;
 }
 
-// The message of the moetron::Error thrown by f ("" if none).
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetron::testing::error_of;
 
 #define EXPECT_ERROR_HAS(stmt, ...)                                                       \
   do {                                                                                    \
