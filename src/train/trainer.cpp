@@ -227,7 +227,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   // AdamW state: the whole flat buffer, or with zero = 1 this rank's slice [s_lo, s_hi) of it (ZeRO-1).
   const bool sharded = cfg.parallelism.zero == 1 && D > 1;
   const int64_t s_lo = sharded ? np * rank / D : 0, s_hi = sharded ? np * (rank + 1) / D : np, ns = s_hi - s_lo;
-  std::vector<int64_t> sh_counts(size_t(D)), sh_displs(size_t(D));  // bytes, for all_gather_v
+  std::vector<int64_t> sh_counts(static_cast<size_t>(D)), sh_displs(static_cast<size_t>(D));  // bytes, for all_gather_v
   for (int r = 0; r < D; ++r) {
     int64_t lo = sharded ? np * r / D : 0, hi = sharded ? np * (r + 1) / D : np;
     sh_counts[size_t(r)] = (hi - lo) * 4, sh_displs[size_t(r)] = lo * 4;
@@ -368,7 +368,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     ++step;
     model.zero_grads();
     // Per micro-batch loss sums, folded in global micro-batch order below (= the single-process sum).
-    std::vector<double> ce_parts(size_t(micro_local)), aux_parts(size_t(micro_local));
+    std::vector<double> ce_parts(static_cast<size_t>(micro_local)), aux_parts(static_cast<size_t>(micro_local));
     int64_t ce_n = 0;
     // Normalized by the GLOBAL token count of the step (every target of the synthetic / loader data is valid).
     const float ce_scale = float(1.0 / double(G * T));
