@@ -544,7 +544,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
     std::printf("metrics: %s\n", res.metrics_path.c_str());
     if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
-    if (D > 1) std::printf("DP collectives: %.3f s (%s)\n", res.comm_seconds, dp.stats().summary().c_str());
+    if (D > 1) std::printf("DP collectives: %.3f s\n%s", res.comm_seconds, dp.stats().summary().c_str());
   }
   if (world.size() > 1) world.barrier();  // rank 0's checkpoint and metrics are on disk when any rank returns
   return res;
