@@ -1,12 +1,17 @@
 // trainer.h: the single-process training loop: data, micro-batches with gradient accumulation, AdamW with
 // clipping and an LR schedule, aux-loss-free bias updates, validation, metrics (terminal + metrics.jsonl),
-// checkpoints with automatic resume. Not parallel (the parallel runtime will drive the same step).
+// checkpoints with automatic resume. Data parallel under MPI (dp_replicate * dp_shard ranks, ep = pp = 1):
+// every rank trains its share of each global batch, gradients are summed over DP with Comm's rank-order
+// all_reduce in a few large buckets, and every rank keeps bitwise identical parameters; rank 0 alone
+// prints, writes metrics.jsonl and checkpoints. parallelism.zero = 1 shards the AdamW state over DP.
+// Not expert or pipeline parallel yet (docs/parallel.md, "Data parallelism in the trainer").
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "moetron/comm.h"
 #include "moetron/config.h"
 
 namespace moetron {
@@ -24,12 +29,27 @@ struct TrainOptions {
   std::string data_root = "data";  // where named datasets (brown) are prepared
   bool profile = false;            // per-op time breakdown at the end (MT_TRACE scopes)
   std::string trace_path;          // also write a Chrome trace JSON there (implies profile)
+  // The world communicator (its size must match [parallelism]); nullptr = comm_world(), which is the
+  // single-process communicator unless the process was started by mpirun.
+  const Comm* comm = nullptr;
+  // For equivalence tests (cost: a hash per sequence / of all parameters per step, a copy at the end).
+  bool record_data = false;   // TrainResult::data
+  bool record_param_hash = false;  // StepRecord::param_hash
+  bool keep_params = false;   // TrainResult::final_params (+ expert biases appended)
+};
+
+// One training sequence a rank computed: step, index in the global batch [0, G), FNV-1a hash of its
+// inputs and targets.
+struct SeqRecord {
+  int64_t step = 0, index = 0;
+  uint64_t hash = 0;
 };
 
 struct StepRecord {
   int64_t step = 0;
   double loss = 0, aux_loss = 0, lr = 0, grad_norm = 0;
   double val_loss = -1;  // -1 when not computed this step
+  uint64_t param_hash = 0;  // FNV-1a of all parameters and expert biases after the step (record_param_hash)
 };
 
 struct TrainResult {
@@ -41,8 +61,13 @@ struct TrainResult {
   int64_t mem_peak_bytes = 0;
   int64_t act_peak_bytes = 0;  // peak of the activations category (what recompute saves)
   std::string dump_folder, metrics_path, checkpoint_dir;
-  double unigram_entropy = -1;
-  std::vector<std::pair<std::string, double>> op_seconds;  // per-op breakdown when profiling  // of the training data (nats/token) when known
+  double unigram_entropy = -1;  // of the training data (nats/token) when known
+  std::vector<std::pair<std::string, double>> op_seconds;  // per-op breakdown when profiling
+  int rank = 0, world = 1;              // this process in the DP group
+  int64_t opt_state_bytes = 0;          // AdamW m + v held by this rank (1/dp of the total with zero = 1)
+  double comm_seconds = 0;              // time in DP collectives (gradient all-reduce, parameter gather, stats)
+  std::vector<SeqRecord> data;          // record_data
+  std::vector<float> final_params;      // keep_params
 };
 
 TrainResult train(const JobConfig& cfg, const TrainOptions& opt = {});

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -16,6 +17,7 @@
 #include "moetron/data.h"
 #include "moetron/gemm.h"
 #include "moetron/memory.h"
+#include "moetron/mesh.h"
 #include "moetron/model.h"
 #include "moetron/optim.h"
 #include "moetron/rng.h"
@@ -67,16 +69,22 @@ struct BatchSource {
 };
 
 // Synthetic text: each sequence is a random walk over the vocabulary with a few fixed "phrases", so a
-// model can learn it and the loss falls. Position = number of sequences handed out.
+// model can learn it and the loss falls. Sequence number q is a pure function of (seed, stream, q).
+// Ranks: like the DataLoader, global step s is sequences [s*G, s*G + G); rank r of `world` takes the
+// contiguous chunk of G/world starting at s*G + r*G/world, as micro-batches of B. So sequence i of a
+// step is the same whatever the world size. Position = step_pos + micro*B (with world = 1: the number of
+// sequences handed out); at a step boundary it does not depend on rank or world.
 struct SyntheticSource : BatchSource {
-  int64_t B, T, V;
-  uint64_t key, pos = 0;
-  SyntheticSource(int64_t b, int64_t t, int64_t v, uint64_t seed, const char* stream)
-      : B(b), T(t), V(v), key(rng_key(seed, stream)) {}
+  int64_t B, T, V, G, rank, world;
+  uint64_t key, step_pos = 0, micro = 0;
+  SyntheticSource(int64_t b, int64_t t, int64_t v, uint64_t seed, const char* stream, int64_t g, int r, int w)
+      : B(b), T(t), V(v), G(g), rank(r), world(w), key(rng_key(seed, stream)) {}
   void next(int32_t* in, int32_t* tg) override {
     std::vector<int32_t> row(size_t(T + 1));
-    for (int64_t r = 0; r < B; ++r, ++pos) {
-      uint64_t base = pos * uint64_t(T + 1);
+    const int64_t per = G / world;
+    const uint64_t first = step_pos + uint64_t(rank * per) + micro * uint64_t(B);
+    for (int64_t r = 0; r < B; ++r) {
+      uint64_t base = (first + uint64_t(r)) * uint64_t(T + 1);
       int32_t cur = int32_t(philox4x32(key, base)[0] % uint64_t(V));
       for (int64_t t = 0; t <= T; ++t) {
         auto rnd = philox4x32(key, base + uint64_t(t) + 1);
@@ -87,9 +95,15 @@ struct SyntheticSource : BatchSource {
       std::copy(row.begin(), row.begin() + T, in + r * T);
       std::copy(row.begin() + 1, row.end(), tg + r * T);
     }
+    if (int64_t(++micro) * B == per) micro = 0, step_pos += uint64_t(G);
   }
-  json state() const override { return json{{"kind", "synthetic"}, {"position", pos}}; }
-  void restore(const json& j) override { pos = j.at("position").get<uint64_t>(); }
+  json state() const override { return json{{"kind", "synthetic"}, {"position", step_pos + micro * uint64_t(B)}}; }
+  void restore(const json& j) override {
+    uint64_t pos = j.at("position").get<uint64_t>();
+    step_pos = pos - pos % uint64_t(G), micro = (pos % uint64_t(G)) / uint64_t(B);
+    MT_CHECK(micro == 0 || world == 1, "train", "synthetic data position ", pos,
+             " is inside a step: only a step boundary restores under data parallelism");
+  }
 };
 
 struct LoaderSource : BatchSource {
@@ -113,6 +127,12 @@ struct LoaderSource : BatchSource {
   }
 };
 
+uint64_t fnv1a(const void* p, size_t n, uint64_t h = 1469598103934665603ull) {
+  auto* c = static_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n; ++i) h = (h ^ c[i]) * 1099511628211ull;
+  return h;
+}
+
 std::string human_bytes(int64_t b) {
   char buf[32];
   if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(1 << 30));
@@ -126,17 +146,37 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   JobConfig cfg = cfg_in;
   const auto& tr = cfg.training;
   const ModelSpec& ms = cfg.model;
-  MT_CHECK(cfg.parallelism.world_size() == 1, "train", "this build's trainer runs one process; parallelism asks for ",
-           cfg.parallelism.world_size(), " ranks");
-  init_threads(int(tr.threads));
-  const bool say = !opt.quiet;
+
+  // ---- parallel layout: data parallelism only (ep = pp = 1). The mesh validates world vs [parallelism].
+  const Comm world = opt.comm ? *opt.comm : comm_world();
+  const DeviceMesh mesh(cfg.parallelism, world.size(), ms.is_moe() ? ms.moe.n_routed_experts : 0);
+  MT_CHECK(mesh.pp() == 1, "train", "parallelism.pp = ", mesh.pp(),
+           ": pipeline parallelism is not implemented in the trainer yet (use pp = 1)");
+  MT_CHECK(mesh.ep() == 1, "train", "parallelism.ep = ", mesh.ep(),
+           ": expert parallelism is not implemented in the trainer yet (use ep = 1; dp_shard / dp_replicate give "
+           "data parallelism)");
+  MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1, "train", "parallelism.zero = ",
+           cfg.parallelism.zero, " is not implemented in the trainer (use 0, or 1 to shard the optimizer state)");
+  const Comm dp = world.size() == 1 ? world : make_mesh_comms(mesh, world).dp;
+  const int rank = dp.rank(), D = dp.size();
+  const bool root = world.rank() == 0;
+  {
+    // Ranks sharing this machine: the launcher says it; otherwise the mesh's ranks per node.
+    int local = mesh.ranks_per_node();
+    if (const char* e = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); e && std::atoi(e) > 0) local = std::atoi(e);
+    init_threads(int(tr.threads), local);
+  }
+  const bool say = !opt.quiet && root;
   const bool tty = say && opt.progress && isatty(fileno(stdout));
   const int64_t B = tr.micro_batch_size, T = tr.seq_len;
-  const int64_t G = tr.global_batch_size > 0 ? tr.global_batch_size : B;
-  MT_CHECK(G % B == 0, "train", "training.global_batch_size=", G, " is not a multiple of micro_batch_size=", B);
-  const int64_t micro = G / B;
+  const int64_t G = tr.global_batch_size > 0 ? tr.global_batch_size : B * D;
+  MT_CHECK(G % (B * D) == 0, "train", "training.global_batch_size=", G, " is not a multiple of micro_batch_size * dp = ",
+           B, " * ", D);
+  const int64_t micro = G / B;            // micro-batches per step over all ranks
+  const int64_t micro_local = micro / D;  // this rank's: sequences [rank*G/D, (rank+1)*G/D) of each step
 
   TrainResult res;
+  res.rank = rank, res.world = D;
   res.dump_folder = cfg.job.dump_folder;
   fs::create_directories(res.dump_folder);
 
@@ -144,14 +184,16 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   std::unique_ptr<BatchSource> src, val;
   int64_t val_windows = 0;
   if (tr.dataset == "synthetic") {
-    src = std::make_unique<SyntheticSource>(B, T, ms.vocab_size, uint64_t(tr.seed), "data.synthetic.train");
-    val = std::make_unique<SyntheticSource>(B, T, ms.vocab_size, uint64_t(tr.seed), "data.synthetic.val");
+    src = std::make_unique<SyntheticSource>(B, T, ms.vocab_size, uint64_t(tr.seed), "data.synthetic.train", G, rank, D);
+    val = std::make_unique<SyntheticSource>(B, T, ms.vocab_size, uint64_t(tr.seed), "data.synthetic.val", B, 0, 1);
   } else {
     std::string dir = tr.dataset_path;
     if (dir.empty()) dir = (fs::path(opt.data_root) / tr.dataset).string();
     if (!fs::exists(fs::path(dir) / "dataset.json")) {
       MT_CHECK(tr.dataset == "brown" || fs::exists(tr.dataset), "train", "dataset '", tr.dataset,
                "' is not prepared in ", dir, " (run `moetron data prepare --source ... --out ", dir, "`)");
+    }
+    if (!fs::exists(fs::path(dir) / "dataset.json") && root) {
       data::PrepareOptions po;
       po.source = tr.dataset;
       po.out_dir = dir;
@@ -160,16 +202,18 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       if (say) std::printf("preparing dataset '%s' into %s (first run only)\n", tr.dataset.c_str(), dir.c_str());
       data::prepare_dataset(po);
     }
+    if (world.size() > 1) world.barrier();  // rank 0 prepared the dataset
     data::DatasetInfo info = data::load_dataset(dir);
     MT_CHECK(info.vocab_size == ms.vocab_size, "train", "dataset ", dir, " has vocab ", info.vocab_size,
              " but model.vocab_size is ", ms.vocab_size);
     res.unigram_entropy = info.unigram_entropy;
     data::LoaderOptions lo;
     lo.seq_len = T, lo.micro_batch = B, lo.global_batch = G, lo.seed = uint64_t(tr.seed);
+    lo.rank = rank, lo.world = D;
     src = std::make_unique<LoaderSource>(info.train_paths(), lo);
     // validation: a fixed set of windows, no shuffle
     data::LoaderOptions vo = lo;
-    vo.shuffle = false, vo.random_offset = false, vo.global_batch = B;
+    vo.shuffle = false, vo.random_offset = false, vo.global_batch = B, vo.rank = 0, vo.world = 1;
     val = std::make_unique<LoaderSource>(info.val_paths(), vo);
     val_windows = 1;
   }
@@ -180,8 +224,19 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   Model model(ms, B, T, cfg.activation_checkpoint);
   model.init_params(uint64_t(tr.seed));
   const int64_t np = model.num_params();
-  Tensor mbuf = Tensor::zeros({np}, DType::F32, MemCategory::Optimizer, "adam.m");
-  Tensor vbuf = Tensor::zeros({np}, DType::F32, MemCategory::Optimizer, "adam.v");
+  // AdamW state: the whole flat buffer, or with zero = 1 this rank's slice [s_lo, s_hi) of it (ZeRO-1).
+  const bool sharded = cfg.parallelism.zero == 1 && D > 1;
+  const int64_t s_lo = sharded ? np * rank / D : 0, s_hi = sharded ? np * (rank + 1) / D : np, ns = s_hi - s_lo;
+  std::vector<int64_t> sh_counts(static_cast<size_t>(D)), sh_displs(static_cast<size_t>(D));  // bytes, for all_gather_v
+  for (int r = 0; r < D; ++r) {
+    int64_t lo = sharded ? np * r / D : 0, hi = sharded ? np * (r + 1) / D : np;
+    sh_counts[size_t(r)] = (hi - lo) * 4, sh_displs[size_t(r)] = lo * 4;
+  }
+  Tensor mbuf = Tensor::zeros({std::max<int64_t>(ns, 1)}, DType::F32, MemCategory::Optimizer, "adam.m");
+  Tensor vbuf = Tensor::zeros({std::max<int64_t>(ns, 1)}, DType::F32, MemCategory::Optimizer, "adam.v");
+  res.opt_state_bytes = 2 * ns * 4;
+  std::vector<float> stage;  // sharded: this rank's updated parameter slice, gathered into every rank
+  if (sharded) stage.resize(size_t(ns));
   std::vector<int32_t> in(size_t(B * T)), tg(size_t(B * T));
 
   FlopsPerToken fpt = flops_per_token(ms, T, true, cfg.activation_checkpoint);
@@ -198,13 +253,18 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       v.push_back({"expert_bias." + std::to_string(i), DType::F32, {ms.moe.n_routed_experts}, model.expert_bias(i)});
     return v;
   };
+  // Checkpoints hold the whole optimizer state: sharded, it is gathered into m_full / v_full for a save
+  // and sliced out of them after a load.
+  std::vector<float> m_full, v_full;
   auto opt_tensors = [&]() {
-    std::vector<CheckpointTensor> v;
+    float* m = sharded ? m_full.data() : mbuf.data<float>();
+    float* v = sharded ? v_full.data() : vbuf.data<float>();
+    std::vector<CheckpointTensor> out;
     for (auto& p : model.params()) {
-      v.push_back({"m." + p.name, DType::F32, p.shape, mbuf.data<float>() + p.offset});
-      v.push_back({"v." + p.name, DType::F32, p.shape, vbuf.data<float>() + p.offset});
+      out.push_back({"m." + p.name, DType::F32, p.shape, m + p.offset});
+      out.push_back({"v." + p.name, DType::F32, p.shape, v + p.offset});
     }
-    return v;
+    return out;
   };
   if (cfg.checkpoint.enable) {
     if (auto latest = latest_complete_checkpoint(ckdir)) {
@@ -212,7 +272,13 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       JobConfig saved = config_from_json(ck.state.at("config"));
       MT_CHECK(saved.model == ms, "train", "checkpoint ", *latest, " was written for a different model spec");
       for (auto& t : model_tensors()) load_into(ck.model, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+      if (sharded) m_full.assign(size_t(np), 0.0f), v_full.assign(size_t(np), 0.0f);
       for (auto& t : opt_tensors()) load_into(ck.optimizer, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+      if (sharded) {
+        std::copy(m_full.begin() + s_lo, m_full.begin() + s_hi, mbuf.data<float>());
+        std::copy(v_full.begin() + s_lo, v_full.begin() + s_hi, vbuf.data<float>());
+        std::vector<float>().swap(m_full), std::vector<float>().swap(v_full);
+      }
       step = ck.step;
       src->restore(ck.state.at("data"));
       model.sync_weights();
@@ -226,12 +292,23 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
 
   res.metrics_path = (fs::path(res.dump_folder) / "metrics.jsonl").string();
   std::ofstream metrics;
-  if (cfg.metrics.jsonl) {
+  if (cfg.metrics.jsonl && root) {
     metrics.open(res.metrics_path, step > 0 ? std::ios::app : std::ios::trunc);
     MT_CHECK(metrics.good(), "train", "cannot open ", res.metrics_path, " for writing");
   }
 
+  // Collective (the sharded optimizer state is gathered); rank 0 writes.
   auto save = [&](int64_t s) {
+    if (sharded) {
+      m_full.resize(size_t(np)), v_full.resize(size_t(np));
+      dp.all_gather_v(m_full.data(), sh_counts.data(), sh_displs.data(), mbuf.data<float>());
+      dp.all_gather_v(v_full.data(), sh_counts.data(), sh_displs.data(), vbuf.data<float>());
+    }
+    struct Free {
+      std::vector<float>&a, &b;
+      ~Free() { std::vector<float>().swap(a), std::vector<float>().swap(b); }
+    } free_full{m_full, v_full};
+    if (!root) return std::string();
     CheckpointWriteRequest req;
     req.step = s;
     req.model = model_tensors();
@@ -241,17 +318,25 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     return save_checkpoint(ckdir, req, int(cfg.checkpoint.keep_latest_k));
   };
 
+  // Validation batches 0..nb-1 (batch i = sequences [i*B, i*B + B) of the validation stream); under DP
+  // rank r computes the contiguous range [nb*r/D, nb*(r+1)/D) and the per-batch sums are folded in batch
+  // order (all_reduce_ordered), so the result is the single-process sum whatever D.
   auto run_validation = [&]() {
-    int64_t nb = std::max<int64_t>(1, tr.val_steps);
-    val->restore(val->state().contains("micro") ? json{{"kind", "loader"}, {"epoch", 0}, {"position", 0}, {"micro", 0}}
-                                                : json{{"kind", "synthetic"}, {"position", 0}});
-    double sum = 0;
+    const int64_t nb = std::max<int64_t>(1, tr.val_steps);
+    const bool is_loader = val->state().contains("micro");
+    std::vector<double> parts;
     int64_t cnt = 0;
-    for (int64_t i = 0; i < nb; ++i) {
+    for (int64_t i = nb * rank / D; i < nb * (rank + 1) / D; ++i) {
+      const uint64_t pos = uint64_t(i * B);
+      val->restore(is_loader ? json{{"kind", "loader"}, {"epoch", 0}, {"position", pos}, {"micro", 0}}
+                             : json{{"kind", "synthetic"}, {"position", pos}});
       val->next(in.data(), tg.data());
       ForwardStats fs_ = model.forward(in.data(), tg.data());
-      sum += fs_.ce_sum, cnt += fs_.ce_count;
+      parts.push_back(fs_.ce_sum), cnt += fs_.ce_count;
     }
+    double sum = 0;
+    dp.all_reduce_ordered(&sum, parts.data(), int64_t(parts.size()), 1);
+    dp.all_reduce(&cnt, 1);
     return cnt ? sum / double(cnt) : 0.0;
   };
 
@@ -259,8 +344,13 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS\n",
                 cfg.job.name.c_str(), (long long)np, model.n_moe_layers(), (long long)(G * T), (long long)micro,
                 (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops);
+  if (say && D > 1)
+    std::printf("data parallel: %s; %lld micro-batches per rank per step; optimizer state %s per rank%s\n",
+                mesh.describe().c_str(), (long long)micro_local, human_bytes(res.opt_state_bytes).c_str(),
+                sharded ? " (zero = 1: sharded)" : "");
 
   mt.reset_peaks();
+  dp.reset_stats();
   const bool profiling = opt.profile || !opt.trace_path.empty();
   trace::reset();
   AdamWConfig ac;
@@ -277,25 +367,59 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     auto t0 = std::chrono::steady_clock::now();
     ++step;
     model.zero_grads();
-    double ce = 0, aux = 0;
+    // Per micro-batch loss sums, folded in global micro-batch order below (= the single-process sum).
+    std::vector<double> ce_parts(static_cast<size_t>(micro_local)), aux_parts(static_cast<size_t>(micro_local));
     int64_t ce_n = 0;
+    // Normalized by the GLOBAL token count of the step (every target of the synthetic / loader data is valid).
     const float ce_scale = float(1.0 / double(G * T));
-    for (int64_t mb = 0; mb < micro; ++mb) {
+    for (int64_t mb = 0; mb < micro_local; ++mb) {
       {
         MT_TRACE("data");
         src->next(in.data(), tg.data());
       }
+      if (opt.record_data)
+        for (int64_t r = 0; r < B; ++r)
+          res.data.push_back({step, rank * (G / D) + mb * B + r,
+                              fnv1a(tg.data() + r * T, size_t(T) * 4, fnv1a(in.data() + r * T, size_t(T) * 4))});
       ForwardStats fs_ = model.forward_backward(in.data(), tg.data(), ce_scale, float(1.0 / double(micro)));
-      ce += fs_.ce_sum, ce_n += fs_.ce_count, aux += fs_.aux_loss / double(micro);
+      ce_parts[size_t(mb)] = fs_.ce_sum, ce_n += fs_.ce_count, aux_parts[size_t(mb)] = fs_.aux_loss / double(micro);
+    }
+    double ce = 0, aux = 0;
+    auto counts = model.take_expert_counts();
+    {
+      // DP: gradients summed over ranks (rank-order fold, bitwise identical on every rank) in buckets of
+      // kCommReduceSegment elements of the flat buffer; loss sums, token and expert counts likewise.
+      MT_TRACE("dp.all_reduce");
+      dp.all_reduce_ordered(&ce, ce_parts.data(), micro_local, 1);
+      dp.all_reduce_ordered(&aux, aux_parts.data(), micro_local, 1);
+      if (D > 1) {
+        dp.all_reduce(&ce_n, 1);
+        for (int64_t off = 0; off < np; off += kCommReduceSegment)
+          dp.all_reduce(model.grad_data() + off, std::min<int64_t>(kCommReduceSegment, np - off));
+        std::vector<int64_t> flat;
+        for (auto& c : counts) flat.insert(flat.end(), c.begin(), c.end());
+        dp.all_reduce(flat.data(), int64_t(flat.size()));
+        size_t k = 0;
+        for (auto& c : counts)
+          for (auto& x : c) x = flat[k++];
+      }
     }
     trace::Scope tr_opt("optimizer");
     double gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
-    for (auto& p : model.params())
-      adamw_step(model.param_data() + p.offset, mbuf.data<float>() + p.offset, vbuf.data<float>() + p.offset,
-                 model.grad_data() + p.offset, p.numel, ac, step, clip, p.decay);
-    auto counts = model.take_expert_counts();
+    // AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
+    for (auto& p : model.params()) {
+      const int64_t a = std::max(s_lo, p.offset), b = std::min(s_hi, p.offset + p.numel);
+      if (a < b)
+        adamw_step(model.param_data() + a, mbuf.data<float>() + (a - s_lo), vbuf.data<float>() + (a - s_lo),
+                   model.grad_data() + a, b - a, ac, step, clip, p.decay);
+    }
+    if (sharded) {
+      MT_TRACE("dp.all_gather_params");
+      std::copy(model.param_data() + s_lo, model.param_data() + s_hi, stage.data());
+      dp.all_gather_v(model.param_data(), sh_counts.data(), sh_displs.data(), stage.data());
+    }
     model.update_expert_bias(counts);
     tr_opt.stop();
     {
@@ -308,6 +432,12 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
 
     StepRecord rec;
     rec.step = step, rec.loss = ce_n ? ce / double(ce_n) : 0, rec.aux_loss = aux, rec.lr = ac.lr, rec.grad_norm = gn;
+    if (opt.record_param_hash) {
+      uint64_t h = fnv1a(model.param_data(), size_t(np) * 4);
+      for (int i = 0; i < model.n_moe_layers(); ++i)
+        h = fnv1a(model.expert_bias(i), size_t(ms.moe.n_routed_experts) * 4, h);
+      rec.param_hash = h;
+    }
     MT_CHECK(std::isfinite(rec.loss), "train", "loss became ", rec.loss, " at step ", step);
     bool do_val = tr.val_interval > 0 && (step % tr.val_interval == 0 || step == tr.steps);
     if (do_val) rec.val_loss = run_validation();
@@ -317,7 +447,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     if (log_now) {
       double tps = window_tok / window_t;
       double tflops = tps * fpt.train * 1e-12;
-      double mfu = tflops * 1e3 / res.peak_gflops;
+      double mfu = tflops * 1e3 / (res.peak_gflops * D);  // peak measured per rank
       // expert load over all MoE layers of this step
       int64_t lmin = 0, lmax = 0;
       double cv = 0;
@@ -369,7 +499,14 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   }
   res.tokens_per_s = time_total > 0 ? double(tokens_total) / time_total : 0;
   res.tflops = res.tokens_per_s * fpt.train * 1e-12;
-  res.mfu = res.tflops * 1e3 / res.peak_gflops;
+  res.mfu = res.tflops * 1e3 / (res.peak_gflops * D);
+  res.comm_seconds = dp.stats().total().seconds;
+  if (opt.keep_params) {
+    res.final_params.assign(model.param_data(), model.param_data() + np);
+    for (int i = 0; i < model.n_moe_layers(); ++i)
+      res.final_params.insert(res.final_params.end(), model.expert_bias(i),
+                              model.expert_bias(i) + ms.moe.n_routed_experts);
+  }
   res.mem_peak_bytes = mt.total_peak();
   res.act_peak_bytes = mt.peak(MemCategory::Activations);
   res.recompute_seconds = model.recompute_seconds();
@@ -379,7 +516,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       res.op_seconds.push_back({t.name, t.seconds});
       if (t.name != "recompute.layer") tot += t.seconds;
     }
-    if (!opt.trace_path.empty()) trace::write_chrome_trace(opt.trace_path, 0);
+    if (!opt.trace_path.empty() && root) trace::write_chrome_trace(opt.trace_path, 0);
     if (say) {
       std::printf("\nper-op time over steps %lld..%lld (first step excluded; recompute.layer contains fwd.*):\n",
                   (long long)res.start_step + 2, (long long)res.end_step);
@@ -407,7 +544,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
     std::printf("metrics: %s\n", res.metrics_path.c_str());
     if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
+    if (D > 1) std::printf("DP collectives: %.3f s\n%s", res.comm_seconds, dp.stats().summary().c_str());
   }
+  if (world.size() > 1) world.barrier();  // rank 0's checkpoint and metrics are on disk when any rank returns
   return res;
 }
 

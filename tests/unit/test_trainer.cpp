@@ -168,3 +168,14 @@ TEST(Trainer, BadInputGivesClearErrors) {
   });
   EXPECT_NE(m.find("/no/such"), std::string::npos) << m;
 }
+
+TEST(Trainer, ParallelismThatDoesNotMatchTheWorldFailsAtStartUp) {
+  // One process (no mpirun) asked for dp = 2: the mesh's message names the world size and the product.
+  try {
+    train(tiny(fresh_dir("dp_mismatch"), {"--parallelism.dp_shard=2", "--training.steps=1"}), quiet());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("world size 1 != pp (1) * dp_replicate (1) * dp_shard (2) = 2"), std::string::npos) << m;
+  }
+}
