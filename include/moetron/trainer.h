@@ -20,8 +20,10 @@ namespace moetron {
 // lr * min_lr_ratio at the last step, or constant.
 double lr_at(const OptimizerSpec& o, const LRSchedulerSpec& s, int64_t step, int64_t total_steps);
 
-// bf16 matmul throughput of this machine right now (GFLOPS), measured with a few 2048^3 oneDNN matmuls.
-double measure_bf16_peak_gflops();
+// bf16 matmul throughput of this machine right now (GFLOPS): the best of `reps` n^3 oneDNN matmuls. The
+// trainer measures at start-up (2048, 6) and again briefly at every log step (1024, 3), keeping the best
+// figure, so MFU is against the best peak seen in the same run.
+double measure_bf16_peak_gflops(int64_t n = 2048, int reps = 6);
 
 struct TrainOptions {
   bool progress = true;     // progress line on a terminal; plain lines otherwise
