@@ -541,8 +541,8 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
                                     human_bytes(snap.peak[c]).c_str());
     std::printf("\n");
     if (res.unigram_entropy > 0)
-      std::printf("unigram entropy of the training data: %.4f nats/token (final loss is %.2fx below it)\n",
-                  res.unigram_entropy, res.unigram_entropy / std::max(1e-9, res.final_loss));
+      std::printf("unigram entropy of the training data: %.4f nats/token (final train loss %.2f nats below it)\n",
+                  res.unigram_entropy, res.unigram_entropy - res.final_loss);
     if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
     std::printf("metrics: %s\n", res.metrics_path.c_str());
     if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
