@@ -251,37 +251,4 @@ TEST(MpiTrain, ImpossibleLayoutsFailAtStartUp) {
   }
   world().barrier();
 }
-
-namespace {
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
-}  // namespace
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  int rc = 0;
-  {
-    Comm& c = world();
-    if (c.rank() != 0) {
-      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-      delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new RankFailurePrinter(c.rank()));
-    }
-    rc = RUN_ALL_TESTS();
-    int32_t failed = rc != 0;
-    c.all_reduce(&failed, 1);
-    rc = failed ? 1 : 0;
-  }
-  comm_finalize();
-  return rc;
-}
+// main() is tests/mpi/mpi_gtest_main.cpp, shared by the MPI test binaries.
