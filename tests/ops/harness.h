@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include "moetron/check.h"
+
 namespace moetron::ops {
 
 class Report {
@@ -22,6 +24,19 @@ class Report {
   void compare(std::string_view what, const double* got, const double* want, int64_t n, double atol, double rtol);
   void compare(std::string_view what, const int32_t* got, const int32_t* want, int64_t n);
   void check(bool ok, std::string_view what, const std::string& detail = {});
+  // Passes when f() throws moetron::Error; the message is recorded with the check.
+  template <class F>
+  void expect_throw(std::string_view what, F&& f) {
+    bool threw = false;
+    std::string msg;
+    try {
+      f();
+    } catch (const Error& e) {
+      threw = true;
+      msg = e.what();
+    }
+    check(threw, std::string("throws: ") + std::string(what), msg);
+  }
   // Central finite differences of loss() with respect to x[i] for up to max_checks coordinates
   // (chosen deterministically, always including the largest |dx|), against analytic dx.
   // Passes when |num - ana| <= tol * max(|num|, |ana|) + tol * 1e-2 * max_i |dx_i|.

@@ -365,24 +365,13 @@ class RouterBadInput : public OpCase {
  public:
   RouterBadInput() { name = "router/bad_input"; }
   void run(Report& r) {
-    auto expect_throw = [&](const char* what, auto&& f) {
-      bool threw = false;
-      std::string msg;
-      try {
-        f();
-      } catch (const Error& e) {
-        threw = true;
-        msg = e.what();
-      }
-      r.check(threw, std::string("throws: ") + what, msg);
-    };
     RouterConfig ok;
     ok.E = 8;
     ok.topk = 2;
     auto bad = [&](const char* what, auto&& mod, int64_t N = 16) {
       RouterConfig c = ok;
       mod(c);
-      expect_throw(what, [&] { router_validate(c, N); });
+      r.expect_throw(what, [&] { router_validate(c, N); });
     };
     bad("k > E", [](RouterConfig& c) { c.topk = 9; });
     bad("k = 0", [](RouterConfig& c) { c.topk = 0; });
@@ -400,15 +389,15 @@ class RouterBadInput : public OpCase {
       std::vector<int32_t> idx(16 * 2), cnt(8);
       std::vector<char> ws(router_workspace_bytes(c, 16));
       l[37] = NAN;
-      expect_throw("NaN logits", [&] {
+      r.expect_throw("NaN logits", [&] {
         router_forward(idx.data(), w.data(), cnt.data(), s.data(), nullptr, l.data(), nullptr, c, 16, ws.data());
       });
       l[37] = 0;
-      expect_throw("null workspace", [&] {
+      r.expect_throw("null workspace", [&] {
         router_forward(idx.data(), w.data(), cnt.data(), s.data(), nullptr, l.data(), nullptr, c, 16, nullptr);
       });
       c.z_coef = 0.1f;
-      expect_throw("z-loss backward without logits", [&] {
+      r.expect_throw("z-loss backward without logits", [&] {
         router_backward(s.data(), w.data(), s.data(), idx.data(), nullptr, c, 16, ws.data());
       });
     }
