@@ -12,6 +12,7 @@
 
 #include "moetron/check.h"
 #include "moetron/router.h"
+#include "router_topk.h"
 #include "moetron/runtime.h"
 
 namespace moetron {
@@ -101,22 +102,6 @@ float dot_counts_f(const int32_t* c, const float* s, int n) {
     for (int j = 0; j < 8; ++j) p[j] += float(c[e + j]) * s[e + j];
   for (int j = 0; e < n; ++e, ++j) p[j] += float(c[e]) * s[e];
   return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-}
-
-// Insert (v, i) into the sorted list (val, idx) of length *cnt <= cap, keeping "larger value, then lower
-// index" first. Candidates arrive in increasing index, so an equal value goes after the ones already there.
-inline void topk_insert(float* val, int32_t* idx, int& cnt, int cap, float v, int32_t i) {
-  int pos;
-  if (cnt < cap) pos = cnt++;
-  else if (v > val[cap - 1]) pos = cap - 1;
-  else return;
-  while (pos > 0 && val[pos - 1] < v) {
-    val[pos] = val[pos - 1];
-    idx[pos] = idx[pos - 1];
-    --pos;
-  }
-  val[pos] = v;
-  idx[pos] = i;
 }
 
 // Group-limited top-k of one token. idx/val: [k] outputs in slot order (val = selection score q).

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "router_topk.h"
+
 namespace moetron {
 
 namespace {
@@ -77,22 +79,6 @@ inline void selection_values(float* q, const float* s, const float* bias, int E)
   }
 }
 
-// Insert (v, i) into the sorted (val, idx) of length *cnt <= cap ("larger value, then lower index" first;
-// candidates arrive in increasing index). Same rule as the portable path.
-inline void insert_sorted(float* val, int* idx, int& cnt, int cap, float v, int i) {
-  int pos;
-  if (cnt < cap) pos = cnt++;
-  else if (v > val[cap - 1]) pos = cap - 1;
-  else return;
-  while (pos > 0 && val[pos - 1] < v) {
-    val[pos] = val[pos - 1];
-    idx[pos] = idx[pos - 1];
-    --pos;
-  }
-  val[pos] = v;
-  idx[pos] = i;
-}
-
 constexpr int kSelMaxE = 1024;  // q lives on the stack
 constexpr int kSelMaxGroups = 256;
 
@@ -127,7 +113,7 @@ bool router_select_row_avx512(int32_t* idx, float* val, const float* s, const fl
       }
     int gcnt = 0;
     for (int g = 0; g < n_group; ++g)
-      insert_sorted(gval, gidx, gcnt, topk_group, top2sum && G >= 2 ? t1[g] + t2[g] : t1[g], g);
+      topk_insert(gval, gidx, gcnt, topk_group, top2sum && G >= 2 ? t1[g] + t2[g] : t1[g], g);
     bool chosen[kSelMaxGroups] = {};
     for (int r = 0; r < gcnt; ++r) chosen[gidx[r]] = true;
     for (int g = 0; g < n_group; ++g)

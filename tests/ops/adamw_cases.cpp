@@ -21,13 +21,6 @@ using namespace moetron::ops;
 namespace {
 
 template <class F>
-void with_threads(int n, F&& f) {
-  int old = omp_get_max_threads();
-  omp_set_num_threads(n);
-  f();
-  omp_set_num_threads(old);
-}
-template <class F>
 void with_isa(Isa isa, F&& f) {
   Isa old = active_isa();
   set_isa_override(isa);

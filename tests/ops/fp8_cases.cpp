@@ -35,14 +35,6 @@ uint8_t enc_scalar(float v, Fp8Format f) { return f == Fp8Format::E4M3 ? float_t
 float dec_scalar(uint8_t b, Fp8Format f) { return f == Fp8Format::E4M3 ? e4m3_bits_to_float(b) : e5m2_bits_to_float(b); }
 
 // Runs f with the OpenMP thread count set to n, then restores it.
-template <class F>
-void with_threads(int n, F&& f) {
-  int old = omp_get_max_threads();
-  omp_set_num_threads(n);
-  f();
-  omp_set_num_threads(old);
-}
-
 // ---------------------------------------------------------------------------------------------------
 struct CodecCase : OpCase {
   Fp8Format fmt;

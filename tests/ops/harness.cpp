@@ -3,6 +3,8 @@
 // Ends with "N passed, N failed" and exits non-zero on any failure.
 #include "harness.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -154,6 +156,13 @@ std::vector<float> to_f32(const std::vector<double>& v) {
   for (size_t i = 0; i < v.size(); ++i) o[i] = float(v[i]);
   return o;
 }
+void with_threads(int n, const std::function<void()>& f) {
+  int old = omp_get_max_threads();
+  omp_set_num_threads(n);
+  f();
+  omp_set_num_threads(old);
+}
+
 double dot(const double* a, const double* b, int64_t n) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];

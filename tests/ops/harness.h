@@ -82,6 +82,10 @@ std::vector<double> to_f64(const std::vector<float>& v);
 std::vector<float> to_f32(const std::vector<double>& v);
 double dot(const double* a, const double* b, int64_t n);
 
+// Runs f with the OpenMP thread count set to n, then restores the previous count (thread-independence
+// checks).
+void with_threads(int n, const std::function<void()>& f);
+
 }  // namespace moetron::ops
 
 #define MT_OPS_CAT2(a, b) a##b

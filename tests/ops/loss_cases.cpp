@@ -32,14 +32,6 @@ using namespace moetron::ops;
 
 namespace {
 
-template <class F>
-void with_threads(int n, F&& f) {
-  int old = omp_get_max_threads();
-  omp_set_num_threads(n);
-  f();
-  omp_set_num_threads(old);
-}
-
 struct Workspace {
   void* p = nullptr;
   size_t bytes = 0;
