@@ -3,14 +3,21 @@
 // All parameters live in one fp32 allocation, all gradients in another (llm.c style); bf16 copies and the
 // packed expert weights are refreshed by sync_weights() after every optimizer step. Every activation
 // buffer is allocated once at construction for the given micro-batch shape: nothing allocates in a step.
-// Not the trainer (no optimizer, no data), and not parallel: the parallel runtime wraps it.
+// Expert parallelism (ModelParallel::ep): the routed experts are sharded contiguously over the EP group
+// (this rank holds experts [first_expert, first_expert + local_experts)); every MoE layer sends its routed
+// rows to the experts' ranks with an EpDispatch (one per MoE layer, so that each layer's backward reuses
+// its own forward layout) and combines them back. Everything else stays replicated. The trainer reduces
+// the gradients (expert ones over the expert-data-parallel group).
+// Not the trainer (no optimizer, no data).
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "moetron/comm.h"
 #include "moetron/config.h"
+#include "moetron/ep_dispatch.h"
 #include "moetron/spec.h"
 #include "moetron/tensor.h"
 
@@ -22,7 +29,9 @@ struct ParamEntry {
   int64_t offset = 0;  // into the flat fp32 parameter / gradient buffers
   int64_t numel = 0;
   bool decay = true;    // weight decay applies (matrices yes; norms no)
-  bool expert = false;  // routed-expert weight (sharded over ep later)
+  bool expert = false;  // routed-expert weight (sharded over the EP group)
+  Shape global_shape;   // the whole tensor (= shape unless sharded)
+  int64_t shard_first = 0;  // element index of this shard's first element in the whole tensor
   int layer = -1;       // -1 for embeddings / head / final norm
   bool ones = false;    // initialised to 1 (norm weights) rather than N(0, std)
   float init_std = 0.02f;
@@ -36,10 +45,21 @@ struct ForwardStats {
   int64_t dropped = 0;    // tokens dropped by capacity
 };
 
+// How the model is split over ranks. ep null or of size 1: all experts local (no communication).
+struct ModelParallel {
+  const Comm* ep = nullptr;  // the expert-parallel group (copied; must outlive nothing)
+  EpDispatcher dispatcher = EpDispatcher::AllToAll;
+  bool fp8_dispatch = false;  // E4M3 1x128 dispatch payload (else bf16, which is exact: the experts
+                              // consume bf16 rows anyway); combine and the backward rows stay fp32
+  int ep_ranks_per_node = 0;  // EP ranks per node (0 = one node)
+};
+
 class Model {
  public:
-  // B sequences of T tokens per micro-batch (the shape every buffer is sized for).
-  Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac = {});
+  // B sequences of T tokens per micro-batch (the shape every buffer is sized for). Collective over the EP
+  // group when par.ep has more than one rank.
+  Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac = {},
+        const ModelParallel& par = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -78,6 +98,15 @@ class Model {
   void compute_logits(float* logits, const int32_t* tokens);
 
   int64_t tokens_per_micro_batch() const { return B_ * T_; }
+
+  // Expert parallelism: EP group size and this rank's experts.
+  int ep_size() const;
+  int first_expert() const;
+  int local_experts() const;  // routed experts held here (all of them without EP)
+  // EP traffic summed over the MoE layers' dispatchers since construction (zeros without EP), and the
+  // bytes of their buffers.
+  EpStats ep_stats() const;
+  int64_t ep_buffer_bytes() const;
 
   // Time spent in recompute and bytes saved by activation checkpointing (0 when off).
   double recompute_seconds() const { return recompute_s_; }

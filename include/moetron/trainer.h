@@ -4,7 +4,9 @@
 // every rank trains its share of each global batch, gradients are summed over DP with Comm's rank-order
 // all_reduce in a few large buckets, and every rank keeps bitwise identical parameters; rank 0 alone
 // prints, writes metrics.jsonl and checkpoints. parallelism.zero = 1 shards the AdamW state over DP.
-// Not expert or pipeline parallel yet (docs/parallel.md, "Data parallelism in the trainer").
+// Expert parallel with ep > 1 (experts sharded over the EP group, dispatch/combine in the MoE layers,
+// expert gradients reduced over the expert-data-parallel group). Not pipeline parallel yet
+// (docs/parallel.md).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -68,6 +70,11 @@ struct TrainResult {
   int rank = 0, world = 1;              // this process in the DP group
   int64_t opt_state_bytes = 0;          // AdamW m + v held by this rank (1/dp of the total with zero = 1)
   double comm_seconds = 0;              // time in DP collectives (gradient all-reduce, parameter gather, stats)
+  int ep = 1;                           // expert-parallel size
+  double ep_bytes_inter_per_step = 0;   // EP bytes this rank sent per step to other nodes / inside its node
+  double ep_bytes_intra_per_step = 0;
+  double ep_seconds = 0;                // time in EP dispatch / combine (forward and backward)
+  int64_t ep_buffer_bytes = 0;          // the dispatchers' buffers on this rank
   std::vector<SeqRecord> data;          // record_data
   std::vector<float> final_params;      // keep_params
 };

@@ -70,7 +70,8 @@ struct LayerBufs {
   Tensor gu, act16;
   // moe
   Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, slot_of, xp16, egu, eact16, ez;
-  int64_t R = 0;  // routed rows of the last forward
+  int64_t R = 0;         // routed rows of the last forward (received rows under EP)
+  int64_t rows_cap = 0;  // rows xp16 / egu / eact16 / ez hold (grows under EP when routing is skewed)
 };
 
 struct Layer {
@@ -91,6 +92,7 @@ struct Layer {
   GroupedPackedWeights pk13f, pk13d, pk2f, pk2d;
   Tensor bias;        // [E] aux-free expert bias
   std::vector<int64_t> count_acc;  // tokens per expert since last take
+  std::unique_ptr<EpDispatch> disp;  // expert parallelism: this layer's dispatcher (keeps its layout for backward)
 };
 
 struct Model::Impl {
@@ -100,6 +102,13 @@ struct Model::Impl {
   // attention dims
   int64_t H, Hkv, hd, Dqk, Dv, dn = 0, dr = 0, rq = 0, rkv = 0, Wqkv = 0;
   int64_t F = 0, E = 0, K = 0, Fe = 0, Fs = 0, Rmax = 0;
+  // expert parallelism: El experts held here, the first is e0; ep = EP group size
+  int64_t El = 0, e0 = 0;
+  int ep = 1;
+  ModelParallel par;
+  Comm ep_comm;
+  Tensor send_idx, dwr, iota_r, zero_r;  // EP scratch: slots sent (-1 = dropped), per-row dw, row maps
+  int64_t scratch_rows = 0, sel_rows_cap = 0;
   std::vector<Layer> layers;
   std::vector<std::unique_ptr<LayerBufs>> owned_bufs;
   Tensor w16;  // bf16 copy of every parameter
@@ -159,11 +168,14 @@ struct Model::Impl {
       b.counts = i32buf(E), b.kept = i32buf(E), b.offsets = i32buf(E + 1), b.row_of = i32buf(N * K),
       b.token_of = i32buf(N * K), b.slot_of = i32buf(N * K);
       b.xp16 = bf16buf(Rmax * d), b.egu = f32buf(Rmax * 2 * Fe), b.eact16 = bf16buf(Rmax * Fe), b.ez = f32buf(Rmax * d);
+      b.rows_cap = Rmax;
       if (Fs > 0) b.gu = f32buf(N * 2 * Fs), b.act16 = bf16buf(N * Fs);
     }
   }
 
   void build();
+  void ensure_rows(Layer& L, int64_t R);
+  void ensure_scratch(int64_t R);
   void forward_layer(Layer& L, const float* xin, float* xout);
   void backward_layer(Layer& L, float* dxio);  // dxio: gradient w.r.t. layer output in, input out
   void attn_forward(Layer& L, LayerBufs& b);
@@ -174,19 +186,26 @@ struct Model::Impl {
   void attn_backward(Layer& L, LayerBufs& b, float* dh /* [N,d] out: grad of h1 */);
   void ffn_forward(Layer& L, LayerBufs& b, float* y /* [N,d] */);
   void ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2 /* out */, float aux_scale);
+  // The routed experts under expert parallelism (after the router; before the shared experts).
+  void ep_ffn_forward(Layer& L, LayerBufs& b, float* y);
+  void ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2);
   ForwardStats run(const int32_t* tokens, const int32_t* targets, bool backward, float ce_scale, float aux_scale);
 };
 
 // ---------------------------------------------------------------------------------------------------
 // construction
 
-Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac)
+Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac, const ModelParallel& par)
     : spec_(spec), ac_(ac), B_(B), T_(T) {
   spec_.resolve();
   spec_.validate();
   MT_CHECK(B > 0 && T > 0, "Model", "micro-batch shape B=", B, " T=", T, " must be positive");
   MT_CHECK(!spec_.attn.qk_norm, "Model", "attention.qk_norm (Qwen3) is not implemented by the engine yet");
   impl_ = std::make_unique<Impl>(*this);
+  impl_->par = par;
+  if (par.ep && par.ep->size() > 1) impl_->ep_comm = *par.ep, impl_->ep = par.ep->size();
+  MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
+           ") needs an MoE model; this one has no routed experts");
   impl_->build();
 }
 
@@ -208,6 +227,8 @@ void Model::Impl::build() {
   if (s.is_moe()) {
     E = s.moe.n_routed_experts, K = s.moe.topk, Fe = s.moe.moe_inter_size, Fs = s.moe.n_shared_experts * Fe;
     Rmax = N * K;
+    MT_CHECK(E % ep == 0, "Model", "n_routed_experts = ", E, " is not divisible by the expert-parallel size ", ep);
+    El = E / ep, e0 = int64_t(ep_comm.rank()) * El;
   }
   const float std0 = float(s.init_std);
   auto add = [&](const std::string& name, Shape shape, bool decay, int layer, bool expert = false,
@@ -215,7 +236,13 @@ void Model::Impl::build() {
     ParamEntry e;
     e.name = name, e.shape = shape, e.numel = shape_numel(shape), e.decay = decay, e.layer = layer;
     e.expert = expert, e.ones = ones, e.init_std = std0, e.offset = m.n_params_;
-    m.n_params_ += (e.numel + 15) / 16 * 16;  // keep every tensor 64-byte aligned
+    e.global_shape = shape;
+    if (expert && ep > 1) {  // this rank's experts [e0, e0 + El) of the [E, ...] tensor
+      e.shape[0] = El;
+      e.numel = shape_numel(e.shape);
+      e.shard_first = e0 * (e.numel / El);
+    }
+    m.n_params_ += (e.numel + 15) / 16 * 16;  // (sharded numel)  // keep every tensor 64-byte aligned
     P_.push_back(e);
     return int(P_.size() - 1);
   };
@@ -298,7 +325,7 @@ void Model::Impl::build() {
   if (any_norm) sel.h1_16 = bf16buf(N * d), sel.h2 = f32buf(N * d), sel.h2_16 = bf16buf(N * d);
   if (any_attn) sel.ao = f32buf(N * H * Dv), sel.ao16 = bf16buf(N * H * Dv), sel.lse = f32buf(N * H);
   if (any_act) {
-    sel.eact16 = bf16buf(Rmax * Fe);
+    sel.eact16 = bf16buf(Rmax * Fe), sel_rows_cap = Rmax;
     if (Fs > 0) sel.act16 = bf16buf(N * Fs);
   }
   for (auto& L : layers) {
@@ -315,15 +342,24 @@ void Model::Impl::build() {
     if (!L.moe) continue;
     L.bias = f32buf(E, MemCategory::Params);
     L.count_acc.assign(size_t(E), 0);
-    size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, E, d, 2 * Fe);
-    size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, E, d, 2 * Fe);
-    size_t b2 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, E, Fe, d);
-    size_t b2d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, E, Fe, d);
+    size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, d, 2 * Fe);
+    size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, d, 2 * Fe);
+    size_t b2 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, Fe, d);
+    size_t b2d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, Fe, d);
     L.p13f = Tensor::zeros({int64_t(b13 / 2)}, DType::BF16, MemCategory::Params);
     L.p13d = Tensor::zeros({int64_t(b13d / 2)}, DType::BF16, MemCategory::Params);
     L.p2f = Tensor::zeros({int64_t(b2 / 2)}, DType::BF16, MemCategory::Params);
     L.p2d = Tensor::zeros({int64_t(b2d / 2)}, DType::BF16, MemCategory::Params);
+    if (ep > 1) {
+      EpDispatchConfig dc;
+      dc.kind = par.dispatcher, dc.n_experts = int(E), dc.topk = int(K), dc.hidden = d, dc.max_tokens = N;
+      dc.ranks_per_node = par.ep_ranks_per_node;
+      dc.dispatch_payload = par.fp8_dispatch ? EpPayload::E4M3 : EpPayload::BF16;
+      dc.combine_payload = EpPayload::F32;
+      L.disp = std::make_unique<EpDispatch>(ep_comm, dc);
+    }
   }
+  if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
   xf = f32buf(N * d), rstdf = f32buf(N), hf16 = bf16buf(N * d);
   if (m.ac_.mode == AcMode::Full) recompute_out = f32buf(N * d, MemCategory::Workspace);
 
@@ -351,6 +387,12 @@ void Model::Impl::build() {
     m_dckv = f32buf(N * rkv, MemCategory::Workspace);
   }
   if (E > 0) dtopk_w = f32buf(N * K, MemCategory::Workspace), dlogits = f32buf(N * E, MemCategory::Workspace);
+  scratch_rows = Rmax;
+  if (ep > 1) {
+    dwr = f32buf(Rmax, MemCategory::Workspace), iota_r = i32buf(Rmax, MemCategory::Workspace);
+    zero_r = i32buf(Rmax, MemCategory::Workspace);
+    for (int64_t r = 0; r < Rmax; ++r) iota_r.data<int32_t>()[r] = int32_t(r);
+  }
 
   // kernel workspace: the max over every call site
   AttnDims ad = attn_dims();
@@ -372,12 +414,57 @@ void Model::Impl::build() {
     router_validate(rcfg, N);
     w = std::max(w, router_workspace_bytes(rcfg, N));
     for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad}) {
-      w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, E, Rmax, d, 2 * Fe));
-      w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, E, Rmax, Fe, d));
+      w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, Rmax, d, 2 * Fe));
+      w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, Rmax, Fe, d));
     }
   }
   ws_bytes = w;
   if (w > 0) ws = Tensor::zeros({int64_t((w + 3) / 4)}, DType::F32, MemCategory::Workspace, "kernel.ws");
+}
+
+// Under EP a rank receives a data-dependent number of routed rows: at most ep * N * min(k, El), N * k on
+// average. Buffers start at N * k rows and grow (by at least a quarter) when a dispatch brings more; the
+// growth is the only allocation a step can make, and the memory tracker sees it.
+void Model::Impl::ensure_rows(Layer& L, int64_t R) {
+  LayerBufs& b = *L.bufs;
+  if (R > b.rows_cap) {
+    const int64_t cap = std::max(R, b.rows_cap + b.rows_cap / 4);
+    b.xp16 = bf16buf(cap * d), b.egu = f32buf(cap * 2 * Fe), b.ez = f32buf(cap * d);
+    if (!L.sel_act) b.eact16 = bf16buf(cap * Fe);
+    b.rows_cap = cap;
+  }
+  if (L.sel_act && R > sel_rows_cap) {
+    sel_rows_cap = std::max(R, sel_rows_cap + sel_rows_cap / 4);
+    sel.eact16 = bf16buf(sel_rows_cap * Fe);
+    for (auto& O : layers)
+      if (O.sel_act) O.bufs->eact16 = sel.eact16;
+  }
+  ensure_scratch(R);
+}
+
+void Model::Impl::ensure_scratch(int64_t R) {
+  if (R <= scratch_rows) return;
+  const int64_t cap = std::max(R, scratch_rows + scratch_rows / 4);
+  int64_t attn_w = s.attn.type == AttnType::MLA ? std::max({H * Dqk, H * (dn + Dv), rq, rkv}) : Wqkv;
+  int64_t big = std::max({attn_w, 2 * F, 2 * Fs, H * Dv, d});
+  int64_t big_rows = std::max(N * big, cap * std::max(2 * Fe, d));
+  dy16 = bf16buf(std::max(N * d, cap * d), MemCategory::Workspace);
+  s_f1 = f32buf(big_rows, MemCategory::Workspace), s_f2 = f32buf(big_rows, MemCategory::Workspace);
+  s_f3 = f32buf(std::max(N * big, cap * d), MemCategory::Workspace);
+  s_b1 = bf16buf(big_rows, MemCategory::Workspace), s_b2 = bf16buf(big_rows, MemCategory::Workspace);
+  if (ep > 1) {
+    dwr = f32buf(cap, MemCategory::Workspace), iota_r = i32buf(cap, MemCategory::Workspace);
+    zero_r = i32buf(cap, MemCategory::Workspace);
+    for (int64_t r = 0; r < cap; ++r) iota_r.data<int32_t>()[r] = int32_t(r);
+  }
+  size_t w = ws_bytes;
+  for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad}) {
+    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, cap, d, 2 * Fe));
+    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, cap, Fe, d));
+  }
+  if (w > ws_bytes) ws = Tensor::zeros({int64_t((w + 3) / 4)}, DType::F32, MemCategory::Workspace, "kernel.ws");
+  ws_bytes = w;
+  scratch_rows = cap;
 }
 
 const ParamEntry& Model::param(const std::string& name) const {
@@ -392,7 +479,7 @@ void Model::init_params(uint64_t seed) {
     if (e.ones) {
       for (int64_t i = 0; i < e.numel; ++i) p[e.offset + i] = 1.0f;
     } else {
-      fill_normal(p + e.offset, e.numel, rng_key(seed, e.name), 0, 0.0f, e.init_std);
+      fill_normal(p + e.offset, e.numel, rng_key(seed, e.name), uint64_t(e.shard_first), 0.0f, e.init_std);
     }
   }
   for (auto& L : impl_->layers)
@@ -407,14 +494,35 @@ void Model::sync_weights() {
     if (!L.moe) continue;
     const float* w13 = I.P(L.we13);
     const float* w2 = I.P(L.we2);
-    L.pk13f = grouped_pack_weights(L.p13f.raw(), w13, I.E, I.d, 2 * I.Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
-    L.pk13d = grouped_pack_weights(L.p13d.raw(), w13, I.E, I.d, 2 * I.Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
-    L.pk2f = grouped_pack_weights(L.p2f.raw(), w2, I.E, I.Fe, I.d, GemmPrec::BF16, GroupedPackKind::Fwd);
-    L.pk2d = grouped_pack_weights(L.p2d.raw(), w2, I.E, I.Fe, I.d, GemmPrec::BF16, GroupedPackKind::Dgrad);
+    L.pk13f = grouped_pack_weights(L.p13f.raw(), w13, I.El, I.d, 2 * I.Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
+    L.pk13d = grouped_pack_weights(L.p13d.raw(), w13, I.El, I.d, 2 * I.Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
+    L.pk2f = grouped_pack_weights(L.p2f.raw(), w2, I.El, I.Fe, I.d, GemmPrec::BF16, GroupedPackKind::Fwd);
+    L.pk2d = grouped_pack_weights(L.p2d.raw(), w2, I.El, I.Fe, I.d, GemmPrec::BF16, GroupedPackKind::Dgrad);
   }
 }
 
 void Model::zero_grads() { gbuf_.zero_(); }
+
+int Model::ep_size() const { return impl_->ep; }
+int Model::first_expert() const { return int(impl_->e0); }
+int Model::local_experts() const { return int(impl_->El); }
+
+EpStats Model::ep_stats() const {
+  EpStats t;
+  for (auto& L : impl_->layers) {
+    if (!L.disp) continue;
+    EpStats s = L.disp->stats();
+    t.dispatch.add(s.dispatch), t.combine.add(s.combine), t.backward.add(s.backward);
+  }
+  return t;
+}
+
+int64_t Model::ep_buffer_bytes() const {
+  int64_t b = 0;
+  for (auto& L : impl_->layers)
+    if (L.disp) b += L.disp->buffer_bytes();
+  return b;
+}
 
 int Model::n_moe_layers() const {
   int n = 0;
@@ -631,6 +739,9 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   if (!recomputing) last_dropped += dropped;
   tr_router.stop();
   int32_t* kept = b.kept.data<int32_t>();
+  if (ep > 1) {
+    ep_ffn_forward(L, b, y);
+  } else {
   for (int64_t e = 0; e < E; ++e) kept[e] = off[e + 1] - off[e];
   const int64_t R = off[E];
   b.R = R;
@@ -649,7 +760,9 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   MT_TRACE("fwd.combine");
   moe_unpermute(y, b.ez.data<float>(), b.row_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
   }
+  }
   if (Fs > 0) {
+    hact = s_f3.data<float>();  // (EP may have regrown the scratch)
     MT_TRACE("fwd.shared");
     lin_fwd(b.gu.data<float>(), h16, W(L.ws13), N, d, 2 * Fs);
     swiglu_forward(hact, b.act16.data<bf16>(), b.gu.data<float>(), N, Fs);
@@ -678,6 +791,9 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
     dense_bwd(L.w13, L.w2, F, false);
     return;
   }
+  if (ep > 1) {
+    ep_ffn_backward(L, b, dy, dh2out);
+  } else {
   const int64_t R = b.R;
   const int32_t* kept = b.kept.data<int32_t>();
   const int32_t* row_of = b.row_of.data<int32_t>();
@@ -706,6 +822,8 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
     MT_TRACE("bwd.permute");
     moe_permute_backward(dh2out, dxp, row_of, N, int(K), R, d);
   }
+  }
+  float* dtw = dtopk_w.data<float>();
   // router
   trace::Scope tr_router("bwd.router");
   RouterConfig rc = rcfg;
@@ -719,6 +837,84 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   if (Fs > 0) {
     dense_bwd(L.ws13, L.ws2, Fs, true);
   }
+}
+
+// Routed experts under expert parallelism. The home rank has routed (and, with a capacity, dropped) its
+// tokens; the kept (token, slot) rows go to the ranks owning their experts as bf16 (bitwise what the
+// single-process permute feeds the GEMMs) or E4M3, the experts run on the received rows (grouped by local
+// expert, ordered by source rank, token, slot), and combine brings fp32 rows back and sums them in slot
+// order on the home rank: the single-process moe_unpermute. The backward mirrors it with the dispatcher's
+// redispatch / combine_scalars / combine (see ep_dispatch.h).
+void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
+  const int32_t* idx = b.topk_idx.data<int32_t>();
+  const int32_t* send = idx;
+  if (s.moe.capacity_factor > 0) {  // slots the home rank's capacity plan dropped are not sent
+    const int32_t* row_of = b.row_of.data<int32_t>();
+    int32_t* si = send_idx.data<int32_t>();
+    for (int64_t i = 0; i < N * K; ++i) si[i] = row_of[i] < 0 ? -1 : idx[i];
+    send = si;
+  }
+  int64_t R;
+  {
+    MT_TRACE("fwd.ep.dispatch");
+    R = L.disp->dispatch(b.h2.data<float>(), send, b.topk_w.data<float>(), N);
+  }
+  ensure_rows(L, R);
+  b.R = R;
+  int32_t* kept = b.kept.data<int32_t>();
+  const int64_t* rc = L.disp->recv_counts();
+  for (int64_t e = 0; e < El; ++e) kept[e] = int32_t(rc[e]);
+  bf16* xp16 = b.xp16.data<bf16>();
+  {
+    MT_TRACE("fwd.permute");
+    f32_to_bf16(xp16, L.disp->recv_x(), R * d);
+  }
+  {
+    MT_TRACE("fwd.experts");
+    grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
+    swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
+    grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, El, R, Fe, d, wsp(), ws_bytes);
+  }
+  MT_TRACE("fwd.ep.combine");
+  L.disp->combine(y, b.ez.data<float>(), true);
+}
+
+void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2out) {
+  const int64_t R = b.R;
+  const int32_t* kept = b.kept.data<int32_t>();
+  float* dyr = s_f3.data<float>();
+  {
+    MT_TRACE("bwd.ep.redispatch");
+    L.disp->redispatch(dyr, dy);
+  }
+  bf16* dz16 = s_b2.data<bf16>();
+  float* dw_r = dwr.data<float>();
+  {
+    MT_TRACE("bwd.combine");
+    // Each received row is its own "token" with one slot: dz = w * dy, dw = dot(dy, z), as on one process.
+    const int32_t* io = iota_r.data<int32_t>();
+    moe_unpermute_backward(dz16, dw_r, dyr, b.ez.data<float>(), io, io, zero_r.data<int32_t>(), L.disp->recv_weight(),
+                           R, 1, R, d);
+  }
+  {
+    MT_TRACE("bwd.ep.combine_scalars");
+    L.disp->combine_scalars(dtopk_w.data<float>(), dw_r);
+  }
+  float* dxp = s_f1.data<float>();
+  {
+    MT_TRACE("bwd.experts");
+    grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, El, R, Fe, d, true, wsp(), ws_bytes);
+    float* deact = s_f1.data<float>();
+    grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, El, R, Fe, d, wsp(), ws_bytes);
+    float* degu = s_f2.data<float>();
+    swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
+    bf16* degu16 = s_b1.data<bf16>();
+    f32_to_bf16(degu16, degu, R * 2 * Fe);
+    grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, El, R, d, 2 * Fe, true, wsp(), ws_bytes);
+    grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
+  }
+  MT_TRACE("bwd.ep.combine");
+  L.disp->combine(dh2out, dxp, false);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -151,12 +151,19 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   const DeviceMesh mesh(cfg.parallelism, world.size(), ms.is_moe() ? ms.moe.n_routed_experts : 0);
   MT_CHECK(mesh.pp() == 1, "train", "parallelism.pp = ", mesh.pp(),
            ": pipeline parallelism is not implemented in the trainer yet (use pp = 1)");
-  MT_CHECK(mesh.ep() == 1, "train", "parallelism.ep = ", mesh.ep(),
-           ": expert parallelism is not implemented in the trainer yet (use ep = 1; dp_shard / dp_replicate give "
-           "data parallelism)");
+  MT_CHECK(mesh.ep() > 1 || !cfg.parallelism.fp8_dispatch, "train",
+           "parallelism.fp8_dispatch = true needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
+  MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_dispatcher == EpDispatcher::AllToAll, "train",
+           "parallelism.ep_dispatcher = ", to_string(cfg.parallelism.ep_dispatcher),
+           " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
+  MT_CHECK(mesh.ep() == 1 || cfg.parallelism.zero != 3, "train",
+           "parallelism.zero = 3 (FSDP) together with ep > 1 is not implemented (use zero = 0 or 1 with ep)");
   MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1, "train", "parallelism.zero = ",
            cfg.parallelism.zero, " is not implemented in the trainer (use 0, or 1 to shard the optimizer state)");
-  const Comm dp = world.size() == 1 ? world : make_mesh_comms(mesh, world).dp;
+  const MeshComms mcs = world.size() == 1 ? MeshComms{world, world, world, world, world, world, world}
+                                          : make_mesh_comms(mesh, world);
+  const Comm dp = mcs.dp, epc = mcs.ep, edp = mcs.edp;
+  const int EP = mesh.ep();
   const int rank = dp.rank(), D = dp.size();
   const bool root = world.rank() == 0;
   {
@@ -220,22 +227,82 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
 
   // ---- model and optimizer state
   auto& mt = MemoryTracker::global();
-  Model model(ms, B, T, cfg.activation_checkpoint);
+  ModelParallel mpar;
+  if (EP > 1) {
+    mpar.ep = &epc, mpar.dispatcher = cfg.parallelism.ep_dispatcher, mpar.fp8_dispatch = cfg.parallelism.fp8_dispatch;
+    mpar.ep_ranks_per_node = mesh.ep_ranks_per_node();
+  }
+  Model model(ms, B, T, cfg.activation_checkpoint, mpar);
   model.init_params(uint64_t(tr.seed));
   const int64_t np = model.num_params();
-  // AdamW state: the whole flat buffer, or with zero = 1 this rank's slice [s_lo, s_hi) of it (ZeRO-1).
+  // Gradient runs: the flat buffer cut into maximal ranges of non-expert parameters (reduced over all of
+  // DP) and, under EP, of this rank's routed-expert shards (reduced over the expert-data-parallel group).
+  // Without EP it is one run [0, np) over DP. AdamW state: per run the whole range, or with zero = 1 this
+  // rank's slice [s_lo, s_hi) of it over the run's group (ZeRO-1); the state buffers concatenate them.
   const bool sharded = cfg.parallelism.zero == 1 && D > 1;
-  const int64_t s_lo = sharded ? np * rank / D : 0, s_hi = sharded ? np * (rank + 1) / D : np, ns = s_hi - s_lo;
-  std::vector<int64_t> sh_counts(static_cast<size_t>(D)), sh_displs(static_cast<size_t>(D));  // bytes, for all_gather_v
-  for (int r = 0; r < D; ++r) {
-    int64_t lo = sharded ? np * r / D : 0, hi = sharded ? np * (r + 1) / D : np;
-    sh_counts[size_t(r)] = (hi - lo) * 4, sh_displs[size_t(r)] = lo * 4;
+  struct Run {
+    int64_t lo, hi, s_lo, s_hi, st;  // range, this rank's slice, slice's offset in the state buffers
+    bool expert;
+    const Comm* comm;
+    std::vector<int64_t> counts, displs;  // bytes per group rank (all_gather_v of the slices)
+  };
+  std::vector<Run> runs;
+  {
+    const auto& ps = model.params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const bool ex = ps[i].expert && EP > 1;
+      const int64_t hi = i + 1 < ps.size() ? ps[i + 1].offset : np;
+      if (!runs.empty() && runs.back().expert == ex) runs.back().hi = hi;
+      else runs.push_back({ps[i].offset, hi, 0, 0, 0, ex, ex ? &edp : &dp, {}, {}});
+    }
+    int64_t st = 0;
+    for (auto& r : runs) {
+      const int S = sharded ? r.comm->size() : 1, q = sharded ? r.comm->rank() : 0;
+      const int64_t n = r.hi - r.lo;
+      r.s_lo = r.lo + n * q / S, r.s_hi = r.lo + n * (q + 1) / S, r.st = st, st += r.s_hi - r.s_lo;
+      for (int g = 0; g < S; ++g)
+        r.counts.push_back((n * (g + 1) / S - n * g / S) * 4), r.displs.push_back(n * g / S * 4);
+    }
   }
+  int64_t ns = 0, ns_max = 0;
+  for (auto& r : runs) ns += r.s_hi - r.s_lo, ns_max = std::max(ns_max, r.s_hi - r.s_lo);
   Tensor mbuf = Tensor::zeros({std::max<int64_t>(ns, 1)}, DType::F32, MemCategory::Optimizer, "adam.m");
   Tensor vbuf = Tensor::zeros({std::max<int64_t>(ns, 1)}, DType::F32, MemCategory::Optimizer, "adam.v");
   res.opt_state_bytes = 2 * ns * 4;
   std::vector<float> stage;  // sharded: this rank's updated parameter slice, gathered into every rank
-  if (sharded) stage.resize(size_t(ns));
+  if (sharded) stage.resize(size_t(ns_max));
+  // local <-> full: a state vector in the local flat layout gathered from / sliced into the state buffers
+  auto gather_state = [&](std::vector<float>& full, const float* st) {
+    full.assign(size_t(np), 0.0f);
+    for (auto& r : runs) {
+      if (sharded) r.comm->all_gather_v(full.data() + r.lo, r.counts.data(), r.displs.data(), st + r.st);
+      else std::copy(st + r.st, st + r.st + (r.hi - r.lo), full.data() + r.lo);
+    }
+  };
+  auto slice_state = [&](float* st, const std::vector<float>& full) {
+    for (auto& r : runs) std::copy(full.begin() + r.s_lo, full.begin() + r.s_hi, st + r.st);
+  };
+  // Global layout (what one process holds: every expert, offsets padded as Model lays them out) from a
+  // local-layout vector: expert shards are gathered over the EP group. Collective under EP.
+  std::vector<int64_t> goff;
+  int64_t gnp = 0;
+  for (auto& p : model.params()) goff.push_back(gnp), gnp += (shape_numel(p.global_shape) + 15) / 16 * 16;
+  auto to_global = [&](const float* local) {
+    std::vector<float> g(size_t(gnp), 0.0f);
+    const auto& ps = model.params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (ps[i].expert && EP > 1) epc.all_gather(g.data() + goff[i], local + ps[i].offset, ps[i].numel * 4);
+      else std::copy(local + ps[i].offset, local + ps[i].offset + ps[i].numel, g.data() + goff[i]);
+    }
+    return g;
+  };
+  auto from_global = [&](float* local, const std::vector<float>& g) {
+    const auto& ps = model.params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const float* src = g.data() + goff[i] + ps[i].shard_first;
+      std::copy(src, src + ps[i].numel, local + ps[i].offset);
+    }
+  };
   std::vector<int32_t> in(size_t(B * T)), tg(size_t(B * T));
 
   FlopsPerToken fpt = flops_per_token(ms, T, true, cfg.activation_checkpoint);
@@ -245,39 +312,43 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   const std::string ckdir = (fs::path(res.dump_folder) / cfg.checkpoint.folder).string();
   res.checkpoint_dir = ckdir;
   int64_t step = 0;
+  // Checkpoints hold global tensors (every expert): params, m and v go through global-layout vectors.
+  std::vector<float> p_glob, m_glob, v_glob;
   auto model_tensors = [&]() {
     std::vector<CheckpointTensor> v;
-    for (auto& p : model.params()) v.push_back({p.name, DType::F32, p.shape, model.param_data() + p.offset});
+    for (size_t i = 0; i < model.params().size(); ++i) {
+      auto& p = model.params()[i];
+      v.push_back({p.name, DType::F32, p.global_shape, p_glob.data() + goff[i]});
+    }
     for (int i = 0; i < model.n_moe_layers(); ++i)
       v.push_back({"expert_bias." + std::to_string(i), DType::F32, {ms.moe.n_routed_experts}, model.expert_bias(i)});
     return v;
   };
-  // Checkpoints hold the whole optimizer state: sharded, it is gathered into m_full / v_full for a save
-  // and sliced out of them after a load.
-  std::vector<float> m_full, v_full;
   auto opt_tensors = [&]() {
-    float* m = sharded ? m_full.data() : mbuf.data<float>();
-    float* v = sharded ? v_full.data() : vbuf.data<float>();
     std::vector<CheckpointTensor> out;
-    for (auto& p : model.params()) {
-      out.push_back({"m." + p.name, DType::F32, p.shape, m + p.offset});
-      out.push_back({"v." + p.name, DType::F32, p.shape, v + p.offset});
+    for (size_t i = 0; i < model.params().size(); ++i) {
+      auto& p = model.params()[i];
+      out.push_back({"m." + p.name, DType::F32, p.global_shape, m_glob.data() + goff[i]});
+      out.push_back({"v." + p.name, DType::F32, p.global_shape, v_glob.data() + goff[i]});
     }
     return out;
+  };
+  auto free_glob = [&]() {
+    std::vector<float>().swap(p_glob), std::vector<float>().swap(m_glob), std::vector<float>().swap(v_glob);
   };
   if (cfg.checkpoint.enable) {
     if (auto latest = latest_complete_checkpoint(ckdir)) {
       LoadedCheckpoint ck = load_checkpoint(*latest);
       JobConfig saved = config_from_json(ck.state.at("config"));
       MT_CHECK(saved.model == ms, "train", "checkpoint ", *latest, " was written for a different model spec");
+      p_glob.assign(size_t(gnp), 0.0f), m_glob.assign(size_t(gnp), 0.0f), v_glob.assign(size_t(gnp), 0.0f);
       for (auto& t : model_tensors()) load_into(ck.model, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
-      if (sharded) m_full.assign(size_t(np), 0.0f), v_full.assign(size_t(np), 0.0f);
       for (auto& t : opt_tensors()) load_into(ck.optimizer, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
-      if (sharded) {
-        std::copy(m_full.begin() + s_lo, m_full.begin() + s_hi, mbuf.data<float>());
-        std::copy(v_full.begin() + s_lo, v_full.begin() + s_hi, vbuf.data<float>());
-        std::vector<float>().swap(m_full), std::vector<float>().swap(v_full);
-      }
+      from_global(model.param_data(), p_glob);
+      std::vector<float> full(static_cast<size_t>(np));
+      from_global(full.data(), m_glob), slice_state(mbuf.data<float>(), full);
+      from_global(full.data(), v_glob), slice_state(vbuf.data<float>(), full);
+      free_glob();
       step = ck.step;
       src->restore(ck.state.at("data"));
       model.sync_weights();
@@ -298,15 +369,16 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
 
   // Collective (the sharded optimizer state is gathered); rank 0 writes.
   auto save = [&](int64_t s) {
-    if (sharded) {
-      m_full.resize(size_t(np)), v_full.resize(size_t(np));
-      dp.all_gather_v(m_full.data(), sh_counts.data(), sh_displs.data(), mbuf.data<float>());
-      dp.all_gather_v(v_full.data(), sh_counts.data(), sh_displs.data(), vbuf.data<float>());
+    {
+      std::vector<float> full;
+      p_glob = to_global(model.param_data());
+      gather_state(full, mbuf.data<float>()), m_glob = to_global(full.data());
+      gather_state(full, vbuf.data<float>()), v_glob = to_global(full.data());
     }
     struct Free {
-      std::vector<float>&a, &b;
-      ~Free() { std::vector<float>().swap(a), std::vector<float>().swap(b); }
-    } free_full{m_full, v_full};
+      std::function<void()> f;
+      ~Free() { f(); }
+    } free_full{free_glob};
     if (!root) return std::string();
     CheckpointWriteRequest req;
     req.step = s;
@@ -325,12 +397,18 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     const bool is_loader = val->state().contains("micro");
     std::vector<double> parts;
     int64_t cnt = 0;
-    for (int64_t i = nb * rank / D; i < nb * (rank + 1) / D; ++i) {
+    // Under EP every rank of a group must run the same number of forwards (each MoE layer is collective):
+    // ranks with fewer batches run their first one again and discard it.
+    const int64_t lo = nb * rank / D, hi = nb * (rank + 1) / D;
+    const int64_t iters = EP > 1 ? (nb + D - 1) / D : hi - lo;
+    for (int64_t j = 0; j < iters; ++j) {
+      const int64_t i = lo + j < hi ? lo + j : lo;
       const uint64_t pos = uint64_t(i * B);
       val->restore(is_loader ? json{{"kind", "loader"}, {"epoch", 0}, {"position", pos}, {"micro", 0}}
                              : json{{"kind", "synthetic"}, {"position", pos}});
       val->next(in.data(), tg.data());
       ForwardStats fs_ = model.forward(in.data(), tg.data());
+      if (lo + j >= hi) continue;
       parts.push_back(fs_.ce_sum), cnt += fs_.ce_count;
     }
     double sum = 0;
@@ -358,7 +436,15 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   double time_total = 0;
   int64_t tokens_total = 0;
   double window_t = 0;
-  int64_t window_tok = 0;
+  int64_t window_tok = 0, window_steps = 0;
+  // EP traffic of this rank, summed over dispatch, combine and the backward's row moves
+  auto ep_total = [&]() {
+    EpStats e = model.ep_stats();
+    EpTraffic t = e.dispatch;
+    t.add(e.combine), t.add(e.backward);
+    return t;
+  };
+  EpTraffic ep_window0 = ep_total(), ep_run0 = ep_window0;
   std::vector<int64_t> load_sum;
   while (step < tr.steps) {
     // The first step warms caches and oneDNN primitives: it is not profiled.
@@ -393,8 +479,10 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       dp.all_reduce_ordered(&aux, aux_parts.data(), micro_local, 1);
       if (D > 1) {
         dp.all_reduce(&ce_n, 1);
-        for (int64_t off = 0; off < np; off += kCommReduceSegment)
-          dp.all_reduce(model.grad_data() + off, std::min<int64_t>(kCommReduceSegment, np - off));
+        for (auto& r : runs)
+          if (r.comm->size() > 1)
+            for (int64_t off = r.lo; off < r.hi; off += kCommReduceSegment)
+              r.comm->all_reduce(model.grad_data() + off, std::min<int64_t>(kCommReduceSegment, r.hi - off));
         std::vector<int64_t> flat;
         for (auto& c : counts) flat.insert(flat.end(), c.begin(), c.end());
         dp.all_reduce(flat.data(), int64_t(flat.size()));
@@ -404,20 +492,31 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       }
     }
     trace::Scope tr_opt("optimizer");
-    double gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
+    double gn;
+    if (EP == 1) {
+      gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
+    } else {  // replicated runs once, expert shards summed over the EP group in rank order
+      double sq_d = 0, sq_e = 0, sq_e_all = 0;
+      for (auto& r : runs) (r.expert ? sq_e : sq_d) += grad_norm_sq(model.grad_data() + r.lo, r.hi - r.lo);
+      epc.all_reduce_ordered(&sq_e_all, &sq_e, 1, 1);
+      gn = std::sqrt(sq_d + sq_e_all);
+    }
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
     // AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
-    for (auto& p : model.params()) {
-      const int64_t a = std::max(s_lo, p.offset), b = std::min(s_hi, p.offset + p.numel);
-      if (a < b)
-        adamw_step(model.param_data() + a, mbuf.data<float>() + (a - s_lo), vbuf.data<float>() + (a - s_lo),
-                   model.grad_data() + a, b - a, ac, step, clip, p.decay);
-    }
+    for (auto& r : runs)
+      for (auto& p : model.params()) {
+        const int64_t a = std::max(r.s_lo, p.offset), b = std::min(r.s_hi, p.offset + p.numel);
+        if (a < b)
+          adamw_step(model.param_data() + a, mbuf.data<float>() + r.st + (a - r.s_lo),
+                     vbuf.data<float>() + r.st + (a - r.s_lo), model.grad_data() + a, b - a, ac, step, clip, p.decay);
+      }
     if (sharded) {
       MT_TRACE("dp.all_gather_params");
-      std::copy(model.param_data() + s_lo, model.param_data() + s_hi, stage.data());
-      dp.all_gather_v(model.param_data(), sh_counts.data(), sh_displs.data(), stage.data());
+      for (auto& r : runs) {
+        std::copy(model.param_data() + r.s_lo, model.param_data() + r.s_hi, stage.data());
+        r.comm->all_gather_v(model.param_data() + r.lo, r.counts.data(), r.displs.data(), stage.data());
+      }
     }
     model.update_expert_bias(counts);
     tr_opt.stop();
@@ -427,12 +526,13 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     }
     trace::enable(false);
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    time_total += dt, tokens_total += G * T, window_t += dt, window_tok += G * T;
+    time_total += dt, tokens_total += G * T, window_t += dt, window_tok += G * T, ++window_steps;
 
     StepRecord rec;
     rec.step = step, rec.loss = ce_n ? ce / double(ce_n) : 0, rec.aux_loss = aux, rec.lr = ac.lr, rec.grad_norm = gn;
     if (opt.record_param_hash) {
-      uint64_t h = fnv1a(model.param_data(), size_t(np) * 4);
+      uint64_t h = EP > 1 ? fnv1a(to_global(model.param_data()).data(), size_t(gnp) * 4)
+                          : fnv1a(model.param_data(), size_t(np) * 4);
       for (int i = 0; i < model.n_moe_layers(); ++i)
         h = fnv1a(model.expert_bias(i), size_t(ms.moe.n_routed_experts) * 4, h);
       rec.param_hash = h;
@@ -469,6 +569,14 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       for (int c = 0; c < kNumMemCategories; ++c) cat[std::string(mem_category_name(MemCategory(c)))] = snap.peak[c];
       j["mem_peak_by_category"] = cat;
       if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
+      if (EP > 1) {  // this rank's EP bytes sent and time per step over the window (validation included)
+        EpTraffic now = ep_total();
+        const double ws_ = double(std::max<int64_t>(1, window_steps));
+        j["ep"] = {{"bytes_inter_per_step", double(now.bytes_inter - ep_window0.bytes_inter) / ws_},
+                   {"bytes_intra_per_step", double(now.bytes_intra - ep_window0.bytes_intra) / ws_},
+                   {"seconds_per_step", (now.seconds - ep_window0.seconds) / ws_}};
+        ep_window0 = now;
+      }
       if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
       if (say) {
         char line[512];
@@ -482,7 +590,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
         else std::printf("%s\n", line);
         std::fflush(stdout);
       }
-      window_t = 0, window_tok = 0;
+      window_t = 0, window_tok = 0, window_steps = 0;
     } else if (tty) {
       std::printf("\r\033[Kstep %5lld/%lld  loss %.4f", (long long)step, (long long)tr.steps, rec.loss);
       std::fflush(stdout);
@@ -503,8 +611,18 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   res.tflops = res.tokens_per_s * fpt.train * 1e-12;
   res.mfu = res.tflops * 1e3 / (res.peak_gflops * D);
   res.comm_seconds = dp.stats().total().seconds;
+  res.ep = EP;
+  if (EP > 1) {
+    EpTraffic t = ep_total();
+    const double st_ = double(std::max<int64_t>(1, res.end_step - res.start_step));
+    res.ep_bytes_inter_per_step = double(t.bytes_inter - ep_run0.bytes_inter) / st_;
+    res.ep_bytes_intra_per_step = double(t.bytes_intra - ep_run0.bytes_intra) / st_;
+    res.ep_seconds = t.seconds - ep_run0.seconds;
+    res.ep_buffer_bytes = model.ep_buffer_bytes();
+  }
   if (opt.keep_params) {
-    res.final_params.assign(model.param_data(), model.param_data() + np);
+    if (EP > 1) res.final_params = to_global(model.param_data());
+    else res.final_params.assign(model.param_data(), model.param_data() + np);
     for (int i = 0; i < model.n_moe_layers(); ++i)
       res.final_params.insert(res.final_params.end(), model.expert_bias(i),
                               model.expert_bias(i) + ms.moe.n_routed_experts);
@@ -547,6 +665,13 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     std::printf("metrics: %s\n", res.metrics_path.c_str());
     if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
     if (D > 1) std::printf("DP collectives: %.3f s\n%s", res.comm_seconds, dp.stats().summary().c_str());
+    if (EP > 1)
+      std::printf("EP (%s%s): %.3f s in dispatch/combine; per step rank 0 sent %s to other nodes, %s inside its node; "
+                  "dispatcher buffers %s\n",
+                  std::string(to_string(cfg.parallelism.ep_dispatcher)).c_str(),
+                  cfg.parallelism.fp8_dispatch ? ", fp8 payload" : "", res.ep_seconds,
+                  human_bytes(int64_t(res.ep_bytes_inter_per_step)).c_str(),
+                  human_bytes(int64_t(res.ep_bytes_intra_per_step)).c_str(), human_bytes(res.ep_buffer_bytes).c_str());
   }
   if (world.size() > 1) world.barrier();  // rank 0's checkpoint and metrics are on disk when any rank returns
   return res;
