@@ -40,6 +40,7 @@ struct TrainOptions {
   bool record_data = false;   // TrainResult::data
   bool record_param_hash = false;  // StepRecord::param_hash
   bool keep_params = false;   // TrainResult::final_params (+ expert biases appended)
+  bool keep_first_grads = false;  // TrainResult::first_grads
 };
 
 // One training sequence a rank computed: step, index in the global batch [0, G), FNV-1a hash of its
@@ -77,6 +78,8 @@ struct TrainResult {
   int64_t ep_buffer_bytes = 0;          // the dispatchers' buffers on this rank
   std::vector<SeqRecord> data;          // record_data
   std::vector<float> final_params;      // keep_params
+  std::vector<float> first_grads;       // keep_first_grads: the reduced gradient of the first step run (global
+                                        // layout, before clipping), what the optimizer is given
 };
 
 TrainResult train(const JobConfig& cfg, const TrainOptions& opt = {});

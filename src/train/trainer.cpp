@@ -501,6 +501,10 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       epc.all_reduce_ordered(&sq_e_all, &sq_e, 1, 1);
       gn = std::sqrt(sq_d + sq_e_all);
     }
+    if (opt.keep_first_grads && step == res.start_step + 1) {
+      if (EP > 1) res.first_grads = to_global(model.grad_data());
+      else res.first_grads.assign(model.grad_data(), model.grad_data() + np);
+    }
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
     // AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
