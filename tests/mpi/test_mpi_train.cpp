@@ -9,7 +9,7 @@
 //            dp_shard; a resumed DP run equals the uninterrupted one.
 //   tolerance: the loss of steps 2..5 and the final parameters vs one process (see kLossRelTol below;
 //            measured: the losses are bitwise equal too, parameters differ by ~1e-8 relative L2).
-// Not a benchmark and not expert parallelism.
+// Not a benchmark; expert parallelism and the layout sweep are in test_mpi_layouts.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -240,15 +240,7 @@ TEST(MpiTrain, ImpossibleLayoutsFailAtStartUp) {
           recorded(&world()));
   });
   EXPECT_NE(m.find("world size " + std::to_string(p)), std::string::npos) << m;
-  // Expert parallelism is not in the trainer yet: a clear error, not a silent replica.
-  if (p == 2 || p == 4) {
-    m = msg([&] {
-      train(tiny(dir_for("bad_ep_r" + std::to_string(world().rank())),
-                 {"--parallelism.dp_shard=" + std::to_string(p), "--parallelism.ep=2"}),
-            recorded(&world()));
-    });
-    EXPECT_NE(m.find("expert parallelism is not implemented"), std::string::npos) << m;
-  }
+  // (Every other impossible layout: tests/mpi/test_mpi_layouts.cpp.)
   world().barrier();
 }
 // main() is tests/mpi/mpi_gtest_main.cpp, shared by the MPI test binaries.
