@@ -177,7 +177,7 @@ MPIRUN_PID=
 STATS1=$(read_stats)
 # Counters of the run = after - before (the before figures hold only the reachability probes).
 DIFF=$(paste -d' ' <(echo "$STATS0") <(echo "$STATS1") | awk '{
-  printf "host %s %s tx_bytes %d rx_bytes %d tx_packets %d rx_packets %d\n", $2, $3, $16-$5, $18-$7, $20-$9, $22-$11 }')
+  printf "host %s %s tx_bytes %.0f rx_bytes %.0f tx_packets %.0f rx_packets %.0f\n", $2, $3, $16-$5, $18-$7, $20-$9, $22-$11 }')
 echo "$DIFF" | sed 's/^/[two_hosts] veth /' >&2
 [[ -n "$VETH_STATS" ]] && echo "$DIFF" > "$VETH_STATS"
 exit $rc
