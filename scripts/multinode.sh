@@ -173,15 +173,27 @@ if bench:
     print(f"\nExpected = (k / nodes) / P(a given other node is touched) = {k}/{n} / {1 - p_untouched:.4f} = "
           f"{rows_ratio:.3f} rows, times the record sizes (flat record 16 B + payload, hierarchical stage-1 record "
           f"{rup(4 + 8 * k, 16)} B + payload; combine rows equal).")
+    def bits_per_s(rate):
+        m = re.fullmatch(r"([0-9.]+)([kmg]?)(bit|bps)", rate.lower())
+        if not m: return None
+        v = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+        return v if m.group(3) == "bit" else 8 * v
     print("\n### Milliseconds per dispatch + combine (best of the iterations; median in brackets)\n")
-    print("| link | payload | alltoall | sync_free | hierarchical | alltoall / hier | sync_free / hier |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("link bound = the inter-node bytes of one direction (half the total: uniform routing) / the link rate, "
+          "i.e. the time the link alone needs.\n")
+    print("| link | payload | alltoall | sync_free | hierarchical | alltoall / hier | sync_free / hier | "
+          "link bound flat / hier |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rate, (t, vf) in tables.items():
+        bps = bits_per_s(rate)
         for pl in ("f32/f32", "bf16/bf16", "e4m3/bf16"):
             a, s, hh = t.get(("alltoall", pl)), t.get(("sync_free", pl)), t.get(("hierarchical", pl))
             if a and s and hh:
+                lb = "-"
+                if bps:
+                    lb = f"{a['inter_mb'] / 2 * 8e6 / bps * 1e3:.0f} / {hh['inter_mb'] / 2 * 8e6 / bps * 1e3:.0f}"
                 print(f"| {rate} | {pl} | {a['ms']:.1f} ({a['med']:.1f}) | {s['ms']:.1f} ({s['med']:.1f}) | "
-                      f"{hh['ms']:.1f} ({hh['med']:.1f}) | {a['ms'] / hh['ms']:.2f} | {s['ms'] / hh['ms']:.2f} |")
+                      f"{hh['ms']:.1f} ({hh['med']:.1f}) | {a['ms'] / hh['ms']:.2f} | {s['ms'] / hh['ms']:.2f} | {lb} |")
     print("\n### Did the traffic cross the veth links?\n")
     print("Counted = what the benchmark says crossed hosts: per configuration (1 sizing + warmup + iters) "
           "dispatch + combine calls, plus warmup + iters raw MPI_Alltoall calls of the same bytes per rank "
