@@ -52,6 +52,7 @@ CMD[0]=$(realpath "$(command -v "${CMD[0]}")")
 
 # One run at a time on this machine (the namespace names are fixed).
 LOCK=/run/lock/moetron_two_hosts.lock
+[[ -d /run/lock ]] || LOCK=/tmp/moetron_two_hosts.lock
 exec 9>"$LOCK"
 flock -w 600 9 || die "another two_hosts.sh run holds $LOCK"
 
