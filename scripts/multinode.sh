@@ -19,7 +19,7 @@
 # Options:
 #   --build DIR        build directory (default build); programs given relative are looked up there first
 #   --out DIR          logs + summary.md (default /tmp/moetron_multinode)
-#   --stages LIST      comma-separated subset of equiv,dispatch (default both)
+#   --stages LIST      comma-separated subset of equiv,dispatch,train (default all three)
 #   --test 'CMD ...'   a stage (a) command; repeatable; the first one replaces the default list. Any MPI
 #                      program: it runs on --test-hosts x --test-np ranks and its exit status decides
 #   --test-hosts N     hosts for stage (a) (default 2)      --test-np N     ranks per host (default 2)
@@ -33,7 +33,8 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 BUILD=build
 OUT=/tmp/moetron_multinode
-STAGES=equiv,dispatch
+STAGES=equiv,dispatch,train
+TRAIN_RATES="none 300mbit"
 TESTS=()
 TEST_HOSTS=2
 TEST_NP=2
@@ -60,7 +61,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "multinode.sh: unknown option $1" >&2; usage ;;
   esac
 done
-[[ ${#TESTS[@]} -gt 0 ]] || TESTS=("tests/mpi/mpi_train_tests" "tests/mpi/mpi_tests")
+[[ ${#TESTS[@]} -gt 0 ]] || TESTS=("tests/mpi/mpi_train_tests" "tests/mpi/mpi_tests" "tests/mpi/mpi_layout_tests")
 command -v python3 >/dev/null || { echo "multinode.sh: needs python3 (for the summary)" >&2; exit 2; }
 [[ $(id -u) -eq 0 ]] || { echo "multinode.sh: needs root (network namespaces, veth, tc); run it with sudo" >&2; exit 2; }
 mkdir -p "$OUT"
@@ -104,6 +105,22 @@ if [[ ",$STAGES," == *,dispatch,* ]]; then
     rate=$r
     [[ "$r" == none ]] && rate=
     run bench "bench-$r" "$BENCH_HOSTS" "$BENCH_NP" "$rate" "$BENCH" "${bargs[@]}" --rpn "$BENCH_NP"
+  done
+fi
+# Training steps, hierarchical against flat: ds_mini with its 64 experts over ep = 8 (2 hosts x 4 ranks,
+# ranks_per_node = 4), micro-batch 2, 3 steps, alltoall then hierarchical at each of TRAIN_RATES. The
+# trainer reports rank 0's EP bytes per step to other nodes / inside its node and the EP time.
+if [[ ",$STAGES," == *,train,* ]]; then
+  MT=$(resolve moetron)
+  for r in $TRAIN_RATES; do
+    rate=$r
+    [[ "$r" == none ]] && rate=
+    for disp in alltoall hierarchical; do
+      run train "train-$disp-$r" 2 4 "$rate" "$MT" train "$ROOT/configs/ds_mini.toml" --training.dataset=synthetic \
+        --training.steps=3 --training.micro_batch_size=2 --training.global_batch_size=16 --checkpoint.enable=false \
+        --training.val_interval=0 --metrics.log_interval=1000 --job.dump_folder="$OUT/train-$disp-$r" \
+        --parallelism.dp_shard=8 --parallelism.ep=8 --parallelism.ranks_per_node=4 --parallelism.ep_dispatcher=$disp
+    done
   done
 fi
 
@@ -215,6 +232,23 @@ print(f"\nOverall: {'PASS' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY
 rc=$?
+if grep -q "^train" "$RESULTS"; then
+  {
+    echo
+    echo "## Training steps: ds_mini, ep = 8 over 2 hosts x 4 ranks (rank 0's EP traffic per step)"
+    echo
+    echo "| link | dispatcher | exit | tokens/s | EP s (3 steps) | inter-node / step | intra-node / step |"
+    echo "|---|---|---|---|---|---|---|"
+    while IFS=$'\t' read -r kind name hosts np rate trc secs log veth; do
+      [[ $kind == train ]] || continue
+      [[ $trc == 0 ]] || rc=1
+      tps=$(grep -o 'summary:.*' "$log" | sed -E 's/.* ([0-9.]+) tokens\/s.*/\1/')
+      ep=$(grep -o 'EP ([^)]*): .*' "$log" | sed -E 's/EP \(([^)]*)\): ([0-9.]+) s .* sent ([0-9.]+ [MG]iB) to other nodes, ([0-9.]+ [MG]iB) inside.*/\2|\3|\4/')
+      IFS='|' read -r eps inter intra <<< "$ep"
+      echo "| $rate | ${name#train-} | $trc | $tps | $eps | $inter | $intra |"
+    done < "$RESULTS"
+  } >> "$OUT/summary.md"
+fi
 echo
 cat "$OUT/summary.md"
 echo "(summary also in $OUT/summary.md)"
