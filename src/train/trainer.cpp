@@ -15,6 +15,7 @@
 #include "moetron/check.h"
 #include "moetron/checkpoint.h"
 #include "moetron/data.h"
+#include "moetron/fsdp.h"
 #include "moetron/gemm.h"
 #include "moetron/memory.h"
 #include "moetron/mesh.h"
@@ -151,11 +152,15 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   const DeviceMesh mesh(cfg.parallelism, world.size(), ms.is_moe() ? ms.moe.n_routed_experts : 0);
   MT_CHECK(mesh.pp() == 1, "train", "parallelism.pp = ", mesh.pp(),
            ": pipeline parallelism is not implemented in the trainer yet (use pp = 1)");
+  MT_CHECK(cfg.parallelism.zero != 3 || mesh.ep() == 1, "train", "parallelism.zero = 3 with parallelism.ep = ",
+           mesh.ep(), ": FSDP / ZeRO-3 together with expert parallelism is not implemented yet (use ep = 1, or zero <= 1)");
   MT_CHECK(mesh.ep() == 1, "train", "parallelism.ep = ", mesh.ep(),
            ": expert parallelism is not implemented in the trainer yet (use ep = 1; dp_shard / dp_replicate give "
            "data parallelism)");
-  MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1, "train", "parallelism.zero = ",
-           cfg.parallelism.zero, " is not implemented in the trainer (use 0, or 1 to shard the optimizer state)");
+  MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1 || cfg.parallelism.zero == 3, "train",
+           "parallelism.zero = ", cfg.parallelism.zero,
+           " is not implemented in the trainer (use 0; 1 shards the optimizer state; 3 shards parameters, "
+           "gradients and optimizer state)");
   const Comm dp = world.size() == 1 ? world : make_mesh_comms(mesh, world).dp;
   const int rank = dp.rank(), D = dp.size();
   const bool root = world.rank() == 0;
@@ -220,12 +225,19 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
 
   // ---- model and optimizer state
   auto& mt = MemoryTracker::global();
-  Model model(ms, B, T, cfg.activation_checkpoint);
+  // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is
+  // the DP group while ep = 1.
+  const bool zero3 = cfg.parallelism.zero == 3;
+  const FsdpOptions fsdp_opts{dp, dp};
+  Model model(ms, B, T, cfg.activation_checkpoint, zero3 ? &fsdp_opts : nullptr);
+  Fsdp* fsdp = model.fsdp();
   model.init_params(uint64_t(tr.seed));
   const int64_t np = model.num_params();
-  // AdamW state: the whole flat buffer, or with zero = 1 this rank's slice [s_lo, s_hi) of it (ZeRO-1).
+  // AdamW state: the whole flat buffer, or with zero = 1 this rank's slice [s_lo, s_hi) of it (ZeRO-1), or
+  // with zero = 3 the rank's parameter shard (same layout: fsdp->segments()).
   const bool sharded = cfg.parallelism.zero == 1 && D > 1;
-  const int64_t s_lo = sharded ? np * rank / D : 0, s_hi = sharded ? np * (rank + 1) / D : np, ns = s_hi - s_lo;
+  const int64_t s_lo = sharded ? np * rank / D : 0, s_hi = sharded ? np * (rank + 1) / D : np;
+  const int64_t ns = zero3 ? fsdp->shard_numel() : s_hi - s_lo;
   std::vector<int64_t> sh_counts(static_cast<size_t>(D)), sh_displs(static_cast<size_t>(D));  // bytes, for all_gather_v
   for (int r = 0; r < D; ++r) {
     int64_t lo = sharded ? np * r / D : 0, hi = sharded ? np * (r + 1) / D : np;
@@ -245,9 +257,19 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   const std::string ckdir = (fs::path(res.dump_folder) / cfg.checkpoint.folder).string();
   res.checkpoint_dir = ckdir;
   int64_t step = 0;
+  // zero = 3: checkpoints and recorded parameters use the full flat layout, gathered into p_full (and the
+  // shards are sliced out of it after a load), so the format is the same whatever zero is.
+  std::vector<float> p_full;
+  auto full_params = [&]() -> float* {
+    if (!zero3) return model.param_data();
+    p_full.resize(size_t(np));
+    fsdp->gather_flat(p_full.data(), fsdp->params());
+    return p_full.data();
+  };
   auto model_tensors = [&]() {
     std::vector<CheckpointTensor> v;
-    for (auto& p : model.params()) v.push_back({p.name, DType::F32, p.shape, model.param_data() + p.offset});
+    float* pf = zero3 ? p_full.data() : model.param_data();
+    for (auto& p : model.params()) v.push_back({p.name, DType::F32, p.shape, pf + p.offset});
     for (int i = 0; i < model.n_moe_layers(); ++i)
       v.push_back({"expert_bias." + std::to_string(i), DType::F32, {ms.moe.n_routed_experts}, model.expert_bias(i)});
     return v;
@@ -256,8 +278,8 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   // and sliced out of them after a load.
   std::vector<float> m_full, v_full;
   auto opt_tensors = [&]() {
-    float* m = sharded ? m_full.data() : mbuf.data<float>();
-    float* v = sharded ? v_full.data() : vbuf.data<float>();
+    float* m = sharded || zero3 ? m_full.data() : mbuf.data<float>();
+    float* v = sharded || zero3 ? v_full.data() : vbuf.data<float>();
     std::vector<CheckpointTensor> out;
     for (auto& p : model.params()) {
       out.push_back({"m." + p.name, DType::F32, p.shape, m + p.offset});
@@ -270,9 +292,16 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       LoadedCheckpoint ck = load_checkpoint(*latest);
       JobConfig saved = config_from_json(ck.state.at("config"));
       MT_CHECK(saved.model == ms, "train", "checkpoint ", *latest, " was written for a different model spec");
+      if (zero3) p_full.assign(size_t(np), 0.0f);
       for (auto& t : model_tensors()) load_into(ck.model, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
-      if (sharded) m_full.assign(size_t(np), 0.0f), v_full.assign(size_t(np), 0.0f);
+      if (sharded || zero3) m_full.assign(size_t(np), 0.0f), v_full.assign(size_t(np), 0.0f);
       for (auto& t : opt_tensors()) load_into(ck.optimizer, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+      if (zero3) {
+        fsdp->slice_flat(fsdp->params(), p_full.data());
+        fsdp->slice_flat(mbuf.data<float>(), m_full.data());
+        fsdp->slice_flat(vbuf.data<float>(), v_full.data());
+        std::vector<float>().swap(p_full), std::vector<float>().swap(m_full), std::vector<float>().swap(v_full);
+      }
       if (sharded) {
         std::copy(m_full.begin() + s_lo, m_full.begin() + s_hi, mbuf.data<float>());
         std::copy(v_full.begin() + s_lo, v_full.begin() + s_hi, vbuf.data<float>());
@@ -303,10 +332,16 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       dp.all_gather_v(m_full.data(), sh_counts.data(), sh_displs.data(), mbuf.data<float>());
       dp.all_gather_v(v_full.data(), sh_counts.data(), sh_displs.data(), vbuf.data<float>());
     }
+    if (zero3) {
+      m_full.assign(size_t(np), 0.0f), v_full.assign(size_t(np), 0.0f);
+      full_params();
+      fsdp->gather_flat(m_full.data(), mbuf.data<float>());
+      fsdp->gather_flat(v_full.data(), vbuf.data<float>());
+    }
     struct Free {
-      std::vector<float>&a, &b;
-      ~Free() { std::vector<float>().swap(a), std::vector<float>().swap(b); }
-    } free_full{m_full, v_full};
+      std::vector<float>&a, &b, &c;
+      ~Free() { std::vector<float>().swap(a), std::vector<float>().swap(b), std::vector<float>().swap(c); }
+    } free_full{m_full, v_full, p_full};
     if (!root) return std::string();
     CheckpointWriteRequest req;
     req.step = s;
@@ -325,6 +360,15 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     const bool is_loader = val->state().contains("micro");
     std::vector<double> parts;
     int64_t cnt = 0;
+    // zero = 3: a forward is collective (units are gathered), so every rank runs ceil(nb / D) of them; a
+    // rank with fewer batches repeats its last one (or batch 0) and discards the result.
+    if (zero3)
+      for (int64_t k = nb * (rank + 1) / D - nb * rank / D; k < (nb + D - 1) / D; ++k) {
+        val->restore(is_loader ? json{{"kind", "loader"}, {"epoch", 0}, {"position", 0}, {"micro", 0}}
+                               : json{{"kind", "synthetic"}, {"position", 0}});
+        val->next(in.data(), tg.data());
+        model.forward(in.data(), tg.data());
+      }
     for (int64_t i = nb * rank / D; i < nb * (rank + 1) / D; ++i) {
       const uint64_t pos = uint64_t(i * B);
       val->restore(is_loader ? json{{"kind", "loader"}, {"epoch", 0}, {"position", pos}, {"micro", 0}}
@@ -346,7 +390,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   if (say && D > 1)
     std::printf("data parallel: %s; %lld micro-batches per rank per step; optimizer state %s per rank%s\n",
                 mesh.describe().c_str(), (long long)micro_local, human_bytes(res.opt_state_bytes).c_str(),
-                sharded ? " (zero = 1: sharded)" : "");
+                sharded ? " (zero = 1: sharded)" : zero3 ? " (zero = 3: parameters, gradients, optimizer sharded)" : "");
 
   mt.reset_peaks();
   dp.reset_stats();
@@ -393,7 +437,8 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       dp.all_reduce_ordered(&aux, aux_parts.data(), micro_local, 1);
       if (D > 1) {
         dp.all_reduce(&ce_n, 1);
-        for (int64_t off = 0; off < np; off += kCommReduceSegment)
+        // zero = 3: the gradients were reduce-scattered into the shards unit by unit, per micro-batch.
+        for (int64_t off = 0; off < np && !zero3; off += kCommReduceSegment)
           dp.all_reduce(model.grad_data() + off, std::min<int64_t>(kCommReduceSegment, np - off));
         std::vector<int64_t> flat;
         for (auto& c : counts) flat.insert(flat.end(), c.begin(), c.end());
@@ -404,13 +449,18 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       }
     }
     trace::Scope tr_opt("optimizer");
-    double gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
+    double gn = std::sqrt(zero3 ? fsdp->grad_norm_sq() : grad_norm_sq(model.grad_data(), np));
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
     // AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
+    if (zero3)  // the shard's pieces of parameters (a piece has one decay flag; padding is not updated)
+      for (auto& sg : fsdp->segments())
+        adamw_step(fsdp->params() + sg.shard_offset, mbuf.data<float>() + sg.shard_offset,
+                   vbuf.data<float>() + sg.shard_offset, fsdp->grads() + sg.shard_offset, sg.count, ac, step, clip,
+                   model.params()[size_t(sg.param)].decay);
     for (auto& p : model.params()) {
       const int64_t a = std::max(s_lo, p.offset), b = std::min(s_hi, p.offset + p.numel);
-      if (a < b)
+      if (a < b && !zero3)
         adamw_step(model.param_data() + a, mbuf.data<float>() + (a - s_lo), vbuf.data<float>() + (a - s_lo),
                    model.grad_data() + a, b - a, ac, step, clip, p.decay);
     }
@@ -432,7 +482,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     StepRecord rec;
     rec.step = step, rec.loss = ce_n ? ce / double(ce_n) : 0, rec.aux_loss = aux, rec.lr = ac.lr, rec.grad_norm = gn;
     if (opt.record_param_hash) {
-      uint64_t h = fnv1a(model.param_data(), size_t(np) * 4);
+      uint64_t h = fnv1a(full_params(), size_t(np) * 4);
       for (int i = 0; i < model.n_moe_layers(); ++i)
         h = fnv1a(model.expert_bias(i), size_t(ms.moe.n_routed_experts) * 4, h);
       rec.param_hash = h;
@@ -504,13 +554,17 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   res.mfu = res.tflops * 1e3 / (res.peak_gflops * D);
   res.comm_seconds = dp.stats().total().seconds;
   if (opt.keep_params) {
-    res.final_params.assign(model.param_data(), model.param_data() + np);
+    const float* pf = full_params();
+    res.final_params.assign(pf, pf + np);
     for (int i = 0; i < model.n_moe_layers(); ++i)
       res.final_params.insert(res.final_params.end(), model.expert_bias(i),
                               model.expert_bias(i) + ms.moe.n_routed_experts);
   }
   res.mem_peak_bytes = mt.total_peak();
   res.act_peak_bytes = mt.peak(MemCategory::Activations);
+  res.params_peak_bytes = mt.peak(MemCategory::Params);
+  res.grads_peak_bytes = mt.peak(MemCategory::Grads);
+  res.optimizer_peak_bytes = mt.peak(MemCategory::Optimizer);
   res.recompute_seconds = model.recompute_seconds();
   if (profiling) {
     double tot = 0;
@@ -540,6 +594,10 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       if (snap.peak[c]) std::printf(" %s %s", std::string(mem_category_name(MemCategory(c))).c_str(),
                                     human_bytes(snap.peak[c]).c_str());
     std::printf("\n");
+    std::printf("memory per rank (peak): params %s  grads %s  optimizer %s  activations %s%s\n",
+                human_bytes(res.params_peak_bytes).c_str(), human_bytes(res.grads_peak_bytes).c_str(),
+                human_bytes(res.optimizer_peak_bytes).c_str(), human_bytes(res.act_peak_bytes).c_str(),
+                zero3 ? "  (zero = 3: shards + one gathered unit)" : "");
     if (res.unigram_entropy > 0)
       std::printf("unigram entropy of the training data: %.4f nats/token (final train loss %.2f nats below it)\n",
                   res.unigram_entropy, res.unigram_entropy - res.final_loss);
