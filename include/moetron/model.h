@@ -45,7 +45,8 @@ class Model {
   // fsdp != nullptr: FSDP / ZeRO-3 mode (include/moetron/fsdp.h): no full parameter / gradient / bf16
   // buffers; every rank keeps its shards in fsdp(), and a unit (embedding, decoder layer, final norm + head)
   // is all-gathered into a slot before use and released after (its gradient reduce-scattered into the
-  // gradient shard, accumulating over micro-batches). param_data() / grad_data() are then unavailable.
+  // gradient shard, accumulating over micro-batches). param_data() / grad_data() then return nullptr, and
+  // forward, forward_backward and compute_logits are collective over the FSDP groups.
   Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac = {},
         const FsdpOptions* fsdp = nullptr);
   ~Model();

@@ -6,11 +6,14 @@
 // recompute, forward only. With two micro-batches the gradients are NOT bitwise in general: the plain model
 // accumulates micro-batch 2 into the buffer inside the kernels (g = (g1 + a) + b ...), FSDP sums each
 // micro-batch in a zeroed slot and adds it to the shard (g1 + (a + b)); the test checks that bound.
-// Not the trainer (tests/mpi/test_mpi_train.cpp runs zero = 3 under mpirun).
+// The trainer with zero = 3 in one process and one micro-batch per step is bitwise zero = 0 (the
+// multi-rank trainer is tested under mpirun: tests/mpi/test_mpi_train.cpp).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <unistd.h>
 #include <vector>
 
 #include "moetron/comm.h"
@@ -18,6 +21,7 @@
 #include "moetron/fsdp.h"
 #include "moetron/model.h"
 #include "moetron/rng.h"
+#include "moetron/trainer.h"
 
 using namespace moetron;
 
@@ -126,4 +130,34 @@ TEST(Fsdp, LayoutShardsEveryRunInEqualPaddedBlocks) {
     bool moe = u >= 1 && u <= cfg.model.n_layers && cfg.model.is_moe_layer(u - 1);
     EXPECT_EQ(f.unit(u).runs.size(), moe ? 2u : 1u) << "unit " << u;
   }
+}
+
+TEST(Fsdp, TrainerZero3OneProcessOneMicroBatchIsBitwiseZero0) {
+  auto run = [](int zero) {
+    std::string d = (std::filesystem::temp_directory_path() / ("moetron_test_fsdp_z" + std::to_string(zero) + "_" +
+                                                               std::to_string(::getpid())))
+                        .string();
+    JobConfig cfg = load_config(repo("configs/ds_tiny.toml"),
+                                {"--job.dump_folder=" + d, "--training.dataset=synthetic", "--metrics.peak_tflops=1.0",
+                                 "--training.steps=3", "--training.micro_batch_size=8", "--training.global_batch_size=8",
+                                 "--training.val_interval=3", "--training.val_steps=2", "--parallelism.zero=" + std::to_string(zero)});
+    TrainOptions o;
+    o.quiet = true, o.keep_params = true, o.record_param_hash = true;
+    static Comm local = comm_local();
+    o.comm = &local;
+    TrainResult r = train(cfg, o);
+    std::filesystem::remove_all(d);
+    return r;
+  };
+  TrainResult a = run(0), b = run(3);
+  ASSERT_EQ(a.history.size(), 3u);
+  ASSERT_EQ(b.history.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(0, std::memcmp(&a.history[i].loss, &b.history[i].loss, 8)) << "step " << i + 1;
+    EXPECT_EQ(a.history[i].param_hash, b.history[i].param_hash) << "step " << i + 1;
+  }
+  EXPECT_EQ(0, std::memcmp(&a.final_val_loss, &b.final_val_loss, 8));
+  ASSERT_EQ(a.final_params.size(), b.final_params.size());
+  EXPECT_EQ(0, std::memcmp(a.final_params.data(), b.final_params.data(), a.final_params.size() * 4));
+  EXPECT_EQ(b.optimizer_peak_bytes, a.optimizer_peak_bytes);  // one rank: the shard is the whole model
 }
