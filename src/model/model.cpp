@@ -145,9 +145,16 @@ struct Model::Impl {
   void fs_acquire(int u, bool params, bool grads);
   void fs_release(int u);
 
-  float* P(int i) { return fs_on ? fs_slot(i).p.data<float>() + fs_local[i] : m.pbuf_.data<float>() + m.params_[i].offset; }
-  float* G(int i) { return fs_on ? fs_slot(i).g.data<float>() + fs_local[i] : m.gbuf_.data<float>() + m.params_[i].offset; }
-  const bf16* W(int i) { return fs_on ? fs_slot(i).w16.data<bf16>() + fs_local[i] : w16.data<bf16>() + m.params_[i].offset; }
+  // Parameter i's fp32 value, gradient and bf16 copy: in the flat buffers, or in FSDP mode in its unit's slot.
+  float* P(int i) {
+    return fs_on ? fs_slot(i).p.data<float>() + fs_local[i] : m.pbuf_.data<float>() + m.params_[i].offset;
+  }
+  float* G(int i) {
+    return fs_on ? fs_slot(i).g.data<float>() + fs_local[i] : m.gbuf_.data<float>() + m.params_[i].offset;
+  }
+  const bf16* W(int i) {
+    return fs_on ? fs_slot(i).w16.data<bf16>() + fs_local[i] : w16.data<bf16>() + m.params_[i].offset;
+  }
   void* wsp() { return ws.defined() ? ws.raw() : nullptr; }
 
   AttnDims attn_dims() const {
@@ -844,9 +851,10 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
   // (embedding = head) stays gathered for the whole pass.
   const bool tied = head == emb;
   const int last_u = int(layers.size()) + 1;
-  if (fs_on)
-    for (auto& sl : fs_slots) sl.unit = -1;  // a previous pass that threw left slots held
-  if (fs_on) std::fill(fs_slot_of.begin(), fs_slot_of.end(), -1);
+  if (fs_on) {  // a previous pass that threw may have left units held
+    for (auto& sl : fs_slots) sl.unit = -1;
+    std::fill(fs_slot_of.begin(), fs_slot_of.end(), -1);
+  }
   fs_acquire(0, true, backward && tied);
   // embedding
   float* xcur = x.data<float>();
