@@ -23,6 +23,9 @@
 
 namespace moetron {
 
+class Fsdp;
+struct FsdpOptions;
+
 struct ParamEntry {
   std::string name;
   Shape shape;
@@ -52,12 +55,18 @@ struct ModelParallel {
   bool fp8_dispatch = false;  // E4M3 1x128 dispatch payload (else bf16, which is exact: the experts
                               // consume bf16 rows anyway); combine and the backward rows stay fp32
   int ep_ranks_per_node = 0;  // EP ranks per node (0 = one node)
+  const FsdpOptions* fsdp = nullptr;  // FSDP / ZeRO-3 mode (see the constructor); not with ep > 1 yet
 };
 
 class Model {
  public:
   // B sequences of T tokens per micro-batch (the shape every buffer is sized for). Collective over the EP
   // group when par.ep has more than one rank.
+  // par.fsdp != nullptr: FSDP / ZeRO-3 mode (include/moetron/fsdp.h): no full parameter / gradient / bf16
+  // buffers; every rank keeps its shards in fsdp(), and a unit (embedding, decoder layer, final norm + head)
+  // is all-gathered into a slot before use and released after (its gradient reduce-scattered into the
+  // gradient shard, accumulating over micro-batches). param_data() / grad_data() then return nullptr, and
+  // forward, forward_backward and compute_logits are collective over the FSDP groups.
   Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac = {},
         const ModelParallel& par = {});
   ~Model();
@@ -68,9 +77,10 @@ class Model {
   const std::vector<ParamEntry>& params() const { return params_; }
   const ParamEntry& param(const std::string& name) const;
   int64_t num_params() const { return n_params_; }
-  float* param_data() { return pbuf_.data<float>(); }
-  float* grad_data() { return gbuf_.data<float>(); }
-  const float* param_data() const { return pbuf_.data<float>(); }
+  Fsdp* fsdp() { return fsdp_.get(); }  // nullptr unless FSDP mode
+  float* param_data() { return pbuf_.defined() ? pbuf_.data<float>() : nullptr; }
+  float* grad_data() { return gbuf_.defined() ? gbuf_.data<float>() : nullptr; }
+  const float* param_data() const { return pbuf_.defined() ? pbuf_.data<float>() : nullptr; }
 
   // Philox init keyed by (seed, parameter name): identical whatever the sharding.
   void init_params(uint64_t seed);
@@ -120,6 +130,7 @@ class Model {
   std::vector<ParamEntry> params_;
   int64_t n_params_ = 0;
   Tensor pbuf_, gbuf_;
+  std::unique_ptr<Fsdp> fsdp_;
   double recompute_s_ = 0;
   std::unique_ptr<Impl> impl_;
   friend struct Impl;

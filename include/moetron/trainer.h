@@ -3,7 +3,8 @@
 // checkpoints with automatic resume. Data parallel under MPI (dp_replicate * dp_shard ranks, ep = pp = 1):
 // every rank trains its share of each global batch, gradients are summed over DP with Comm's rank-order
 // all_reduce in a few large buckets, and every rank keeps bitwise identical parameters; rank 0 alone
-// prints, writes metrics.jsonl and checkpoints. parallelism.zero = 1 shards the AdamW state over DP.
+// prints, writes metrics.jsonl and checkpoints. parallelism.zero = 1 shards the AdamW state over DP;
+// zero = 3 (FSDP) shards parameters, gradients and AdamW state (include/moetron/fsdp.h).
 // Expert parallel with ep > 1 (experts sharded over the EP group, dispatch/combine in the MoE layers,
 // expert gradients reduced over the expert-data-parallel group). Not pipeline parallel yet
 // (docs/parallel.md).
@@ -65,6 +66,9 @@ struct TrainResult {
   double recompute_seconds = 0;
   int64_t mem_peak_bytes = 0;
   int64_t act_peak_bytes = 0;  // peak of the activations category (what recompute saves)
+  // Peaks per category on this rank over the training loop (MemoryTracker): with zero = 3 the params /
+  // grads / optimizer figures are this rank's shards plus the gathered unit slot(s) (docs/parallel.md).
+  int64_t params_peak_bytes = 0, grads_peak_bytes = 0, optimizer_peak_bytes = 0;
   std::string dump_folder, metrics_path, checkpoint_dir;
   double unigram_entropy = -1;  // of the training data (nats/token) when known
   std::vector<std::pair<std::string, double>> op_seconds;  // per-op breakdown when profiling

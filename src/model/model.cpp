@@ -12,6 +12,7 @@
 
 #include "moetron/attention.h"
 #include "moetron/check.h"
+#include "moetron/fsdp.h"
 #include "moetron/gemm.h"
 #include "moetron/grouped_gemm.h"
 #include "moetron/loss.h"
@@ -129,9 +130,40 @@ struct Model::Impl {
 
   explicit Impl(Model& model) : m(model), s(model.spec_) {}
 
-  float* P(int i) { return m.pbuf_.data<float>() + m.params_[i].offset; }
-  float* G(int i) { return m.gbuf_.data<float>() + m.params_[i].offset; }
-  const bf16* W(int i) { return w16.data<bf16>() + m.params_[i].offset; }
+  // ---- FSDP mode (see model.h, fsdp.h): units 0 = embedding, 1..n_layers = decoder layers,
+  // n_layers + 1 = final norm + head (tied: the head is the embedding, unit 0). A unit in use lives in a
+  // slot: fp32 parameters, their bf16 copy, the packed expert weights (MoE layers), fp32 gradients.
+  struct FsSlot {
+    Tensor p, w16, g, p13f, p13d, p2f, p2d;
+    int unit = -1;
+    bool grads = false;
+  };
+  bool fs_on = false;
+  const FsdpOptions* fs_opts = nullptr;  // construction only
+  std::vector<FsSlot> fs_slots;
+  std::vector<int> fs_slot_of;      // [unit] slot index or -1
+  std::vector<int> fs_unit;         // [param] unit
+  std::vector<int64_t> fs_local;    // [param] offset in the unit slot
+  FsSlot& fs_slot(int i) {
+    const int k = fs_slot_of[size_t(fs_unit[size_t(i)])];
+    MT_CHECK(k >= 0, "Model(fsdp)", "parameter ", m.params_[size_t(i)].name, " used while its unit ",
+             fs_unit[size_t(i)], " is not gathered");
+    return fs_slots[size_t(k)];
+  }
+  void fs_build();
+  void fs_acquire(int u, bool params, bool grads);
+  void fs_release(int u);
+
+  // Parameter i's fp32 value, gradient and bf16 copy: in the flat buffers, or in FSDP mode in its unit's slot.
+  float* P(int i) {
+    return fs_on ? fs_slot(i).p.data<float>() + fs_local[i] : m.pbuf_.data<float>() + m.params_[i].offset;
+  }
+  float* G(int i) {
+    return fs_on ? fs_slot(i).g.data<float>() + fs_local[i] : m.gbuf_.data<float>() + m.params_[i].offset;
+  }
+  const bf16* W(int i) {
+    return fs_on ? fs_slot(i).w16.data<bf16>() + fs_local[i] : w16.data<bf16>() + m.params_[i].offset;
+  }
   void* wsp() { return ws.defined() ? ws.raw() : nullptr; }
 
   AttnDims attn_dims() const {
@@ -206,7 +238,10 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   if (par.ep && par.ep->size() > 1) impl_->ep_comm = *par.ep, impl_->ep = par.ep->size();
   MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
            ") needs an MoE model; this one has no routed experts");
+  MT_CHECK(impl_->ep == 1 || !par.fsdp, "Model", "FSDP together with expert parallelism is not implemented");
+  impl_->fs_opts = par.fsdp;
   impl_->build();
+  impl_->fs_opts = nullptr;
 }
 
 Model::~Model() = default;
@@ -290,9 +325,13 @@ void Model::Impl::build() {
   if (!s.tie_embeddings) head = add("head", {V, d}, true, -1);
   else head = emb;
 
-  m.pbuf_ = Tensor::zeros({m.n_params_}, DType::F32, MemCategory::Params, "params");
-  m.gbuf_ = Tensor::zeros({m.n_params_}, DType::F32, MemCategory::Grads, "grads");
-  w16 = Tensor::zeros({m.n_params_}, DType::BF16, MemCategory::Params, "params.bf16");
+  if (fs_opts) {
+    fs_build();
+  } else {
+    m.pbuf_ = Tensor::zeros({m.n_params_}, DType::F32, MemCategory::Params, "params");
+    m.gbuf_ = Tensor::zeros({m.n_params_}, DType::F32, MemCategory::Grads, "grads");
+    w16 = Tensor::zeros({m.n_params_}, DType::BF16, MemCategory::Params, "params.bf16");
+  }
 
   // Buffers: every non-recomputed layer owns its saved activations; recomputed layers share one set
   // per kind (dense / MoE).
@@ -342,6 +381,7 @@ void Model::Impl::build() {
     if (!L.moe) continue;
     L.bias = f32buf(E, MemCategory::Params);
     L.count_acc.assign(size_t(E), 0);
+    if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots (FSDP excludes EP)
     size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, d, 2 * Fe);
     size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, d, 2 * Fe);
     size_t b2 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, Fe, d);
@@ -474,6 +514,12 @@ const ParamEntry& Model::param(const std::string& name) const {
 }
 
 void Model::init_params(uint64_t seed) {
+  if (fsdp_) {
+    fsdp_->init(seed);
+    for (auto& L : impl_->layers)
+      if (L.moe) L.bias.zero_();
+    return;
+  }
   float* p = pbuf_.data<float>();
   for (auto& e : params_) {
     if (e.ones) {
@@ -489,6 +535,7 @@ void Model::init_params(uint64_t seed) {
 
 void Model::sync_weights() {
   auto& I = *impl_;
+  if (fsdp_) return;  // FSDP: a unit's bf16 copy and packed experts are made when it is gathered
   f32_to_bf16(I.w16.data<bf16>(), pbuf_.data<float>(), n_params_);
   for (auto& L : I.layers) {
     if (!L.moe) continue;
@@ -501,7 +548,10 @@ void Model::sync_weights() {
   }
 }
 
-void Model::zero_grads() { gbuf_.zero_(); }
+void Model::zero_grads() {
+  if (fsdp_) fsdp_->zero_grads();
+  else gbuf_.zero_();
+}
 
 int Model::ep_size() const { return impl_->ep; }
 int Model::first_expert() const { return int(impl_->e0); }
@@ -993,15 +1043,29 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
   for (int64_t t = 0; t < N; ++t)
     MT_CHECK(tokens[t] >= 0 && tokens[t] < V, "Model::forward", "token ", tokens[t], " at position ", t,
              " outside the vocabulary [0, ", V, ")");
+  // FSDP: units are gathered before use and released after (no-ops otherwise). With tied embeddings unit 0
+  // (embedding = head) stays gathered for the whole pass.
+  const bool tied = head == emb;
+  const int last_u = int(layers.size()) + 1;
+  if (fs_on) {  // a previous pass that threw may have left units held
+    for (auto& sl : fs_slots) sl.unit = -1;
+    std::fill(fs_slot_of.begin(), fs_slot_of.end(), -1);
+  }
+  fs_acquire(0, true, backward && tied);
   // embedding
   float* xcur = x.data<float>();
   const float* E0 = P(emb);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tokens[t]) * d, size_t(d) * 4);
-  for (auto& L : layers) {
+  if (!tied) fs_release(0);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    Layer& L = layers[l];
+    fs_acquire(int(l) + 1, true, false);
     std::memcpy(L.x_in.data<float>(), xcur, size_t(N * d) * 4);
     forward_layer(L, L.x_in.data<float>(), xcur);
+    fs_release(int(l) + 1);
   }
+  fs_acquire(last_u, true, backward);
   rmsnorm_forward(s_f3.data<float>(), hf16.data<bf16>(), rstdf.data<float>(), xcur, P(final_norm), N, d,
                   float(s.norm_eps));
   std::memcpy(xf.data<float>(), xcur, size_t(N * d) * 4);
@@ -1011,6 +1075,8 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
   trace::Scope tr_loss("loss.fused_linear_xent");
   if (!backward) {
     st.ce_sum = linear_xent_fwd_bf16(nullptr, hf16.data<bf16>(), W(head), targets, N, d, V, 1.0f, chunk, wsp());
+    fs_release(last_u);
+    if (tied) fs_release(0);
   } else {
     float* g = dx.data<float>();
     float* dhf = dh.data<float>();
@@ -1023,8 +1089,10 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
     MT_TRACE("bwd.norm");
     rmsnorm_backward(g, G(final_norm), dhf, xf.data<float>(), P(final_norm), rstdf.data<float>(), N, d, wsp());
     }
+    fs_release(last_u);
     for (int64_t l = int64_t(layers.size()) - 1; l >= 0; --l) {
       Layer& L = layers[l];
+      fs_acquire(int(l) + 1, true, true);
       if (L.recompute) {
         auto t0 = std::chrono::steady_clock::now();
         MT_TRACE("recompute.layer");
@@ -1034,8 +1102,10 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
         m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
       backward_layer(L, g);
+      fs_release(int(l) + 1);
     }
     // embedding gradient: rows in token order (deterministic)
+    if (!tied) fs_acquire(0, false, true);
     MT_TRACE("bwd.embed");
     float* gE = G(emb);
     for (int64_t t = 0; t < N; ++t) {
@@ -1044,6 +1114,7 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
     }
+    fs_release(0);
   }
   st.aux_loss = last_aux;
   st.z_loss = last_z;
@@ -1065,8 +1136,89 @@ void Model::compute_logits(float* logits, const int32_t* tokens) {
   auto& I = *impl_;
   std::vector<float> hf(size_t(I.N * I.d)), wh(size_t(I.V * I.d));
   bf16_to_f32(hf.data(), I.hf16.data<bf16>(), I.N * I.d);
+  const int hu = I.head == I.emb ? 0 : int(I.layers.size()) + 1;
+  I.fs_acquire(hu, true, false);
   bf16_to_f32(wh.data(), I.W(I.head), I.V * I.d);
+  I.fs_release(hu);
   gemm_f32(Trans::N, Trans::T, I.N, I.V, I.d, 1.0f, hf.data(), I.d, wh.data(), I.d, 0.0f, logits, I.V);
+}
+
+}  // namespace moetron
+
+// ---------------------------------------------------------------------------------------------------
+// FSDP mode: unit slots, gather / release (the communication and the shards are in src/parallel/fsdp.cpp)
+
+namespace moetron {
+
+void Model::Impl::fs_build() {
+  const int nL = int(layers.size());
+  fs_unit.resize(m.params_.size());
+  for (size_t i = 0; i < m.params_.size(); ++i) {
+    const ParamEntry& e = m.params_[i];
+    fs_unit[i] = e.layer >= 0 ? e.layer + 1 : (int(i) == emb ? 0 : nL + 1);
+  }
+  m.fsdp_ = std::make_unique<Fsdp>(m.params_, fs_unit, nL + 2, *fs_opts);
+  fs_on = true;
+  fs_local.resize(m.params_.size());
+  for (size_t i = 0; i < m.params_.size(); ++i) fs_local[i] = m.fsdp_->local_offset(int(i));
+  fs_slot_of.assign(size_t(nL + 2), -1);
+  // Blocking collectives: one unit is in use at a time, plus unit 0 for the whole pass when the head is
+  // the embedding.
+  const int n_slots = head == emb ? 2 : 1;
+  const int64_t n = m.fsdp_->max_slot_numel();
+  fs_slots.resize(size_t(n_slots));
+  for (auto& sl : fs_slots) {
+    sl.p = Tensor::zeros({n}, DType::F32, MemCategory::Params, "fsdp.slot.params");
+    sl.w16 = Tensor::zeros({n}, DType::BF16, MemCategory::Params, "fsdp.slot.bf16");
+    sl.g = Tensor::zeros({n}, DType::F32, MemCategory::Grads, "fsdp.slot.grads");
+    if (E > 0) {
+      auto pk = [&](GroupedPackKind k, int64_t K_, int64_t N_) {
+        return Tensor::zeros({int64_t(grouped_packed_bytes(k, GemmPrec::BF16, E, K_, N_) / 2)}, DType::BF16,
+                             MemCategory::Params, "fsdp.slot.experts");
+      };
+      sl.p13f = pk(GroupedPackKind::Fwd, d, 2 * Fe), sl.p13d = pk(GroupedPackKind::Dgrad, d, 2 * Fe);
+      sl.p2f = pk(GroupedPackKind::Fwd, Fe, d), sl.p2d = pk(GroupedPackKind::Dgrad, Fe, d);
+    }
+  }
+}
+
+void Model::Impl::fs_acquire(int u, bool params, bool grads) {
+  if (!fs_on) return;
+  MT_CHECK(fs_slot_of[size_t(u)] < 0, "Model(fsdp)", "unit ", u, " gathered twice");
+  int k = -1;
+  for (size_t j = 0; j < fs_slots.size() && k < 0; ++j)
+    if (fs_slots[j].unit < 0) k = int(j);
+  MT_CHECK(k >= 0, "Model(fsdp)", "no free slot for unit ", u);
+  FsSlot& sl = fs_slots[size_t(k)];
+  sl.unit = u, sl.grads = grads, fs_slot_of[size_t(u)] = k;
+  const int64_t n = m.fsdp_->unit(u).slot_numel;
+  if (params) {
+    MT_TRACE("fsdp.all_gather");
+    m.fsdp_->gather_unit(sl.p.data<float>(), u);
+    f32_to_bf16(sl.w16.data<bf16>(), sl.p.data<float>(), n);
+    if (u >= 1 && u <= int(layers.size()) && layers[size_t(u - 1)].moe) {
+      Layer& L = layers[size_t(u - 1)];
+      const float* w13 = P(L.we13);
+      const float* w2 = P(L.we2);
+      L.pk13f = grouped_pack_weights(sl.p13f.raw(), w13, E, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
+      L.pk13d = grouped_pack_weights(sl.p13d.raw(), w13, E, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
+      L.pk2f = grouped_pack_weights(sl.p2f.raw(), w2, E, Fe, d, GemmPrec::BF16, GroupedPackKind::Fwd);
+      L.pk2d = grouped_pack_weights(sl.p2d.raw(), w2, E, Fe, d, GemmPrec::BF16, GroupedPackKind::Dgrad);
+    }
+  }
+  if (grads) std::memset(sl.g.raw(), 0, size_t(n) * 4);
+}
+
+void Model::Impl::fs_release(int u) {
+  if (!fs_on) return;
+  const int k = fs_slot_of[size_t(u)];
+  MT_CHECK(k >= 0, "Model(fsdp)", "unit ", u, " released but not gathered");
+  FsSlot& sl = fs_slots[size_t(k)];
+  if (sl.grads) {
+    MT_TRACE("fsdp.reduce_scatter");
+    m.fsdp_->reduce_scatter_unit(sl.g.data<float>(), u);
+  }
+  sl.unit = -1, sl.grads = false, fs_slot_of[size_t(u)] = -1;
 }
 
 }  // namespace moetron

@@ -15,6 +15,7 @@
 #include "moetron/check.h"
 #include "moetron/checkpoint.h"
 #include "moetron/data.h"
+#include "moetron/fsdp.h"
 #include "moetron/gemm.h"
 #include "moetron/memory.h"
 #include "moetron/mesh.h"
@@ -158,8 +159,10 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
            " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
   MT_CHECK(mesh.ep() == 1 || cfg.parallelism.zero != 3, "train",
            "parallelism.zero = 3 (FSDP) together with ep > 1 is not implemented (use zero = 0 or 1 with ep)");
-  MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1, "train", "parallelism.zero = ",
-           cfg.parallelism.zero, " is not implemented in the trainer (use 0, or 1 to shard the optimizer state)");
+  MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1 || cfg.parallelism.zero == 3, "train",
+           "parallelism.zero = ", cfg.parallelism.zero,
+           " is not implemented in the trainer (use 0; 1 shards the optimizer state; 3 shards parameters, "
+           "gradients and optimizer state)");
   const MeshComms mcs = world.size() == 1 ? MeshComms{world, world, world, world, world, world, world}
                                           : make_mesh_comms(mesh, world);
   const Comm dp = mcs.dp, epc = mcs.ep, edp = mcs.edp;
@@ -232,13 +235,20 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     mpar.ep = &epc, mpar.dispatcher = cfg.parallelism.ep_dispatcher, mpar.fp8_dispatch = cfg.parallelism.fp8_dispatch;
     mpar.ep_ranks_per_node = mesh.ep_ranks_per_node();
   }
+  // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is
+  // the DP group (FSDP is not combined with ep > 1 yet).
+  const bool zero3 = cfg.parallelism.zero == 3;
+  const FsdpOptions fsdp_opts{dp, dp};
+  if (zero3) mpar.fsdp = &fsdp_opts;
   Model model(ms, B, T, cfg.activation_checkpoint, mpar);
+  Fsdp* fsdp = model.fsdp();
   model.init_params(uint64_t(tr.seed));
   const int64_t np = model.num_params();
   // Gradient runs: the flat buffer cut into maximal ranges of non-expert parameters (reduced over all of
   // DP) and, under EP, of this rank's routed-expert shards (reduced over the expert-data-parallel group).
   // Without EP it is one run [0, np) over DP. AdamW state: per run the whole range, or with zero = 1 this
   // rank's slice [s_lo, s_hi) of it over the run's group (ZeRO-1); the state buffers concatenate them.
+  // zero = 3: the state has the layout of the parameter shard (fsdp->segments()); the runs are not used.
   const bool sharded = cfg.parallelism.zero == 1 && D > 1;
   struct Run {
     int64_t lo, hi, s_lo, s_hi, st;  // range, this rank's slice, slice's offset in the state buffers
@@ -266,6 +276,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   }
   int64_t ns = 0, ns_max = 0;
   for (auto& r : runs) ns += r.s_hi - r.s_lo, ns_max = std::max(ns_max, r.s_hi - r.s_lo);
+  if (zero3) ns = fsdp->shard_numel();
   Tensor mbuf = Tensor::zeros({std::max<int64_t>(ns, 1)}, DType::F32, MemCategory::Optimizer, "adam.m");
   Tensor vbuf = Tensor::zeros({std::max<int64_t>(ns, 1)}, DType::F32, MemCategory::Optimizer, "adam.v");
   res.opt_state_bytes = 2 * ns * 4;
@@ -274,13 +285,23 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   // local <-> full: a state vector in the local flat layout gathered from / sliced into the state buffers
   auto gather_state = [&](std::vector<float>& full, const float* st) {
     full.assign(size_t(np), 0.0f);
+    if (zero3) return fsdp->gather_flat(full.data(), st);
     for (auto& r : runs) {
       if (sharded) r.comm->all_gather_v(full.data() + r.lo, r.counts.data(), r.displs.data(), st + r.st);
       else std::copy(st + r.st, st + r.st + (r.hi - r.lo), full.data() + r.lo);
     }
   };
   auto slice_state = [&](float* st, const std::vector<float>& full) {
+    if (zero3) return fsdp->slice_flat(st, full.data());
     for (auto& r : runs) std::copy(full.begin() + r.s_lo, full.begin() + r.s_hi, st + r.st);
+  };
+  // zero = 3 keeps no flat parameter buffer: a flat copy is gathered when one is needed (collective).
+  std::vector<float> p_full;
+  auto local_params = [&]() -> const float* {
+    if (!zero3) return model.param_data();
+    p_full.resize(size_t(np));
+    fsdp->gather_flat(p_full.data(), fsdp->params());
+    return p_full.data();
   };
   // Global layout (what one process holds: every expert, offsets padded as Model lays them out) from a
   // local-layout vector: expert shards are gathered over the EP group. Collective under EP.
@@ -335,6 +356,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   };
   auto free_glob = [&]() {
     std::vector<float>().swap(p_glob), std::vector<float>().swap(m_glob), std::vector<float>().swap(v_glob);
+    std::vector<float>().swap(p_full);
   };
   if (cfg.checkpoint.enable) {
     if (auto latest = latest_complete_checkpoint(ckdir)) {
@@ -344,7 +366,12 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       p_glob.assign(size_t(gnp), 0.0f), m_glob.assign(size_t(gnp), 0.0f), v_glob.assign(size_t(gnp), 0.0f);
       for (auto& t : model_tensors()) load_into(ck.model, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
       for (auto& t : opt_tensors()) load_into(ck.optimizer, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
-      from_global(model.param_data(), p_glob);
+      if (zero3) {
+        std::vector<float> pf(static_cast<size_t>(np));
+        from_global(pf.data(), p_glob), fsdp->slice_flat(fsdp->params(), pf.data());
+      } else {
+        from_global(model.param_data(), p_glob);
+      }
       std::vector<float> full(static_cast<size_t>(np));
       from_global(full.data(), m_glob), slice_state(mbuf.data<float>(), full);
       from_global(full.data(), v_glob), slice_state(vbuf.data<float>(), full);
@@ -371,7 +398,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   auto save = [&](int64_t s) {
     {
       std::vector<float> full;
-      p_glob = to_global(model.param_data());
+      p_glob = to_global(local_params());
       gather_state(full, mbuf.data<float>()), m_glob = to_global(full.data());
       gather_state(full, vbuf.data<float>()), v_glob = to_global(full.data());
     }
@@ -397,10 +424,10 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     const bool is_loader = val->state().contains("micro");
     std::vector<double> parts;
     int64_t cnt = 0;
-    // Under EP every rank of a group must run the same number of forwards (each MoE layer is collective):
-    // ranks with fewer batches run their first one again and discard it.
+    // Under EP and FSDP every rank must run the same number of forwards (MoE layers and unit gathers are
+    // collective): ranks with fewer batches run their first one again and discard it.
     const int64_t lo = nb * rank / D, hi = nb * (rank + 1) / D;
-    const int64_t iters = EP > 1 ? (nb + D - 1) / D : hi - lo;
+    const int64_t iters = EP > 1 || zero3 ? (nb + D - 1) / D : hi - lo;
     for (int64_t j = 0; j < iters; ++j) {
       const int64_t i = lo + j < hi ? lo + j : lo;
       const uint64_t pos = uint64_t(i * B);
@@ -424,7 +451,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   if (say && D > 1)
     std::printf("data parallel: %s; %lld micro-batches per rank per step; optimizer state %s per rank%s\n",
                 mesh.describe().c_str(), (long long)micro_local, human_bytes(res.opt_state_bytes).c_str(),
-                sharded ? " (zero = 1: sharded)" : "");
+                sharded ? " (zero = 1: sharded)" : zero3 ? " (zero = 3: parameters, gradients, optimizer sharded)" : "");
 
   mt.reset_peaks();
   dp.reset_stats();
@@ -479,8 +506,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       dp.all_reduce_ordered(&aux, aux_parts.data(), micro_local, 1);
       if (D > 1) {
         dp.all_reduce(&ce_n, 1);
+        // zero = 3: the gradients were reduce-scattered into the shards unit by unit, per micro-batch.
         for (auto& r : runs)
-          if (r.comm->size() > 1)
+          if (r.comm->size() > 1 && !zero3)
             for (int64_t off = r.lo; off < r.hi; off += kCommReduceSegment)
               r.comm->all_reduce(model.grad_data() + off, std::min<int64_t>(kCommReduceSegment, r.hi - off));
         std::vector<int64_t> flat;
@@ -493,7 +521,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     }
     trace::Scope tr_opt("optimizer");
     double gn;
-    if (EP == 1) {
+    if (zero3) {
+      gn = std::sqrt(fsdp->grad_norm_sq());
+    } else if (EP == 1) {
       gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
     } else {  // replicated runs once, expert shards summed over the EP group in rank order
       double sq_d = 0, sq_e = 0, sq_e_all = 0;
@@ -502,14 +532,21 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       gn = std::sqrt(sq_d + sq_e_all);
     }
     if (opt.keep_first_grads && step == res.start_step + 1) {
-      if (EP > 1) res.first_grads = to_global(model.grad_data());
+      if (zero3) res.first_grads.resize(size_t(np)), fsdp->gather_flat(res.first_grads.data(), fsdp->grads());
+      else if (EP > 1) res.first_grads = to_global(model.grad_data());
       else res.first_grads.assign(model.grad_data(), model.grad_data() + np);
     }
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
     // AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
+    if (zero3)  // the shard's pieces of parameters (a piece has one decay flag; padding is not updated)
+      for (auto& sg : fsdp->segments())
+        adamw_step(fsdp->params() + sg.shard_offset, mbuf.data<float>() + sg.shard_offset,
+                   vbuf.data<float>() + sg.shard_offset, fsdp->grads() + sg.shard_offset, sg.count, ac, step, clip,
+                   model.params()[size_t(sg.param)].decay);
     for (auto& r : runs)
       for (auto& p : model.params()) {
+        if (zero3) break;
         const int64_t a = std::max(r.s_lo, p.offset), b = std::min(r.s_hi, p.offset + p.numel);
         if (a < b)
           adamw_step(model.param_data() + a, mbuf.data<float>() + r.st + (a - r.s_lo),
@@ -536,7 +573,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     rec.step = step, rec.loss = ce_n ? ce / double(ce_n) : 0, rec.aux_loss = aux, rec.lr = ac.lr, rec.grad_norm = gn;
     if (opt.record_param_hash) {
       uint64_t h = EP > 1 ? fnv1a(to_global(model.param_data()).data(), size_t(gnp) * 4)
-                          : fnv1a(model.param_data(), size_t(np) * 4);
+                          : fnv1a(local_params(), size_t(np) * 4);
       for (int i = 0; i < model.n_moe_layers(); ++i)
         h = fnv1a(model.expert_bias(i), size_t(ms.moe.n_routed_experts) * 4, h);
       rec.param_hash = h;
@@ -626,13 +663,16 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   }
   if (opt.keep_params) {
     if (EP > 1) res.final_params = to_global(model.param_data());
-    else res.final_params.assign(model.param_data(), model.param_data() + np);
+    else res.final_params.assign(local_params(), local_params() + np);
     for (int i = 0; i < model.n_moe_layers(); ++i)
       res.final_params.insert(res.final_params.end(), model.expert_bias(i),
                               model.expert_bias(i) + ms.moe.n_routed_experts);
   }
   res.mem_peak_bytes = mt.total_peak();
   res.act_peak_bytes = mt.peak(MemCategory::Activations);
+  res.params_peak_bytes = mt.peak(MemCategory::Params);
+  res.grads_peak_bytes = mt.peak(MemCategory::Grads);
+  res.optimizer_peak_bytes = mt.peak(MemCategory::Optimizer);
   res.recompute_seconds = model.recompute_seconds();
   if (profiling) {
     double tot = 0;
@@ -662,6 +702,10 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       if (snap.peak[c]) std::printf(" %s %s", std::string(mem_category_name(MemCategory(c))).c_str(),
                                     human_bytes(snap.peak[c]).c_str());
     std::printf("\n");
+    std::printf("memory per rank (peak): params %s  grads %s  optimizer %s  activations %s%s\n",
+                human_bytes(res.params_peak_bytes).c_str(), human_bytes(res.grads_peak_bytes).c_str(),
+                human_bytes(res.optimizer_peak_bytes).c_str(), human_bytes(res.act_peak_bytes).c_str(),
+                zero3 ? "  (zero = 3: shards + one gathered unit)" : "");
     if (res.unigram_entropy > 0)
       std::printf("unigram entropy of the training data: %.4f nats/token (final train loss %.2f nats below it)\n",
                   res.unigram_entropy, res.unigram_entropy - res.final_loss);
