@@ -1,6 +1,6 @@
 // test_mpi_layouts.cpp: the layout sweep. `moetron train` on ds_tiny (8 routed experts, top-2, 2 MoE layers),
 // synthetic data, 5 steps of the same global batch (8 sequences, micro-batch 1), under mpirun with 1, 2, 4
-// and 8 ranks, for every layout that fits the world: data parallel only, ZeRO-1, expert parallel 2/4/8 with
+// and 8 ranks, for every layout that fits the world: data parallel only, ZeRO-1, FSDP, expert parallel 2/4/8 with
 // the three dispatchers, with and without the FP8 dispatch payload, EP mixed with ZeRO-1 and dp_replicate.
 // Every rank also trains the single-process reference (comm_local(), once per process) and each layout is
 // compared with it. Then every impossible layout is started and must fail with an error naming its rule.
@@ -36,7 +36,8 @@
 //    measured error against one process (and so against the bf16 payload, which is exact).
 // Replicas: whatever the layout, the parameters (gathered to the global layout) and the logged loss and
 // grad norm are bitwise identical on every rank after every step.
-// Not a benchmark; FSDP (zero = 3) has its own tests in test_mpi_train.cpp.
+// FSDP (zero = 3) is in the sweep too (its memory, resume and checkpoint tests are in test_mpi_train.cpp).
+// Not a benchmark.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -133,6 +134,7 @@ std::vector<Layout> layouts() {
     const std::string W = std::to_string(w);
     v.push_back({"dp" + W, w, {dp + W}, Bar::Exact});
     if (w > 1) v.push_back({"dp" + W + "_zero1", w, {dp + W, "--parallelism.zero=1"}, Bar::Exact});
+    if (w > 1) v.push_back({"dp" + W + "_fsdp", w, {dp + W, "--parallelism.zero=3"}, Bar::Exact});
   }
   for (int w : {2, 4, 8})
     for (int ep : {2, 4, 8}) {
