@@ -238,7 +238,6 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   if (par.ep && par.ep->size() > 1) impl_->ep_comm = *par.ep, impl_->ep = par.ep->size();
   MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
            ") needs an MoE model; this one has no routed experts");
-  MT_CHECK(impl_->ep == 1 || !par.fsdp, "Model", "FSDP together with expert parallelism is not implemented");
   impl_->fs_opts = par.fsdp;
   impl_->build();
   impl_->fs_opts = nullptr;
@@ -381,15 +380,6 @@ void Model::Impl::build() {
     if (!L.moe) continue;
     L.bias = f32buf(E, MemCategory::Params);
     L.count_acc.assign(size_t(E), 0);
-    if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots (FSDP excludes EP)
-    size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, d, 2 * Fe);
-    size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, d, 2 * Fe);
-    size_t b2 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, Fe, d);
-    size_t b2d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, Fe, d);
-    L.p13f = Tensor::zeros({int64_t(b13 / 2)}, DType::BF16, MemCategory::Params);
-    L.p13d = Tensor::zeros({int64_t(b13d / 2)}, DType::BF16, MemCategory::Params);
-    L.p2f = Tensor::zeros({int64_t(b2 / 2)}, DType::BF16, MemCategory::Params);
-    L.p2d = Tensor::zeros({int64_t(b2d / 2)}, DType::BF16, MemCategory::Params);
     if (ep > 1) {
       EpDispatchConfig dc;
       dc.kind = par.dispatcher, dc.n_experts = int(E), dc.topk = int(K), dc.hidden = d, dc.max_tokens = N;
@@ -398,6 +388,15 @@ void Model::Impl::build() {
       dc.combine_payload = EpPayload::F32;
       L.disp = std::make_unique<EpDispatch>(ep_comm, dc);
     }
+    if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots
+    size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, d, 2 * Fe);
+    size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, d, 2 * Fe);
+    size_t b2 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, Fe, d);
+    size_t b2d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, Fe, d);
+    L.p13f = Tensor::zeros({int64_t(b13 / 2)}, DType::BF16, MemCategory::Params);
+    L.p13d = Tensor::zeros({int64_t(b13d / 2)}, DType::BF16, MemCategory::Params);
+    L.p2f = Tensor::zeros({int64_t(b2 / 2)}, DType::BF16, MemCategory::Params);
+    L.p2d = Tensor::zeros({int64_t(b2d / 2)}, DType::BF16, MemCategory::Params);
   }
   if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
   xf = f32buf(N * d), rstdf = f32buf(N), hf16 = bf16buf(N * d);
@@ -1173,7 +1172,7 @@ void Model::Impl::fs_build() {
     sl.g = Tensor::zeros({n}, DType::F32, MemCategory::Grads, "fsdp.slot.grads");
     if (E > 0) {
       auto pk = [&](GroupedPackKind k, int64_t K_, int64_t N_) {
-        return Tensor::zeros({int64_t(grouped_packed_bytes(k, GemmPrec::BF16, E, K_, N_) / 2)}, DType::BF16,
+        return Tensor::zeros({int64_t(grouped_packed_bytes(k, GemmPrec::BF16, El, K_, N_) / 2)}, DType::BF16,
                              MemCategory::Params, "fsdp.slot.experts");
       };
       sl.p13f = pk(GroupedPackKind::Fwd, d, 2 * Fe), sl.p13d = pk(GroupedPackKind::Dgrad, d, 2 * Fe);
@@ -1200,10 +1199,10 @@ void Model::Impl::fs_acquire(int u, bool params, bool grads) {
       Layer& L = layers[size_t(u - 1)];
       const float* w13 = P(L.we13);
       const float* w2 = P(L.we2);
-      L.pk13f = grouped_pack_weights(sl.p13f.raw(), w13, E, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
-      L.pk13d = grouped_pack_weights(sl.p13d.raw(), w13, E, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
-      L.pk2f = grouped_pack_weights(sl.p2f.raw(), w2, E, Fe, d, GemmPrec::BF16, GroupedPackKind::Fwd);
-      L.pk2d = grouped_pack_weights(sl.p2d.raw(), w2, E, Fe, d, GemmPrec::BF16, GroupedPackKind::Dgrad);
+      L.pk13f = grouped_pack_weights(sl.p13f.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
+      L.pk13d = grouped_pack_weights(sl.p13d.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
+      L.pk2f = grouped_pack_weights(sl.p2f.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Fwd);
+      L.pk2d = grouped_pack_weights(sl.p2d.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Dgrad);
     }
   }
   if (grads) std::memset(sl.g.raw(), 0, size_t(n) * 4);

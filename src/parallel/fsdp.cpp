@@ -79,7 +79,9 @@ void Fsdp::init(uint64_t seed) {
   for (auto& s : segs_) {
     const ParamEntry& e = params_[size_t(s.param)];
     if (e.ones) std::fill(p + s.shard_offset, p + s.shard_offset + s.count, 1.0f);
-    else fill_normal(p + s.shard_offset, s.count, rng_key(seed, e.name), uint64_t(s.elem_offset), 0.0f, e.init_std);
+    else
+      fill_normal(p + s.shard_offset, s.count, rng_key(seed, e.name), uint64_t(e.shard_first + s.elem_offset), 0.0f,
+                  e.init_std);
   }
 }
 
@@ -122,12 +124,9 @@ void Fsdp::slice_flat(float* shard, const float* flat) const {
     std::memcpy(shard + s.shard_offset, flat + params_[size_t(s.param)].offset + s.elem_offset, size_t(s.count) * 4);
 }
 
+// The shards partition the global gradient over the dense (DP) group: a dense element lives in one DP rank's
+// shard, and under EP an expert element in one (ep, edp) rank's shard, so one sum over DP counts each once.
 double Fsdp::grad_norm_sq() const {
-  bool all_dense = true;
-  for (auto& U : units_)
-    for (auto& r : U.runs) all_dense &= r.comm.size() == dense_.size();
-  MT_CHECK(all_dense, "Fsdp::grad_norm_sq",
-           "expert runs sharded over a group other than the dense one (ep > 1) are not supported yet");
   double s = moetron::grad_norm_sq(g_.data<float>(), shard_numel_);
   dense_.all_reduce(&s, 1);
   return s;

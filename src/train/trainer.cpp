@@ -157,8 +157,6 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_dispatcher == EpDispatcher::AllToAll, "train",
            "parallelism.ep_dispatcher = ", to_string(cfg.parallelism.ep_dispatcher),
            " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
-  MT_CHECK(mesh.ep() == 1 || cfg.parallelism.zero != 3, "train",
-           "parallelism.zero = 3 (FSDP) together with ep > 1 is not implemented (use zero = 0 or 1 with ep)");
   MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1 || cfg.parallelism.zero == 3, "train",
            "parallelism.zero = ", cfg.parallelism.zero,
            " is not implemented in the trainer (use 0; 1 shards the optimizer state; 3 shards parameters, "
@@ -236,9 +234,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     mpar.ep_ranks_per_node = mesh.ep_ranks_per_node();
   }
   // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is
-  // the DP group (FSDP is not combined with ep > 1 yet).
+  // the expert-data-parallel group (the DP group without EP).
   const bool zero3 = cfg.parallelism.zero == 3;
-  const FsdpOptions fsdp_opts{dp, dp};
+  const FsdpOptions fsdp_opts{dp, edp};
   if (zero3) mpar.fsdp = &fsdp_opts;
   Model model(ms, B, T, cfg.activation_checkpoint, mpar);
   Fsdp* fsdp = model.fsdp();
@@ -532,9 +530,15 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       gn = std::sqrt(sq_d + sq_e_all);
     }
     if (opt.keep_first_grads && step == res.start_step + 1) {
-      if (zero3) res.first_grads.resize(size_t(np)), fsdp->gather_flat(res.first_grads.data(), fsdp->grads());
-      else if (EP > 1) res.first_grads = to_global(model.grad_data());
-      else res.first_grads.assign(model.grad_data(), model.grad_data() + np);
+      if (zero3) {
+        std::vector<float> g(static_cast<size_t>(np));
+        fsdp->gather_flat(g.data(), fsdp->grads());
+        res.first_grads = EP > 1 ? to_global(g.data()) : g;
+      } else if (EP > 1) {
+        res.first_grads = to_global(model.grad_data());
+      } else {
+        res.first_grads.assign(model.grad_data(), model.grad_data() + np);
+      }
     }
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
@@ -572,7 +576,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     StepRecord rec;
     rec.step = step, rec.loss = ce_n ? ce / double(ce_n) : 0, rec.aux_loss = aux, rec.lr = ac.lr, rec.grad_norm = gn;
     if (opt.record_param_hash) {
-      uint64_t h = EP > 1 ? fnv1a(to_global(model.param_data()).data(), size_t(gnp) * 4)
+      uint64_t h = EP > 1 ? fnv1a(to_global(local_params()).data(), size_t(gnp) * 4)
                           : fnv1a(local_params(), size_t(np) * 4);
       for (int i = 0; i < model.n_moe_layers(); ++i)
         h = fnv1a(model.expert_bias(i), size_t(ms.moe.n_routed_experts) * 4, h);
@@ -662,7 +666,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     res.ep_buffer_bytes = model.ep_buffer_bytes();
   }
   if (opt.keep_params) {
-    if (EP > 1) res.final_params = to_global(model.param_data());
+    if (EP > 1) res.final_params = to_global(local_params());
     else res.final_params.assign(local_params(), local_params() + np);
     for (int i = 0; i < model.n_moe_layers(); ++i)
       res.final_params.insert(res.final_params.end(), model.expert_bias(i),

@@ -157,6 +157,7 @@ std::vector<Layout> layouts() {
         v.push_back({base + "_hierarchical" + sfx, w, with({"--parallelism.ep_dispatcher=hierarchical", rpn, f}), hier});
       }
       if (w > ep) v.push_back({base + "_zero1", w, with({"--parallelism.zero=1"}), Bar::Exact});
+      v.push_back({base + "_fsdp", w, with({"--parallelism.zero=3"}), Bar::Exact});
     }
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
@@ -260,7 +261,6 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
        "global_batch_size"},
       {"ep_larger_than_dp", {"--parallelism.dp_shard=" + W, "--parallelism.ep=" + std::to_string(2 * w)}, "ep", 1},
       {"ranks_per_node", {"--parallelism.dp_shard=" + W, "--parallelism.ranks_per_node=3"}, "ranks_per_node", 4},
-      {"zero3_with_ep", {"--parallelism.dp_shard=" + W, "--parallelism.ep=2", "--parallelism.zero=3"}, "zero", 2},
   };
   for (auto& b : bad) {
     if (w < b.min_world) continue;
