@@ -218,6 +218,11 @@ struct Model::Impl {
   void attn_backward(Layer& L, LayerBufs& b, float* dh /* [N,d] out: grad of h1 */);
   void ffn_forward(Layer& L, LayerBufs& b, float* y /* [N,d] */);
   void ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2 /* out */, float aux_scale);
+  // The El local experts on R rows grouped by expert (b.kept counts, b.xp16 input): gate/up GEMM, SwiGLU,
+  // down GEMM into b.ez; and the backward from the bf16 weighted output gradient dz16, which accumulates
+  // the expert weight gradients and returns the input gradient [R, d] (in s_f1).
+  void experts_forward(Layer& L, LayerBufs& b, int64_t R);
+  float* experts_backward(Layer& L, LayerBufs& b, const bf16* dz16, int64_t R);
   // The routed experts under expert parallelism (after the router; before the shared experts).
   void ep_ffn_forward(Layer& L, LayerBufs& b, float* y);
   void ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2);
@@ -799,12 +804,7 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
     MT_TRACE("fwd.permute");
     moe_permute(xp16, b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
   }
-  {
-  MT_TRACE("fwd.experts");
-  grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, E, R, d, 2 * Fe, wsp(), ws_bytes);
-  swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
-  grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, E, R, Fe, d, wsp(), ws_bytes);
-  }
+  experts_forward(L, b, R);
   {
   MT_TRACE("fwd.combine");
   moe_unpermute(y, b.ez.data<float>(), b.row_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
@@ -844,7 +844,6 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
     ep_ffn_backward(L, b, dy, dh2out);
   } else {
   const int64_t R = b.R;
-  const int32_t* kept = b.kept.data<int32_t>();
   const int32_t* row_of = b.row_of.data<int32_t>();
   // combine backward -> gradient of expert outputs (bf16 for the GEMMs) and of the routing weights
   bf16* dz16 = s_b2.data<bf16>();
@@ -854,19 +853,7 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   moe_unpermute_backward(dz16, dtw, dy, b.ez.data<float>(), row_of, b.token_of.data<int32_t>(),
                          b.slot_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
   }
-  float* dxp = s_f1.data<float>();
-  {
-  MT_TRACE("bwd.experts");
-  grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, E, R, Fe, d, true, wsp(), ws_bytes);
-  float* deact = s_f1.data<float>();
-  grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, E, R, Fe, d, wsp(), ws_bytes);
-  float* degu = s_f2.data<float>();
-  swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
-  bf16* degu16 = s_b1.data<bf16>();
-  f32_to_bf16(degu16, degu, R * 2 * Fe);
-  grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, E, R, d, 2 * Fe, true, wsp(), ws_bytes);
-  grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, E, R, d, 2 * Fe, wsp(), ws_bytes);
-  }
+  float* dxp = experts_backward(L, b, dz16, R);
   {
     MT_TRACE("bwd.permute");
     moe_permute_backward(dh2out, dxp, row_of, N, int(K), R, d);
@@ -886,6 +873,30 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   if (Fs > 0) {
     dense_bwd(L.ws13, L.ws2, Fs, true);
   }
+}
+
+void Model::Impl::experts_forward(Layer& L, LayerBufs& b, int64_t R) {
+  MT_TRACE("fwd.experts");
+  const int32_t* kept = b.kept.data<int32_t>();
+  grouped_gemm_fwd(b.egu.data<float>(), nullptr, b.xp16.data<bf16>(), L.pk13f, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
+  swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
+  grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, El, R, Fe, d, wsp(), ws_bytes);
+}
+
+float* Model::Impl::experts_backward(Layer& L, LayerBufs& b, const bf16* dz16, int64_t R) {
+  MT_TRACE("bwd.experts");
+  const int32_t* kept = b.kept.data<int32_t>();
+  grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, El, R, Fe, d, true, wsp(), ws_bytes);
+  float* deact = s_f1.data<float>();
+  grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, El, R, Fe, d, wsp(), ws_bytes);
+  float* degu = s_f2.data<float>();
+  swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
+  bf16* degu16 = s_b1.data<bf16>();
+  f32_to_bf16(degu16, degu, R * 2 * Fe);
+  grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, El, R, d, 2 * Fe, true, wsp(), ws_bytes);
+  float* dxp = s_f1.data<float>();
+  grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
+  return dxp;
 }
 
 // Routed experts under expert parallelism. The home rank has routed (and, with a capacity, dropped) its
@@ -918,19 +929,13 @@ void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
     MT_TRACE("fwd.permute");
     f32_to_bf16(xp16, L.disp->recv_x(), R * d);
   }
-  {
-    MT_TRACE("fwd.experts");
-    grouped_gemm_fwd(b.egu.data<float>(), nullptr, xp16, L.pk13f, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
-    swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
-    grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, El, R, Fe, d, wsp(), ws_bytes);
-  }
+  experts_forward(L, b, R);
   MT_TRACE("fwd.ep.combine");
   L.disp->combine(y, b.ez.data<float>(), true);
 }
 
 void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2out) {
   const int64_t R = b.R;
-  const int32_t* kept = b.kept.data<int32_t>();
   float* dyr = s_f3.data<float>();
   {
     MT_TRACE("bwd.ep.redispatch");
@@ -949,19 +954,7 @@ void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float
     MT_TRACE("bwd.ep.combine_scalars");
     L.disp->combine_scalars(dtopk_w.data<float>(), dw_r);
   }
-  float* dxp = s_f1.data<float>();
-  {
-    MT_TRACE("bwd.experts");
-    grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, El, R, Fe, d, true, wsp(), ws_bytes);
-    float* deact = s_f1.data<float>();
-    grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, El, R, Fe, d, wsp(), ws_bytes);
-    float* degu = s_f2.data<float>();
-    swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
-    bf16* degu16 = s_b1.data<bf16>();
-    f32_to_bf16(degu16, degu, R * 2 * Fe);
-    grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, El, R, d, 2 * Fe, true, wsp(), ws_bytes);
-    grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
-  }
+  float* dxp = experts_backward(L, b, dz16, R);
   MT_TRACE("bwd.ep.combine");
   L.disp->combine(dh2out, dxp, false);
 }
