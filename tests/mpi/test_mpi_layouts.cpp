@@ -51,16 +51,14 @@
 #include "moetron/comm.h"
 #include "moetron/config.h"
 #include "moetron/trainer.h"
+#include "train_check.h"
 
 using namespace moetron;
 namespace fs = std::filesystem;
 
-namespace {
+using namespace mt_test;  // world, repo, recorded, expect_same_on_all_ranks
 
-Comm& world() {
-  static Comm w = comm_world();
-  return w;
-}
+namespace {
 
 constexpr int kSteps = 5;
 constexpr int64_t kMicro = 1, kGlobal = 8;
@@ -68,7 +66,6 @@ constexpr double kGradRel = 1e-6, kLossRel = 1e-4, kParamRelL2 = 1e-3;
 constexpr double kHierStep1LossRel = 1e-6;
 constexpr double kFp8GradRel = 0.1, kFp8LossRel = 1e-2, kFp8ParamRelL2 = 2e-2;
 
-std::string repo(const std::string& rel) { return std::string(MOETRON_SOURCE_DIR) + "/" + rel; }
 
 JobConfig tiny(const std::string& dump, const std::vector<std::string>& extra = {}) {
   std::vector<std::string> ov = {"--job.dump_folder=" + dump,
@@ -83,22 +80,7 @@ JobConfig tiny(const std::string& dump, const std::vector<std::string>& extra = 
   return load_config(repo("configs/ds_tiny.toml"), ov);
 }
 
-TrainOptions recorded(const Comm* c) {
-  TrainOptions o;
-  o.quiet = true;
-  o.comm = c;
-  o.record_param_hash = true;
-  o.keep_params = true;
-  o.keep_first_grads = true;
-  return o;
-}
-
-std::string shared_dir(const std::string& name) {
-  std::string d = (fs::temp_directory_path() / ("moetron_mpi_layout_" + name + "_np" + std::to_string(world().size()))).string();
-  if (world().rank() == 0) fs::remove_all(d);
-  world().barrier();
-  return d;
-}
+std::string shared_dir(const std::string& name) { return mt_test::shared_dir("moetron_mpi_layout_", name); }
 
 const TrainResult& reference() {
   static TrainResult r = [] {
@@ -108,14 +90,6 @@ const TrainResult& reference() {
     return train(tiny(d), recorded(&local));
   }();
   return r;
-}
-
-void expect_same_on_all_ranks(const void* x, int64_t bytes, const std::string& what) {
-  const Comm& c = world();
-  std::vector<char> all(size_t(bytes * c.size()));
-  c.all_gather(all.data(), x, bytes);
-  for (int q = 0; q < c.size(); ++q)
-    EXPECT_EQ(0, std::memcmp(all.data() + q * bytes, x, size_t(bytes))) << what << ": rank " << q << " differs";
 }
 
 enum class Bar { Exact, Hier, Fp8 };
@@ -206,9 +180,12 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   const double loss_tol = L.bar == Bar::Fp8 ? kFp8LossRel : kLossRel;
   const double param_tol = L.bar == Bar::Fp8 ? kFp8ParamRelL2 : kParamRelL2;
   const double l1 = got.history[0].loss, r1 = ref.history[0].loss;
-  if (L.bar == Bar::Exact)
+  if (L.bar == Bar::Exact) {
     EXPECT_EQ(0, std::memcmp(&l1, &r1, sizeof(double))) << L.name << ": step 1 loss " << l1 << " vs one process " << r1;
-  if (L.bar == Bar::Hier) EXPECT_LE(std::abs(l1 - r1) / std::abs(r1), kHierStep1LossRel) << L.name << ": step 1 loss";
+  }
+  if (L.bar == Bar::Hier) {
+    EXPECT_LE(std::abs(l1 - r1) / std::abs(r1), kHierStep1LossRel) << L.name << ": step 1 loss";
+  }
   ASSERT_EQ(got.first_grads.size(), ref.first_grads.size());
   const ParamDiff gd = param_diff(got.first_grads, ref.first_grads);
   EXPECT_LE(gd.rel_l2, L.bar == Bar::Fp8 ? kFp8GradRel : kGradRel) << L.name << ": step 1 gradient";
@@ -294,7 +271,9 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
       msg = e.what();
     }
     EXPECT_FALSE(msg.empty()) << b.name << ": the layout was accepted";
-    if (!b.expect.empty()) EXPECT_NE(msg.find(b.expect), std::string::npos) << b.name << ": " << msg;
+    if (!b.expect.empty()) {
+      EXPECT_NE(msg.find(b.expect), std::string::npos) << b.name << ": " << msg;
+    }
     if (world().rank() == 0) std::printf("[%s] %s\n", b.name.c_str(), msg.substr(0, 200).c_str());
   }
 }

@@ -33,16 +33,14 @@
 #include "moetron/grouped_gemm.h"
 #include "moetron/model.h"
 #include "moetron/trainer.h"
+#include "train_check.h"
 
 using namespace moetron;
 namespace fs = std::filesystem;
 
-namespace {
+using namespace mt_test;  // world, repo, recorded, expect_same_on_all_ranks
 
-Comm& world() {
-  static Comm w = comm_world();
-  return w;
-}
+namespace {
 
 constexpr int kSteps = 5;
 constexpr int64_t kMicro = 2, kGlobal = 8;
@@ -66,12 +64,8 @@ constexpr int64_t kMicro = 2, kGlobal = 8;
 constexpr double kLossRelTol = 1e-6;
 constexpr double kParamRelL2Tol = 1e-7;
 
-std::string repo(const std::string& rel) { return std::string(MOETRON_SOURCE_DIR) + "/" + rel; }
-
-std::string dir_for(const std::string& name) {
-  // Every rank of one run shares the folder (rank 0 writes it); the folders of the references are per rank.
-  return (fs::temp_directory_path() / ("moetron_mpi_train_" + name)).string();
-}
+// Every rank of one run shares the folder (rank 0 writes it); the folders of the references are per rank.
+std::string dir_for(const std::string& name) { return mt_test::temp_dir("moetron_mpi_train_", name); }
 
 JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
   std::vector<std::string> ov = {"--job.dump_folder=" + dump,
@@ -85,23 +79,7 @@ JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
   return load_config(repo("configs/ds_tiny.toml"), ov);
 }
 
-TrainOptions recorded(const Comm* c) {
-  TrainOptions o;
-  o.quiet = true;
-  o.comm = c;
-  o.record_data = true;
-  o.record_param_hash = true;
-  o.keep_params = true;
-  return o;
-}
-
-// Fresh folder shared by all ranks: rank 0 clears it, everybody waits.
-std::string shared_dir(const std::string& name) {
-  std::string d = dir_for(name + "_np" + std::to_string(world().size()));
-  if (world().rank() == 0) fs::remove_all(d);
-  world().barrier();
-  return d;
-}
+std::string shared_dir(const std::string& name) { return mt_test::shared_dir("moetron_mpi_train_", name); }
 
 const TrainResult& reference() {
   static TrainResult r = [] {
@@ -114,15 +92,6 @@ const TrainResult& reference() {
 }
 
 bool layout_ok() { return kGlobal % (kMicro * world().size()) == 0; }
-
-// All ranks' copies of `x` must be bitwise identical.
-void expect_same_on_all_ranks(const void* x, int64_t bytes, const std::string& what) {
-  const Comm& c = world();
-  std::vector<char> all(size_t(bytes * c.size()));
-  c.all_gather(all.data(), x, bytes);
-  for (int q = 0; q < c.size(); ++q)
-    EXPECT_EQ(0, std::memcmp(all.data() + q * bytes, x, size_t(bytes))) << what << ": rank " << q << " differs";
-}
 
 void expect_bitwise_equal_runs(const TrainResult& a, const TrainResult& b, const std::string& what) {
   ASSERT_EQ(a.history.size(), b.history.size()) << what;
@@ -407,11 +376,13 @@ TEST(MpiTrain, Zero3CheckpointsResumeUnderOtherLayouts) {
   TrainResult full0 = train(tiny(d0, with({})), recorded(&world()));
   TrainResult full3 = train(tiny(d3, with({"--parallelism.zero=3"})), recorded(&world()));
   expect_bitwise_equal_runs(full3, full0, "zero=3 vs zero=0, one micro-batch per rank");
-  if (world().rank() == 0)
+  if (world().rank() == 0) {
     for (const char* f : {"model.safetensors", "optimizer.safetensors"})
-      for (const char* st : {"step-3", "step-6"})
+      for (const char* st : {"step-3", "step-6"}) {
         EXPECT_TRUE(file_bytes(fs::path(d0) / "checkpoint" / st / f) == file_bytes(fs::path(d3) / "checkpoint" / st / f))
             << st << "/" << f << " differs between zero=0 and zero=3";
+      }
+  }
   const std::string a = shared_dir("mix_0to3");
   cut_copy(d0, a, false);
   same_continuation(train(tiny(a, with({"--parallelism.zero=3"})), recorded(&world())), full0,
