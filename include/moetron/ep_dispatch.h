@@ -38,9 +38,17 @@
 // carries a 16-byte header (token, source rank, slot, local expert, weight) so that the receiver can check
 // where it came from; hierarchical stage-1 records carry (token, k expert ids, k weights) instead.
 //
-// All calls are collective over the EP communicator. topk_idx entries must be in [0, E) and distinct within a
-// token (the router guarantees it; sync_free's capacity bound relies on it). N may differ between ranks and
-// may be 0; experts may receive nothing.
+// All calls are collective over the EP communicator. topk_idx entries must be in [0, E) or -1, and the
+// non-negative ones distinct within a token (the router guarantees it; sync_free's capacity bound relies on
+// it). N may differ between ranks and may be 0; experts may receive nothing.
+//
+// Dropped slots (capacity_factor > 0: the home rank drops some (token, slot) pairs before dispatch):
+// topk_idx[t, s] == -1 means the slot is not sent. dispatch: no record, no row anywhere (R counts only kept
+// slots; a token whose slots are all dropped sends nothing; a rank may drop everything). redispatch: nothing
+// for it. combine: the slot contributes nothing, y[t] = the sum over the KEPT slots in slot order, exactly
+// moe_unpermute / moe_permute_backward with row_of = -1 for dropped slots (y[t] = 0 when all are dropped);
+// hierarchical: nodes are those of the kept slots. combine_scalars: out[t, s] = 0 for a dropped slot.
+// topk_w of a dropped slot is ignored.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -158,11 +166,12 @@ void ep_node_limit_scores(float* q_out /* [N, E] */, const float* q /* [N, E] */
 // Selection under the limit: topk_idx[n, j] = the j-th best eligible expert (larger q first, ties lower index).
 void ep_node_limited_topk(int32_t* topk_idx /* [N, k] */, const float* q /* [N, E] */, int64_t N, int E, int k,
                           int n_nodes, int max_nodes);
-// The largest number of distinct nodes any token uses.
+// The largest number of distinct nodes any token uses (entries -1, dropped slots, are skipped).
 int ep_max_nodes_per_token(const int32_t* topk_idx /* [N, k] */, int64_t N, int k, int E, int n_nodes);
 
 // Reference for the hierarchical combine order on one process: yp [N*k, D] holds the expert output of
-// (t, s) at row t*k + s; node_of_expert(e) = e / (E / n_nodes). y as defined above (weights w or 1).
+// (t, s) at row t*k + s; node_of_expert(e) = e / (E / n_nodes). y as defined above (weights w or 1);
+// topk_idx entries -1 (dropped slots) contribute nothing.
 void ep_combine_hierarchical_ref(float* y /* [N, D] */, const float* yp /* [N*k, D] */,
                                  const int32_t* topk_idx /* [N, k] */, const float* w /* [N, k] or null */,
                                  int64_t N, int k, int64_t D, int E, int n_nodes);

@@ -242,7 +242,8 @@ struct EpDispatch::Impl {
     for (int64_t t = 0; t < n; ++t)
       for (int s = 0; s < k; ++s) {
         const int32_t e = idx[t * k + s];
-        MT_CHECK(e >= 0 && e < E, op, "topk_idx[", t, ",", s, "]=", e, " outside [0, E=", E, ")");
+        MT_CHECK(e >= -1 && e < E, op, "topk_idx[", t, ",", s, "]=", e, " outside [0, E=", E, ") and not -1 (dropped)");
+        if (e < 0) continue;
         for (int s2 = 0; s2 < s; ++s2)
           MT_CHECK(idx[t * k + s2] != e, op, "token ", t, " routes to expert ", e, " twice (slots ", s2, " and ", s,
                    ")");
@@ -324,7 +325,8 @@ struct EpDispatch::Impl {
   // ------------------------------------------------------------------------------------------------------
   void dispatch_flat(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
     std::fill(cnt.begin(), cnt.end(), 0);
-    for (int64_t i = 0; i < n * k; ++i) ++cnt[size_t(idx[i])];  // expert e = q*El + le: peer-major already
+    for (int64_t i = 0; i < n * k; ++i)
+      if (idx[i] >= 0) ++cnt[size_t(idx[i])];  // expert e = q*El + le: peer-major already; -1: dropped
     int64_t acc = 0;
     for (int q = 0; q < P; ++q) {
       peer_send[size_t(q)] = 0;
@@ -338,7 +340,7 @@ struct EpDispatch::Impl {
     {
       std::vector<int64_t>& c = cur;  // reuse as cursor ([El*P] >= [P*El])
       std::copy(off.begin(), off.end(), c.begin());
-      for (int64_t i = 0; i < n * k; ++i) ro[i] = int32_t(c[size_t(idx[i])]++);
+      for (int64_t i = 0; i < n * k; ++i) ro[i] = idx[i] >= 0 ? int32_t(c[size_t(idx[i])]++) : -1;
     }
     // Peer blocks in send1: [header][records] per peer, back to back.
     int64_t bytes = 0;
@@ -356,13 +358,15 @@ struct EpDispatch::Impl {
     for (int64_t t = 0; t < n; ++t)
       for (int s = 0; s < k; ++s) {
         const int32_t e = idx[t * k + s];
+        if (e < 0) continue;
         const int q = e / El;
         char* r = sb + blk_start[size_t(q)] + (ro[t * k + s] - off[size_t(q) * El]) * rec;
         RecMeta m{int32_t(t), int32_t(me), int16_t(s), int16_t(e % El), wc[t * k + s]};
         std::memcpy(r, &m, sizeof m);
         write_payload(r + 16, x, t);
       }
-    tr.rows_sent += n * k;
+    S1 = acc;  // flat: records sent (kept slots)
+    tr.rows_sent += S1;
     for (int q = 0; q < P; ++q) classify(tr, q, sc[size_t(q)]);
     blocks.clear();
     if (!sync_free) {
@@ -422,10 +426,10 @@ struct EpDispatch::Impl {
     comm.all_to_all_v(in, rc.data(), rd.data(), out, sc.data(), sd.data());
     tr.rounds += 1;
     tr.rows_sent += R;
-    tr.rows_recv += N * k;
-    const float* rows = decode_rows(cdec, in, N * k);
-    if (weighted) moe_unpermute(y, rows, row_of.data<int32_t>(), wcopy.data<float>(), N, k, N * k, D);
-    else moe_permute_backward(y, rows, row_of.data<int32_t>(), N, k, N * k, D);
+    tr.rows_recv += S1;
+    const float* rows = decode_rows(cdec, in, S1);
+    if (weighted) moe_unpermute(y, rows, row_of.data<int32_t>(), wcopy.data<float>(), N, k, S1, D);
+    else moe_permute_backward(y, rows, row_of.data<int32_t>(), N, k, S1, D);
   }
 
   // ------------------------------------------------------------------------------------------------------
@@ -439,6 +443,7 @@ struct EpDispatch::Impl {
     auto token_nodes = [&](int64_t t) {
       int m = 0;
       for (int s = 0; s < k; ++s) {
+        if (idx[t * k + s] < 0) continue;
         const int b = (idx[t * k + s] / El) / L;
         bool seen = false;
         for (int j = 0; j < m; ++j) seen |= nodes[size_t(j)] == b;
@@ -464,6 +469,10 @@ struct EpDispatch::Impl {
       const int m = token_nodes(t);
       for (int j = 0; j < k; ++j) ro1[t * k + j] = j < m ? int32_t(c1[size_t(nodes[size_t(j)])]++) : -1;
       for (int s = 0; s < k; ++s) {
+        if (idx[t * k + s] < 0) {
+          sr1[t * k + s] = -1;
+          continue;
+        }
         const int b = (idx[t * k + s] / El) / L;
         int j = 0;
         while (nodes[size_t(j)] != b) ++j;
@@ -483,7 +492,7 @@ struct EpDispatch::Impl {
         std::memcpy(p, &tok, 4);
         for (int s = 0; s < k; ++s) {
           const int32_t e = idx[t * k + s];
-          const int32_t ex = (e / El) / L == b ? e : -1;
+          const int32_t ex = e >= 0 && (e / El) / L == b ? e : -1;
           std::memcpy(p + 4 + 4 * s, &ex, 4);
           std::memcpy(p + 4 + 4 * k + 4 * s, wc + t * k + s, 4);
         }
@@ -662,7 +671,8 @@ struct EpDispatch::Impl {
     char* sb = crecv.get(std::max<int64_t>(N * k * cb, 1));
     const int32_t* ro = row_of.data<int32_t>();
 #pragma omp parallel for schedule(static) if (N * k * D >= kParMin)
-    for (int64_t i = 0; i < N * k; ++i) encode_row(sb + int64_t(ro[i]) * cb, x + (i / k) * D);
+    for (int64_t i = 0; i < N * k; ++i)
+      if (ro[i] >= 0) encode_row(sb + int64_t(ro[i]) * cb, x + (i / k) * D);
     int64_t rb = 0;
     for (int q = 0; q < P; ++q) {
       sc[size_t(q)] = peer_send[size_t(q)] * cb;
@@ -675,7 +685,7 @@ struct EpDispatch::Impl {
     char* in = csend.get(std::max<int64_t>(rb, 1));
     comm.all_to_all_v(in, rc.data(), rd.data(), sb, sc.data(), sd.data());
     tr.rounds += 1;
-    tr.rows_sent += N * k;
+    tr.rows_sent += S1;
     tr.rows_recv += R;
     decode_staged(out, in);
   }
@@ -746,7 +756,7 @@ struct EpDispatch::Impl {
     comm.all_to_all_v(rv, rc.data(), rd.data(), sv, sc.data(), sd.data());
     tr.rounds += 1;
     const int32_t* ro = row_of.data<int32_t>();
-    for (int64_t i = 0; i < N * k; ++i) out[i] = rv[ro[i]];
+    for (int64_t i = 0; i < N * k; ++i) out[i] = ro[i] >= 0 ? rv[ro[i]] : 0.0f;
   }
 
   void scalars_hier(float* out, const float* v, EpTraffic& tr) {
@@ -790,7 +800,7 @@ struct EpDispatch::Impl {
     rail_comm.all_to_all_v(home, b.data(), bd.data(), per, a.data(), ad.data());
     tr.rounds += 2;
     const int32_t* sr1 = slot_rec1.data<int32_t>();
-    for (int64_t i = 0; i < N * k; ++i) out[i] = home[int64_t(sr1[i]) * k + i % k];
+    for (int64_t i = 0; i < N * k; ++i) out[i] = sr1[i] >= 0 ? home[int64_t(sr1[i]) * k + i % k] : 0.0f;
   }
 };
 
@@ -1068,7 +1078,8 @@ int ep_max_nodes_per_token(const int32_t* topk_idx, int64_t N, int k, int E, int
     int c = 0;
     for (int j = 0; j < k; ++j) {
       const int32_t e = topk_idx[n * k + j];
-      MT_CHECK(e >= 0 && e < E, op, "topk_idx[", n, ",", j, "]=", e, " outside [0, ", E, ")");
+      MT_CHECK(e >= -1 && e < E, op, "topk_idx[", n, ",", j, "]=", e, " outside [0, ", E, ") and not -1");
+      if (e < 0) continue;
       if (!seen[size_t(e / G)]) {
         seen[size_t(e / G)] = 1;
         ++c;
@@ -1091,7 +1102,7 @@ void ep_combine_hierarchical_ref(float* y, const float* yp, const int32_t* topk_
   for (int b = 0; b < n_nodes; ++b) {
     bool any = false;
     for (int64_t i = 0; i < N * k; ++i) {
-      ro[size_t(i)] = topk_idx[i] / G == b ? int32_t(i) : -1;
+      ro[size_t(i)] = topk_idx[i] >= 0 && topk_idx[i] / G == b ? int32_t(i) : -1;
       any |= ro[size_t(i)] >= 0;
     }
     if (!any) continue;
@@ -1099,7 +1110,7 @@ void ep_combine_hierarchical_ref(float* y, const float* yp, const int32_t* topk_
     else moe_permute_backward(ptmp.data(), yp, ro.data(), N, k, N * k, D);
     for (int64_t t = 0; t < N; ++t) {
       bool uses = false;
-      for (int s = 0; s < k; ++s) uses |= topk_idx[t * k + s] / G == b;
+      for (int s = 0; s < k; ++s) uses |= topk_idx[t * k + s] >= 0 && topk_idx[t * k + s] / G == b;
       if (!uses) continue;
       int j = 0;
       while (ro1[size_t(t * k + j)] >= 0) ++j;

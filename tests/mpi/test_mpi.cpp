@@ -272,6 +272,7 @@ void run_routes(const Comm& c, EpDispatch& ep, bool node_limited) {
   ep_check::check_ep(c, ep, Route::Empty, 25, 3);
   if (node_limited) ep_check::check_ep(c, ep, Route::NodeLimited, 20, 4);
   ep_check::check_ep(c, ep, Route::Random, 2, 5);  // tiny: most experts get nothing
+  ep_check::check_ep(c, ep, Route::Dropped, 30, 6);  // capacity drops: topk_idx -1, the last rank drops all
 }
 
 void dispatcher_suite(EpDispatcher kind) {
@@ -371,6 +372,29 @@ TEST(MpiEp, EightRanksAllDispatchers) {
     ep_check::check_ep(c, ep, ep_check::Route::Random, 24, 31);
     ep_check::check_ep(c, ep, ep_check::Route::Skewed, 16, 32);
     ep_check::check_ep(c, ep, ep_check::Route::Empty, 16, 33);
+    ep_check::check_ep(c, ep, ep_check::Route::Dropped, 16, 34);
+  }
+}
+
+TEST(MpiEp, DroppedSlotsEverywhere) {
+  // Every rank drops every slot: nothing is sent, every y[t] is 0, combine_scalars gives 0; then a normal
+  // call on the same object (the layout of the empty call must not leak into the next one).
+  Comm& c = world();
+  for (EpDispatcher kind : {EpDispatcher::AllToAll, EpDispatcher::SyncFree, EpDispatcher::Hierarchical}) {
+    SCOPED_TRACE(std::string(to_string(kind)));
+    const int E = 2 * c.size(), k = 2;
+    const int64_t D = 32, N = 5;
+    EpDispatch ep(c, cfg(kind, E, k, D, std::max(1, c.size() / 2)));
+    std::vector<float> x(size_t(N * D), 1.5f), w(size_t(N * k), 0.5f), y(size_t(N * D), -1.0f), dw(size_t(N * k), -1.0f);
+    std::vector<int32_t> idx(size_t(N * k), -1);
+    EXPECT_EQ(ep.dispatch(x.data(), idx.data(), w.data(), N), 0);
+    EXPECT_EQ(ep.stats().last_dispatch.rows_sent, 0);
+    ep.combine(y.data(), nullptr, true);
+    for (float v : y) ASSERT_EQ(v, 0.0f);
+    ep.combine_scalars(dw.data(), nullptr);
+    for (float v : dw) ASSERT_EQ(v, 0.0f);
+    ep_check::check_ep(c, ep, ep_check::Route::Dropped, 12, 35);
+    ep_check::check_ep(c, ep, ep_check::Route::Random, 12, 36);
   }
 }
 
