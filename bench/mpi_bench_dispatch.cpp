@@ -116,8 +116,8 @@ int main(int argc, char** argv) {
     std::printf("# mpi_bench_dispatch: %d ranks (%s), %s\n", P, "one machine, ranks share its cores", runtime_summary().c_str());
     std::printf("# tokens/rank %lld, hidden %lld, top-%d of %d experts (%d per rank), nodes of %d ranks, iters %d\n",
                 (long long)N, (long long)D, k, E, E / P, a.rpn, a.iters);
-    std::printf("%-13s %-10s %10s %10s %10s %9s %9s %9s %7s %9s %10s\n", "dispatcher", "payload", "ms_best", "ms_med",
-                "MB/rank", "GB/s", "raw_GB/s", "ratio", "inter%", "buf_MB", "rel_err");
+    std::printf("%-13s %-10s %10s %10s %8s %10s %9s %9s %9s %7s %9s %10s\n", "dispatcher", "payload", "ms_best", "ms_med",
+                "comm_ms", "MB/rank", "GB/s", "raw_GB/s", "ratio", "inter%", "buf_MB", "rel_err");
   }
 
   struct Case {
@@ -180,13 +180,15 @@ int main(int argc, char** argv) {
       if (me == 0) std::fprintf(stderr, "too many bytes for one MPI_Alltoall\n");
       break;
     }
-    std::vector<double> t_ep, t_raw;
+    std::vector<double> t_ep, t_raw, t_comm;
     for (int it = 0; it < a.warmup + a.iters; ++it) {
       MPI_Barrier(MPI_COMM_WORLD);
       double t0 = now();
       ep.dispatch(x.data(), idx.data(), w.data(), N);
       ep.combine(y.data(), ep.recv_x(), true);
       const double te = max_over_ranks(now() - t0);
+      const EpStats sti = ep.stats();
+      const double tc = max_over_ranks(sti.last_dispatch.seconds_comm + sti.last_combine.seconds_comm);
       MPI_Barrier(MPI_COMM_WORLD);
       t0 = now();
       MPI_Alltoall(raw_send.data(), int(per_peer), MPI_BYTE, raw_recv.data(), int(per_peer), MPI_BYTE, MPI_COMM_WORLD);
@@ -194,17 +196,18 @@ int main(int argc, char** argv) {
       if (it >= a.warmup) {
         t_ep.push_back(te);
         t_raw.push_back(tr);
+        t_comm.push_back(tc);
       }
     }
-    const Timing te = summarize(t_ep), tr = summarize(t_raw);
+    const Timing te = summarize(t_ep), tr = summarize(t_raw), tcm = summarize(t_comm);
     const double gbs = avg_bytes / te.best * 1e-9, raw = avg_bytes / tr.best * 1e-9;
     const double buf = max_over_ranks(double(ep.buffer_bytes())) / 1048576.0;
     if (me == 0) {
       std::string pl = std::string(to_string(c.dp)) + "/" + std::string(to_string(c.cp));
       char errs[32] = "-";
       if (c.dp != EpPayload::F32) std::snprintf(errs, sizeof errs, "%.4f", err);
-      std::printf("%-13s %-10s %10.2f %10.2f %10.1f %9.2f %9.2f %9.2f %6.1f%% %9.1f %10s\n",
-                  std::string(to_string(c.kind)).c_str(), pl.c_str(), te.best * 1e3, te.median * 1e3, avg_bytes / 1e6,
+      std::printf("%-13s %-10s %10.2f %10.2f %8.2f %10.1f %9.2f %9.2f %9.2f %6.1f%% %9.1f %10s\n",
+                  std::string(to_string(c.kind)).c_str(), pl.c_str(), te.best * 1e3, te.median * 1e3, tcm.best * 1e3, avg_bytes / 1e6,
                   gbs, raw, gbs / raw, 100.0 * avg_inter / avg_bytes, buf, errs);
       std::fflush(stdout);
     }

@@ -84,7 +84,9 @@ struct EpTraffic {
   int64_t rows_sent = 0, rows_recv = 0;  // records (dispatch) or rows (combine) sent / received by this rank
   int64_t bytes_self = 0, bytes_intra = 0, bytes_inter = 0;
   int64_t rounds = 0;  // communication calls made (count rounds included)
-  double seconds = 0;
+  double seconds = 0;       // wall time of the call
+  double seconds_comm = 0;  // of which inside communication calls (the rest: local planning, packing,
+                            // payload encode/decode, the combine's reduction)
   int64_t bytes_remote() const { return bytes_intra + bytes_inter; }
   void add(const EpTraffic& o);
 };

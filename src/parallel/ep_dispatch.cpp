@@ -45,6 +45,7 @@ void EpTraffic::add(const EpTraffic& o) {
   bytes_inter += o.bytes_inter;
   rounds += o.rounds;
   seconds += o.seconds;
+  seconds_comm += o.seconds_comm;
 }
 
 namespace {
@@ -137,7 +138,10 @@ struct EpDispatch::Impl {
   std::vector<int64_t> cnt, rcnt, off;       // flat: [P*El] send counts, recv counts, send offsets (records)
   std::vector<int64_t> sc, sd, rc, rd;       // per-peer byte counts / displacements scratch
   std::vector<int64_t> peer_send, peer_recv;  // records per peer of the current layout (flat) / rail (hier)
-  std::vector<int64_t> blk_start;            // flat: byte offset of peer q's first record in send1
+  std::vector<int64_t> blk_start;            // sync_free: byte offset of peer q's first payload row in send1
+  std::vector<int64_t> fpos, poff;           // flat: [P*El] block b's first row, grouped / peer-major order
+  Buf msend{"dispatch.meta_send [S] 8B"}, mrecv{"dispatch.meta_recv [R] 8B"},
+      stage{"expert.recv_stage [R] wire rows"};
 
   // Hierarchical.
   Buf send2{"dispatch.send_stage2"}, recv2{"dispatch.recv_stage2"};
@@ -171,7 +175,7 @@ struct EpDispatch::Impl {
   std::vector<Buf*> all_bufs() {
     return {&wcopy, &row_of, &hbuf, &qbuf, &sbuf, &send1, &recv1, &send2, &recv2, &row_of2, &w2, &out_x, &out_src,
             &out_tok, &out_slot, &out_w, &pos_of_stage, &rec_ptr, &csend, &crecv, &cdec, &partial, &psend, &precv,
-            &pdec, &slot_rec1, &vsend, &vrecv, &fwd_scalars, &home_scalars};
+            &pdec, &slot_rec1, &vsend, &vrecv, &fwd_scalars, &home_scalars, &msend, &mrecv, &stage};
   }
 
   int node_of(int ep_rank) const { return ep_rank / L; }
@@ -323,115 +327,288 @@ struct EpDispatch::Impl {
   }
 
   // ------------------------------------------------------------------------------------------------------
-  void dispatch_flat(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+  // Flat layout. Home side: kept (token, slot) records in (peer q, local expert le, token, slot) order; block
+  // b = q*El + le starts at record off[b] and has cnt[b] records; row_of[t, s] = the record index (-1:
+  // dropped). Expert side: block b (from peer q, for local expert le) has rcnt[b] rows; it sits at row fpos[b]
+  // of the grouped (expert-major) layout and at row poff[b] of the peer-major staging order.
+  // Payload rows and metadata travel separately, so the payload rows of a block are contiguous on both sides:
+  // alltoall lands them in their final (grouped) place with one all_to_all_v per local expert ("direct");
+  // sync_free (one exchange, no count round) lands them per peer and copies whole blocks into place.
+  struct WireMeta {
+    int32_t code;  // token * k + slot
+    float w;
+  };
+  static_assert(sizeof(WireMeta) == 8);
+
+  void plan_send(const int32_t* idx, int64_t n) {
     std::fill(cnt.begin(), cnt.end(), 0);
     for (int64_t i = 0; i < n * k; ++i)
-      if (idx[i] >= 0) ++cnt[size_t(idx[i])];  // expert e = q*El + le: peer-major already; -1: dropped
+      if (idx[i] >= 0) ++cnt[size_t(idx[i])];  // expert e = q*El + le: block order already; -1: dropped
     int64_t acc = 0;
     for (int q = 0; q < P; ++q) {
       peer_send[size_t(q)] = 0;
       for (int le = 0; le < El; ++le) {
-        off[size_t(q) * El + le] = acc;
-        acc += cnt[size_t(q) * El + le];
-        peer_send[size_t(q)] += cnt[size_t(q) * El + le];
+        const size_t b = size_t(q) * El + le;
+        off[b] = acc;
+        acc += cnt[b];
+        peer_send[size_t(q)] += cnt[b];
       }
     }
+    S1 = acc;  // records sent (kept slots)
     int32_t* ro = row_of.get<int32_t>(std::max<int64_t>(n * k, 1));
-    {
-      std::vector<int64_t>& c = cur;  // reuse as cursor ([El*P] >= [P*El])
-      std::copy(off.begin(), off.end(), c.begin());
-      for (int64_t i = 0; i < n * k; ++i) ro[i] = idx[i] >= 0 ? int32_t(c[size_t(idx[i])]++) : -1;
+    std::copy(off.begin(), off.end(), cur.begin());
+    for (int64_t i = 0; i < n * k; ++i) ro[i] = idx[i] >= 0 ? int32_t(cur[size_t(idx[i])]++) : -1;
+  }
+
+  void plan_recv() {
+    int64_t acc = 0;
+    for (int le = 0; le < El; ++le) {
+      offsets[size_t(le)] = acc;
+      for (int q = 0; q < P; ++q) {
+        fpos[size_t(q) * El + le] = acc;
+        acc += rcnt[size_t(q) * El + le];
+      }
+      counts[size_t(le)] = acc - offsets[size_t(le)];
     }
-    // Peer blocks in send1: [header][records] per peer, back to back.
-    int64_t bytes = 0;
+    offsets[size_t(El)] = acc;
+    R = acc;
+    int64_t pacc = 0;
     for (int q = 0; q < P; ++q) {
-      sd[size_t(q)] = bytes;
-      blk_start[size_t(q)] = bytes + H;
-      sc[size_t(q)] = H + peer_send[size_t(q)] * rec;
-      bytes += sc[size_t(q)];
+      peer_recv[size_t(q)] = 0;
+      for (int le = 0; le < El; ++le) {
+        const size_t b = size_t(q) * El + le;
+        poff[b] = pacc;
+        pacc += rcnt[b];
+        peer_recv[size_t(q)] += rcnt[b];
+      }
     }
-    char* sb = send1.get(std::max<int64_t>(bytes, 1));
-    if (sync_free)
-      for (int q = 0; q < P; ++q) std::memcpy(sb + sd[size_t(q)], cnt.data() + size_t(q) * El, size_t(El * 8));
+  }
+
+  // Home: payload and metadata of every kept (token, slot), written where pay_at / meta_at(record, peer) say.
+  template <class PayAt, class MetaAt>
+  void pack_records(const int32_t* idx, const float* x, int64_t n, PayAt pay_at, MetaAt meta_at) const {
+    const int32_t* ro = row_of.data<int32_t>();
     const float* wc = wcopy.data<float>();
 #pragma omp parallel for schedule(static) if (n * k * D >= kParMin)
     for (int64_t t = 0; t < n; ++t)
       for (int s = 0; s < k; ++s) {
-        const int32_t e = idx[t * k + s];
-        if (e < 0) continue;
-        const int q = e / El;
-        char* r = sb + blk_start[size_t(q)] + (ro[t * k + s] - off[size_t(q) * El]) * rec;
-        RecMeta m{int32_t(t), int32_t(me), int16_t(s), int16_t(e % El), wc[t * k + s]};
-        std::memcpy(r, &m, sizeof m);
-        write_payload(r + 16, x, t);
-      }
-    S1 = acc;  // flat: records sent (kept slots)
-    tr.rows_sent += S1;
-    for (int q = 0; q < P; ++q) classify(tr, q, sc[size_t(q)]);
-    blocks.clear();
-    if (!sync_free) {
-      // Count round: El counts to every peer.
-      comm.all_to_all(rcnt.data(), cnt.data(), int64_t(El) * 8);
-      tr.rounds += 1;
-      for (int q = 0; q < P; ++q) classify(tr, q, int64_t(El) * 8);
-      int64_t rbytes = 0;
-      for (int q = 0; q < P; ++q) {
-        peer_recv[size_t(q)] = 0;
-        for (int le = 0; le < El; ++le) peer_recv[size_t(q)] += rcnt[size_t(q) * El + le];
-        rd[size_t(q)] = rbytes;
-        rc[size_t(q)] = peer_recv[size_t(q)] * rec;
-        rbytes += rc[size_t(q)];
-      }
-      char* rb = recv1.get(std::max<int64_t>(rbytes, 1));
-      comm.all_to_all_v(rb, rc.data(), rd.data(), sb, sc.data(), sd.data());
-      tr.rounds += 1;
-      for (int q = 0; q < P; ++q) blocks.push_back({rb + rd[size_t(q)], peer_recv[size_t(q)]});
-    } else {
-      char* rb = recv1.data();
-      comm.exchange(rb, slot_bytes, sb, sc.data(), sd.data());
-      tr.rounds += 1;
-      for (int q = 0; q < P; ++q) {
-        const char* slot = rb + q * slot_bytes;
-        std::memcpy(rcnt.data() + size_t(q) * El, slot, size_t(El * 8));
-        peer_recv[size_t(q)] = 0;
-        for (int le = 0; le < El; ++le) peer_recv[size_t(q)] += rcnt[size_t(q) * El + le];
-        MT_CHECK(peer_recv[size_t(q)] <= cap_rows, "ep_dispatch", "header from rank ", q, " announces ",
-                 peer_recv[size_t(q)], " records, more than the capacity ", cap_rows);
-        blocks.push_back({slot + H, peer_recv[size_t(q)]});
-      }
-    }
-    unpack("ep_dispatch");
-    // Sanity (DeepEP style): a flat record comes from the peer whose block it is in.
-    for (int q = 0; q < P; ++q)
-      for (int64_t r = 0; r < blocks[size_t(q)].n; ++r) {
-        int32_t src;
-        std::memcpy(&src, blocks[size_t(q)].base + r * rec + 4, 4);
-        MT_CHECK(src == q, "ep_dispatch", "record from rank ", q, " claims source ", src);
+        const int32_t j = ro[t * k + s];
+        if (j < 0) continue;
+        const int q = idx[t * k + s] / El;
+        const WireMeta m{int32_t(t * k + s), wc[t * k + s]};
+        std::memcpy(meta_at(j, q), &m, sizeof m);
+        write_payload(pay_at(j, q), x, t);
       }
   }
 
-  void combine_flat(float* y, const float* yr, bool weighted, EpTraffic& tr) {
-    char* out = pack_combine_send(yr);
-    int64_t sbytes = 0, rbytes = 0;
+  float* alloc_outputs() {
+    const int64_t Rm = std::max<int64_t>(R, 1);
+    out_src.get<int32_t>(Rm);
+    out_tok.get<int32_t>(Rm);
+    out_slot.get<int32_t>(Rm);
+    out_w.get<float>(Rm);
+    return out_x.get<float>(Rm * D);
+  }
+  // Metadata of block b's rows (mb = the block's first WireMeta) into the grouped outputs.
+  void scatter_meta(int64_t b, const char* mb) {
+    const int q = int(b / El);
+    int32_t* os = out_src.data<int32_t>();
+    int32_t* ot = out_tok.data<int32_t>();
+    int32_t* ol = out_slot.data<int32_t>();
+    float* ow = out_w.data<float>();
+    for (int64_t i = 0, p = fpos[size_t(b)]; i < rcnt[size_t(b)]; ++i, ++p) {
+      WireMeta m;
+      std::memcpy(&m, mb + i * 8, 8);
+      MT_CHECK(m.code >= 0, "ep_dispatch", "corrupt record from rank ", q, " (token*k+slot = ", m.code, ")");
+      os[p] = q;
+      ot[p] = m.code / k;
+      ol[p] = m.code % k;
+      ow[p] = m.w;
+    }
+  }
+
+  // One all_to_all_v per local expert: rows of rb bytes from the home record order (src) to the grouped order
+  // (dst) when to_experts, else back.
+  void direct_rounds(char* dst, const char* src, int64_t rb, bool to_experts, EpTraffic& tr) {
+    for (int le = 0; le < El; ++le) {
+      for (int q = 0; q < P; ++q) {
+        const size_t b = size_t(q) * El + le;
+        const int64_t hs = cnt[b] * rb, ho = off[b] * rb, es = rcnt[b] * rb, eo = fpos[b] * rb;
+        sc[size_t(q)] = to_experts ? hs : es;
+        sd[size_t(q)] = to_experts ? ho : eo;
+        rc[size_t(q)] = to_experts ? es : hs;
+        rd[size_t(q)] = to_experts ? eo : ho;
+        classify(tr, q, sc[size_t(q)]);
+      }
+      {
+        const double c0_ = now_s();
+        comm.all_to_all_v(dst, rc.data(), rd.data(), src, sc.data(), sd.data());
+        tr.seconds_comm += now_s() - c0_;
+      }
+      tr.rounds += 1;
+    }
+  }
+  // One all_to_all_v between the home record order and the expert's peer-major staging order.
+  void staged_round(char* dst, const char* src, int64_t rb, bool to_experts, EpTraffic& tr) {
     for (int q = 0; q < P; ++q) {
-      sc[size_t(q)] = peer_recv[size_t(q)] * cb;
-      sd[size_t(q)] = sbytes;
-      sbytes += sc[size_t(q)];
-      rc[size_t(q)] = peer_send[size_t(q)] * cb;
-      rd[size_t(q)] = off[size_t(q) * El] * cb;
-      rbytes += rc[size_t(q)];
+      const size_t b = size_t(q) * El;
+      const int64_t hs = peer_send[size_t(q)] * rb, ho = off[b] * rb, es = peer_recv[size_t(q)] * rb,
+                    eo = poff[b] * rb;
+      sc[size_t(q)] = to_experts ? hs : es;
+      sd[size_t(q)] = to_experts ? ho : eo;
+      rc[size_t(q)] = to_experts ? es : hs;
+      rd[size_t(q)] = to_experts ? eo : ho;
       classify(tr, q, sc[size_t(q)]);
     }
-    char* in = crecv.get(std::max<int64_t>(rbytes, 1));
-    comm.all_to_all_v(in, rc.data(), rd.data(), out, sc.data(), sd.data());
+    {
+      const double c0_ = now_s();
+      comm.all_to_all_v(dst, rc.data(), rd.data(), src, sc.data(), sd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
+  }
+
+  void dispatch_alltoall(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+    plan_send(idx, n);
+    char* ps = send1.get(std::max<int64_t>(S1 * pb, 1));
+    WireMeta* ms = msend.get<WireMeta>(std::max<int64_t>(S1, 1));
+    pack_records(
+        idx, x, n, [&](int64_t j, int) { return ps + j * pb; },
+        [&](int64_t j, int) { return reinterpret_cast<char*>(ms + j); });
+    tr.rows_sent += S1;
+    {
+      const double c0_ = now_s();
+      comm.all_to_all(rcnt.data(), cnt.data(), int64_t(El) * 8);  // count round: El counts to every peer
+      tr.seconds_comm += now_s() - c0_;
+    }
+    tr.rounds += 1;
+    for (int q = 0; q < P; ++q) classify(tr, q, int64_t(El) * 8);
+    plan_recv();
+    WireMeta* mr = mrecv.get<WireMeta>(std::max<int64_t>(R, 1));
+    staged_round(reinterpret_cast<char*>(mr), reinterpret_cast<const char*>(ms), 8, true, tr);
+    float* ox = alloc_outputs();
+    const bool f32 = cfg.dispatch_payload == EpPayload::F32;
+    char* dst = f32 ? reinterpret_cast<char*>(ox) : stage.get(std::max<int64_t>(R * pb, 1));
+    direct_rounds(dst, ps, pb, true, tr);
+    if (!f32) {
+#pragma omp parallel for schedule(static) if (R * D >= kParMin)
+      for (int64_t r = 0; r < R; ++r) read_payload(ox + r * D, dst + r * pb);
+    }
+    const int64_t nblk = int64_t(P) * El;
+    for (int64_t b = 0; b < nblk; ++b) scatter_meta(b, reinterpret_cast<const char*>(mr + poff[size_t(b)]));
+  }
+
+  // sync_free message to peer q: [H: El int64 counts][n_q WireMeta, padded to 64][n_q payload rows].
+  void dispatch_sync_free(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+    plan_send(idx, n);
+    int64_t bytes = 0;
+    for (int q = 0; q < P; ++q) {
+      sd[size_t(q)] = bytes;
+      blk_start[size_t(q)] = bytes + H + round_up(peer_send[size_t(q)] * 8, 64);  // payload of peer q
+      sc[size_t(q)] = blk_start[size_t(q)] - bytes + peer_send[size_t(q)] * pb;
+      bytes += round_up(sc[size_t(q)], 64);
+    }
+    char* sb = send1.get(std::max<int64_t>(bytes, 1));
+    for (int q = 0; q < P; ++q) std::memcpy(sb + sd[size_t(q)], cnt.data() + size_t(q) * El, size_t(El * 8));
+    pack_records(
+        idx, x, n,
+        [&](int64_t j, int q) { return sb + blk_start[size_t(q)] + (j - off[size_t(q) * El]) * pb; },
+        [&](int64_t j, int q) { return sb + sd[size_t(q)] + H + (j - off[size_t(q) * El]) * 8; });
+    tr.rows_sent += S1;
+    for (int q = 0; q < P; ++q) classify(tr, q, sc[size_t(q)]);
+    char* rb = recv1.data();
+    {
+      const double c0_ = now_s();
+      comm.exchange(rb, slot_bytes, sb, sc.data(), sd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
+    tr.rounds += 1;
+    for (int q = 0; q < P; ++q) {
+      std::memcpy(rcnt.data() + size_t(q) * El, rb + q * slot_bytes, size_t(El * 8));
+      int64_t s = 0;
+      for (int le = 0; le < El; ++le) {
+        const int64_t c = rcnt[size_t(q) * El + le];
+        MT_CHECK(c >= 0, "ep_dispatch", "header from rank ", q, " announces a negative count ", c);
+        s += c;
+      }
+      MT_CHECK(s <= cap_rows, "ep_dispatch", "header from rank ", q, " announces ", s,
+               " records, more than the capacity ", cap_rows);
+    }
+    plan_recv();
+    float* ox = alloc_outputs();
+    const int64_t nblk = int64_t(P) * El;
+#pragma omp parallel for schedule(dynamic, 1) if (R * D >= kParMin)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int q = int(b / El);
+      const char* region = rb + q * slot_bytes;
+      const int64_t first = poff[size_t(b)] - poff[size_t(q) * El];
+      const char* pay = region + H + round_up(peer_recv[size_t(q)] * 8, 64) + first * pb;
+      float* o = ox + fpos[size_t(b)] * D;
+      if (cfg.dispatch_payload == EpPayload::F32) std::memcpy(o, pay, size_t(rcnt[size_t(b)] * pb));
+      else
+        for (int64_t i = 0; i < rcnt[size_t(b)]; ++i) read_payload(o + i * D, pay + i * pb);
+      scatter_meta(b, region + H + first * 8);
+    }
+  }
+
+  // Expert -> home: rows v [R, w] in grouped order arrive in the home record order, in [S1, rb] (rb = w * 4 or
+  // w * 2 with bf). direct: one round per local expert, sent straight from v when f32; else one round through
+  // the peer-major staging (scratch).
+  void to_home(char* in, const float* v, int64_t w, bool bf, bool direct, Buf& scratch, EpTraffic& tr) {
+    const int64_t rb = w * (bf ? 2 : 4);
+    if (direct) {
+      const char* src = reinterpret_cast<const char*>(v);
+      if (bf) {
+        bf16* o = scratch.get<bf16>(std::max<int64_t>(R * w, 1));
+        to_wire_bf16_rows(o, v, R, w);
+        src = reinterpret_cast<const char*>(o);
+      }
+      direct_rounds(in, src, rb, false, tr);
+      return;
+    }
+    char* o = scratch.get(std::max<int64_t>(R * rb, 1));
+    const int64_t nblk = int64_t(P) * El;
+#pragma omp parallel for schedule(dynamic, 1) if (R * w >= kParMin)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t n = rcnt[size_t(b)];
+      char* dst = o + poff[size_t(b)] * rb;
+      const float* src = v + fpos[size_t(b)] * w;
+      if (bf) to_wire_bf16(reinterpret_cast<bf16*>(dst), src, n * w);
+      else if (n > 0) std::memcpy(dst, src, size_t(n * rb));
+    }
+    staged_round(in, o, rb, false, tr);
+  }
+  // Home -> experts: rows [S1, rb] in the home record order arrive as out [R, w] f32 in grouped order.
+  void to_experts(float* out, const char* send, int64_t w, bool bf, bool direct, Buf& scratch, EpTraffic& tr) {
+    const int64_t rb = w * (bf ? 2 : 4);
+    if (direct) {
+      char* dst = bf ? scratch.get(std::max<int64_t>(R * rb, 1)) : reinterpret_cast<char*>(out);
+      direct_rounds(dst, send, rb, true, tr);
+      if (bf && R > 0) from_wire_bf16_rows(out, reinterpret_cast<const bf16*>(dst), R, w);
+      return;
+    }
+    char* st = scratch.get(std::max<int64_t>(R * rb, 1));
+    staged_round(st, send, rb, true, tr);
+    const int64_t nblk = int64_t(P) * El;
+#pragma omp parallel for schedule(dynamic, 1) if (R * w >= kParMin)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t n = rcnt[size_t(b)];
+      const char* src = st + poff[size_t(b)] * rb;
+      float* dst = out + fpos[size_t(b)] * w;
+      if (bf) from_wire_bf16(dst, reinterpret_cast<const bf16*>(src), n * w);
+      else if (n > 0) std::memcpy(dst, src, size_t(n * rb));
+    }
+  }
+
+  void combine_flat(float* y, const float* yr, bool weighted, EpTraffic& tr) {
+    char* in = crecv.get(std::max<int64_t>(S1 * cb, 1));
+    to_home(in, yr, D, cfg.combine_payload == EpPayload::BF16, !sync_free, csend, tr);
     tr.rows_sent += R;
     tr.rows_recv += S1;
     const float* rows = decode_rows(cdec, in, S1);
     if (weighted) moe_unpermute(y, rows, row_of.data<int32_t>(), wcopy.data<float>(), N, k, S1, D);
     else moe_permute_backward(y, rows, row_of.data<int32_t>(), N, k, S1, D);
   }
-
   // ------------------------------------------------------------------------------------------------------
   // Stage-1 record: [int32 token][int32 expert[k] (-1: not on this node)][float w[k]] padded to m1, payload.
   void dispatch_hier(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
@@ -499,7 +676,11 @@ struct EpDispatch::Impl {
         write_payload(p + m1, x, t);
       }
     // Count round and exchange on the rail (same local index on every node).
-    rail_comm.all_to_all(rcnt1.data(), cnt1.data(), 8);
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all(rcnt1.data(), cnt1.data(), 8);
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     auto& s1c = rs[0];
     auto& s1d = rs[1];
@@ -517,7 +698,11 @@ struct EpDispatch::Impl {
       classify(tr, b * L + li, 8 + s1c[size_t(b)]);
     }
     char* rb = recv1.get(std::max<int64_t>(rbytes, 1));
-    rail_comm.all_to_all_v(rb, r1c.data(), r1d.data(), sb, s1c.data(), s1d.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(rb, r1c.data(), r1d.data(), sb, s1c.data(), s1d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += S1;
 
@@ -574,7 +759,11 @@ struct EpDispatch::Impl {
         std::memcpy(o + 16, p + m1, size_t(rec - 16));
       }
     }
-    node_comm.all_to_all(rcnt2.data(), cnt2.data(), 8);
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all(rcnt2.data(), cnt2.data(), 8);
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     auto& s2c = ns[0];
     auto& s2d = ns[1];
@@ -590,7 +779,11 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, 8 + s2c[size_t(j)]);
     }
     char* rb2 = recv2.get(std::max<int64_t>(rbytes, 1));
-    node_comm.all_to_all_v(rb2, r2c.data(), r2d.data(), sb2, s2c.data(), s2d.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(rb2, r2c.data(), r2d.data(), sb2, s2c.data(), s2d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += S2;
     blocks.clear();
@@ -615,7 +808,11 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, s2c[size_t(j)]);
     }
     char* in2 = crecv.get(std::max<int64_t>(S2 * cb, 1));
-    node_comm.all_to_all_v(in2, r2c.data(), r2d.data(), out, s2c.data(), s2d.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(in2, r2c.data(), r2d.data(), out, s2c.data(), s2d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += R;
     // Forwarder: reduce the node's slots of every stage-1 record (slot order, from 0).
@@ -642,7 +839,11 @@ struct EpDispatch::Impl {
       classify(tr, b * L + li, s1c[size_t(b)]);
     }
     char* in1 = precv.get(std::max<int64_t>(S1 * cb, 1));
-    rail_comm.all_to_all_v(in1, r1c.data(), r1d.data(), pout, s1c.data(), s1d.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(in1, r1c.data(), r1d.data(), pout, s1c.data(), s1d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += M1;
     tr.rows_recv += S1;
@@ -668,26 +869,14 @@ struct EpDispatch::Impl {
   }
 
   void redispatch_flat(float* out, const float* x, EpTraffic& tr) {
-    char* sb = crecv.get(std::max<int64_t>(N * k * cb, 1));
+    char* sb = crecv.get(std::max<int64_t>(S1 * cb, 1));
     const int32_t* ro = row_of.data<int32_t>();
 #pragma omp parallel for schedule(static) if (N * k * D >= kParMin)
     for (int64_t i = 0; i < N * k; ++i)
       if (ro[i] >= 0) encode_row(sb + int64_t(ro[i]) * cb, x + (i / k) * D);
-    int64_t rb = 0;
-    for (int q = 0; q < P; ++q) {
-      sc[size_t(q)] = peer_send[size_t(q)] * cb;
-      sd[size_t(q)] = off[size_t(q) * El] * cb;
-      rc[size_t(q)] = peer_recv[size_t(q)] * cb;
-      rd[size_t(q)] = rb;
-      rb += rc[size_t(q)];
-      classify(tr, q, sc[size_t(q)]);
-    }
-    char* in = csend.get(std::max<int64_t>(rb, 1));
-    comm.all_to_all_v(in, rc.data(), rd.data(), sb, sc.data(), sd.data());
-    tr.rounds += 1;
+    to_experts(out, sb, D, cfg.combine_payload == EpPayload::BF16, !sync_free, csend, tr);
     tr.rows_sent += S1;
     tr.rows_recv += R;
-    decode_staged(out, in);
   }
 
   void redispatch_hier(float* out, const float* x, EpTraffic& tr) {
@@ -711,7 +900,11 @@ struct EpDispatch::Impl {
       classify(tr, q * L + li, a[size_t(q)]);
     }
     char* f1 = psend.get(std::max<int64_t>(rb, 1));
-    rail_comm.all_to_all_v(f1, b.data(), bd.data(), s1, a.data(), ad.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(f1, b.data(), bd.data(), s1, a.data(), ad.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     // Forwarder -> experts: fan out to the stage-2 rows.
     char* s2 = crecv.get(std::max<int64_t>(S2 * cb, 1));
     const int32_t* ro2 = row_of2.data<int32_t>();
@@ -732,7 +925,11 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, c[size_t(j)]);
     }
     char* in = csend.get(std::max<int64_t>(rb, 1));
-    node_comm.all_to_all_v(in, e.data(), ed.data(), s2, c.data(), cd.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(in, e.data(), ed.data(), s2, c.data(), cd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 2;
     tr.rows_sent += S1 + S2;
     tr.rows_recv += R;
@@ -740,21 +937,8 @@ struct EpDispatch::Impl {
   }
 
   void scalars_flat(float* out, const float* v, EpTraffic& tr) {
-    float* sv = vsend.get<float>(std::max<int64_t>(R, 1));
-    const int64_t* pos = pos_of_stage.data<int64_t>();
-    for (int64_t g = 0; g < R; ++g) sv[g] = v[pos[g]];
-    int64_t sb = 0;
-    for (int q = 0; q < P; ++q) {
-      sc[size_t(q)] = peer_recv[size_t(q)] * 4;
-      sd[size_t(q)] = sb;
-      sb += sc[size_t(q)];
-      rc[size_t(q)] = peer_send[size_t(q)] * 4;
-      rd[size_t(q)] = off[size_t(q) * El] * 4;
-      classify(tr, q, sc[size_t(q)]);
-    }
-    float* rv = vrecv.get<float>(std::max<int64_t>(N * k, 1));
-    comm.all_to_all_v(rv, rc.data(), rd.data(), sv, sc.data(), sd.data());
-    tr.rounds += 1;
+    float* rv = vrecv.get<float>(std::max<int64_t>(S1, 1));
+    to_home(reinterpret_cast<char*>(rv), v, 1, false, false, vsend, tr);
     const int32_t* ro = row_of.data<int32_t>();
     for (int64_t i = 0; i < N * k; ++i) out[i] = ro[i] >= 0 ? rv[ro[i]] : 0.0f;
   }
@@ -778,7 +962,11 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, c[size_t(j)]);
     }
     float* f2 = vrecv.get<float>(std::max<int64_t>(std::max(S2, S1 * k), 1));
-    node_comm.all_to_all_v(f2, e.data(), ed.data(), sv, c.data(), cd.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(f2, e.data(), ed.data(), sv, c.data(), cd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     // Forwarder: k values per stage-1 record (0 for slots of other nodes; never read).
     float* per = fwd_scalars.get<float>(std::max<int64_t>(M1 * k, 1));
     const int32_t* ro2 = row_of2.data<int32_t>();
@@ -797,7 +985,11 @@ struct EpDispatch::Impl {
       classify(tr, q * L + li, a[size_t(q)]);
     }
     float* home = home_scalars.get<float>(std::max<int64_t>(S1 * k, 1));
-    rail_comm.all_to_all_v(home, b.data(), bd.data(), per, a.data(), ad.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(home, b.data(), bd.data(), per, a.data(), ad.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 2;
     const int32_t* sr1 = slot_rec1.data<int32_t>();
     for (int64_t i = 0; i < N * k; ++i) out[i] = sr1[i] >= 0 ? home[int64_t(sr1[i]) * k + i % k] : 0.0f;
@@ -851,6 +1043,8 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
   I.off.assign(PE, 0);
   I.grp.assign(PE, 0);
   I.cur.assign(PE, 0);
+  I.fpos.assign(PE, 0);
+  I.poff.assign(PE, 0);
   I.counts.assign(size_t(I.El), 0);
   I.offsets.assign(size_t(I.El) + 1, 0);
   for (auto* v : {&I.sc, &I.sd, &I.rc, &I.rd, &I.peer_send, &I.peer_recv, &I.blk_start}) v->assign(size_t(I.P), 0);
@@ -875,17 +1069,16 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
     const int64_t Nm = cfg.max_tokens, k = I.k, D = I.D, P = I.P;
     I.H = round_up(int64_t(I.El) * 8, 64);              // per-peer header: El int64 counts
     I.cap_rows = Nm * std::min<int64_t>(k, I.El);        // records one peer can send to one rank
-    I.slot_bytes = I.H + I.cap_rows * I.rec;             // one peer's region in the receive buffer
+    // one peer's region in the receive buffer: header, metadata (8 B a record), payload rows
+    I.slot_bytes = I.H + round_up(I.cap_rows * 8, 64) + round_up(I.cap_rows * I.pb, 64);
     const int64_t Rmax = P * I.cap_rows;                 // rows one rank can receive
-    I.send1.get(P * I.H + Nm * k * I.rec);               // every (token, slot) once + headers
+    I.send1.get(P * (I.H + 128) + Nm * k * (8 + I.pb));  // every (token, slot) once + headers + padding
     I.recv1.get(P * I.slot_bytes);
     I.out_x.get<float>(Rmax * D);
     I.out_src.get<int32_t>(Rmax);
     I.out_tok.get<int32_t>(Rmax);
     I.out_slot.get<int32_t>(Rmax);
     I.out_w.get<float>(Rmax);
-    I.pos_of_stage.get<int64_t>(Rmax);
-    I.rec_ptr.get<const char*>(Rmax);
     I.wcopy.get<float>(Nm * k);
     I.row_of.get<int32_t>(Nm * k);
     if (cfg.dispatch_payload == EpPayload::BF16) I.hbuf.get<bf16>(Nm * D);
@@ -920,7 +1113,8 @@ int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const floa
   EpTraffic tr;
   tr.calls = 1;
   if (I.hier) I.dispatch_hier(x, topk_idx, N, tr);
-  else I.dispatch_flat(x, topk_idx, N, tr);
+  else if (I.sync_free) I.dispatch_sync_free(x, topk_idx, N, tr);
+  else I.dispatch_alltoall(x, topk_idx, N, tr);
   I.N = N;
   tr.rows_recv = I.R;
   tr.seconds = now_s() - t0;
