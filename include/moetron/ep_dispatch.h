@@ -75,6 +75,11 @@ struct EpDispatchConfig {
                            // 0 = all on one node. Must divide the EP size. See DeviceMesh::ep_ranks_per_node.
   EpPayload dispatch_payload = EpPayload::F32;
   EpPayload combine_payload = EpPayload::F32;  // F32 or BF16
+  // alltoall only, fp32 rows (dispatch / combine / redispatch each by its own payload): rows land in place,
+  // one all_to_all_v per local expert (dispatch: straight into recv_x; combine: straight from yr), so no
+  // unpack / pack copy, but El + 2 (dispatch) and El (combine) synchronizations instead of 2 and 1. Wins when
+  // copies cost more than synchronizations; on an oversubscribed machine they usually do not (docs/parallel.md).
+  bool alltoall_direct = false;
 };
 
 // What one rank did in one call (or a sum of calls). Bytes are the bytes this rank SENT, split by where

@@ -127,7 +127,7 @@ struct EpDispatch::Impl {
   EpDispatchConfig cfg;
   int P = 1, me = 0, E = 0, El = 0, k = 0, L = 1, Nn = 1, node = 0, li = 0;
   int64_t D = 0, nb = 0, pb = 0, rec = 0, m1 = 0, rec1 = 0, cb = 0, H = 0, cap_rows = 0, slot_bytes = 0;
-  bool sync_free = false, hier = false;
+  bool sync_free = false, hier = false, direct = false;
   EpStats st;
 
   // Home side.
@@ -470,11 +470,18 @@ struct EpDispatch::Impl {
 
   void dispatch_alltoall(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
     plan_send(idx, n);
-    char* ps = send1.get(std::max<int64_t>(S1 * pb, 1));
-    WireMeta* ms = msend.get<WireMeta>(std::max<int64_t>(S1, 1));
-    pack_records(
-        idx, x, n, [&](int64_t j, int) { return ps + j * pb; },
-        [&](int64_t j, int) { return reinterpret_cast<char*>(ms + j); });
+    const bool f32 = cfg.dispatch_payload == EpPayload::F32 && direct;
+    char* ps = nullptr;
+    WireMeta* ms = nullptr;
+    if (f32) {
+      ps = send1.get(std::max<int64_t>(S1 * pb, 1));
+      ms = msend.get<WireMeta>(std::max<int64_t>(S1, 1));
+      pack_records(
+          idx, x, n, [&](int64_t j, int) { return ps + j * pb; },
+          [&](int64_t j, int) { return reinterpret_cast<char*>(ms + j); });
+    } else {
+      ps = pack_messages(x, idx, n, 0);
+    }
     tr.rows_sent += S1;
     {
       const double c0_ = now_s();
@@ -484,36 +491,79 @@ struct EpDispatch::Impl {
     tr.rounds += 1;
     for (int q = 0; q < P; ++q) classify(tr, q, int64_t(El) * 8);
     plan_recv();
+    if (!f32) return dispatch_alltoall_staged(ps, tr);  // wire payload, or not direct
+    // fp32 rows: metadata in one round, then the rows straight into recv_x, one round per local expert.
     WireMeta* mr = mrecv.get<WireMeta>(std::max<int64_t>(R, 1));
     staged_round(reinterpret_cast<char*>(mr), reinterpret_cast<const char*>(ms), 8, true, tr);
     float* ox = alloc_outputs();
-    const bool f32 = cfg.dispatch_payload == EpPayload::F32;
-    char* dst = f32 ? reinterpret_cast<char*>(ox) : stage.get(std::max<int64_t>(R * pb, 1));
-    direct_rounds(dst, ps, pb, true, tr);
-    if (!f32) {
-#pragma omp parallel for schedule(static) if (R * D >= kParMin)
-      for (int64_t r = 0; r < R; ++r) read_payload(ox + r * D, dst + r * pb);
-    }
+    direct_rounds(reinterpret_cast<char*>(ox), ps, pb, true, tr);
     const int64_t nblk = int64_t(P) * El;
     for (int64_t b = 0; b < nblk; ++b) scatter_meta(b, reinterpret_cast<const char*>(mr + poff[size_t(b)]));
   }
 
-  // sync_free message to peer q: [H: El int64 counts][n_q WireMeta, padded to 64][n_q payload rows].
-  void dispatch_sync_free(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
-    plan_send(idx, n);
+  // Staged messages: to peer q [hdr bytes: El int64 counts (sync_free) or nothing][n_q WireMeta, padded to
+  // 64][n_q payload rows]. Returns the send buffer; sc / sd / blk_start describe it.
+  char* pack_messages(const float* x, const int32_t* idx, int64_t n, int64_t hdr) {
     int64_t bytes = 0;
     for (int q = 0; q < P; ++q) {
       sd[size_t(q)] = bytes;
-      blk_start[size_t(q)] = bytes + H + round_up(peer_send[size_t(q)] * 8, 64);  // payload of peer q
+      blk_start[size_t(q)] = bytes + hdr + round_up(peer_send[size_t(q)] * 8, 64);  // payload of peer q
       sc[size_t(q)] = blk_start[size_t(q)] - bytes + peer_send[size_t(q)] * pb;
       bytes += round_up(sc[size_t(q)], 64);
     }
     char* sb = send1.get(std::max<int64_t>(bytes, 1));
-    for (int q = 0; q < P; ++q) std::memcpy(sb + sd[size_t(q)], cnt.data() + size_t(q) * El, size_t(El * 8));
+    if (hdr > 0)
+      for (int q = 0; q < P; ++q) std::memcpy(sb + sd[size_t(q)], cnt.data() + size_t(q) * El, size_t(El * 8));
     pack_records(
         idx, x, n,
         [&](int64_t j, int q) { return sb + blk_start[size_t(q)] + (j - off[size_t(q) * El]) * pb; },
-        [&](int64_t j, int q) { return sb + sd[size_t(q)] + H + (j - off[size_t(q) * El]) * 8; });
+        [&](int64_t j, int q) { return sb + sd[size_t(q)] + hdr + (j - off[size_t(q) * El]) * 8; });
+    return sb;
+  }
+  // The received messages (region(q) = peer q's message) into the grouped outputs: whole blocks, decoded.
+  template <class Region>
+  void unpack_messages(Region region, int64_t hdr) {
+    float* ox = alloc_outputs();
+    const int64_t nblk = int64_t(P) * El;
+#pragma omp parallel for schedule(dynamic, 1) if (R * D >= kParMin)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int q = int(b / El);
+      const char* reg = region(q);
+      const int64_t first = poff[size_t(b)] - poff[size_t(q) * El];
+      const char* pay = reg + hdr + round_up(peer_recv[size_t(q)] * 8, 64) + first * pb;
+      float* o = ox + fpos[size_t(b)] * D;
+      if (cfg.dispatch_payload == EpPayload::F32) {
+        if (rcnt[size_t(b)] > 0) std::memcpy(o, pay, size_t(rcnt[size_t(b)] * pb));
+      } else {
+        for (int64_t i = 0; i < rcnt[size_t(b)]; ++i) read_payload(o + i * D, pay + i * pb);
+      }
+      scatter_meta(b, reg + hdr + first * 8);
+    }
+  }
+
+  // alltoall, staged: one round per call, a message per peer (metadata in front); rows are copied (fp32) or
+  // decoded (bf16 / e4m3: the decode touches every row anyway) block by block into their grouped place.
+  void dispatch_alltoall_staged(char* sb, EpTraffic& tr) {
+    int64_t rbytes = 0;
+    for (int q = 0; q < P; ++q) {
+      rd[size_t(q)] = rbytes;
+      rc[size_t(q)] = round_up(peer_recv[size_t(q)] * 8, 64) + peer_recv[size_t(q)] * pb;
+      rbytes += round_up(rc[size_t(q)], 64);
+      classify(tr, q, sc[size_t(q)]);
+    }
+    char* rb = recv1.get(std::max<int64_t>(rbytes, 1));
+    {
+      const double c0_ = now_s();
+      comm.all_to_all_v(rb, rc.data(), rd.data(), sb, sc.data(), sd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
+    tr.rounds += 1;
+    unpack_messages([&](int q) { return rb + rd[size_t(q)]; }, 0);
+  }
+
+  void dispatch_sync_free(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+    plan_send(idx, n);
+    char* sb = pack_messages(x, idx, n, H);
     tr.rows_sent += S1;
     for (int q = 0; q < P; ++q) classify(tr, q, sc[size_t(q)]);
     char* rb = recv1.data();
@@ -535,20 +585,7 @@ struct EpDispatch::Impl {
                " records, more than the capacity ", cap_rows);
     }
     plan_recv();
-    float* ox = alloc_outputs();
-    const int64_t nblk = int64_t(P) * El;
-#pragma omp parallel for schedule(dynamic, 1) if (R * D >= kParMin)
-    for (int64_t b = 0; b < nblk; ++b) {
-      const int q = int(b / El);
-      const char* region = rb + q * slot_bytes;
-      const int64_t first = poff[size_t(b)] - poff[size_t(q) * El];
-      const char* pay = region + H + round_up(peer_recv[size_t(q)] * 8, 64) + first * pb;
-      float* o = ox + fpos[size_t(b)] * D;
-      if (cfg.dispatch_payload == EpPayload::F32) std::memcpy(o, pay, size_t(rcnt[size_t(b)] * pb));
-      else
-        for (int64_t i = 0; i < rcnt[size_t(b)]; ++i) read_payload(o + i * D, pay + i * pb);
-      scatter_meta(b, region + H + first * 8);
-    }
+    unpack_messages([&](int q) { return rb + q * slot_bytes; }, H);
   }
 
   // Expert -> home: rows v [R, w] in grouped order arrive in the home record order, in [S1, rb] (rb = w * 4 or
@@ -602,7 +639,8 @@ struct EpDispatch::Impl {
 
   void combine_flat(float* y, const float* yr, bool weighted, EpTraffic& tr) {
     char* in = crecv.get(std::max<int64_t>(S1 * cb, 1));
-    to_home(in, yr, D, cfg.combine_payload == EpPayload::BF16, !sync_free, csend, tr);
+    const bool bf = cfg.combine_payload == EpPayload::BF16;  // bf16: the encode touches every row anyway
+    to_home(in, yr, D, bf, direct && !bf, csend, tr);
     tr.rows_sent += R;
     tr.rows_recv += S1;
     const float* rows = decode_rows(cdec, in, S1);
@@ -874,7 +912,8 @@ struct EpDispatch::Impl {
 #pragma omp parallel for schedule(static) if (N * k * D >= kParMin)
     for (int64_t i = 0; i < N * k; ++i)
       if (ro[i] >= 0) encode_row(sb + int64_t(ro[i]) * cb, x + (i / k) * D);
-    to_experts(out, sb, D, cfg.combine_payload == EpPayload::BF16, !sync_free, csend, tr);
+    const bool bf = cfg.combine_payload == EpPayload::BF16;
+    to_experts(out, sb, D, bf, direct && !bf, csend, tr);
     tr.rows_sent += S1;
     tr.rows_recv += R;
   }
@@ -1025,6 +1064,7 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
   I.li = I.me % I.L;
   I.sync_free = cfg.kind == EpDispatcher::SyncFree;
   I.hier = cfg.kind == EpDispatcher::Hierarchical;
+  I.direct = cfg.kind == EpDispatcher::AllToAll && cfg.alltoall_direct;
   if (I.sync_free)
     MT_CHECK(cfg.max_tokens > 0, op, "sync_free needs max_tokens > 0 (its buffers are sized at construction)");
   I.nb = (I.D + kFp8Block - 1) / kFp8Block;

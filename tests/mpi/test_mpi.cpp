@@ -275,23 +275,28 @@ void run_routes(const Comm& c, EpDispatch& ep, bool node_limited) {
   ep_check::check_ep(c, ep, Route::Dropped, 30, 6);  // capacity drops: topk_idx -1, the last rank drops all
 }
 
-void dispatcher_suite(EpDispatcher kind) {
+void dispatcher_suite(EpDispatcher kind, bool direct = false) {
   Comm& c = world();
   const int p = c.size();
   const int rpn = kind == EpDispatcher::Hierarchical ? std::max(1, p / 2) : 0;  // 2 "nodes"
   for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16},
                         std::pair{EpPayload::E4M3, EpPayload::F32}}) {
     SCOPED_TRACE(std::string(to_string(kind)) + " " + std::string(to_string(dp)) + "/" + std::string(to_string(cp)));
-    EpDispatch ep(c, cfg(kind, 4 * p, 3, 160, rpn, dp, cp));
+    EpDispatchConfig cf = cfg(kind, 4 * p, 3, 160, rpn, dp, cp);
+    cf.alltoall_direct = direct;
+    EpDispatch ep(c, cf);
     run_routes(c, ep, kind == EpDispatcher::Hierarchical);
   }
   // Fewer local experts than k (El = 1): a token may send several slots to one rank.
-  EpDispatch ep1(c, cfg(kind, p, std::min(p, 3), 64, rpn));
+  EpDispatchConfig cf1 = cfg(kind, p, std::min(p, 3), 64, rpn);
+  cf1.alltoall_direct = direct;
+  EpDispatch ep1(c, cf1);
   run_routes(c, ep1, false);
 }
 }  // namespace
 
 TEST(MpiEp, AllToAll) { dispatcher_suite(EpDispatcher::AllToAll); }
+TEST(MpiEp, AllToAllDirect) { dispatcher_suite(EpDispatcher::AllToAll, true); }
 TEST(MpiEp, SyncFree) { dispatcher_suite(EpDispatcher::SyncFree); }
 TEST(MpiEp, Hierarchical) { dispatcher_suite(EpDispatcher::Hierarchical); }
 
@@ -368,7 +373,9 @@ TEST(MpiEp, EightRanksAllDispatchers) {
   if (c.size() != 8) GTEST_SKIP() << "np 8 only";
   for (EpDispatcher kind : {EpDispatcher::AllToAll, EpDispatcher::SyncFree, EpDispatcher::Hierarchical}) {
     SCOPED_TRACE(std::string(to_string(kind)));
-    EpDispatch ep(c, cfg(kind, 32, 4, 128, kind == EpDispatcher::Hierarchical ? 4 : 2, EpPayload::BF16));
+    EpDispatchConfig cf = cfg(kind, 32, 4, 128, kind == EpDispatcher::Hierarchical ? 4 : 2, EpPayload::BF16);
+    cf.alltoall_direct = kind == EpDispatcher::AllToAll;  // bf16 dispatch staged, fp32 combine in place
+    EpDispatch ep(c, cf);
     ep_check::check_ep(c, ep, ep_check::Route::Random, 24, 31);
     ep_check::check_ep(c, ep, ep_check::Route::Skewed, 16, 32);
     ep_check::check_ep(c, ep, ep_check::Route::Empty, 16, 33);
@@ -380,11 +387,14 @@ TEST(MpiEp, DroppedSlotsEverywhere) {
   // Every rank drops every slot: nothing is sent, every y[t] is 0, combine_scalars gives 0; then a normal
   // call on the same object (the layout of the empty call must not leak into the next one).
   Comm& c = world();
-  for (EpDispatcher kind : {EpDispatcher::AllToAll, EpDispatcher::SyncFree, EpDispatcher::Hierarchical}) {
-    SCOPED_TRACE(std::string(to_string(kind)));
+  for (int v = 0; v < 4; ++v) {  // the three dispatchers, then alltoall with alltoall_direct
+    const EpDispatcher kind = v == 1 ? EpDispatcher::SyncFree : v == 2 ? EpDispatcher::Hierarchical : EpDispatcher::AllToAll;
+    SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct" : ""));
     const int E = 2 * c.size(), k = 2;
     const int64_t D = 32, N = 5;
-    EpDispatch ep(c, cfg(kind, E, k, D, std::max(1, c.size() / 2)));
+    EpDispatchConfig cf = cfg(kind, E, k, D, std::max(1, c.size() / 2));
+    cf.alltoall_direct = v == 3;
+    EpDispatch ep(c, cf);
     std::vector<float> x(size_t(N * D), 1.5f), w(size_t(N * k), 0.5f), y(size_t(N * D), -1.0f), dw(size_t(N * k), -1.0f);
     std::vector<int32_t> idx(size_t(N * k), -1);
     EXPECT_EQ(ep.dispatch(x.data(), idx.data(), w.data(), N), 0);
