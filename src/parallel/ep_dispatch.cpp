@@ -17,6 +17,8 @@
 #include <cstring>
 #include <limits>
 
+#include <omp.h>
+
 #include "moetron/check.h"
 #include "moetron/fp8.h"
 #include "moetron/memory.h"
@@ -227,11 +229,41 @@ struct EpDispatch::Impl {
     if (cfg.combine_payload == EpPayload::BF16) to_wire_bf16_rows(reinterpret_cast<bf16*>(dst), src, n, D);
     else std::memcpy(dst, src, size_t(n * D * 4));
   }
-  const float* decode_rows(Buf& tmp, const char* src, int64_t n) {
-    if (cfg.combine_payload == EpPayload::F32) return reinterpret_cast<const float*>(src);
-    float* o = tmp.get<float>(std::max<int64_t>(n * D, 1));
-    if (n > 0) from_wire_bf16_rows(o, reinterpret_cast<const bf16*>(src), n, D);
-    return o;
+
+  // y [n, D] = moe_unpermute (weights w) or moe_permute_backward (w null) of the wire rows in [S, cb bytes]
+  // picked by ro [n, k]. bf16 rows are decoded a chunk of tokens at a time into a cache-sized buffer (per
+  // thread) and reduced by the same kernel: a token's result depends only on its own rows, so this is bitwise
+  // the one-call result on fully decoded rows, without writing and re-reading them all.
+  int64_t reduce_chunk_tokens() const { return std::max<int64_t>(1, (int64_t(1) << 16) / (int64_t(k) * D)); }
+  int64_t reduce_slot_bytes() const { return reduce_chunk_tokens() * k * (D * 4 + 4); }
+  void reduce_rows(float* y, Buf& tmp, const char* in, const int32_t* ro, const float* w, int64_t n, int64_t S) {
+    if (n == 0) return;
+    if (cfg.combine_payload == EpPayload::F32) {
+      const float* rows = reinterpret_cast<const float*>(in);
+      if (w) moe_unpermute(y, rows, ro, w, n, k, S, D);
+      else moe_permute_backward(y, rows, ro, n, k, S, D);
+      return;
+    }
+    const int64_t tc = reduce_chunk_tokens(), nch = (n + tc - 1) / tc, slot = reduce_slot_bytes();
+    int nt = std::max(1, int(std::min<int64_t>(num_threads(), nch)));
+    if (tmp.frozen) nt = std::max(1, std::min(nt, int(int64_t(tmp.bytes) / slot)));
+    char* ws = tmp.get(int64_t(nt) * slot);
+    const bf16* rows = reinterpret_cast<const bf16*>(in);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && n * k * D >= kParMin)
+    for (int64_t c = 0; c < nch; ++c) {
+      char* mine = ws + int64_t(omp_get_thread_num()) * slot;
+      float* buf = reinterpret_cast<float*>(mine);
+      int32_t* lro = reinterpret_cast<int32_t*>(mine + tc * k * D * 4);
+      const int64_t t0 = c * tc, t1 = std::min(n, t0 + tc);
+      int32_t j = 0;
+      for (int64_t i = t0 * k; i < t1 * k; ++i) {
+        const int32_t r = ro[i];
+        lro[i - t0 * k] = r >= 0 ? j : -1;
+        if (r >= 0) from_wire_bf16(buf + int64_t(j++) * D, rows + int64_t(r) * D, D);
+      }
+      if (w) moe_unpermute(y + t0 * D, buf, lro, w + t0 * k, t1 - t0, k, j, D);
+      else moe_permute_backward(y + t0 * D, buf, lro, t1 - t0, k, j, D);
+    }
   }
 
   void validate(const float* x, const int32_t* idx, int64_t n) const {
@@ -643,9 +675,7 @@ struct EpDispatch::Impl {
     to_home(in, yr, D, bf, direct && !bf, csend, tr);
     tr.rows_sent += R;
     tr.rows_recv += S1;
-    const float* rows = decode_rows(cdec, in, S1);
-    if (weighted) moe_unpermute(y, rows, row_of.data<int32_t>(), wcopy.data<float>(), N, k, S1, D);
-    else moe_permute_backward(y, rows, row_of.data<int32_t>(), N, k, S1, D);
+    reduce_rows(y, cdec, in, row_of.data<int32_t>(), weighted ? wcopy.data<float>() : nullptr, N, S1);
   }
   // ------------------------------------------------------------------------------------------------------
   // Stage-1 record: [int32 token][int32 expert[k] (-1: not on this node)][float w[k]] padded to m1, payload.
@@ -854,13 +884,14 @@ struct EpDispatch::Impl {
     tr.rounds += 1;
     tr.rows_sent += R;
     // Forwarder: reduce the node's slots of every stage-1 record (slot order, from 0).
-    const float* rows2 = decode_rows(cdec, in2, S2);
     float* part = partial.get<float>(std::max<int64_t>(M1 * D, 1));
-    if (weighted) moe_unpermute(part, rows2, row_of2.data<int32_t>(), w2.data<float>(), M1, k, S2, D);
-    else moe_permute_backward(part, rows2, row_of2.data<int32_t>(), M1, k, S2, D);
-    // Forwarder -> home (rail), one partial row per stage-1 record, in stage-1 receive order.
-    char* pout = psend.get(std::max<int64_t>(M1 * cb, 1));
-    encode_rows(pout, part, M1);
+    reduce_rows(part, cdec, in2, row_of2.data<int32_t>(), weighted ? w2.data<float>() : nullptr, M1, S2);
+    // Forwarder -> home (rail), one partial row per stage-1 record, in stage-1 receive order (fp32: as is).
+    char* pout = reinterpret_cast<char*>(part);
+    if (cfg.combine_payload != EpPayload::F32) {
+      pout = psend.get(std::max<int64_t>(M1 * cb, 1));
+      encode_rows(pout, part, M1);
+    }
     auto& s1c = rs[0];
     auto& s1d = rs[1];
     auto& r1c = rs[2];
@@ -886,8 +917,7 @@ struct EpDispatch::Impl {
     tr.rows_sent += M1;
     tr.rows_recv += S1;
     // Home: sum the partials of each token in node order (row_of holds them node-ascending).
-    const float* rows1 = decode_rows(pdec, in1, S1);
-    moe_permute_backward(y, rows1, row_of.data<int32_t>(), N, k, S1, D);
+    reduce_rows(y, pdec, in1, row_of.data<int32_t>(), nullptr, N, S1);
   }
 
   // ------------------------------------------------------------------------------------------------------
@@ -1128,7 +1158,7 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
     }
     I.csend.get(Rmax * I.cb);
     I.crecv.get(Nm * k * I.cb);
-    if (cfg.combine_payload == EpPayload::BF16) I.cdec.get<float>(Nm * k * D);
+    if (cfg.combine_payload == EpPayload::BF16) I.cdec.get(I.reduce_slot_bytes() * std::max(1, num_threads()));
     I.vsend.get<float>(Rmax);
     I.vrecv.get<float>(Nm * k);
     for (Buf* b : I.all_bufs()) b->frozen = true;
