@@ -383,6 +383,22 @@ TEST(MpiEp, EightRanksAllDispatchers) {
   }
 }
 
+TEST(MpiEp, BigEnoughForThePackingThreads) {
+  // N * k * D above the serial cutoff, so the OpenMP paths (pack, block copies, chunked bf16 reduction) run;
+  // the checks are bitwise against the single-process computation, so they also hold with OMP_NUM_THREADS > 1.
+  Comm& c = world();
+  for (int v = 0; v < 4; ++v)
+    for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16}}) {
+      const EpDispatcher kind = v == 1 ? EpDispatcher::SyncFree : v == 2 ? EpDispatcher::Hierarchical : EpDispatcher::AllToAll;
+      SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct " : " ") + std::string(to_string(dp)));
+      EpDispatchConfig cf = cfg(kind, 4 * c.size(), 4, 256, std::max(1, c.size() / 2), dp, cp, 160);
+      cf.alltoall_direct = v == 3;
+      EpDispatch ep(c, cf);
+      ep_check::check_ep(c, ep, ep_check::Route::Dropped, 150, 40);
+      ep_check::check_ep(c, ep, ep_check::Route::Random, 150, 41);
+    }
+}
+
 TEST(MpiEp, DroppedSlotsEverywhere) {
   // Every rank drops every slot: nothing is sent, every y[t] is 0, combine_scalars gives 0; then a normal
   // call on the same object (the layout of the empty call must not leak into the next one).
