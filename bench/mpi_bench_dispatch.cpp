@@ -30,6 +30,7 @@
 
 #include "moetron/comm.h"
 #include "moetron/ep_dispatch.h"
+#include "moetron/permute.h"
 #include "moetron/runtime.h"
 
 using namespace moetron;
@@ -279,6 +280,40 @@ int main(int argc, char** argv) {
                   errs);
       std::fflush(stdout);
     }
+  }
+  // The floor on this machine: the local passes any fp32 dispatch + combine must make besides moving the bytes
+  // (gather the k rows of each token into a send buffer; read the k returned rows of each token to sum them),
+  // all ranks at once and no communication, against the raw all-to-all of the fp32 rows of both directions.
+  // ratio bound = raw / (raw + local) if nothing overlaps (blocking collectives).
+  if (listed(a.payloads, "f32")) {
+    std::vector<float> buf(size_t(N * k * D));
+    std::vector<int32_t> ident(size_t(N * k));
+    for (int64_t i = 0; i < N * k; ++i) ident[size_t(i)] = int32_t(i);
+    const int64_t pp = N * k * D * 4 * 2 / P;
+    raw_send.assign(size_t(pp * P), 1);
+    raw_recv.assign(size_t(pp * P), 0);
+    std::vector<double> tl, tr;
+    for (int it = 0; it < a.warmup + a.iters; ++it) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      double t0 = now();
+      for (int64_t t = 0; t < N; ++t)
+        for (int s = 0; s < k; ++s) std::memcpy(buf.data() + (t * k + s) * D, x.data() + t * D, size_t(D * 4));
+      moe_unpermute(y.data(), buf.data(), ident.data(), w.data(), N, k, N * k, D);
+      const double l = max_over_ranks(now() - t0);
+      MPI_Barrier(MPI_COMM_WORLD);
+      t0 = now();
+      MPI_Alltoall(raw_send.data(), int(pp), MPI_BYTE, raw_recv.data(), int(pp), MPI_BYTE, MPI_COMM_WORLD);
+      const double r = max_over_ranks(now() - t0);
+      if (it >= a.warmup) {
+        tl.push_back(l);
+        tr.push_back(r);
+      }
+    }
+    const double l = summarize(tl).best, r = summarize(tr).best;
+    if (me == 0)
+      std::printf("# floor (f32): necessary local passes %.2f ms (gather k rows/token + weighted sum), raw all-to-all of "
+                  "the rows both ways %.2f ms -> ratio bound without overlap %.2f\n",
+                  l * 1e3, r * 1e3, r / (r + l));
   }
   if (me == 0 && n_nodes > 1) {
     std::printf("# routing: %.3f nodes touched per token (of %d), %.3f slots and %.3f nodes remote per token\n",
