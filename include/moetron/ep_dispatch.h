@@ -6,7 +6,10 @@
 // Not the router, not the expert GEMMs, not the in-process permute (permute.h), not the trainer wiring.
 //
 // Three dispatchers (EpDispatcher in config.h); all give the SAME received rows in the same order:
-//   alltoall      count round (all_to_all of El counts per peer), then all_to_all_v of the records.
+//   alltoall      count round (all_to_all of El counts per peer), then one all_to_all_v of the records (a
+//                 message per peer: metadata, then payload rows), copied / decoded block by block into
+//                 place. alltoall_direct (fp32 rows): the rows land in place instead, one all_to_all_v per
+//                 local expert (no unpack / combine pack copy; El + 2 rounds instead of 2).
 //   sync_free     one exchange, no count round: every peer slot is a fixed worst-case region
 //                 (header with the El counts + capacity max_tokens * min(k, El) records) and all buffers are
 //                 allocated once, at construction; nothing is allocated per call. Only the real bytes cross
@@ -34,9 +37,11 @@
 //
 // Payload. Dispatch rows cross as F32, BF16 or E4M3 (1 x 128 block scales per token row, quantized once per
 // token on the home rank, decoded to fp32 on the expert rank); combine rows as F32 or BF16 (hierarchical with
-// BF16 rounds twice: the expert rows, then the forwarder's partial sum). Every record
-// carries a 16-byte header (token, source rank, slot, local expert, weight) so that the receiver can check
-// where it came from; hierarchical stage-1 records carry (token, k expert ids, k weights) instead.
+// BF16 rounds twice: the expert rows, then the forwarder's partial sum). Flat records carry 8 bytes of
+// metadata (token * k + slot, weight) apart from the payload row, so payload rows are contiguous; the
+// source rank and local expert follow from where the row arrives. Hierarchical stage-2 records carry a
+// 16-byte header (token, source rank, slot, local expert, weight), stage-1 records (token, k expert ids,
+// k weights).
 //
 // All calls are collective over the EP communicator. topk_idx entries must be in [0, E) or -1, and the
 // non-negative ones distinct within a token (the router guarantees it; sync_free's capacity bound relies on

@@ -3,11 +3,15 @@
 // ep_dispatch.h; docs/parallel.md has the buffer arithmetic and measured figures.
 // Not the expert computation: the caller runs its experts on recv_x between dispatch and combine.
 //
-// Shape of one call (flat):  encode token rows once -> count -> plan positions -> pack records per peer ->
-//   [count round] -> exchange -> unpack (counting scatter by (local expert, source rank), decode payload).
-// Hierarchical: the same with two exchanges (rail, then node) and a forwarding step in between.
-// The combine reverses the staging order: the expert rank sends row g of its staging (receive) order back to
-// where it came from, so the home rank gets its rows in its own send order and indexes them with row_of.
+// Shape of one call (flat): encode token rows once -> count -> plan (row_of = record index, blocks per
+//   (peer, local expert)) -> pack payload rows + 8-byte metadata straight into the per-peer messages
+//   (OpenMP over tokens) -> [count round] -> exchange -> whole blocks copied / decoded into the grouped
+//   output. alltoall_direct: fp32 rows land in the grouped output (one all_to_all_v per local expert).
+// Combine: the expert rows go back block by block (staged: packed peer-major; direct: straight from yr), the
+//   home rank sums them with moe_unpermute (bf16 rows decoded per token chunk inside the sum).
+// Hierarchical: two exchanges (rail, then node) and a forwarding step in between; its stage 2 arrives as
+//   16-byte-header records scattered by unpack(). Its combine reverses the staging order: the expert rank
+//   sends row g of its staging (receive) order back to where it came from.
 #include "moetron/ep_dispatch.h"
 #include "moetron/gemm.h"
 
