@@ -484,8 +484,10 @@ struct EpDispatch::Impl {
       tr.rounds += 1;
     }
   }
-  // One all_to_all_v between the home record order and the expert's peer-major staging order.
-  void staged_round(char* dst, const char* src, int64_t rb, bool to_experts, EpTraffic& tr) {
+  // One all_to_all_v between the home record order and the expert's peer-major staging order. skip_self:
+  // the block for this rank itself does not go through the transport (the caller moves it; its bytes
+  // still count as bytes_self).
+  void staged_round(char* dst, const char* src, int64_t rb, bool to_experts, EpTraffic& tr, bool skip_self = false) {
     for (int q = 0; q < P; ++q) {
       const size_t b = size_t(q) * El;
       const int64_t hs = peer_send[size_t(q)] * rb, ho = off[b] * rb, es = peer_recv[size_t(q)] * rb,
@@ -496,6 +498,7 @@ struct EpDispatch::Impl {
       rd[size_t(q)] = to_experts ? eo : ho;
       classify(tr, q, sc[size_t(q)]);
     }
+    if (skip_self) sc[size_t(me)] = rc[size_t(me)] = 0;
     {
       const double c0_ = now_s();
       comm.all_to_all_v(dst, rc.data(), rd.data(), src, sc.data(), sd.data());
@@ -587,6 +590,7 @@ struct EpDispatch::Impl {
       rbytes += round_up(rc[size_t(q)], 64);
       classify(tr, q, sc[size_t(q)]);
     }
+    sc[size_t(me)] = rc[size_t(me)] = 0;  // this rank's own message is read where it was packed
     char* rb = recv1.get(std::max<int64_t>(rbytes, 1));
     {
       const double c0_ = now_s();
@@ -594,7 +598,7 @@ struct EpDispatch::Impl {
       tr.seconds_comm += now_s() - c0_;
     }
     tr.rounds += 1;
-    unpack_messages([&](int q) { return rb + rd[size_t(q)]; }, 0);
+    unpack_messages([&](int q) { return q == me ? sb + sd[size_t(q)] : rb + rd[size_t(q)]; }, 0);
   }
 
   void dispatch_sync_free(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
@@ -602,6 +606,7 @@ struct EpDispatch::Impl {
     char* sb = pack_messages(x, idx, n, H);
     tr.rows_sent += S1;
     for (int q = 0; q < P; ++q) classify(tr, q, sc[size_t(q)]);
+    sc[size_t(me)] = 0;  // this rank's own message is read where it was packed
     char* rb = recv1.data();
     {
       const double c0_ = now_s();
@@ -609,8 +614,9 @@ struct EpDispatch::Impl {
       tr.seconds_comm += now_s() - c0_;
     }
     tr.rounds += 1;
+    auto region = [&](int q) -> const char* { return q == me ? sb + sd[size_t(q)] : rb + q * slot_bytes; };
     for (int q = 0; q < P; ++q) {
-      std::memcpy(rcnt.data() + size_t(q) * El, rb + q * slot_bytes, size_t(El * 8));
+      std::memcpy(rcnt.data() + size_t(q) * El, region(q), size_t(El * 8));
       int64_t s = 0;
       for (int le = 0; le < El; ++le) {
         const int64_t c = rcnt[size_t(q) * El + le];
@@ -621,7 +627,7 @@ struct EpDispatch::Impl {
                " records, more than the capacity ", cap_rows);
     }
     plan_recv();
-    unpack_messages([&](int q) { return rb + q * slot_bytes; }, H);
+    unpack_messages(region, H);
   }
 
   // Expert -> home: rows v [R, w] in grouped order arrive in the home record order, in [S1, rb] (rb = w * 4 or
@@ -644,12 +650,13 @@ struct EpDispatch::Impl {
 #pragma omp parallel for schedule(dynamic, 1) if (R * w >= kParMin)
     for (int64_t b = 0; b < nblk; ++b) {
       const int64_t n = rcnt[size_t(b)];
-      char* dst = o + poff[size_t(b)] * rb;
+      // this rank's own rows go straight to their home place (no transport copy)
+      char* dst = b / El == me ? in + off[size_t(b)] * rb : o + poff[size_t(b)] * rb;
       const float* src = v + fpos[size_t(b)] * w;
       if (bf) to_wire_bf16(reinterpret_cast<bf16*>(dst), src, n * w);
       else if (n > 0) std::memcpy(dst, src, size_t(n * rb));
     }
-    staged_round(in, o, rb, false, tr);
+    staged_round(in, o, rb, false, tr, true);
   }
   // Home -> experts: rows [S1, rb] in the home record order arrive as out [R, w] f32 in grouped order.
   void to_experts(float* out, const char* send, int64_t w, bool bf, bool direct, Buf& scratch, EpTraffic& tr) {
@@ -661,12 +668,12 @@ struct EpDispatch::Impl {
       return;
     }
     char* st = scratch.get(std::max<int64_t>(R * rb, 1));
-    staged_round(st, send, rb, true, tr);
+    staged_round(st, send, rb, true, tr, true);
     const int64_t nblk = int64_t(P) * El;
 #pragma omp parallel for schedule(dynamic, 1) if (R * w >= kParMin)
     for (int64_t b = 0; b < nblk; ++b) {
       const int64_t n = rcnt[size_t(b)];
-      const char* src = st + poff[size_t(b)] * rb;
+      const char* src = b / El == me ? send + off[size_t(b)] * rb : st + poff[size_t(b)] * rb;
       float* dst = out + fpos[size_t(b)] * w;
       if (bf) from_wire_bf16(dst, reinterpret_cast<const bf16*>(src), n * w);
       else if (n > 0) std::memcpy(dst, src, size_t(n * rb));
