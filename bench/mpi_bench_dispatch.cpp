@@ -254,9 +254,11 @@ int main(int argc, char** argv) {
       const double tr = max_over_ranks(now() - t0);
       MPI_Barrier(MPI_COMM_WORLD);
       t0 = now();
-      for (int r = 0; r < nrounds; ++r)
-        MPI_Alltoall(raw_send.data(), int(per_peer_r), MPI_BYTE, raw_recv.data(), int(per_peer_r), MPI_BYTE,
+      for (int r = 0; r < nrounds; ++r) {  // each round its own part of the buffers (no cache-hot replays)
+        const size_t o = size_t(r) * size_t(per_peer_r) * size_t(P);
+        MPI_Alltoall(raw_send.data() + o, int(per_peer_r), MPI_BYTE, raw_recv.data() + o, int(per_peer_r), MPI_BYTE,
                      MPI_COMM_WORLD);
+      }
       const double trr = max_over_ranks(now() - t0);
       if (it >= a.warmup) {
         t_rawr.push_back(trr);
