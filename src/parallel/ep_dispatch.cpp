@@ -445,8 +445,9 @@ struct EpDispatch::Impl {
     out_w.get<float>(Rm);
     return out_x.get<float>(Rm * D);
   }
-  // Metadata of block b's rows (mb = the block's first WireMeta) into the grouped outputs.
-  void scatter_meta(int64_t b, const char* mb) {
+  // Metadata of block b's rows (mb = the block's first WireMeta) into the grouped outputs. Returns false on a
+  // corrupt record (callable inside a parallel loop: the caller checks).
+  bool scatter_meta(int64_t b, const char* mb) {
     const int q = int(b / El);
     int32_t* os = out_src.data<int32_t>();
     int32_t* ot = out_tok.data<int32_t>();
@@ -455,12 +456,13 @@ struct EpDispatch::Impl {
     for (int64_t i = 0, p = fpos[size_t(b)]; i < rcnt[size_t(b)]; ++i, ++p) {
       WireMeta m;
       std::memcpy(&m, mb + i * 8, 8);
-      MT_CHECK(m.code >= 0, "ep_dispatch", "corrupt record from rank ", q, " (token*k+slot = ", m.code, ")");
+      if (m.code < 0) return false;
       os[p] = q;
       ot[p] = m.code / k;
       ol[p] = m.code % k;
       ow[p] = m.w;
     }
+    return true;
   }
 
   // One all_to_all_v per local expert: rows of rb bytes from the home record order (src) to the grouped order
@@ -537,7 +539,9 @@ struct EpDispatch::Impl {
     float* ox = alloc_outputs();
     direct_rounds(reinterpret_cast<char*>(ox), ps, pb, true, tr);
     const int64_t nblk = int64_t(P) * El;
-    for (int64_t b = 0; b < nblk; ++b) scatter_meta(b, reinterpret_cast<const char*>(mr + poff[size_t(b)]));
+    for (int64_t b = 0; b < nblk; ++b)
+      MT_CHECK(scatter_meta(b, reinterpret_cast<const char*>(mr + poff[size_t(b)])), "ep_dispatch",
+               "corrupt record metadata from rank ", b / El);
   }
 
   // Staged messages: to peer q [hdr bytes: El int64 counts (sync_free) or nothing][n_q WireMeta, padded to
@@ -564,7 +568,8 @@ struct EpDispatch::Impl {
   void unpack_messages(Region region, int64_t hdr) {
     float* ox = alloc_outputs();
     const int64_t nblk = int64_t(P) * El;
-#pragma omp parallel for schedule(dynamic, 1) if (R * D >= kParMin)
+    int64_t bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bad) if (R * D >= kParMin)
     for (int64_t b = 0; b < nblk; ++b) {
       const int q = int(b / El);
       const char* reg = region(q);
@@ -576,8 +581,9 @@ struct EpDispatch::Impl {
       } else {
         for (int64_t i = 0; i < rcnt[size_t(b)]; ++i) read_payload(o + i * D, pay + i * pb);
       }
-      scatter_meta(b, reg + hdr + first * 8);
+      bad += !scatter_meta(b, reg + hdr + first * 8);
     }
+    MT_CHECK(bad == 0, "ep_dispatch", bad, " block(s) with corrupt record metadata");
   }
 
   // alltoall, staged: one round per call, a message per peer (metadata in front); rows are copied (fp32) or
