@@ -363,7 +363,7 @@ TEST(MpiEp, Fp8DispatchSavesBytesWithinTheBound) {
   if (c.rank() == 0)
     std::printf("[ info ] e4m3 dispatch: %lld bytes vs %lld fp32 (%.3f), max |x'-x| / block amax = %.4f\n",
                 (long long)v[1], (long long)v[0], double(v[1]) / double(v[0]), err);
-  // Record = 16 B header + payload: fp32 16 + 2048 = 2064; e4m3 16 + 512 + 4*4 = 544 (ratio 0.264).
+  // Record = 8 B metadata + payload: fp32 8 + 2048 = 2056; e4m3 8 + 512 + 4*4 = 536 (0.261, plus padding).
   EXPECT_LT(double(v[1]) / double(v[0]), 0.27);
   EXPECT_LE(err, 1.0 / 16.0);
 }
