@@ -340,7 +340,7 @@ TEST(MpiEp, HierarchicalCrossesNodesOncePerToken) {
                 (long long)v[0], (long long)v[1], double(v[0]) / double(v[1]), (long long)v[2], (long long)v[3],
                 double(v[2]) / double(v[3]));
   // Each token uses both nodes almost always with 3 of its 6 experts on the remote one on average: flat sends
-  // ~3 rows per token across, hierarchical 1 (plus a 64-byte stage-1 header instead of 16).
+  // ~3 rows per token across, hierarchical 1 (plus a 64-byte stage-1 header instead of 8 bytes of metadata).
   EXPECT_LT(double(v[1]), 0.5 * double(v[0]));
   EXPECT_LT(double(v[3]), 0.5 * double(v[2]));
   // Intra-node traffic goes up instead (the fan-out), but the total on-node + cross-node rows are all counted.
