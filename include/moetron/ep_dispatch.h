@@ -6,7 +6,10 @@
 // Not the router, not the expert GEMMs, not the in-process permute (permute.h), not the trainer wiring.
 //
 // Three dispatchers (EpDispatcher in config.h); all give the SAME received rows in the same order:
-//   alltoall      count round (all_to_all of El counts per peer), then all_to_all_v of the records.
+//   alltoall      count round (all_to_all of El counts per peer), then one all_to_all_v of the records (a
+//                 message per peer: metadata, then payload rows), copied / decoded block by block into
+//                 place. alltoall_direct (fp32 rows): the rows land in place instead, one all_to_all_v per
+//                 local expert (no unpack / combine pack copy; El + 2 rounds instead of 2).
 //   sync_free     one exchange, no count round: every peer slot is a fixed worst-case region
 //                 (header with the El counts + capacity max_tokens * min(k, El) records) and all buffers are
 //                 allocated once, at construction; nothing is allocated per call. Only the real bytes cross
@@ -34,13 +37,23 @@
 //
 // Payload. Dispatch rows cross as F32, BF16 or E4M3 (1 x 128 block scales per token row, quantized once per
 // token on the home rank, decoded to fp32 on the expert rank); combine rows as F32 or BF16 (hierarchical with
-// BF16 rounds twice: the expert rows, then the forwarder's partial sum). Every record
-// carries a 16-byte header (token, source rank, slot, local expert, weight) so that the receiver can check
-// where it came from; hierarchical stage-1 records carry (token, k expert ids, k weights) instead.
+// BF16 rounds twice: the expert rows, then the forwarder's partial sum). Flat records carry 8 bytes of
+// metadata (token * k + slot, weight) apart from the payload row, so payload rows are contiguous; the
+// source rank and local expert follow from where the row arrives. Hierarchical stage-2 records carry a
+// 16-byte header (token, source rank, slot, local expert, weight), stage-1 records (token, k expert ids,
+// k weights).
 //
-// All calls are collective over the EP communicator. topk_idx entries must be in [0, E) and distinct within a
-// token (the router guarantees it; sync_free's capacity bound relies on it). N may differ between ranks and
-// may be 0; experts may receive nothing.
+// All calls are collective over the EP communicator. topk_idx entries must be in [0, E) or -1, and the
+// non-negative ones distinct within a token (the router guarantees it; sync_free's capacity bound relies on
+// it). N may differ between ranks and may be 0; experts may receive nothing.
+//
+// Dropped slots (capacity_factor > 0: the home rank drops some (token, slot) pairs before dispatch):
+// topk_idx[t, s] == -1 means the slot is not sent. dispatch: no record, no row anywhere (R counts only kept
+// slots; a token whose slots are all dropped sends nothing; a rank may drop everything). redispatch: nothing
+// for it. combine: the slot contributes nothing, y[t] = the sum over the KEPT slots in slot order, exactly
+// moe_unpermute / moe_permute_backward with row_of = -1 for dropped slots (y[t] = 0 when all are dropped);
+// hierarchical: nodes are those of the kept slots. combine_scalars: out[t, s] = 0 for a dropped slot.
+// topk_w of a dropped slot is ignored.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -67,6 +80,11 @@ struct EpDispatchConfig {
                            // 0 = all on one node. Must divide the EP size. See DeviceMesh::ep_ranks_per_node.
   EpPayload dispatch_payload = EpPayload::F32;
   EpPayload combine_payload = EpPayload::F32;  // F32 or BF16
+  // alltoall only, fp32 rows (dispatch / combine / redispatch each by its own payload): rows land in place,
+  // one all_to_all_v per local expert (dispatch: straight into recv_x; combine: straight from yr), so no
+  // unpack / pack copy, but El + 2 (dispatch) and El (combine) synchronizations instead of 2 and 1. Wins when
+  // copies cost more than synchronizations; on an oversubscribed machine they usually do not (docs/parallel.md).
+  bool alltoall_direct = false;
 };
 
 // What one rank did in one call (or a sum of calls). Bytes are the bytes this rank SENT, split by where
@@ -76,7 +94,9 @@ struct EpTraffic {
   int64_t rows_sent = 0, rows_recv = 0;  // records (dispatch) or rows (combine) sent / received by this rank
   int64_t bytes_self = 0, bytes_intra = 0, bytes_inter = 0;
   int64_t rounds = 0;  // communication calls made (count rounds included)
-  double seconds = 0;
+  double seconds = 0;       // wall time of the call
+  double seconds_comm = 0;  // of which inside communication calls (the rest: local planning, packing,
+                            // payload encode/decode, the combine's reduction)
   int64_t bytes_remote() const { return bytes_intra + bytes_inter; }
   void add(const EpTraffic& o);
 };
@@ -158,11 +178,12 @@ void ep_node_limit_scores(float* q_out /* [N, E] */, const float* q /* [N, E] */
 // Selection under the limit: topk_idx[n, j] = the j-th best eligible expert (larger q first, ties lower index).
 void ep_node_limited_topk(int32_t* topk_idx /* [N, k] */, const float* q /* [N, E] */, int64_t N, int E, int k,
                           int n_nodes, int max_nodes);
-// The largest number of distinct nodes any token uses.
+// The largest number of distinct nodes any token uses (entries -1, dropped slots, are skipped).
 int ep_max_nodes_per_token(const int32_t* topk_idx /* [N, k] */, int64_t N, int k, int E, int n_nodes);
 
 // Reference for the hierarchical combine order on one process: yp [N*k, D] holds the expert output of
-// (t, s) at row t*k + s; node_of_expert(e) = e / (E / n_nodes). y as defined above (weights w or 1).
+// (t, s) at row t*k + s; node_of_expert(e) = e / (E / n_nodes). y as defined above (weights w or 1);
+// topk_idx entries -1 (dropped slots) contribute nothing.
 void ep_combine_hierarchical_ref(float* y /* [N, D] */, const float* yp /* [N*k, D] */,
                                  const int32_t* topk_idx /* [N, k] */, const float* w /* [N, k] or null */,
                                  int64_t N, int k, int64_t D, int E, int n_nodes);

@@ -3,11 +3,15 @@
 // ep_dispatch.h; docs/parallel.md has the buffer arithmetic and measured figures.
 // Not the expert computation: the caller runs its experts on recv_x between dispatch and combine.
 //
-// Shape of one call (flat):  encode token rows once -> count -> plan positions -> pack records per peer ->
-//   [count round] -> exchange -> unpack (counting scatter by (local expert, source rank), decode payload).
-// Hierarchical: the same with two exchanges (rail, then node) and a forwarding step in between.
-// The combine reverses the staging order: the expert rank sends row g of its staging (receive) order back to
-// where it came from, so the home rank gets its rows in its own send order and indexes them with row_of.
+// Shape of one call (flat): encode token rows once -> count -> plan (row_of = record index, blocks per
+//   (peer, local expert)) -> pack payload rows + 8-byte metadata straight into the per-peer messages
+//   (OpenMP over tokens) -> [count round] -> exchange -> whole blocks copied / decoded into the grouped
+//   output. alltoall_direct: fp32 rows land in the grouped output (one all_to_all_v per local expert).
+// Combine: the expert rows go back block by block (staged: packed peer-major; direct: straight from yr), the
+//   home rank sums them with moe_unpermute (bf16 rows decoded per token chunk inside the sum).
+// Hierarchical: two exchanges (rail, then node) and a forwarding step in between; its stage 2 arrives as
+//   16-byte-header records scattered by unpack(). Its combine reverses the staging order: the expert rank
+//   sends row g of its staging (receive) order back to where it came from.
 #include "moetron/ep_dispatch.h"
 #include "moetron/gemm.h"
 
@@ -16,6 +20,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+
+#include <omp.h>
 
 #include "moetron/check.h"
 #include "moetron/fp8.h"
@@ -45,6 +51,7 @@ void EpTraffic::add(const EpTraffic& o) {
   bytes_inter += o.bytes_inter;
   rounds += o.rounds;
   seconds += o.seconds;
+  seconds_comm += o.seconds_comm;
 }
 
 namespace {
@@ -126,7 +133,7 @@ struct EpDispatch::Impl {
   EpDispatchConfig cfg;
   int P = 1, me = 0, E = 0, El = 0, k = 0, L = 1, Nn = 1, node = 0, li = 0;
   int64_t D = 0, nb = 0, pb = 0, rec = 0, m1 = 0, rec1 = 0, cb = 0, H = 0, cap_rows = 0, slot_bytes = 0;
-  bool sync_free = false, hier = false;
+  bool sync_free = false, hier = false, direct = false;
   EpStats st;
 
   // Home side.
@@ -137,7 +144,10 @@ struct EpDispatch::Impl {
   std::vector<int64_t> cnt, rcnt, off;       // flat: [P*El] send counts, recv counts, send offsets (records)
   std::vector<int64_t> sc, sd, rc, rd;       // per-peer byte counts / displacements scratch
   std::vector<int64_t> peer_send, peer_recv;  // records per peer of the current layout (flat) / rail (hier)
-  std::vector<int64_t> blk_start;            // flat: byte offset of peer q's first record in send1
+  std::vector<int64_t> blk_start;            // sync_free: byte offset of peer q's first payload row in send1
+  std::vector<int64_t> fpos, poff;           // flat: [P*El] block b's first row, grouped / peer-major order
+  Buf msend{"dispatch.meta_send [S] 8B"}, mrecv{"dispatch.meta_recv [R] 8B"},
+      stage{"expert.recv_stage [R] wire rows"};
 
   // Hierarchical.
   Buf send2{"dispatch.send_stage2"}, recv2{"dispatch.recv_stage2"};
@@ -171,7 +181,7 @@ struct EpDispatch::Impl {
   std::vector<Buf*> all_bufs() {
     return {&wcopy, &row_of, &hbuf, &qbuf, &sbuf, &send1, &recv1, &send2, &recv2, &row_of2, &w2, &out_x, &out_src,
             &out_tok, &out_slot, &out_w, &pos_of_stage, &rec_ptr, &csend, &crecv, &cdec, &partial, &psend, &precv,
-            &pdec, &slot_rec1, &vsend, &vrecv, &fwd_scalars, &home_scalars};
+            &pdec, &slot_rec1, &vsend, &vrecv, &fwd_scalars, &home_scalars, &msend, &mrecv, &stage};
   }
 
   int node_of(int ep_rank) const { return ep_rank / L; }
@@ -223,11 +233,41 @@ struct EpDispatch::Impl {
     if (cfg.combine_payload == EpPayload::BF16) to_wire_bf16_rows(reinterpret_cast<bf16*>(dst), src, n, D);
     else std::memcpy(dst, src, size_t(n * D * 4));
   }
-  const float* decode_rows(Buf& tmp, const char* src, int64_t n) {
-    if (cfg.combine_payload == EpPayload::F32) return reinterpret_cast<const float*>(src);
-    float* o = tmp.get<float>(std::max<int64_t>(n * D, 1));
-    if (n > 0) from_wire_bf16_rows(o, reinterpret_cast<const bf16*>(src), n, D);
-    return o;
+
+  // y [n, D] = moe_unpermute (weights w) or moe_permute_backward (w null) of the wire rows in [S, cb bytes]
+  // picked by ro [n, k]. bf16 rows are decoded a chunk of tokens at a time into a cache-sized buffer (per
+  // thread) and reduced by the same kernel: a token's result depends only on its own rows, so this is bitwise
+  // the one-call result on fully decoded rows, without writing and re-reading them all.
+  int64_t reduce_chunk_tokens() const { return std::max<int64_t>(1, (int64_t(1) << 16) / (int64_t(k) * D)); }
+  int64_t reduce_slot_bytes() const { return reduce_chunk_tokens() * k * (D * 4 + 4); }
+  void reduce_rows(float* y, Buf& tmp, const char* in, const int32_t* ro, const float* w, int64_t n, int64_t S) {
+    if (n == 0) return;
+    if (cfg.combine_payload == EpPayload::F32) {
+      const float* rows = reinterpret_cast<const float*>(in);
+      if (w) moe_unpermute(y, rows, ro, w, n, k, S, D);
+      else moe_permute_backward(y, rows, ro, n, k, S, D);
+      return;
+    }
+    const int64_t tc = reduce_chunk_tokens(), nch = (n + tc - 1) / tc, slot = reduce_slot_bytes();
+    int nt = std::max(1, int(std::min<int64_t>(num_threads(), nch)));
+    if (tmp.frozen) nt = std::max(1, std::min(nt, int(int64_t(tmp.bytes) / slot)));
+    char* ws = tmp.get(int64_t(nt) * slot);
+    const bf16* rows = reinterpret_cast<const bf16*>(in);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && n * k * D >= kParMin)
+    for (int64_t c = 0; c < nch; ++c) {
+      char* mine = ws + int64_t(omp_get_thread_num()) * slot;
+      float* buf = reinterpret_cast<float*>(mine);
+      int32_t* lro = reinterpret_cast<int32_t*>(mine + tc * k * D * 4);
+      const int64_t t0 = c * tc, t1 = std::min(n, t0 + tc);
+      int32_t j = 0;
+      for (int64_t i = t0 * k; i < t1 * k; ++i) {
+        const int32_t r = ro[i];
+        lro[i - t0 * k] = r >= 0 ? j : -1;
+        if (r >= 0) from_wire_bf16(buf + int64_t(j++) * D, rows + int64_t(r) * D, D);
+      }
+      if (w) moe_unpermute(y + t0 * D, buf, lro, w + t0 * k, t1 - t0, k, j, D);
+      else moe_permute_backward(y + t0 * D, buf, lro, t1 - t0, k, j, D);
+    }
   }
 
   void validate(const float* x, const int32_t* idx, int64_t n) const {
@@ -242,7 +282,8 @@ struct EpDispatch::Impl {
     for (int64_t t = 0; t < n; ++t)
       for (int s = 0; s < k; ++s) {
         const int32_t e = idx[t * k + s];
-        MT_CHECK(e >= 0 && e < E, op, "topk_idx[", t, ",", s, "]=", e, " outside [0, E=", E, ")");
+        MT_CHECK(e >= -1 && e < E, op, "topk_idx[", t, ",", s, "]=", e, " outside [0, E=", E, ") and not -1 (dropped)");
+        if (e < 0) continue;
         for (int s2 = 0; s2 < s; ++s2)
           MT_CHECK(idx[t * k + s2] != e, op, "token ", t, " routes to expert ", e, " twice (slots ", s2, " and ", s,
                    ")");
@@ -322,112 +363,337 @@ struct EpDispatch::Impl {
   }
 
   // ------------------------------------------------------------------------------------------------------
-  void dispatch_flat(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+  // Flat layout. Home side: kept (token, slot) records in (peer q, local expert le, token, slot) order; block
+  // b = q*El + le starts at record off[b] and has cnt[b] records; row_of[t, s] = the record index (-1:
+  // dropped). Expert side: block b (from peer q, for local expert le) has rcnt[b] rows; it sits at row fpos[b]
+  // of the grouped (expert-major) layout and at row poff[b] of the peer-major staging order.
+  // Payload rows and metadata travel separately, so the payload rows of a block are contiguous on both sides:
+  // alltoall lands them in their final (grouped) place with one all_to_all_v per local expert ("direct");
+  // sync_free (one exchange, no count round) lands them per peer and copies whole blocks into place.
+  struct WireMeta {
+    int32_t code;  // token * k + slot
+    float w;
+  };
+  static_assert(sizeof(WireMeta) == 8);
+
+  void plan_send(const int32_t* idx, int64_t n) {
     std::fill(cnt.begin(), cnt.end(), 0);
-    for (int64_t i = 0; i < n * k; ++i) ++cnt[size_t(idx[i])];  // expert e = q*El + le: peer-major already
+    for (int64_t i = 0; i < n * k; ++i)
+      if (idx[i] >= 0) ++cnt[size_t(idx[i])];  // expert e = q*El + le: block order already; -1: dropped
     int64_t acc = 0;
     for (int q = 0; q < P; ++q) {
       peer_send[size_t(q)] = 0;
       for (int le = 0; le < El; ++le) {
-        off[size_t(q) * El + le] = acc;
-        acc += cnt[size_t(q) * El + le];
-        peer_send[size_t(q)] += cnt[size_t(q) * El + le];
+        const size_t b = size_t(q) * El + le;
+        off[b] = acc;
+        acc += cnt[b];
+        peer_send[size_t(q)] += cnt[b];
       }
     }
+    S1 = acc;  // records sent (kept slots)
     int32_t* ro = row_of.get<int32_t>(std::max<int64_t>(n * k, 1));
-    {
-      std::vector<int64_t>& c = cur;  // reuse as cursor ([El*P] >= [P*El])
-      std::copy(off.begin(), off.end(), c.begin());
-      for (int64_t i = 0; i < n * k; ++i) ro[i] = int32_t(c[size_t(idx[i])]++);
+    std::copy(off.begin(), off.end(), cur.begin());
+    for (int64_t i = 0; i < n * k; ++i) ro[i] = idx[i] >= 0 ? int32_t(cur[size_t(idx[i])]++) : -1;
+  }
+
+  void plan_recv() {
+    int64_t acc = 0;
+    for (int le = 0; le < El; ++le) {
+      offsets[size_t(le)] = acc;
+      for (int q = 0; q < P; ++q) {
+        fpos[size_t(q) * El + le] = acc;
+        acc += rcnt[size_t(q) * El + le];
+      }
+      counts[size_t(le)] = acc - offsets[size_t(le)];
     }
-    // Peer blocks in send1: [header][records] per peer, back to back.
-    int64_t bytes = 0;
+    offsets[size_t(El)] = acc;
+    R = acc;
+    int64_t pacc = 0;
     for (int q = 0; q < P; ++q) {
-      sd[size_t(q)] = bytes;
-      blk_start[size_t(q)] = bytes + H;
-      sc[size_t(q)] = H + peer_send[size_t(q)] * rec;
-      bytes += sc[size_t(q)];
+      peer_recv[size_t(q)] = 0;
+      for (int le = 0; le < El; ++le) {
+        const size_t b = size_t(q) * El + le;
+        poff[b] = pacc;
+        pacc += rcnt[b];
+        peer_recv[size_t(q)] += rcnt[b];
+      }
     }
-    char* sb = send1.get(std::max<int64_t>(bytes, 1));
-    if (sync_free)
-      for (int q = 0; q < P; ++q) std::memcpy(sb + sd[size_t(q)], cnt.data() + size_t(q) * El, size_t(El * 8));
+  }
+
+  // Home: payload and metadata of every kept (token, slot), written where pay_at / meta_at(record, peer) say.
+  template <class PayAt, class MetaAt>
+  void pack_records(const int32_t* idx, const float* x, int64_t n, PayAt pay_at, MetaAt meta_at) const {
+    const int32_t* ro = row_of.data<int32_t>();
     const float* wc = wcopy.data<float>();
 #pragma omp parallel for schedule(static) if (n * k * D >= kParMin)
     for (int64_t t = 0; t < n; ++t)
       for (int s = 0; s < k; ++s) {
-        const int32_t e = idx[t * k + s];
-        const int q = e / El;
-        char* r = sb + blk_start[size_t(q)] + (ro[t * k + s] - off[size_t(q) * El]) * rec;
-        RecMeta m{int32_t(t), int32_t(me), int16_t(s), int16_t(e % El), wc[t * k + s]};
-        std::memcpy(r, &m, sizeof m);
-        write_payload(r + 16, x, t);
+        const int32_t j = ro[t * k + s];
+        if (j < 0) continue;
+        const int q = idx[t * k + s] / El;
+        const WireMeta m{int32_t(t * k + s), wc[t * k + s]};
+        std::memcpy(meta_at(j, q), &m, sizeof m);
+        write_payload(pay_at(j, q), x, t);
       }
-    tr.rows_sent += n * k;
-    for (int q = 0; q < P; ++q) classify(tr, q, sc[size_t(q)]);
-    blocks.clear();
-    if (!sync_free) {
-      // Count round: El counts to every peer.
-      comm.all_to_all(rcnt.data(), cnt.data(), int64_t(El) * 8);
-      tr.rounds += 1;
-      for (int q = 0; q < P; ++q) classify(tr, q, int64_t(El) * 8);
-      int64_t rbytes = 0;
-      for (int q = 0; q < P; ++q) {
-        peer_recv[size_t(q)] = 0;
-        for (int le = 0; le < El; ++le) peer_recv[size_t(q)] += rcnt[size_t(q) * El + le];
-        rd[size_t(q)] = rbytes;
-        rc[size_t(q)] = peer_recv[size_t(q)] * rec;
-        rbytes += rc[size_t(q)];
-      }
-      char* rb = recv1.get(std::max<int64_t>(rbytes, 1));
-      comm.all_to_all_v(rb, rc.data(), rd.data(), sb, sc.data(), sd.data());
-      tr.rounds += 1;
-      for (int q = 0; q < P; ++q) blocks.push_back({rb + rd[size_t(q)], peer_recv[size_t(q)]});
-    } else {
-      char* rb = recv1.data();
-      comm.exchange(rb, slot_bytes, sb, sc.data(), sd.data());
-      tr.rounds += 1;
-      for (int q = 0; q < P; ++q) {
-        const char* slot = rb + q * slot_bytes;
-        std::memcpy(rcnt.data() + size_t(q) * El, slot, size_t(El * 8));
-        peer_recv[size_t(q)] = 0;
-        for (int le = 0; le < El; ++le) peer_recv[size_t(q)] += rcnt[size_t(q) * El + le];
-        MT_CHECK(peer_recv[size_t(q)] <= cap_rows, "ep_dispatch", "header from rank ", q, " announces ",
-                 peer_recv[size_t(q)], " records, more than the capacity ", cap_rows);
-        blocks.push_back({slot + H, peer_recv[size_t(q)]});
-      }
+  }
+
+  float* alloc_outputs() {
+    const int64_t Rm = std::max<int64_t>(R, 1);
+    out_src.get<int32_t>(Rm);
+    out_tok.get<int32_t>(Rm);
+    out_slot.get<int32_t>(Rm);
+    out_w.get<float>(Rm);
+    return out_x.get<float>(Rm * D);
+  }
+  // Metadata of block b's rows (mb = the block's first WireMeta) into the grouped outputs. Returns false on a
+  // corrupt record (callable inside a parallel loop: the caller checks).
+  bool scatter_meta(int64_t b, const char* mb) {
+    const int q = int(b / El);
+    int32_t* os = out_src.data<int32_t>();
+    int32_t* ot = out_tok.data<int32_t>();
+    int32_t* ol = out_slot.data<int32_t>();
+    float* ow = out_w.data<float>();
+    for (int64_t i = 0, p = fpos[size_t(b)]; i < rcnt[size_t(b)]; ++i, ++p) {
+      WireMeta m;
+      std::memcpy(&m, mb + i * 8, 8);
+      if (m.code < 0) return false;
+      os[p] = q;
+      ot[p] = m.code / k;
+      ol[p] = m.code % k;
+      ow[p] = m.w;
     }
-    unpack("ep_dispatch");
-    // Sanity (DeepEP style): a flat record comes from the peer whose block it is in.
-    for (int q = 0; q < P; ++q)
-      for (int64_t r = 0; r < blocks[size_t(q)].n; ++r) {
-        int32_t src;
-        std::memcpy(&src, blocks[size_t(q)].base + r * rec + 4, 4);
-        MT_CHECK(src == q, "ep_dispatch", "record from rank ", q, " claims source ", src);
+    return true;
+  }
+
+  // One all_to_all_v per local expert: rows of rb bytes from the home record order (src) to the grouped order
+  // (dst) when to_experts, else back.
+  void direct_rounds(char* dst, const char* src, int64_t rb, bool to_experts, EpTraffic& tr) {
+    for (int le = 0; le < El; ++le) {
+      for (int q = 0; q < P; ++q) {
+        const size_t b = size_t(q) * El + le;
+        const int64_t hs = cnt[b] * rb, ho = off[b] * rb, es = rcnt[b] * rb, eo = fpos[b] * rb;
+        sc[size_t(q)] = to_experts ? hs : es;
+        sd[size_t(q)] = to_experts ? ho : eo;
+        rc[size_t(q)] = to_experts ? es : hs;
+        rd[size_t(q)] = to_experts ? eo : ho;
+        classify(tr, q, sc[size_t(q)]);
       }
+      {
+        const double c0_ = now_s();
+        comm.all_to_all_v(dst, rc.data(), rd.data(), src, sc.data(), sd.data());
+        tr.seconds_comm += now_s() - c0_;
+      }
+      tr.rounds += 1;
+    }
+  }
+  // One all_to_all_v between the home record order and the expert's peer-major staging order. skip_self:
+  // the block for this rank itself does not go through the transport (the caller moves it; its bytes
+  // still count as bytes_self).
+  void staged_round(char* dst, const char* src, int64_t rb, bool to_experts, EpTraffic& tr, bool skip_self = false) {
+    for (int q = 0; q < P; ++q) {
+      const size_t b = size_t(q) * El;
+      const int64_t hs = peer_send[size_t(q)] * rb, ho = off[b] * rb, es = peer_recv[size_t(q)] * rb,
+                    eo = poff[b] * rb;
+      sc[size_t(q)] = to_experts ? hs : es;
+      sd[size_t(q)] = to_experts ? ho : eo;
+      rc[size_t(q)] = to_experts ? es : hs;
+      rd[size_t(q)] = to_experts ? eo : ho;
+      classify(tr, q, sc[size_t(q)]);
+    }
+    if (skip_self) sc[size_t(me)] = rc[size_t(me)] = 0;
+    {
+      const double c0_ = now_s();
+      comm.all_to_all_v(dst, rc.data(), rd.data(), src, sc.data(), sd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
+    tr.rounds += 1;
+  }
+
+  void dispatch_alltoall(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+    plan_send(idx, n);
+    const bool f32 = cfg.dispatch_payload == EpPayload::F32 && direct;
+    char* ps = nullptr;
+    WireMeta* ms = nullptr;
+    if (f32) {
+      ps = send1.get(std::max<int64_t>(S1 * pb, 1));
+      ms = msend.get<WireMeta>(std::max<int64_t>(S1, 1));
+      pack_records(
+          idx, x, n, [&](int64_t j, int) { return ps + j * pb; },
+          [&](int64_t j, int) { return reinterpret_cast<char*>(ms + j); });
+    } else {
+      ps = pack_messages(x, idx, n, 0);
+    }
+    tr.rows_sent += S1;
+    {
+      const double c0_ = now_s();
+      comm.all_to_all(rcnt.data(), cnt.data(), int64_t(El) * 8);  // count round: El counts to every peer
+      tr.seconds_comm += now_s() - c0_;
+    }
+    tr.rounds += 1;
+    for (int q = 0; q < P; ++q) classify(tr, q, int64_t(El) * 8);
+    plan_recv();
+    if (!f32) return dispatch_alltoall_staged(ps, tr);  // wire payload, or not direct
+    // fp32 rows: metadata in one round, then the rows straight into recv_x, one round per local expert.
+    WireMeta* mr = mrecv.get<WireMeta>(std::max<int64_t>(R, 1));
+    staged_round(reinterpret_cast<char*>(mr), reinterpret_cast<const char*>(ms), 8, true, tr);
+    float* ox = alloc_outputs();
+    direct_rounds(reinterpret_cast<char*>(ox), ps, pb, true, tr);
+    const int64_t nblk = int64_t(P) * El;
+    for (int64_t b = 0; b < nblk; ++b)
+      MT_CHECK(scatter_meta(b, reinterpret_cast<const char*>(mr + poff[size_t(b)])), "ep_dispatch",
+               "corrupt record metadata from rank ", b / El);
+  }
+
+  // Staged messages: to peer q [hdr bytes: El int64 counts (sync_free) or nothing][n_q WireMeta, padded to
+  // 64][n_q payload rows]. Returns the send buffer; sc / sd / blk_start describe it.
+  char* pack_messages(const float* x, const int32_t* idx, int64_t n, int64_t hdr) {
+    int64_t bytes = 0;
+    for (int q = 0; q < P; ++q) {
+      sd[size_t(q)] = bytes;
+      blk_start[size_t(q)] = bytes + hdr + round_up(peer_send[size_t(q)] * 8, 64);  // payload of peer q
+      sc[size_t(q)] = blk_start[size_t(q)] - bytes + peer_send[size_t(q)] * pb;
+      bytes += round_up(sc[size_t(q)], 64);
+    }
+    char* sb = send1.get(std::max<int64_t>(bytes, 1));
+    if (hdr > 0)
+      for (int q = 0; q < P; ++q) std::memcpy(sb + sd[size_t(q)], cnt.data() + size_t(q) * El, size_t(El * 8));
+    pack_records(
+        idx, x, n,
+        [&](int64_t j, int q) { return sb + blk_start[size_t(q)] + (j - off[size_t(q) * El]) * pb; },
+        [&](int64_t j, int q) { return sb + sd[size_t(q)] + hdr + (j - off[size_t(q) * El]) * 8; });
+    return sb;
+  }
+  // The received messages (region(q) = peer q's message) into the grouped outputs: whole blocks, decoded.
+  template <class Region>
+  void unpack_messages(Region region, int64_t hdr) {
+    float* ox = alloc_outputs();
+    const int64_t nblk = int64_t(P) * El;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bad) if (R * D >= kParMin)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int q = int(b / El);
+      const char* reg = region(q);
+      const int64_t first = poff[size_t(b)] - poff[size_t(q) * El];
+      const char* pay = reg + hdr + round_up(peer_recv[size_t(q)] * 8, 64) + first * pb;
+      float* o = ox + fpos[size_t(b)] * D;
+      if (cfg.dispatch_payload == EpPayload::F32) {
+        if (rcnt[size_t(b)] > 0) std::memcpy(o, pay, size_t(rcnt[size_t(b)] * pb));
+      } else {
+        for (int64_t i = 0; i < rcnt[size_t(b)]; ++i) read_payload(o + i * D, pay + i * pb);
+      }
+      bad += !scatter_meta(b, reg + hdr + first * 8);
+    }
+    MT_CHECK(bad == 0, "ep_dispatch", bad, " block(s) with corrupt record metadata");
+  }
+
+  // alltoall, staged: one round per call, a message per peer (metadata in front); rows are copied (fp32) or
+  // decoded (bf16 / e4m3: the decode touches every row anyway) block by block into their grouped place.
+  void dispatch_alltoall_staged(char* sb, EpTraffic& tr) {
+    int64_t rbytes = 0;
+    for (int q = 0; q < P; ++q) {
+      rd[size_t(q)] = rbytes;
+      rc[size_t(q)] = round_up(peer_recv[size_t(q)] * 8, 64) + peer_recv[size_t(q)] * pb;
+      rbytes += round_up(rc[size_t(q)], 64);
+      classify(tr, q, sc[size_t(q)]);
+    }
+    sc[size_t(me)] = rc[size_t(me)] = 0;  // this rank's own message is read where it was packed
+    char* rb = recv1.get(std::max<int64_t>(rbytes, 1));
+    {
+      const double c0_ = now_s();
+      comm.all_to_all_v(rb, rc.data(), rd.data(), sb, sc.data(), sd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
+    tr.rounds += 1;
+    unpack_messages([&](int q) { return q == me ? sb + sd[size_t(q)] : rb + rd[size_t(q)]; }, 0);
+  }
+
+  void dispatch_sync_free(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+    plan_send(idx, n);
+    char* sb = pack_messages(x, idx, n, H);
+    tr.rows_sent += S1;
+    for (int q = 0; q < P; ++q) classify(tr, q, sc[size_t(q)]);
+    sc[size_t(me)] = 0;  // this rank's own message is read where it was packed
+    char* rb = recv1.data();
+    {
+      const double c0_ = now_s();
+      comm.exchange(rb, slot_bytes, sb, sc.data(), sd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
+    tr.rounds += 1;
+    auto region = [&](int q) -> const char* { return q == me ? sb + sd[size_t(q)] : rb + q * slot_bytes; };
+    for (int q = 0; q < P; ++q) {
+      std::memcpy(rcnt.data() + size_t(q) * El, region(q), size_t(El * 8));
+      int64_t s = 0;
+      for (int le = 0; le < El; ++le) {
+        const int64_t c = rcnt[size_t(q) * El + le];
+        MT_CHECK(c >= 0, "ep_dispatch", "header from rank ", q, " announces a negative count ", c);
+        s += c;
+      }
+      MT_CHECK(s <= cap_rows, "ep_dispatch", "header from rank ", q, " announces ", s,
+               " records, more than the capacity ", cap_rows);
+    }
+    plan_recv();
+    unpack_messages(region, H);
+  }
+
+  // Expert -> home: rows v [R, w] in grouped order arrive in the home record order, in [S1, rb] (rb = w * 4 or
+  // w * 2 with bf). direct: one round per local expert, sent straight from v when f32; else one round through
+  // the peer-major staging (scratch).
+  void to_home(char* in, const float* v, int64_t w, bool bf, bool direct, Buf& scratch, EpTraffic& tr) {
+    const int64_t rb = w * (bf ? 2 : 4);
+    if (direct) {
+      const char* src = reinterpret_cast<const char*>(v);
+      if (bf) {
+        bf16* o = scratch.get<bf16>(std::max<int64_t>(R * w, 1));
+        to_wire_bf16_rows(o, v, R, w);
+        src = reinterpret_cast<const char*>(o);
+      }
+      direct_rounds(in, src, rb, false, tr);
+      return;
+    }
+    char* o = scratch.get(std::max<int64_t>(R * rb, 1));
+    const int64_t nblk = int64_t(P) * El;
+#pragma omp parallel for schedule(dynamic, 1) if (R * w >= kParMin)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t n = rcnt[size_t(b)];
+      // this rank's own rows go straight to their home place (no transport copy)
+      char* dst = b / El == me ? in + off[size_t(b)] * rb : o + poff[size_t(b)] * rb;
+      const float* src = v + fpos[size_t(b)] * w;
+      if (bf) to_wire_bf16(reinterpret_cast<bf16*>(dst), src, n * w);
+      else if (n > 0) std::memcpy(dst, src, size_t(n * rb));
+    }
+    staged_round(in, o, rb, false, tr, true);
+  }
+  // Home -> experts: rows [S1, rb] in the home record order arrive as out [R, w] f32 in grouped order.
+  void to_experts(float* out, const char* send, int64_t w, bool bf, bool direct, Buf& scratch, EpTraffic& tr) {
+    const int64_t rb = w * (bf ? 2 : 4);
+    if (direct) {
+      char* dst = bf ? scratch.get(std::max<int64_t>(R * rb, 1)) : reinterpret_cast<char*>(out);
+      direct_rounds(dst, send, rb, true, tr);
+      if (bf && R > 0) from_wire_bf16_rows(out, reinterpret_cast<const bf16*>(dst), R, w);
+      return;
+    }
+    char* st = scratch.get(std::max<int64_t>(R * rb, 1));
+    staged_round(st, send, rb, true, tr, true);
+    const int64_t nblk = int64_t(P) * El;
+#pragma omp parallel for schedule(dynamic, 1) if (R * w >= kParMin)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t n = rcnt[size_t(b)];
+      const char* src = b / El == me ? send + off[size_t(b)] * rb : st + poff[size_t(b)] * rb;
+      float* dst = out + fpos[size_t(b)] * w;
+      if (bf) from_wire_bf16(dst, reinterpret_cast<const bf16*>(src), n * w);
+      else if (n > 0) std::memcpy(dst, src, size_t(n * rb));
+    }
   }
 
   void combine_flat(float* y, const float* yr, bool weighted, EpTraffic& tr) {
-    char* out = pack_combine_send(yr);
-    int64_t sbytes = 0, rbytes = 0;
-    for (int q = 0; q < P; ++q) {
-      sc[size_t(q)] = peer_recv[size_t(q)] * cb;
-      sd[size_t(q)] = sbytes;
-      sbytes += sc[size_t(q)];
-      rc[size_t(q)] = peer_send[size_t(q)] * cb;
-      rd[size_t(q)] = off[size_t(q) * El] * cb;
-      rbytes += rc[size_t(q)];
-      classify(tr, q, sc[size_t(q)]);
-    }
-    char* in = crecv.get(std::max<int64_t>(rbytes, 1));
-    comm.all_to_all_v(in, rc.data(), rd.data(), out, sc.data(), sd.data());
-    tr.rounds += 1;
+    char* in = crecv.get(std::max<int64_t>(S1 * cb, 1));
+    const bool bf = cfg.combine_payload == EpPayload::BF16;  // bf16: the encode touches every row anyway
+    to_home(in, yr, D, bf, direct && !bf, csend, tr);
     tr.rows_sent += R;
-    tr.rows_recv += N * k;
-    const float* rows = decode_rows(cdec, in, N * k);
-    if (weighted) moe_unpermute(y, rows, row_of.data<int32_t>(), wcopy.data<float>(), N, k, N * k, D);
-    else moe_permute_backward(y, rows, row_of.data<int32_t>(), N, k, N * k, D);
+    tr.rows_recv += S1;
+    reduce_rows(y, cdec, in, row_of.data<int32_t>(), weighted ? wcopy.data<float>() : nullptr, N, S1);
   }
-
   // ------------------------------------------------------------------------------------------------------
   // Stage-1 record: [int32 token][int32 expert[k] (-1: not on this node)][float w[k]] padded to m1, payload.
   void dispatch_hier(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
@@ -439,6 +705,7 @@ struct EpDispatch::Impl {
     auto token_nodes = [&](int64_t t) {
       int m = 0;
       for (int s = 0; s < k; ++s) {
+        if (idx[t * k + s] < 0) continue;
         const int b = (idx[t * k + s] / El) / L;
         bool seen = false;
         for (int j = 0; j < m; ++j) seen |= nodes[size_t(j)] == b;
@@ -464,6 +731,10 @@ struct EpDispatch::Impl {
       const int m = token_nodes(t);
       for (int j = 0; j < k; ++j) ro1[t * k + j] = j < m ? int32_t(c1[size_t(nodes[size_t(j)])]++) : -1;
       for (int s = 0; s < k; ++s) {
+        if (idx[t * k + s] < 0) {
+          sr1[t * k + s] = -1;
+          continue;
+        }
         const int b = (idx[t * k + s] / El) / L;
         int j = 0;
         while (nodes[size_t(j)] != b) ++j;
@@ -483,14 +754,18 @@ struct EpDispatch::Impl {
         std::memcpy(p, &tok, 4);
         for (int s = 0; s < k; ++s) {
           const int32_t e = idx[t * k + s];
-          const int32_t ex = (e / El) / L == b ? e : -1;
+          const int32_t ex = e >= 0 && (e / El) / L == b ? e : -1;
           std::memcpy(p + 4 + 4 * s, &ex, 4);
           std::memcpy(p + 4 + 4 * k + 4 * s, wc + t * k + s, 4);
         }
         write_payload(p + m1, x, t);
       }
     // Count round and exchange on the rail (same local index on every node).
-    rail_comm.all_to_all(rcnt1.data(), cnt1.data(), 8);
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all(rcnt1.data(), cnt1.data(), 8);
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     auto& s1c = rs[0];
     auto& s1d = rs[1];
@@ -508,7 +783,11 @@ struct EpDispatch::Impl {
       classify(tr, b * L + li, 8 + s1c[size_t(b)]);
     }
     char* rb = recv1.get(std::max<int64_t>(rbytes, 1));
-    rail_comm.all_to_all_v(rb, r1c.data(), r1d.data(), sb, s1c.data(), s1d.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(rb, r1c.data(), r1d.data(), sb, s1c.data(), s1d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += S1;
 
@@ -565,7 +844,11 @@ struct EpDispatch::Impl {
         std::memcpy(o + 16, p + m1, size_t(rec - 16));
       }
     }
-    node_comm.all_to_all(rcnt2.data(), cnt2.data(), 8);
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all(rcnt2.data(), cnt2.data(), 8);
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     auto& s2c = ns[0];
     auto& s2d = ns[1];
@@ -581,7 +864,11 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, 8 + s2c[size_t(j)]);
     }
     char* rb2 = recv2.get(std::max<int64_t>(rbytes, 1));
-    node_comm.all_to_all_v(rb2, r2c.data(), r2d.data(), sb2, s2c.data(), s2d.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(rb2, r2c.data(), r2d.data(), sb2, s2c.data(), s2d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += S2;
     blocks.clear();
@@ -606,17 +893,22 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, s2c[size_t(j)]);
     }
     char* in2 = crecv.get(std::max<int64_t>(S2 * cb, 1));
-    node_comm.all_to_all_v(in2, r2c.data(), r2d.data(), out, s2c.data(), s2d.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(in2, r2c.data(), r2d.data(), out, s2c.data(), s2d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += R;
     // Forwarder: reduce the node's slots of every stage-1 record (slot order, from 0).
-    const float* rows2 = decode_rows(cdec, in2, S2);
     float* part = partial.get<float>(std::max<int64_t>(M1 * D, 1));
-    if (weighted) moe_unpermute(part, rows2, row_of2.data<int32_t>(), w2.data<float>(), M1, k, S2, D);
-    else moe_permute_backward(part, rows2, row_of2.data<int32_t>(), M1, k, S2, D);
-    // Forwarder -> home (rail), one partial row per stage-1 record, in stage-1 receive order.
-    char* pout = psend.get(std::max<int64_t>(M1 * cb, 1));
-    encode_rows(pout, part, M1);
+    reduce_rows(part, cdec, in2, row_of2.data<int32_t>(), weighted ? w2.data<float>() : nullptr, M1, S2);
+    // Forwarder -> home (rail), one partial row per stage-1 record, in stage-1 receive order (fp32: as is).
+    char* pout = reinterpret_cast<char*>(part);
+    if (cfg.combine_payload != EpPayload::F32) {
+      pout = psend.get(std::max<int64_t>(M1 * cb, 1));
+      encode_rows(pout, part, M1);
+    }
     auto& s1c = rs[0];
     auto& s1d = rs[1];
     auto& r1c = rs[2];
@@ -633,13 +925,16 @@ struct EpDispatch::Impl {
       classify(tr, b * L + li, s1c[size_t(b)]);
     }
     char* in1 = precv.get(std::max<int64_t>(S1 * cb, 1));
-    rail_comm.all_to_all_v(in1, r1c.data(), r1d.data(), pout, s1c.data(), s1d.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(in1, r1c.data(), r1d.data(), pout, s1c.data(), s1d.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 1;
     tr.rows_sent += M1;
     tr.rows_recv += S1;
     // Home: sum the partials of each token in node order (row_of holds them node-ascending).
-    const float* rows1 = decode_rows(pdec, in1, S1);
-    moe_permute_backward(y, rows1, row_of.data<int32_t>(), N, k, S1, D);
+    reduce_rows(y, pdec, in1, row_of.data<int32_t>(), nullptr, N, S1);
   }
 
   // ------------------------------------------------------------------------------------------------------
@@ -659,25 +954,15 @@ struct EpDispatch::Impl {
   }
 
   void redispatch_flat(float* out, const float* x, EpTraffic& tr) {
-    char* sb = crecv.get(std::max<int64_t>(N * k * cb, 1));
+    char* sb = crecv.get(std::max<int64_t>(S1 * cb, 1));
     const int32_t* ro = row_of.data<int32_t>();
 #pragma omp parallel for schedule(static) if (N * k * D >= kParMin)
-    for (int64_t i = 0; i < N * k; ++i) encode_row(sb + int64_t(ro[i]) * cb, x + (i / k) * D);
-    int64_t rb = 0;
-    for (int q = 0; q < P; ++q) {
-      sc[size_t(q)] = peer_send[size_t(q)] * cb;
-      sd[size_t(q)] = off[size_t(q) * El] * cb;
-      rc[size_t(q)] = peer_recv[size_t(q)] * cb;
-      rd[size_t(q)] = rb;
-      rb += rc[size_t(q)];
-      classify(tr, q, sc[size_t(q)]);
-    }
-    char* in = csend.get(std::max<int64_t>(rb, 1));
-    comm.all_to_all_v(in, rc.data(), rd.data(), sb, sc.data(), sd.data());
-    tr.rounds += 1;
-    tr.rows_sent += N * k;
+    for (int64_t i = 0; i < N * k; ++i)
+      if (ro[i] >= 0) encode_row(sb + int64_t(ro[i]) * cb, x + (i / k) * D);
+    const bool bf = cfg.combine_payload == EpPayload::BF16;
+    to_experts(out, sb, D, bf, direct && !bf, csend, tr);
+    tr.rows_sent += S1;
     tr.rows_recv += R;
-    decode_staged(out, in);
   }
 
   void redispatch_hier(float* out, const float* x, EpTraffic& tr) {
@@ -701,7 +986,11 @@ struct EpDispatch::Impl {
       classify(tr, q * L + li, a[size_t(q)]);
     }
     char* f1 = psend.get(std::max<int64_t>(rb, 1));
-    rail_comm.all_to_all_v(f1, b.data(), bd.data(), s1, a.data(), ad.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(f1, b.data(), bd.data(), s1, a.data(), ad.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     // Forwarder -> experts: fan out to the stage-2 rows.
     char* s2 = crecv.get(std::max<int64_t>(S2 * cb, 1));
     const int32_t* ro2 = row_of2.data<int32_t>();
@@ -722,7 +1011,11 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, c[size_t(j)]);
     }
     char* in = csend.get(std::max<int64_t>(rb, 1));
-    node_comm.all_to_all_v(in, e.data(), ed.data(), s2, c.data(), cd.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(in, e.data(), ed.data(), s2, c.data(), cd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 2;
     tr.rows_sent += S1 + S2;
     tr.rows_recv += R;
@@ -730,23 +1023,10 @@ struct EpDispatch::Impl {
   }
 
   void scalars_flat(float* out, const float* v, EpTraffic& tr) {
-    float* sv = vsend.get<float>(std::max<int64_t>(R, 1));
-    const int64_t* pos = pos_of_stage.data<int64_t>();
-    for (int64_t g = 0; g < R; ++g) sv[g] = v[pos[g]];
-    int64_t sb = 0;
-    for (int q = 0; q < P; ++q) {
-      sc[size_t(q)] = peer_recv[size_t(q)] * 4;
-      sd[size_t(q)] = sb;
-      sb += sc[size_t(q)];
-      rc[size_t(q)] = peer_send[size_t(q)] * 4;
-      rd[size_t(q)] = off[size_t(q) * El] * 4;
-      classify(tr, q, sc[size_t(q)]);
-    }
-    float* rv = vrecv.get<float>(std::max<int64_t>(N * k, 1));
-    comm.all_to_all_v(rv, rc.data(), rd.data(), sv, sc.data(), sd.data());
-    tr.rounds += 1;
+    float* rv = vrecv.get<float>(std::max<int64_t>(S1, 1));
+    to_home(reinterpret_cast<char*>(rv), v, 1, false, false, vsend, tr);
     const int32_t* ro = row_of.data<int32_t>();
-    for (int64_t i = 0; i < N * k; ++i) out[i] = rv[ro[i]];
+    for (int64_t i = 0; i < N * k; ++i) out[i] = ro[i] >= 0 ? rv[ro[i]] : 0.0f;
   }
 
   void scalars_hier(float* out, const float* v, EpTraffic& tr) {
@@ -768,7 +1048,11 @@ struct EpDispatch::Impl {
       classify(tr, node * L + j, c[size_t(j)]);
     }
     float* f2 = vrecv.get<float>(std::max<int64_t>(std::max(S2, S1 * k), 1));
-    node_comm.all_to_all_v(f2, e.data(), ed.data(), sv, c.data(), cd.data());
+    {
+      const double c0_ = now_s();
+      node_comm.all_to_all_v(f2, e.data(), ed.data(), sv, c.data(), cd.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     // Forwarder: k values per stage-1 record (0 for slots of other nodes; never read).
     float* per = fwd_scalars.get<float>(std::max<int64_t>(M1 * k, 1));
     const int32_t* ro2 = row_of2.data<int32_t>();
@@ -787,10 +1071,14 @@ struct EpDispatch::Impl {
       classify(tr, q * L + li, a[size_t(q)]);
     }
     float* home = home_scalars.get<float>(std::max<int64_t>(S1 * k, 1));
-    rail_comm.all_to_all_v(home, b.data(), bd.data(), per, a.data(), ad.data());
+    {
+      const double c0_ = now_s();
+      rail_comm.all_to_all_v(home, b.data(), bd.data(), per, a.data(), ad.data());
+      tr.seconds_comm += now_s() - c0_;
+    }
     tr.rounds += 2;
     const int32_t* sr1 = slot_rec1.data<int32_t>();
-    for (int64_t i = 0; i < N * k; ++i) out[i] = home[int64_t(sr1[i]) * k + i % k];
+    for (int64_t i = 0; i < N * k; ++i) out[i] = sr1[i] >= 0 ? home[int64_t(sr1[i]) * k + i % k] : 0.0f;
   }
 };
 
@@ -823,6 +1111,7 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
   I.li = I.me % I.L;
   I.sync_free = cfg.kind == EpDispatcher::SyncFree;
   I.hier = cfg.kind == EpDispatcher::Hierarchical;
+  I.direct = cfg.kind == EpDispatcher::AllToAll && cfg.alltoall_direct;
   if (I.sync_free)
     MT_CHECK(cfg.max_tokens > 0, op, "sync_free needs max_tokens > 0 (its buffers are sized at construction)");
   I.nb = (I.D + kFp8Block - 1) / kFp8Block;
@@ -841,6 +1130,8 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
   I.off.assign(PE, 0);
   I.grp.assign(PE, 0);
   I.cur.assign(PE, 0);
+  I.fpos.assign(PE, 0);
+  I.poff.assign(PE, 0);
   I.counts.assign(size_t(I.El), 0);
   I.offsets.assign(size_t(I.El) + 1, 0);
   for (auto* v : {&I.sc, &I.sd, &I.rc, &I.rd, &I.peer_send, &I.peer_recv, &I.blk_start}) v->assign(size_t(I.P), 0);
@@ -865,17 +1156,16 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
     const int64_t Nm = cfg.max_tokens, k = I.k, D = I.D, P = I.P;
     I.H = round_up(int64_t(I.El) * 8, 64);              // per-peer header: El int64 counts
     I.cap_rows = Nm * std::min<int64_t>(k, I.El);        // records one peer can send to one rank
-    I.slot_bytes = I.H + I.cap_rows * I.rec;             // one peer's region in the receive buffer
+    // one peer's region in the receive buffer: header, metadata (8 B a record), payload rows
+    I.slot_bytes = I.H + round_up(I.cap_rows * 8, 64) + round_up(I.cap_rows * I.pb, 64);
     const int64_t Rmax = P * I.cap_rows;                 // rows one rank can receive
-    I.send1.get(P * I.H + Nm * k * I.rec);               // every (token, slot) once + headers
+    I.send1.get(P * (I.H + 128) + Nm * k * (8 + I.pb));  // every (token, slot) once + headers + padding
     I.recv1.get(P * I.slot_bytes);
     I.out_x.get<float>(Rmax * D);
     I.out_src.get<int32_t>(Rmax);
     I.out_tok.get<int32_t>(Rmax);
     I.out_slot.get<int32_t>(Rmax);
     I.out_w.get<float>(Rmax);
-    I.pos_of_stage.get<int64_t>(Rmax);
-    I.rec_ptr.get<const char*>(Rmax);
     I.wcopy.get<float>(Nm * k);
     I.row_of.get<int32_t>(Nm * k);
     if (cfg.dispatch_payload == EpPayload::BF16) I.hbuf.get<bf16>(Nm * D);
@@ -885,7 +1175,7 @@ EpDispatch::EpDispatch(const Comm& ep_comm, const EpDispatchConfig& cfg) : p_(st
     }
     I.csend.get(Rmax * I.cb);
     I.crecv.get(Nm * k * I.cb);
-    if (cfg.combine_payload == EpPayload::BF16) I.cdec.get<float>(Nm * k * D);
+    if (cfg.combine_payload == EpPayload::BF16) I.cdec.get(I.reduce_slot_bytes() * std::max(1, num_threads()));
     I.vsend.get<float>(Rmax);
     I.vrecv.get<float>(Nm * k);
     for (Buf* b : I.all_bufs()) b->frozen = true;
@@ -910,7 +1200,8 @@ int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const floa
   EpTraffic tr;
   tr.calls = 1;
   if (I.hier) I.dispatch_hier(x, topk_idx, N, tr);
-  else I.dispatch_flat(x, topk_idx, N, tr);
+  else if (I.sync_free) I.dispatch_sync_free(x, topk_idx, N, tr);
+  else I.dispatch_alltoall(x, topk_idx, N, tr);
   I.N = N;
   tr.rows_recv = I.R;
   tr.seconds = now_s() - t0;
@@ -1068,7 +1359,8 @@ int ep_max_nodes_per_token(const int32_t* topk_idx, int64_t N, int k, int E, int
     int c = 0;
     for (int j = 0; j < k; ++j) {
       const int32_t e = topk_idx[n * k + j];
-      MT_CHECK(e >= 0 && e < E, op, "topk_idx[", n, ",", j, "]=", e, " outside [0, ", E, ")");
+      MT_CHECK(e >= -1 && e < E, op, "topk_idx[", n, ",", j, "]=", e, " outside [0, ", E, ") and not -1");
+      if (e < 0) continue;
       if (!seen[size_t(e / G)]) {
         seen[size_t(e / G)] = 1;
         ++c;
@@ -1091,7 +1383,7 @@ void ep_combine_hierarchical_ref(float* y, const float* yp, const int32_t* topk_
   for (int b = 0; b < n_nodes; ++b) {
     bool any = false;
     for (int64_t i = 0; i < N * k; ++i) {
-      ro[size_t(i)] = topk_idx[i] / G == b ? int32_t(i) : -1;
+      ro[size_t(i)] = topk_idx[i] >= 0 && topk_idx[i] / G == b ? int32_t(i) : -1;
       any |= ro[size_t(i)] >= 0;
     }
     if (!any) continue;
@@ -1099,7 +1391,7 @@ void ep_combine_hierarchical_ref(float* y, const float* yp, const int32_t* topk_
     else moe_permute_backward(ptmp.data(), yp, ro.data(), N, k, N * k, D);
     for (int64_t t = 0; t < N; ++t) {
       bool uses = false;
-      for (int s = 0; s < k; ++s) uses |= topk_idx[t * k + s] / G == b;
+      for (int s = 0; s < k; ++s) uses |= topk_idx[t * k + s] >= 0 && topk_idx[t * k + s] / G == b;
       if (!uses) continue;
       int j = 0;
       while (ro1[size_t(t * k + j)] >= 0) ++j;

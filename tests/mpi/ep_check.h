@@ -30,6 +30,8 @@ enum class Route {
   Skewed,       // every token picks experts 0..k-1 (slot s -> expert s): one rank gets (nearly) everything
   Empty,        // like Random, but odd ranks have no tokens at all
   NodeLimited,  // Random scores, node-limited to one node (ep_node_limited_topk, max_nodes = 1)
+  Dropped,      // like Random, with dropped slots (topk_idx = -1, as capacity_factor > 0 makes them): about a
+                // third of the slots, every slot of every 4th token, and every slot of the last rank (P > 1)
 };
 
 inline uint64_t mix(uint64_t z) {
@@ -55,7 +57,7 @@ inline int64_t tokens_of(int src, int64_t n_base, Route r) {
 }
 
 inline Tokens make_tokens(int src, int64_t n_base, Route route, int E, int k, int64_t D, int n_nodes,
-                          uint64_t seed) {
+                          uint64_t seed, int n_ranks = 1) {
   Tokens T;
   T.N = tokens_of(src, n_base, route);
   T.x.resize(size_t(T.N * D));
@@ -89,6 +91,12 @@ inline Tokens make_tokens(int src, int64_t n_base, Route route, int E, int k, in
       }
     }
   }
+  if (route == Route::Dropped)
+    for (int64_t t = 0; t < T.N; ++t)
+      for (int s = 0; s < k; ++s) {
+        const bool all = (src == n_ranks - 1 && n_ranks > 1) || t % 4 == 1;
+        if (all || mix(seed ^ mix(uint64_t(src) * 7777ull + uint64_t(t * k + s))) % 3 == 0) T.idx[size_t(t * k + s)] = -1;
+      }
   return T;
 }
 
@@ -124,7 +132,7 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
   Result res;
 
   std::vector<Tokens> all;
-  for (int src = 0; src < P; ++src) all.push_back(make_tokens(src, n_base, route, E, k, D, n_nodes, seed));
+  for (int src = 0; src < P; ++src) all.push_back(make_tokens(src, n_base, route, E, k, D, n_nodes, seed, P));
   const Tokens& mine = all[size_t(me)];
   std::vector<std::vector<float>> seen_all(static_cast<size_t>(P));  // every source's rows as the experts see them
   for (int src = 0; src < P; ++src) {
@@ -146,7 +154,7 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
     for (int64_t t = 0; t < T.N; ++t)
       for (int s = 0; s < k; ++s) {
         const int e = T.idx[size_t(t * k + s)];
-        if (e / El == me) want.push_back({e % El, src, int(t), s});
+        if (e >= 0 && e / El == me) want.push_back({e % El, src, int(t), s});
       }
   }
   std::stable_sort(want.begin(), want.end(), [](const Row& a, const Row& b) {
@@ -227,8 +235,8 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
   std::vector<int32_t> ident(size_t(std::max<int64_t>(N * k, 1)));
   for (int64_t t = 0; t < N; ++t)
     for (int s = 0; s < k; ++s) {
-      const float f = float(mine.idx[size_t(t * k + s)] + 1);
-      ident[size_t(t * k + s)] = int32_t(t * k + s);
+      const float f = float(mine.idx[size_t(t * k + s)] + 1);  // 0 for a dropped slot (never read)
+      ident[size_t(t * k + s)] = mine.idx[size_t(t * k + s)] >= 0 ? int32_t(t * k + s) : -1;
       for (int64_t d = 0; d < D; ++d) {
         float v = xs[size_t(t * D + d)] * f;
         if (cfg.combine_payload == EpPayload::BF16) v = round_bf16(v);
@@ -319,7 +327,7 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
     ep.combine_scalars(dw.data(), code.data());
     for (int64_t t = 0; t < N; ++t)
       for (int s = 0; s < k; ++s)
-        if (dw[size_t(t * k + s)] != float(me * 100000 + t * 10 + s)) {
+        if (dw[size_t(t * k + s)] != (mine.idx[size_t(t * k + s)] >= 0 ? float(me * 100000 + t * 10 + s) : 0.0f)) {
           ADD_FAILURE() << "rank " << me << " combine_scalars (" << t << ", " << s << ") got " << dw[size_t(t * k + s)];
           t = N;
           break;

@@ -272,25 +272,31 @@ void run_routes(const Comm& c, EpDispatch& ep, bool node_limited) {
   ep_check::check_ep(c, ep, Route::Empty, 25, 3);
   if (node_limited) ep_check::check_ep(c, ep, Route::NodeLimited, 20, 4);
   ep_check::check_ep(c, ep, Route::Random, 2, 5);  // tiny: most experts get nothing
+  ep_check::check_ep(c, ep, Route::Dropped, 30, 6);  // capacity drops: topk_idx -1, the last rank drops all
 }
 
-void dispatcher_suite(EpDispatcher kind) {
+void dispatcher_suite(EpDispatcher kind, bool direct = false) {
   Comm& c = world();
   const int p = c.size();
   const int rpn = kind == EpDispatcher::Hierarchical ? std::max(1, p / 2) : 0;  // 2 "nodes"
   for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16},
                         std::pair{EpPayload::E4M3, EpPayload::F32}}) {
     SCOPED_TRACE(std::string(to_string(kind)) + " " + std::string(to_string(dp)) + "/" + std::string(to_string(cp)));
-    EpDispatch ep(c, cfg(kind, 4 * p, 3, 160, rpn, dp, cp));
+    EpDispatchConfig cf = cfg(kind, 4 * p, 3, 160, rpn, dp, cp);
+    cf.alltoall_direct = direct;
+    EpDispatch ep(c, cf);
     run_routes(c, ep, kind == EpDispatcher::Hierarchical);
   }
   // Fewer local experts than k (El = 1): a token may send several slots to one rank.
-  EpDispatch ep1(c, cfg(kind, p, std::min(p, 3), 64, rpn));
+  EpDispatchConfig cf1 = cfg(kind, p, std::min(p, 3), 64, rpn);
+  cf1.alltoall_direct = direct;
+  EpDispatch ep1(c, cf1);
   run_routes(c, ep1, false);
 }
 }  // namespace
 
 TEST(MpiEp, AllToAll) { dispatcher_suite(EpDispatcher::AllToAll); }
+TEST(MpiEp, AllToAllDirect) { dispatcher_suite(EpDispatcher::AllToAll, true); }
 TEST(MpiEp, SyncFree) { dispatcher_suite(EpDispatcher::SyncFree); }
 TEST(MpiEp, Hierarchical) { dispatcher_suite(EpDispatcher::Hierarchical); }
 
@@ -334,7 +340,7 @@ TEST(MpiEp, HierarchicalCrossesNodesOncePerToken) {
                 (long long)v[0], (long long)v[1], double(v[0]) / double(v[1]), (long long)v[2], (long long)v[3],
                 double(v[2]) / double(v[3]));
   // Each token uses both nodes almost always with 3 of its 6 experts on the remote one on average: flat sends
-  // ~3 rows per token across, hierarchical 1 (plus a 64-byte stage-1 header instead of 16).
+  // ~3 rows per token across, hierarchical 1 (plus a 64-byte stage-1 header instead of 8 bytes of metadata).
   EXPECT_LT(double(v[1]), 0.5 * double(v[0]));
   EXPECT_LT(double(v[3]), 0.5 * double(v[2]));
   // Intra-node traffic goes up instead (the fan-out), but the total on-node + cross-node rows are all counted.
@@ -357,7 +363,7 @@ TEST(MpiEp, Fp8DispatchSavesBytesWithinTheBound) {
   if (c.rank() == 0)
     std::printf("[ info ] e4m3 dispatch: %lld bytes vs %lld fp32 (%.3f), max |x'-x| / block amax = %.4f\n",
                 (long long)v[1], (long long)v[0], double(v[1]) / double(v[0]), err);
-  // Record = 16 B header + payload: fp32 16 + 2048 = 2064; e4m3 16 + 512 + 4*4 = 544 (ratio 0.264).
+  // Record = 8 B metadata + payload: fp32 8 + 2048 = 2056; e4m3 8 + 512 + 4*4 = 536 (0.261, plus padding).
   EXPECT_LT(double(v[1]) / double(v[0]), 0.27);
   EXPECT_LE(err, 1.0 / 16.0);
 }
@@ -367,10 +373,54 @@ TEST(MpiEp, EightRanksAllDispatchers) {
   if (c.size() != 8) GTEST_SKIP() << "np 8 only";
   for (EpDispatcher kind : {EpDispatcher::AllToAll, EpDispatcher::SyncFree, EpDispatcher::Hierarchical}) {
     SCOPED_TRACE(std::string(to_string(kind)));
-    EpDispatch ep(c, cfg(kind, 32, 4, 128, kind == EpDispatcher::Hierarchical ? 4 : 2, EpPayload::BF16));
+    EpDispatchConfig cf = cfg(kind, 32, 4, 128, kind == EpDispatcher::Hierarchical ? 4 : 2, EpPayload::BF16);
+    cf.alltoall_direct = kind == EpDispatcher::AllToAll;  // bf16 dispatch staged, fp32 combine in place
+    EpDispatch ep(c, cf);
     ep_check::check_ep(c, ep, ep_check::Route::Random, 24, 31);
     ep_check::check_ep(c, ep, ep_check::Route::Skewed, 16, 32);
     ep_check::check_ep(c, ep, ep_check::Route::Empty, 16, 33);
+    ep_check::check_ep(c, ep, ep_check::Route::Dropped, 16, 34);
+  }
+}
+
+TEST(MpiEp, BigEnoughForThePackingThreads) {
+  // N * k * D above the serial cutoff, so the OpenMP paths (pack, block copies, chunked bf16 reduction) run;
+  // the checks are bitwise against the single-process computation, so they also hold with OMP_NUM_THREADS > 1.
+  Comm& c = world();
+  for (int v = 0; v < 4; ++v)
+    for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16}}) {
+      const EpDispatcher kind = v == 1 ? EpDispatcher::SyncFree : v == 2 ? EpDispatcher::Hierarchical : EpDispatcher::AllToAll;
+      SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct " : " ") + std::string(to_string(dp)));
+      EpDispatchConfig cf = cfg(kind, 4 * c.size(), 4, 256, std::max(1, c.size() / 2), dp, cp, 160);
+      cf.alltoall_direct = v == 3;
+      EpDispatch ep(c, cf);
+      ep_check::check_ep(c, ep, ep_check::Route::Dropped, 150, 40);
+      ep_check::check_ep(c, ep, ep_check::Route::Random, 150, 41);
+    }
+}
+
+TEST(MpiEp, DroppedSlotsEverywhere) {
+  // Every rank drops every slot: nothing is sent, every y[t] is 0, combine_scalars gives 0; then a normal
+  // call on the same object (the layout of the empty call must not leak into the next one).
+  Comm& c = world();
+  for (int v = 0; v < 4; ++v) {  // the three dispatchers, then alltoall with alltoall_direct
+    const EpDispatcher kind = v == 1 ? EpDispatcher::SyncFree : v == 2 ? EpDispatcher::Hierarchical : EpDispatcher::AllToAll;
+    SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct" : ""));
+    const int E = 2 * c.size(), k = 2;
+    const int64_t D = 32, N = 5;
+    EpDispatchConfig cf = cfg(kind, E, k, D, std::max(1, c.size() / 2));
+    cf.alltoall_direct = v == 3;
+    EpDispatch ep(c, cf);
+    std::vector<float> x(size_t(N * D), 1.5f), w(size_t(N * k), 0.5f), y(size_t(N * D), -1.0f), dw(size_t(N * k), -1.0f);
+    std::vector<int32_t> idx(size_t(N * k), -1);
+    EXPECT_EQ(ep.dispatch(x.data(), idx.data(), w.data(), N), 0);
+    EXPECT_EQ(ep.stats().last_dispatch.rows_sent, 0);
+    ep.combine(y.data(), nullptr, true);
+    for (float v : y) ASSERT_EQ(v, 0.0f);
+    ep.combine_scalars(dw.data(), nullptr);
+    for (float v : dw) ASSERT_EQ(v, 0.0f);
+    ep_check::check_ep(c, ep, ep_check::Route::Dropped, 12, 35);
+    ep_check::check_ep(c, ep, ep_check::Route::Random, 12, 36);
   }
 }
 
