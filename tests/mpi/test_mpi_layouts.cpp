@@ -44,6 +44,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -82,14 +83,20 @@ JobConfig tiny(const std::string& dump, const std::vector<std::string>& extra = 
 
 std::string shared_dir(const std::string& name) { return mt_test::shared_dir("moetron_mpi_layout_", name); }
 
-const TrainResult& reference() {
-  static TrainResult r = [] {
-    static Comm local = comm_local();
-    std::string d = (fs::temp_directory_path() / ("moetron_mpi_layout_ref_rank" + std::to_string(world().rank()))).string();
-    fs::remove_all(d);
-    return train(tiny(d), recorded(&local));
-  }();
-  return r;
+// The single-process run of the same model: the layout's --model.* overrides (e.g. a capacity factor)
+// apply to it too. Trained once per model per process, on this rank alone.
+const TrainResult& reference(const std::vector<std::string>& layout_args) {
+  static std::map<std::string, TrainResult> cache;
+  std::vector<std::string> model_args;
+  std::string key;
+  for (auto& a : layout_args)
+    if (a.rfind("--model.", 0) == 0) model_args.push_back(a), key += a + " ";
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  static Comm local = comm_local();
+  std::string d = temp_dir("moetron_mpi_layout_ref_rank" + std::to_string(world().rank()), std::to_string(cache.size()));
+  fs::remove_all(d);
+  return cache.emplace(key, train(tiny(d, model_args), recorded(&local))).first->second;
 }
 
 enum class Bar { Exact, Hier, Fp8 };
@@ -133,6 +140,13 @@ std::vector<Layout> layouts() {
       if (w > ep) v.push_back({base + "_zero1", w, with({"--parallelism.zero=1"}), Bar::Exact});
       v.push_back({base + "_fsdp", w, with({"--parallelism.zero=3"}), Bar::Exact});
     }
+  // Capacity drops: the home rank's capacity plan drops slots before dispatch (sent as -1), per micro-batch
+  // exactly as one process drops them.
+  v.push_back({"ep2_np2_capacity", 2, {dp + "2", "--parallelism.ep=2", "--model.capacity_factor=1.0"}, Bar::Exact});
+  v.push_back({"ep4_np4_capacity_hierarchical", 4,
+               {dp + "4", "--parallelism.ep=4", "--model.capacity_factor=1.0", "--parallelism.ep_dispatcher=hierarchical",
+                "--parallelism.ranks_per_node=2"},
+               Bar::Hier});
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
                Bar::Exact});
@@ -165,7 +179,7 @@ class MpiLayout : public ::testing::TestWithParam<Layout> {};
 TEST_P(MpiLayout, MatchesOneProcess) {
   const Layout& L = GetParam();
   if (L.world != world().size()) GTEST_SKIP() << L.name << " needs " << L.world << " ranks";
-  const TrainResult& ref = reference();
+  const TrainResult& ref = reference(L.args);
   TrainResult got = train(tiny(shared_dir(L.name), L.args), recorded(&world()));
   ASSERT_EQ(got.history.size(), size_t(kSteps));
   ASSERT_EQ(got.final_params.size(), ref.final_params.size()) << "global parameter layout";
