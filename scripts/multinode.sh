@@ -170,11 +170,15 @@ if bench:
     tables = {}
     for kind, name, h, np_, rate, rc, sec, log, vf in bench:
         t = {}
+        col = {}
         for l in open(log):
             f = l.split()
-            if len(f) >= 10 and f[0] in ("alltoall", "sync_free", "hierarchical"):
-                mb, inter = float(f[4]), float(f[8].rstrip("%")) / 100
-                t[(f[0], f[1])] = dict(ms=float(f[2]), med=float(f[3]), mb=mb, inter_mb=P * mb * inter, total_mb=P * mb)
+            if f and f[0] == "dispatcher":  # the table header names the columns
+                col = {name: i for i, name in enumerate(f)}
+            elif col and len(f) >= len(col) and f[0] in ("alltoall", "alltoall+direct", "sync_free", "hierarchical"):
+                mb, inter = float(f[col["MB/rank"]]), float(f[col["inter%"]].rstrip("%")) / 100
+                t[(f[0], f[1])] = dict(ms=float(f[col["ms_best"]]), med=float(f[col["ms_med"]]), mb=mb,
+                                       inter_mb=P * mb * inter, total_mb=P * mb)
         tables[rate] = (t, vf)
     print(f"\n### Inter-node bytes per dispatch + combine ({n} hosts x {L} ranks, top-{k} of {E} experts, D = {D}; "
           f"MB summed over ranks, from the benchmark's counts)\n")
@@ -213,14 +217,18 @@ if bench:
                       f"{hh['ms']:.1f} ({hh['med']:.1f}) | {a['ms'] / hh['ms']:.2f} | {s['ms'] / hh['ms']:.2f} | {lb} |")
     print("\n### Did the traffic cross the veth links?\n")
     print("Counted = what the benchmark says crossed hosts: per configuration (1 sizing + warmup + iters) "
-          "dispatch + combine calls, plus warmup + iters raw MPI_Alltoall calls of the same bytes per rank "
-          f"({P - L} of {P} peers on other hosts). veth = sum over hosts of the host side's tx bytes (TCP/IP "
-          "headers and MPI's own traffic included).\n")
+          "dispatch + combine calls, plus warmup + iters raw MPI_Alltoall exchanges of the same bytes per rank, "
+          "once whole and once split into the dispatcher's number of rounds, plus the f32 floor's raw "
+          f"all-to-all of the rows both ways ({P - L} of {P} peers on other hosts). veth = sum over hosts of the "
+          "host side's tx bytes (TCP/IP headers and MPI's own traffic included).\n")
     print("| link | counted MB | veth tx MB | veth rx MB | veth / counted |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for rate, (t, vf) in tables.items():
-        counted = sum(c["inter_mb"] * (1 + warmup + iters) + c["total_mb"] * (P - L) / P * (warmup + iters)
+        counted = sum(c["inter_mb"] * (1 + warmup + iters) + 2 * c["total_mb"] * (P - L) / P * (warmup + iters)
                       for c in t.values())
+        tokens = arg("--tokens", 2048)
+        if any(key[1].startswith("f32") for key in t):  # the floor's raw exchange: N k D fp32 rows, both ways
+            counted += P * tokens * k * D * 8 / 1e6 * (P - L) / P * (warmup + iters)
         v = veth(vf)
         if not v or not counted:
             ok = False; print(f"| {rate} | {counted:.1f} | - | - | - |"); continue
