@@ -87,6 +87,19 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// One public call's traffic: body(tr) fills it, the wall time is added, and it becomes the "last" record and
+// is added to the running total.
+template <class Body>
+void record_call(EpTraffic& last, EpTraffic& total, Body&& body) {
+  const double t0 = now_s();
+  EpTraffic tr;
+  tr.calls = 1;
+  body(tr);
+  tr.seconds = now_s() - t0;
+  last = tr;
+  total.add(tr);
+}
+
 // Header of a record that arrives at an expert rank (flat records and hierarchical stage-2 records).
 struct RecMeta {
   int32_t token;
@@ -1192,21 +1205,17 @@ int EpDispatch::first_expert() const { return p_->me * p_->El; }
 
 int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N) {
   Impl& I = *p_;
-  const double t0 = now_s();
-  I.validate(x, topk_idx, N);
-  I.N = -1;
-  I.copy_weights(topk_w, N);
-  I.encode_tokens(x, N);
-  EpTraffic tr;
-  tr.calls = 1;
-  if (I.hier) I.dispatch_hier(x, topk_idx, N, tr);
-  else if (I.sync_free) I.dispatch_sync_free(x, topk_idx, N, tr);
-  else I.dispatch_alltoall(x, topk_idx, N, tr);
-  I.N = N;
-  tr.rows_recv = I.R;
-  tr.seconds = now_s() - t0;
-  I.st.last_dispatch = tr;
-  I.st.dispatch.add(tr);
+  record_call(I.st.last_dispatch, I.st.dispatch, [&](EpTraffic& tr) {
+    I.validate(x, topk_idx, N);
+    I.N = -1;
+    I.copy_weights(topk_w, N);
+    I.encode_tokens(x, N);
+    if (I.hier) I.dispatch_hier(x, topk_idx, N, tr);
+    else if (I.sync_free) I.dispatch_sync_free(x, topk_idx, N, tr);
+    else I.dispatch_alltoall(x, topk_idx, N, tr);
+    I.N = N;
+    tr.rows_recv = I.R;
+  });
   return I.R;
 }
 
@@ -1225,14 +1234,10 @@ void EpDispatch::combine(float* y, const float* yr, bool weighted) {
   MT_CHECK(I.N >= 0, op, "combine before any dispatch");
   MT_CHECK(y != nullptr || I.N == 0, op, "null y for N=", I.N);
   MT_CHECK(yr != nullptr || I.R == 0, op, "null expert rows for R=", I.R);
-  const double t0 = now_s();
-  EpTraffic tr;
-  tr.calls = 1;
-  if (I.hier) I.combine_hier(y, yr, weighted, tr);
-  else I.combine_flat(y, yr, weighted, tr);
-  tr.seconds = now_s() - t0;
-  I.st.last_combine = tr;
-  I.st.combine.add(tr);
+  record_call(I.st.last_combine, I.st.combine, [&](EpTraffic& tr) {
+    if (I.hier) I.combine_hier(y, yr, weighted, tr);
+    else I.combine_flat(y, yr, weighted, tr);
+  });
 }
 
 void EpDispatch::redispatch(float* out, const float* x) {
@@ -1241,14 +1246,10 @@ void EpDispatch::redispatch(float* out, const float* x) {
   MT_CHECK(I.N >= 0, op, "redispatch before any dispatch");
   MT_CHECK(out != nullptr || I.R == 0, op, "null out for R=", I.R);
   MT_CHECK(x != nullptr || I.N == 0, op, "null x for N=", I.N);
-  const double t0 = now_s();
-  EpTraffic tr;
-  tr.calls = 1;
-  if (I.hier) I.redispatch_hier(out, x, tr);
-  else I.redispatch_flat(out, x, tr);
-  tr.seconds = now_s() - t0;
-  I.st.last_backward = tr;
-  I.st.backward.add(tr);
+  record_call(I.st.last_backward, I.st.backward, [&](EpTraffic& tr) {
+    if (I.hier) I.redispatch_hier(out, x, tr);
+    else I.redispatch_flat(out, x, tr);
+  });
 }
 
 void EpDispatch::combine_scalars(float* out, const float* v) {
@@ -1257,14 +1258,10 @@ void EpDispatch::combine_scalars(float* out, const float* v) {
   MT_CHECK(I.N >= 0, op, "combine_scalars before any dispatch");
   MT_CHECK(out != nullptr || I.N == 0, op, "null out for N=", I.N);
   MT_CHECK(v != nullptr || I.R == 0, op, "null v for R=", I.R);
-  const double t0 = now_s();
-  EpTraffic tr;
-  tr.calls = 1;
-  if (I.hier) I.scalars_hier(out, v, tr);
-  else I.scalars_flat(out, v, tr);
-  tr.seconds = now_s() - t0;
-  I.st.last_backward = tr;
-  I.st.backward.add(tr);
+  record_call(I.st.last_backward, I.st.backward, [&](EpTraffic& tr) {
+    if (I.hier) I.scalars_hier(out, v, tr);
+    else I.scalars_flat(out, v, tr);
+  });
 }
 
 EpStats EpDispatch::stats() const { return p_->st; }
