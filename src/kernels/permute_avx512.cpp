@@ -60,72 +60,54 @@ void moe_permute_bf16_avx512(bf16* xp, const float* x, const int32_t* token_of, 
   for (int64_t r = 0; r < R; ++r) cvt_row(xp + r * D, x + int64_t(token_of[r]) * D, D);
 }
 
+namespace {
+
+// o = sum over the kept slots s (rows[s] >= 0), in slot order, of src row rows[s], each scaled by wt[s] when
+// Weighted (fma(w, v, acc), one rounding per slot: the reference's order) or not (acc + v).
+template <bool Weighted>
+inline void sum_rows(float* o, const float* src, const int32_t* rows, const float* wt, int k, int64_t D) {
+  auto acc = [&](__m512 a, int s, __m512 v) {
+    if constexpr (Weighted) return _mm512_fmadd_ps(_mm512_set1_ps(wt[s]), v, a);
+    else return _mm512_add_ps(a, v);
+  };
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int s = 0; s < k; ++s) {
+      if (rows[s] < 0) continue;
+      const float* v = src + int64_t(rows[s]) * D + d;
+      a0 = acc(a0, s, _mm512_loadu_ps(v));
+      a1 = acc(a1, s, _mm512_loadu_ps(v + 16));
+      a2 = acc(a2, s, _mm512_loadu_ps(v + 32));
+      a3 = acc(a3, s, _mm512_loadu_ps(v + 48));
+    }
+    _mm512_storeu_ps(o + d, a0);
+    _mm512_storeu_ps(o + d + 16, a1);
+    _mm512_storeu_ps(o + d + 32, a2);
+    _mm512_storeu_ps(o + d + 48, a3);
+  }
+  for (; d < D; d += 16) {
+    __mmask16 m = tail_mask(D - d);
+    __m512 a = _mm512_setzero_ps();
+    for (int s = 0; s < k; ++s)
+      if (rows[s] >= 0) a = acc(a, s, _mm512_maskz_loadu_ps(m, src + int64_t(rows[s]) * D + d));
+    _mm512_mask_storeu_ps(o + d, m, a);
+  }
+}
+
+}  // namespace
+
 // dx[t] = sum_s dxp[row(t, s)]: 0 + v0 + v1 + ... per element, as the reference.
 void moe_permute_backward_avx512(float* dx, const float* dxp, const int32_t* row_of, int64_t N, int k, int64_t D) {
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const int32_t* rows = row_of + t * k;
-    float* o = dx + t * D;
-    int64_t d = 0;
-    for (; d + 64 <= D; d += 64) {
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int s = 0; s < k; ++s) {
-        if (rows[s] < 0) continue;
-        const float* v = dxp + int64_t(rows[s]) * D + d;
-        a0 = _mm512_add_ps(a0, _mm512_loadu_ps(v));
-        a1 = _mm512_add_ps(a1, _mm512_loadu_ps(v + 16));
-        a2 = _mm512_add_ps(a2, _mm512_loadu_ps(v + 32));
-        a3 = _mm512_add_ps(a3, _mm512_loadu_ps(v + 48));
-      }
-      _mm512_storeu_ps(o + d, a0);
-      _mm512_storeu_ps(o + d + 16, a1);
-      _mm512_storeu_ps(o + d + 32, a2);
-      _mm512_storeu_ps(o + d + 48, a3);
-    }
-    for (; d < D; d += 16) {
-      __mmask16 m = tail_mask(D - d);
-      __m512 a = _mm512_setzero_ps();
-      for (int s = 0; s < k; ++s)
-        if (rows[s] >= 0) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, dxp + int64_t(rows[s]) * D + d));
-      _mm512_mask_storeu_ps(o + d, m, a);
-    }
-  }
+  for (int64_t t = 0; t < N; ++t) sum_rows<false>(dx + t * D, dxp, row_of + t * k, nullptr, k, D);
 }
 
 // y[t] = sum_s w[t,s] * yp[row(t, s)]: fma(w1, v1, fma(w0, v0, 0)) ... in slot order.
 void moe_unpermute_avx512(float* y, const float* yp, const int32_t* row_of, const float* w, int64_t N, int k,
                           int64_t D) {
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const int32_t* rows = row_of + t * k;
-    const float* wt = w + t * k;
-    float* o = y + t * D;
-    int64_t d = 0;
-    for (; d + 64 <= D; d += 64) {
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int s = 0; s < k; ++s) {
-        if (rows[s] < 0) continue;
-        const __m512 ws = _mm512_set1_ps(wt[s]);
-        const float* v = yp + int64_t(rows[s]) * D + d;
-        a0 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v), a0);
-        a1 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 16), a1);
-        a2 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 32), a2);
-        a3 = _mm512_fmadd_ps(ws, _mm512_loadu_ps(v + 48), a3);
-      }
-      _mm512_storeu_ps(o + d, a0);
-      _mm512_storeu_ps(o + d + 16, a1);
-      _mm512_storeu_ps(o + d + 32, a2);
-      _mm512_storeu_ps(o + d + 48, a3);
-    }
-    for (; d < D; d += 16) {
-      __mmask16 m = tail_mask(D - d);
-      __m512 a = _mm512_setzero_ps();
-      for (int s = 0; s < k; ++s)
-        if (rows[s] >= 0)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(wt[s]), _mm512_maskz_loadu_ps(m, yp + int64_t(rows[s]) * D + d), a);
-      _mm512_mask_storeu_ps(o + d, m, a);
-    }
-  }
+  for (int64_t t = 0; t < N; ++t) sum_rows<true>(y + t * D, yp, row_of + t * k, w + t * k, k, D);
 }
 
 namespace {
