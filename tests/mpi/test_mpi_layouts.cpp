@@ -147,6 +147,11 @@ std::vector<Layout> layouts() {
                {dp + "4", "--parallelism.ep=4", "--model.capacity_factor=1.0", "--parallelism.ep_dispatcher=hierarchical",
                 "--parallelism.ranks_per_node=2"},
                Bar::Hier});
+  // Aux-loss-free balancing: the expert bias is updated from router counts summed over DP, identical on every
+  // rank (the parameter hash and final parameters include the biases).
+  v.push_back({"ep2_np2_aux_free", 2, {dp + "2", "--parallelism.ep=2", "--model.load_balance=aux_free"}, Bar::Exact});
+  v.push_back({"ep4_np8_aux_free_fsdp", 8,
+               {dp + "8", "--parallelism.ep=4", "--model.load_balance=aux_free", "--parallelism.zero=3"}, Bar::Exact});
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
                Bar::Exact});
