@@ -303,30 +303,40 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
 TEST(MpiLayoutCheckpoint, ExpertParallelResumeAndLoadInOneProcess) {
   const int w = world().size();
   if (w < 2) GTEST_SKIP() << "needs 2 ranks or more";
-  const std::vector<std::string> ep = {"--parallelism.dp_shard=" + std::to_string(w), "--parallelism.ep=2",
-                                       "--parallelism.zero=1", "--checkpoint.enable=true", "--checkpoint.interval=3"};
-  TrainResult full = train(tiny(shared_dir("ckpt_full"), ep), recorded(&world()));
-  const std::string d = shared_dir("ckpt_resume");
-  train(tiny(d, ep), recorded(&world()));  // then cut back to the step-3 checkpoint (same LR schedule)
-  if (world().rank() == 0) fs::copy(fs::path(d) / "checkpoint", fs::path(d) / "checkpoint_final", fs::copy_options::recursive);
-  if (world().rank() == 0) fs::remove_all(fs::path(d) / "checkpoint" / ("step-" + std::to_string(kSteps)));
-  world().barrier();
-  TrainResult resumed = train(tiny(d, ep), recorded(&world()));
-  ASSERT_EQ(resumed.start_step, 3);
-  ASSERT_EQ(resumed.history.size(), size_t(kSteps - 3));
-  for (size_t i = 0; i < resumed.history.size(); ++i) {
-    EXPECT_EQ(0, std::memcmp(&resumed.history[i].loss, &full.history[i + 3].loss, sizeof(double))) << "step " << i + 4;
-    EXPECT_EQ(resumed.history[i].param_hash, full.history[i + 3].param_hash) << "step " << i + 4;
+  for (const char* zero : {"1", "3"}) {  // EP with ZeRO-1, and EP with FSDP
+    const std::string z = zero;
+    const std::vector<std::string> ep = {"--parallelism.dp_shard=" + std::to_string(w), "--parallelism.ep=2",
+                                         "--parallelism.zero=" + z, "--checkpoint.enable=true",
+                                         "--checkpoint.interval=3"};
+    TrainResult full = train(tiny(shared_dir("ckpt_full_z" + z), ep), recorded(&world()));
+    const std::string d = shared_dir("ckpt_resume_z" + z);
+    train(tiny(d, ep), recorded(&world()));  // then cut back to the step-3 checkpoint (same LR schedule)
+    if (world().rank() == 0) {
+      fs::copy(fs::path(d) / "checkpoint", fs::path(d) / "checkpoint_final", fs::copy_options::recursive);
+      fs::remove_all(fs::path(d) / "checkpoint" / ("step-" + std::to_string(kSteps)));
+    }
+    world().barrier();
+    TrainResult resumed = train(tiny(d, ep), recorded(&world()));
+    ASSERT_EQ(resumed.start_step, 3) << "zero=" << z;
+    ASSERT_EQ(resumed.history.size(), size_t(kSteps - 3));
+    for (size_t i = 0; i < resumed.history.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(&resumed.history[i].loss, &full.history[i + 3].loss, sizeof(double)))
+          << "zero=" << z << " step " << i + 4;
+      EXPECT_EQ(resumed.history[i].param_hash, full.history[i + 3].param_hash) << "zero=" << z << " step " << i + 4;
+    }
+    ASSERT_EQ(resumed.final_params.size(), full.final_params.size());
+    EXPECT_EQ(0, std::memcmp(resumed.final_params.data(), full.final_params.data(), full.final_params.size() * 4))
+        << "zero=" << z;
+    // One process opens the final (step 5) checkpoint: nothing left to train, the parameters are the EP run's.
+    if (world().rank() == 0) {
+      static Comm local = comm_local();
+      TrainResult one =
+          train(tiny(d, {"--checkpoint.enable=true", "--checkpoint.folder=checkpoint_final"}), recorded(&local));
+      EXPECT_EQ(one.start_step, kSteps);
+      ASSERT_EQ(one.final_params.size(), full.final_params.size());
+      EXPECT_EQ(0, std::memcmp(one.final_params.data(), full.final_params.data(), full.final_params.size() * 4))
+          << "zero=" << z;
+    }
+    world().barrier();
   }
-  ASSERT_EQ(resumed.final_params.size(), full.final_params.size());
-  EXPECT_EQ(0, std::memcmp(resumed.final_params.data(), full.final_params.data(), full.final_params.size() * 4));
-  // One process opens the final (step 5) checkpoint: nothing left to train, the parameters are the EP run's.
-  if (world().rank() == 0) {
-    static Comm local = comm_local();
-    TrainResult one = train(tiny(d, {"--checkpoint.enable=true", "--checkpoint.folder=checkpoint_final"}), recorded(&local));
-    EXPECT_EQ(one.start_step, kSteps);
-    ASSERT_EQ(one.final_params.size(), full.final_params.size());
-    EXPECT_EQ(0, std::memcmp(one.final_params.data(), full.final_params.data(), full.final_params.size() * 4));
-  }
-  world().barrier();
 }
