@@ -389,21 +389,27 @@ struct EpDispatch::Impl {
   };
   static_assert(sizeof(WireMeta) == 8);
 
+  // Blocks b = q*El + le in peer-major order: start[b] = the rows of the blocks before b, per_peer[q] = the
+  // rows of peer q's blocks; returns the total.
+  int64_t peer_major(const std::vector<int64_t>& c, std::vector<int64_t>& start, std::vector<int64_t>& per_peer) const {
+    int64_t acc = 0;
+    for (int q = 0; q < P; ++q) {
+      per_peer[size_t(q)] = 0;
+      for (int le = 0; le < El; ++le) {
+        const size_t b = size_t(q) * El + le;
+        start[b] = acc;
+        acc += c[b];
+        per_peer[size_t(q)] += c[b];
+      }
+    }
+    return acc;
+  }
+
   void plan_send(const int32_t* idx, int64_t n) {
     std::fill(cnt.begin(), cnt.end(), 0);
     for (int64_t i = 0; i < n * k; ++i)
       if (idx[i] >= 0) ++cnt[size_t(idx[i])];  // expert e = q*El + le: block order already; -1: dropped
-    int64_t acc = 0;
-    for (int q = 0; q < P; ++q) {
-      peer_send[size_t(q)] = 0;
-      for (int le = 0; le < El; ++le) {
-        const size_t b = size_t(q) * El + le;
-        off[b] = acc;
-        acc += cnt[b];
-        peer_send[size_t(q)] += cnt[b];
-      }
-    }
-    S1 = acc;  // records sent (kept slots)
+    S1 = peer_major(cnt, off, peer_send);  // records sent (kept slots)
     int32_t* ro = row_of.get<int32_t>(std::max<int64_t>(n * k, 1));
     std::copy(off.begin(), off.end(), cur.begin());
     for (int64_t i = 0; i < n * k; ++i) ro[i] = idx[i] >= 0 ? int32_t(cur[size_t(idx[i])]++) : -1;
@@ -421,16 +427,7 @@ struct EpDispatch::Impl {
     }
     offsets[size_t(El)] = acc;
     R = acc;
-    int64_t pacc = 0;
-    for (int q = 0; q < P; ++q) {
-      peer_recv[size_t(q)] = 0;
-      for (int le = 0; le < El; ++le) {
-        const size_t b = size_t(q) * El + le;
-        poff[b] = pacc;
-        pacc += rcnt[b];
-        peer_recv[size_t(q)] += rcnt[b];
-      }
-    }
+    peer_major(rcnt, poff, peer_recv);
   }
 
   // Home: payload and metadata of every kept (token, slot), written where pay_at / meta_at(record, peer) say.
