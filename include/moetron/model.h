@@ -40,6 +40,15 @@ struct ParamEntry {
   float init_std = 0.02f;
 };
 
+// Elements a parameter takes in the flat buffers: its numel rounded up to 16 floats (64-byte alignment).
+// The flat layout (ParamEntry::offset), FSDP runs and the trainer's global layout all follow it.
+inline int64_t param_padded_numel(int64_t numel) { return (numel + 15) / 16 * 16; }
+
+// Elements [first, first + count) of parameter e (indices into this rank's part of it) at their initial
+// values: 1 for norm weights, otherwise Philox N(0, init_std) keyed by (seed, name) and the element's index
+// in the whole tensor (shard_first + i), so any sharding gives the unsharded values.
+void init_param_elements(float* dst, const ParamEntry& e, uint64_t seed, int64_t first, int64_t count);
+
 struct ForwardStats {
   double ce_sum = 0;      // sum of per-token cross-entropy (unscaled) over valid targets
   int64_t ce_count = 0;   // valid targets
@@ -113,9 +122,9 @@ class Model {
   int ep_size() const;
   int first_expert() const;
   int local_experts() const;  // routed experts held here (all of them without EP)
-  // EP traffic summed over the MoE layers' dispatchers since construction (zeros without EP), and the
-  // bytes of their buffers.
-  EpStats ep_stats() const;
+  // This rank's EP traffic since construction, summed over the MoE layers' dispatchers and over dispatch,
+  // combine and the backward's row moves (zeros without EP), and the bytes of the dispatchers' buffers.
+  EpTraffic ep_traffic() const;
   int64_t ep_buffer_bytes() const;
 
   // Time spent in recompute and bytes saved by activation checkpointing (0 when off).

@@ -6,6 +6,7 @@
 // losses are fp32. Weights are stored input-major ([in, out]) except the embedding and the head ([V, d]).
 #include "moetron/model.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -208,6 +209,12 @@ struct Model::Impl {
   void build();
   void ensure_rows(Layer& L, int64_t R);
   void ensure_scratch(int64_t R);
+  void alloc_row_scratch(int64_t rows);
+  // Packed expert weights (gate/up and down, forward and dgrad layouts) of the El local experts: the four
+  // buffers, and packing a layer's fp32 expert weights into them (the layer's pk* handles point there).
+  void alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d, const char* name);
+  void pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d);
+  size_t grouped_ws_bytes(int64_t rows) const;
   void forward_layer(Layer& L, const float* xin, float* xout);
   void backward_layer(Layer& L, float* dxio);  // dxio: gradient w.r.t. layer output in, input out
   void attn_forward(Layer& L, LayerBufs& b);
@@ -281,7 +288,7 @@ void Model::Impl::build() {
       e.numel = shape_numel(e.shape);
       e.shard_first = e0 * (e.numel / El);
     }
-    m.n_params_ += (e.numel + 15) / 16 * 16;  // (sharded numel)  // keep every tensor 64-byte aligned
+    m.n_params_ += param_padded_numel(e.numel);  // keep every tensor 64-byte aligned
     P_.push_back(e);
     return int(P_.size() - 1);
   };
@@ -394,14 +401,7 @@ void Model::Impl::build() {
       L.disp = std::make_unique<EpDispatch>(ep_comm, dc);
     }
     if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots
-    size_t b13 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, d, 2 * Fe);
-    size_t b13d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, d, 2 * Fe);
-    size_t b2 = grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, El, Fe, d);
-    size_t b2d = grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, El, Fe, d);
-    L.p13f = Tensor::zeros({int64_t(b13 / 2)}, DType::BF16, MemCategory::Params);
-    L.p13d = Tensor::zeros({int64_t(b13d / 2)}, DType::BF16, MemCategory::Params);
-    L.p2f = Tensor::zeros({int64_t(b2 / 2)}, DType::BF16, MemCategory::Params);
-    L.p2d = Tensor::zeros({int64_t(b2d / 2)}, DType::BF16, MemCategory::Params);
+    alloc_packed(L.p13f, L.p13d, L.p2f, L.p2d, "experts.packed");
   }
   if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
   xf = f32buf(N * d), rstdf = f32buf(N), hf16 = bf16buf(N * d);
@@ -414,15 +414,9 @@ void Model::Impl::build() {
   rope_table(rope_cos.data<float>(), rope_sin.data<float>(), m.T_, R, float(s.rope_theta));
 
   // scratch
-  int64_t attn_w = s.attn.type == AttnType::MLA ? std::max({H * Dqk, H * (dn + Dv), rq, rkv}) : Wqkv;
-  int64_t big = std::max({attn_w, 2 * F, 2 * Fs, H * Dv, d});
-  int64_t big_rows = std::max(N * big, Rmax * std::max(2 * Fe, d));
   x = f32buf(N * d, MemCategory::Workspace), dx = f32buf(N * d, MemCategory::Workspace);
   dh = f32buf(N * d, MemCategory::Workspace), dh2 = f32buf(N * d, MemCategory::Workspace);
-  dy16 = bf16buf(std::max(N * d, Rmax * d), MemCategory::Workspace);
-  s_f1 = f32buf(big_rows, MemCategory::Workspace), s_f2 = f32buf(big_rows, MemCategory::Workspace);
-  s_f3 = f32buf(std::max(N * big, Rmax * d), MemCategory::Workspace);
-  s_b1 = bf16buf(big_rows, MemCategory::Workspace), s_b2 = bf16buf(big_rows, MemCategory::Workspace);
+  alloc_row_scratch(Rmax);
   s_dao = f32buf(N * H * Dv, MemCategory::Workspace);
   if (s.attn.type == AttnType::MLA) {
     m_dq = f32buf(N * H * Dqk, MemCategory::Workspace), m_dk = f32buf(N * H * Dqk, MemCategory::Workspace);
@@ -431,12 +425,6 @@ void Model::Impl::build() {
     m_dckv = f32buf(N * rkv, MemCategory::Workspace);
   }
   if (E > 0) dtopk_w = f32buf(N * K, MemCategory::Workspace), dlogits = f32buf(N * E, MemCategory::Workspace);
-  scratch_rows = Rmax;
-  if (ep > 1) {
-    dwr = f32buf(Rmax, MemCategory::Workspace), iota_r = i32buf(Rmax, MemCategory::Workspace);
-    zero_r = i32buf(Rmax, MemCategory::Workspace);
-    for (int64_t r = 0; r < Rmax; ++r) iota_r.data<int32_t>()[r] = int32_t(r);
-  }
 
   // kernel workspace: the max over every call site
   AttnDims ad = attn_dims();
@@ -457,10 +445,7 @@ void Model::Impl::build() {
     rcfg.seq_len = int(m.T_);
     router_validate(rcfg, N);
     w = std::max(w, router_workspace_bytes(rcfg, N));
-    for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad}) {
-      w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, Rmax, d, 2 * Fe));
-      w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, Rmax, Fe, d));
-    }
+    w = std::max(w, grouped_ws_bytes(Rmax));
   }
   ws_bytes = w;
   if (w > 0) ws = Tensor::zeros({int64_t((w + 3) / 4)}, DType::F32, MemCategory::Workspace, "kernel.ws");
@@ -488,33 +473,68 @@ void Model::Impl::ensure_rows(Layer& L, int64_t R) {
 
 void Model::Impl::ensure_scratch(int64_t R) {
   if (R <= scratch_rows) return;
-  const int64_t cap = std::max(R, scratch_rows + scratch_rows / 4);
-  int64_t attn_w = s.attn.type == AttnType::MLA ? std::max({H * Dqk, H * (dn + Dv), rq, rkv}) : Wqkv;
-  int64_t big = std::max({attn_w, 2 * F, 2 * Fs, H * Dv, d});
-  int64_t big_rows = std::max(N * big, cap * std::max(2 * Fe, d));
-  dy16 = bf16buf(std::max(N * d, cap * d), MemCategory::Workspace);
+  alloc_row_scratch(std::max(R, scratch_rows + scratch_rows / 4));
+  const size_t w = grouped_ws_bytes(scratch_rows);
+  if (w > ws_bytes) {
+    ws = Tensor::zeros({int64_t((w + 3) / 4)}, DType::F32, MemCategory::Workspace, "kernel.ws");
+    ws_bytes = w;
+  }
+}
+
+// The scratch whose size follows the routed rows it must hold (`rows` >= N * k), allocated for `rows`.
+void Model::Impl::alloc_row_scratch(int64_t rows) {
+  const int64_t attn_w = s.attn.type == AttnType::MLA ? std::max({H * Dqk, H * (dn + Dv), rq, rkv}) : Wqkv;
+  const int64_t big = std::max({attn_w, 2 * F, 2 * Fs, H * Dv, d});
+  const int64_t big_rows = std::max(N * big, rows * std::max(2 * Fe, d));
+  dy16 = bf16buf(std::max(N * d, rows * d), MemCategory::Workspace);
   s_f1 = f32buf(big_rows, MemCategory::Workspace), s_f2 = f32buf(big_rows, MemCategory::Workspace);
-  s_f3 = f32buf(std::max(N * big, cap * d), MemCategory::Workspace);
+  s_f3 = f32buf(std::max(N * big, rows * d), MemCategory::Workspace);
   s_b1 = bf16buf(big_rows, MemCategory::Workspace), s_b2 = bf16buf(big_rows, MemCategory::Workspace);
   if (ep > 1) {
-    dwr = f32buf(cap, MemCategory::Workspace), iota_r = i32buf(cap, MemCategory::Workspace);
-    zero_r = i32buf(cap, MemCategory::Workspace);
-    for (int64_t r = 0; r < cap; ++r) iota_r.data<int32_t>()[r] = int32_t(r);
+    dwr = f32buf(rows, MemCategory::Workspace), iota_r = i32buf(rows, MemCategory::Workspace);
+    zero_r = i32buf(rows, MemCategory::Workspace);
+    for (int64_t r = 0; r < rows; ++r) iota_r.data<int32_t>()[r] = int32_t(r);
   }
-  size_t w = ws_bytes;
+  scratch_rows = rows;
+}
+
+void Model::Impl::alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d, const char* name) {
+  auto buf = [&](GroupedPackKind k, int64_t in, int64_t out) {
+    return Tensor::zeros({int64_t(grouped_packed_bytes(k, GemmPrec::BF16, El, in, out) / 2)}, DType::BF16,
+                         MemCategory::Params, name);
+  };
+  p13f = buf(GroupedPackKind::Fwd, d, 2 * Fe), p13d = buf(GroupedPackKind::Dgrad, d, 2 * Fe);
+  p2f = buf(GroupedPackKind::Fwd, Fe, d), p2d = buf(GroupedPackKind::Dgrad, Fe, d);
+}
+
+void Model::Impl::pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d) {
+  const float* w13 = P(L.we13);
+  const float* w2 = P(L.we2);
+  L.pk13f = grouped_pack_weights(p13f.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
+  L.pk13d = grouped_pack_weights(p13d.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
+  L.pk2f = grouped_pack_weights(p2f.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Fwd);
+  L.pk2d = grouped_pack_weights(p2d.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Dgrad);
+}
+
+// The grouped GEMMs' workspace (every op, both expert matmuls) for `rows` routed rows.
+size_t Model::Impl::grouped_ws_bytes(int64_t rows) const {
+  size_t w = 0;
   for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad}) {
-    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, cap, d, 2 * Fe));
-    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, cap, Fe, d));
+    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, rows, d, 2 * Fe));
+    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, rows, Fe, d));
   }
-  if (w > ws_bytes) ws = Tensor::zeros({int64_t((w + 3) / 4)}, DType::F32, MemCategory::Workspace, "kernel.ws");
-  ws_bytes = w;
-  scratch_rows = cap;
+  return w;
 }
 
 const ParamEntry& Model::param(const std::string& name) const {
   for (auto& p : params_)
     if (p.name == name) return p;
   MT_FAIL("Model::param", "no parameter named '", name, "'");
+}
+
+void init_param_elements(float* dst, const ParamEntry& e, uint64_t seed, int64_t first, int64_t count) {
+  if (e.ones) std::fill(dst, dst + count, 1.0f);
+  else fill_normal(dst, count, rng_key(seed, e.name), uint64_t(e.shard_first + first), 0.0f, e.init_std);
 }
 
 void Model::init_params(uint64_t seed) {
@@ -525,13 +545,7 @@ void Model::init_params(uint64_t seed) {
     return;
   }
   float* p = pbuf_.data<float>();
-  for (auto& e : params_) {
-    if (e.ones) {
-      for (int64_t i = 0; i < e.numel; ++i) p[e.offset + i] = 1.0f;
-    } else {
-      fill_normal(p + e.offset, e.numel, rng_key(seed, e.name), uint64_t(e.shard_first), 0.0f, e.init_std);
-    }
-  }
+  for (auto& e : params_) init_param_elements(p + e.offset, e, seed, 0, e.numel);
   for (auto& L : impl_->layers)
     if (L.moe) L.bias.zero_();
   sync_weights();
@@ -543,12 +557,7 @@ void Model::sync_weights() {
   f32_to_bf16(I.w16.data<bf16>(), pbuf_.data<float>(), n_params_);
   for (auto& L : I.layers) {
     if (!L.moe) continue;
-    const float* w13 = I.P(L.we13);
-    const float* w2 = I.P(L.we2);
-    L.pk13f = grouped_pack_weights(L.p13f.raw(), w13, I.El, I.d, 2 * I.Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
-    L.pk13d = grouped_pack_weights(L.p13d.raw(), w13, I.El, I.d, 2 * I.Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
-    L.pk2f = grouped_pack_weights(L.p2f.raw(), w2, I.El, I.Fe, I.d, GemmPrec::BF16, GroupedPackKind::Fwd);
-    L.pk2d = grouped_pack_weights(L.p2d.raw(), w2, I.El, I.Fe, I.d, GemmPrec::BF16, GroupedPackKind::Dgrad);
+    I.pack_experts(L, L.p13f, L.p13d, L.p2f, L.p2d);
   }
 }
 
@@ -561,12 +570,12 @@ int Model::ep_size() const { return impl_->ep; }
 int Model::first_expert() const { return int(impl_->e0); }
 int Model::local_experts() const { return int(impl_->El); }
 
-EpStats Model::ep_stats() const {
-  EpStats t;
+EpTraffic Model::ep_traffic() const {
+  EpTraffic t;
   for (auto& L : impl_->layers) {
     if (!L.disp) continue;
     EpStats s = L.disp->stats();
-    t.dispatch.add(s.dispatch), t.combine.add(s.combine), t.backward.add(s.backward);
+    t.add(s.dispatch), t.add(s.combine), t.add(s.backward);
   }
   return t;
 }
@@ -1163,14 +1172,7 @@ void Model::Impl::fs_build() {
     sl.p = Tensor::zeros({n}, DType::F32, MemCategory::Params, "fsdp.slot.params");
     sl.w16 = Tensor::zeros({n}, DType::BF16, MemCategory::Params, "fsdp.slot.bf16");
     sl.g = Tensor::zeros({n}, DType::F32, MemCategory::Grads, "fsdp.slot.grads");
-    if (E > 0) {
-      auto pk = [&](GroupedPackKind k, int64_t K_, int64_t N_) {
-        return Tensor::zeros({int64_t(grouped_packed_bytes(k, GemmPrec::BF16, El, K_, N_) / 2)}, DType::BF16,
-                             MemCategory::Params, "fsdp.slot.experts");
-      };
-      sl.p13f = pk(GroupedPackKind::Fwd, d, 2 * Fe), sl.p13d = pk(GroupedPackKind::Dgrad, d, 2 * Fe);
-      sl.p2f = pk(GroupedPackKind::Fwd, Fe, d), sl.p2d = pk(GroupedPackKind::Dgrad, Fe, d);
-    }
+    if (E > 0) alloc_packed(sl.p13f, sl.p13d, sl.p2f, sl.p2d, "fsdp.slot.experts");
   }
 }
 
@@ -1189,13 +1191,7 @@ void Model::Impl::fs_acquire(int u, bool params, bool grads) {
     m.fsdp_->gather_unit(sl.p.data<float>(), u);
     f32_to_bf16(sl.w16.data<bf16>(), sl.p.data<float>(), n);
     if (u >= 1 && u <= int(layers.size()) && layers[size_t(u - 1)].moe) {
-      Layer& L = layers[size_t(u - 1)];
-      const float* w13 = P(L.we13);
-      const float* w2 = P(L.we2);
-      L.pk13f = grouped_pack_weights(sl.p13f.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
-      L.pk13d = grouped_pack_weights(sl.p13d.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
-      L.pk2f = grouped_pack_weights(sl.p2f.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Fwd);
-      L.pk2d = grouped_pack_weights(sl.p2d.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Dgrad);
+      pack_experts(layers[size_t(u - 1)], sl.p13f, sl.p13d, sl.p2f, sl.p2d);
     }
   }
   if (grads) std::memset(sl.g.raw(), 0, size_t(n) * 4);

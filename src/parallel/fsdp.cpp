@@ -7,12 +7,11 @@
 #include "moetron/check.h"
 #include "moetron/model.h"
 #include "moetron/optim.h"
-#include "moetron/rng.h"
 
 namespace moetron {
 
 namespace {
-int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+int64_t pad16(int64_t n) { return param_padded_numel(n); }
 }  // namespace
 
 Fsdp::Fsdp(const std::vector<ParamEntry>& params, const std::vector<int>& unit_of, int n_units, const FsdpOptions& o)
@@ -76,13 +75,8 @@ int64_t Fsdp::total_padded_numel() const {
 void Fsdp::init(uint64_t seed) {
   float* p = params();
   std::memset(p, 0, size_t(shard_numel_) * 4);
-  for (auto& s : segs_) {
-    const ParamEntry& e = params_[size_t(s.param)];
-    if (e.ones) std::fill(p + s.shard_offset, p + s.shard_offset + s.count, 1.0f);
-    else
-      fill_normal(p + s.shard_offset, s.count, rng_key(seed, e.name), uint64_t(e.shard_first + s.elem_offset), 0.0f,
-                  e.init_std);
-  }
+  for (auto& s : segs_)
+    init_param_elements(p + s.shard_offset, params_[size_t(s.param)], seed, s.elem_offset, s.count);
 }
 
 void Fsdp::zero_grads() { g_.zero_(); }

@@ -301,11 +301,18 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     fsdp->gather_flat(p_full.data(), fsdp->params());
     return p_full.data();
   };
+  auto local_grads = [&](std::vector<float>& flat) -> const float* {
+    if (!zero3) return model.grad_data();
+    flat.resize(size_t(np));
+    fsdp->gather_flat(flat.data(), fsdp->grads());
+    return flat.data();
+  };
   // Global layout (what one process holds: every expert, offsets padded as Model lays them out) from a
-  // local-layout vector: expert shards are gathered over the EP group. Collective under EP.
+  // local-layout vector: expert shards are gathered over the EP group. Collective under EP; without EP
+  // it is a copy (the two layouts coincide).
   std::vector<int64_t> goff;
   int64_t gnp = 0;
-  for (auto& p : model.params()) goff.push_back(gnp), gnp += (shape_numel(p.global_shape) + 15) / 16 * 16;
+  for (auto& p : model.params()) goff.push_back(gnp), gnp += param_padded_numel(shape_numel(p.global_shape));
   auto to_global = [&](const float* local) {
     std::vector<float> g(size_t(gnp), 0.0f);
     const auto& ps = model.params();
@@ -462,14 +469,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   int64_t tokens_total = 0;
   double window_t = 0;
   int64_t window_tok = 0, window_steps = 0;
-  // EP traffic of this rank, summed over dispatch, combine and the backward's row moves
-  auto ep_total = [&]() {
-    EpStats e = model.ep_stats();
-    EpTraffic t = e.dispatch;
-    t.add(e.combine), t.add(e.backward);
-    return t;
-  };
-  EpTraffic ep_window0 = ep_total(), ep_run0 = ep_window0;
+  EpTraffic ep_window0 = model.ep_traffic(), ep_run0 = ep_window0;
   std::vector<int64_t> load_sum;
   while (step < tr.steps) {
     // The first step warms caches and oneDNN primitives: it is not profiled.
@@ -521,41 +521,34 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     double gn;
     if (zero3) {
       gn = std::sqrt(fsdp->grad_norm_sq());
-    } else if (EP == 1) {
-      gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
-    } else {  // replicated runs once, expert shards summed over the EP group in rank order
+    } else {  // replicated runs once, expert shards (EP only) summed over the EP group in rank order
       double sq_d = 0, sq_e = 0, sq_e_all = 0;
       for (auto& r : runs) (r.expert ? sq_e : sq_d) += grad_norm_sq(model.grad_data() + r.lo, r.hi - r.lo);
       epc.all_reduce_ordered(&sq_e_all, &sq_e, 1, 1);
       gn = std::sqrt(sq_d + sq_e_all);
     }
     if (opt.keep_first_grads && step == res.start_step + 1) {
-      if (zero3) {
-        std::vector<float> g(static_cast<size_t>(np));
-        fsdp->gather_flat(g.data(), fsdp->grads());
-        res.first_grads = EP > 1 ? to_global(g.data()) : g;
-      } else if (EP > 1) {
-        res.first_grads = to_global(model.grad_data());
-      } else {
-        res.first_grads.assign(model.grad_data(), model.grad_data() + np);
-      }
+      std::vector<float> flat;
+      res.first_grads = to_global(local_grads(flat));
     }
     float clip = tr.max_norm > 0 ? clip_coefficient(gn, tr.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
     // AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
-    if (zero3)  // the shard's pieces of parameters (a piece has one decay flag; padding is not updated)
+    if (zero3) {  // the shard's pieces of parameters (a piece has one decay flag; padding is not updated)
       for (auto& sg : fsdp->segments())
         adamw_step(fsdp->params() + sg.shard_offset, mbuf.data<float>() + sg.shard_offset,
                    vbuf.data<float>() + sg.shard_offset, fsdp->grads() + sg.shard_offset, sg.count, ac, step, clip,
                    model.params()[size_t(sg.param)].decay);
-    for (auto& r : runs)
-      for (auto& p : model.params()) {
-        if (zero3) break;
-        const int64_t a = std::max(r.s_lo, p.offset), b = std::min(r.s_hi, p.offset + p.numel);
-        if (a < b)
-          adamw_step(model.param_data() + a, mbuf.data<float>() + r.st + (a - r.s_lo),
-                     vbuf.data<float>() + r.st + (a - r.s_lo), model.grad_data() + a, b - a, ac, step, clip, p.decay);
-      }
+    } else {
+      for (auto& r : runs)
+        for (auto& p : model.params()) {
+          const int64_t a = std::max(r.s_lo, p.offset), b = std::min(r.s_hi, p.offset + p.numel);
+          if (a < b)
+            adamw_step(model.param_data() + a, mbuf.data<float>() + r.st + (a - r.s_lo),
+                       vbuf.data<float>() + r.st + (a - r.s_lo), model.grad_data() + a, b - a, ac, step, clip,
+                       p.decay);
+        }
+    }
     if (sharded) {
       MT_TRACE("dp.all_gather_params");
       for (auto& r : runs) {
@@ -576,8 +569,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     StepRecord rec;
     rec.step = step, rec.loss = ce_n ? ce / double(ce_n) : 0, rec.aux_loss = aux, rec.lr = ac.lr, rec.grad_norm = gn;
     if (opt.record_param_hash) {
-      uint64_t h = EP > 1 ? fnv1a(to_global(local_params()).data(), size_t(gnp) * 4)
-                          : fnv1a(local_params(), size_t(np) * 4);
+      uint64_t h = fnv1a(to_global(local_params()).data(), size_t(gnp) * 4);
       for (int i = 0; i < model.n_moe_layers(); ++i)
         h = fnv1a(model.expert_bias(i), size_t(ms.moe.n_routed_experts) * 4, h);
       rec.param_hash = h;
@@ -615,7 +607,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
       j["mem_peak_by_category"] = cat;
       if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
       if (EP > 1) {  // this rank's EP bytes sent and time per step over the window (validation included)
-        EpTraffic now = ep_total();
+        EpTraffic now = model.ep_traffic();
         const double ws_ = double(std::max<int64_t>(1, window_steps));
         j["ep"] = {{"bytes_inter_per_step", double(now.bytes_inter - ep_window0.bytes_inter) / ws_},
                    {"bytes_intra_per_step", double(now.bytes_intra - ep_window0.bytes_intra) / ws_},
@@ -658,7 +650,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   res.comm_seconds = dp.stats().total().seconds;
   res.ep = EP;
   if (EP > 1) {
-    EpTraffic t = ep_total();
+    EpTraffic t = model.ep_traffic();
     const double st_ = double(std::max<int64_t>(1, res.end_step - res.start_step));
     res.ep_bytes_inter_per_step = double(t.bytes_inter - ep_run0.bytes_inter) / st_;
     res.ep_bytes_intra_per_step = double(t.bytes_intra - ep_run0.bytes_intra) / st_;
@@ -666,8 +658,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     res.ep_buffer_bytes = model.ep_buffer_bytes();
   }
   if (opt.keep_params) {
-    if (EP > 1) res.final_params = to_global(local_params());
-    else res.final_params.assign(local_params(), local_params() + np);
+    res.final_params = to_global(local_params());
     for (int i = 0; i < model.n_moe_layers(); ++i)
       res.final_params.insert(res.final_params.end(), model.expert_bias(i),
                               model.expert_bias(i) + ms.moe.n_routed_experts);
