@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
       libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libsentencepiece-dev)
+      libsentencepiece-dev ocl-icd-opencl-dev)
 if [[ "${MOETRON_SKIP_APT:-0}" != 1 ]]; then
   missing=()
   for p in "${PKGS[@]}"; do
