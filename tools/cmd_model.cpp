@@ -54,7 +54,7 @@ nlohmann::ordered_json info_json(const JobConfig& c, const std::string& path) {
   j["dense_part_params"] = pc.dense_part;
   j["seq_len"] = c.training.seq_len;
   j["micro_batch_size"] = c.training.micro_batch_size;
-  j["dtype"] = std::string(to_string(c.training.dtype));
+  j["compute_dtype"] = std::string(to_string(c.training.compute_dtype));
   j["activation_checkpoint"] = std::string(to_string(c.activation_checkpoint.mode));
   j["flops_per_token"] = f.train;
   j["flops_per_token_fwd"] = f.fwd();
@@ -134,7 +134,7 @@ void print_info(const JobConfig& c, const std::string& path) {
 
   std::printf("\nper layer: fp32 parameter bytes; activations saved for one micro-batch (%lld x %lld tokens, %s)\n",
               (long long)c.training.micro_batch_size, (long long)c.training.seq_len,
-              std::string(to_string(c.training.dtype)).c_str());
+              std::string(to_string(c.training.compute_dtype)).c_str());
   std::printf("  %-12s %-6s %10s %10s %10s %10s %12s %12s\n", "layers", "kind", "attention", "mlp/exp", "router",
               "params", "param bytes", "act bytes");
   int64_t l = 0;

@@ -17,12 +17,19 @@
 
 namespace moetron {
 
-enum class Precision : uint8_t { BF16, FP32, FP8 };
+enum class Precision : uint8_t { BF16, FP32, FP8 };  // element sizes for the accounting (planner and engine)
+// [training] compute_dtype: the element type of the GEMM operands and of the activations saved for them.
+// Auto picks BF16 where the CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16) and FP32
+// everywhere else (runtime.h: resolve_compute_dtype). Masters, optimizer state and reductions stay fp32.
+enum class ComputeDtype : uint8_t { Auto, BF16, FP32 };
 enum class DecayType : uint8_t { Cosine, Linear, None };
 enum class EpDispatcher : uint8_t { AllToAll, SyncFree, Hierarchical };
 enum class AcMode : uint8_t { None, Selective, Full };
 
 std::string_view to_string(Precision v);
+std::string_view to_string(ComputeDtype v);
+// The accounting's element sizes for a resolved compute dtype (Auto counts as BF16, the GPU default).
+Precision precision_of(ComputeDtype v);
 std::string_view to_string(DecayType v);
 std::string_view to_string(EpDispatcher v);
 std::string_view to_string(AcMode v);
@@ -45,7 +52,7 @@ struct TrainSpec {
   std::string dataset_path;
   int64_t val_interval = 0;  // 0 = no validation
   int64_t val_steps = 0;
-  Precision dtype = Precision::BF16;
+  ComputeDtype compute_dtype = ComputeDtype::Auto;  // replaces the retired `dtype` key
   int64_t threads = 0;  // 0 = all hardware threads
   bool operator==(const TrainSpec&) const = default;
 };

@@ -17,6 +17,15 @@ enum class Trans : uint8_t { N, T };
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
+// oneDNN's own sgemm (same contract as gemm_f32): the machine's fp32 GEMM limit for benchmarks and MFU.
+void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                     const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// True when bf16 GEMMs run natively here: the CPU has AVX512-BF16 and oneDNN creates a bf16 matmul (an
+// ISA cap such as DNNL_MAX_CPU_ISA=AVX2 makes it false). gemm_bf16 throws, naming the missing feature and
+// the training.compute_dtype key, where oneDNN has no bf16 matmul.
+bool gemm_bf16_native();
+
 void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

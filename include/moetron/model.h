@@ -1,7 +1,9 @@
 // model.h: the DeepSeek-family decoder (embeddings, attention MHA/GQA/MLA, dense SwiGLU or MoE FFN with
 // shared experts, final norm, fused linear + cross-entropy head) with explicit forward and backward.
-// All parameters live in one fp32 allocation, all gradients in another (llm.c style); bf16 copies and the
-// packed expert weights are refreshed by sync_weights() after every optimizer step. Every activation
+// All parameters live in one fp32 allocation, all gradients in another (llm.c style); bf16 copies (bf16
+// compute only) and the packed expert weights are refreshed by sync_weights() after every optimizer step.
+// GEMM operands and the activations saved for them are in the compute dtype (ComputeDtype: bf16, or fp32 on
+// CPUs without native bf16); the residual stream, norms, softmax, router and losses are fp32 either way. Every activation
 // buffer is allocated once at construction for the given micro-batch shape: nothing allocates in a step.
 // Expert parallelism (ModelParallel::ep): the routed experts are sharded contiguously over the EP group
 // (this rank holds experts [first_expert, first_expert + local_experts)); every MoE layer sends its routed
@@ -67,6 +69,11 @@ struct ModelParallel {
   const FsdpOptions* fsdp = nullptr;  // FSDP / ZeRO-3 mode (see the constructor); not with ep > 1 yet
 };
 
+// training.compute_dtype for this machine: Auto -> BF16 where bf16 GEMMs are native (the kernels run at
+// AVX-512 with AVX512-BF16 and oneDNN creates a bf16 matmul), else FP32. BF16 where it is not native throws,
+// naming the missing CPU feature and the key to change. `why` (optional) gets the one-line reason.
+ComputeDtype resolve_compute_dtype(ComputeDtype requested, std::string* why = nullptr);
+
 class Model {
  public:
   // B sequences of T tokens per micro-batch (the shape every buffer is sized for). Collective over the EP
@@ -76,13 +83,15 @@ class Model {
   // is all-gathered into a slot before use and released after (its gradient reduce-scattered into the
   // gradient shard, accumulating over micro-batches). param_data() / grad_data() then return nullptr, and
   // forward, forward_backward and compute_logits are collective over the FSDP groups.
+  // compute: the GEMM dtype (Auto resolves with resolve_compute_dtype).
   Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac = {},
-        const ModelParallel& par = {});
+        const ModelParallel& par = {}, ComputeDtype compute = ComputeDtype::Auto);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
   const ModelSpec& spec() const { return spec_; }
+  ComputeDtype compute_dtype() const { return compute_; }  // resolved: BF16 or FP32
   const std::vector<ParamEntry>& params() const { return params_; }
   const ParamEntry& param(const std::string& name) const;
   int64_t num_params() const { return n_params_; }
@@ -113,7 +122,7 @@ class Model {
   void update_expert_bias(const std::vector<std::vector<int64_t>>& counts);
 
   // The logits of the last forward are not kept (loss fusion); for tests, compute them explicitly:
-  // logits [B*T, V] for the given tokens, fp32, with the same bf16 weights the training path uses.
+  // logits [B*T, V] for the given tokens, fp32, with the same compute-dtype weights the training path uses.
   void compute_logits(float* logits, const int32_t* tokens);
 
   int64_t tokens_per_micro_batch() const { return B_ * T_; }
@@ -136,6 +145,7 @@ class Model {
   ModelSpec spec_;
   ActivationCheckpointSpec ac_;
   int64_t B_, T_;
+  ComputeDtype compute_;
   std::vector<ParamEntry> params_;
   int64_t n_params_ = 0;
   Tensor pbuf_, gbuf_;

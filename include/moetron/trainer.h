@@ -23,10 +23,11 @@ namespace moetron {
 // lr * min_lr_ratio at the last step, or constant.
 double lr_at(const OptimizerSpec& o, const LRSchedulerSpec& s, int64_t step, int64_t total_steps);
 
-// bf16 matmul throughput of this machine right now (GFLOPS): the best of `reps` n^3 oneDNN matmuls. The
-// trainer measures at start-up (2048, 6) and again briefly at every log step (1024, 3), keeping the best
-// figure, so MFU is against the best peak seen in the same run.
-double measure_bf16_peak_gflops(int64_t n = 2048, int reps = 6);
+// Matmul throughput of this machine right now (GFLOPS) in the compute dtype dt (BF16 or FP32): the best of
+// `reps` n^3 oneDNN matmuls (bf16 matmul, or oneDNN's sgemm: the machine's fp32 limit). The trainer measures
+// at start-up (2048, 6) and again briefly at every log step (1024, 3), keeping the best figure, so MFU is
+// against the best peak seen in the same run.
+double measure_peak_gflops(ComputeDtype dt, int64_t n = 2048, int reps = 6);
 
 struct TrainOptions {
   bool progress = true;     // progress line on a terminal; plain lines otherwise
@@ -63,6 +64,7 @@ struct TrainResult {
   std::vector<StepRecord> history;       // one per step run in this process
   double final_loss = 0, final_val_loss = -1;
   double tokens_per_s = 0, tflops = 0, mfu = 0, peak_gflops = 0;
+  ComputeDtype compute_dtype = ComputeDtype::Auto;  // as resolved for this run (BF16 or FP32)
   double recompute_seconds = 0;
   int64_t mem_peak_bytes = 0;
   int64_t act_peak_bytes = 0;  // peak of the activations category (what recompute saves)

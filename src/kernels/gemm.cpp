@@ -59,9 +59,15 @@ CachedMatmul& get_bf16_matmul(const MatmulKey& k) {
     po.append_sum(k.beta);
     attr.set_post_ops(po);
   }
-  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
-  auto [pos, _] = cache.emplace(k, CachedMatmul{dnnl::matmul(pd), a, b, c});
-  return pos->second;
+  try {
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+    auto [pos, _] = cache.emplace(k, CachedMatmul{dnnl::matmul(pd), a, b, c});
+    return pos->second;
+  } catch (const dnnl::error& e) {
+    MT_FAIL("gemm_bf16", "oneDNN cannot create a bf16 matmul on this CPU (", e.what(), "): bf16 GEMMs need ",
+            "AVX512-BF16 or AMX-BF16, and this CPU ", cpu_features().avx512bf16 ? "has AVX512-BF16 but oneDNN is capped "
+            "(DNNL_MAX_CPU_ISA)" : "lacks avx512_bf16", ". Train with training.compute_dtype = \"fp32\" (or \"auto\")");
+  }
 }
 
 void check_dims(const char* op, Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
@@ -87,6 +93,22 @@ void scale_c(float* C, int64_t ldc, int64_t M, int64_t N, float beta) {
 
 }  // namespace
 
+bool gemm_bf16_native() {
+  static const bool ok = [] {
+    if (!cpu_features().avx512bf16) return false;  // oneDNN would emulate or refuse: not native either way
+    try {
+      using dt = dnnl::memory::data_type;
+      dnnl::memory::desc a({64, 64}, dt::bf16, dnnl::memory::dims{64, 1});
+      dnnl::memory::desc c({64, 64}, dt::f32, dnnl::memory::dims{64, 1});
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, a, c), cpu_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   check_dims("gemm_f32", ta, tb, M, N, K, lda, ldb, ldc);
@@ -96,6 +118,11 @@ void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, 
   dnnl_status_t st = dnnl_sgemm(ta == Trans::T ? 'T' : 'N', tb == Trans::T ? 'T' : 'N', M, N, K, alpha, A, lda, B,
                                 ldb, beta, C, ldc);
   MT_CHECK(st == dnnl_success, "gemm_f32", "dnnl_sgemm failed with status ", int(st));
+}
+
+void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                     const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,

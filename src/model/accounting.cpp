@@ -234,7 +234,7 @@ ActivationBytes activation_bytes(const ModelSpec& s, int64_t B, int64_t S, Preci
 }
 
 ActivationBytes activation_bytes(const JobConfig& c) {
-  return activation_bytes(c.model, c.training.micro_batch_size, c.training.seq_len, c.training.dtype,
+  return activation_bytes(c.model, c.training.micro_batch_size, c.training.seq_len, precision_of(c.training.compute_dtype),
                           c.activation_checkpoint);
 }
 

@@ -2,8 +2,11 @@
 // Per layer: x_mid = x + Attn(RMSNorm(x)); x_out = x_mid + FFN(RMSNorm(x_mid)), FFN dense SwiGLU or MoE
 // (router -> permute -> grouped gate/up GEMM -> SwiGLU -> grouped down GEMM -> weighted combine, plus
 // shared experts as one dense SwiGLU of width n_shared * moe_inter_size).
-// Matmuls take bf16 operands with fp32 accumulation; the residual stream, norms, softmax, router and
-// losses are fp32. Weights are stored input-major ([in, out]) except the embedding and the head ([V, d]).
+// Matmuls take operands in the compute dtype (bf16, or fp32 on CPUs without native bf16; see
+// resolve_compute_dtype) with fp32 accumulation; the residual stream, norms, softmax, router and losses are
+// fp32. A buffer named *c holds a GEMM operand in the compute dtype: in fp32 mode it is the fp32 tensor
+// itself where one exists (no copy), otherwise its bf16 copy. Weights are stored input-major ([in, out])
+// except the embedding and the head ([V, d]).
 #include "moetron/model.h"
 
 #include <algorithm>
@@ -30,18 +33,6 @@ namespace moetron {
 
 namespace {
 
-// y[N,out] (+)= x16[N,in] · W16[in,out]
-void lin_fwd(float* y, const bf16* x, const bf16* w, int64_t N, int64_t in, int64_t out, bool acc = false) {
-  gemm_bf16(Trans::N, Trans::N, N, out, in, 1.0f, x, in, w, out, acc ? 1.0f : 0.0f, y, out);
-}
-// dx[N,in] (+)= dy16[N,out] · W16[in,out]^T
-void lin_dgrad(float* dx, const bf16* dy, const bf16* w, int64_t N, int64_t in, int64_t out, bool acc = false) {
-  gemm_bf16(Trans::N, Trans::T, N, in, out, 1.0f, dy, out, w, out, acc ? 1.0f : 0.0f, dx, in);
-}
-// dW[in,out] += x16[N,in]^T · dy16[N,out]
-void lin_wgrad(float* dw, const bf16* x, const bf16* dy, int64_t N, int64_t in, int64_t out) {
-  gemm_bf16(Trans::T, Trans::N, in, out, N, 1.0f, x, in, dy, out, 1.0f, dw, out);
-}
 void add_inplace(float* y, const float* x, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
@@ -49,9 +40,6 @@ void add_inplace(float* y, const float* x, int64_t n) {
 
 Tensor f32buf(int64_t n, MemCategory c = MemCategory::Activations) {
   return Tensor::zeros({n}, DType::F32, c);
-}
-Tensor bf16buf(int64_t n, MemCategory c = MemCategory::Activations) {
-  return Tensor::zeros({n}, DType::BF16, c);
 }
 Tensor i32buf(int64_t n, MemCategory c = MemCategory::Activations) {
   return Tensor::zeros({n}, DType::I32, c);
@@ -62,18 +50,18 @@ Tensor i32buf(int64_t n, MemCategory c = MemCategory::Activations) {
 // Saved activations of one layer (a checkpointed layer shares one set with the others of its kind and
 // keeps only its input).
 struct LayerBufs {
-  Tensor rstd1, h1_16, x_mid, rstd2, h2, h2_16;
+  Tensor rstd1, h1c, x_mid, rstd2, h2, h2c;
   // attention (mha/gqa)
   Tensor qkv;
   // attention (mla)
-  Tensor cq, rstdq, cqn16, q, ckv, rstdkv, ckvn16, kpe, kv, k;
-  Tensor ao, ao16, lse;
+  Tensor cq, rstdq, cqnc, q, ckv, rstdkv, ckvnc, kpe, kv, k;
+  Tensor ao, aoc, lse;
   // dense ffn / shared experts
-  Tensor gu, act16;
+  Tensor gu, actc;
   // moe
-  Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, slot_of, xp16, egu, eact16, ez;
+  Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, slot_of, xpc, egu, eactc, ez;
   int64_t R = 0;         // routed rows of the last forward (received rows under EP)
-  int64_t rows_cap = 0;  // rows xp16 / egu / eact16 / ez hold (grows under EP when routing is skewed)
+  int64_t rows_cap = 0;  // rows xpc / egu / eactc / ez hold (grows under EP when routing is skewed)
 };
 
 struct Layer {
@@ -113,12 +101,12 @@ struct Model::Impl {
   int64_t scratch_rows = 0, sel_rows_cap = 0;
   std::vector<Layer> layers;
   std::vector<std::unique_ptr<LayerBufs>> owned_bufs;
-  Tensor w16;  // bf16 copy of every parameter
+  Tensor wc;  // bf16 copy of every parameter (bf16 mode only: fp32 mode multiplies the masters)
   Tensor rope_cos, rope_sin;
-  Tensor xf, rstdf, hf16;  // final norm
+  Tensor xf, rstdf, hfc;  // final norm
   int emb = -1, head = -1, final_norm = -1;
   // scratch
-  Tensor x, dx, dh, dh2, dy16, s_f1, s_f2, s_b1, s_b2, s_f3, s_dao, dtopk_w, dlogits;
+  Tensor x, dx, dh, dh2, dyc, s_f1, s_f2, s_c1, s_c2, s_f3, s_dao, dtopk_w, dlogits;
   Tensor m_dq, m_dk, m_dkv, m_dkpe, m_dcq, m_dckv;  // MLA backward scratch
   Tensor ws;  // workspace for kernels (max of all needs)
   size_t ws_bytes = 0;
@@ -135,7 +123,7 @@ struct Model::Impl {
   // n_layers + 1 = final norm + head (tied: the head is the embedding, unit 0). A unit in use lives in a
   // slot: fp32 parameters, their bf16 copy, the packed expert weights (MoE layers), fp32 gradients.
   struct FsSlot {
-    Tensor p, w16, g, p13f, p13d, p2f, p2d;
+    Tensor p, wc, g, p13f, p13d, p2f, p2d;
     int unit = -1;
     bool grads = false;
   };
@@ -162,10 +150,86 @@ struct Model::Impl {
   float* G(int i) {
     return fs_on ? fs_slot(i).g.data<float>() + fs_local[i] : m.gbuf_.data<float>() + m.params_[i].offset;
   }
-  const bf16* W(int i) {
-    return fs_on ? fs_slot(i).w16.data<bf16>() + fs_local[i] : w16.data<bf16>() + m.params_[i].offset;
+  // Parameter i as a GEMM operand: the fp32 master itself in fp32 mode, else its bf16 copy.
+  const void* W(int i) {
+    if (f32) return P(i);
+    return fs_on ? fs_slot(i).wc.data<bf16>() + fs_local[i] : wc.data<bf16>() + m.params_[i].offset;
   }
   void* wsp() { return ws.defined() ? ws.raw() : nullptr; }
+
+  // ---- the compute dtype: every call that depends on it goes through these ----
+  bool f32 = false;  // compute dtype FP32 (else BF16)
+  GemmPrec prec() const { return f32 ? GemmPrec::F32 : GemmPrec::BF16; }
+  Tensor cbuf(int64_t n, MemCategory c = MemCategory::Activations) const {
+    return Tensor::zeros({n}, f32 ? DType::F32 : DType::BF16, c);
+  }
+  // A compute-dtype buffer that in fp32 mode is the fp32 tensor `same` itself.
+  Tensor cbuf_or(const Tensor& same, int64_t n) const { return f32 ? same : cbuf(n); }
+  // src in the compute dtype: src itself in fp32 mode (nothing copied), else rounded to bf16 into dst.
+  const void* to_c(Tensor& dst, const float* src, int64_t n) {
+    if (f32) return src;
+    f32_to_bf16(dst.data<bf16>(), src, n);
+    return dst.raw();
+  }
+  // src copied into the compute-dtype buffer dst (rounded to bf16 in bf16 mode).
+  void copy_c(Tensor& dst, const float* src, int64_t n) {
+    if (f32) std::memcpy(dst.raw(), src, size_t(n) * 4);
+    else f32_to_bf16(dst.data<bf16>(), src, n);
+  }
+  // y[N,out] (+)= x[N,in] · W[in,out]
+  void lin_fwd(float* y, const void* x, const void* w, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    gemm_c(Trans::N, Trans::N, rows, out, in, x, in, w, out, acc ? 1.0f : 0.0f, y, out);
+  }
+  // dx[N,in] (+)= dy[N,out] · W[in,out]^T
+  void lin_dgrad(float* dx, const void* dy, const void* w, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    gemm_c(Trans::N, Trans::T, rows, in, out, dy, out, w, out, acc ? 1.0f : 0.0f, dx, in);
+  }
+  // dW[in,out] += x[N,in]^T · dy[N,out]
+  void lin_wgrad(float* dw, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
+    gemm_c(Trans::T, Trans::N, in, out, rows, x, in, dy, out, 1.0f, dw, out);
+  }
+  void gemm_c(Trans ta, Trans tb, int64_t M, int64_t Nn, int64_t Kk, const void* A, int64_t lda, const void* B,
+              int64_t ldb, float beta, float* C, int64_t ldc) {
+    if (f32)
+      gemm_f32(ta, tb, M, Nn, Kk, 1.0f, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C,
+               ldc);
+    else
+      gemm_bf16(ta, tb, M, Nn, Kk, 1.0f, static_cast<const bf16*>(A), lda, static_cast<const bf16*>(B), ldb, beta, C,
+                ldc);
+  }
+  // RMSNorm of x into y (fp32, kept) and yc (its compute copy; the same tensor in fp32 mode).
+  void norm_fwd(float* y, Tensor& yc, float* rstd, const float* x, const float* w, int64_t rows, int64_t C) {
+    rmsnorm_forward(y, f32 ? nullptr : yc.data<bf16>(), rstd, x, w, rows, C, float(s.norm_eps));
+  }
+  // RMSNorm whose output only feeds GEMMs: written once, in the compute dtype (fp32 scratch in bf16 mode).
+  void norm_fwd_c(Tensor& yc, float* rstd, const float* x, const float* w, int64_t rows, int64_t C) {
+    if (f32) rmsnorm_forward(yc.data<float>(), nullptr, rstd, x, w, rows, C, float(s.norm_eps));
+    else rmsnorm_forward(s_f3.data<float>(), yc.data<bf16>(), rstd, x, w, rows, C, float(s.norm_eps));
+  }
+  // SwiGLU whose output only feeds the down GEMM: into hc in the compute dtype (scratch: fp32 in bf16 mode).
+  void swiglu_c(Tensor& hc, float* scratch, const float* gu, int64_t rows, int64_t Fw) {
+    if (f32) swiglu_forward(hc.data<float>(), nullptr, gu, rows, Fw);
+    else swiglu_forward(scratch, hc.data<bf16>(), gu, rows, Fw);
+  }
+  // Grouped expert GEMMs on compute-dtype rows (weights packed in prec()).
+  void gg_fwd(float* Y, const void* X, const GroupedPackedWeights& W, const int32_t* kept, int64_t R, int64_t in,
+              int64_t out) {
+    if (f32) grouped_gemm_fwd(Y, static_cast<const float*>(X), W, kept, El, R, in, out, wsp(), ws_bytes);
+    else grouped_gemm_fwd(Y, nullptr, static_cast<const bf16*>(X), W, kept, El, R, in, out, wsp(), ws_bytes);
+  }
+  void gg_dgrad(float* dX, const void* dY, const GroupedPackedWeights& Wt, const int32_t* kept, int64_t R, int64_t in,
+                int64_t out) {
+    if (f32) grouped_gemm_dgrad(dX, static_cast<const float*>(dY), Wt, kept, El, R, in, out, wsp(), ws_bytes);
+    else grouped_gemm_dgrad(dX, nullptr, static_cast<const bf16*>(dY), Wt, kept, El, R, in, out, wsp(), ws_bytes);
+  }
+  void gg_wgrad(float* dW, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in, int64_t out) {
+    if (f32)
+      grouped_gemm_wgrad(dW, static_cast<const float*>(X), static_cast<const float*>(dY), kept, El, R, in, out, true,
+                         wsp(), ws_bytes);
+    else
+      grouped_gemm_wgrad(dW, static_cast<const bf16*>(X), static_cast<const bf16*>(dY), kept, El, R, in, out, true,
+                         wsp(), ws_bytes);
+  }
 
   AttnDims attn_dims() const {
     AttnDims a{};
@@ -184,25 +248,25 @@ struct Model::Impl {
   }
 
   void alloc_bufs(LayerBufs& b, bool moe) {
-    b.rstd1 = f32buf(N), b.h1_16 = bf16buf(N * d), b.x_mid = f32buf(N * d), b.rstd2 = f32buf(N);
-    b.h2 = f32buf(N * d), b.h2_16 = bf16buf(N * d);
+    b.rstd1 = f32buf(N), b.h1c = cbuf(N * d), b.x_mid = f32buf(N * d), b.rstd2 = f32buf(N);
+    b.h2 = f32buf(N * d), b.h2c = cbuf_or(b.h2, N * d);
     if (s.attn.type == AttnType::MLA) {
-      if (rq > 0) b.cq = f32buf(N * rq), b.rstdq = f32buf(N), b.cqn16 = bf16buf(N * rq);
-      b.q = f32buf(N * H * Dqk), b.ckv = f32buf(N * rkv), b.rstdkv = f32buf(N), b.ckvn16 = bf16buf(N * rkv);
+      if (rq > 0) b.cq = f32buf(N * rq), b.rstdq = f32buf(N), b.cqnc = cbuf(N * rq);
+      b.q = f32buf(N * H * Dqk), b.ckv = f32buf(N * rkv), b.rstdkv = f32buf(N), b.ckvnc = cbuf(N * rkv);
       b.kpe = f32buf(N * dr), b.kv = f32buf(N * H * (dn + Dv)), b.k = f32buf(N * H * Dqk);
     } else {
       b.qkv = f32buf(N * Wqkv);
     }
-    b.ao = f32buf(N * H * Dv), b.ao16 = bf16buf(N * H * Dv), b.lse = f32buf(N * H);
+    b.ao = f32buf(N * H * Dv), b.aoc = cbuf_or(b.ao, N * H * Dv), b.lse = f32buf(N * H);
     if (!moe) {
-      b.gu = f32buf(N * 2 * F), b.act16 = bf16buf(N * F);
+      b.gu = f32buf(N * 2 * F), b.actc = cbuf(N * F);
     } else {
       b.logits = f32buf(N * E), b.scores = f32buf(N * E), b.topk_idx = i32buf(N * K), b.topk_w = f32buf(N * K);
       b.counts = i32buf(E), b.kept = i32buf(E), b.offsets = i32buf(E + 1), b.row_of = i32buf(N * K),
       b.token_of = i32buf(N * K), b.slot_of = i32buf(N * K);
-      b.xp16 = bf16buf(Rmax * d), b.egu = f32buf(Rmax * 2 * Fe), b.eact16 = bf16buf(Rmax * Fe), b.ez = f32buf(Rmax * d);
+      b.xpc = cbuf(Rmax * d), b.egu = f32buf(Rmax * 2 * Fe), b.eactc = cbuf(Rmax * Fe), b.ez = f32buf(Rmax * d);
       b.rows_cap = Rmax;
-      if (Fs > 0) b.gu = f32buf(N * 2 * Fs), b.act16 = bf16buf(N * Fs);
+      if (Fs > 0) b.gu = f32buf(N * 2 * Fs), b.actc = cbuf(N * Fs);
     }
   }
 
@@ -222,14 +286,14 @@ struct Model::Impl {
   void recompute_selected_ffn(Layer& L, LayerBufs& b);
   void recompute_selected_attn(Layer& L, LayerBufs& b);
   LayerBufs sel;  // buffers shared by the layers whose modules are selectively recomputed
-  void attn_backward(Layer& L, LayerBufs& b, float* dh /* [N,d] out: grad of h1 */);
+  void attn_backward(Layer& L, LayerBufs& b, const void* do_c, float* dh /* [N,d] out: grad of h1 */);
   void ffn_forward(Layer& L, LayerBufs& b, float* y /* [N,d] */);
   void ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2 /* out */, float aux_scale);
-  // The El local experts on R rows grouped by expert (b.kept counts, b.xp16 input): gate/up GEMM, SwiGLU,
-  // down GEMM into b.ez; and the backward from the bf16 weighted output gradient dz16, which accumulates
-  // the expert weight gradients and returns the input gradient [R, d] (in s_f1).
+  // The El local experts on R rows grouped by expert (b.kept counts, b.xpc input): gate/up GEMM, SwiGLU,
+  // down GEMM into b.ez; and the backward from the weighted output gradient dz (compute dtype), which
+  // accumulates the expert weight gradients and returns the input gradient [R, d] (in s_f1).
   void experts_forward(Layer& L, LayerBufs& b, int64_t R);
-  float* experts_backward(Layer& L, LayerBufs& b, const bf16* dz16, int64_t R);
+  float* experts_backward(Layer& L, LayerBufs& b, const void* dz, int64_t R);
   // The routed experts under expert parallelism (after the router; before the shared experts).
   void ep_ffn_forward(Layer& L, LayerBufs& b, float* y);
   void ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2);
@@ -239,13 +303,35 @@ struct Model::Impl {
 // ---------------------------------------------------------------------------------------------------
 // construction
 
-Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac, const ModelParallel& par)
-    : spec_(spec), ac_(ac), B_(B), T_(T) {
+ComputeDtype resolve_compute_dtype(ComputeDtype requested, std::string* why) {
+  const CpuFeatures& cf = cpu_features();
+  const bool isa_ok = active_isa() == Isa::Avx512;  // the project's bf16 kernels need AVX512-BF16
+  const bool native = isa_ok && gemm_bf16_native();
+  std::string reason;
+  if (native) reason = "this CPU computes bf16 dot products natively (AVX512-BF16)";
+  else if (!cf.avx512bf16) reason = "this CPU has no AVX512-BF16 or AMX-BF16, so oneDNN has no bf16 matmul here";
+  else if (!isa_ok) reason = "MOETRON_ISA caps the kernels below AVX-512, where bf16 is not native";
+  else reason = "oneDNN cannot create a bf16 matmul here (DNNL_MAX_CPU_ISA caps it below AVX512-BF16)";
+  if (requested == ComputeDtype::BF16)
+    MT_CHECK(native, "compute_dtype", "training.compute_dtype = \"bf16\" needs native bf16 GEMMs, but ", reason,
+             ". Set training.compute_dtype = \"fp32\" (or \"auto\", which picks fp32 here)");
+  const ComputeDtype got =
+      requested == ComputeDtype::Auto ? (native ? ComputeDtype::BF16 : ComputeDtype::FP32) : requested;
+  if (why)
+    *why = requested == ComputeDtype::Auto ? std::string("auto: ") + reason
+                                            : std::string("asked for in training.compute_dtype");
+  return got;
+}
+
+Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac, const ModelParallel& par,
+             ComputeDtype compute)
+    : spec_(spec), ac_(ac), B_(B), T_(T), compute_(resolve_compute_dtype(compute)) {
   spec_.resolve();
   spec_.validate();
   MT_CHECK(B > 0 && T > 0, "Model", "micro-batch shape B=", B, " T=", T, " must be positive");
   MT_CHECK(!spec_.attn.qk_norm, "Model", "attention.qk_norm (Qwen3) is not implemented by the engine yet");
   impl_ = std::make_unique<Impl>(*this);
+  impl_->f32 = compute_ == ComputeDtype::FP32;
   impl_->par = par;
   if (par.ep && par.ep->size() > 1) impl_->ep_comm = *par.ep, impl_->ep = par.ep->size();
   MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
@@ -341,7 +427,7 @@ void Model::Impl::build() {
   } else {
     m.pbuf_ = Tensor::zeros({m.n_params_}, DType::F32, MemCategory::Params, "params");
     m.gbuf_ = Tensor::zeros({m.n_params_}, DType::F32, MemCategory::Grads, "grads");
-    w16 = Tensor::zeros({m.n_params_}, DType::BF16, MemCategory::Params, "params.bf16");
+    if (!f32) wc = Tensor::zeros({m.n_params_}, DType::BF16, MemCategory::Params, "params.bf16");
   }
 
   // Buffers: every non-recomputed layer owns its saved activations; recomputed layers share one set
@@ -372,20 +458,20 @@ void Model::Impl::build() {
     L.sel_act = L.moe && m.ac_.has_module("moe_act");
     any_norm |= L.sel_norm, any_attn |= L.sel_attn, any_act |= L.sel_act;
   }
-  if (any_norm) sel.h1_16 = bf16buf(N * d), sel.h2 = f32buf(N * d), sel.h2_16 = bf16buf(N * d);
-  if (any_attn) sel.ao = f32buf(N * H * Dv), sel.ao16 = bf16buf(N * H * Dv), sel.lse = f32buf(N * H);
+  if (any_norm) sel.h1c = cbuf(N * d), sel.h2 = f32buf(N * d), sel.h2c = cbuf_or(sel.h2, N * d);
+  if (any_attn) sel.ao = f32buf(N * H * Dv), sel.aoc = cbuf_or(sel.ao, N * H * Dv), sel.lse = f32buf(N * H);
   if (any_act) {
-    sel.eact16 = bf16buf(Rmax * Fe), sel_rows_cap = Rmax;
-    if (Fs > 0) sel.act16 = bf16buf(N * Fs);
+    sel.eactc = cbuf(Rmax * Fe), sel_rows_cap = Rmax;
+    if (Fs > 0) sel.actc = cbuf(N * Fs);
   }
   for (auto& L : layers) {
     if (!(L.sel_norm || L.sel_attn || L.sel_act)) continue;
     LayerBufs& b = *L.bufs;  // owned by this layer (full recompute is a different mode)
-    if (L.sel_norm) b.h1_16 = sel.h1_16, b.h2 = sel.h2, b.h2_16 = sel.h2_16;
-    if (L.sel_attn) b.ao = sel.ao, b.ao16 = sel.ao16, b.lse = sel.lse;
+    if (L.sel_norm) b.h1c = sel.h1c, b.h2 = sel.h2, b.h2c = sel.h2c;
+    if (L.sel_attn) b.ao = sel.ao, b.aoc = sel.aoc, b.lse = sel.lse;
     if (L.sel_act) {
-      b.eact16 = sel.eact16;
-      if (Fs > 0) b.act16 = sel.act16;
+      b.eactc = sel.eactc;
+      if (Fs > 0) b.actc = sel.actc;
     }
   }
   for (auto& L : layers) {
@@ -396,7 +482,7 @@ void Model::Impl::build() {
       EpDispatchConfig dc;
       dc.kind = par.dispatcher, dc.n_experts = int(E), dc.topk = int(K), dc.hidden = d, dc.max_tokens = N;
       dc.ranks_per_node = par.ep_ranks_per_node;
-      dc.dispatch_payload = par.fp8_dispatch ? EpPayload::E4M3 : EpPayload::BF16;
+      dc.dispatch_payload = par.fp8_dispatch ? EpPayload::E4M3 : f32 ? EpPayload::F32 : EpPayload::BF16;
       dc.combine_payload = EpPayload::F32;
       L.disp = std::make_unique<EpDispatch>(ep_comm, dc);
     }
@@ -404,7 +490,7 @@ void Model::Impl::build() {
     alloc_packed(L.p13f, L.p13d, L.p2f, L.p2d, "experts.packed");
   }
   if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
-  xf = f32buf(N * d), rstdf = f32buf(N), hf16 = bf16buf(N * d);
+  xf = f32buf(N * d), rstdf = f32buf(N), hfc = cbuf(N * d);
   if (m.ac_.mode == AcMode::Full) recompute_out = f32buf(N * d, MemCategory::Workspace);
 
   // rope tables
@@ -458,15 +544,15 @@ void Model::Impl::ensure_rows(Layer& L, int64_t R) {
   LayerBufs& b = *L.bufs;
   if (R > b.rows_cap) {
     const int64_t cap = std::max(R, b.rows_cap + b.rows_cap / 4);
-    b.xp16 = bf16buf(cap * d), b.egu = f32buf(cap * 2 * Fe), b.ez = f32buf(cap * d);
-    if (!L.sel_act) b.eact16 = bf16buf(cap * Fe);
+    b.xpc = cbuf(cap * d), b.egu = f32buf(cap * 2 * Fe), b.ez = f32buf(cap * d);
+    if (!L.sel_act) b.eactc = cbuf(cap * Fe);
     b.rows_cap = cap;
   }
   if (L.sel_act && R > sel_rows_cap) {
     sel_rows_cap = std::max(R, sel_rows_cap + sel_rows_cap / 4);
-    sel.eact16 = bf16buf(sel_rows_cap * Fe);
+    sel.eactc = cbuf(sel_rows_cap * Fe);
     for (auto& O : layers)
-      if (O.sel_act) O.bufs->eact16 = sel.eact16;
+      if (O.sel_act) O.bufs->eactc = sel.eactc;
   }
   ensure_scratch(R);
 }
@@ -486,10 +572,12 @@ void Model::Impl::alloc_row_scratch(int64_t rows) {
   const int64_t attn_w = s.attn.type == AttnType::MLA ? std::max({H * Dqk, H * (dn + Dv), rq, rkv}) : Wqkv;
   const int64_t big = std::max({attn_w, 2 * F, 2 * Fs, H * Dv, d});
   const int64_t big_rows = std::max(N * big, rows * std::max(2 * Fe, d));
-  dy16 = bf16buf(std::max(N * d, rows * d), MemCategory::Workspace);
+  // bf16 mode only: rounded copies of fp32 gradients for the GEMMs (fp32 mode multiplies the fp32 ones)
+  if (!f32) dyc = cbuf(std::max(N * d, rows * d), MemCategory::Workspace);
   s_f1 = f32buf(big_rows, MemCategory::Workspace), s_f2 = f32buf(big_rows, MemCategory::Workspace);
   s_f3 = f32buf(std::max(N * big, rows * d), MemCategory::Workspace);
-  s_b1 = bf16buf(big_rows, MemCategory::Workspace), s_b2 = bf16buf(big_rows, MemCategory::Workspace);
+  if (!f32) s_c1 = cbuf(big_rows, MemCategory::Workspace);
+  s_c2 = cbuf(big_rows, MemCategory::Workspace);
   if (ep > 1) {
     dwr = f32buf(rows, MemCategory::Workspace), iota_r = i32buf(rows, MemCategory::Workspace);
     zero_r = i32buf(rows, MemCategory::Workspace);
@@ -500,8 +588,9 @@ void Model::Impl::alloc_row_scratch(int64_t rows) {
 
 void Model::Impl::alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d, const char* name) {
   auto buf = [&](GroupedPackKind k, int64_t in, int64_t out) {
-    return Tensor::zeros({int64_t(grouped_packed_bytes(k, GemmPrec::BF16, El, in, out) / 2)}, DType::BF16,
-                         MemCategory::Params, name);
+    const int64_t bytes = int64_t(grouped_packed_bytes(k, prec(), El, in, out));
+    return f32 ? Tensor::zeros({bytes / 4}, DType::F32, MemCategory::Params, name)
+               : Tensor::zeros({bytes / 2}, DType::BF16, MemCategory::Params, name);
   };
   p13f = buf(GroupedPackKind::Fwd, d, 2 * Fe), p13d = buf(GroupedPackKind::Dgrad, d, 2 * Fe);
   p2f = buf(GroupedPackKind::Fwd, Fe, d), p2d = buf(GroupedPackKind::Dgrad, Fe, d);
@@ -510,18 +599,18 @@ void Model::Impl::alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& 
 void Model::Impl::pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d) {
   const float* w13 = P(L.we13);
   const float* w2 = P(L.we2);
-  L.pk13f = grouped_pack_weights(p13f.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Fwd);
-  L.pk13d = grouped_pack_weights(p13d.raw(), w13, El, d, 2 * Fe, GemmPrec::BF16, GroupedPackKind::Dgrad);
-  L.pk2f = grouped_pack_weights(p2f.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Fwd);
-  L.pk2d = grouped_pack_weights(p2d.raw(), w2, El, Fe, d, GemmPrec::BF16, GroupedPackKind::Dgrad);
+  L.pk13f = grouped_pack_weights(p13f.raw(), w13, El, d, 2 * Fe, prec(), GroupedPackKind::Fwd);
+  L.pk13d = grouped_pack_weights(p13d.raw(), w13, El, d, 2 * Fe, prec(), GroupedPackKind::Dgrad);
+  L.pk2f = grouped_pack_weights(p2f.raw(), w2, El, Fe, d, prec(), GroupedPackKind::Fwd);
+  L.pk2d = grouped_pack_weights(p2d.raw(), w2, El, Fe, d, prec(), GroupedPackKind::Dgrad);
 }
 
 // The grouped GEMMs' workspace (every op, both expert matmuls) for `rows` routed rows.
 size_t Model::Impl::grouped_ws_bytes(int64_t rows) const {
   size_t w = 0;
   for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad}) {
-    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, rows, d, 2 * Fe));
-    w = std::max(w, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, El, rows, Fe, d));
+    w = std::max(w, grouped_gemm_workspace_bytes(op, prec(), El, rows, d, 2 * Fe));
+    w = std::max(w, grouped_gemm_workspace_bytes(op, prec(), El, rows, Fe, d));
   }
   return w;
 }
@@ -554,7 +643,7 @@ void Model::init_params(uint64_t seed) {
 void Model::sync_weights() {
   auto& I = *impl_;
   if (fsdp_) return;  // FSDP: a unit's bf16 copy and packed experts are made when it is gathered
-  f32_to_bf16(I.w16.data<bf16>(), pbuf_.data<float>(), n_params_);
+  if (!I.f32) f32_to_bf16(I.wc.data<bf16>(), pbuf_.data<float>(), n_params_);
   for (auto& L : I.layers) {
     if (!L.moe) continue;
     I.pack_experts(L, L.p13f, L.p13d, L.p2f, L.p2d);
@@ -627,32 +716,30 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
   {
   MT_TRACE("fwd.attn.proj");
   const int64_t B = m.B_, T = m.T_;
-  const bf16* h16 = b.h1_16.data<bf16>();
+  const void* h = b.h1c.raw();
   const float* cs = rope_cos.data<float>();
   const float* sn = rope_sin.data<float>();
   if (s.attn.type != AttnType::MLA) {
     float* qkv = b.qkv.data<float>();
-    lin_fwd(qkv, h16, W(L.wqkv), N, d, Wqkv);
+    lin_fwd(qkv, h, W(L.wqkv), N, d, Wqkv);
     rope_forward(qkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);  // q heads then k heads are adjacent
   } else {
     float* q = b.q.data<float>();
     if (rq > 0) {
-      lin_fwd(b.cq.data<float>(), h16, W(L.wdq), N, d, rq);
-      rmsnorm_forward(s_f1.data<float>(), b.cqn16.data<bf16>(), b.rstdq.data<float>(), b.cq.data<float>(),
-                      P(L.q_norm), N, rq, float(s.norm_eps));
-      lin_fwd(q, b.cqn16.data<bf16>(), W(L.wuq), N, rq, H * Dqk);
+      lin_fwd(b.cq.data<float>(), h, W(L.wdq), N, d, rq);
+      norm_fwd_c(b.cqnc, b.rstdq.data<float>(), b.cq.data<float>(), P(L.q_norm), N, rq);
+      lin_fwd(q, b.cqnc.raw(), W(L.wuq), N, rq, H * Dqk);
     } else {
-      lin_fwd(q, h16, W(L.wq), N, d, H * Dqk);
+      lin_fwd(q, h, W(L.wq), N, d, H * Dqk);
     }
     rope_forward(q, B, T, H, H * Dqk, Dqk, dn, dr, cs, sn);
-    lin_fwd(b.ckv.data<float>(), h16, W(L.wdkv), N, d, rkv);
-    rmsnorm_forward(s_f1.data<float>(), b.ckvn16.data<bf16>(), b.rstdkv.data<float>(), b.ckv.data<float>(),
-                    P(L.kv_norm), N, rkv, float(s.norm_eps));
+    lin_fwd(b.ckv.data<float>(), h, W(L.wdkv), N, d, rkv);
+    norm_fwd_c(b.ckvnc, b.rstdkv.data<float>(), b.ckv.data<float>(), P(L.kv_norm), N, rkv);
     float* kpe = b.kpe.data<float>();
-    lin_fwd(kpe, h16, W(L.wkr), N, d, dr);
+    lin_fwd(kpe, h, W(L.wkr), N, d, dr);
     rope_forward(kpe, B, T, 1, dr, dr, 0, dr, cs, sn);
     float* kv = b.kv.data<float>();
-    lin_fwd(kv, b.ckvn16.data<bf16>(), W(L.wukv), N, rkv, H * (dn + Dv));
+    lin_fwd(kv, b.ckvnc.raw(), W(L.wukv), N, rkv, H * (dn + Dv));
     float* k = b.k.data<float>();
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N; ++t)
@@ -665,7 +752,7 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
   attn_core(b);
 }
 
-// softmax(q k^T) v and its bf16 copy for the output projection (what attention_core recompute redoes).
+// softmax(q k^T) v and its compute copy for the output projection (what attention_core recompute redoes).
 void Model::Impl::attn_core(LayerBufs& b) {
   MT_TRACE("fwd.attn.core");
   AttnDims ad = attn_dims();
@@ -676,23 +763,22 @@ void Model::Impl::attn_core(LayerBufs& b) {
     attention_forward(b.ao.data<float>(), b.lse.data<float>(), b.q.data<float>(), b.k.data<float>(),
                       b.kv.data<float>() + dn, ad, wsp());
   }
-  f32_to_bf16(b.ao16.data<bf16>(), b.ao.data<float>(), N * H * Dv);
+  to_c(b.aoc, b.ao.data<float>(), N * H * Dv);  // aoc is ao itself in fp32 mode
 }
 
 // dh (out) = gradient w.r.t. the attention block's input h1 (before the attention norm backward).
-// On entry dy16 holds bf16(gradient of the attention output o).
-void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
+// do_c: the gradient of the attention output o, in the compute dtype.
+void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float* dhout) {
   const int64_t B = m.B_, T = m.T_;
-  const bf16* h16 = b.h1_16.data<bf16>();
-  const bf16* do16 = dy16.data<bf16>();
+  const void* h = b.h1c.raw();
   AttnDims ad = attn_dims();
   const float* cs = rope_cos.data<float>();
   const float* sn = rope_sin.data<float>();
   float* dao = s_dao.data<float>();
   {
     MT_TRACE("bwd.attn.out_proj");
-    lin_wgrad(G(L.wo), b.ao16.data<bf16>(), do16, N, H * Dv, d);
-    lin_dgrad(dao, do16, W(L.wo), N, H * Dv, d);
+    lin_wgrad(G(L.wo), b.aoc.raw(), do_c, N, H * Dv, d);
+    lin_dgrad(dao, do_c, W(L.wo), N, H * Dv, d);
   }
   if (s.attn.type != AttnType::MLA) {
     const float* qkv = b.qkv.data<float>();
@@ -704,10 +790,9 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
     }
     MT_TRACE("bwd.attn.proj");
     rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
-    bf16* dqkv16 = s_b1.data<bf16>();
-    f32_to_bf16(dqkv16, dqkv, N * Wqkv);
-    lin_wgrad(G(L.wqkv), h16, dqkv16, N, d, Wqkv);
-    lin_dgrad(dhout, dqkv16, W(L.wqkv), N, d, Wqkv);
+    const void* dqkv_c = to_c(s_c1, dqkv, N * Wqkv);
+    lin_wgrad(G(L.wqkv), h, dqkv_c, N, d, Wqkv);
+    lin_dgrad(dhout, dqkv_c, W(L.wqkv), N, d, Wqkv);
     return;
   }
   // MLA
@@ -736,34 +821,33 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
   }
   rope_backward(dq, B, T, H, H * Dqk, Dqk, dn, dr, cs, sn);
   rope_backward(dkpe, B, T, 1, dr, dr, 0, dr, cs, sn);
-  bf16* t16 = s_b1.data<bf16>();
   // kv up-projection and kv norm
-  f32_to_bf16(t16, dkv, N * H * (dn + Dv));
-  lin_wgrad(G(L.wukv), b.ckvn16.data<bf16>(), t16, N, rkv, H * (dn + Dv));
+  const void* t = to_c(s_c1, dkv, N * H * (dn + Dv));
+  lin_wgrad(G(L.wukv), b.ckvnc.raw(), t, N, rkv, H * (dn + Dv));
   float* dckvn = s_f2.data<float>();
-  lin_dgrad(dckvn, t16, W(L.wukv), N, rkv, H * (dn + Dv));
+  lin_dgrad(dckvn, t, W(L.wukv), N, rkv, H * (dn + Dv));
   float* dckv = m_dckv.data<float>();
   rmsnorm_backward(dckv, G(L.kv_norm), dckvn, b.ckv.data<float>(), P(L.kv_norm), b.rstdkv.data<float>(), N, rkv, wsp());
-  f32_to_bf16(t16, dckv, N * rkv);
-  lin_wgrad(G(L.wdkv), h16, t16, N, d, rkv);
-  lin_dgrad(dhout, t16, W(L.wdkv), N, d, rkv);
-  f32_to_bf16(t16, dkpe, N * dr);
-  lin_wgrad(G(L.wkr), h16, t16, N, d, dr);
-  lin_dgrad(dhout, t16, W(L.wkr), N, d, dr, true);
+  t = to_c(s_c1, dckv, N * rkv);
+  lin_wgrad(G(L.wdkv), h, t, N, d, rkv);
+  lin_dgrad(dhout, t, W(L.wdkv), N, d, rkv);
+  t = to_c(s_c1, dkpe, N * dr);
+  lin_wgrad(G(L.wkr), h, t, N, d, dr);
+  lin_dgrad(dhout, t, W(L.wkr), N, d, dr, true);
   // q path
-  f32_to_bf16(t16, dq, N * H * Dqk);
+  t = to_c(s_c1, dq, N * H * Dqk);
   if (rq > 0) {
-    lin_wgrad(G(L.wuq), b.cqn16.data<bf16>(), t16, N, rq, H * Dqk);
+    lin_wgrad(G(L.wuq), b.cqnc.raw(), t, N, rq, H * Dqk);
     float* dcqn = s_f2.data<float>();
-    lin_dgrad(dcqn, t16, W(L.wuq), N, rq, H * Dqk);
+    lin_dgrad(dcqn, t, W(L.wuq), N, rq, H * Dqk);
     float* dcq = m_dcq.data<float>();
     rmsnorm_backward(dcq, G(L.q_norm), dcqn, b.cq.data<float>(), P(L.q_norm), b.rstdq.data<float>(), N, rq, wsp());
-    f32_to_bf16(t16, dcq, N * rq);
-    lin_wgrad(G(L.wdq), h16, t16, N, d, rq);
-    lin_dgrad(dhout, t16, W(L.wdq), N, d, rq, true);
+    t = to_c(s_c1, dcq, N * rq);
+    lin_wgrad(G(L.wdq), h, t, N, d, rq);
+    lin_dgrad(dhout, t, W(L.wdq), N, d, rq, true);
   } else {
-    lin_wgrad(G(L.wq), h16, t16, N, d, H * Dqk);
-    lin_dgrad(dhout, t16, W(L.wq), N, d, H * Dqk, true);
+    lin_wgrad(G(L.wq), h, t, N, d, H * Dqk);
+    lin_dgrad(dhout, t, W(L.wq), N, d, H * Dqk, true);
   }
 }
 
@@ -771,13 +855,12 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, float* dhout) {
 // feed-forward (dense or MoE)
 
 void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
-  const bf16* h16 = b.h2_16.data<bf16>();
-  float* hact = s_f3.data<float>();  // fp32 activation output (unused beyond the bf16 copy)
+  const void* h = b.h2c.raw();
   if (!L.moe) {
     MT_TRACE("fwd.mlp");
-    lin_fwd(b.gu.data<float>(), h16, W(L.w13), N, d, 2 * F);
-    swiglu_forward(hact, b.act16.data<bf16>(), b.gu.data<float>(), N, F);
-    lin_fwd(y, b.act16.data<bf16>(), W(L.w2), N, F, d);
+    lin_fwd(b.gu.data<float>(), h, W(L.w13), N, d, 2 * F);
+    swiglu_c(b.actc, s_f3.data<float>(), b.gu.data<float>(), N, F);
+    lin_fwd(y, b.actc.raw(), W(L.w2), N, F, d);
     return;
   }
   // router (fp32 gate GEMM: routing decisions are sensitive to rounding)
@@ -808,10 +891,10 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   for (int64_t e = 0; e < E; ++e) kept[e] = off[e + 1] - off[e];
   const int64_t R = off[E];
   b.R = R;
-  bf16* xp16 = b.xp16.data<bf16>();
   {
     MT_TRACE("fwd.permute");
-    moe_permute(xp16, b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
+    if (f32) moe_permute(b.xpc.data<float>(), b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
+    else moe_permute(b.xpc.data<bf16>(), b.h2.data<float>(), b.token_of.data<int32_t>(), R, N, d);
   }
   experts_forward(L, b, R);
   {
@@ -820,30 +903,27 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
   }
   }
   if (Fs > 0) {
-    hact = s_f3.data<float>();  // (EP may have regrown the scratch)
     MT_TRACE("fwd.shared");
-    lin_fwd(b.gu.data<float>(), h16, W(L.ws13), N, d, 2 * Fs);
-    swiglu_forward(hact, b.act16.data<bf16>(), b.gu.data<float>(), N, Fs);
-    lin_fwd(y, b.act16.data<bf16>(), W(L.ws2), N, Fs, d, true);
+    lin_fwd(b.gu.data<float>(), h, W(L.ws13), N, d, 2 * Fs);
+    swiglu_c(b.actc, s_f3.data<float>(), b.gu.data<float>(), N, Fs);  // (s_f3 read here: EP may regrow it)
+    lin_fwd(y, b.actc.raw(), W(L.ws2), N, Fs, d, true);
   }
 }
 
 // dy: gradient w.r.t. the FFN output [N,d]; dh2 (out): gradient w.r.t. the FFN input h2.
 void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2out, float aux_scale) {
-  const bf16* h16 = b.h2_16.data<bf16>();
-  bf16* d16 = dy16.data<bf16>();
-  f32_to_bf16(d16, dy, N * d);
+  const void* h = b.h2c.raw();
+  const void* dyc_ = to_c(dyc, dy, N * d);  // dy itself in fp32 mode
   auto dense_bwd = [&](int w13, int w2, int64_t Fw, bool acc) {
     MT_TRACE("bwd.mlp");
-    lin_wgrad(G(w2), b.act16.data<bf16>(), d16, N, Fw, d);
+    lin_wgrad(G(w2), b.actc.raw(), dyc_, N, Fw, d);
     float* dact = s_f1.data<float>();
-    lin_dgrad(dact, d16, W(w2), N, Fw, d);
+    lin_dgrad(dact, dyc_, W(w2), N, Fw, d);
     float* dgu = s_f2.data<float>();
     swiglu_backward(dgu, dact, b.gu.data<float>(), N, Fw);
-    bf16* dgu16 = s_b1.data<bf16>();
-    f32_to_bf16(dgu16, dgu, N * 2 * Fw);
-    lin_wgrad(G(w13), h16, dgu16, N, d, 2 * Fw);
-    lin_dgrad(dh2out, dgu16, W(w13), N, d, 2 * Fw, acc);
+    const void* dgu_c = to_c(s_c1, dgu, N * 2 * Fw);
+    lin_wgrad(G(w13), h, dgu_c, N, d, 2 * Fw);
+    lin_dgrad(dh2out, dgu_c, W(w13), N, d, 2 * Fw, acc);
   };
   if (!L.moe) {
     dense_bwd(L.w13, L.w2, F, false);
@@ -854,15 +934,18 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
   } else {
   const int64_t R = b.R;
   const int32_t* row_of = b.row_of.data<int32_t>();
-  // combine backward -> gradient of expert outputs (bf16 for the GEMMs) and of the routing weights
-  bf16* dz16 = s_b2.data<bf16>();
+  // combine backward -> gradient of expert outputs (compute dtype, for the GEMMs) and of the routing weights
   float* dtw = dtopk_w.data<float>();
   {
   MT_TRACE("bwd.combine");
-  moe_unpermute_backward(dz16, dtw, dy, b.ez.data<float>(), row_of, b.token_of.data<int32_t>(),
-                         b.slot_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
+  if (f32)
+    moe_unpermute_backward(s_c2.data<float>(), dtw, dy, b.ez.data<float>(), row_of, b.token_of.data<int32_t>(),
+                           b.slot_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
+  else
+    moe_unpermute_backward(s_c2.data<bf16>(), dtw, dy, b.ez.data<float>(), row_of, b.token_of.data<int32_t>(),
+                           b.slot_of.data<int32_t>(), b.topk_w.data<float>(), N, int(K), R, d);
   }
-  float* dxp = experts_backward(L, b, dz16, R);
+  float* dxp = experts_backward(L, b, s_c2.raw(), R);
   {
     MT_TRACE("bwd.permute");
     moe_permute_backward(dh2out, dxp, row_of, N, int(K), R, d);
@@ -887,30 +970,29 @@ void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* d
 void Model::Impl::experts_forward(Layer& L, LayerBufs& b, int64_t R) {
   MT_TRACE("fwd.experts");
   const int32_t* kept = b.kept.data<int32_t>();
-  grouped_gemm_fwd(b.egu.data<float>(), nullptr, b.xp16.data<bf16>(), L.pk13f, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
-  swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), R, Fe);
-  grouped_gemm_fwd(b.ez.data<float>(), nullptr, b.eact16.data<bf16>(), L.pk2f, kept, El, R, Fe, d, wsp(), ws_bytes);
+  gg_fwd(b.egu.data<float>(), b.xpc.raw(), L.pk13f, kept, R, d, 2 * Fe);
+  swiglu_c(b.eactc, s_f1.data<float>(), b.egu.data<float>(), R, Fe);
+  gg_fwd(b.ez.data<float>(), b.eactc.raw(), L.pk2f, kept, R, Fe, d);
 }
 
-float* Model::Impl::experts_backward(Layer& L, LayerBufs& b, const bf16* dz16, int64_t R) {
+float* Model::Impl::experts_backward(Layer& L, LayerBufs& b, const void* dz, int64_t R) {
   MT_TRACE("bwd.experts");
   const int32_t* kept = b.kept.data<int32_t>();
-  grouped_gemm_wgrad(G(L.we2), b.eact16.data<bf16>(), dz16, kept, El, R, Fe, d, true, wsp(), ws_bytes);
+  gg_wgrad(G(L.we2), b.eactc.raw(), dz, kept, R, Fe, d);
   float* deact = s_f1.data<float>();
-  grouped_gemm_dgrad(deact, nullptr, dz16, L.pk2d, kept, El, R, Fe, d, wsp(), ws_bytes);
+  gg_dgrad(deact, dz, L.pk2d, kept, R, Fe, d);
   float* degu = s_f2.data<float>();
   swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
-  bf16* degu16 = s_b1.data<bf16>();
-  f32_to_bf16(degu16, degu, R * 2 * Fe);
-  grouped_gemm_wgrad(G(L.we13), b.xp16.data<bf16>(), degu16, kept, El, R, d, 2 * Fe, true, wsp(), ws_bytes);
+  const void* degu_c = to_c(s_c1, degu, R * 2 * Fe);
+  gg_wgrad(G(L.we13), b.xpc.raw(), degu_c, kept, R, d, 2 * Fe);
   float* dxp = s_f1.data<float>();
-  grouped_gemm_dgrad(dxp, nullptr, degu16, L.pk13d, kept, El, R, d, 2 * Fe, wsp(), ws_bytes);
+  gg_dgrad(dxp, degu_c, L.pk13d, kept, R, d, 2 * Fe);
   return dxp;
 }
 
 // Routed experts under expert parallelism. The home rank has routed (and, with a capacity, dropped) its
-// tokens; the kept (token, slot) rows go to the ranks owning their experts as bf16 (bitwise what the
-// single-process permute feeds the GEMMs) or E4M3, the experts run on the received rows (grouped by local
+// tokens; the kept (token, slot) rows go to the ranks owning their experts in the compute dtype (bitwise
+// what the single-process permute feeds the GEMMs: bf16, or fp32 in fp32 mode) or E4M3, the experts run on the received rows (grouped by local
 // expert, ordered by source rank, token, slot), and combine brings fp32 rows back and sums them in slot
 // order on the home rank: the single-process moe_unpermute. The backward mirrors it with the dispatcher's
 // redispatch / combine_scalars / combine (see ep_dispatch.h).
@@ -933,10 +1015,9 @@ void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
   int32_t* kept = b.kept.data<int32_t>();
   const int64_t* rc = L.disp->recv_counts();
   for (int64_t e = 0; e < El; ++e) kept[e] = int32_t(rc[e]);
-  bf16* xp16 = b.xp16.data<bf16>();
   {
     MT_TRACE("fwd.permute");
-    f32_to_bf16(xp16, L.disp->recv_x(), R * d);
+    copy_c(b.xpc, L.disp->recv_x(), R * d);
   }
   experts_forward(L, b, R);
   MT_TRACE("fwd.ep.combine");
@@ -950,20 +1031,23 @@ void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float
     MT_TRACE("bwd.ep.redispatch");
     L.disp->redispatch(dyr, dy);
   }
-  bf16* dz16 = s_b2.data<bf16>();
   float* dw_r = dwr.data<float>();
   {
     MT_TRACE("bwd.combine");
     // Each received row is its own "token" with one slot: dz = w * dy, dw = dot(dy, z), as on one process.
     const int32_t* io = iota_r.data<int32_t>();
-    moe_unpermute_backward(dz16, dw_r, dyr, b.ez.data<float>(), io, io, zero_r.data<int32_t>(), L.disp->recv_weight(),
-                           R, 1, R, d);
+    if (f32)
+      moe_unpermute_backward(s_c2.data<float>(), dw_r, dyr, b.ez.data<float>(), io, io, zero_r.data<int32_t>(),
+                             L.disp->recv_weight(), R, 1, R, d);
+    else
+      moe_unpermute_backward(s_c2.data<bf16>(), dw_r, dyr, b.ez.data<float>(), io, io, zero_r.data<int32_t>(),
+                             L.disp->recv_weight(), R, 1, R, d);
   }
   {
     MT_TRACE("bwd.ep.combine_scalars");
     L.disp->combine_scalars(dtopk_w.data<float>(), dw_r);
   }
-  float* dxp = experts_backward(L, b, dz16, R);
+  float* dxp = experts_backward(L, b, s_c2.raw(), R);
   MT_TRACE("bwd.ep.combine");
   L.disp->combine(dh2out, dxp, false);
 }
@@ -973,21 +1057,20 @@ void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float
 
 void Model::Impl::forward_layer(Layer& L, const float* xin, float* xout) {
   LayerBufs& b = *L.bufs;
-  const float eps = float(s.norm_eps);
   {
     MT_TRACE("fwd.norm");
-    rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), xin, P(L.attn_norm), N, d, eps);
+    norm_fwd_c(b.h1c, b.rstd1.data<float>(), xin, P(L.attn_norm), N, d);
   }
   attn_forward(L, b);
   float* xm = b.x_mid.data<float>();
   {
     MT_TRACE("fwd.attn.out_proj");
-    lin_fwd(xm, b.ao16.data<bf16>(), W(L.wo), N, H * Dv, d);
+    lin_fwd(xm, b.aoc.raw(), W(L.wo), N, H * Dv, d);
     add_inplace(xm, xin, N * d);
   }
   {
     MT_TRACE("fwd.norm");
-    rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d, eps);
+    norm_fwd(b.h2.data<float>(), b.h2c, b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d);
   }
   ffn_forward(L, b, xout);
   add_inplace(xout, xm, N * d);
@@ -997,11 +1080,10 @@ void Model::Impl::recompute_selected_ffn(Layer& L, LayerBufs& b) {
   if (!L.sel_norm && !L.sel_act) return;
   auto t0 = std::chrono::steady_clock::now();
   if (L.sel_norm)
-    rmsnorm_forward(b.h2.data<float>(), b.h2_16.data<bf16>(), b.rstd2.data<float>(), b.x_mid.data<float>(),
-                    P(L.ffn_norm), N, d, float(s.norm_eps));
+    norm_fwd(b.h2.data<float>(), b.h2c, b.rstd2.data<float>(), b.x_mid.data<float>(), P(L.ffn_norm), N, d);
   if (L.sel_act) {
-    swiglu_forward(s_f1.data<float>(), b.eact16.data<bf16>(), b.egu.data<float>(), b.R, Fe);
-    if (Fs > 0) swiglu_forward(s_f1.data<float>(), b.act16.data<bf16>(), b.gu.data<float>(), N, Fs);
+    swiglu_c(b.eactc, s_f1.data<float>(), b.egu.data<float>(), b.R, Fe);
+    if (Fs > 0) swiglu_c(b.actc, s_f1.data<float>(), b.gu.data<float>(), N, Fs);
   }
   m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -1010,8 +1092,7 @@ void Model::Impl::recompute_selected_attn(Layer& L, LayerBufs& b) {
   if (!L.sel_norm && !L.sel_attn) return;
   auto t0 = std::chrono::steady_clock::now();
   if (L.sel_norm)
-    rmsnorm_forward(s_f3.data<float>(), b.h1_16.data<bf16>(), b.rstd1.data<float>(), L.x_in.data<float>(),
-                    P(L.attn_norm), N, d, float(s.norm_eps));
+    norm_fwd_c(b.h1c, b.rstd1.data<float>(), L.x_in.data<float>(), P(L.attn_norm), N, d);
   if (L.sel_attn) attn_core(b);
   m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -1028,9 +1109,9 @@ void Model::Impl::backward_layer(Layer& L, float* g) {
   add_inplace(g, dxm, N * d);  // g is now d x_mid
   tr_norm.stop();
   // attention branch
-  f32_to_bf16(dy16.data<bf16>(), g, N * d);
+  const void* g_c = to_c(dyc, g, N * d);  // g itself in fp32 mode (not written until after attn_backward)
   recompute_selected_attn(L, b);
-  attn_backward(L, b, dffn);
+  attn_backward(L, b, g_c, dffn);
   rmsnorm_backward(dxm, G(L.attn_norm), dffn, L.x_in.data<float>(), P(L.attn_norm), b.rstd1.data<float>(), N, d,
                    wsp());
   add_inplace(g, dxm, N * d);  // g is now d x_in
@@ -1067,23 +1148,27 @@ ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, boo
     fs_release(int(l) + 1);
   }
   fs_acquire(last_u, true, backward);
-  rmsnorm_forward(s_f3.data<float>(), hf16.data<bf16>(), rstdf.data<float>(), xcur, P(final_norm), N, d,
-                  float(s.norm_eps));
+  norm_fwd_c(hfc, rstdf.data<float>(), xcur, P(final_norm), N, d);
   std::memcpy(xf.data<float>(), xcur, size_t(N * d) * 4);
   ForwardStats st;
   for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
   const int64_t chunk = linear_xent_default_chunk(V);
   trace::Scope tr_loss("loss.fused_linear_xent");
   if (!backward) {
-    st.ce_sum = linear_xent_fwd_bf16(nullptr, hf16.data<bf16>(), W(head), targets, N, d, V, 1.0f, chunk, wsp());
+    st.ce_sum = f32 ? linear_xent_fwd_f32(nullptr, hfc.data<float>(), P(head), targets, N, d, V, 1.0f, chunk, wsp())
+                    : linear_xent_fwd_bf16(nullptr, hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N,
+                                           d, V, 1.0f, chunk, wsp());
     fs_release(last_u);
     if (tied) fs_release(0);
   } else {
     float* g = dx.data<float>();
     float* dhf = dh.data<float>();
     // The fused kernel returns the scaled loss; recover the plain sum for reporting.
-    double scaled = linear_xent_fwd_bwd_bf16(dhf, G(head), hf16.data<bf16>(), W(head), targets, N, d, V, ce_scale,
-                                             chunk, wsp());
+    double scaled =
+        f32 ? linear_xent_fwd_bwd_f32(dhf, G(head), hfc.data<float>(), P(head), targets, N, d, V, ce_scale, chunk,
+                                      wsp())
+            : linear_xent_fwd_bwd_bf16(dhf, G(head), hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N, d,
+                                       V, ce_scale, chunk, wsp());
     st.ce_sum = ce_scale != 0 ? scaled / ce_scale : 0;
     tr_loss.stop();
     {
@@ -1136,10 +1221,12 @@ void Model::compute_logits(float* logits, const int32_t* tokens) {
   impl_->run(tokens, tg.data(), false, 0.0f, 0.0f);
   auto& I = *impl_;
   std::vector<float> hf(size_t(I.N * I.d)), wh(size_t(I.V * I.d));
-  bf16_to_f32(hf.data(), I.hf16.data<bf16>(), I.N * I.d);
+  if (I.f32) std::memcpy(hf.data(), I.hfc.raw(), hf.size() * 4);
+  else bf16_to_f32(hf.data(), I.hfc.data<bf16>(), I.N * I.d);
   const int hu = I.head == I.emb ? 0 : int(I.layers.size()) + 1;
   I.fs_acquire(hu, true, false);
-  bf16_to_f32(wh.data(), I.W(I.head), I.V * I.d);
+  if (I.f32) std::memcpy(wh.data(), I.P(I.head), wh.size() * 4);
+  else bf16_to_f32(wh.data(), static_cast<const bf16*>(I.W(I.head)), I.V * I.d);
   I.fs_release(hu);
   gemm_f32(Trans::N, Trans::T, I.N, I.V, I.d, 1.0f, hf.data(), I.d, wh.data(), I.d, 0.0f, logits, I.V);
 }
@@ -1170,7 +1257,7 @@ void Model::Impl::fs_build() {
   fs_slots.resize(size_t(n_slots));
   for (auto& sl : fs_slots) {
     sl.p = Tensor::zeros({n}, DType::F32, MemCategory::Params, "fsdp.slot.params");
-    sl.w16 = Tensor::zeros({n}, DType::BF16, MemCategory::Params, "fsdp.slot.bf16");
+    if (!f32) sl.wc = Tensor::zeros({n}, DType::BF16, MemCategory::Params, "fsdp.slot.bf16");
     sl.g = Tensor::zeros({n}, DType::F32, MemCategory::Grads, "fsdp.slot.grads");
     if (E > 0) alloc_packed(sl.p13f, sl.p13d, sl.p2f, sl.p2d, "fsdp.slot.experts");
   }
@@ -1189,7 +1276,7 @@ void Model::Impl::fs_acquire(int u, bool params, bool grads) {
   if (params) {
     MT_TRACE("fsdp.all_gather");
     m.fsdp_->gather_unit(sl.p.data<float>(), u);
-    f32_to_bf16(sl.w16.data<bf16>(), sl.p.data<float>(), n);
+    if (!f32) f32_to_bf16(sl.wc.data<bf16>(), sl.p.data<float>(), n);
     if (u >= 1 && u <= int(layers.size()) && layers[size_t(u - 1)].moe) {
       pack_experts(layers[size_t(u - 1)], sl.p13f, sl.p13d, sl.p2f, sl.p2d);
     }

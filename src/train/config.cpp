@@ -29,6 +29,15 @@ std::string_view to_string(Precision v) {
   }
   return "?";
 }
+std::string_view to_string(ComputeDtype v) {
+  switch (v) {
+    case ComputeDtype::Auto: return "auto";
+    case ComputeDtype::BF16: return "bf16";
+    case ComputeDtype::FP32: return "fp32";
+  }
+  return "?";
+}
+Precision precision_of(ComputeDtype v) { return v == ComputeDtype::FP32 ? Precision::FP32 : Precision::BF16; }
 std::string_view to_string(DecayType v) {
   switch (v) {
     case DecayType::Cosine: return "cosine";
@@ -220,7 +229,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("training", "dataset_path", training.dataset_path));
     t.push_back(MT_F("training", "val_interval", training.val_interval));
     t.push_back(MT_F("training", "val_steps", training.val_steps));
-    t.push_back(MT_E("training", "dtype", training.dtype, {"bf16", "fp32", "fp8"}));
+    t.push_back(MT_E("training", "compute_dtype", training.compute_dtype, {"auto", "bf16", "fp32"}));
     t.push_back(MT_F("training", "threads", training.threads));
     // [optimizer]
     t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw"}));
@@ -304,11 +313,28 @@ std::string where(std::string_view source, int64_t line) {
   return w;
 }
 
-[[noreturn]] void unknown_key(std::string_view source, int64_t line, const std::string& name) {
-  std::string msg = where(source, line) + "unknown key '" + name + "'";
+// Keys that existed once: a config that still sets one is told what replaced it (never silently ignored).
+struct RetiredKey {
+  const char* name;
+  const char* why;
+};
+constexpr RetiredKey kRetired[] = {
+    {"training.dtype",
+     "was retired: it only reached the accounting. Use training.compute_dtype = \"auto\" | \"bf16\" | \"fp32\" "
+     "(FP8 training will be configured in its own section)"},
+};
+
+std::string unknown_key_text(const std::string& name) {
+  for (const auto& r : kRetired)
+    if (name == r.name) return "key '" + name + "' " + r.why;
+  std::string msg = "unknown key '" + name + "'";
   std::string s = suggest_key(name);
   if (!s.empty()) msg += "; did you mean '" + s + "'?";
-  throw Error(msg);
+  return msg;
+}
+
+[[noreturn]] void unknown_key(std::string_view source, int64_t line, const std::string& name) {
+  throw Error(where(source, line) + unknown_key_text(name));
 }
 
 // ---- TOML node -> Value --------------------------------------------------------------------------------
@@ -615,12 +641,7 @@ void apply_override(JobConfig& c, std::string_view text) {
   const std::string name = trim(s.substr(0, eq));
   const size_t dot = name.find('.');
   const Field* f = dot == std::string::npos ? nullptr : find_field(name.substr(0, dot), name.substr(dot + 1));
-  if (!f) {
-    std::string msg = ctx + "unknown key '" + name + "'";
-    std::string sug = suggest_key(name);
-    if (!sug.empty()) msg += "; did you mean '" + sug + "'?";
-    throw Error(msg);
-  }
+  if (!f) throw Error(ctx + unknown_key_text(name));
   Value v = from_text(*f, s.substr(eq + 1), ctx);
   check_int_range(*f, v, ctx);
   f->set(c, v);

@@ -43,15 +43,19 @@ double lr_at(const OptimizerSpec& o, const LRSchedulerSpec& s, int64_t step, int
   return lr * f;
 }
 
-double measure_bf16_peak_gflops(int64_t n, int reps) {
+double measure_peak_gflops(ComputeDtype dt, int64_t n, int reps) {
+  MT_CHECK(dt != ComputeDtype::Auto, "measure_peak_gflops", "resolve the compute dtype first");
   std::vector<float> a(size_t(n * n)), c(size_t(n * n));
   fill_normal(a.data(), n * n, rng_key(1, "peak"), 0, 0, 1);
-  std::vector<bf16> ab(size_t(n * n));
-  f32_to_bf16(ab.data(), a.data(), n * n);
+  std::vector<bf16> ab(dt == ComputeDtype::BF16 ? size_t(n * n) : 0);
+  if (!ab.empty()) f32_to_bf16(ab.data(), a.data(), n * n);
   double best = 1e30;
   for (int r = 0; r <= reps; ++r) {  // the first call creates the oneDNN primitive: not timed
     auto t0 = std::chrono::steady_clock::now();
-    gemm_bf16(Trans::N, Trans::N, n, n, n, 1.0f, ab.data(), n, ab.data(), n, 0.0f, c.data(), n);
+    if (dt == ComputeDtype::BF16)
+      gemm_bf16(Trans::N, Trans::N, n, n, n, 1.0f, ab.data(), n, ab.data(), n, 0.0f, c.data(), n);
+    else  // the machine's sgemm limit: oneDNN's own sgemm, not moetron's batch-invariant kernel
+      gemm_f32_onednn(Trans::N, Trans::N, n, n, n, 1.0f, a.data(), n, a.data(), n, 0.0f, c.data(), n);
     double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (r > 0) best = std::min(best, t);
   }
@@ -146,6 +150,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   JobConfig cfg = cfg_in;
   const auto& tr = cfg.training;
   const ModelSpec& ms = cfg.model;
+  // The compute dtype first: asking for bf16 where it is not native fails before anything is built.
+  std::string compute_why;
+  const ComputeDtype compute = resolve_compute_dtype(tr.compute_dtype, &compute_why);
 
   // ---- parallel layout: data parallelism only (ep = pp = 1). The mesh validates world vs [parallelism].
   const Comm world = opt.comm ? *opt.comm : comm_world();
@@ -238,7 +245,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   const bool zero3 = cfg.parallelism.zero == 3;
   const FsdpOptions fsdp_opts{dp, edp};
   if (zero3) mpar.fsdp = &fsdp_opts;
-  Model model(ms, B, T, cfg.activation_checkpoint, mpar);
+  Model model(ms, B, T, cfg.activation_checkpoint, mpar, compute);
   Fsdp* fsdp = model.fsdp();
   model.init_params(uint64_t(tr.seed));
   const int64_t np = model.num_params();
@@ -332,7 +339,8 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   std::vector<int32_t> in(size_t(B * T)), tg(size_t(B * T));
 
   FlopsPerToken fpt = flops_per_token(ms, T, true, cfg.activation_checkpoint);
-  res.peak_gflops = cfg.metrics.peak_tflops > 0 ? cfg.metrics.peak_tflops * 1e3 : measure_bf16_peak_gflops();
+  res.compute_dtype = compute;
+  res.peak_gflops = cfg.metrics.peak_tflops > 0 ? cfg.metrics.peak_tflops * 1e3 : measure_peak_gflops(compute);
 
   // ---- checkpoint resume
   const std::string ckdir = (fs::path(res.dump_folder) / cfg.checkpoint.folder).string();
@@ -449,10 +457,14 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     return cnt ? sum / double(cnt) : 0.0;
   };
 
-  if (say)
-    std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS\n",
+  if (say) {
+    std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS "
+                "%s\n",
                 cfg.job.name.c_str(), (long long)np, model.n_moe_layers(), (long long)(G * T), (long long)micro,
-                (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops);
+                (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops,
+                std::string(to_string(compute)).c_str());
+    std::printf("compute dtype: %s (%s)\n", std::string(to_string(compute)).c_str(), compute_why.c_str());
+  }
   if (say && D > 1)
     std::printf("data parallel: %s; %lld micro-batches per rank per step; optimizer state %s per rank%s\n",
                 mesh.describe().c_str(), (long long)micro_local, human_bytes(res.opt_state_bytes).c_str(),
@@ -583,7 +595,7 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     if (log_now) {
       // A start-up measurement taken while the machine was busy understates the peak (and overstates MFU):
       // re-measure briefly at every log step, outside the timed window, and keep the best figure.
-      if (cfg.metrics.peak_tflops <= 0) res.peak_gflops = std::max(res.peak_gflops, measure_bf16_peak_gflops(1024, 3));
+      if (cfg.metrics.peak_tflops <= 0) res.peak_gflops = std::max(res.peak_gflops, measure_peak_gflops(compute, 1024, 3));
       double tps = window_tok / window_t;
       double tflops = tps * fpt.train * 1e-12;
       double mfu = tflops * 1e3 / (res.peak_gflops * D);  // peak measured per rank
@@ -686,10 +698,10 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   }
   if (say) {
     std::printf("\nsummary: steps %lld..%lld  final loss %.4f  val loss %s  %.0f tokens/s  %.3f TFLOPS  MFU %.1f%% "
-                "(of %.0f GFLOPS bf16 %s)\n",
+                "(of %.0f GFLOPS %s %s)\n",
                 (long long)res.start_step, (long long)res.end_step, res.final_loss,
                 res.final_val_loss >= 0 ? std::to_string(res.final_val_loss).c_str() : "n/a", res.tokens_per_s,
-                res.tflops, res.mfu * 100, res.peak_gflops,
+                res.tflops, res.mfu * 100, res.peak_gflops, std::string(to_string(compute)).c_str(),
                 cfg.metrics.peak_tflops > 0 ? "stated in [metrics] peak_tflops" : "best measured in this run");
     auto snap = mt.snapshot();
     std::printf("memory peak %s:", human_bytes(snap.total_peak).c_str());

@@ -32,6 +32,7 @@ struct GemmCase : OpCase {
 
   GemmCase(bool bf16_, Trans ta_, Trans tb_, int64_t m, int64_t n, int64_t k, float al, float be, int64_t pad_ = 0)
       : ta(ta_), tb(tb_), M(m), N(n), K(k), pad(pad_), alpha(al), beta(be), bf(bf16_) {
+    needs_native_bf16 = bf;
     std::ostringstream os;
     os << "gemm/" << (bf ? "bf16" : "f32") << "_" << tname(ta) << tname(tb) << "_" << M << "x" << N << "x" << K;
     if (alpha != 1.0f || beta != 0.0f) os << "_a" << alpha << "_b" << beta;

@@ -64,7 +64,7 @@ TEST(Config, MinimalConfigLoadsWithDefaultsAndDerivedValues) {
   EXPECT_FALSE(c.model.is_moe_layer(0));
   EXPECT_TRUE(c.model.is_moe_layer(1));
   EXPECT_EQ(c.optimizer.name, "adamw");
-  EXPECT_EQ(c.training.dtype, Precision::BF16);
+  EXPECT_EQ(c.training.compute_dtype, ComputeDtype::Auto);
   EXPECT_EQ(c.parallelism.ep_dispatcher, EpDispatcher::AllToAll);
 }
 
@@ -216,6 +216,27 @@ TEST(Config, UnknownKeyNamesKeyLineAndSuggestion) {
   EXPECT_HAS(m, "test.toml:1: training: expected a table ([training]), got integer");
   m = load_error("[model.moe]\ntopk = 2\n");  // no nested tables
   EXPECT_HAS(m, "unknown key 'model.moe'");
+}
+
+// The retired training.dtype never does nothing: file and override both name the replacement key.
+TEST(Config, RetiredDtypeKeyNamesItsReplacement) {
+  std::string m = load_error("[training]\ndtype = \"fp32\"\n");
+  EXPECT_HAS(m, "test.toml:2: key 'training.dtype' was retired");
+  EXPECT_HAS(m, "training.compute_dtype = \"auto\" | \"bf16\" | \"fp32\"");
+  try {
+    JobConfig c;
+    apply_override(c, "--training.dtype=bf16");
+    ADD_FAILURE() << "override of the retired key accepted";
+  } catch (const Error& e) {
+    EXPECT_HAS(std::string(e.what()), "key 'training.dtype' was retired");
+  }
+  JobConfig c;
+  for (auto [text, want] : {std::pair{"auto", ComputeDtype::Auto}, {"bf16", ComputeDtype::BF16}, {"fp32", ComputeDtype::FP32}}) {
+    apply_override(c, std::string("--training.compute_dtype=") + text);
+    EXPECT_EQ(c.training.compute_dtype, want) << text;
+  }
+  m = load_error("[training]\ncompute_dtype = \"fp8\"\n");
+  EXPECT_HAS(m, "training.compute_dtype");
 }
 
 TEST(Config, WrongTypesNameKeyExpectedAndGot) {
