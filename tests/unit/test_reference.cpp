@@ -5,15 +5,19 @@
 // parameter gradient and the parameters (and expert biases) after 5 trainer steps. Torch is not needed here;
 // tools/torch_ref/gen_refs.sh regenerates the files.
 //
-// Two reference sets per file:
-//   exact ("logits", "grad.<p>", "step5.<p>", ...): float64 throughout. moetron rounds every matmul operand to
-//       bf16, so the comparison is limited by bf16 (tolerances below).
+// Three reference sets per file, and two engine runs per variant (compute_dtype bf16 and fp32):
+//   f64 ("f64.logits", "f64.grad.<p>", ...): float64 throughout, routing chosen freely by the float64 logits at
+//       every step. The fp32 engine (every GEMM operand fp32) is held to it with tight tolerances (kF32).
+//   exact ("logits", "grad.<p>", "step5.<p>", ...): float64 throughout, routing replayed from the emu set.
+//       The bf16 engine rounds every matmul operand to bf16, so the comparison is limited by bf16 (kExact).
 //   emu ("emu.logits", "emu.grad.<p>", ...): float64, but with every matmul operand rounded to bf16 exactly
 //       where model.cpp rounds it (forward x16/W16, backward dy16), the router gate unrounded. What is left is
 //       fp32 vs fp64 arithmetic (1e-7) plus the occasional bf16 rounding tie (below): tolerances 4-10x tighter
 //       than the exact set's, and most tensors agree to ~1e-6.
-// Routing is piecewise constant: the exact set replays the emu set's expert choice at every step; the engine
-// must reproduce the emu per-expert token counts exactly at every step (counts.<i>, emu.counts.step<s>.<i>).
+// Routing is piecewise constant: the exact set replays the emu set's expert choice at every step; the bf16
+// engine must reproduce the emu per-expert token counts exactly at every step (counts.<i>,
+// emu.counts.step<s>.<i>), the fp32 engine the f64 set's (f64.counts.step<s>.<i>).
+// The bf16 run needs native bf16 GEMMs and is skipped (saying so) where gemm_bf16_native() is false.
 // docs/torch_ref.md has the measured errors, the rounding-tie analysis and how to regenerate.
 #include <gtest/gtest.h>
 
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "moetron/config.h"
+#include "moetron/gemm.h"
 #include "moetron/model.h"
 #include "moetron/optim.h"
 #include "moetron/safetensors.h"
@@ -118,6 +123,27 @@ constexpr Tols kExact{{1e-2, 2e-2}, {4e-2, 4e-2}, {0.1, 1.0}, 3e-4};
 // one in the worst case and ~1e4x in the typical tensor (the per-variant summary prints the median).
 constexpr Tols kEmu{{1e-3, 5e-3}, {8e-3, 1.5e-2}, {3e-2, 1.0}, 1e-4};
 
+// ---- f64 reference vs the fp32 engine: fp32 arithmetic against float64 ------------------------------
+// FP32_TOLS_DERIVATION
+constexpr Tols kF32{{1e-5, 1e-5}, {1e-4, 1e-4}, {1e-3, 1.0}, 1e-5};
+
+// What one engine run is compared with: the compute dtype and its reference sets.
+struct RefSet {
+  const char* name;
+  const char* prefix;  // tensor-name prefix in the reference file
+  const Tols* tol;
+};
+struct RunSpec {
+  ComputeDtype dtype;
+  std::vector<RefSet> sets;
+  std::string counts_step1;  // step-1 routing counts "<prefix><i>"
+  std::string counts_step;   // per-step counts "<prefix><s>.<i>"
+};
+RunSpec run_spec(const std::string& dt) {
+  if (dt == "bf16") return {ComputeDtype::BF16, {{"exact", "", &kExact}, {"emu", "emu.", &kEmu}}, "counts.", "emu.counts.step"};
+  return {ComputeDtype::FP32, {{"f64", "f64.", &kF32}}, "f64.counts.step1.", "f64.counts.step"};
+}
+
 struct Worst {
   double rel = 0, max = 0;
   std::string rel_at, max_at;
@@ -150,10 +176,14 @@ void check_scalar(const char* set, const char* what, double got, double want, do
                       << ")";
 }
 
-class Reference : public ::testing::TestWithParam<std::string> {};
+class Reference : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(Reference, MatchesTorch) {
-  const std::string v = GetParam();
+  const std::string v = std::get<0>(GetParam());
+  const RunSpec run = run_spec(std::get<1>(GetParam()));
+  if (run.dtype == ComputeDtype::BF16 && !gemm_bf16_native())
+    GTEST_SKIP() << "bf16 GEMMs are not native on this CPU / ISA cap: the fp32 run holds the engine to the "
+                    "float64 reference instead";
   const fs::path cfg_path = kRoot / "tests/data/ref" / (v + ".toml");
   const fs::path ref_path = kRoot / "tests/data/ref" / (v + ".safetensors");
   ASSERT_TRUE(fs::exists(ref_path)) << ref_path << " is missing: " << kStale;
@@ -162,7 +192,7 @@ TEST_P(Reference, MatchesTorch) {
   ASSERT_EQ(ref.metadata().at("config_toml"), to_toml(cfg)) << v << ": config differs from the one used: " << kStale;
 
   const int64_t B = cfg.training.micro_batch_size, T = cfg.training.seq_len, N = B * T, V = cfg.model.vocab_size;
-  Model model(cfg.model, B, T);
+  Model model(cfg.model, B, T, {}, {}, run.dtype);
   model.init_params(uint64_t(cfg.training.seed));
   const int64_t np = model.num_params();
   for (auto& p : model.params()) {
@@ -182,15 +212,16 @@ TEST_P(Reference, MatchesTorch) {
   load_into(ref, "targets", DType::I32, {N}, targets.data());
   std::vector<float> p0(model.param_data(), model.param_data() + np);
 
-  Worst w[2][3];  // [exact, emu] x [logits, grad, step5]
-  const char* sets[2] = {"exact", "emu"};
-  const char* pre[2] = {"", "emu."};
-  const Tols* tols[2] = {&kExact, &kEmu};
+  const int nsets = int(run.sets.size());
+  Worst w[2][3];  // [set] x [logits, grad, step5]
+  const char* sets[2] = {run.sets[0].name, nsets > 1 ? run.sets[1].name : ""};
+  const char* pre[2] = {run.sets[0].prefix, nsets > 1 ? run.sets[1].prefix : ""};
+  const Tols* tols[2] = {run.sets[0].tol, nsets > 1 ? run.sets[1].tol : nullptr};
 
   // ---- logits and routing
   std::vector<float> logits(static_cast<size_t>(N * V));
   model.compute_logits(logits.data(), tokens.data());
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < nsets; ++s)
     check(sets[s], "logits", "logits", compare(logits.data(), read_f32(ref, std::string(pre[s]) + "logits").data(), N * V),
           tols[s]->logits, w[s][0]);
   // Debugging aid: MOETRON_REF_DUMP=DIR writes the engine's step-1 logits and gradients to DIR/<v>.engine.safetensors.
@@ -207,7 +238,7 @@ TEST_P(Reference, MatchesTorch) {
   auto counts = model.take_expert_counts();
   for (int i = 0; i < model.n_moe_layers(); ++i) {
     std::vector<int32_t> want(static_cast<size_t>(E));
-    load_into(ref, "counts." + std::to_string(i), DType::I32, {E}, want.data());
+    load_into(ref, run.counts_step1 + std::to_string(i), DType::I32, {E}, want.data());
     for (int64_t e = 0; e < E; ++e)
       EXPECT_EQ(counts[size_t(i)][size_t(e)], want[size_t(e)])
           << "MoE layer " << i << " expert " << e << ": tokens routed differ from the reference's choice";
@@ -218,7 +249,7 @@ TEST_P(Reference, MatchesTorch) {
   ForwardStats fs1 = model.forward_backward(tokens.data(), targets.data(), float(1.0 / double(N)), 1.0f);
   ASSERT_EQ(fs1.ce_count, N);
   dump_engine();
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < nsets; ++s) {
     const std::string p = pre[s];
     check_scalar(sets[s], "loss", fs1.ce_sum / double(fs1.ce_count), read_f32(ref, p + "loss", 1)[0], tols[s]->loss);
     if (E > 0) check_scalar(sets[s], "aux_loss", fs1.aux_loss, read_f32(ref, p + "aux_loss", 1)[0], tols[s]->loss);
@@ -253,7 +284,7 @@ TEST_P(Reference, MatchesTorch) {
     auto step_counts = model.take_expert_counts();
     for (int i = 0; i < model.n_moe_layers(); ++i) {
       std::vector<int32_t> want(static_cast<size_t>(E));
-      load_into(ref, "emu.counts.step" + std::to_string(step) + "." + std::to_string(i), DType::I32, {E}, want.data());
+      load_into(ref, run.counts_step + std::to_string(step) + "." + std::to_string(i), DType::I32, {E}, want.data());
       for (int64_t e = 0; e < E; ++e)
         EXPECT_EQ(step_counts[size_t(i)][size_t(e)], want[size_t(e)])
             << "step " << step << " MoE layer " << i << " expert " << e << ": routing diverged from the reference";
@@ -261,7 +292,7 @@ TEST_P(Reference, MatchesTorch) {
     model.update_expert_bias(step_counts);
     model.sync_weights();
   }
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < nsets; ++s) {
     const std::string p = pre[s];
     auto want = read_f32(ref, p + "losses", steps);
     for (int64_t i = 0; i < steps; ++i)
@@ -278,14 +309,15 @@ TEST_P(Reference, MatchesTorch) {
         EXPECT_NEAR(model.expert_bias(i)[e], b[size_t(e)], 1e-6) << "expert bias " << i << "." << e;
     }
   }
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < nsets; ++s)
     std::printf("[ %-7s ] %-5s logits %.1e/%.1e  grad %.1e (%s) max %.1e median %.1e  step5 %.1e (%s) median %.1e\n",
                 v.c_str(), sets[s], w[s][0].rel, w[s][0].max, w[s][1].rel, w[s][1].rel_at.c_str(), w[s][1].max,
                 w[s][1].median(), w[s][2].rel, w[s][2].rel_at.c_str(), w[s][2].median());
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, Reference,
-                         ::testing::Values("mha", "gqa", "mla", "mla_noq", "group", "sigmoid"),
-                         [](const auto& info) { return info.param; });
+                         ::testing::Combine(::testing::Values("mha", "gqa", "mla", "mla_noq", "group", "sigmoid"),
+                                            ::testing::Values("bf16", "fp32")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 }  // namespace
