@@ -284,10 +284,14 @@ TEST(MpiTrain, Zero3MemoryPerRankIsTheShardPlusOneUnit) {
     }
     slot = std::max(slot, unit_slot);
   }
+  // Per parameter: the fp32 master plus, with bf16 compute, its bf16 copy; the packed experts are in the
+  // compute dtype (the training runs below resolve compute_dtype = auto like the probe).
+  const bool bf = probe.compute_dtype() == ComputeDtype::BF16;
+  const int64_t per_param = bf ? 6 : 4;
+  const GemmPrec gp = bf ? GemmPrec::BF16 : GemmPrec::F32;
   int64_t packed = 0;
   for (auto k : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
-    packed += int64_t(grouped_packed_bytes(k, GemmPrec::BF16, E, d, 2 * Fe) +
-                      grouped_packed_bytes(k, GemmPrec::BF16, E, Fe, d));
+    packed += int64_t(grouped_packed_bytes(k, gp, E, d, 2 * Fe) + grouped_packed_bytes(k, gp, E, Fe, d));
   const int n_moe = probe.n_moe_layers();
   const int64_t bias = int64_t(n_moe) * E * 4, np = probe.num_params();
   probe_ptr.reset();
@@ -307,10 +311,10 @@ TEST(MpiTrain, Zero3MemoryPerRankIsTheShardPlusOneUnit) {
                          recorded(&world()));
   EXPECT_EQ(z.optimizer_peak_bytes, 8 * shard);
   EXPECT_EQ(z.grads_peak_bytes, 4 * shard + 4 * slot);
-  EXPECT_EQ(z.params_peak_bytes, 4 * shard + 6 * slot + packed + bias);
+  EXPECT_EQ(z.params_peak_bytes, 4 * shard + per_param * slot + packed + bias);
   EXPECT_EQ(d0.optimizer_peak_bytes, 8 * np);
   EXPECT_EQ(d0.grads_peak_bytes, 4 * np);
-  EXPECT_EQ(d0.params_peak_bytes, 6 * np + n_moe * packed + bias);
+  EXPECT_EQ(d0.params_peak_bytes, per_param * np + n_moe * packed + bias);
   EXPECT_EQ(z.act_peak_bytes, d0.act_peak_bytes);  // same micro-batch per rank
   // The shards are 1/p of the model up to padding: p * shard - np < 16 * (2 units' runs) * p elements.
   EXPECT_LT(p * shard - np, int64_t(2 * (nL + 2)) * 16 * p);

@@ -11,6 +11,9 @@
 
 #include "moetron/check.h"
 #include "moetron/config.h"
+#include "moetron/gemm.h"
+#include "moetron/model.h"
+#include "moetron/runtime.h"
 #include "moetron/trainer.h"
 
 using namespace moetron;
@@ -178,4 +181,46 @@ TEST(Trainer, ParallelismThatDoesNotMatchTheWorldFailsAtStartUp) {
     std::string m = e.what();
     EXPECT_NE(m.find("world size 1 != pp (1) * dp_replicate (1) * dp_shard (2) = 2"), std::string::npos) << m;
   }
+}
+
+// training.compute_dtype: auto resolves to what the CPU computes natively; bf16 where it is not native is a
+// clear error naming the CPU feature and the key. MOETRON_ISA's override (set_isa_override) lowers the
+// kernels to AVX2 so that the non-native branch is tested on every machine.
+TEST(ComputeDtype, AutoPicksNativeBf16OrFp32AndBf16ElsewhereNamesFeatureAndKey) {
+  std::string why;
+  const ComputeDtype a = resolve_compute_dtype(ComputeDtype::Auto, &why);
+  EXPECT_EQ(a, gemm_bf16_native() && active_isa() == Isa::Avx512 ? ComputeDtype::BF16 : ComputeDtype::FP32) << why;
+  EXPECT_NE(why.find("auto: "), std::string::npos) << why;
+  EXPECT_EQ(resolve_compute_dtype(ComputeDtype::FP32), ComputeDtype::FP32);  // fp32 is possible everywhere
+  const Isa before = active_isa();
+  set_isa_override(Isa::Avx2);
+  EXPECT_EQ(resolve_compute_dtype(ComputeDtype::Auto, &why), ComputeDtype::FP32);
+  EXPECT_NE(why.find(cpu_features().avx512bf16 ? "MOETRON_ISA" : "AVX512-BF16"), std::string::npos) << why;
+  try {
+    (void)resolve_compute_dtype(ComputeDtype::BF16);
+    ADD_FAILURE() << "bf16 accepted where it is not native";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("training.compute_dtype"), std::string::npos) << m;
+    EXPECT_NE(m.find(cpu_features().avx512bf16 ? "MOETRON_ISA" : "AVX512-BF16"), std::string::npos) << m;
+  }
+  // The trainer refuses it before building anything.
+  EXPECT_THROW(train(tiny(fresh_dir("bf16_refused"), {"--training.compute_dtype=bf16", "--training.steps=1"}), quiet()),
+               Error);
+  set_isa_override(before);
+}
+
+// The fp32 path trains: the loss falls, the run is bitwise deterministic, and where bf16 is native the two
+// dtypes agree to bf16 accuracy (the bf16 run rounds every GEMM operand: relative 2^-9 per operand).
+TEST(ComputeDtype, Fp32TrainsDeterministicallyAndAgreesWithBf16) {
+  auto f1 = train(tiny(fresh_dir("f32_a"), {"--training.steps=4", "--training.compute_dtype=fp32"}), quiet());
+  auto f2 = train(tiny(fresh_dir("f32_b"), {"--training.steps=4", "--training.compute_dtype=fp32"}), quiet());
+  ASSERT_EQ(f1.history.size(), 4u);
+  EXPECT_EQ(f1.compute_dtype, ComputeDtype::FP32);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(f1.history[i].loss, f2.history[i].loss) << "step " << i + 1;
+  EXPECT_LT(f1.history[3].loss, f1.history[0].loss);
+  if (!(gemm_bf16_native() && active_isa() == Isa::Avx512)) GTEST_SKIP() << "bf16 is not native here";
+  auto b = train(tiny(fresh_dir("bf_a"), {"--training.steps=4", "--training.compute_dtype=bf16"}), quiet());
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_NEAR(b.history[i].loss, f1.history[i].loss, 1e-2 * f1.history[i].loss) << "step " << i + 1;
 }
