@@ -26,6 +26,7 @@ void print_map(const ModelSpec& spec) {
       src += p.src;
       if (p.expert >= 0) src += "[" + std::to_string(p.expert) + "]";
     }
+    if (src.empty()) src = "(no moetron tensor)";
     std::printf("  %-56s %-16s <- %s  (%s)\n", t.hf_name.c_str(), shape_str(t.hf_shape).c_str(), src.c_str(),
                 t.how.c_str());
   }

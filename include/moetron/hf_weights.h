@@ -1,7 +1,8 @@
 // hf_weights.h: the name and layout mapping between moetron parameters and Hugging Face checkpoints
 // (model.safetensors + config.json) for the model types to_hf_config_json chooses: deepseek (V1,
 // MHA/GQA), deepseek_v2 / deepseek_v3 (MLA), mixtral and qwen3_moe. Export (moetron -> HF) and import
-// (HF -> moetron) are exact inverses: both walk the same HfWeightMap, so an f32 round trip is bitwise.
+// (HF -> moetron) are exact inverses: both walk the same HfWeightMap, so an f32 round trip is bitwise
+// (one exception: the DeepSeek-V3 routing bias is exported shifted, see below).
 // Not a converter for other architectures, not a tensor library, and no FP8 (block-scaled) HF weights:
 // import accepts F32 and BF16 tensors only. docs/hf_export.md has the full mapping table.
 //
@@ -19,8 +20,14 @@
 //         HF row 2i   <- moetron rotary dim i
 //         HF row 2i+1 <- moetron rotary dim i + dr/2          (i < dr/2), and the inverse on import.
 //   - the aux-loss-free expert bias (checkpoint tensor expert_bias.<moe layer index>) is DeepSeek-V3's
-//     mlp.gate.e_score_correction_bias; the other formats have no such tensor (export drops it with a
-//     note when it is non-zero; import sets it to zero).
+//     mlp.gate.e_score_correction_bias, exported as bias - min(bias) when min(bias) < 0: transformers'
+//     V3 router masks the experts of unselected groups with 0.0, so a negative biased score could lose
+//     to a masked expert; a common shift leaves moetron's routing unchanged and keeps every biased score
+//     positive. Import copies it. With load_balance != aux_free moetron routes without the bias, so the
+//     V3 tensor is written as zeros. The other formats have no such tensor (export drops it, with a note
+//     when moetron routes with it and it is non-zero; import sets it to zero).
+//   - DeepSeek-V2/V3 without shared experts: config.json says n_shared_experts = 0 and the shared-expert
+//     tensors are written empty ([0, d] and [d, 0]), as transformers builds them.
 //   - Qwen3 per-head q/k RMSNorm weights: the engine has no qk_norm yet; the map names them
 //     layers.<l>.attn.q_head_norm / attn.k_head_norm [head_dim] (provisional names).
 #pragma once
@@ -48,13 +55,17 @@ struct HfTensorRef {
 // element for element (same numel, row-major; 1-D norms, embed, head, bias). transpose = true: HF row
 // row0 + i, column j == element [j, cols[i]] of the [in, out] matrix `src` (expert slice `expert` of an
 // [E, in, out] tensor when expert >= 0); the HF tensor has `in` columns.
+// shift_nonneg (copy parts only): export writes src - min(src) when min(src) < 0, else src; import copies.
 struct HfPart {
   std::string src;
   int64_t expert = -1;
   bool transpose = false;
   std::vector<int64_t> cols;  // transpose only: one source column per HF row
+  bool shift_nonneg = false;
 };
 
+// An HF tensor with no parts has no moetron source: export writes zeros; import accepts it absent or
+// all zero (anything else is an error, since moetron cannot represent it).
 struct HfTensorMap {
   std::string hf_name;
   Shape hf_shape;
@@ -67,6 +78,7 @@ struct HfWeightMap {
   std::vector<HfTensorRef> moetron;      // every moetron tensor the map covers (data == nullptr)
   std::vector<HfTensorMap> hf;           // every HF tensor, in file order
   std::vector<std::string> not_in_hf;    // moetron tensors with no HF counterpart (zeroed on import)
+  bool routes_with_bias = false;         // the spec's router uses expert_bias (load_balance = aux_free)
 };
 
 // The HF model_type to_hf_config_json chooses for the spec (throws if the spec is not expressible).
@@ -88,7 +100,7 @@ struct HfTensorData {
 
 // Builds every HF tensor from the moetron tensors in `src` (each tensor of map.moetron must be present
 // with its shape; extra refs are an error). `notes` (optional) receives warnings, e.g. a non-zero
-// expert bias that the format cannot carry.
+// expert bias that moetron routes with but the format cannot carry.
 std::vector<HfTensorData> export_hf_tensors(const HfWeightMap& map, const std::vector<HfTensorRef>& src,
                                             std::vector<std::string>* notes = nullptr);
 

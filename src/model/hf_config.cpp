@@ -3,6 +3,8 @@
 // Not modelled (ignored on import): rope_scaling (YaRN), max_position_embeddings, the DeepSeek-V3 MTP
 // module (num_nextn_predict_layers), sliding windows. Training-only fields that HF formats do not carry
 // (load_balance, capacity_factor, ...) travel in an extra "moetron" object, which transformers ignores.
+// Every other field written is one the type's modelling code reads, with moetron's meaning; a spec that
+// code would evaluate differently is refused with the rule (docs/hf_export.md lists them per type).
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -86,10 +88,18 @@ void gqa_or_mha(ModelSpec& s, const Reader& r) {
   s.attn.head_dim = r.has("head_dim") ? r.i("head_dim") : (s.attn.n_heads ? s.d_model / s.attn.n_heads : 0);
 }
 
-void import_deepseek(ModelSpec& s, const Reader& r, bool mla) {
+// DeepSeek V1 (DeepSeekMoE remote code), V2 and V3 (transformers' modeling_deepseek_v2 / _v3). Each
+// version reads only the fields its own modelling code reads, with that code's meaning:
+//   V1: softmax; top-k weights renormalized only when num_experts_per_tok > 1 and norm_topk_prob;
+//       no routed_scaling_factor, no groups.
+//   V2: softmax; greedy or group_limited_greedy (group score = max); weights * routed_scaling_factor,
+//       never renormalized (transformers does not read norm_topk_prob).
+//   V3: sigmoid + e_score_correction_bias; groups always (n_group, topk_group); renormalized when
+//       norm_topk_prob, then * routed_scaling_factor.
+void import_deepseek(ModelSpec& s, const Reader& r, int version) {
   common(s, r);
   s.inter_size = r.i("intermediate_size");
-  if (mla) {
+  if (version > 1) {
     s.attn.type = AttnType::MLA;
     s.attn.q_lora_rank = r.i("q_lora_rank", 0);
     s.attn.kv_lora_rank = r.i("kv_lora_rank");
@@ -105,23 +115,44 @@ void import_deepseek(ModelSpec& s, const Reader& r, bool mla) {
     m.n_shared_experts = r.i("n_shared_experts", 0);
     m.moe_inter_size = r.i("moe_intermediate_size");
     m.topk = r.i("num_experts_per_tok");
-    const std::string sf = r.s("scoring_func", "softmax");
-    if (sf != "softmax" && sf != "sigmoid") r.fail("scoring_func", "must be softmax or sigmoid, got " + sf);
-    m.score_func = sf == "softmax" ? ScoreFunc::Softmax : ScoreFunc::Sigmoid;
-    m.norm_topk_prob = r.b("norm_topk_prob", false);
-    m.route_scale = r.f("routed_scaling_factor", 1.0);
-    const std::string method = r.s("topk_method", "greedy");
-    if (method == "greedy") {
-      m.n_group = m.topk_group = 1;
-    } else if (method == "group_limited_greedy" || method == "noaux_tc") {
-      m.n_group = r.i("n_group", 1);
-      m.topk_group = r.i("topk_group", 1);
-    } else {
-      r.fail("topk_method", "must be greedy, group_limited_greedy or noaux_tc, got " + method);
-    }
-    m.load_balance = method == "noaux_tc" ? LoadBalance::AuxFree : LoadBalance::AuxLoss;
+    const std::string want_sf = version == 3 ? "sigmoid" : "softmax";
+    const std::string sf = r.s("scoring_func", want_sf);
+    if (sf != want_sf) r.fail("scoring_func", "must be " + want_sf + " for " + r.type + ", got " + sf);
+    m.score_func = version == 3 ? ScoreFunc::Sigmoid : ScoreFunc::Softmax;
     m.aux_coef = r.f("aux_loss_alpha", 0.001);
     m.aux_seq_wise = r.b("seq_aux", true);
+    m.load_balance = LoadBalance::AuxLoss;
+    const bool norm = r.b("norm_topk_prob", false);
+    if (version == 1) {
+      // A single expert keeps its softmax score: the same as no renormalization.
+      m.norm_topk_prob = norm && m.topk > 1;
+    } else if (version == 2) {
+      if (norm)
+        r.fail("norm_topk_prob",
+               "is true: transformers' DeepseekV2 gate ignores it (weights are scaled by routed_scaling_factor, "
+               "never renormalized) while DeepSeek's remote code renormalizes instead of scaling; the model "
+               "is ambiguous");
+      m.norm_topk_prob = false;
+    } else {
+      m.norm_topk_prob = norm;
+    }
+    if (version > 1) m.route_scale = r.f("routed_scaling_factor", 1.0);
+    const std::string method = r.s("topk_method", version == 3 ? "noaux_tc" : "greedy");
+    if (version == 2) {
+      if (method == "greedy") {
+        m.n_group = m.topk_group = 1;
+      } else if (method == "group_limited_greedy") {
+        m.n_group = r.i("n_group", 1);
+        m.topk_group = r.i("topk_group", 1);
+      } else {
+        r.fail("topk_method", "must be greedy or group_limited_greedy, got " + method);
+      }
+    } else if (version == 3) {
+      if (method != "noaux_tc") r.fail("topk_method", "must be noaux_tc, got " + method);
+      m.n_group = r.i("n_group", 1);  // transformers' V3 router always routes by groups
+      m.topk_group = r.i("topk_group", 1);
+      m.load_balance = LoadBalance::AuxFree;
+    }
   }
   const int64_t first_k = r.i("first_k_dense_replace", 0), freq = r.i("moe_layer_freq", 1);
   if (freq < 1) r.fail("moe_layer_freq", "must be >= 1");
@@ -229,8 +260,9 @@ ModelSpec model_spec_from_hf_json(std::string_view text, std::string_view source
   const std::string type = r.s("model_type", "");
   r.type = type.empty() ? "?" : type;
   ModelSpec s;
-  if (type == "deepseek") import_deepseek(s, r, false);
-  else if (type == "deepseek_v2" || type == "deepseek_v3") import_deepseek(s, r, true);
+  if (type == "deepseek") import_deepseek(s, r, 1);
+  else if (type == "deepseek_v2") import_deepseek(s, r, 2);
+  else if (type == "deepseek_v3") import_deepseek(s, r, 3);
   else if (type == "mixtral") import_mixtral(s, r);
   else if (type == "qwen3_moe") import_qwen3_moe(s, r);
   else
@@ -290,9 +322,32 @@ std::string to_hf_config_json(const ModelSpec& s) {
       if (m.score_func != ScoreFunc::Softmax) cannot(type, "score_func must be softmax");
       if (m.route_scale != 1.0 || m.n_group != 1) cannot(type, "no route_scale or group-limited routing in V1");
       if (a.head_dim * a.n_heads != s.d_model) cannot(type, "head_dim must be d_model / n_heads");
+      if (s.is_moe() && m.topk == 1 && m.norm_topk_prob)
+        cannot(type, "model.norm_topk_prob = true with model.topk = 1: the DeepSeek-V1 gate renormalizes the "
+                     "top-k weights only when num_experts_per_tok > 1, so its single expert keeps its softmax "
+                     "score where moetron gives it weight 1, and no HF field says otherwise");
+    } else {
+      if (s.norm_eps != 1e-6) {
+        std::ostringstream eps;
+        eps << s.norm_eps;
+        cannot(type, "model.norm_eps = " + eps.str() +
+                         ": transformers builds the MLA q_a_layernorm and kv_a_layernorm with eps 1e-6 whatever "
+                         "rms_norm_eps says, while moetron uses norm_eps for q_norm and kv_norm; only "
+                         "norm_eps = 1e-6 is expressible");
+      }
+      if (t == "deepseek_v2" && s.is_moe() && m.norm_topk_prob)
+        cannot(type, "model.norm_topk_prob = true: the transformers DeepseekV2 gate never reads norm_topk_prob "
+                     "(it multiplies the top-k softmax weights by routed_scaling_factor and does not "
+                     "renormalize them), so no HF field says what moetron computes");
+      if (t == "deepseek_v3" && s.is_moe() && m.n_routed_experts / m.n_group < 2)
+        cannot(type, "model.n_routed_experts / model.n_group = " + std::to_string(m.n_routed_experts / m.n_group) +
+                         ": the DeepSeek-V3 router scores each expert group by its top 2 experts, so a group "
+                         "needs at least 2 experts");
     }
     j["intermediate_size"] = s.inter_size;
-    j["first_k_dense_replace"] = s.first_k_dense;
+    // Dense model: every layer below first_k_dense_replace (transformers' V2/V3 build an MoE block for
+    // every layer at or after it, whatever n_routed_experts says).
+    j["first_k_dense_replace"] = s.is_moe() ? s.first_k_dense : s.n_layers;
     j["moe_layer_freq"] = 1;
     if (mla) {
       j["q_lora_rank"] = a.q_lora_rank > 0 ? json(a.q_lora_rank) : json(nullptr);
@@ -303,15 +358,21 @@ std::string to_hf_config_json(const ModelSpec& s) {
     }
     if (s.is_moe()) {
       j["n_routed_experts"] = m.n_routed_experts;
-      j["n_shared_experts"] = m.n_shared_experts > 0 ? json(m.n_shared_experts) : json(nullptr);
+      // V1 reads null as "no shared experts"; V2/V3 need a number (V3 multiplies it, V2 always adds the
+      // shared block), so they get 0 and empty shared-expert tensors (hf_weight_map).
+      j["n_shared_experts"] = m.n_shared_experts > 0 || t != "deepseek" ? json(m.n_shared_experts) : json(nullptr);
       j["moe_intermediate_size"] = m.moe_inter_size;
       j["num_experts_per_tok"] = m.topk;
       j["scoring_func"] = std::string(to_string(m.score_func));
       j["norm_topk_prob"] = m.norm_topk_prob;
-      j["routed_scaling_factor"] = m.route_scale;
-      j["n_group"] = m.n_group;
-      j["topk_group"] = m.topk_group;
-      j["topk_method"] = t == "deepseek_v3" ? "noaux_tc" : m.n_group > 1 ? "group_limited_greedy" : "greedy";
+      if (t != "deepseek") {  // V1 reads none of these
+        j["routed_scaling_factor"] = m.route_scale;
+        j["topk_method"] = t == "deepseek_v3" ? "noaux_tc" : m.n_group > 1 ? "group_limited_greedy" : "greedy";
+        if (j["topk_method"] != "greedy") {  // V2's greedy reads no group fields; V3 always routes by group
+          j["n_group"] = m.n_group;
+          j["topk_group"] = m.topk_group;
+        }
+      }
       j["aux_loss_alpha"] = m.aux_coef;
       j["seq_aux"] = m.aux_seq_wise;
     } else {
@@ -327,6 +388,7 @@ std::string to_hf_config_json(const ModelSpec& s) {
     j["num_experts_per_tok"] = m.topk;
     j["router_aux_loss_coef"] = m.aux_coef;
     if (t == "mixtral") {
+      j.erase("attention_bias");  // Mixtral attention has no bias and no such field
       j["architectures"] = {"MixtralForCausalLM"};
       j["num_local_experts"] = m.n_routed_experts;
       j["intermediate_size"] = m.moe_inter_size;

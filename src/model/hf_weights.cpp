@@ -50,11 +50,17 @@ struct MapBuilder {
     shapes[name] = shape;
     m.moetron.push_back({name, std::move(shape), nullptr});
   }
-  // HF tensor == moetron tensor.
-  void copy(const std::string& hf, const std::string& src) {
+  // HF tensor == moetron tensor (shift_nonneg: minus its minimum when that is negative, on export).
+  void copy(const std::string& hf, const std::string& src, bool shift_nonneg = false) {
     HfTensorMap t;
-    t.hf_name = hf, t.hf_shape = shapes.at(src), t.how = "copy";
-    t.parts.push_back({src, -1, false, {}});
+    t.hf_name = hf, t.hf_shape = shapes.at(src), t.how = shift_nonneg ? "copy, minus min() if negative" : "copy";
+    t.parts.push_back({src, -1, false, {}, shift_nonneg});
+    m.hf.push_back(std::move(t));
+  }
+  // HF tensor with no moetron source: zeros (or empty) on export, must be zero on import.
+  void fixed(const std::string& hf, Shape shape, const std::string& how) {
+    HfTensorMap t;
+    t.hf_name = hf, t.hf_shape = std::move(shape), t.how = how;
     m.hf.push_back(std::move(t));
   }
   // HF [rows, in] from transposed column sets of [in, out] sources (all with the same `in`).
@@ -105,9 +111,11 @@ HfWeightMap hf_weight_map(const ModelSpec& spec_in) {
   s.resolve();
   MapBuilder b;
   b.m.model_type = hf_model_type(s);  // validates and rejects specs no HF format can express
+  b.m.routes_with_bias = s.moe.load_balance == LoadBalance::AuxFree;
   const std::string& type = b.m.model_type;
   const bool mixtral = type == "mixtral";
   const bool v3 = type == "deepseek_v3";
+  const bool mla_moe = type == "deepseek_v2" || v3;
   const bool mla = s.attn.type == AttnType::MLA;
   const int64_t d = s.d_model, V = s.vocab_size, H = s.attn.n_heads;
   const int64_t Dqk = s.attn.qk_head_dim(), Dv = s.attn.v_dim();
@@ -209,10 +217,12 @@ HfWeightMap hf_weight_map(const ModelSpec& spec_in) {
     }
     const std::string f = h + (mixtral ? "block_sparse_moe." : "mlp.");
     b.lin_cols(f + "gate.weight", p + "moe.gate", -1, 0, E);
-    if (v3) {
-      b.copy(f + "gate.e_score_correction_bias", "expert_bias." + std::to_string(moe_i));
+    const std::string bias = "expert_bias." + std::to_string(moe_i);
+    if (v3 && b.m.routes_with_bias) {
+      b.copy(f + "gate.e_score_correction_bias", bias, true);  // see hf_weights.h: masked groups score 0.0
     } else {
-      b.m.not_in_hf.push_back("expert_bias." + std::to_string(moe_i));
+      if (v3) b.fixed(f + "gate.e_score_correction_bias", {E}, "zeros (load_balance != aux_free: no bias in routing)");
+      b.m.not_in_hf.push_back(bias);
     }
     for (int64_t e = 0; e < E; ++e) {
       const std::string ep = f + "experts." + std::to_string(e) + ".";
@@ -223,6 +233,11 @@ HfWeightMap hf_weight_map(const ModelSpec& spec_in) {
       // to_hf_config_json only picks deepseek* types for shared experts.
       swiglu_tensors(b, f + "shared_experts.", p + "moe.shared.w13", p + "moe.shared.w2", Fs, -1, "gate_proj", "up_proj",
                      "down_proj");
+    } else if (mla_moe) {
+      // n_shared_experts = 0: transformers' V2/V3 still build (and call) a shared MLP of width 0.
+      b.fixed(f + "shared_experts.gate_proj.weight", {0, d}, "empty (n_shared_experts = 0)");
+      b.fixed(f + "shared_experts.up_proj.weight", {0, d}, "empty (n_shared_experts = 0)");
+      b.fixed(f + "shared_experts.down_proj.weight", {d, 0}, "empty (n_shared_experts = 0)");
     }
     ++moe_i;
   }
@@ -291,8 +306,13 @@ void move_tensor(const HfTensorMap& t, const std::map<std::string, const HfTenso
     const HfTensorRef& r = *refs.at(p.src);
     if (!p.transpose) {
       const size_t n = size_t(shape_numel(r.shape));
-      if (to_hf) std::memcpy(hf, r.data, n * sizeof(float));
-      else std::memcpy(r.data, hf, n * sizeof(float));
+      const float lo = p.shift_nonneg && n > 0 ? *std::min_element(r.data, r.data + n) : 0.0f;
+      if (to_hf && lo < 0.0f)
+        for (size_t i = 0; i < n; ++i) hf[i] = r.data[i] - lo;
+      else if (to_hf)
+        std::memcpy(hf, r.data, n * sizeof(float));
+      else
+        std::memcpy(r.data, hf, n * sizeof(float));
       continue;
     }
     View v = part_view(p, r);
@@ -314,6 +334,20 @@ void move_tensor(const HfTensorMap& t, const std::map<std::string, const HfTenso
   }
 }
 
+// One F32 or BF16 tensor of a file, as fp32.
+void read_f32(const SafetensorsFile& f, const SafetensorsTensorInfo& info, std::vector<float>& buf) {
+  const int64_t n = shape_numel(info.shape);
+  buf.resize(size_t(n));
+  auto bytes = f.bytes(info.name);
+  if (info.dtype == DType::F32) {
+    if (n > 0) std::memcpy(buf.data(), bytes.data(), size_t(n) * 4);
+  } else {
+    std::vector<bf16> tmp(static_cast<size_t>(n));
+    if (n > 0) std::memcpy(tmp.data(), bytes.data(), size_t(n) * 2);
+    bf16_to_f32(buf.data(), tmp.data(), n);
+  }
+}
+
 }  // namespace
 
 std::vector<HfTensorData> export_hf_tensors(const HfWeightMap& map, const std::vector<HfTensorRef>& src,
@@ -328,7 +362,7 @@ std::vector<HfTensorData> export_hf_tensors(const HfWeightMap& map, const std::v
     move_tensor(t, refs, o.data.data(), true);
     out.push_back(std::move(o));
   }
-  if (notes)
+  if (notes && map.routes_with_bias)
     for (const auto& name : map.not_in_hf) {
       const HfTensorRef& r = *refs.at(name);
       const int64_t n = shape_numel(r.shape);
@@ -365,6 +399,7 @@ void load_hf_weights(const ModelSpec& spec, const std::vector<SafetensorsFile>& 
         break;
       }
     if (!f) {
+      if (t.parts.empty()) continue;  // no moetron source: nothing to load
       bad << "\n  missing tensor '" << t.hf_name << "' (expected " << shape_str(t.hf_shape) << ")", ++nbad;
       continue;
     }
@@ -379,6 +414,14 @@ void load_hf_weights(const ModelSpec& spec, const std::vector<SafetensorsFile>& 
       bad << "\n  tensor '" << t.hf_name << "' has shape " << shape_str(info.shape) << ", expected "
           << shape_str(t.hf_shape);
       ++nbad;
+      continue;
+    }
+    if (t.parts.empty()) {
+      std::vector<float> v;
+      read_f32(*f, info, v);
+      if (std::any_of(v.begin(), v.end(), [](float x) { return x != 0.0f; }))
+        bad << "\n  tensor '" << t.hf_name << "' must be all zero for this spec (" << t.how
+            << "): moetron has no place for its values", ++nbad;
       continue;
     }
     found[k] = {f, &info};
@@ -400,16 +443,8 @@ void load_hf_weights(const ModelSpec& spec, const std::vector<SafetensorsFile>& 
   std::vector<float> buf;
   for (size_t k = 0; k < map.hf.size(); ++k) {
     const auto [f, info] = found[k];
-    const int64_t n = shape_numel(info->shape);
-    buf.resize(size_t(n));
-    auto bytes = f->bytes(info->name);
-    if (info->dtype == DType::F32) {
-      std::memcpy(buf.data(), bytes.data(), size_t(n) * 4);
-    } else {
-      std::vector<bf16> tmp(static_cast<size_t>(n));
-      std::memcpy(tmp.data(), bytes.data(), size_t(n) * 2);
-      bf16_to_f32(buf.data(), tmp.data(), n);
-    }
+    if (!f) continue;  // a tensor with no moetron source
+    read_f32(*f, *info, buf);
     move_tensor(map.hf[k], refs, buf.data(), false);
   }
   for (const auto& name : map.not_in_hf) {
@@ -467,6 +502,12 @@ HfExportResult write_hf_model(const std::string& out_dir, const ModelSpec& spec,
   HfExportResult res;
   res.model_type = map.model_type;
   std::vector<HfTensorData> tensors = export_hf_tensors(map, src, &res.notes);
+  if (spec.is_moe() && spec.moe.capacity_factor > 0) {
+    std::ostringstream cf;
+    cf << spec.moe.capacity_factor;
+    res.notes.push_back("model.capacity_factor = " + cf.str() + ": HF " + map.model_type +
+                        " never drops tokens, so it computes the dropless model");
+  }
 
   std::vector<std::vector<bf16>> b16;
   b16.reserve(tensors.size());
