@@ -1,7 +1,8 @@
-// accounting.h: THE parameter, FLOP and saved-activation accounting of a ModelSpec. One implementation,
-// read by `moetron model info`, by the planner (memory projection, cost model) and by the engine, whose
-// allocations are checked against it. Not a memory planner: no optimizer state, no parallel sharding,
-// no workspace; those are built on top of these numbers.
+// accounting.h: THE parameter, FLOP and saved-activation accounting of a ModelSpec, and the per-rank
+// memory estimate of a training job built on it. One implementation, read by `moetron model info`, by
+// the planner (memory projection, cost model) and by the engine, whose allocations are checked against
+// it (the start-up memory check, include/moetron/memcheck.h). Not a planner: no search over layouts, no
+// hardware catalog.
 //
 // Conventions (docs/model.md):
 //   params  - every weight, norms included; attention-internal norms (MLA q_a/kv_a norms, qk_norm) count
@@ -17,7 +18,10 @@
 //                       seq_len without. Recompute is NOT in model FLOPs (see hw_train).
 //   saved activations - per layer per micro-batch, a list of named terms (tensor name, bytes) that the
 //             layer's forward keeps for its backward, given precision and activation checkpointing.
+//   memory  - per rank, by the MemoryTracker's categories (memory.h): what the trainer allocates for a
+//             JobConfig under its parallel layout (dp, ep, zero), in double arithmetic (no overflow).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -104,5 +108,52 @@ ActivationBytes activation_bytes(const JobConfig& c);
 // Rows a MoE layer feeds to its routed experts for T tokens: T*topk when dropless, otherwise
 // E * ceil(capacity_factor * T * topk / E).
 int64_t routed_rows(const ModelSpec& s, int64_t tokens);
+
+// The same total as activation_bytes (every term, layers and outside) in double arithmetic, with explicit
+// element sizes (act: activations, gemm: GEMM inputs), and the largest single term. For size checks that
+// must not overflow: JobConfig::validate bounds it before any int64 figure is formed.
+struct ActivationSize {
+  double total = 0;
+  double largest_bytes = 0;
+  std::string largest;  // term name, e.g. "moe.gate_up"
+};
+ActivationSize activation_size(const ModelSpec& s, int64_t micro_batch, int64_t seq_len, int64_t act_bytes,
+                               int64_t gemm_bytes, const ActivationCheckpointSpec& ac = {});
+// "model.d_model = 7168, ..." : the config keys (with their values) that a term's width comes from.
+std::string activation_term_keys(const ModelSpec& s, const std::string& term);
+
+// ---- per-rank memory of a training job ------------------------------------------------------------
+// What one rank of the trainer holds at its peak, by MemoryTracker category, for the layout in
+// c.parallelism (dp = dp_replicate * dp_shard, ep, zero) and one micro-batch of c.training:
+//   params      - fp32 parameters + their bf16 copy + the packed expert weights (two bf16 layouts) + the
+//                 aux-free expert biases; under ep a rank holds E / ep experts per MoE layer; zero = 3:
+//                 the fp32 shard (1/dp) plus the gathered unit slot(s) (two with tied embeddings);
+//   grads       - fp32, local layout (zero = 3: shard + slot);
+//   optimizer   - AdamW m and v, fp32 (zero = 1 or 3: 1/dp of all parameters);
+//   activations - what the engine keeps for the backward of one micro-batch: the saved-activation terms
+//                 with fp32 activations (the residual stream, norm inputs and GEMM outputs are fp32
+//                 whatever the compute type) and GEMM inputs of `compute_bytes` (2 = bf16, 4 = fp32),
+//                 plus the engine's extra fp32 copies; checkpointed layers keep their input and share one
+//                 set of buffers per layer kind (full) or per recomputed module (selective);
+//   workspace   - backward scratch, RoPE tables and the largest kernel workspace (chunked loss, attention,
+//                 router, grouped GEMMs);
+//   comm        - DP all-reduce / FSDP reduce-scatter workspace, EP dispatch buffers (approximate).
+// Not counted: allocations the tracker does not see (the process itself, data loader, oneDNN caches).
+struct MemoryEstimate {
+  double params = 0, grads = 0, optimizer = 0, activations = 0, workspace = 0, comm = 0;
+  // The config keys (with values) that drive the categories, for messages.
+  std::string param_keys;       // params, grads, optimizer: the largest parameter part and the sharding
+  std::string activation_keys;  // micro-batch, seq_len, n_layers, the largest term's width, checkpointing
+  std::string workspace_keys;   // micro-batch, seq_len and the widest scratch
+  // Bytes held while the model is built, when that is above the training peak: with selective recompute
+  // the engine allocates every layer's full buffer set before the recomputed modules share theirs (about:
+  // params and grads as above plus those sets). 0 otherwise.
+  double build_peak = 0;
+  double total() const { return params + grads + optimizer + activations + workspace + comm; }
+  double peak() const { return std::max(total(), build_peak); }
+};
+// `threads`: the OpenMP threads of one rank (kernel workspaces have a part per thread). Uses the grouped
+// GEMM and attention kernels' own packing and workspace sizes. For a validated config.
+MemoryEstimate estimate_memory(const JobConfig& c, int64_t compute_bytes, int threads);
 
 }  // namespace moetron

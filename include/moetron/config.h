@@ -54,6 +54,7 @@ struct TrainSpec {
   int64_t val_steps = 0;
   ComputeDtype compute_dtype = ComputeDtype::Auto;  // replaces the retired `dtype` key
   int64_t threads = 0;  // 0 = all hardware threads
+  bool memory_check = true;  // reject at start-up a job that needs more memory than the node has (memcheck.h)
   bool operator==(const TrainSpec&) const = default;
 };
 

@@ -1,12 +1,18 @@
-// accounting.cpp: parameter counts, FLOPs per token and saved-activation bytes of a ModelSpec.
-// THE one implementation (see accounting.h for the conventions). Every saved-activation figure is a
-// list of named terms, one line per tensor, so that the engine's allocations can be compared term by
-// term. Not a memory planner: no optimizer state, sharding or workspaces here.
+// accounting.cpp: parameter counts, FLOPs per token, saved-activation bytes of a ModelSpec, and the
+// per-rank memory estimate of a training job. THE one implementation (see accounting.h for the
+// conventions). Every saved-activation figure is a list of named terms, one line per tensor, so that the
+// engine's allocations can be compared term by term; the term list is written once, as templates over
+// the arithmetic (int64 for the figures, double for the size checks). Not a planner: no layout search.
 #include "moetron/accounting.h"
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <utility>
 
+#include "moetron/attention.h"
 #include "moetron/check.h"
+#include "moetron/grouped_gemm.h"
 
 namespace moetron {
 
@@ -116,15 +122,147 @@ int64_t LayerActivations::total() const {
   return t;
 }
 
-int64_t routed_rows(const ModelSpec& s, int64_t tokens) {
+namespace {
+
+// Routed rows in the arithmetic Num (int64_t for the public figures, double for size checks).
+template <class Num>
+Num rows_for(const ModelSpec& s, Num tokens) {
   const auto& m = s.moe;
-  const int64_t rows = tokens * m.topk;
+  const Num rows = tokens * Num(m.topk);
   if (m.capacity_factor <= 0) return rows;
-  const int64_t E = m.n_routed_experts;
-  const double per_expert = m.capacity_factor * double(rows) / double(E);
-  const int64_t cap = int64_t(per_expert);
-  return E * (double(cap) < per_expert ? cap + 1 : cap);  // E * ceil(cf * T * k / E)
+  const double per_expert = m.capacity_factor * double(rows) / double(m.n_routed_experts);
+  if constexpr (std::is_floating_point_v<Num>) {
+    return Num(m.n_routed_experts) * std::ceil(per_expert);
+  } else {
+    const int64_t cap = int64_t(per_expert);
+    return m.n_routed_experts * (double(cap) < per_expert ? cap + 1 : cap);  // E * ceil(cf * T * k / E)
+  }
 }
+
+// Every term one un-checkpointed layer saves, as emit(name, bytes, module): `module` is the selective
+// recompute module that drops the term ("norm", "attention_core", "moe_act") or nullptr. In the arithmetic
+// Num; a: activation element bytes, g: GEMM-input element bytes. THE list of terms (docs/model.md).
+template <class Num, class Emit>
+void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, Emit&& emit) {
+  const Num T = B * S, d = Num(s.d_model), f32 = 4, i32 = 4;
+  const char* norm = "norm";
+  const char* core = "attention_core";
+  const char* act = "moe_act";
+
+  // Attention block.
+  const auto& at = s.attn;
+  const Num H = Num(at.n_heads);
+  emit("attn_norm.x", T * d * a, nullptr);
+  emit("attn_norm.rstd", T * f32, nullptr);
+  emit("attn_norm.out", T * d * g, norm);
+  if (at.type != AttnType::MLA) {
+    const Num hd = Num(at.head_dim), Hkv = Num(at.n_kv_heads);
+    if (at.qk_norm) {
+      emit("attn.qk_norm.x", T * (H + Hkv) * hd * a, nullptr);
+      emit("attn.qk_norm.rstd", T * (H + Hkv) * f32, nullptr);
+    }
+    emit("attn.q", T * H * hd * a, nullptr);
+    emit("attn.k", T * Hkv * hd * a, nullptr);
+    emit("attn.v", T * Hkv * hd * a, nullptr);
+  } else {
+    const Num rq = Num(at.q_lora_rank), rkv = Num(at.kv_lora_rank), dqk = Num(at.qk_head_dim());
+    if (at.q_lora_rank > 0) {
+      emit("attn.q_a", T * rq * a, nullptr);
+      emit("attn.q_a.rstd", T * f32, nullptr);
+      emit("attn.q_a_norm.out", T * rq * g, norm);
+    }
+    emit("attn.kv_a", T * (rkv + Num(at.qk_rope_head_dim)) * a, nullptr);
+    emit("attn.kv_a.rstd", T * f32, nullptr);
+    emit("attn.kv_a_norm.out", T * rkv * g, norm);
+    emit("attn.q", T * H * dqk * a, nullptr);
+    emit("attn.k", T * H * dqk * a, nullptr);
+    emit("attn.v", T * H * Num(at.v_head_dim) * a, nullptr);
+  }
+  emit("attn.out", T * H * Num(at.v_dim()) * g, core);
+  emit("attn.lse", B * H * S * f32, core);
+
+  // FFN block.
+  emit("ffn_norm.x", T * d * a, nullptr);
+  emit("ffn_norm.rstd", T * f32, nullptr);
+  emit("ffn_norm.out", T * d * g, norm);
+  if (!moe) {
+    const Num I = Num(s.inter_size);
+    emit("mlp.gate_up", T * 2 * I * a, nullptr);
+    emit("mlp.act", T * I * g, nullptr);  // kept: moe_act covers the experts only
+    return;
+  }
+  const auto& m = s.moe;
+  const Num E = Num(m.n_routed_experts), k = Num(m.topk), Im = Num(m.moe_inter_size);
+  const Num R = rows_for(s, T);
+  if (m.z_loss_coef > 0) emit("router.logits", T * E * f32, nullptr);
+  emit("router.scores", T * E * f32, nullptr);
+  emit("router.topk_idx", T * k * i32, nullptr);
+  emit("router.topk_w", T * k * f32, nullptr);
+  emit("moe.row_map", R * i32, nullptr);
+  emit("moe.x", R * d * g, nullptr);
+  emit("moe.gate_up", R * 2 * Im * a, nullptr);
+  emit("moe.act", R * Im * g, act);
+  emit("moe.y", R * d * a, nullptr);
+  if (m.n_shared_experts > 0) {
+    const Num Is = Num(m.n_shared_experts) * Im;
+    emit("shared.gate_up", T * 2 * Is * a, nullptr);
+    emit("shared.act", T * Is * g, act);
+  }
+}
+
+// The terms a layer keeps under `ac` (`on`: the mode applies to this layer), as emit(name, bytes).
+template <class Num, class Emit>
+void layer_terms_kept(const ModelSpec& s, bool moe, bool on, Num B, Num S, Num a, Num g,
+                      const ActivationCheckpointSpec& ac, Emit&& emit) {
+  if (on && ac.mode == AcMode::Full) {
+    emit("layer.input", B * S * Num(s.d_model) * a);
+    return;
+  }
+  const bool sel = on && ac.mode == AcMode::Selective;
+  layer_terms_all(s, moe, B, S, a, g, [&](const char* name, Num bytes, const char* module) {
+    if (!(sel && module && ac.has_module(module))) emit(name, bytes);
+  });
+}
+
+// The model-level terms (embedding ids, final norm, loss), as emit(name, bytes).
+template <class Num, class Emit>
+void outside_terms(const ModelSpec& s, Num B, Num S, Num a, Num g, Emit&& emit) {
+  const Num T = B * S, d = Num(s.d_model);
+  emit("embed.ids", T * 4);
+  emit("final_norm.x", T * d * a);
+  emit("final_norm.rstd", T * 4);
+  emit("final_norm.out", T * d * g);
+  emit("loss.probs", T * Num(s.vocab_size) * 4);
+}
+
+// Per layer, in one pass each (not a search of the lists per layer: they may be as long as the model):
+// is it a MoE layer (ModelSpec::is_moe_layer), does the checkpointing mode apply (applies_to).
+std::vector<char> moe_map(const ModelSpec& s) {
+  std::vector<char> m(size_t(std::max<int64_t>(s.n_layers, 0)), 0);
+  if (!s.is_moe()) return m;
+  for (int64_t l = std::max<int64_t>(s.first_k_dense, 0); l < s.n_layers; ++l) m[size_t(l)] = 1;
+  for (int l : s.dense_layers)
+    if (l >= 0 && l < s.n_layers) m[size_t(l)] = 0;
+  return m;
+}
+std::vector<char> ac_map(const ActivationCheckpointSpec& ac, int64_t n_layers) {
+  std::vector<char> m(size_t(std::max<int64_t>(n_layers, 0)), ac.mode != AcMode::None && ac.layer_ids.empty());
+  if (ac.mode != AcMode::None)
+    for (int l : ac.layer_ids)
+      if (l >= 0 && l < n_layers) m[size_t(l)] = 1;
+  return m;
+}
+
+// Activation and GEMM-input element bytes of a precision.
+std::pair<int64_t, int64_t> elem_bytes(Precision p) {
+  const int64_t a = p == Precision::FP32 ? 4 : 2;  // activation element bytes
+  const int64_t g = p == Precision::FP8 ? 1 : a;   // GEMM-input element bytes (fp8 saves quantized inputs)
+  return {a, g};
+}
+
+}  // namespace
+
+int64_t routed_rows(const ModelSpec& s, int64_t tokens) { return rows_for<int64_t>(s, tokens); }
 
 LayerActivations layer_activation_terms(const ModelSpec& s, int64_t layer, int64_t B, int64_t S, Precision p,
                                         const ActivationCheckpointSpec& ac) {
@@ -132,110 +270,315 @@ LayerActivations layer_activation_terms(const ModelSpec& s, int64_t layer, int64
   MT_CHECK(B > 0 && S > 0, "layer_activation_terms", "micro_batch ", B, " seq_len ", S);
   LayerActivations out;
   out.layer = layer;
-  const int64_t T = B * S, d = s.d_model;
-  const int64_t a = p == Precision::FP32 ? 4 : 2;  // activation element bytes
-  const int64_t g = p == Precision::FP8 ? 1 : a;   // GEMM-input element bytes (fp8 saves quantized inputs)
-  const int64_t f32 = 4, i32 = 4;
-  const bool on = ac.applies_to(layer);
-  if (on && ac.mode == AcMode::Full) {
-    out.terms.push_back({"layer.input", T * d * a});
-    return out;
-  }
-  const bool sel = on && ac.mode == AcMode::Selective;
-  const bool rc_core = sel && ac.has_module("attention_core");
-  const bool rc_act = sel && ac.has_module("moe_act");
-  const bool rc_norm = sel && ac.has_module("norm");
-  auto add = [&](const char* name, int64_t bytes, bool recomputed = false) {
-    if (!recomputed) out.terms.push_back({name, bytes});
-  };
-
-  // Attention block.
-  const auto& at = s.attn;
-  const int64_t H = at.n_heads;
-  add("attn_norm.x", T * d * a);
-  add("attn_norm.rstd", T * f32);
-  add("attn_norm.out", T * d * g, rc_norm);
-  if (at.type != AttnType::MLA) {
-    const int64_t hd = at.head_dim, Hkv = at.n_kv_heads;
-    if (at.qk_norm) {
-      add("attn.qk_norm.x", T * (H + Hkv) * hd * a);
-      add("attn.qk_norm.rstd", T * (H + Hkv) * f32);
-    }
-    add("attn.q", T * H * hd * a);
-    add("attn.k", T * Hkv * hd * a);
-    add("attn.v", T * Hkv * hd * a);
-  } else {
-    if (at.q_lora_rank > 0) {
-      add("attn.q_a", T * at.q_lora_rank * a);
-      add("attn.q_a.rstd", T * f32);
-      add("attn.q_a_norm.out", T * at.q_lora_rank * g, rc_norm);
-    }
-    add("attn.kv_a", T * (at.kv_lora_rank + at.qk_rope_head_dim) * a);
-    add("attn.kv_a.rstd", T * f32);
-    add("attn.kv_a_norm.out", T * at.kv_lora_rank * g, rc_norm);
-    add("attn.q", T * H * at.qk_head_dim() * a);
-    add("attn.k", T * H * at.qk_head_dim() * a);
-    add("attn.v", T * H * at.v_head_dim * a);
-  }
-  add("attn.out", T * H * at.v_dim() * g, rc_core);
-  add("attn.lse", B * H * S * f32, rc_core);
-
-  // FFN block.
-  add("ffn_norm.x", T * d * a);
-  add("ffn_norm.rstd", T * f32);
-  add("ffn_norm.out", T * d * g, rc_norm);
-  if (!s.is_moe_layer(layer)) {
-    add("mlp.gate_up", T * 2 * s.inter_size * a);
-    add("mlp.act", T * s.inter_size * g);
-    return out;
-  }
-  const auto& m = s.moe;
-  const int64_t E = m.n_routed_experts, k = m.topk, Im = m.moe_inter_size;
-  const int64_t R = routed_rows(s, T);
-  if (m.z_loss_coef > 0) add("router.logits", T * E * f32);
-  add("router.scores", T * E * f32);
-  add("router.topk_idx", T * k * i32);
-  add("router.topk_w", T * k * f32);
-  add("moe.row_map", R * i32);
-  add("moe.x", R * d * g);
-  add("moe.gate_up", R * 2 * Im * a);
-  add("moe.act", R * Im * g, rc_act);
-  add("moe.y", R * d * a);
-  if (m.n_shared_experts > 0) {
-    const int64_t Is = m.n_shared_experts * Im;
-    add("shared.gate_up", T * 2 * Is * a);
-    add("shared.act", T * Is * g, rc_act);
-  }
+  const auto [a, g] = elem_bytes(p);
+  layer_terms_kept<int64_t>(s, s.is_moe_layer(layer), ac.applies_to(layer), B, S, a, g, ac,
+                            [&](const char* name, int64_t bytes) { out.terms.push_back({name, bytes}); });
   return out;
 }
 
 ActivationBytes activation_bytes(const ModelSpec& s, int64_t B, int64_t S, Precision p,
                                  const ActivationCheckpointSpec& ac) {
+  MT_CHECK(B > 0 && S > 0, "activation_bytes", "micro_batch ", B, " seq_len ", S);
   ActivationBytes r;
+  const auto [a, g] = elem_bytes(p);
+  const std::vector<char> moe = moe_map(s), on = ac_map(ac, s.n_layers);
   for (int64_t l = 0; l < s.n_layers; ++l) {
-    r.layers.push_back(layer_activation_terms(s, l, B, S, p, ac));
-    r.total += r.layers.back().total();
-    if (ac.mode == AcMode::Full && ac.applies_to(l))
-      r.recompute_transient = std::max(r.recompute_transient, layer_activation_terms(s, l, B, S, p, {}).total());
+    LayerActivations la;
+    la.layer = l;
+    layer_terms_kept<int64_t>(s, moe[size_t(l)], on[size_t(l)], B, S, a, g, ac,
+                              [&](const char* name, int64_t bytes) { la.terms.push_back({name, bytes}); });
+    r.total += la.total();
+    r.layers.push_back(std::move(la));
+    if (ac.mode == AcMode::Full && on[size_t(l)]) {
+      int64_t full = 0;
+      layer_terms_all<int64_t>(s, moe[size_t(l)], B, S, a, g, [&](const char*, int64_t b, const char*) { full += b; });
+      r.recompute_transient = std::max(r.recompute_transient, full);
+    }
   }
-  const int64_t T = B * S, d = s.d_model;
-  const int64_t a = p == Precision::FP32 ? 4 : 2;
-  const int64_t g = p == Precision::FP8 ? 1 : a;
-  auto& o = r.outside;
-  o.terms = {
-      {"embed.ids", T * 4},
-      {"final_norm.x", T * d * a},
-      {"final_norm.rstd", T * 4},
-      {"final_norm.out", T * d * g},
-      {"loss.probs", T * s.vocab_size * 4},
-  };
-  r.total += o.total();
+  outside_terms<int64_t>(s, B, S, a, g,
+                         [&](const char* name, int64_t bytes) { r.outside.terms.push_back({name, bytes}); });
+  r.total += r.outside.total();
   return r;
 }
 
 ActivationBytes activation_bytes(const JobConfig& c) {
   return activation_bytes(c.model, c.training.micro_batch_size, c.training.seq_len, precision_of(c.training.compute_dtype),
                           c.activation_checkpoint);
+}
+
+ActivationSize activation_size(const ModelSpec& s, int64_t B, int64_t S, int64_t act_bytes, int64_t gemm_bytes,
+                               const ActivationCheckpointSpec& ac) {
+  ActivationSize r;
+  auto add = [&](const char* name, double bytes) {
+    r.total += bytes;
+    if (bytes > r.largest_bytes) r.largest_bytes = bytes, r.largest = name;
+  };
+  const double b = double(B), sl = double(S), a = double(act_bytes), g = double(gemm_bytes);
+  const std::vector<char> moe = moe_map(s), on = ac_map(ac, s.n_layers);
+  for (int64_t l = 0; l < s.n_layers; ++l)
+    layer_terms_kept<double>(s, moe[size_t(l)], on[size_t(l)], b, sl, a, g, ac, add);
+  outside_terms<double>(s, b, sl, a, g, add);
+  return r;
+}
+
+namespace {
+std::string kv(const char* key, int64_t v) { return std::string(key) + " = " + std::to_string(v); }
+}  // namespace
+
+std::string activation_term_keys(const ModelSpec& s, const std::string& term) {
+  auto starts = [&](const char* p) { return term.rfind(p, 0) == 0; };
+  const auto& at = s.attn;
+  const auto& m = s.moe;
+  if (starts("loss.")) return kv("model.vocab_size", s.vocab_size);
+  if (starts("router.")) return kv("model.n_routed_experts", m.n_routed_experts);
+  if (starts("mlp.")) return kv("model.inter_size", s.inter_size);
+  if (starts("shared."))
+    return kv("model.n_shared_experts", m.n_shared_experts) + ", " + kv("model.moe_inter_size", m.moe_inter_size);
+  if (term == "moe.gate_up" || term == "moe.act")
+    return kv("model.topk", m.topk) + ", " + kv("model.moe_inter_size", m.moe_inter_size);
+  if (starts("moe.")) return kv("model.topk", m.topk) + ", " + kv("model.d_model", s.d_model);
+  if (starts("attn.") && !starts("attn_norm")) {
+    if (at.type != AttnType::MLA) return kv("model.n_heads", at.n_heads) + ", " + kv("model.head_dim", at.head_dim);
+    if (starts("attn.q_a")) return kv("model.q_lora_rank", at.q_lora_rank);
+    if (starts("attn.kv_a")) return kv("model.kv_lora_rank", at.kv_lora_rank);
+    return kv("model.n_heads", at.n_heads) + ", " + kv("model.qk_nope_head_dim", at.qk_nope_head_dim) + ", " +
+           kv("model.v_head_dim", at.v_head_dim);
+  }
+  return kv("model.d_model", s.d_model);
+}
+
+// ---- per-rank memory of a training job ---------------------------------------------------------------
+namespace {
+
+// The engine's fp32 copies that the accounting's term list does not have (src/model/model.cpp alloc_bufs):
+// the ffn_norm output, the attention output, MLA's k_nope half of kv, the router logits (kept even
+// without z-loss), two more row maps and the per-expert counters. `sel_*`: the module's buffers are
+// shared (selective recompute), not the layer's.
+double engine_extras(const ModelSpec& s, bool moe, double N, bool sel_norm, bool sel_attn, int64_t cb) {
+  const auto& at = s.attn;
+  const double d = double(s.d_model), H = double(at.n_heads);
+  double x = 0;
+  if (!sel_norm) x += N * d * 4;                       // h2 (fp32 ffn_norm output)
+  if (!sel_attn) x += N * H * double(at.v_dim()) * 4;  // ao (fp32 attention output)
+  if (at.type == AttnType::MLA) {
+    x += N * H * double(at.qk_nope_head_dim) * 4;  // kv holds k_nope next to v
+    if (sel_norm) x += N * double(at.q_lora_rank + at.kv_lora_rank) * double(cb);  // MLA norm outputs stay
+  }
+  if (moe) {
+    const auto& m = s.moe;
+    const double E = double(m.n_routed_experts), K = double(m.topk);
+    if (m.z_loss_coef <= 0) x += N * E * 4;  // logits
+    x += 2 * N * K * 4 + (3 * E + 1) * 4;     // token_of, slot_of; counts, kept, offsets
+  }
+  return x;
+}
+
+// Bytes of one layer's full (un-checkpointed) buffer set with the engine's element sizes.
+double full_layer_bytes(const ModelSpec& s, bool moe, double B, double S, int64_t cb) {
+  double t = 0;
+  layer_terms_all<double>(s, moe, B, S, 4.0, double(cb), [&](const char*, double b, const char*) { t += b; });
+  return t + engine_extras(s, moe, B * S, false, false, cb);
+}
+
+// Per-layer parameter counts, split as the trainer shards them (the 16-element padding of each tensor in
+// the flat buffers is not counted).
+struct ParamSplit {
+  double dense = 0;      // everything but the routed experts (replicated under EP)
+  double experts = 0;    // routed experts of all layers (E per MoE layer)
+  double max_unit = 0;   // FSDP: the largest unit (embedding, one layer with its local experts, norm + head)
+  double max_dense_run = 0, max_expert_run = 0;  // FSDP: the largest non-expert / local-expert part of a unit
+  std::string keys;      // the config keys of the largest part
+};
+
+ParamSplit param_split(const ModelSpec& s, const std::vector<char>& moe, double ep) {
+  ParamSplit p;
+  const double V = double(s.vocab_size), d = double(s.d_model);
+  double attn = 0, dense_mlp = 0, experts = 0, emb = V * d * (s.tie_embeddings ? 1 : 2);
+  p.max_unit = p.max_dense_run = std::max(V * d, d + (s.tie_embeddings ? 0 : V * d));
+  // Every dense layer has the same parameters, and every MoE layer: one of each kind, times its count.
+  for (char kind : {char(0), char(1)}) {
+    const auto it = std::find(moe.begin(), moe.end(), kind);
+    if (it == moe.end()) continue;
+    const double n = double(std::count(moe.begin(), moe.end(), kind));
+    const LayerParams lp = layer_params(s, int64_t(it - moe.begin()));
+    // The aux-free bias is counted by the router but is not a trained parameter: the engine keeps it apart.
+    const double bias = kind && s.moe.load_balance == LoadBalance::AuxFree ? double(s.moe.n_routed_experts) : 0;
+    const double dense = double(lp.total() - lp.routed_experts) - bias, local = double(lp.routed_experts) / ep;
+    p.experts += n * double(lp.routed_experts);
+    p.dense += n * dense;
+    attn += n * double(lp.attention), dense_mlp += n * double(lp.dense_mlp);
+    experts += n * double(lp.routed_experts + lp.shared_experts);
+    p.max_unit = std::max(p.max_unit, dense + local);
+    p.max_dense_run = std::max(p.max_dense_run, dense), p.max_expert_run = std::max(p.max_expert_run, local);
+  }
+  p.dense += emb + d;
+  const auto& m = s.moe;
+  const std::string L = kv("model.n_layers", s.n_layers), D = kv("model.d_model", s.d_model);
+  if (emb >= std::max({attn, dense_mlp, experts})) p.keys = kv("model.vocab_size", s.vocab_size) + ", " + D;
+  else if (experts >= std::max(attn, dense_mlp))
+    p.keys = L + ", " + kv("model.n_routed_experts", m.n_routed_experts) + ", " + D + ", " +
+             kv("model.moe_inter_size", m.moe_inter_size);
+  else if (dense_mlp >= attn) p.keys = L + ", " + D + ", " + kv("model.inter_size", s.inter_size);
+  else p.keys = L + ", " + D + ", " + kv("model.n_heads", s.attn.n_heads);
+  return p;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
+  MT_CHECK(cb == 2 || cb == 4, "estimate_memory", "compute element bytes ", cb, " (expected 2 = bf16 or 4 = fp32)");
+  MT_CHECK(threads >= 1, "estimate_memory", "threads = ", threads, " (expected >= 1)");
+  const ModelSpec& s = c.model;
+  const auto& par = c.parallelism;
+  const auto& ac = c.activation_checkpoint;
+  MemoryEstimate r;
+  const double D = double(par.dp()), EP = double(par.ep), B = double(c.training.micro_batch_size);
+  const double S = double(c.training.seq_len), N = B * S;
+  const double d = double(s.d_model), V = double(s.vocab_size), H = double(s.attn.n_heads);
+  const auto& m = s.moe;
+  const double E = double(m.n_routed_experts), K = double(m.topk), Fe = double(m.moe_inter_size);
+  const double rows = N * K;  // routed rows (the engine's buffers hold T * topk)
+  const std::vector<char> moe = moe_map(s), on = ac_map(ac, s.n_layers);
+  const double n_moe = double(std::count(moe.begin(), moe.end(), char(1)));
+
+  // ---- parameters, gradients, optimizer state
+  const ParamSplit ps = param_split(s, moe, EP);
+  const double local = ps.dense + ps.experts / EP;  // this rank's parameters (flat layout)
+  // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, as the
+  // grouped GEMM kernels pad them).
+  double packed_layer = 0;
+  if (s.is_moe()) {
+    const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
+    for (auto kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
+      packed_layer += double(grouped_packed_bytes(kind, GemmPrec::BF16, el, dm, 2 * fe)) +
+                      double(grouped_packed_bytes(kind, GemmPrec::BF16, el, fe, dm));
+  }
+  const double packed = n_moe * packed_layer;
+  const double bias = n_moe * E * 4;                // aux-free biases (fp32, every expert)
+  if (par.zero == 3) {
+    const double shard = (ps.dense + ps.experts) / D;  // dense over dp, local experts over dp / ep
+    const double slots = s.tie_embeddings ? 2 : 1;
+    r.params = shard * 4 + slots * (ps.max_unit * 6 + packed_layer) + bias;
+    r.grads = shard * 4 + slots * ps.max_unit * 4;
+    r.optimizer = shard * 8;
+    // reduce-scatter: the largest chunk of a unit's run (staging) and, over more than one rank, the run itself
+    const double edp = D / EP;
+    r.comm = std::max(ps.max_dense_run / D, ps.max_expert_run / edp) * 4;
+    if (D > 1) r.comm += std::max(ps.max_dense_run, edp > 1 ? ps.max_expert_run : 0.0) * 4;
+  } else {
+    r.params = local * 6 + packed + bias;
+    r.grads = local * 4;
+    r.optimizer = (par.zero == 1 && D > 1 ? (ps.dense + ps.experts) / D : local) * 8;
+    if (D > 1) r.comm = std::min(local, double(int64_t(1) << 22)) * 4;  // all-reduce segment workspace
+  }
+  if (EP > 1) {  // one dispatcher per MoE layer (src/parallel/ep_dispatch.cpp, its buffers() terms)
+    // A dispatched row: the payload (bf16, or e4m3 with a fp32 scale per 128 values) and 8 bytes of metadata.
+    const double row = (par.fp8_dispatch ? d + 4 * std::ceil(d / 128) : 2 * d) + 8;
+    const double home = N * (row - 8) + N * K * 12;  // home tokens, weights, row map, returned scalars
+    double per;
+    if (par.ep_dispatcher == EpDispatcher::SyncFree) {  // receive side sized for the worst case, once
+      const double cap = EP * N * std::min(K, E / EP);
+      per = rows * row + cap * row + cap * d * 8 + cap * 20 + rows * d * 4 + home;
+    } else {  // received rows = routed rows on average: send, receive, fp32 expert rows, combine both ways
+      per = rows * (2 * row + 12 * d + 20) + home;
+      if (par.ep_dispatcher == EpDispatcher::Hierarchical) per += N * (2 * (row - 8) + 12 * d);  // stage 1, partials
+    }
+    r.comm += n_moe * per;
+  }
+  r.param_keys = ps.keys + ", " + kv("parallelism.dp_replicate", par.dp_replicate) + ", " +
+                 kv("parallelism.dp_shard", par.dp_shard) + ", " + kv("parallelism.ep", par.ep) + ", " +
+                 kv("parallelism.zero", par.zero);
+
+  // ---- activations of one micro-batch
+  const bool selective = ac.mode == AcMode::Selective, full = ac.mode == AcMode::Full;
+  int64_t full_rep[2] = {-1, -1};  // a fully recomputed layer of each kind (dense, MoE): one shared set each
+  bool sel_norm = false, sel_attn = false, sel_act = false;
+  const bool has_norm = ac.has_module("norm"), has_core = ac.has_module("attention_core");
+  const bool has_act = ac.has_module("moe_act");
+  double largest = 0;
+  std::string largest_term;
+  for (int64_t l = 0; l < s.n_layers; ++l) {
+    const bool here = on[size_t(l)], is_moe = moe[size_t(l)];
+    if (full && here) {
+      r.activations += N * d * 4;  // the layer input
+      full_rep[is_moe] = l;
+      continue;
+    }
+    const bool sn = selective && here && has_norm, sa = selective && here && has_core;
+    sel_norm |= sn, sel_attn |= sa, sel_act |= selective && here && is_moe && has_act;
+    layer_terms_kept<double>(s, is_moe, here, B, S, 4.0, double(cb), ac, [&](const char* name, double b) {
+      r.activations += b;
+      if (b > largest) largest = b, largest_term = name;
+    });
+    r.activations += engine_extras(s, is_moe, N, sn, sa, cb);
+  }
+  for (int64_t l : full_rep)
+    if (l >= 0) r.activations += full_layer_bytes(s, moe[size_t(l)], B, S, cb) - N * d * 4;  // shared set, no x_in
+  if (sel_norm) r.activations += N * d * (2 * double(cb) + 4);               // h1_16, h2_16, h2
+  if (sel_attn) r.activations += N * H * (double(s.attn.v_dim()) * (4 + double(cb)) + 4);  // ao, ao16, lse
+  if (sel_act) r.activations += (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb);
+  r.activations += N * d * (4 + double(cb)) + N * 4;  // final norm: input, rstd, output
+  if (selective) {  // the engine builds every layer's full set before the selected modules share theirs
+    double sets = 0;
+    for (int64_t l = 0; l < s.n_layers; ++l) sets += full_layer_bytes(s, moe[size_t(l)], B, S, cb);
+    const double shared = (sel_norm ? N * d * (2 * double(cb) + 4) : 0) +
+                          (sel_attn ? N * H * (double(s.attn.v_dim()) * (4 + double(cb)) + 4) : 0) +
+                          (sel_act ? (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb) : 0);
+    r.build_peak = r.params + r.grads + sets + shared;
+  }
+  if (largest_term.empty()) largest_term = "layer.input";
+  r.activation_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
+                      kv("training.seq_len", c.training.seq_len) + ", " + kv("model.n_layers", s.n_layers) + ", " +
+                      activation_term_keys(s, largest_term) + ", activation_checkpoint.mode = " +
+                      std::string(to_string(ac.mode));
+
+  // ---- workspace (src/model/model.cpp build(): scratch, RoPE tables, the largest kernel workspace)
+  const auto& at = s.attn;
+  const bool mla = at.type == AttnType::MLA;
+  const double dqk = double(at.qk_head_dim()), dv = double(at.v_dim()), dn = double(at.qk_nope_head_dim);
+  const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dr = double(at.qk_rope_head_dim);
+  const double F = double(s.inter_size), Fs = double(m.n_shared_experts) * Fe;
+  const double attn_w = mla ? std::max({H * dqk, H * (dn + dv), rq, rkv})
+                            : double(at.n_heads + 2 * at.n_kv_heads) * double(at.head_dim);
+  const double big = std::max({attn_w, 2 * F, 2 * Fs, H * dv, d});
+  const double big_rows = std::max(N * big, rows * std::max(2 * Fe, d));
+  double ws = 4 * N * d * 4;                                               // x, dx, dh, dh2
+  ws += std::max(N * d, rows * d) * 2 + big_rows * (2 * 4 + 2 * 2);       // dy16; s_f1, s_f2; s_b1, s_b2
+  ws += std::max(N * big, rows * d) * 4 + N * H * dv * 4;                 // s_f3, s_dao
+  ws += S * (mla ? dr : double(at.head_dim)) * 4;                          // RoPE cos + sin
+  if (mla) ws += N * (2 * H * dqk + H * (dn + dv) + dr + rq + rkv) * 4;   // MLA backward scratch
+  if (s.is_moe()) ws += N * (K + E) * 4;                                   // dtopk_w, dlogits
+  if (EP > 1) ws += N * K * 4 + rows * 3 * 4;                              // send_idx, dwr, iota_r, zero_r
+  if (full) ws += N * d * 4;                                               // recompute_out
+  // Kernel workspace, one buffer for the largest need: the chunked fused loss (chunk rows: at least 256,
+  // about 8 MiB of logits), attention tiles per thread, the router, the grouped GEMMs (a packing slot per
+  // thread for the bf16 weight gradient).
+  const double chunk = std::min(N, std::max(256.0, std::floor((8.0 * 1024 * 1024) / (4 * V) / 16) * 16));
+  double kernel = chunk * V * 4 + chunk * 8;
+  {
+    AttnDims ad{};
+    ad.B = c.training.micro_batch_size, ad.T = c.training.seq_len, ad.Hq = at.n_heads, ad.Hkv = at.kv_heads();
+    ad.Dqk = at.qk_head_dim(), ad.Dv = at.v_dim();
+    ad.head_q = ad.head_k = ad.Dqk, ad.head_v = ad.head_o = ad.Dv;  // the engine's heads are never shared
+    ad.ldq = ad.ldk = ad.Hq * ad.Dqk, ad.ldv = ad.ldo = ad.Hq * ad.Dv, ad.scale = 1.0f;
+    kernel = std::max(kernel, double(attention_workspace_bytes(ad, threads)));
+  }
+  if (s.is_moe()) {
+    kernel = std::max(kernel, N * 16 + (m.aux_seq_wise ? B : 1) * E * 4);
+    const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
+    const int64_t nrows = c.training.micro_batch_size * c.training.seq_len * m.topk;
+    for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
+      for (auto [k_in, n_out] : {std::pair<int64_t, int64_t>{dm, 2 * fe}, {fe, dm}})
+        kernel = std::max(kernel,
+                          double(grouped_gemm_workspace_bytes(op, GemmPrec::BF16, el, nrows, k_in, n_out, threads)));
+  }
+  r.workspace = ws + kernel;
+  const bool layer_wide = big * N >= chunk * V;
+  r.workspace_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
+                     kv("training.seq_len", c.training.seq_len) +
+                     (layer_wide ? " (the widest layer: " + kv("model.d_model", s.d_model)
+                                 : " (the loss chunk: " + kv("model.vocab_size", s.vocab_size)) + ")";
+  return r;
 }
 
 }  // namespace moetron

@@ -1,9 +1,13 @@
-// spec.cpp: ModelSpec helpers: enum names, dense/MoE layer map, derived defaults and validation.
-// Not the TOML loader (src/train/config.cpp) and not HF import (hf_config.cpp).
+// spec.cpp: ModelSpec helpers: enum names, dense/MoE layer map, derived defaults and validation (including
+// the size limits that keep absurd shapes out of every loop and allocation). Not the TOML loader
+// (src/train/config.cpp) and not HF import (hf_config.cpp).
 #include "moetron/spec.h"
 
 #include <algorithm>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "moetron/check.h"
 
@@ -54,12 +58,120 @@ template <class V, class... A>
   (os << ... << why);
   throw Error(os.str());
 }
+
+// Size limits (docs/model.md, "Size limits"). Generous for real models (DeepSeek-V3 and the 1T / 2T proxies
+// are orders of magnitude below), small enough that a loop over layers, heads or experts ends at once and
+// that every product the accounting and the engine form from these sizes fits in int64.
+constexpr int kMaxLayersLog2 = 14;   // n_layers
+constexpr int kMaxWidthLog2 = 24;    // vocab_size, d_model, ffn widths, head dims, MLA ranks, H * head_dim
+constexpr int kMaxCountLog2 = 16;    // n_heads, n_kv_heads, experts, n_group
+constexpr int kMaxParamsLog2 = 48;   // total parameters (2.8e14; moe_2t has 2.05e12)
+
+void at_most(const char* key, int64_t v, int log2) {
+  if (v > (int64_t(1) << log2)) bad(key, v, "must be <= 2^", log2, " = ", int64_t(1) << log2, " (size limit)");
+}
+
+// Every size key against its limit, before anything multiplies or loops over them.
+void check_model_size_limits(const ModelSpec& s) {
+  const auto& a = s.attn;
+  const auto& m = s.moe;
+  at_most("n_layers", s.n_layers, kMaxLayersLog2);
+  at_most("first_k_dense", s.first_k_dense, kMaxLayersLog2);
+  for (const auto& [key, v] : {std::pair<const char*, int64_t>{"vocab_size", s.vocab_size},
+                               {"d_model", s.d_model},
+                               {"inter_size", s.inter_size},
+                               {"head_dim", a.head_dim},
+                               {"q_lora_rank", a.q_lora_rank},
+                               {"kv_lora_rank", a.kv_lora_rank},
+                               {"qk_nope_head_dim", a.qk_nope_head_dim},
+                               {"qk_rope_head_dim", a.qk_rope_head_dim},
+                               {"v_head_dim", a.v_head_dim},
+                               {"moe_inter_size", m.moe_inter_size}})
+    at_most(key, v, kMaxWidthLog2);
+  for (const auto& [key, v] : {std::pair<const char*, int64_t>{"n_heads", a.n_heads},
+                               {"n_kv_heads", a.n_kv_heads},
+                               {"n_routed_experts", m.n_routed_experts},
+                               {"n_shared_experts", m.n_shared_experts},
+                               {"topk", m.topk},
+                               {"n_group", m.n_group},
+                               {"topk_group", m.topk_group}})
+    at_most(key, v, kMaxCountLog2);
+  if (!(m.capacity_factor <= double(int64_t(1) << kMaxCountLog2)))
+    bad("capacity_factor", m.capacity_factor, "must be <= 2^", kMaxCountLog2, " (size limit)");
+}
+
+// The widths a layer forms from two keys (each already within its limit, so the products fit).
+void check_derived_widths(const ModelSpec& s) {
+  const auto& a = s.attn;
+  const int64_t lim = int64_t(1) << kMaxWidthLog2;
+  auto width = [&](const char* key, int64_t v, const char* what, int64_t w) {
+    if (w > lim) bad(key, v, what, " = ", w, " must be <= 2^", kMaxWidthLog2, " = ", lim, " (size limit)");
+  };
+  if (a.type == AttnType::MLA) {
+    width("n_heads", a.n_heads, "n_heads * (qk_nope_head_dim + qk_rope_head_dim)",
+          a.n_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim));
+    width("n_heads", a.n_heads, "n_heads * (qk_nope_head_dim + v_head_dim)",
+          a.n_heads * (a.qk_nope_head_dim + a.v_head_dim));
+  } else {
+    width("n_heads", a.n_heads, "(n_heads + 2 * n_kv_heads) * head_dim", (a.n_heads + 2 * a.n_kv_heads) * a.head_dim);
+  }
+  width("n_shared_experts", s.moe.n_shared_experts, "n_shared_experts * moe_inter_size",
+        s.moe.n_shared_experts * s.moe.moe_inter_size);
+}
+
+// Total parameters in double (cannot overflow), against the limit; the message names the keys of the
+// largest part.
+void check_param_total(const ModelSpec& s, int64_t n_moe_layers) {
+  const auto& a = s.attn;
+  const auto& m = s.moe;
+  const double d = double(s.d_model), H = double(a.n_heads), V = double(s.vocab_size);
+  double attn;
+  if (a.type == AttnType::MLA) {
+    const double dqk = double(a.qk_nope_head_dim + a.qk_rope_head_dim), rq = double(a.q_lora_rank);
+    const double rkv = double(a.kv_lora_rank);
+    attn = (rq > 0 ? d * rq + rq + rq * H * dqk : d * H * dqk) + d * (rkv + double(a.qk_rope_head_dim)) + rkv +
+           rkv * H * double(a.qk_nope_head_dim + a.v_head_dim) + H * double(a.v_head_dim) * d;
+  } else {
+    attn = d * double(a.n_heads + 2 * a.n_kv_heads) * double(a.head_dim) + H * double(a.head_dim) * d;
+  }
+  const double n_moe = double(n_moe_layers), n_dense = double(s.n_layers) - n_moe;
+  const double L = double(s.n_layers);
+  struct Part {
+    double n;
+    std::string keys;
+  };
+  auto kv = [](const char* k, auto v) { return std::string("model.") + k + " = " + std::to_string(v); };
+  const std::vector<Part> parts = {
+      {V * d * (s.tie_embeddings ? 1 : 2), kv("vocab_size", s.vocab_size) + ", " + kv("d_model", s.d_model)},
+      {L * attn, kv("n_layers", s.n_layers) + ", " + kv("d_model", s.d_model) + ", " + kv("n_heads", a.n_heads)},
+      {n_dense * 3 * d * double(s.inter_size),
+       kv("n_layers", s.n_layers) + ", " + kv("d_model", s.d_model) + ", " + kv("inter_size", s.inter_size)},
+      {n_moe * (double(m.n_routed_experts + m.n_shared_experts) * 3 * d * double(m.moe_inter_size) +
+                double(m.n_routed_experts) * (d + 1)),
+       kv("n_layers", s.n_layers) + ", " + kv("n_routed_experts", m.n_routed_experts) + ", " +
+           kv("d_model", s.d_model) + ", " + kv("moe_inter_size", m.moe_inter_size)},
+  };
+  double total = L * 2 * d + d;
+  const Part* big = &parts[0];
+  for (const auto& p : parts) {
+    total += p.n;
+    if (p.n > big->n) big = &p;
+  }
+  const double lim = double(int64_t(1) << kMaxParamsLog2);
+  if (total > lim) {
+    std::ostringstream os;
+    os << "invalid config: the model has " << total << " parameters, more than 2^" << kMaxParamsLog2 << " = " << lim
+       << " (size limit); the largest part comes from " << big->keys;
+    throw Error(os.str());
+  }
+}
 }  // namespace
 
 void ModelSpec::validate() const {
   if (vocab_size <= 0) bad("vocab_size", vocab_size, "must be > 0");
   if (d_model <= 0) bad("d_model", d_model, "must be > 0");
   if (n_layers <= 0) bad("n_layers", n_layers, "must be > 0");
+  check_model_size_limits(*this);
   if (first_k_dense < 0 || first_k_dense > n_layers)
     bad("first_k_dense", first_k_dense, "must be in [0, n_layers = ", n_layers, "]");
   if (first_k_dense > 0 && !dense_layers.empty()) {
@@ -67,17 +179,20 @@ void ModelSpec::validate() const {
     for (size_t i = 0; i < dense_layers.size(); ++i) list += (i ? ", " : "") + std::to_string(dense_layers[i]);
     bad("dense_layers", list + "]", "set together with model.first_k_dense = ", first_k_dense, "; use one or the other");
   }
-  for (size_t i = 0; i < dense_layers.size(); ++i) {
-    int l = dense_layers[i];
+  std::vector<char> listed(size_t(n_layers), 0);  // linear in the list: it may be long
+  for (int l : dense_layers) {
     if (l < 0 || l >= n_layers) bad("dense_layers", l, "layer id out of range [0, ", n_layers, ")");
-    for (size_t j = 0; j < i; ++j)
-      if (dense_layers[j] == l) bad("dense_layers", l, "listed twice");
+    if (listed[size_t(l)]++) bad("dense_layers", l, "listed twice");
   }
+  int64_t n_moe = 0;  // n_moe_layers(), in one pass
+  if (is_moe())
+    for (int64_t l = first_k_dense; l < n_layers; ++l) n_moe += !listed[size_t(l)];
+  const int64_t n_dense = n_layers - n_moe;
   if (!(norm_eps > 0)) bad("norm_eps", norm_eps, "must be > 0");
   if (!(init_std > 0)) bad("init_std", init_std, "must be > 0");
   if (!(rope_theta > 0)) bad("rope_theta", rope_theta, "must be > 0");
-  if (n_dense_layers() > 0 && inter_size <= 0)
-    bad("inter_size", inter_size, "must be > 0: the model has ", n_dense_layers(), " dense layer(s)");
+  if (n_dense > 0 && inter_size <= 0)
+    bad("inter_size", inter_size, "must be > 0: the model has ", n_dense, " dense layer(s)");
   if (inter_size < 0) bad("inter_size", inter_size, "must be >= 0");
 
   // Attention.
@@ -110,6 +225,8 @@ void ModelSpec::validate() const {
       bad("n_kv_heads", a.n_kv_heads, "mla attention has n_heads (", a.n_heads, ") k/v heads; leave it unset");
   }
 
+  check_derived_widths(*this);
+
   // MoE.
   const auto& m = moe;
   if (m.n_routed_experts < 0) bad("n_routed_experts", m.n_routed_experts, "must be >= 0 (0 = dense model)");
@@ -117,9 +234,10 @@ void ModelSpec::validate() const {
   if (!is_moe()) {
     if (m.n_shared_experts > 0)
       bad("n_shared_experts", m.n_shared_experts, "shared experts need n_routed_experts > 0");
+    check_param_total(*this, n_moe);
     return;
   }
-  if (n_moe_layers() == 0) bad("first_k_dense", first_k_dense, "every layer is dense although n_routed_experts > 0");
+  if (n_moe == 0) bad("first_k_dense", first_k_dense, "every layer is dense although n_routed_experts > 0");
   if (m.moe_inter_size <= 0) bad("moe_inter_size", m.moe_inter_size, "must be > 0 for a MoE model");
   if (m.topk <= 0) bad("topk", m.topk, "must be > 0");
   if (m.topk > m.n_routed_experts)
@@ -137,6 +255,7 @@ void ModelSpec::validate() const {
   if (!(m.bias_update_rate >= 0)) bad("bias_update_rate", m.bias_update_rate, "must be >= 0");
   if (!(m.z_loss_coef >= 0)) bad("z_loss_coef", m.z_loss_coef, "must be >= 0");
   if (!(m.capacity_factor >= 0)) bad("capacity_factor", m.capacity_factor, "must be >= 0 (0 = dropless)");
+  check_param_total(*this, n_moe);
 }
 
 }  // namespace moetron

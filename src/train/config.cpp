@@ -18,6 +18,7 @@
 #include <variant>
 
 #include "moetron/check.h"
+#include "moetron/memcheck.h"
 
 namespace moetron {
 
@@ -231,6 +232,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("training", "val_steps", training.val_steps));
     t.push_back(MT_E("training", "compute_dtype", training.compute_dtype, {"auto", "bf16", "fp32"}));
     t.push_back(MT_F("training", "threads", training.threads));
+    t.push_back(MT_F("training", "memory_check", training.memory_check));
     // [optimizer]
     t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw"}));
     t.push_back(MT_F("optimizer", "lr", optimizer.lr));
@@ -768,6 +770,7 @@ void JobConfig::validate() const {
 
   const auto& t = training;
   const auto& p = parallelism;
+  check_size_limits(*this);  // first: nothing below may multiply or loop on an absurd value (memcheck.h)
   if (p.dp_replicate < 1) bad("parallelism.dp_replicate", p.dp_replicate, "must be >= 1");
   if (p.dp_shard < 1) bad("parallelism.dp_shard", p.dp_shard, "must be >= 1");
   if (t.seq_len <= 0) bad("training.seq_len", t.seq_len, "must be > 0");
@@ -815,9 +818,12 @@ void JobConfig::validate() const {
   if (c.enable && c.folder.empty()) bad("checkpoint.folder", "\"\"", "must be set when checkpoints are enabled");
 
   const auto& a = activation_checkpoint;
-  for (int id : a.layer_ids)
+  std::vector<char> listed(size_t(model.n_layers), 0);  // linear in the list: it may be long
+  for (int id : a.layer_ids) {
     if (id < 0 || id >= model.n_layers)
       bad("activation_checkpoint.layer_ids", id, "layer id out of range [0, ", model.n_layers, ")");
+    if (listed[size_t(id)]++) bad("activation_checkpoint.layer_ids", id, "listed twice");
+  }
   for (const auto& m : a.modules)
     if (m != "attention_core" && m != "moe_act" && m != "norm")
       bad("activation_checkpoint.modules", "\"" + m + "\"", "expected attention_core, moe_act or norm");

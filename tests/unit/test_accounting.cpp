@@ -1,7 +1,9 @@
 // test_accounting.cpp: parameter counts against published totals (within 3%) and hand counts, FLOPs per
-// token, and the named saved-activation terms under every precision and checkpointing mode.
+// token, the named saved-activation terms under every precision and checkpointing mode, their double
+// twin used by the size checks, and the per-rank memory estimate's sharding against hand formulas.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -305,4 +307,97 @@ TEST(Accounting, CapacityFactorBoundsRoutedRows) {
   EXPECT_EQ(routed_rows(s, 10), 8 * 4);  // ceil(3.25)
   auto m = terms(layer_activation_terms(s, 1, 1, 10, Precision::BF16, {}));
   EXPECT_EQ(m.at("moe.x"), 8 * 4 * 64 * 2);
+}
+
+// ---- size checks in double ----------------------------------------------------------------------------
+
+TEST(Accounting, ActivationSizeInDoubleAgreesWithTheInt64Figures) {
+  for (const char* name : {"ds_tiny", "ds_tiny_mla", "ds_mini", "deepseek_v3"}) {
+    SCOPED_TRACE(name);
+    JobConfig c = preset(name);
+    const ModelSpec& s = c.model;
+    const int64_t B = c.training.micro_batch_size, S = c.training.seq_len;
+    for (Precision p : {Precision::BF16, Precision::FP32, Precision::FP8}) {
+      const int64_t a = p == Precision::FP32 ? 4 : 2, g = p == Precision::FP8 ? 1 : a;
+      for (const ActivationCheckpointSpec& ac :
+           {ActivationCheckpointSpec{}, ActivationCheckpointSpec{AcMode::Full, {}, {}},
+            ActivationCheckpointSpec{AcMode::Selective, {}, {"norm", "moe_act"}}}) {
+        ActivationBytes ib = activation_bytes(s, B, S, p, ac);
+        ActivationSize ds = activation_size(s, B, S, a, g, ac);
+        EXPECT_EQ(ds.total, double(ib.total)) << to_string(p) << " " << to_string(ac.mode);
+        int64_t largest = 0;
+        for (const auto& l : ib.layers)
+          for (const auto& t : l.terms) largest = std::max(largest, t.bytes);
+        for (const auto& t : ib.outside.terms) largest = std::max(largest, t.bytes);
+        EXPECT_EQ(ds.largest_bytes, double(largest));
+      }
+    }
+  }
+  // A shape whose int64 byte count would overflow stays finite and ordered in double.
+  ModelSpec s = preset("ds_tiny").model;
+  s.d_model = int64_t(1) << 24;
+  const ActivationSize huge = activation_size(s, int64_t(1) << 24, int64_t(1) << 24, 4, 4);
+  EXPECT_GT(huge.total, 1e20);
+  EXPECT_TRUE(std::isfinite(huge.total));
+  EXPECT_EQ(huge.largest, "moe.x");  // [T * topk, d] rows: the widest term at d = 2^24 (first of moe.x, moe.y)
+  EXPECT_EQ(huge.largest_bytes, 2.0 * 4 * std::ldexp(1.0, 48) * std::ldexp(1.0, 24));
+}
+
+TEST(Accounting, ActivationTermKeysNameTheWidths) {
+  ModelSpec s = preset("ds_tiny").model;
+  EXPECT_EQ(activation_term_keys(s, "moe.gate_up"), "model.topk = 2, model.moe_inter_size = 32");
+  EXPECT_EQ(activation_term_keys(s, "loss.probs"), "model.vocab_size = 512");
+  EXPECT_EQ(activation_term_keys(s, "router.scores"), "model.n_routed_experts = 8");
+  EXPECT_EQ(activation_term_keys(s, "attn.q"), "model.n_heads = 4, model.head_dim = 16");
+  EXPECT_EQ(activation_term_keys(s, "attn_norm.x"), "model.d_model = 64");
+  EXPECT_EQ(activation_term_keys(s, "mlp.gate_up"), "model.inter_size = 128");
+}
+
+// ---- per-rank memory estimate -------------------------------------------------------------------------
+
+TEST(Accounting, MemoryEstimateShardsAsTheTrainerDoes) {
+  // Hand formulas from the parameter counts (P all, R routed experts): fp32 grads, AdamW m + v in fp32,
+  // fp32 + bf16 parameters plus two bf16 layouts of the packed experts.
+  JobConfig c = preset("ds_tiny");
+  const ParamCounts pc = count_params(c.model);
+  const double P = double(pc.total), R = double(pc.routed_experts);
+  auto est = [&](std::vector<std::string> ov) { return estimate_memory(preset("ds_tiny", ov), 2, 1); };
+  const MemoryEstimate one = est({});
+  EXPECT_EQ(one.grads, 4 * P);
+  EXPECT_EQ(one.optimizer, 8 * P);
+  EXPECT_GE(one.params - 6 * P, 4 * R);         // packed experts: at least 2 x bf16 of every expert weight
+  EXPECT_LE(one.params - 6 * P, 4 * R * 1.25);  // ... and little padding
+  EXPECT_EQ(one.comm, 0);
+  // ZeRO-1 over 4 ranks: the optimizer state is a quarter, nothing else changes.
+  const MemoryEstimate z1 =
+      est({"--parallelism.dp_shard=4", "--parallelism.zero=1", "--training.global_batch_size=16"});
+  EXPECT_EQ(z1.optimizer, 8 * P / 4);
+  EXPECT_EQ(z1.grads, one.grads);
+  EXPECT_EQ(z1.params, one.params);
+  EXPECT_GT(z1.comm, 0);  // the all-reduce workspace
+  // EP over 2 ranks (dp 2): each rank holds half of the routed experts.
+  const MemoryEstimate ep = est({"--parallelism.dp_shard=2", "--parallelism.ep=2"});
+  EXPECT_EQ(ep.grads, 4 * (P - R / 2));
+  EXPECT_EQ(ep.optimizer, 8 * (P - R / 2));
+  // FSDP over 4 ranks: a quarter of everything plus one gathered unit. ds_tiny's largest unit is a MoE
+  // layer: attention 4*64*64, norms 2*64, router 8*64, 8 + 1 experts of 3*64*32.
+  const double unit = 4 * 64 * 64 + 2 * 64 + 8 * 64 + 9 * 3 * 64 * 32;
+  const MemoryEstimate z3 =
+      est({"--parallelism.dp_shard=4", "--parallelism.zero=3", "--training.global_batch_size=16"});
+  EXPECT_EQ(z3.optimizer, 8 * P / 4);
+  EXPECT_EQ(z3.grads, 4 * (P / 4 + unit));
+  // Activations: linear in the micro-batch (up to the per-expert counters); checkpointing saves them;
+  // fp32 GEMM inputs cost more than bf16.
+  const MemoryEstimate b8 = est({"--training.micro_batch_size=8", "--training.global_batch_size=8"});
+  EXPECT_NEAR(b8.activations / one.activations, 2.0, 1e-3);
+  const MemoryEstimate full = est({"--activation_checkpoint.mode=full"});
+  const MemoryEstimate sel = est({"--activation_checkpoint.mode=selective", "--activation_checkpoint.modules=[norm]"});
+  EXPECT_LT(full.activations, sel.activations);
+  EXPECT_LT(sel.activations, one.activations);
+  EXPECT_GT(sel.build_peak, 0);  // every layer's full set exists while the model is built
+  EXPECT_EQ(one.build_peak, 0);
+  EXPECT_GT(estimate_memory(c, 4, 1).activations, one.activations);
+  EXPECT_THROW(estimate_memory(c, 3, 1), Error);
+  // Kernel workspace has a per-thread part (attention tiles, the grouped GEMMs' packing slots).
+  EXPECT_GE(estimate_memory(c, 2, 64).workspace, one.workspace);
 }

@@ -1,7 +1,10 @@
 // test_config.cpp: JobConfig loading (TOML + overrides), every error path (messages name the key, the
-// line and a suggestion), to_toml / JSON round trips, the presets, and HF config.json import/export.
+// line and a suggestion), the size limits (absurd values rejected by name, within a second), to_toml /
+// JSON round trips, the presets, and HF config.json import/export.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -351,6 +354,112 @@ TEST(Config, ImpossibleValuesNameTheKey) {
   EXPECT_EQ(load_error(kTiny, {"--model.attn_type=mla", "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8",
                                "--model.qk_rope_head_dim=4", "--model.v_head_dim=8"}),
             "");
+}
+
+// ---- size limits ------------------------------------------------------------------------------------
+
+TEST(Config, AbsurdSizesAreRejectedNamingTheKeyWithinASecond) {
+  struct Case {
+    std::vector<std::string> overrides;
+    const char* expect;
+  };
+  const std::string big = "1000000000000";  // 10^12
+  const std::vector<Case> cases = {
+      {{"--model.n_layers=" + big}, "model.n_layers = 1000000000000: must be <= 2^14 = 16384 (size limit)"},
+      {{"--model.d_model=" + big}, "model.d_model = 1000000000000: must be <= 2^24 = 16777216 (size limit)"},
+      {{"--model.vocab_size=" + big}, "model.vocab_size = 1000000000000: must be <= 2^24"},
+      {{"--model.inter_size=" + big}, "model.inter_size = 1000000000000: must be <= 2^24"},
+      {{"--model.moe_inter_size=" + big}, "model.moe_inter_size = 1000000000000: must be <= 2^24"},
+      {{"--model.n_heads=" + big}, "model.n_heads = 1000000000000: must be <= 2^16 = 65536"},
+      {{"--model.attn_type=gqa", "--model.head_dim=" + big}, "model.head_dim = 1000000000000: must be <= 2^24"},
+      {{"--model.attn_type=gqa", "--model.n_kv_heads=" + big}, "model.n_kv_heads = 1000000000000: must be <= 2^16"},
+      {{"--model.attn_type=mla", "--model.kv_lora_rank=" + big}, "model.kv_lora_rank = 1000000000000: must be <= 2^24"},
+      {{"--model.attn_type=mla", "--model.q_lora_rank=" + big}, "model.q_lora_rank = 1000000000000: must be <= 2^24"},
+      {{"--model.attn_type=mla", "--model.qk_nope_head_dim=" + big}, "model.qk_nope_head_dim = 1000000000000"},
+      {{"--model.attn_type=mla", "--model.qk_rope_head_dim=" + big}, "model.qk_rope_head_dim = 1000000000000"},
+      {{"--model.attn_type=mla", "--model.v_head_dim=" + big}, "model.v_head_dim = 1000000000000"},
+      {{"--model.n_routed_experts=" + big}, "model.n_routed_experts = 1000000000000: must be <= 2^16"},
+      {{"--model.n_shared_experts=" + big}, "model.n_shared_experts = 1000000000000: must be <= 2^16"},
+      {{"--model.topk=" + big}, "model.topk = 1000000000000: must be <= 2^16"},
+      {{"--model.n_group=" + big}, "model.n_group = 1000000000000: must be <= 2^16"},
+      {{"--model.topk_group=" + big}, "model.topk_group = 1000000000000: must be <= 2^16"},
+      {{"--model.first_k_dense=" + big}, "model.first_k_dense = 1000000000000: must be <= 2^14"},
+      {{"--model.capacity_factor=1e300"}, "model.capacity_factor = 1e+300: must be <= 2^16"},
+      // Products of keys that are each within their limit.
+      {{"--model.attn_type=gqa", "--model.n_heads=65536", "--model.n_kv_heads=65536", "--model.head_dim=65536"},
+       "model.n_heads = 65536: (n_heads + 2 * n_kv_heads) * head_dim = 12884901888 must be <= 2^24"},
+      {{"--model.attn_type=mla", "--model.n_heads=65536", "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8192",
+        "--model.qk_rope_head_dim=8", "--model.v_head_dim=8"},
+       "model.n_heads = 65536: n_heads * (qk_nope_head_dim + qk_rope_head_dim) = 537395200 must be <= 2^24"},
+      {{"--model.n_shared_experts=65536", "--model.moe_inter_size=65536"},
+       "model.n_shared_experts = 65536: n_shared_experts * moe_inter_size = 4294967296 must be <= 2^24"},
+      {{"--model.n_layers=16384", "--model.d_model=65536", "--model.n_heads=64", "--model.n_routed_experts=4096",
+        "--model.moe_inter_size=65536"},
+       "parameters, more than 2^48 = 2.81475e+14 (size limit); the largest part comes from model.n_layers = 16384, "
+       "model.n_routed_experts = 4096, model.d_model = 65536, model.moe_inter_size = 65536"},
+      // Training, parallelism and the rest.
+      {{"--training.seq_len=" + big}, "training.seq_len = 1000000000000: must be <= 2^24"},
+      {{"--training.micro_batch_size=" + big}, "training.micro_batch_size = 1000000000000: must be <= 2^24"},
+      {{"--training.global_batch_size=1000000000000000"},
+       "training.global_batch_size = 1000000000000000: must be <= 2^40"},
+      {{"--training.steps=1000000000000000"}, "training.steps = 1000000000000000: must be <= 2^40"},
+      {{"--training.val_interval=1000000000000000"}, "training.val_interval = 1000000000000000: must be <= 2^40"},
+      {{"--training.val_steps=" + big}, "training.val_steps = 1000000000000: must be <= 2^20"},
+      {{"--training.threads=1000000"}, "training.threads = 1000000: must be <= 2^16"},
+      {{"--lr_scheduler.warmup_steps=1000000000000000"},
+       "lr_scheduler.warmup_steps = 1000000000000000: must be <= 2^40"},
+      {{"--parallelism.dp_shard=" + big}, "parallelism.dp_shard = 1000000000000: must be <= 2^20"},
+      {{"--parallelism.dp_replicate=" + big}, "parallelism.dp_replicate = 1000000000000: must be <= 2^20"},
+      {{"--parallelism.ep=" + big}, "parallelism.ep = 1000000000000: must be <= 2^20"},
+      {{"--parallelism.pp=" + big}, "parallelism.pp = 1000000000000: must be <= 2^20"},
+      {{"--parallelism.ranks_per_node=" + big}, "parallelism.ranks_per_node = 1000000000000: must be <= 2^16"},
+      {{"--hardware.num_nodes=" + big}, "hardware.num_nodes = 1000000000000: must be <= 2^24"},
+      {{"--hardware.gpus_per_node=" + big}, "hardware.gpus_per_node = 1000000000000: must be <= 2^16"},
+      {{"--parallelism.dp_replicate=1048576", "--parallelism.dp_shard=1048576"},
+       "parallelism.dp_shard = 1048576: dp_replicate * dp_shard = 1099511627776 must be <= 2^24"},
+      {{"--training.global_batch_size=1073741824"},
+       "training.global_batch_size = 1073741824: global_batch_size / (micro_batch_size * dp) = 536870912 "
+       "micro-batches per rank per step must be <= 2^20"},
+      {{"--training.micro_batch_size=1048576", "--training.seq_len=4096", "--training.global_batch_size=1048576"},
+       "training.micro_batch_size = 1048576: micro_batch_size * seq_len (4096) * max(1, model.topk) (2) = 8589934592 "
+       "rows per micro-batch must be < 2^31"},
+      // One micro-batch of 2^29 tokens at d_model 2^22: each [T, d] fp32 tensor is 2^53 bytes.
+      {{"--model.d_model=4194304", "--model.n_heads=1", "--training.micro_batch_size=8192", "--training.seq_len=65536",
+        "--training.global_batch_size=8192"},
+       "bytes of activations, more than 2^56 (size limit): training.micro_batch_size = 8192, training.seq_len = "
+       "65536, model.n_layers = 2; the largest term is"},
+      {{"--activation_checkpoint.mode=full", "--activation_checkpoint.layer_ids=[1,0,1]"},
+       "activation_checkpoint.layer_ids = 1: listed twice"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.overrides.back());
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string m = load_error(kTiny, c.overrides);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_HAS(m, c.expect);
+    EXPECT_HAS(m, "test.toml: invalid config: ");
+    EXPECT_LT(s, 1.0) << "rejection took " << s << " s";
+  }
+  // The limits leave real models alone: every preset loads (EveryPresetLoadsValidatesAndRoundTripsThroughToml),
+  // and values at the limits themselves pass.
+  EXPECT_EQ(load_error(kTiny, {"--model.n_layers=16384", "--parallelism.dp_shard=4096",
+                               "--parallelism.dp_replicate=4096", "--training.global_batch_size=33554432",
+                               "--training.steps=1099511627776"}),
+            "");
+}
+
+TEST(Config, MemoryCheckKeyDefaultsOnAndRoundTrips) {
+  JobConfig c = load_config_string(kTiny);
+  EXPECT_TRUE(c.training.memory_check);
+  JobConfig off = load_config_string(kTiny, {"--training.memory_check=false"});
+  EXPECT_FALSE(off.training.memory_check);
+  EXPECT_HAS(to_toml(off), "memory_check = false\n");
+  EXPECT_EQ(load_config_string(to_toml(off)), off);
+  EXPECT_EQ(to_json(off)["training"]["memory_check"], false);
+  EXPECT_EQ(config_from_json(to_json(off)), off);
+  auto keys = config_keys();
+  EXPECT_NE(std::find(keys.begin(), keys.end(), "training.memory_check"), keys.end());
+  EXPECT_HAS(load_error(kTiny, {"--training.memory_check=maybe"}), "training.memory_check: expected boolean");
 }
 
 // ---- HF config.json ---------------------------------------------------------------------------------
