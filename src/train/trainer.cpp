@@ -180,9 +180,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
     int local = mesh.ranks_per_node();
     if (const char* e = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); e && std::atoi(e) > 0) local = std::atoi(e);
     init_threads(int(tr.threads), local);
-    // Before anything is allocated: the per-rank estimate against this node's memory (memcheck.h). The
-    // engine's GEMM inputs are bf16 (2 bytes).
-    check_job_memory(cfg, local, 2, num_threads());
+    // Before anything is allocated: the per-rank estimate against this node's memory (memcheck.h), with
+    // GEMM inputs in the resolved compute dtype (bf16: 2 bytes, fp32: 4).
+    check_job_memory(cfg, local, compute == ComputeDtype::FP32 ? 4 : 2, num_threads());
   }
   const bool say = !opt.quiet && root;
   const bool tty = say && opt.progress && isatty(fileno(stdout));
