@@ -1,10 +1,17 @@
-// gemm.h: dense matrix multiply, row-major, through oneDNN.
+// gemm.h: dense matrix multiply, row-major.
 //   C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C[M,N]
 // op(X) is X or X^T (Trans::T means the stored matrix is the transpose: A stored [K,M] with lda >= M).
-// bf16 inputs accumulate in fp32 and write fp32. beta = 0 means C is write-only (never read, NaN there is
-// harmless); K = 0 gives C = beta * C. Sizes, leading dimensions (lda >= K or M by op, ldb >= N or K, ldc >= N,
-// all >= 1) and null pointers are checked (moetron::Error). Thread-safe; each call runs oneDNN's own OpenMP
-// parallel region. gemm_ref is the naive twin (float or double). Grouped (MoE) GEMMs: grouped_gemm.h.
+// gemm_f32 is our own batch-invariant kernel: every element is acc = the fp32 sum over k = 0..K-1 in that order
+// (fused multiply-adds from 0), then C = alpha * acc (beta = 0) or C = fma(beta, C, alpha * acc), the same
+// way for every shape. So row i of C is bitwise the same whatever M is, whatever rows surround it and
+// whatever the thread count (and column j whatever N is), for a given ISA level; the AVX2 and AVX-512 paths
+// give the same bits, the scalar path (no FMA) does not. gemm_f32_onednn is oneDNN's sgemm: usually a bit
+// faster, NOT batch invariant (its kernel and K partitioning depend on the shape and thread count); kept to
+// measure the machine's sgemm limit. bf16 inputs (gemm_bf16, oneDNN) accumulate in fp32 and write fp32.
+// beta = 0 means C is write-only (never read, NaN there is harmless); K = 0 gives C = beta * C. Sizes, leading
+// dimensions (lda >= K or M by op, ldb >= N or K, ldc >= N, all >= 1) and null pointers are checked
+// (moetron::Error). Thread-safe; each call runs one OpenMP parallel region (small problems run on the calling
+// thread). gemm_ref is the naive twin (float or double). Grouped (MoE) GEMMs: grouped_gemm.h.
 #pragma once
 #include <cstdint>
 
@@ -16,6 +23,10 @@ enum class Trans : uint8_t { N, T };
 
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// oneDNN's dnnl_sgemm, same contract except batch invariance (see above).
+void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                     const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
