@@ -1,10 +1,11 @@
 // bench_grouped_gemm.cpp: the MoE expert GEMMs at DeepSeek-V2-Lite-like shapes scaled down: 64 experts, top-6,
 // d = 512, expert ffn = 176, 2048 tokens (12288 routed rows), skewed random counts. In one run:
-//   grouped forward, dgrad and wgrad (bf16 inputs, fp32 accumulation) for the up projection (K=512, N=176) and
-//   the down projection (K=176, N=512);
-//   oneDNN dense bf16 matmul of the same FLOPs (the target: grouped >= 85% of it);
-//   a loop of per-expert oneDNN gemm_bf16 calls (what the grouped kernel replaces);
-//   weight packing (once per optimizer step).
+//   grouped forward, dgrad and wgrad for the up projection (K=512, N=176) and the down projection (K=176,
+//   N=512), bf16 inputs with fp32 accumulation (BM_grouped) and fp32 inputs (BM_grouped_f32);
+//   oneDNN dense matmul of the same FLOPs (bf16: gemm_bf16; fp32: gemm_f32_onednn, i.e. dnnl_sgemm), the
+//   target being grouped >= 85% of it;
+//   a loop of per-expert oneDNN calls of the same kind (what the grouped kernel replaces);
+//   weight packing (once per optimizer step); the tile kernel of the active ISA alone, in cache.
 // Each grouped benchmark also reports vs_dense = t(dense) / t(grouped) and vs_loop = t(loop) / t(grouped) from
 // alternating rounds of the three (best of each), so the ratios survive a noisy machine.
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstdlib>
 #include <memory>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "bench_common.h"
@@ -64,19 +66,21 @@ const std::vector<int32_t>& counts() {
   return c;
 }
 
-std::vector<bf16> rand_bf16(int64_t n, const char* name) {
+std::vector<float> rand_f32(int64_t n, const char* name) {
   std::vector<float> f(n);
   fill_normal(f.data(), n, rng_key(3, name), 0, 0, 1);
-  std::vector<bf16> b(n);
-  f32_to_bf16(b.data(), f.data(), n);
-  return b;
+  return f;
 }
 
-// One projection: W[E, K, N] (K in, N out), activations X[M, K], output grads dY[M, N].
+// One projection: W[E, K, N] (K in, N out), activations X[M, K], output grads dY[M, N], in bf16 (BF = true)
+// or fp32.
+template <bool BF>
 struct Problem {
+  using In = std::conditional_t<BF, bf16, float>;
+  static constexpr GemmPrec kPrec = BF ? GemmPrec::BF16 : GemmPrec::F32;
   int64_t K, N;
   std::vector<float> W;
-  std::vector<bf16> Wb, X, dY;  // Wb: bf16 copy of W for the oneDNN baselines
+  std::vector<In> Wb, X, dY;  // Wb: W in the input type, for the oneDNN baselines
   std::unique_ptr<AlignedBuf> pf, pd, ws;
   size_t ws_bytes = 0;
   GroupedPackedWeights Wf, Wd;
@@ -84,59 +88,87 @@ struct Problem {
   Problem(int64_t k, int64_t n) : K(k), N(n) {
     W.resize(kE * K * N);
     fill_normal(W.data(), kE * K * N, rng_key(3, "W"), 0, 0, 0.05f);
-    Wb.resize(W.size());
-    f32_to_bf16(Wb.data(), W.data(), int64_t(W.size()));
-    X = rand_bf16(kM * K, "X");
-    dY = rand_bf16(kM * N, "dY");
-    pf = std::make_unique<AlignedBuf>(grouped_packed_bytes(GroupedPackKind::Fwd, GemmPrec::BF16, kE, K, N));
-    pd = std::make_unique<AlignedBuf>(grouped_packed_bytes(GroupedPackKind::Dgrad, GemmPrec::BF16, kE, K, N));
-    Wf = grouped_pack_weights(pf->p, W.data(), kE, K, N, GemmPrec::BF16, GroupedPackKind::Fwd);
-    Wd = grouped_pack_weights(pd->p, W.data(), kE, K, N, GemmPrec::BF16, GroupedPackKind::Dgrad);
+    Wb = convert(W);
+    X = convert(rand_f32(kM * K, "X"));
+    dY = convert(rand_f32(kM * N, "dY"));
+    pf = std::make_unique<AlignedBuf>(grouped_packed_bytes(GroupedPackKind::Fwd, kPrec, kE, K, N));
+    pd = std::make_unique<AlignedBuf>(grouped_packed_bytes(GroupedPackKind::Dgrad, kPrec, kE, K, N));
+    Wf = grouped_pack_weights(pf->p, W.data(), kE, K, N, kPrec, GroupedPackKind::Fwd);
+    Wd = grouped_pack_weights(pd->p, W.data(), kE, K, N, kPrec, GroupedPackKind::Dgrad);
     size_t wsb = 0;
     for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
-      wsb = std::max(wsb, grouped_gemm_workspace_bytes(op, GemmPrec::BF16, kE, kM, K, N));
+      wsb = std::max(wsb, grouped_gemm_workspace_bytes(op, kPrec, kE, kM, K, N));
     ws = std::make_unique<AlignedBuf>(wsb);
     ws_bytes = wsb;
     Y.resize(kM * N);
     dX.resize(kM * K);
     dW.resize(kE * K * N);
   }
+  static std::vector<In> convert(const std::vector<float>& f) {
+    if constexpr (BF) {
+      std::vector<bf16> b(f.size());
+      f32_to_bf16(b.data(), f.data(), int64_t(f.size()));
+      return b;
+    } else {
+      return f;
+    }
+  }
   double flops() const { return 2.0 * double(kM) * double(K) * double(N); }
+  static void gemm(Trans ta, Trans tb, int64_t m, int64_t n, int64_t k, const In* a, int64_t lda, const In* b,
+                   int64_t ldb, float* c, int64_t ldc) {
+    if constexpr (BF)
+      gemm_bf16(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    else
+      gemm_f32_onednn(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+  }
 
   // op: 0 fwd, 1 dgrad, 2 wgrad
   void grouped(int op) {
     const int32_t* c = counts().data();
-    if (op == 0) grouped_gemm_fwd(Y.data(), nullptr, X.data(), Wf, c, kE, kM, K, N, ws->p, ws_bytes);
-    if (op == 1) grouped_gemm_dgrad(dX.data(), nullptr, dY.data(), Wd, c, kE, kM, K, N, ws->p, ws_bytes);
+    if constexpr (BF) {
+      if (op == 0) grouped_gemm_fwd(Y.data(), nullptr, X.data(), Wf, c, kE, kM, K, N, ws->p, ws_bytes);
+      if (op == 1) grouped_gemm_dgrad(dX.data(), nullptr, dY.data(), Wd, c, kE, kM, K, N, ws->p, ws_bytes);
+    } else {
+      if (op == 0) grouped_gemm_fwd(Y.data(), X.data(), Wf, c, kE, kM, K, N, ws->p, ws_bytes);
+      if (op == 1) grouped_gemm_dgrad(dX.data(), dY.data(), Wd, c, kE, kM, K, N, ws->p, ws_bytes);
+    }
     if (op == 2) grouped_gemm_wgrad(dW.data(), X.data(), dY.data(), c, kE, kM, K, N, false, ws->p, ws_bytes);
   }
   // Dense oneDNN matmul with the same FLOPs and the same operand layouts (expert 0's weights).
   void dense(int op) {
-    if (op == 0) gemm_bf16(Trans::N, Trans::N, kM, N, K, 1.0f, X.data(), K, Wb.data(), N, 0.0f, Y.data(), N);
-    if (op == 1) gemm_bf16(Trans::N, Trans::T, kM, K, N, 1.0f, dY.data(), N, Wb.data(), N, 0.0f, dX.data(), K);
-    if (op == 2) gemm_bf16(Trans::T, Trans::N, K, N, kM, 1.0f, X.data(), K, dY.data(), N, 0.0f, dW.data(), N);
+    if (op == 0) gemm(Trans::N, Trans::N, kM, N, K, X.data(), K, Wb.data(), N, Y.data(), N);
+    if (op == 1) gemm(Trans::N, Trans::T, kM, K, N, dY.data(), N, Wb.data(), N, dX.data(), K);
+    if (op == 2) gemm(Trans::T, Trans::N, K, N, kM, X.data(), K, dY.data(), N, dW.data(), N);
   }
   // A loop of per-expert oneDNN calls (each one parallel inside).
   void loop(int op) {
     int64_t o = 0;
     for (int64_t e = 0; e < kE; ++e) {
       const int64_t m = counts()[e];
-      const bf16* We = Wb.data() + e * K * N;
-      if (op == 0 && m)
-        gemm_bf16(Trans::N, Trans::N, m, N, K, 1.0f, X.data() + o * K, K, We, N, 0.0f, Y.data() + o * N, N);
-      if (op == 1 && m)
-        gemm_bf16(Trans::N, Trans::T, m, K, N, 1.0f, dY.data() + o * N, N, We, N, 0.0f, dX.data() + o * K, K);
+      const In* We = Wb.data() + e * K * N;
+      if (op == 0 && m) gemm(Trans::N, Trans::N, m, N, K, X.data() + o * K, K, We, N, Y.data() + o * N, N);
+      if (op == 1 && m) gemm(Trans::N, Trans::T, m, K, N, dY.data() + o * N, N, We, N, dX.data() + o * K, K);
       if (op == 2)
-        gemm_bf16(Trans::T, Trans::N, K, N, m, 1.0f, X.data() + o * K, K, dY.data() + o * N, N, 0.0f,
-                  dW.data() + e * K * N, N);
+        gemm(Trans::T, Trans::N, K, N, m, X.data() + o * K, K, dY.data() + o * N, N, dW.data() + e * K * N, N);
       o += m;
     }
   }
 };
 
-Problem& problem(int which) {  // 0: up (K=d, N=ffn), 1: down (K=ffn, N=d)
-  static Problem up(kD, kF), down(kF, kD);
+template <bool BF>
+Problem<BF>& problem(int which) {  // 0: up (K=d, N=ffn), 1: down (K=ffn, N=d)
+  static Problem<BF> up(kD, kF), down(kF, kD);
   return which == 0 ? up : down;
+}
+
+// GFLOPS as a rate counter; bf16 benchmarks also report pct_bf16_peak (bench_common.h), fp32 ones do not.
+template <bool BF>
+void gflops(benchmark::State& st, double flops_per_iter) {
+  if constexpr (BF)
+    bench::report_flops(st, flops_per_iter);
+  else
+    st.counters["GFLOPS"] =
+        benchmark::Counter(flops_per_iter * 1e-9 * double(st.iterations()), benchmark::Counter::kIsRate);
 }
 
 template <class F>
@@ -149,10 +181,11 @@ double seconds(F&& f) {
 // Grouped op, timed by the framework. Before that, kRounds alternating rounds of (dense, loop, grouped) calls:
 // the best of each gives same-moment ratios vs_dense = t(dense) / t(grouped) and vs_loop = t(loop) / t(grouped),
 // which survive a shared, noisy machine better than ratios of separately run benchmarks.
-void BM_grouped(benchmark::State& st) {
+template <bool BF>
+void run_grouped(benchmark::State& st) {
   constexpr int kRounds = 7;
   const int which = int(st.range(0)), op = int(st.range(1));
-  Problem& p = problem(which);
+  Problem<BF>& p = problem<BF>(which);
   p.dense(op), p.loop(op), p.grouped(op);  // warm-up (oneDNN primitive creation, page faults)
   double td = 1e30, tl = 1e30, tg = 1e30;
   for (int r = 0; r < kRounds; ++r) {
@@ -161,54 +194,69 @@ void BM_grouped(benchmark::State& st) {
     tg = std::min(tg, seconds([&] { p.grouped(op); }));
   }
   for (auto _ : st) p.grouped(op);
-  bench::report_flops(st, p.flops());
+  gflops<BF>(st, p.flops());
   st.counters["best_ms"] = tg * 1e3;
   st.counters["dense_best_ms"] = td * 1e3;
   st.counters["loop_best_ms"] = tl * 1e3;
   st.counters["vs_dense"] = td / tg;  // the target: >= 0.85
   st.counters["vs_loop"] = tl / tg;
 }
+void BM_grouped(benchmark::State& st) { run_grouped<true>(st); }
+void BM_grouped_f32(benchmark::State& st) { run_grouped<false>(st); }
 
-void BM_dense_onednn(benchmark::State& st) {
-  Problem& p = problem(int(st.range(0)));
+template <bool BF>
+void run_dense(benchmark::State& st) {
+  Problem<BF>& p = problem<BF>(int(st.range(0)));
   const int op = int(st.range(1));
   p.dense(op);
   for (auto _ : st) p.dense(op);
-  bench::report_flops(st, p.flops());
+  gflops<BF>(st, p.flops());
 }
+void BM_dense_onednn(benchmark::State& st) { run_dense<true>(st); }
+void BM_dense_onednn_f32(benchmark::State& st) { run_dense<false>(st); }
 
-void BM_loop_onednn(benchmark::State& st) {
-  Problem& p = problem(int(st.range(0)));
+template <bool BF>
+void run_loop(benchmark::State& st) {
+  Problem<BF>& p = problem<BF>(int(st.range(0)));
   const int op = int(st.range(1));
   p.loop(op);
   for (auto _ : st) p.loop(op);
-  bench::report_flops(st, p.flops());
+  gflops<BF>(st, p.flops());
 }
+void BM_loop_onednn(benchmark::State& st) { run_loop<true>(st); }
+void BM_loop_onednn_f32(benchmark::State& st) { run_loop<false>(st); }
 
-void BM_pack_weights(benchmark::State& st) {  // Fwd + Dgrad packing of all experts, once per optimizer step
-  Problem& p = problem(int(st.range(0)));
+template <bool BF>
+void run_pack(benchmark::State& st) {  // Fwd + Dgrad packing of all experts, once per optimizer step
+  Problem<BF>& p = problem<BF>(int(st.range(0)));
   for (auto _ : st) {
-    grouped_pack_weights(p.pf->p, p.W.data(), kE, p.K, p.N, GemmPrec::BF16, GroupedPackKind::Fwd);
-    grouped_pack_weights(p.pd->p, p.W.data(), kE, p.K, p.N, GemmPrec::BF16, GroupedPackKind::Dgrad);
+    grouped_pack_weights(p.pf->p, p.W.data(), kE, p.K, p.N, Problem<BF>::kPrec, GroupedPackKind::Fwd);
+    grouped_pack_weights(p.pd->p, p.W.data(), kE, p.K, p.N, Problem<BF>::kPrec, GroupedPackKind::Dgrad);
   }
-  bench::report_bytes(st, double(p.W.size()) * (4 + 2) * 2);
+  bench::report_bytes(st, double(p.W.size()) * (4 + (BF ? 2 : 4)) * 2);
 }
+void BM_pack_weights(benchmark::State& st) { run_pack<true>(st); }
+void BM_pack_weights_f32(benchmark::State& st) { run_pack<false>(st); }
 
-// The AVX-512 bf16 tile kernel alone, operands in cache, on the calling thread: the ceiling the grouped
-// kernels can reach. Args: {rows, cols, steps (K pairs)}. Run with OMP_NUM_THREADS=1 so that pct_bf16_peak
-// compares with a one-core peak.
-void BM_tile_bf16(benchmark::State& st) {
-  const int64_t rows = st.range(0), cols = st.range(1), steps = st.range(2);
+// The tile kernel of the active ISA alone, operands in cache, on the calling thread: the ceiling the grouped
+// kernels can reach. Args: {rows, cols, steps (K pairs for bf16, K for fp32)}. Run with OMP_NUM_THREADS=1.
+template <bool BF>
+void run_tile(benchmark::State& st) {
+  const int64_t rows = st.range(0), cols = st.range(1), steps = st.range(2), e = BF ? 2 : 1;
   const int64_t npan = (cols + gg::kPanel - 1) / gg::kPanel;
-  std::vector<bf16> A = rand_bf16(rows * 2 * steps, "tile.A"), B = rand_bf16(npan * steps * gg::kPanel * 2, "tile.B");
+  auto A = Problem<BF>::convert(rand_f32(rows * e * steps, "tile.A"));
+  auto B = Problem<BF>::convert(rand_f32(npan * steps * gg::kPanel * e, "tile.B"));
   std::vector<float> C(rows * cols);
   gg::Tile t;
-  t.A = A.data(), t.a_bs = gg::kMR * 2 * steps, t.a_rs = 2 * steps, t.a_ss = 2;
-  t.B = B.data(), t.b_ps = steps * gg::kPanel * 2, t.b_ss = gg::kPanel * 2;
+  t.A = A.data(), t.a_bs = gg::kMR * e * steps, t.a_rs = e * steps, t.a_ss = e;
+  t.B = B.data(), t.b_ps = steps * gg::kPanel * e, t.b_ss = gg::kPanel * e;
   t.C = C.data(), t.ldc = cols, t.rows = rows, t.cols = cols, t.steps = steps;
-  for (auto _ : st) gg::tile_bf16_avx512(t);
-  bench::report_flops(st, 2.0 * rows * cols * steps * 2);
+  const gg::TileFn fn = gg::tile_fn(BF);
+  for (auto _ : st) fn(t);
+  gflops<BF>(st, 2.0 * rows * cols * steps * e);
 }
+void BM_tile_bf16(benchmark::State& st) { run_tile<true>(st); }
+void BM_tile_f32(benchmark::State& st) { run_tile<false>(st); }
 BENCHMARK(BM_tile_bf16)
     ->ArgNames({"rows", "cols", "pairs"})
     ->Args({96, 192, 256})
@@ -217,6 +265,13 @@ BENCHMARK(BM_tile_bf16)
     ->Args({96, 64, 256})
     ->Args({6, 64, 256})
     ->Args({6, 64, 1024})
+    ->UseRealTime();
+BENCHMARK(BM_tile_f32)
+    ->ArgNames({"rows", "cols", "steps"})
+    ->Args({96, 192, 512})
+    ->Args({96, 512, 176})
+    ->Args({96, 64, 512})
+    ->Args({6, 64, 512})
     ->UseRealTime();
 
 // Args: {projection (0 up: K=512 N=176, 1 down: K=176 N=512), op (0 fwd, 1 dgrad, 2 wgrad)}
@@ -233,3 +288,7 @@ BENCHMARK(BM_grouped)->Apply(shapes);
 BENCHMARK(BM_dense_onednn)->Apply(shapes);
 BENCHMARK(BM_loop_onednn)->Apply(shapes);
 BENCHMARK(BM_pack_weights)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_grouped_f32)->Apply(shapes);
+BENCHMARK(BM_dense_onednn_f32)->Apply(shapes);
+BENCHMARK(BM_loop_onednn_f32)->Apply(shapes);
+BENCHMARK(BM_pack_weights_f32)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();

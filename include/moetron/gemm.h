@@ -1,10 +1,17 @@
-// gemm.h: dense matrix multiply, row-major, through oneDNN.
+// gemm.h: dense matrix multiply, row-major.
 //   C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C[M,N]
 // op(X) is X or X^T (Trans::T means the stored matrix is the transpose: A stored [K,M] with lda >= M).
-// bf16 inputs accumulate in fp32 and write fp32. beta = 0 means C is write-only (never read, NaN there is
-// harmless); K = 0 gives C = beta * C. Sizes, leading dimensions (lda >= K or M by op, ldb >= N or K, ldc >= N,
-// all >= 1) and null pointers are checked (moetron::Error). Thread-safe; each call runs oneDNN's own OpenMP
-// parallel region. gemm_ref is the naive twin (float or double). Grouped (MoE) GEMMs: grouped_gemm.h.
+// gemm_f32 is our own batch-invariant kernel: every element is acc = the fp32 sum over k = 0..K-1 in that order
+// (fused multiply-adds from 0), then C = alpha * acc (beta = 0) or C = fma(beta, C, alpha * acc), the same
+// way for every shape. So row i of C is bitwise the same whatever M is, whatever rows surround it and
+// whatever the thread count (and column j whatever N is), for a given ISA level; the AVX2 and AVX-512 paths
+// give the same bits, the scalar path (no FMA) does not. gemm_f32_onednn is oneDNN's sgemm: usually a bit
+// faster, NOT batch invariant (its kernel and K partitioning depend on the shape and thread count); kept to
+// measure the machine's sgemm limit. bf16 inputs (gemm_bf16, oneDNN) accumulate in fp32 and write fp32.
+// beta = 0 means C is write-only (never read, NaN there is harmless); K = 0 gives C = beta * C. Sizes, leading
+// dimensions (lda >= K or M by op, ldb >= N or K, ldc >= N, all >= 1) and null pointers are checked
+// (moetron::Error). Thread-safe; each call runs one OpenMP parallel region (small problems run on the calling
+// thread). gemm_ref is the naive twin (float or double). Grouped (MoE) GEMMs: grouped_gemm.h.
 #pragma once
 #include <cstdint>
 
@@ -17,17 +24,19 @@ enum class Trans : uint8_t { N, T };
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
-// oneDNN's own sgemm (same contract as gemm_f32): the machine's fp32 GEMM limit for benchmarks and MFU.
+// oneDNN's dnnl_sgemm, same contract except batch invariance (see above).
 void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
                      const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
-// True when bf16 GEMMs run natively here: the CPU has AVX512-BF16 and oneDNN creates a bf16 matmul (an
-// ISA cap such as DNNL_MAX_CPU_ISA=AVX2 makes it false). gemm_bf16 throws, naming the missing feature and
-// the training.compute_dtype key, where oneDNN has no bf16 matmul.
-bool gemm_bf16_native();
-
+// bf16 operands, fp32 accumulation and output: oneDNN's bf16 matmul where it has one; elsewhere the operands
+// are widened to fp32 (exactly) and go through gemm_f32 (correct, not fast: the trainer refuses bf16 compute
+// on such CPUs, see gemm_bf16_native).
 void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// True when bf16 GEMMs run natively here: the CPU has AVX512-BF16 and oneDNN creates a bf16 matmul (an ISA
+// cap such as DNNL_MAX_CPU_ISA=AVX2 makes it false). resolve_compute_dtype (model.h) asks it.
+bool gemm_bf16_native();
 
 template <class T>
 void gemm_ref(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,

@@ -1,13 +1,17 @@
-// gemm.cpp: dense GEMM through oneDNN. fp32 goes through dnnl_sgemm; bf16 through a matmul primitive
-// cached per shape, alpha and beta (oneDNN primitive creation costs far more than a small matmul); alpha is an
-// output scale and beta a sum post-op. Strides and transposes are expressed as memory-descriptor strides, so
-// no data is copied. Not a GEMM implementation of its own: the grouped (MoE) GEMM is grouped_gemm.cpp.
+// gemm.cpp: the dense GEMMs through oneDNN: gemm_f32_onednn (dnnl_sgemm, not batch invariant) and gemm_bf16
+// (a matmul primitive cached per shape, alpha and beta, since oneDNN primitive creation costs far more than a
+// small matmul; alpha is an output scale and beta a sum post-op, strides and transposes are memory-descriptor
+// strides, so nothing is copied; where oneDNN has no bf16 matmul, the operands are widened to fp32 and go
+// through gemm_f32). Also the bf16 <-> fp32 vector conversions. Not the batch-invariant gemm_f32 (that is
+// gemm_f32.cpp) nor the grouped (MoE) GEMM (grouped_gemm.cpp).
 #include <algorithm>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
+#include "kernels/gemm_common.h"
 #include "moetron/check.h"
 #include "moetron/gemm.h"
 #include "moetron/runtime.h"
@@ -40,6 +44,7 @@ struct MatmulKeyHash {
 struct CachedMatmul {
   dnnl::matmul prim;
   dnnl::memory::desc a, b, c;
+  bool ok = false;  // false: oneDNN has no bf16 matmul here
 };
 
 CachedMatmul& get_bf16_matmul(const MatmulKey& k) {
@@ -59,39 +64,30 @@ CachedMatmul& get_bf16_matmul(const MatmulKey& k) {
     po.append_sum(k.beta);
     attr.set_post_ops(po);
   }
+  CachedMatmul cm{{}, a, b, c, false};
   try {
     dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
-    auto [pos, _] = cache.emplace(k, CachedMatmul{dnnl::matmul(pd), a, b, c});
-    return pos->second;
-  } catch (const dnnl::error& e) {
-    MT_FAIL("gemm_bf16", "oneDNN cannot create a bf16 matmul on this CPU (", e.what(), "): bf16 GEMMs need ",
-            "AVX512-BF16 or AMX-BF16, and this CPU ", cpu_features().avx512bf16 ? "has AVX512-BF16 but oneDNN is capped "
-            "(DNNL_MAX_CPU_ISA)" : "lacks avx512_bf16", ". Train with training.compute_dtype = \"fp32\" (or \"auto\")");
+    cm.prim = dnnl::matmul(pd);
+    cm.ok = true;
+  } catch (const dnnl::error&) {
+    // No bf16 matmul on this CPU (oneDNN 2.x needs AVX512-BF16 or AVX512-core for it): gemm_bf16 falls back.
   }
-}
-
-void check_dims(const char* op, Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                int64_t ldc) {
-  MT_CHECK(M >= 0 && N >= 0 && K >= 0, op, "negative size M=", M, " N=", N, " K=", K);
-  MT_CHECK(lda >= (ta == Trans::N ? K : M) && lda >= 1, op, "lda=", lda, " too small for ", ta == Trans::N ? "K=" : "M=",
-           ta == Trans::N ? K : M);
-  MT_CHECK(ldb >= (tb == Trans::N ? N : K) && ldb >= 1, op, "ldb=", ldb, " too small for ", tb == Trans::N ? "N=" : "K=",
-           tb == Trans::N ? N : K);
-  MT_CHECK(ldc >= N && ldc >= 1, op, "ldc=", ldc, " smaller than N=", N);
-}
-
-void check_ptrs(const char* op, const void* A, const void* B, const void* C, int64_t M, int64_t N, int64_t K) {
-  MT_CHECK(C || M == 0 || N == 0, op, "C is null");
-  MT_CHECK((A && B) || M == 0 || N == 0 || K == 0, op, "A or B is null");
-}
-
-// K = 0: C = beta * C (C is write-only when beta = 0).
-void scale_c(float* C, int64_t ldc, int64_t M, int64_t N, float beta) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+  auto [pos, _] = cache.emplace(k, std::move(cm));
+  return pos->second;
 }
 
 }  // namespace
+
+void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                     const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  gemm_detail::check_dims("gemm_f32_onednn", ta, tb, M, N, K, lda, ldb, ldc);
+  gemm_detail::check_ptrs("gemm_f32_onednn", A, B, C, M, N, K);
+  if (M == 0 || N == 0) return;
+  if (K == 0) return gemm_detail::scale_c(C, ldc, M, N, beta);
+  dnnl_status_t st = dnnl_sgemm(ta == Trans::T ? 'T' : 'N', tb == Trans::T ? 'T' : 'N', M, N, K, alpha, A, lda, B,
+                                ldb, beta, C, ldc);
+  MT_CHECK(st == dnnl_success, "gemm_f32_onednn", "dnnl_sgemm failed with status ", int(st));
+}
 
 bool gemm_bf16_native() {
   static const bool ok = [] {
@@ -109,28 +105,12 @@ bool gemm_bf16_native() {
   return ok;
 }
 
-void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  check_dims("gemm_f32", ta, tb, M, N, K, lda, ldb, ldc);
-  check_ptrs("gemm_f32", A, B, C, M, N, K);
-  if (M == 0 || N == 0) return;
-  if (K == 0) return scale_c(C, ldc, M, N, beta);
-  dnnl_status_t st = dnnl_sgemm(ta == Trans::T ? 'T' : 'N', tb == Trans::T ? 'T' : 'N', M, N, K, alpha, A, lda, B,
-                                ldb, beta, C, ldc);
-  MT_CHECK(st == dnnl_success, "gemm_f32", "dnnl_sgemm failed with status ", int(st));
-}
-
-void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-                     const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-
 void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  check_dims("gemm_bf16", ta, tb, M, N, K, lda, ldb, ldc);
-  check_ptrs("gemm_bf16", A, B, C, M, N, K);
+  gemm_detail::check_dims("gemm_bf16", ta, tb, M, N, K, lda, ldb, ldc);
+  gemm_detail::check_ptrs("gemm_bf16", A, B, C, M, N, K);
   if (M == 0 || N == 0) return;
-  if (K == 0) return scale_c(C, ldc, M, N, beta);
+  if (K == 0) return gemm_detail::scale_c(C, ldc, M, N, beta);
   MatmulKey key{M,
                 N,
                 K,
@@ -142,6 +122,16 @@ void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
                 alpha,
                 beta};
   CachedMatmul& mm = get_bf16_matmul(key);
+  if (!mm.ok) {
+    // Fallback: widen the stored operands to fp32 (exact) and run gemm_f32 (fp32 accumulation, as promised).
+    const int64_t ar = ta == Trans::N ? M : K, ac = ta == Trans::N ? K : M;
+    const int64_t br = tb == Trans::N ? K : N, bc = tb == Trans::N ? N : K;
+    static thread_local std::vector<float> a32, b32;
+    a32.resize(size_t(ar * ac)), b32.resize(size_t(br * bc));
+    for (int64_t i = 0; i < ar; ++i) bf16_to_f32_serial(a32.data() + i * ac, A + i * lda, ac);
+    for (int64_t i = 0; i < br; ++i) bf16_to_f32_serial(b32.data() + i * bc, B + i * ldb, bc);
+    return gemm_f32(ta, tb, M, N, K, alpha, a32.data(), ac, b32.data(), bc, beta, C, ldc);
+  }
   auto& eng = cpu_engine();
   dnnl::memory ma(mm.a, eng, const_cast<bf16*>(A));
   dnnl::memory mb(mm.b, eng, const_cast<bf16*>(B));

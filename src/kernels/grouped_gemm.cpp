@@ -67,7 +67,7 @@ void tile_bf16_scalar(const Tile& t) {
   auto f = [](uint16_t b) { return from_bf16(bf16{b}); };
   for (int64_t r = 0; r < t.rows; ++r)
     for (int64_t c = 0; c < t.cols; ++c) {
-      const int64_t p = c / kPanel, cc = c % kPanel;
+      const int64_t p = c / t.b_pw, cc = c % t.b_pw;
       float acc = t.accumulate ? t.C[r * t.ldc + c] : 0.0f;
       for (int64_t s = 0; s < t.steps; ++s) {
         const uint16_t* a = A + a_at(t, r, s);
@@ -85,7 +85,7 @@ void tile_f32_scalar(const Tile& t) {
   const float* B = static_cast<const float*>(t.B);
   for (int64_t r = 0; r < t.rows; ++r)
     for (int64_t c = 0; c < t.cols; ++c) {
-      const int64_t p = c / kPanel, cc = c % kPanel;
+      const int64_t p = c / t.b_pw, cc = c % t.b_pw;
       float acc = t.accumulate ? t.C[r * t.ldc + c] : 0.0f;
       for (int64_t s = 0; s < t.steps; ++s) acc += A[a_at(t, r, s)] * B[p * t.b_ps + s * t.b_ss + cc];
       t.C[r * t.ldc + c] = acc;
@@ -93,17 +93,22 @@ void tile_f32_scalar(const Tile& t) {
     }
 }
 
-using TileFn = void (*)(const Tile&);
-TileFn tile_fn(GemmPrec prec) {
+}  // namespace
+
+gg::TileFn gg::tile_fn(bool bf) {
   const Isa isa = active_isa();
-  if (prec == GemmPrec::BF16)
-    return isa == Isa::Avx512 ? gg::tile_bf16_avx512 : isa == Isa::Avx2 ? gg::tile_bf16_avx2 : tile_bf16_scalar;
-  return isa == Isa::Avx512 ? gg::tile_f32_avx512 : isa == Isa::Avx2 ? gg::tile_f32_avx2 : tile_f32_scalar;
+  if (bf) return isa == Isa::Avx512 ? tile_bf16_avx512 : isa == Isa::Avx2 ? tile_bf16_avx2 : tile_bf16_scalar;
+  return isa == Isa::Avx512 ? tile_f32_avx512 : isa == Isa::Avx2 ? tile_f32_avx2 : tile_f32_scalar;
 }
+
+namespace {
+
+gg::TileFn tile_fn(GemmPrec prec) { return gg::tile_fn(prec == GemmPrec::BF16); }
 
 // Row pairs interleaved into 64-column panels (contract in grouped_gemm_tile.h).
 void pack_pairs(bf16* out, int64_t panel_stride, const bf16* in, int64_t ld, int64_t n_rows, int64_t cols) {
   if (active_isa() == Isa::Avx512) return gg::pack_pairs_avx512(out, panel_stride, in, ld, n_rows, cols);
+  if (active_isa() == Isa::Avx2) return gg::pack_pairs_avx2(out, panel_stride, in, ld, n_rows, cols);
   const int64_t npairs = ceil_div(n_rows, 2), width = round_up(cols, kPanel);
   for (int64_t p = 0; p < npairs; ++p)
     for (int64_t c = 0; c < width; ++c)
@@ -234,7 +239,7 @@ void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, con
   const Sched s = make_sched(ws, l, counts, E, M, [&](int64_t e) { return ceil_div(counts[e], plan.mt) * ntn; });
   if (M == 0 || g.Nc == 0) return;
   const int64_t nitems = s.pref[E];
-  const TileFn fn = tile_fn(prec);
+  const gg::TileFn fn = tile_fn(prec);
   const int64_t esz = prec == GemmPrec::BF16 ? 2 : 4;
   const char* inb = static_cast<const char*>(in);
   const char* wb = static_cast<const char*>(W.data);
@@ -289,7 +294,7 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
     return (accumulate && counts[e] == 0) ? int64_t(0) : ntm * ntn;  // accumulating an empty expert: no-op
   });
   if (K == 0 || N == 0) return;
-  const TileFn fn = tile_fn(prec);
+  const gg::TileFn fn = tile_fn(prec);
   const int64_t nitems = s.pref[E];
   const int64_t nslots =
       bf ? std::min<int64_t>(num_threads(), int64_t((ws_bytes - l.fixed) / l.slot_bytes)) : num_threads();
@@ -430,6 +435,8 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E,
       if (fwd) {
         for (int64_t s = 0; s < g.steps; ++s)
           for (int64_t c = 0; c < kPanel; ++c) out[s * kPanel + c] = b(s, c);
+      } else if (active_isa() != Isa::Scalar) {  // W_e^T panel: an 8 x 8 transposing copy
+        gg::pack_bt_panel_f32_avx2(out, We + c0 * N, N, g.steps, pc, kPanel);
       } else {
         for (int64_t c = 0; c < kPanel; ++c)
           for (int64_t s = 0; s < g.steps; ++s) out[s * kPanel + c] = b(s, c);

@@ -1,16 +1,18 @@
-// grouped_gemm_tile.h: private interface between the grouped GEMM dispatcher (grouped_gemm.cpp) and its
-// ISA-specific tile kernels (grouped_gemm_avx512.cpp, grouped_gemm_avx2.cpp). A Tile is one work item:
+// grouped_gemm_tile.h: private interface between the GEMM drivers (grouped_gemm.cpp for the MoE experts,
+// gemm_f32.cpp for the dense fp32 GEMM) and the ISA-specific tile kernels (grouped_gemm_avx512.cpp,
+// grouped_gemm_avx2.cpp, the scalar one in grouped_gemm.cpp). A Tile is one work item:
 //   C[rows, cols] (=, or += with accumulate) sum over steps s of  a(r, s) * b(s, c)
 // with strided A and panel-blocked B. Not part of the public API.
 //
 // A rows come in groups of a_rb rows (q = r / a_rb, i = r % a_rb); the microkernel (kMR = 6 rows) never
 // straddles a group.
+// B columns come in panels of w = b_pw columns (64; the AVX2 and scalar kernels also take 16):
 // bf16 (a step is a pair of adjacent contraction indices, as in VNNI / vdpbf16ps):
 //   a(r, s) = the two bf16 at A + q*a_bs + i*a_rs + s*a_ss    (elements; 32-bit aligned not required)
-//   b(s, c) = the two bf16 at B + p*b_ps + s*b_ss + 2*(c - 64p), p = c / 64 (panel)
+//   b(s, c) = the two bf16 at B + p*b_ps + s*b_ss + 2*(c - w*p), p = c / w (panel)
 //   If a_odd_tail, the last step's A pair holds only its first element (the second is not read).
 // fp32 (a step is one contraction index):
-//   a(r, s) = A[q*a_bs + i*a_rs + s*a_ss],  b(s, c) = B[p*b_ps + s*b_ss + (c - 64p)]
+//   a(r, s) = A[q*a_bs + i*a_rs + s*a_ss],  b(s, c) = B[p*b_ps + s*b_ss + (c - w*p)]
 // B is only read at columns < cols (masked), A only at rows < rows.
 #pragma once
 #include <cstdint>
@@ -19,7 +21,7 @@
 
 namespace moetron::gg {
 
-inline constexpr int64_t kPanel = 64;  // columns per B panel (4 zmm of fp32 accumulators)
+inline constexpr int64_t kPanel = 64;  // columns per B panel (4 zmm / 8 ymm of fp32)
 inline constexpr int64_t kMR = 6;      // rows per microkernel call (and per A row block)
 
 // Tile-size and kernel choices (heuristics kept apart from the kernels). Internal: benchmarks may change them
@@ -28,6 +30,11 @@ inline constexpr int64_t kMR = 6;      // rows per microkernel call (and per A r
 struct Tuning {
   int64_t kc_bf16 = 256;  // max K block (pairs) of the bf16 tile loop; blocks are equal-sized
   int64_t kc_f32 = 256;   // same for fp32 (singles)
+  int64_t kc_bf16_avx2 = 128;  // the same two for the AVX2 kernels (6 x 16 register block)
+  int64_t kc_f32_avx2 = 256;
+  int order_avx2 = 0;          // AVX2 tile loop: 0 16-column strip outer, 1 row-block outer
+  bool strip_copy_avx2 = true; // AVX2, order 0: copy 64-column panels of B into contiguous 16-column strips
+  bool strip_pf_avx2 = true;   // ... and prefetch the next panel while the current one computes
   int64_t mt = 96;        // M-grouped: rows per work item
   int64_t nt = 512;       // M-grouped: max columns per work item (multiple of 64)
   int64_t wmt = 512;      // wgrad: rows of dW[e] per work item
@@ -36,6 +43,15 @@ struct Tuning {
   int order = 1;          // tile loop: 0 panel-outer, 1 row-block-outer
   bool stream = false;    // non-temporal stores for write-only fp32 outputs (forward / dgrad)
   bool prefetch = true;   // wgrad bf16: prefetch the next chunk's X / dY rows during the current chunk
+  // Dense fp32 GEMM (gemm_f32.cpp): rows / columns per work item, columns per column block, bytes of packed
+  // op(B) per K phase, packed op(B) panel width for the AVX2 / scalar kernels (16 or 64), and whether
+  // op(A) = A is packed too (A^T always is).
+  int64_t dmt = 96;
+  int64_t dnt = 256;
+  int64_t dnc = 1024;
+  size_t dbudget = size_t(1) << 20;
+  int64_t dpw = 16;
+  bool dpack_a = false;
 };
 Tuning& tuning();
 
@@ -44,6 +60,7 @@ struct Tile {
   int64_t a_rb = kMR, a_bs = 0, a_rs = 0, a_ss = 0;
   const void* B = nullptr;
   int64_t b_ps = 0, b_ss = 0;
+  int64_t b_pw = kPanel;  // columns per B panel: 64, or 16 (AVX2 / scalar kernels only)
   float* C = nullptr;
   bf16* Cb = nullptr;  // optional bf16 copy of C (same ldc)
   int64_t ldc = 0;
@@ -55,13 +72,30 @@ struct Tile {
   // ranges, spread over the microkernel calls. A hint only; never dereferenced.
   const char* pf[2] = {nullptr, nullptr};
   int64_t pf_bytes[2] = {0, 0};
+  bool cprefetch = true;  // AVX2: prefetch the next microkernel call's block of C
 };
+
+// The tile kernel of the active ISA (active_isa()): AVX-512, AVX2 or scalar; bf16 or fp32 steps.
+using TileFn = void (*)(const Tile&);
+TileFn tile_fn(bool bf16);
 
 // Entry points of the ISA files (plain functions; everything else there is file-local).
 void tile_bf16_avx512(const Tile& t);
 void tile_f32_avx512(const Tile& t);
 void tile_bf16_avx2(const Tile& t);
 void tile_f32_avx2(const Tile& t);
+// Dense fp32 GEMM epilogue on rows x cols: C = alpha * S if beta == 0 (C not read), else
+// C = fma(beta, C, alpha * S) (one rounding for the add). S may equal C (then lds == ldc).
+void gemm_epilogue_f32_avx2(float* C, int64_t ldc, const float* S, int64_t lds, int64_t rows, int64_t cols,
+                            float alpha, float beta);
+// One fp32 panel of B^T, w = 16 or 64 columns wide: out[s * w + c] = Bt[c * ldb + s] for s < steps, c < pc;
+// zero for pc <= c < w.
+void pack_bt_panel_f32_avx2(float* out, const float* Bt, int64_t ldb, int64_t steps, int64_t pc, int64_t w);
+// 6-row micro-panels of a row-major fp32 block: out[(r / 6) * 6 * ns + s * 6 + r % 6] = A[r * lda + s] for
+// r < rows, s < ns, zero for the missing rows of the last micro-panel. Writes up to 2 floats past the end.
+void pack_a_rows_f32_avx2(float* out, const float* A, int64_t lda, int64_t rows, int64_t ns);
+// bf16 wgrad row-pair interleave (pack_pairs_avx512's contract, AVX2 instructions).
+void pack_pairs_avx2(bf16* out, int64_t panel_stride, const bf16* in, int64_t ld, int64_t n_rows, int64_t cols);
 // bf16 wgrad packing: row pairs interleaved into 64-column panels (the VNNI layout of both wgrad operands):
 //   out[(c / 64) * panel_stride + p * 128 + 2*(c % 64) + j] = in[2p + j][c]
 // for p < ceil(n_rows / 2) and c < round_up(cols, 64); zero where 2p + j >= n_rows or c >= cols.

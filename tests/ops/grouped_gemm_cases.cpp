@@ -1,6 +1,7 @@
 // grouped_gemm_cases.cpp: op-harness cases for the grouped (MoE expert) GEMM: forward, dgrad and wgrad
 // (=, +=), bf16 and fp32, against the naive twins grouped_gemm_*_ref, on uniform, skewed, zero-size-group,
-// single-expert and odd-shaped groups; determinism across thread counts; bad input throws.
+// single-expert and odd-shaped groups; determinism across thread counts; fp32 results bitwise equal to the
+// batch-invariant dense gemm_f32 run per expert; bad input throws.
 // Grad mode checks the three reference ops against each other as vector-Jacobian products, by finite
 // differences in double. Not a benchmark: see bench/bench_grouped_gemm.cpp.
 //
@@ -200,6 +201,7 @@ struct GroupedCase : OpCase {
     }
     omp_set_num_threads(nt0);
     r.check(same, "bitwise identical with 1, 3 and " + std::to_string(nt0) + " threads, and a 1-slot workspace");
+    if (!bf) check_dense_bitwise(r, o, X, W, dY);
     if (bad_inputs) check_bad_inputs(r, X, W);
     // Packed weights are bitwise the same whichever ISA packs them (RNE as to_bf16 everywhere).
     bool pack_same = true;
@@ -215,6 +217,27 @@ struct GroupedCase : OpCase {
       pack_same = pack_same && std::memcmp(a.p, b.p, nb) == 0;
     }
     r.check(pack_same, "packed weights identical to the scalar packer");
+  }
+
+  // fp32: each expert's rows are bitwise what the batch-invariant dense gemm_f32 gives for that expert alone
+  // (both are the plain sequential sum from 0), so a token's expert output does not depend on which other
+  // tokens were routed with it, nor on whether the grouped or the dense path computed it.
+  void check_dense_bitwise(Report& r, const Out& o, const std::vector<float>& X, const std::vector<float>& W,
+                           const std::vector<float>& dY) const {
+    std::vector<float> Y(M * N), dX(M * K), dW(E * K * N);
+    int64_t row = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t m = counts[e];
+      const float* We = W.data() + e * K * N;
+      gemm_f32(Trans::N, Trans::N, m, N, K, 1.0f, X.data() + row * K, K, We, N, 0.0f, Y.data() + row * N, N);
+      gemm_f32(Trans::N, Trans::T, m, K, N, 1.0f, dY.data() + row * N, N, We, N, 0.0f, dX.data() + row * K, K);
+      gemm_f32(Trans::T, Trans::N, K, N, m, 1.0f, X.data() + row * K, K, dY.data() + row * N, N, 0.0f,
+               dW.data() + e * K * N, N);
+      row += m;
+    }
+    r.check(bitwise_equal(o.Y, Y), "fwd Y bitwise == per-expert gemm_f32");
+    r.check(bitwise_equal(o.dX, dX), "dgrad dX bitwise == per-expert gemm_f32 (NT)");
+    r.check(bitwise_equal(o.dW, dW), "wgrad dW bitwise == per-expert gemm_f32 (TN)");
   }
 
   // fp32 variant only (uses the fp32 overloads).
@@ -351,6 +374,7 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
     add("long_k", {50, 11, 1}, 301, 20);   // several K blocks, odd K
     add("wide_n", {9, 20}, 24, 300);       // several column tiles
     add("skewed_many", skewed_counts(16, 400, 5), 40, 56);
+    add("long_m", {600, 5, 0, 301}, 40, 72);  // wgrad over 600 tokens (several K blocks), many row tiles
   }
   return v;
 }

@@ -62,9 +62,6 @@ struct OpCase {
   bool smooth = true;      // false: the op has kinks (top-k, clipping); grad mode avoids them
   double flops = 0;        // per perf() call (0 if the op is bandwidth-bound)
   double bytes = 0;        // bytes moved per perf() call
-  // Calls gemm_bf16 (oneDNN's bf16 matmul): skipped, and said so, where bf16 GEMMs are not native
-  // (gemm_bf16_native(): no AVX512-BF16, or oneDNN capped by DNNL_MAX_CPU_ISA).
-  bool needs_native_bf16 = false;
   // Test-mode tolerances are passed to Report::compare by each case and printed with it.
 
   virtual ~OpCase() = default;

@@ -55,7 +55,6 @@ struct FusedCase : OpCase {
   bool exact;  // inputs k/8 (|k| <= 4): every product and partial sum of the logits GEMM is exact in fp32
   FusedCase(bool bf16_, int64_t N_, int64_t C_, int64_t V_, int64_t chunk_, bool exact_ = false)
       : bf(bf16_), N(N_), C(C_), V(V_), chunk(chunk_), exact(exact_) {
-    needs_native_bf16 = bf;
     std::ostringstream os;
     os << "loss/fused_" << (bf ? "bf16" : "f32") << "_N" << N << "_C" << C << "_V" << V << "_ch" << chunk
        << (exact ? "_exact" : "");
