@@ -114,7 +114,7 @@ DEFAULTS = {
                   route_scale=1.0, load_balance="aux_loss", aux_coef=0.001, aux_seq_wise=False,
                   bias_update_rate=0.001, z_loss_coef=0.0, capacity_factor=0.0, drop_policy="probs"),
     "training": dict(seq_len=0, micro_batch_size=1, global_batch_size=0, steps=1, seed=0, max_norm=1.0,
-                     dataset="synthetic", dataset_path="", val_interval=0, val_steps=0, compute_dtype="auto", threads=0),
+                     dataset="synthetic", dataset_path="", val_interval=0, val_steps=0, compute_dtype="auto", threads=0, memory_check=True),
     "optimizer": dict(name="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
     "lr_scheduler": dict(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.1),
 }
