@@ -4,7 +4,7 @@
      `moetron_ref.py gen DUMP.safetensors OUT.safetensors` reads the engine's initial parameters and a batch
      (written by `moetron debug dump-init`), runs forward / backward and 5 AdamW steps in float64 and writes
      the logits, losses, gradients and parameters after 5 steps;
-  2. the eager PyTorch model of bench/torch_ds_mini.py (float32 parameters under CPU bf16 autocast).
+  2. the eager PyTorch model of bench/torch_ds_mini.py (float32 parameters, fp32 or CPU bf16 autocast).
 
 It is NOT a second engine: no data pipeline, no checkpoints, no capacity dropping (capacity_factor must be 0).
 
@@ -28,7 +28,11 @@ Precision modes (`Prec`):
           the forward, dy16 in both backward GEMMs; the router gate stays unrounded like the engine's fp32
           gate GEMM). This removes the bf16 error from the comparison and leaves only fp32-vs-fp64
           accumulation, so the C++ test can use tight tolerances;
-  autocast float32 parameters, matmuls under torch.autocast("cpu", bfloat16) (benchmark only).
+  autocast float32 parameters, matmuls under torch.autocast("cpu", bfloat16) (benchmark only);
+  fp32     float32 parameters and matmuls, no autocast (benchmark only: the engine's compute_dtype = "fp32").
+Prec.moe picks how the routed experts run: `loop` (per expert, the reference form), `sorted` (one gather, per-expert
+matmuls on its blocks, one scatter) or `padded` (torch.bmm over a zero-padded [E, C, d] gather); the last two are
+the benchmark's faster alternatives and compute the same sums.
 
 Only /usr/bin/python3 (Debian python3-torch 1.13) has torch on this machine.
 """
@@ -254,15 +258,42 @@ class _Lin16(torch.autograd.Function):
 
 
 class Prec:
-    def __init__(self, mode):
-        assert mode in ("fp64", "emu", "autocast"), mode
+    """How forward() computes: `mode` the precision, `moe` how moe_ffn runs the routed experts.
+
+    mode: fp64 | emu (see the module docstring) | autocast (float32 parameters, the caller enters
+          torch.autocast("cpu", bfloat16)) | fp32 (float32 parameters and matmuls, no autocast; the engine's
+          compute_dtype = "fp32"). fp32 and autocast compute matmuls plainly; autocast does the casting.
+    moe:  loop   one index_select / matmul pair / index_add per expert (the reference form);
+          sorted one gather of all routed rows in expert order, per-expert matmul pairs on torch.split
+                 blocks, one index_add back;
+          padded every expert's rows gathered into one zero-padded [E, C, d] tensor, C = the most rows any
+          expert got in this call, then torch.bmm against the [E, d, 2F] and [E, F, d] weights and one
+          scatter back.
+          The three add the same products, sorted and padded in other orders: they agree to rounding.
+    """
+
+    MODES = ("fp64", "emu", "autocast", "fp32")
+    MOE = ("loop", "sorted", "padded")
+
+    def __init__(self, mode, moe="loop"):
+        if mode not in self.MODES:
+            raise ValueError(f"Prec: mode {mode!r} is not one of {self.MODES}")
+        if moe not in self.MOE:
+            raise ValueError(f"Prec: moe {moe!r} is not one of {self.MOE}")
         self.mode = mode
+        self.moe = moe
 
     def mm(self, x, w):
         """x [..., in] @ w [in, out] with the engine's bf16 operands (emu) or plainly."""
         if self.mode == "emu":
             return _Lin16.apply(x, w)
         return x @ w
+
+    def bmm(self, x, w):
+        """x [E, C, in] @ w [E, in, out], rounded like mm (emu) or plainly (torch.bmm)."""
+        if self.mode == "emu":
+            return _Lin16.apply(x, w)
+        return torch.bmm(x, w)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -305,8 +336,10 @@ def causal_attention(q, k, v, scale):
 
 
 def swiglu(gu):
-    Fw = gu.shape[-1] // 2
-    return F.silu(gu[..., :Fw]) * gu[..., Fw:]
+    """silu(gate) * up of gu = [gate | up]; chunk, not two slices: its backward is one cat, not two full-size
+    zero gradients added together (same values)."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -441,7 +474,7 @@ def forward(P, tokens, targets, cfg, prec, st, B, T):
         if not is_moe_layer(m, l):
             y = mm(swiglu(mm(h2, P[p + "mlp.w13"])), P[p + "mlp.w2"])
         else:
-            y = moe_ffn(P, p, h2, m, mm, st, moe_i, T)
+            y = moe_ffn(P, p, h2, m, prec, st, moe_i, T)
             aux_sum = aux_sum + st.last_aux
             z_sum = z_sum + st.last_z
             moe_i += 1
@@ -455,8 +488,8 @@ def forward(P, tokens, targets, cfg, prec, st, B, T):
     return total, ce, aux_sum, z_sum, logits
 
 
-def moe_ffn(P, p, h2, m, mm, st, moe_i, T):
-    """Routed experts (eager: loop over experts, index_select / index_add) plus the shared experts."""
+def moe_ffn(P, p, h2, m, prec, st, moe_i, T):
+    """Routed experts (prec.moe: `loop` or `padded`, see Prec) plus the shared experts."""
     N, d = h2.shape
     E, k = m["n_routed_experts"], m["topk"]
     gate = P[p + "moe.gate"]
@@ -476,25 +509,72 @@ def moe_ffn(P, p, h2, m, mm, st, moe_i, T):
     perm = torch.sort(flat, stable=True).indices
     tok = perm // k
     wflat = w.reshape(-1)
-    bounds = [0] + torch.cumsum(counts, 0).tolist()
     W13, W2 = P[p + "moe.experts.w13"], P[p + "moe.experts.w2"]
+    if prec.moe == "padded":
+        y = _experts_padded(h2, W13, W2, flat, perm, tok, wflat, counts, prec)
+    elif prec.moe == "sorted":
+        y = _experts_sorted(h2, W13, W2, perm, tok, wflat, counts, prec.mm)
+    else:
+        y = _experts_loop(h2, W13, W2, perm, tok, wflat, counts, prec.mm)
+    if m["n_shared_experts"] > 0:
+        ys = prec.mm(swiglu(prec.mm(h2, P[p + "moe.shared.w13"])), P[p + "moe.shared.w2"])
+        y = y + ys
+    return y
+
+
+def _experts_loop(h2, W13, W2, perm, tok, wflat, counts, mm):
+    """The eager standard: per expert, index_select its rows, two matmuls, weight, index_add (expert order).
+    The expert weights are taken apart with unbind (one stack in the backward) rather than W[e] (a full-size
+    zero gradient per expert), and y grows in place; neither changes a sum."""
+    N, d = h2.shape
+    bounds = [0] + torch.cumsum(counts, 0).tolist()
+    W13s, W2s = W13.unbind(0), W2.unbind(0)
     y = None
-    parts = []
-    for e in range(E):
+    for e in range(W13.shape[0]):
         b, en = bounds[e], bounds[e + 1]
         if en == b:
             continue
         te = tok[b:en]
         xe = h2.index_select(0, te)
-        ze = mm(swiglu(mm(xe, W13[e])), W2[e])
-        parts.append((te, ze * wflat.index_select(0, perm[b:en])[:, None].to(ze.dtype)))
-    y = torch.zeros(N, d, dtype=parts[0][1].dtype if parts else h2.dtype)
-    for te, ye in parts:
-        y = y.index_add(0, te, ye)
-    if m["n_shared_experts"] > 0:
-        ys = mm(swiglu(mm(h2, P[p + "moe.shared.w13"])), P[p + "moe.shared.w2"])
-        y = y + ys
-    return y
+        ze = mm(swiglu(mm(xe, W13s[e])), W2s[e])
+        ze = ze * wflat.index_select(0, perm[b:en])[:, None].to(ze.dtype)
+        if y is None:
+            y = torch.zeros(N, d, dtype=ze.dtype)
+        y.index_add_(0, te, ze)
+    return y if y is not None else torch.zeros(N, d, dtype=h2.dtype)
+
+
+def _experts_sorted(h2, W13, W2, perm, tok, wflat, counts, mm):
+    """One gather of all routed rows in expert order, torch.split into the experts' blocks, two matmuls per
+    expert, torch.cat, one weighting and one index_add: the loop's sums without its per-expert gathers and
+    scatters over all N rows (whose backward passes each touch an [N, d] tensor)."""
+    N, d = h2.shape
+    cnt = counts.tolist()
+    W13s, W2s = W13.unbind(0), W2.unbind(0)
+    outs = [mm(swiglu(mm(xe, W13s[e])), W2s[e])
+            for e, xe in enumerate(torch.split(h2.index_select(0, tok), cnt)) if cnt[e] > 0]
+    ys = torch.cat(outs)
+    ys = ys * wflat.index_select(0, perm)[:, None].to(ys.dtype)
+    return torch.zeros(N, d, dtype=ys.dtype).index_add(0, tok, ys)
+
+
+def _experts_padded(h2, W13, W2, flat, perm, tok, wflat, counts, prec):
+    """Batched experts: row r of the expert-sorted plan (expert e, j-th row of e) goes to slot e * C + j of a
+    zero [E * C, d] tensor, C = max(counts); two torch.bmm; the slots are read back, weighted and index_added
+    into the tokens in the same (expert, row) order as the loop. Padding rows stay zero (SwiGLU(0) = 0) and
+    are never read back, so they add nothing to the output or the gradients."""
+    N, d = h2.shape
+    E = W13.shape[0]
+    R = flat.numel()
+    C = int(counts.max())
+    start = torch.cumsum(counts, 0) - counts                       # first sorted row of each expert
+    es = flat.index_select(0, perm)                                 # expert of each sorted row
+    slot = es * C + (torch.arange(R) - start.index_select(0, es))  # its padded slot
+    xp = h2.new_zeros(E * C, d).index_copy(0, slot, h2.index_select(0, tok))
+    hp = swiglu(prec.bmm(xp.view(E, C, d), W13))                    # [E, C, F]
+    yp = prec.bmm(hp, W2).reshape(E * C, d)
+    ye = yp.index_select(0, slot) * wflat.index_select(0, perm)[:, None].to(yp.dtype)
+    return torch.zeros(N, d, dtype=ye.dtype).index_add(0, tok, ye)
 
 
 # ---------------------------------------------------------------------------------------------------------
