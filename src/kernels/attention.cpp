@@ -1,6 +1,7 @@
 // attention.cpp: causal flash attention drivers (input checks, workspace, ISA dispatch) and the portable
 // backend of the tiled algorithm in attention_impl.h (plain loops the compiler vectorizes at the baseline
-// ISA). The AVX-512 backend is attention_avx512.cpp. Not the reference (attention_*_ref in attention.h).
+// ISA). The AVX-512 backend is attention_avx512.cpp, the AVX2 + FMA one attention_avx2.cpp. Not the reference
+// (attention_*_ref in attention.h).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +20,12 @@ void forward(float* out, float* lse, const float* q, const float* k, const float
 void backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse, const float* q,
               const float* k, const float* v, const AttnDims& d, float* ws, int nthreads);
 }  // namespace attention_avx512
+namespace attention_avx2 {
+void forward(float* out, float* lse, const float* q, const float* k, const float* v, const AttnDims& d, float* ws,
+             int nthreads);
+void backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse, const float* q,
+              const float* k, const float* v, const AttnDims& d, float* ws, int nthreads);
+}  // namespace attention_avx2
 
 namespace {
 
@@ -127,7 +134,9 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
     ws = own.get();
   }
   float* w = align64(ws);
-  if (active_isa() == Isa::Avx512) attention_avx512::forward(out, lse, q, k, v, d, w, nt);
+  const Isa isa = active_isa();
+  if (isa == Isa::Avx512) attention_avx512::forward(out, lse, q, k, v, d, w, nt);
+  else if (isa == Isa::Avx2) attention_avx2::forward(out, lse, q, k, v, d, w, nt);
   else flash_forward<PortableOps>(out, lse, q, k, v, d, w, nt);
 }
 
@@ -143,7 +152,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
     ws = own.get();
   }
   float* w = align64(ws);
-  if (active_isa() == Isa::Avx512) attention_avx512::backward(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
+  const Isa isa = active_isa();
+  if (isa == Isa::Avx512) attention_avx512::backward(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
+  else if (isa == Isa::Avx2) attention_avx2::backward(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
   else flash_backward<PortableOps>(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
 }
 

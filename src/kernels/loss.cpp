@@ -1,5 +1,5 @@
 // loss.cpp: fused linear + cross-entropy (see loss.h): argument checks, the chunk loop with the
-// oneDNN GEMMs, the scalar row kernel and the dispatch to loss_avx512.cpp for the row kernel.
+// oneDNN GEMMs, the scalar row kernel and the dispatch to loss_avx512.cpp / loss_avx2.cpp for the row kernel.
 // Not the reference: linear_xent_ref in loss.h is the unfused twin.
 //
 // Workspace (one chunk of `ch` rows):
@@ -21,6 +21,9 @@
 namespace moetron {
 
 namespace loss_avx512 {
+double xent_row(float* z, int64_t V, int32_t t, float scale, int mode);
+}
+namespace loss_avx2 {
 double xent_row(float* z, int64_t V, int32_t t, float scale, int mode);
 }
 
@@ -75,8 +78,12 @@ double xent_row_scalar(float* z, int64_t V, int32_t t, float scale, int mode) {
   return loss;
 }
 
-double xent_row(float* z, int64_t V, int32_t t, float scale, int mode, bool vec) {
-  return vec ? loss_avx512::xent_row(z, V, t, scale, mode) : xent_row_scalar(z, V, t, scale, mode);
+double xent_row(float* z, int64_t V, int32_t t, float scale, int mode, Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return loss_avx512::xent_row(z, V, t, scale, mode);
+    case Isa::Avx2: return loss_avx2::xent_row(z, V, t, scale, mode);
+    default: return xent_row_scalar(z, V, t, scale, mode);
+  }
 }
 
 int64_t resolve_chunk(int64_t N, int64_t V, int64_t chunk_rows) {
@@ -115,14 +122,14 @@ double run(const char* op, double* row_loss, float* dh, float* dW, const In* h, 
   float* logits = static_cast<float*>(ws);
   double* rl = reinterpret_cast<double*>(static_cast<char*>(ws) + align64(size_t(ch * V) * sizeof(float)));
   const int mode = !grad ? kFwd : std::is_same_v<In, bf16> ? kGradBf16 : kGradF32;
-  const bool vec = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
   double loss = 0.0;
   for (int64_t r0 = 0; r0 < N; r0 += ch) {
     const int64_t rows = std::min(ch, N - r0);
     // logits [rows, V] = h[r0 : r0 + rows] · W^T
     gemm_in<In>(Trans::N, Trans::T, rows, V, C, h + r0 * C, C, W, C, 0.0f, logits, V);
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows; ++i) rl[i] = xent_row(logits + i * V, V, targets[r0 + i], loss_scale, mode, vec);
+    for (int64_t i = 0; i < rows; ++i) rl[i] = xent_row(logits + i * V, V, targets[r0 + i], loss_scale, mode, isa);
     for (int64_t i = 0; i < rows; ++i) {
       loss += rl[i] * double(loss_scale);
       if (row_loss) row_loss[r0 + i] = rl[i];

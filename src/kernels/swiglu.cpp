@@ -1,6 +1,7 @@
 // swiglu.cpp: SwiGLU drivers (input checks, OpenMP over rows) and the portable row kernels. The AVX-512
-// row kernels are in swiglu_avx512.cpp, chosen by active_isa(). The unscaled ops are the scaled ones
-// with s = 1 (multiplying by 1 is exact). Not the reference (swiglu_*_ref in swiglu.h).
+// row kernels are in swiglu_avx512.cpp, the AVX2 + FMA ones in swiglu_avx2.cpp, chosen by active_isa().
+// The unscaled ops are the scaled ones with s = 1 (multiplying by 1 is exact). Not the reference
+// (swiglu_*_ref in swiglu.h).
 #include <cmath>
 
 #include "moetron/check.h"
@@ -13,6 +14,10 @@ namespace swiglu_avx512 {
 void fwd_row(float* h, bf16* h16, const float* g, const float* u, float s, int64_t F);
 float bwd_row(float* dg, float* du, const float* dh, const float* g, const float* u, float s, int64_t F);
 }  // namespace swiglu_avx512
+namespace swiglu_avx2 {
+void fwd_row(float* h, bf16* h16, const float* g, const float* u, float s, int64_t F);
+float bwd_row(float* dg, float* du, const float* dh, const float* g, const float* u, float s, int64_t F);
+}  // namespace swiglu_avx2
 
 namespace {
 
@@ -44,26 +49,28 @@ void check_args(const char* op, const void* a, const void* b, const void* c, int
 }
 
 void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
-  const bool simd = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
 #pragma omp parallel for schedule(static) if (N * F >= 16384)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * F;
     bf16* h16r = h16 ? h16 + n * F : nullptr;
     float sc = s ? s[n] : 1.0f;
-    if (simd) swiglu_avx512::fwd_row(h + n * F, h16r, g, g + F, sc, F);
+    if (isa == Isa::Avx512) swiglu_avx512::fwd_row(h + n * F, h16r, g, g + F, sc, F);
+    else if (isa == Isa::Avx2) swiglu_avx2::fwd_row(h + n * F, h16r, g, g + F, sc, F);
     else fwd_row(h + n * F, h16r, g, g + F, sc, F);
   }
 }
 
 void backward_impl(float* dgu, float* ds, const float* dh, const float* gu, const float* s, int64_t N, int64_t F) {
-  const bool simd = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
 #pragma omp parallel for schedule(static) if (N * F >= 16384)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * F;
     float* dg = dgu + n * 2 * F;
     float sc = s ? s[n] : 1.0f;
-    float acc = simd ? swiglu_avx512::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
-                     : bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F);
+    float acc = isa == Isa::Avx512 ? swiglu_avx512::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
+                : isa == Isa::Avx2 ? swiglu_avx2::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
+                                   : bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F);
     if (ds) ds[n] = acc;
   }
 }

@@ -1,7 +1,8 @@
 // attention_cases.cpp: op-harness cases for causal flash attention (family "attention"): MHA, GQA (Hq=4 with
 // Hkv=2 and Hkv=1), Dqk != Dv, fused qkv buffers, the MLA layout (q heads [nope | pe], v read in place from
 // the [k_nope | v] kv up-projection output), one shared k head (head_k = 0), T = 1, T not a multiple of
-// the 64-wide tile, and T = 1024 (16 x 16 tiles).
+// the 64-wide tile, and T = 1024 (16 x 16 tiles). The tails_* cases give the GEMM register blocks every row
+// count 1 - 6 and column tails of 1 - 7 and 9 - 15 (the 8-lane AVX2 blocks) with head dims not a multiple of 8.
 // test: attention_forward / attention_backward (fp32) against the fp64 references, element by element
 //       with the bounds below; elements of the buffers outside the q/k/v/out views untouched; bitwise equal
 //       results with 1 and 2 threads and with a caller-provided workspace.
@@ -355,6 +356,10 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
   add(mla("mla_v3_dims_H1_T64", 1, 64, 1, 128, 64, 128));
   add(separate("long_T1024_Hq2_Hkv1_D32", 1, 1024, 2, 1, 32, 32));
   add(separate("tiny_dims_Dqk1_Dv3_T65", 2, 65, 2, 1, 1, 3));
+  // 59 rows = 9 x 6 + 5; column blocks of 11 (59 = 3 x 16 + 11), 13 and 11 (Dqk, Dv)
+  add(separate("tails_T59_Dqk13_Dv11", 2, 59, 2, 1, 13, 11));
+  // last q tile: 3 rows and 3 columns; head dim 9 = 8 + 1 columns
+  add(separate("tails_T131_D9_padded", 1, 131, 2, 2, 9, 9, 1, 3));
   Spec peaked = separate("peaked_scores_T64_x20", 1, 64, 2, 2, 16, 16);
   peaked.qscale = 20.0f;  // scores spread ~20: most probabilities underflow, exercises the max tracking
   add(peaked);
