@@ -125,16 +125,18 @@ std::string activation_term_keys(const ModelSpec& s, const std::string& term);
 // ---- per-rank memory of a training job ------------------------------------------------------------
 // What one rank of the trainer holds at its peak, by MemoryTracker category, for the layout in
 // c.parallelism (dp = dp_replicate * dp_shard, ep, zero) and one micro-batch of c.training:
-//   params      - fp32 parameters + their bf16 copy + the packed expert weights (two bf16 layouts) + the
-//                 aux-free expert biases; under ep a rank holds E / ep experts per MoE layer; zero = 3:
-//                 the fp32 shard (1/dp) plus the gathered unit slot(s) (two with tied embeddings);
+//   params      - fp32 parameters + their bf16 copy (bf16 compute only) + the packed expert weights (two
+//                 layouts in the compute dtype) + the aux-free expert biases; under ep a rank holds E / ep
+//                 experts per MoE layer; zero = 3: the fp32 shard (1/dp) plus the gathered unit slot(s)
+//                 (two with tied embeddings);
 //   grads       - fp32, local layout (zero = 3: shard + slot);
 //   optimizer   - AdamW m and v, fp32 (zero = 1 or 3: 1/dp of all parameters);
 //   activations - what the engine keeps for the backward of one micro-batch: the saved-activation terms
 //                 with fp32 activations (the residual stream, norm inputs and GEMM outputs are fp32
-//                 whatever the compute type) and GEMM inputs of `compute_bytes` (2 = bf16, 4 = fp32),
-//                 plus the engine's extra fp32 copies; checkpointed layers keep their input and share one
-//                 set of buffers per layer kind (full) or per recomputed module (selective);
+//                 whatever the compute dtype) and GEMM inputs of `compute_bytes` (2 = bf16, 4 = fp32: the
+//                 resolved training.compute_dtype), plus the engine's extra buffers; checkpointed layers
+//                 keep their input and share one set of buffers per layer kind (full) or per recomputed
+//                 module (selective);
 //   workspace   - backward scratch, RoPE tables and the largest kernel workspace (chunked loss, attention,
 //                 router, grouped GEMMs);
 //   comm        - DP all-reduce / FSDP reduce-scatter workspace, EP dispatch buffers (approximate).

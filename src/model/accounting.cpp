@@ -350,16 +350,17 @@ std::string activation_term_keys(const ModelSpec& s, const std::string& term) {
 // ---- per-rank memory of a training job ---------------------------------------------------------------
 namespace {
 
-// The engine's fp32 copies that the accounting's term list does not have (src/model/model.cpp alloc_bufs):
-// the ffn_norm output, the attention output, MLA's k_nope half of kv, the router logits (kept even
-// without z-loss), two more row maps and the per-expert counters. `sel_*`: the module's buffers are
-// shared (selective recompute), not the layer's.
+// The engine's buffers that the accounting's term list does not have (src/model/model.cpp alloc_bufs):
+// with bf16 compute the fp32 ffn_norm and attention outputs next to their bf16 copies (with fp32 compute
+// the copies are those tensors), MLA's k_nope half of kv, the router logits (kept even without z-loss),
+// two more row maps and the per-expert counters. `sel_*`: the module's buffers are shared (selective
+// recompute), not the layer's. cb: compute element bytes.
 double engine_extras(const ModelSpec& s, bool moe, double N, bool sel_norm, bool sel_attn, int64_t cb) {
   const auto& at = s.attn;
   const double d = double(s.d_model), H = double(at.n_heads);
   double x = 0;
-  if (!sel_norm) x += N * d * 4;                       // h2 (fp32 ffn_norm output)
-  if (!sel_attn) x += N * H * double(at.v_dim()) * 4;  // ao (fp32 attention output)
+  if (!sel_norm && cb != 4) x += N * d * 4;                       // h2 (fp32 ffn_norm output)
+  if (!sel_attn && cb != 4) x += N * H * double(at.v_dim()) * 4;  // ao (fp32 attention output)
   if (at.type == AttnType::MLA) {
     x += N * H * double(at.qk_nope_head_dim) * 4;  // kv holds k_nope next to v
     if (sel_norm) x += N * double(at.q_lora_rank + at.kv_lora_rank) * double(cb);  // MLA norm outputs stay
@@ -387,6 +388,7 @@ struct ParamSplit {
   double experts = 0;    // routed experts of all layers (E per MoE layer)
   double max_unit = 0;   // FSDP: the largest unit (embedding, one layer with its local experts, norm + head)
   double max_dense_run = 0, max_expert_run = 0;  // FSDP: the largest non-expert / local-expert part of a unit
+  double max_flat_run = 0;  // flat layout under EP: the largest range of non-expert parameters between experts
   std::string keys;      // the config keys of the largest part
 };
 
@@ -412,6 +414,27 @@ ParamSplit param_split(const ModelSpec& s, const std::vector<char>& moe, double 
     p.max_dense_run = std::max(p.max_dense_run, dense), p.max_expert_run = std::max(p.max_expert_run, local);
   }
   p.dense += emb + d;
+  {  // The flat layout: embedding, layers in order (a MoE layer's routed experts between its router and its
+     // shared experts), final norm, head. Runs of non-expert parameters end at each layer's experts.
+    double layer_n[2] = {0, 0}, pre = 0, post = 0;
+    for (char kind : {char(0), char(1)}) {
+      const auto it = std::find(moe.begin(), moe.end(), kind);
+      if (it == moe.end()) continue;
+      const LayerParams lp = layer_params(s, int64_t(it - moe.begin()));
+      layer_n[int(kind)] = double(lp.total() - lp.routed_experts);
+      if (kind) post = double(lp.shared_experts), pre = layer_n[1] - post;
+    }
+    double run = V * d;
+    for (char k : moe) {
+      if (!k) {
+        run += layer_n[0];
+        continue;
+      }
+      p.max_flat_run = std::max(p.max_flat_run, run + pre);
+      run = post;
+    }
+    p.max_flat_run = std::max(p.max_flat_run, run + d + (s.tie_embeddings ? 0 : V * d));
+  }
   const auto& m = s.moe;
   const std::string L = kv("model.n_layers", s.n_layers), D = kv("model.d_model", s.d_model);
   if (emb >= std::max({attn, dense_mlp, experts})) p.keys = kv("model.vocab_size", s.vocab_size) + ", " + D;
@@ -444,44 +467,62 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   // ---- parameters, gradients, optimizer state
   const ParamSplit ps = param_split(s, moe, EP);
   const double local = ps.dense + ps.experts / EP;  // this rank's parameters (flat layout)
-  // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, as the
-  // grouped GEMM kernels pad them).
+  // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, in the
+  // compute dtype, as the grouped GEMM kernels pad them).
+  const GemmPrec prec = cb == 4 ? GemmPrec::F32 : GemmPrec::BF16;
+  const double copy = cb == 4 ? 0 : 2;  // bf16 compute: a bf16 copy of every parameter (fp32 uses the masters)
   double packed_layer = 0;
   if (s.is_moe()) {
     const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
     for (auto kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
-      packed_layer += double(grouped_packed_bytes(kind, GemmPrec::BF16, el, dm, 2 * fe)) +
-                      double(grouped_packed_bytes(kind, GemmPrec::BF16, el, fe, dm));
+      packed_layer += double(grouped_packed_bytes(kind, prec, el, dm, 2 * fe)) +
+                      double(grouped_packed_bytes(kind, prec, el, fe, dm));
   }
   const double packed = n_moe * packed_layer;
   const double bias = n_moe * E * 4;                // aux-free biases (fp32, every expert)
+  const double edp = D / EP;  // the expert-data-parallel group
   if (par.zero == 3) {
     const double shard = (ps.dense + ps.experts) / D;  // dense over dp, local experts over dp / ep
     const double slots = s.tie_embeddings ? 2 : 1;
-    r.params = shard * 4 + slots * (ps.max_unit * 6 + packed_layer) + bias;
+    r.params = shard * 4 + slots * (ps.max_unit * (4 + copy) + packed_layer) + bias;
     r.grads = shard * 4 + slots * ps.max_unit * 4;
     r.optimizer = shard * 8;
-    // reduce-scatter: the largest chunk of a unit's run (staging) and, over more than one rank, the run itself
-    const double edp = D / EP;
+    // Reduce-scatter staging: the largest chunk of a unit's run. Over more than one rank, each group's
+    // communicator keeps a workspace of its largest run (gather and reduce-scatter of a unit).
     r.comm = std::max(ps.max_dense_run / D, ps.max_expert_run / edp) * 4;
-    if (D > 1) r.comm += std::max(ps.max_dense_run, edp > 1 ? ps.max_expert_run : 0.0) * 4;
+    if (D > 1) r.comm += ps.max_dense_run * 4;
+    if (edp > 1) r.comm += ps.max_expert_run * 4;
   } else {
-    r.params = local * 6 + packed + bias;
+    r.params = local * (4 + copy) + packed + bias;
     r.grads = local * 4;
     r.optimizer = (par.zero == 1 && D > 1 ? (ps.dense + ps.experts) / D : local) * 8;
-    if (D > 1) r.comm = std::min(local, double(int64_t(1) << 22)) * 4;  // all-reduce segment workspace
+    // The gradient all-reduce in segments of at most 2^22 elements: a workspace of the largest segment per
+    // communicator (the DP group; under EP the expert-data-parallel group for the experts' runs).
+    const double seg = double(int64_t(1) << 22);
+    if (D > 1) r.comm = std::min(EP > 1 ? ps.max_flat_run : local, seg) * 4;
+    if (EP > 1 && edp > 1) r.comm += std::min(ps.max_expert_run, seg) * 4;
   }
   if (EP > 1) {  // one dispatcher per MoE layer (src/parallel/ep_dispatch.cpp, its buffers() terms)
-    // A dispatched row: the payload (bf16, or e4m3 with a fp32 scale per 128 values) and 8 bytes of metadata.
-    const double row = (par.fp8_dispatch ? d + 4 * std::ceil(d / 128) : 2 * d) + 8;
-    const double home = N * (row - 8) + N * K * 12;  // home tokens, weights, row map, returned scalars
+    // A dispatched row: the payload (the compute dtype, or e4m3 with a fp32 scale per 128 values) and 8 bytes
+    // of metadata. The home rank keeps a payload copy of its tokens unless they go as fp32.
+    const double payload = par.fp8_dispatch ? d + 4 * std::ceil(d / 128) : double(cb) * d, row = payload + 8;
+    const double home = (!par.fp8_dispatch && cb == 4 ? 0 : N * payload) + N * K * 12;  // + weights, maps
     double per;
     if (par.ep_dispatcher == EpDispatcher::SyncFree) {  // receive side sized for the worst case, once
       const double cap = EP * N * std::min(K, E / EP);
       per = rows * row + cap * row + cap * d * 8 + cap * 20 + rows * d * 4 + home;
     } else {  // received rows = routed rows on average: send, receive, fp32 expert rows, combine both ways
       per = rows * (2 * row + 12 * d + 20) + home;
-      if (par.ep_dispatcher == EpDispatcher::Hierarchical) per += N * (2 * (row - 8) + 12 * d);  // stage 1, partials
+      if (par.ep_dispatcher == EpDispatcher::Hierarchical) {
+        // Stage 1 moves each token once per node it uses (M1 rows; uniform routing: the expected number
+        // of distinct nodes among its k experts); partial sums come back per (token, node).
+        const double rpn = double(std::min<int64_t>(par.ranks_per_node, par.world_size()));
+        const double nodes = std::ceil(EP / std::min(EP, rpn)), En = E / nodes;
+        double miss = 1;  // a given node holds none of a token's k experts
+        for (int64_t i = 0; i < m.topk; ++i) miss *= std::max(0.0, (E - En - double(i)) / (E - double(i)));
+        const double M1 = N * nodes * (1 - miss);
+        per += M1 * (2 * (payload + 8 * K + 16) + 12 * d + 16 * K) + rows * 16;
+      }
     }
     r.comm += n_moe * per;
   }
@@ -514,16 +555,16 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   }
   for (int64_t l : full_rep)
     if (l >= 0) r.activations += full_layer_bytes(s, moe[size_t(l)], B, S, cb) - N * d * 4;  // shared set, no x_in
-  if (sel_norm) r.activations += N * d * (2 * double(cb) + 4);               // h1_16, h2_16, h2
-  if (sel_attn) r.activations += N * H * (double(s.attn.v_dim()) * (4 + double(cb)) + 4);  // ao, ao16, lse
-  if (sel_act) r.activations += (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb);
+  // The shared sets of selective recompute (with fp32 compute the copies of h2 and ao are those tensors).
+  const double norm_set = N * d * (double(cb) + 4 + copy);                             // h1c, h2, h2c
+  const double attn_set = N * H * (double(s.attn.v_dim()) * (4 + copy) + 4);          // ao, aoc, lse
+  const double act_set = (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb);  // eactc, actc
+  r.activations += (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
   r.activations += N * d * (4 + double(cb)) + N * 4;  // final norm: input, rstd, output
   if (selective) {  // the engine builds every layer's full set before the selected modules share theirs
     double sets = 0;
     for (int64_t l = 0; l < s.n_layers; ++l) sets += full_layer_bytes(s, moe[size_t(l)], B, S, cb);
-    const double shared = (sel_norm ? N * d * (2 * double(cb) + 4) : 0) +
-                          (sel_attn ? N * H * (double(s.attn.v_dim()) * (4 + double(cb)) + 4) : 0) +
-                          (sel_act ? (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb) : 0);
+    const double shared = (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
     r.build_peak = r.params + r.grads + sets + shared;
   }
   if (largest_term.empty()) largest_term = "layer.input";
@@ -543,7 +584,8 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   const double big = std::max({attn_w, 2 * F, 2 * Fs, H * dv, d});
   const double big_rows = std::max(N * big, rows * std::max(2 * Fe, d));
   double ws = 4 * N * d * 4;                                               // x, dx, dh, dh2
-  ws += std::max(N * d, rows * d) * 2 + big_rows * (2 * 4 + 2 * 2);       // dy16; s_f1, s_f2; s_b1, s_b2
+  ws += big_rows * (2 * 4 + double(cb));                                   // s_f1, s_f2, s_c2
+  if (cb != 4) ws += (std::max(N * d, rows * d) + big_rows) * double(cb);  // bf16 only: dyc, s_c1
   ws += std::max(N * big, rows * d) * 4 + N * H * dv * 4;                 // s_f3, s_dao
   ws += S * (mla ? dr : double(at.head_dim)) * 4;                          // RoPE cos + sin
   if (mla) ws += N * (2 * H * dqk + H * (dn + dv) + dr + rq + rkv) * 4;   // MLA backward scratch
@@ -569,8 +611,7 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
     const int64_t nrows = c.training.micro_batch_size * c.training.seq_len * m.topk;
     for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
       for (auto [k_in, n_out] : {std::pair<int64_t, int64_t>{dm, 2 * fe}, {fe, dm}})
-        kernel = std::max(kernel,
-                          double(grouped_gemm_workspace_bytes(op, GemmPrec::BF16, el, nrows, k_in, n_out, threads)));
+        kernel = std::max(kernel, double(grouped_gemm_workspace_bytes(op, prec, el, nrows, k_in, n_out, threads)));
   }
   r.workspace = ws + kernel;
   const bool layer_wide = big * N >= chunk * V;
