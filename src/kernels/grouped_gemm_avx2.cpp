@@ -2,10 +2,12 @@
 // grouped_gemm_tile.h), for CPUs without AVX512-BF16. Register block: 6 rows x 16 columns (12 ymm fp32
 // accumulators, two B vectors, one A broadcast). The tile loop works in equal K blocks; between blocks the
 // partial sums go through C, so every element is the plain sequential sum over the steps whatever the tiling.
-// bf16 pairs are widened to fp32 with a shift (even element) and a mask (odd element): two FMAs per pair, the
-// even element first (the same order as the scalar kernel). Also: the fp32 GEMM epilogue, the transposed fp32
-// panel packer and the bf16 row-pair interleave. Not a scheduler (grouped_gemm.cpp, gemm_f32.cpp decide the
-// work items). Everything but the entry points is file-local.
+// 64-column B panels are copied into contiguous 16-column strips first (see run_tile). bf16 pairs are widened
+// to fp32 with a shift (even element) and a mask (odd element): two FMAs per pair, the even element first (the
+// same order as the scalar kernel); the A block is widened once per tile. Also: the fp32 GEMM epilogue, the
+// fp32 packers of the dense GEMM (B^T panels, 6-row A micro-panels) and the bf16 row-pair interleave. Not a
+// scheduler (grouped_gemm.cpp, gemm_f32.cpp decide the work items). Everything but the entry points is
+// file-local.
 #include <immintrin.h>
 
 #include <algorithm>
