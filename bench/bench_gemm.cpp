@@ -42,7 +42,7 @@ struct Operands {
 
 // Args: {M, N, K, ta, tb} with 0 = N, 1 = T. Rounds of (oneDNN, ours) first, then the framework times ours.
 void BM_f32_vs_onednn(benchmark::State& st) {
-  constexpr int kRounds = 5;
+  constexpr int kRounds = 7;
   Operands p(st.range(0), st.range(1), st.range(2), st.range(3) != 0, st.range(4) != 0);
   p.onednn(), p.ours();  // warm-up: page faults, oneDNN's and our scratch
   double to = 1e30, tm = 1e30;

@@ -1,6 +1,7 @@
 // gemm_f32.cpp: the batch-invariant dense fp32 GEMM (gemm.h): a driver around the grouped GEMM's tile kernels
 // (grouped_gemm_tile.h; a dense GEMM is their one-expert case). Every element of C is
-//   acc = sum over k = 0..K-1 of op(A)[i][k] * op(B)[k][j]   (fused multiply-adds from 0, k in order)
+//   acc = sum over k = 0..K-1 of op(A)[i][k] * op(B)[k][j]   (fused multiply-adds from 0, k in order; the
+//                                                             scalar ISA level multiplies, then adds)
 //   C   = alpha * acc                   if beta == 0 (C is not read)
 //   C   = fma(beta, C, alpha * acc)     otherwise
 // whatever the shape, the tiling and the thread count, so row i of C does not depend on M or on the rows around
@@ -9,7 +10,7 @@
 // Loop structure (the classic one, with the parallel loop over C tiles):
 //   column block jc (nc columns of C)
 //     K phase (kp equal K blocks of kc steps): pack op(B)[phase, jc] into panels of pw columns (shared,
-//       parallel), one barrier, then the work items (mt-row x nt-column tiles of C, dynamic schedule), each
+//       all threads), one barrier, then the work items (mt-row x nt-column tiles of C, dynamic schedule), each
 //       running its K blocks in order: pack the op(A) block into 6-row micro-panels (per thread) if needed,
 //       run the tile kernel with the partial sums carried through C (or a scratch when beta != 0).
 // The packed op(B) is double-buffered so a phase needs one barrier. pw is 16 for the AVX2 and scalar kernels
@@ -174,11 +175,11 @@ void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, 
         const int64_t ps = ns * pw;  // elements per packed panel
         // Pack op(B)[s0 .. s0 + ns, j0 .. j0 + nbj]: by 16-row chunks (B) or by panels (B^T).
         if (tb == Trans::N) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
           for (int64_t u = 0; u < ceil_div(ns, 16); ++u)
             pack_b_rows(bp, pw, ps, B, ldb, s0 + 16 * u, std::min<int64_t>(16, ns - 16 * u), j0, nbj, 16 * u);
         } else {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
           for (int64_t p = 0; p < npan; ++p)
             pack_bt(bp + p * ps, pw, B, ldb, s0, ns, j0 + p * pw, std::min(pw, nbj - p * pw), simd);
         }

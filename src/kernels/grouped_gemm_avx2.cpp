@@ -2,10 +2,12 @@
 // grouped_gemm_tile.h), for CPUs without AVX512-BF16. Register block: 6 rows x 16 columns (12 ymm fp32
 // accumulators, two B vectors, one A broadcast). The tile loop works in equal K blocks; between blocks the
 // partial sums go through C, so every element is the plain sequential sum over the steps whatever the tiling.
-// bf16 pairs are widened to fp32 with a shift (even element) and a mask (odd element): two FMAs per pair, the
-// even element first (the same order as the scalar kernel). Also: the fp32 GEMM epilogue, the transposed fp32
-// panel packer and the bf16 row-pair interleave. Not a scheduler (grouped_gemm.cpp, gemm_f32.cpp decide the
-// work items). Everything but the entry points is file-local.
+// 64-column B panels are copied into contiguous 16-column strips first (see run_tile). bf16 pairs are widened
+// to fp32 with a shift (even element) and a mask (odd element): two FMAs per pair, the even element first (the
+// same order as the scalar kernel); the A block is widened once per tile. Also: the fp32 GEMM epilogue, the
+// fp32 packers of the dense GEMM (B^T panels, 6-row A micro-panels) and the bf16 row-pair interleave. Not a
+// scheduler (grouped_gemm.cpp, gemm_f32.cpp decide the work items). Everything but the entry points is
+// file-local.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +19,12 @@
 namespace moetron::gg {
 
 namespace {
+
+inline float as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline __m256i lane_mask(int64_t n) {  // lanes < n set
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -168,34 +176,84 @@ void ukr_bf16(const void* Av, int64_t rs, int64_t ss, const void* Bv, int64_t bs
   acc.store(C, ldc, Cb, m, nlast, stream);
 }
 
+// bf16 B with the A block already widened to fp32 (a(i, s) = the floats A[i*rs + 2s], A[i*rs + 2s + 1]): the
+// same products in the same order as ukr_bf16, without the per-row shift / mask of the A pair.
+template <int MR, int NV, bool MASK>
+void ukr_bf16_wa(const void* Av, int64_t rs, int64_t, const void* Bv, int64_t bss, int64_t steps, bool half_tail,
+                 __m256i m, int64_t nlast, float* C, int64_t ldc, bool from_c, bf16* Cb, bool stream) {
+  const float* A = static_cast<const float*>(Av);
+  const uint16_t* B = static_cast<const uint16_t*>(Bv);
+  const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
+  Acc<MR, NV, MASK> acc;
+  acc.load(C, ldc, from_c, m);
+  const int64_t full = steps - (half_tail ? 1 : 0);
+  for (int64_t s = 0; s < full; ++s) {
+    __m256 b[NV];
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) b[j] = _mm256_castsi256_ps(_mm256_slli_epi32(load_b16<NV, MASK>(B, j, m), 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * rs);
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) acc.v[r][j] = _mm256_fmadd_ps(a, b[j], acc.v[r][j]);
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) b[j] = _mm256_castsi256_ps(_mm256_and_si256(load_b16<NV, MASK>(B, j, m), hi));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * rs + 1);
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) acc.v[r][j] = _mm256_fmadd_ps(a, b[j], acc.v[r][j]);
+    }
+    A += 2;
+    B += bss;
+  }
+  if (half_tail) {
+    __m256 b[NV];
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) b[j] = _mm256_castsi256_ps(_mm256_slli_epi32(load_b16<NV, MASK>(B, j, m), 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * rs);
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) acc.v[r][j] = _mm256_fmadd_ps(a, b[j], acc.v[r][j]);
+    }
+  }
+  acc.store(C, ldc, Cb, m, nlast, stream);
+}
+
 using UkrFn = void (*)(const void*, int64_t, int64_t, const void*, int64_t, int64_t, bool, __m256i, int64_t, float*,
                        int64_t, bool, bf16*, bool);
 
-template <bool BF, int MR, int NV, bool MASK>
+enum Kind { kF32 = 0, kBf16 = 1, kBf16WideA = 2 };
+
+template <int KIND, int MR, int NV, bool MASK>
 constexpr UkrFn ukr_of() {
-  if constexpr (BF)
+  if constexpr (KIND == kBf16)
     return &ukr_bf16<MR, NV, MASK>;
+  else if constexpr (KIND == kBf16WideA)
+    return &ukr_bf16_wa<MR, NV, MASK>;
   else
     return &ukr_f32<MR, NV, MASK>;
 }
 
 // t[mr-1][nv-1][mask]
-template <bool BF>
+template <int KIND>
 struct Table {
   UkrFn t[kMR][2][2];
   template <int MR>
   constexpr void fill_row() {
-    t[MR - 1][0][0] = ukr_of<BF, MR, 1, false>();
-    t[MR - 1][0][1] = ukr_of<BF, MR, 1, true>();
-    t[MR - 1][1][0] = ukr_of<BF, MR, 2, false>();
-    t[MR - 1][1][1] = ukr_of<BF, MR, 2, true>();
+    t[MR - 1][0][0] = ukr_of<KIND, MR, 1, false>();
+    t[MR - 1][0][1] = ukr_of<KIND, MR, 1, true>();
+    t[MR - 1][1][0] = ukr_of<KIND, MR, 2, false>();
+    t[MR - 1][1][1] = ukr_of<KIND, MR, 2, true>();
   }
   constexpr Table() : t{} {
     fill_row<1>(), fill_row<2>(), fill_row<3>(), fill_row<4>(), fill_row<5>(), fill_row<6>();
   }
 };
-template <bool BF>
-constexpr Table<BF> kTable{};
+template <int KIND>
+constexpr Table<KIND> kTable{};
 
 // Copies the 16-column strips of one panel of B (ns steps of up to 64 columns at src + s * sstride bytes, nc
 // valid columns) into contiguous strips: dst + (q * ns + s) * 64 bytes holds columns 16q .. 16q + 15 of step s
@@ -222,20 +280,44 @@ inline void copy_panel(char* dst, const char* src, int64_t sstride, int64_t ns, 
   }
 }
 
-// Grow-only 64-byte aligned per-thread buffer for the panel copies.
-char* panel_buffer(size_t bytes) {
+// Grow-only 64-byte aligned per-thread buffers: slot 0 for the panel copies, slot 1 for the widened A block.
+char* thread_buffer(int slot, size_t bytes) {
   struct Buf {
     char* p = nullptr;
     size_t n = 0;
     ~Buf() { std::free(p); }
   };
-  static thread_local Buf b;
-  if (bytes > b.n) {
-    std::free(b.p);
-    b.p = static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-    b.n = b.p ? bytes : 0;
+  static thread_local Buf b[2];
+  if (bytes > b[slot].n) {
+    std::free(b[slot].p);
+    b[slot].p = static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    b[slot].n = b[slot].p ? bytes : 0;
   }
-  return b.p;
+  return b[slot].p;
+}
+
+// The bf16 A block of rows [0, rows) x steps [s0, s0 + ns) widened to fp32, row r at out + r * 2 * ns:
+// (even, odd) floats per step; with odd_tail the last step's odd element is not read (0 is stored).
+void widen_a(float* out, const Tile& t, int64_t s0, int64_t ns, bool odd_tail) {
+  const uint16_t* A = static_cast<const uint16_t*>(t.A);
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const uint16_t* a = A + (r / t.a_rb) * t.a_bs + (r % t.a_rb) * t.a_rs + s0 * t.a_ss;
+    float* o = out + r * 2 * ns;
+    const int64_t n = 2 * ns - (odd_tail ? 1 : 0);  // elements to read
+    if (t.a_ss == 2) {  // the row's pairs are contiguous
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + j))), 16)));
+      for (; j < n; ++j) o[j] = as_float(uint32_t(a[j]) << 16);
+    } else {
+      for (int64_t s = 0; s < ns; ++s) {
+        o[2 * s] = as_float(uint32_t(a[s * t.a_ss]) << 16);
+        if (2 * s + 1 < n) o[2 * s + 1] = as_float(uint32_t(a[s * t.a_ss + 1]) << 16);
+      }
+    }
+    if (n < 2 * ns) o[n] = 0.0f;
+  }
 }
 
 // Loop order inside a K block (tuning().order_avx2): 0 = 16-column strip outer (the strip's B block, kc x 64
@@ -256,7 +338,11 @@ void run_tile(const Tile& t, int64_t kc_max) {
   const int order = tuning().order_avx2;
   const int64_t nrb = (t.rows + kMR - 1) / kMR + (t.rows + t.a_rb - 1) / t.a_rb - 1;  // row blocks per strip
   const bool copy = order == 0 && t.b_pw == kPanel && nrb >= 3 && tuning().strip_copy_avx2;
-  char* pbuf = copy ? panel_buffer(size_t(4 * kc * 64)) : nullptr;
+  char* pbuf = copy ? thread_buffer(0, size_t(4 * kc * 64)) : nullptr;
+  // bf16: with order 0 and several strips, each row block's A pairs would be shifted / masked once per strip;
+  // widen the K block of A to fp32 once instead (up to 192 KiB; larger tiles keep the plain path).
+  const bool wide = BF && order == 0 && nstrips >= 2 && t.rows * 2 * kc * 4 <= (192 << 10) && tuning().widen_a_avx2;
+  float* abuf = wide ? reinterpret_cast<float*>(thread_buffer(1, size_t(t.rows * 2 * kc * 4))) : nullptr;
   // Prefetch hint: spread the lines of t.pf over the microkernel calls of the first K block.
   const int64_t ncalls = nstrips * nrb;
   const int64_t pf_lines0 = (t.pf_bytes[0] + 63) / 64, pf_lines = pf_lines0 + (t.pf_bytes[1] + 63) / 64;
@@ -298,14 +384,17 @@ void run_tile(const Tile& t, int64_t kc_max) {
           }
         }
       }
-      kTable<BF>.t[mr - 1][nv - 1][nlast < 8](Ap, t.a_rs, t.a_ss, Bp, bss, ns, tail, lane_mask(nlast), nlast,
-                                              t.C + r0 * t.ldc + c, t.ldc, from_c,
-                                              last && t.Cb ? t.Cb + r0 * t.ldc + c : nullptr, last && t.stream);
+      const UkrFn fn = wide ? kTable<kBf16WideA>.t[mr - 1][nv - 1][nlast < 8]
+                            : kTable<BF ? kBf16 : kF32>.t[mr - 1][nv - 1][nlast < 8];
+      fn(wide ? static_cast<const void*>(abuf + r0 * 2 * ns) : Ap, wide ? 2 * ns : t.a_rs, t.a_ss, Bp, bss, ns, tail,
+         lane_mask(nlast), nlast, t.C + r0 * t.ldc + c, t.ldc, from_c, last && t.Cb ? t.Cb + r0 * t.ldc + c : nullptr,
+         last && t.stream);
     };
     auto strip_b = [&](int64_t st) {
       const int64_t c = 16 * st;
       return B + ((c / t.b_pw) * t.b_ps + s0 * t.b_ss + (c % t.b_pw) * pair) * esz;
     };
+    if (wide) widen_a(abuf, t, s0, ns, tail);
     if (order == 0) {
       const char* pf_panel = nullptr;
       int64_t pf_lines_p = 0, pf_per = 0, pf_done = 0;

@@ -35,6 +35,7 @@ struct Tuning {
   int order_avx2 = 0;          // AVX2 tile loop: 0 16-column strip outer, 1 row-block outer
   bool strip_copy_avx2 = true; // AVX2, order 0: copy 64-column panels of B into contiguous 16-column strips
   bool strip_pf_avx2 = true;   // ... and prefetch the next panel while the current one computes
+  bool widen_a_avx2 = true;    // AVX2 bf16: widen each K block of A to fp32 once per tile (not per strip)
   int64_t mt = 96;        // M-grouped: rows per work item
   int64_t nt = 512;       // M-grouped: max columns per work item (multiple of 64)
   int64_t wmt = 512;      // wgrad: rows of dW[e] per work item
