@@ -9,10 +9,12 @@
 #pragma once
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "moetron/check.h"
 #include "moetron/spec.h"
 
 namespace moetron {
@@ -138,6 +140,15 @@ struct JobConfig {
   void validate() const;  // throws moetron::Error naming the key and the value
   bool operator==(const JobConfig&) const = default;
 };
+
+// Throws moetron::Error "invalid config: <key> = <value>: <why...>", the form of every validation message.
+template <class V, class... A>
+[[noreturn]] void invalid_config(const char* key, const V& value, const A&... why) {
+  std::ostringstream os;
+  os << "invalid config: " << key << " = " << value << ": ";
+  (os << ... << why);
+  throw Error(os.str());
+}
 
 // Load a TOML file, apply overrides (each "--section.key=value" or "section.key=value"), resolve and
 // validate. Errors name the file and line (when known), the key, and a suggestion for unknown keys.

@@ -80,10 +80,7 @@ CachedMatmul& get_bf16_matmul(const MatmulKey& k) {
 
 void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
                      const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  gemm_detail::check_dims("gemm_f32_onednn", ta, tb, M, N, K, lda, ldb, ldc);
-  gemm_detail::check_ptrs("gemm_f32_onednn", A, B, C, M, N, K);
-  if (M == 0 || N == 0) return;
-  if (K == 0) return gemm_detail::scale_c(C, ldc, M, N, beta);
+  if (gemm_detail::prologue("gemm_f32_onednn", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)) return;
   dnnl_status_t st = dnnl_sgemm(ta == Trans::T ? 'T' : 'N', tb == Trans::T ? 'T' : 'N', M, N, K, alpha, A, lda, B,
                                 ldb, beta, C, ldc);
   MT_CHECK(st == dnnl_success, "gemm_f32_onednn", "dnnl_sgemm failed with status ", int(st));
@@ -107,10 +104,7 @@ bool gemm_bf16_native() {
 
 void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  gemm_detail::check_dims("gemm_bf16", ta, tb, M, N, K, lda, ldb, ldc);
-  gemm_detail::check_ptrs("gemm_bf16", A, B, C, M, N, K);
-  if (M == 0 || N == 0) return;
-  if (K == 0) return gemm_detail::scale_c(C, ldc, M, N, beta);
+  if (gemm_detail::prologue("gemm_bf16", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)) return;
   MatmulKey key{M,
                 N,
                 K,

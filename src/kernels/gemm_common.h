@@ -29,4 +29,15 @@ inline void scale_c(float* C, int64_t ldc, int64_t M, int64_t N, float beta) {
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
 }
 
+// Every dense entry point's prologue: checks sizes, leading dimensions and pointers (naming `op`), and does
+// the trivial cases (M or N = 0: nothing; K = 0: C = beta * C). Returns true when nothing is left to compute.
+inline bool prologue(const char* op, Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                     const void* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  check_dims(op, ta, tb, M, N, K, lda, ldb, ldc);
+  check_ptrs(op, A, B, C, M, N, K);
+  if (M == 0 || N == 0) return true;
+  if (K == 0) return scale_c(C, ldc, M, N, beta), true;
+  return false;
+}
+
 }  // namespace moetron::gemm_detail

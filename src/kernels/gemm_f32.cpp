@@ -121,10 +121,7 @@ void pack_a(float* out, Trans ta, const float* A, int64_t lda, int64_t r0, int64
 
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  gemm_detail::check_dims("gemm_f32", ta, tb, M, N, K, lda, ldb, ldc);
-  gemm_detail::check_ptrs("gemm_f32", A, B, C, M, N, K);
-  if (M == 0 || N == 0) return;
-  if (K == 0) return gemm_detail::scale_c(C, ldc, M, N, beta);
+  if (gemm_detail::prologue("gemm_f32", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)) return;
   const Isa isa = active_isa();
   const bool simd = isa != Isa::Scalar;
   const gg::Tuning& tu = gg::tuning();

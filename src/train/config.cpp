@@ -603,13 +603,6 @@ JobConfig finish(JobConfig c, const std::vector<std::string>& overrides, std::st
   return c;
 }
 
-template <class V, class... A>
-[[noreturn]] void bad(const char* key, const V& value, const A&... why) {
-  std::ostringstream os;
-  os << "invalid config: " << key << " = " << value << ": ";
-  (os << ... << why);
-  throw Error(os.str());
-}
 
 }  // namespace
 
@@ -771,73 +764,73 @@ void JobConfig::validate() const {
   const auto& t = training;
   const auto& p = parallelism;
   check_size_limits(*this);  // first: nothing below may multiply or loop on an absurd value (memcheck.h)
-  if (p.dp_replicate < 1) bad("parallelism.dp_replicate", p.dp_replicate, "must be >= 1");
-  if (p.dp_shard < 1) bad("parallelism.dp_shard", p.dp_shard, "must be >= 1");
-  if (t.seq_len <= 0) bad("training.seq_len", t.seq_len, "must be > 0");
-  if (t.micro_batch_size <= 0) bad("training.micro_batch_size", t.micro_batch_size, "must be > 0");
-  if (t.global_batch_size <= 0) bad("training.global_batch_size", t.global_batch_size, "must be > 0");
+  if (p.dp_replicate < 1) invalid_config("parallelism.dp_replicate", p.dp_replicate, "must be >= 1");
+  if (p.dp_shard < 1) invalid_config("parallelism.dp_shard", p.dp_shard, "must be >= 1");
+  if (t.seq_len <= 0) invalid_config("training.seq_len", t.seq_len, "must be > 0");
+  if (t.micro_batch_size <= 0) invalid_config("training.micro_batch_size", t.micro_batch_size, "must be > 0");
+  if (t.global_batch_size <= 0) invalid_config("training.global_batch_size", t.global_batch_size, "must be > 0");
   if (t.global_batch_size % (t.micro_batch_size * p.dp()) != 0)
-    bad("training.global_batch_size", t.global_batch_size, "must be a multiple of micro_batch_size * dp = ",
+    invalid_config("training.global_batch_size", t.global_batch_size, "must be a multiple of micro_batch_size * dp = ",
         t.micro_batch_size, " * ", p.dp(), " (dp = dp_replicate * dp_shard)");
-  if (t.steps < 0) bad("training.steps", t.steps, "must be >= 0");
-  if (!(t.max_norm >= 0)) bad("training.max_norm", t.max_norm, "must be >= 0 (0 = no clipping)");
-  if (t.val_interval < 0) bad("training.val_interval", t.val_interval, "must be >= 0 (0 = no validation)");
-  if (t.val_steps < 0) bad("training.val_steps", t.val_steps, "must be >= 0");
+  if (t.steps < 0) invalid_config("training.steps", t.steps, "must be >= 0");
+  if (!(t.max_norm >= 0)) invalid_config("training.max_norm", t.max_norm, "must be >= 0 (0 = no clipping)");
+  if (t.val_interval < 0) invalid_config("training.val_interval", t.val_interval, "must be >= 0 (0 = no validation)");
+  if (t.val_steps < 0) invalid_config("training.val_steps", t.val_steps, "must be >= 0");
   if (t.val_interval > 0 && t.val_steps == 0)
-    bad("training.val_steps", t.val_steps, "must be > 0 when val_interval (", t.val_interval, ") is set");
-  if (t.threads < 0) bad("training.threads", t.threads, "must be >= 0 (0 = all)");
-  if (t.dataset.empty()) bad("training.dataset", "\"\"", "must name a dataset (\"synthetic\" needs no path)");
+    invalid_config("training.val_steps", t.val_steps, "must be > 0 when val_interval (", t.val_interval, ") is set");
+  if (t.threads < 0) invalid_config("training.threads", t.threads, "must be >= 0 (0 = all)");
+  if (t.dataset.empty()) invalid_config("training.dataset", "\"\"", "must name a dataset (\"synthetic\" needs no path)");
 
   const auto& o = optimizer;
-  if (!(o.lr > 0)) bad("optimizer.lr", o.lr, "must be > 0");
-  if (!(o.beta1 >= 0 && o.beta1 < 1)) bad("optimizer.beta1", o.beta1, "must be in [0, 1)");
-  if (!(o.beta2 >= 0 && o.beta2 < 1)) bad("optimizer.beta2", o.beta2, "must be in [0, 1)");
-  if (!(o.eps > 0)) bad("optimizer.eps", o.eps, "must be > 0");
-  if (!(o.weight_decay >= 0)) bad("optimizer.weight_decay", o.weight_decay, "must be >= 0");
+  if (!(o.lr > 0)) invalid_config("optimizer.lr", o.lr, "must be > 0");
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) invalid_config("optimizer.beta1", o.beta1, "must be in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) invalid_config("optimizer.beta2", o.beta2, "must be in [0, 1)");
+  if (!(o.eps > 0)) invalid_config("optimizer.eps", o.eps, "must be > 0");
+  if (!(o.weight_decay >= 0)) invalid_config("optimizer.weight_decay", o.weight_decay, "must be >= 0");
 
   const auto& l = lr_scheduler;
-  if (l.warmup_steps < 0) bad("lr_scheduler.warmup_steps", l.warmup_steps, "must be >= 0");
+  if (l.warmup_steps < 0) invalid_config("lr_scheduler.warmup_steps", l.warmup_steps, "must be >= 0");
   if (!(l.min_lr_ratio >= 0 && l.min_lr_ratio <= 1))
-    bad("lr_scheduler.min_lr_ratio", l.min_lr_ratio, "must be in [0, 1]");
+    invalid_config("lr_scheduler.min_lr_ratio", l.min_lr_ratio, "must be in [0, 1]");
 
-  if (p.ep < 1) bad("parallelism.ep", p.ep, "must be >= 1");
-  if (p.pp < 1) bad("parallelism.pp", p.pp, "must be >= 1");
-  if (p.pp > model.n_layers) bad("parallelism.pp", p.pp, "more pipeline stages than layers (", model.n_layers, ")");
-  if (p.ep > 1 && !model.is_moe()) bad("parallelism.ep", p.ep, "expert parallelism needs a MoE model");
+  if (p.ep < 1) invalid_config("parallelism.ep", p.ep, "must be >= 1");
+  if (p.pp < 1) invalid_config("parallelism.pp", p.pp, "must be >= 1");
+  if (p.pp > model.n_layers) invalid_config("parallelism.pp", p.pp, "more pipeline stages than layers (", model.n_layers, ")");
+  if (p.ep > 1 && !model.is_moe()) invalid_config("parallelism.ep", p.ep, "expert parallelism needs a MoE model");
   if (p.ep > 1 && model.moe.n_routed_experts % p.ep != 0)
-    bad("parallelism.ep", p.ep, "must divide model.n_routed_experts (", model.moe.n_routed_experts, ")");
+    invalid_config("parallelism.ep", p.ep, "must divide model.n_routed_experts (", model.moe.n_routed_experts, ")");
   if (p.dp() % p.ep != 0)
-    bad("parallelism.ep", p.ep, "must divide dp_replicate * dp_shard (", p.dp(),
+    invalid_config("parallelism.ep", p.ep, "must divide dp_replicate * dp_shard (", p.dp(),
         "): expert groups are carved out of the data-parallel ranks");
-  if (p.ranks_per_node < 1) bad("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
-  if (p.zero != 0 && p.zero != 1 && p.zero != 3) bad("parallelism.zero", p.zero, "must be 0, 1 or 3");
+  if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
+  if (p.zero != 0 && p.zero != 1 && p.zero != 3) invalid_config("parallelism.zero", p.zero, "must be 0, 1 or 3");
 
   const auto& c = checkpoint;
-  if (c.enable && c.interval <= 0) bad("checkpoint.interval", c.interval, "must be > 0 when checkpoints are enabled");
-  if (c.keep_latest_k < 0) bad("checkpoint.keep_latest_k", c.keep_latest_k, "must be >= 0 (0 = keep all)");
-  if (c.enable && c.folder.empty()) bad("checkpoint.folder", "\"\"", "must be set when checkpoints are enabled");
+  if (c.enable && c.interval <= 0) invalid_config("checkpoint.interval", c.interval, "must be > 0 when checkpoints are enabled");
+  if (c.keep_latest_k < 0) invalid_config("checkpoint.keep_latest_k", c.keep_latest_k, "must be >= 0 (0 = keep all)");
+  if (c.enable && c.folder.empty()) invalid_config("checkpoint.folder", "\"\"", "must be set when checkpoints are enabled");
 
   const auto& a = activation_checkpoint;
   std::vector<char> listed(size_t(model.n_layers), 0);  // linear in the list: it may be long
   for (int id : a.layer_ids) {
     if (id < 0 || id >= model.n_layers)
-      bad("activation_checkpoint.layer_ids", id, "layer id out of range [0, ", model.n_layers, ")");
-    if (listed[size_t(id)]++) bad("activation_checkpoint.layer_ids", id, "listed twice");
+      invalid_config("activation_checkpoint.layer_ids", id, "layer id out of range [0, ", model.n_layers, ")");
+    if (listed[size_t(id)]++) invalid_config("activation_checkpoint.layer_ids", id, "listed twice");
   }
   for (const auto& m : a.modules)
     if (m != "attention_core" && m != "moe_act" && m != "norm")
-      bad("activation_checkpoint.modules", "\"" + m + "\"", "expected attention_core, moe_act or norm");
+      invalid_config("activation_checkpoint.modules", "\"" + m + "\"", "expected attention_core, moe_act or norm");
   if (a.mode == AcMode::Selective && a.modules.empty())
-    bad("activation_checkpoint.modules", "[]", "selective mode needs at least one module "
+    invalid_config("activation_checkpoint.modules", "[]", "selective mode needs at least one module "
         "(attention_core, moe_act, norm)");
   if (a.mode != AcMode::Selective && !a.modules.empty())
-    bad("activation_checkpoint.modules", a.modules.size(), " module(s) listed but mode is ", to_string(a.mode),
+    invalid_config("activation_checkpoint.modules", a.modules.size(), " module(s) listed but mode is ", to_string(a.mode),
         " (modules apply to selective mode only)");
 
-  if (metrics.log_interval < 1) bad("metrics.log_interval", metrics.log_interval, "must be >= 1");
-  if (!(metrics.peak_tflops >= 0)) bad("metrics.peak_tflops", metrics.peak_tflops, "must be >= 0 (0 = measure)");
-  if (hardware.num_nodes < 0) bad("hardware.num_nodes", hardware.num_nodes, "must be >= 0");
-  if (hardware.gpus_per_node < 0) bad("hardware.gpus_per_node", hardware.gpus_per_node, "must be >= 0");
+  if (metrics.log_interval < 1) invalid_config("metrics.log_interval", metrics.log_interval, "must be >= 1");
+  if (!(metrics.peak_tflops >= 0)) invalid_config("metrics.peak_tflops", metrics.peak_tflops, "must be >= 0 (0 = measure)");
+  if (hardware.num_nodes < 0) invalid_config("hardware.num_nodes", hardware.num_nodes, "must be >= 0");
+  if (hardware.gpus_per_node < 0) invalid_config("hardware.gpus_per_node", hardware.gpus_per_node, "must be >= 0");
 }
 
 }  // namespace moetron

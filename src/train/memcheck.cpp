@@ -66,17 +66,9 @@ NodeMemoryReader& reader_slot() {
   return r;
 }
 
-// Validation messages read "invalid config: <key> = <value>: <why>" (as in config.cpp).
-template <class V, class... A>
-[[noreturn]] void bad(const char* key, const V& value, const A&... why) {
-  std::ostringstream os;
-  os << "invalid config: " << key << " = " << value << ": ";
-  (os << ... << why);
-  throw Error(os.str());
-}
 
 void at_most(const char* key, int64_t v, int log2) {
-  if (v > (int64_t(1) << log2)) bad(key, v, "must be <= 2^", log2, " = ", int64_t(1) << log2, " (size limit)");
+  if (v > (int64_t(1) << log2)) invalid_config(key, v, "must be <= 2^", log2, " = ", int64_t(1) << log2, " (size limit)");
 }
 
 constexpr int kMaxTokensLog2 = 24;        // seq_len, micro_batch_size
@@ -111,19 +103,19 @@ void check_size_limits(const JobConfig& c) {
   // Products, of factors each within its limit (so they fit in int64), when the factors are positive.
   const bool dp_ok = p.dp_replicate >= 1 && p.dp_shard >= 1;
   if (dp_ok && p.dp() > (int64_t(1) << kMaxDpLog2))
-    bad("parallelism.dp_shard", p.dp_shard, "dp_replicate * dp_shard = ", p.dp(), " must be <= 2^", kMaxDpLog2,
+    invalid_config("parallelism.dp_shard", p.dp_shard, "dp_replicate * dp_shard = ", p.dp(), " must be <= 2^", kMaxDpLog2,
         " (size limit)");
   const int64_t B = t.micro_batch_size, S = t.seq_len;
   if (B < 1 || S < 1) return;
   if (dp_ok && t.global_batch_size / (B * p.dp()) > (int64_t(1) << kMaxMicroPerStepLog2))
-    bad("training.global_batch_size", t.global_batch_size, "global_batch_size / (micro_batch_size * dp) = ",
+    invalid_config("training.global_batch_size", t.global_batch_size, "global_batch_size / (micro_batch_size * dp) = ",
         t.global_batch_size / (B * p.dp()), " micro-batches per rank per step must be <= 2^", kMaxMicroPerStepLog2,
         " (size limit)");
   const int64_t k = std::max<int64_t>(1, c.model.moe.topk);
   const double rows = double(B) * double(S) * double(k);  // up to 2^64: in double
   if (rows >= double(int64_t(1) << kMaxRowsLog2)) {
     const std::string n = rows < 9e18 ? std::to_string(B * S * k) : std::to_string(rows);  // exact when it fits
-    bad("training.micro_batch_size", B, "micro_batch_size * seq_len (", S, ") * max(1, model.topk) (", k, ") = ", n,
+    invalid_config("training.micro_batch_size", B, "micro_batch_size * seq_len (", S, ") * max(1, model.topk) (", k, ") = ", n,
         " rows per micro-batch must be < 2^", kMaxRowsLog2, " (the engine indexes rows with int32)");
   }
   // Saved activations of one micro-batch in double: fp32 and no checkpointing bound every precision and mode.

@@ -20,6 +20,8 @@
 #include "moetron/model.h"
 #include "moetron/rng.h"
 
+#include "test_util.h"
+
 using namespace moetron;
 namespace fs = std::filesystem;
 
@@ -35,15 +37,7 @@ std::vector<std::string> plus(std::vector<std::string> a, const std::vector<std:
   return a;
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using moetron::testing::error_of;
 
 // DeepSeek-V2 (MLA, softmax, no q compression) from the V3-shaped tiny config.
 const std::vector<std::string> kV2 = {"--model.q_lora_rank=0",          "--model.score_func=softmax",
