@@ -36,6 +36,9 @@ namespace {
 using gg::kMR;
 using gg::kPanel;
 
+constexpr size_t kAPackBudget = size_t(8) << 20;  // bytes of packed op(A) per phase (and buffer)
+constexpr int64_t kRowChunk = 4096;               // rows per chunk when op(A) is packed
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -117,11 +120,10 @@ void pack_a(float* out, Trans ta, const float* A, int64_t lda, int64_t r0, int64
   }
 }
 
-}  // namespace
-
-void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (gemm_detail::prologue("gemm_f32", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)) return;
+// Rows [0, M) of C; the public entry point splits M into row chunks (rows are independent) so that the packed
+// op(A) of a phase stays bounded.
+void gemm_rows(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+               const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   const Isa isa = active_isa();
   const bool simd = isa != Isa::Scalar;
   const gg::Tuning& tu = gg::tuning();
@@ -134,34 +136,42 @@ void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, 
   const int64_t kc_max = std::max<int64_t>(1, isa == Isa::Avx512 ? tu.kc_f32 : tu.kc_f32_avx2);
   const int64_t nkb = ceil_div(K, kc_max), kc = ceil_div(K, nkb);  // equal K blocks
   const int64_t nc = std::min(round_up(N, kPanel), std::max<int64_t>(kPanel, tu.dnc / kPanel * kPanel));
-  const int64_t kp = std::clamp<int64_t>(int64_t(tu.dbudget / (sizeof(float) * size_t(kc * nc))), 1, nkb);
-  const int64_t nph = ceil_div(nkb, kp), ncb = ceil_div(N, nc);
   const bool packa = ta == Trans::T || tu.dpack_a;
+  // K blocks per phase: the packed op(B) block within dbudget, the packed op(A) block within kAPackBudget.
+  int64_t kp = int64_t(tu.dbudget / (sizeof(float) * size_t(kc * nc)));
+  if (packa && tu.dshare_a) kp = std::min(kp, int64_t(kAPackBudget / (sizeof(float) * size_t(M) * size_t(kc))));
+  kp = std::clamp<int64_t>(kp, 1, nkb);
+  const int64_t nph = ceil_div(nkb, kp), ncb = ceil_div(N, nc);
   // Row tiles: about dmt rows, a multiple of the thread count when there are few.
   int64_t ntm = ceil_div(M, std::max(kMR, tu.dmt));
   if (ntm < 8 * threads) ntm = round_up(ntm, threads);
   ntm = std::min(ntm, ceil_div(M, kMR));
   const int64_t mt = round_up(ceil_div(M, ntm), kMR);
   ntm = ceil_div(M, mt);
-  // Column tiles: the whole block when op(A) is packed (the pack is shared by all its columns), else dnt;
-  // narrower when that leaves fewer than 4 items per thread.
-  int64_t nt = packa ? nc : std::min(nc, std::max<int64_t>(kPanel, tu.dnt / kPanel * kPanel));
+  const bool share_a = packa && tu.dshare_a;  // op(A) packed once per phase for all items, else per item
+  // Column tiles: dnt columns (all of the block when each item packs its own op(A)), narrower when that leaves
+  // fewer than 4 items per thread.
+  int64_t nt = packa && !share_a ? nc : std::min(nc, std::max<int64_t>(kPanel, tu.dnt / kPanel * kPanel));
   if (ntm * ceil_div(nc, nt) < 4 * threads)
     nt = std::max<int64_t>(kPanel, round_up(ceil_div(nc, ceil_div(4 * threads, ntm)), kPanel));
   // beta != 0: the raw sums go to a scratch, per item (thread-local) when an item sees all of K, else one
   // M x nc scratch for the call (the partial sums outlive the item).
   const bool call_scratch = beta != 0.0f && nph > 1;
+  const int nbuf = nph * ncb > 1 ? 2 : 1;  // double-buffered packed operands when there are several phases
   const size_t bsize = size_t(round_up(nc, pw)) * size_t(kp * kc);
-  static thread_local AlignedFloats bbuf, sbuf;
-  float* bp0 = bbuf.get(bsize * (nph * ncb > 1 ? 2 : 1));
-  float* bps[2] = {bp0, bp0 + (nph * ncb > 1 ? bsize : 0)};
+  const size_t asize = share_a ? size_t(ntm * mt) * size_t(kp * kc) + 8 : 0;  // + slack of the SIMD packer
+  static thread_local AlignedFloats bbuf, abuf, sbuf;
+  float* bp0 = bbuf.get(bsize * nbuf);
+  float* ap0 = share_a ? abuf.get(asize * nbuf) : nullptr;
+  float* bps[2] = {bp0, bp0 + (nbuf > 1 ? bsize : 0)};
+  float* aps[2] = {ap0, ap0 + (nbuf > 1 ? asize : 0)};
   float* S = call_scratch ? sbuf.get(size_t(M) * size_t(nc)) : nullptr;
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    static thread_local AlignedFloats abuf, tbuf;
-    float* ap = packa ? abuf.get(size_t(mt) * size_t(kc) + 8) : nullptr;  // + slack of the SIMD packer
+    static thread_local AlignedFloats tbuf, tabuf;
     float* ts = beta != 0.0f && !call_scratch ? tbuf.get(size_t(mt) * size_t(nt)) : nullptr;
+    float* tap = packa && !share_a ? tabuf.get(size_t(mt) * size_t(kc) + 8) : nullptr;
     int64_t phase = 0;
     for (int64_t j0 = 0; j0 < N; j0 += nc) {
       const int64_t nbj = std::min(nc, N - j0), npan = ceil_div(nbj, pw), ntn = ceil_div(nbj, nt);
@@ -169,18 +179,23 @@ void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, 
       for (int64_t ph = 0; ph < nph; ++ph, ++phase) {
         const int64_t s0 = ph * kp * kc, ns = std::min(kp * kc, K - s0);
         float* bp = bps[phase & 1];
-        const int64_t ps = ns * pw;  // elements per packed panel
-        // Pack op(B)[s0 .. s0 + ns, j0 .. j0 + nbj]: by 16-row chunks (B) or by panels (B^T).
-        if (tb == Trans::N) {
+        float* ap = aps[phase & 1];
+        const int64_t ps = ns * pw;  // elements per packed op(B) panel
+        // Pack op(B)[s0 .. s0 + ns, j0 .. j0 + nbj] by 16-row chunks (B) or by panels (B^T), and op(A)
+        // rows [0, M) x steps [s0, s0 + ns) by row tiles (when packed), all threads, dynamic split.
+        const int64_t nbu = tb == Trans::N ? ceil_div(ns, 16) : npan, nau = share_a ? ntm : 0;
 #pragma omp for schedule(dynamic, 1)
-          for (int64_t u = 0; u < ceil_div(ns, 16); ++u)
+        for (int64_t u = 0; u < nbu + nau; ++u) {
+          if (u >= nbu) {
+            const int64_t r0 = (u - nbu) * mt;
+            pack_a(ap + r0 * ns, ta, A, lda, r0, s0, std::min(mt, M - r0), ns, simd);
+          } else if (tb == Trans::N) {
             pack_b_rows(bp, pw, ps, B, ldb, s0 + 16 * u, std::min<int64_t>(16, ns - 16 * u), j0, nbj, 16 * u);
-        } else {
-#pragma omp for schedule(dynamic, 1)
-          for (int64_t p = 0; p < npan; ++p)
-            pack_bt(bp + p * ps, pw, B, ldb, s0, ns, j0 + p * pw, std::min(pw, nbj - p * pw), simd);
+          } else {
+            pack_bt(bp + u * ps, pw, B, ldb, s0, ns, j0 + u * pw, std::min(pw, nbj - u * pw), simd);
+          }
         }
-        // (barrier) Items; no barrier after them: the next phase packs into the other buffer, and its
+        // (barrier) Items; no barrier after them: the next phase packs into the other buffers, and its
         // barrier orders this phase's items before the next phase's (same C tiles, possibly other threads).
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t item = 0; item < nitems; ++item) {
@@ -199,9 +214,11 @@ void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, 
           t.b_ps = ps, t.b_ss = pw, t.b_pw = pw;
           for (int64_t k0 = s0; k0 < s0 + ns; k0 += kc) {
             const int64_t nk = std::min(kc, s0 + ns - k0);
-            if (packa) {
-              pack_a(ap, ta, A, lda, r0, k0, t.rows, nk, simd);
-              t.A = ap, t.a_bs = kMR * nk, t.a_rs = 1, t.a_ss = kMR;
+            if (share_a) {
+              t.A = ap + r0 * ns + (k0 - s0) * kMR, t.a_bs = kMR * ns, t.a_rs = 1, t.a_ss = kMR;
+            } else if (packa) {
+              pack_a(tap, ta, A, lda, r0, k0, t.rows, nk, simd);
+              t.A = tap, t.a_bs = kMR * nk, t.a_rs = 1, t.a_ss = kMR;
             } else {
               t.A = A + r0 * lda + k0, t.a_bs = kMR * lda, t.a_rs = lda, t.a_ss = 1;
             }
@@ -215,6 +232,19 @@ void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, 
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (gemm_detail::prologue("gemm_f32", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)) return;
+  // Rows are independent: chunks of kRowChunk rows bound the packed op(A) (one K block of 4096 rows is 4 MiB).
+  const int64_t chunk = ta == Trans::T || gg::tuning().dpack_a ? kRowChunk : M;
+  for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+    const float* a = ta == Trans::N ? A + r0 * lda : A + r0;
+    gemm_rows(ta, tb, std::min(chunk, M - r0), N, K, alpha, a, lda, B, ldb, beta, C + r0 * ldc, ldc);
   }
 }
 

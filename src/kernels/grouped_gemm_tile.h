@@ -45,14 +45,16 @@ struct Tuning {
   bool stream = false;    // non-temporal stores for write-only fp32 outputs (forward / dgrad)
   bool prefetch = true;   // wgrad bf16: prefetch the next chunk's X / dY rows during the current chunk
   // Dense fp32 GEMM (gemm_f32.cpp): rows / columns per work item, columns per column block, bytes of packed
-  // op(B) per K phase, packed op(B) panel width for the AVX2 / scalar kernels (16 or 64), and whether
-  // op(A) = A is packed too (A^T always is).
+  // op(B) per K phase, packed op(B) panel width for the AVX2 / scalar kernels (16 or 64), whether op(A) = A
+  // is packed too (A^T always is), and whether packed op(A) is shared by all items of a phase (packed once
+  // per phase with op(B)) or packed by each item for itself.
   int64_t dmt = 96;
   int64_t dnt = 256;
   int64_t dnc = 1024;
   size_t dbudget = size_t(1) << 20;
   int64_t dpw = 16;
   bool dpack_a = false;
+  bool dshare_a = true;
 };
 Tuning& tuning();
 

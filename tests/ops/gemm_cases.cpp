@@ -349,6 +349,7 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
       }
     add(Ns, Ns, 1, 1, 1, 1.0f, 0.0f);
     add(Ns, Ns, 1, 130, 7, 2.0f, 0.5f, 5);
+    if (impl == Impl::F32) add(Ts, Ns, 4100, 7, 5, 1.0f, 0.5f);  // op(A) = A^T: two row chunks of gemm_f32
     add(Ts, Ns, 64, 48, 300, 1.0f, 1.0f);  // wgrad-like: A^T B, +=
     // Empty problems: M = 0 and N = 0 do nothing; K = 0 gives C = beta * C.
     add(Ns, Ns, 0, 5, 7, 1.0f, 0.0f);
@@ -361,6 +362,7 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
   v.push_back(std::make_unique<GemmInvariance>(Ns, Ns, 300, 1100, 300, 1.0f, 0.0f));
   v.push_back(std::make_unique<GemmInvariance>(Ts, Ns, 65, 63, 7, -2.0f, 1.0f));
   v.push_back(std::make_unique<GemmInvariance>(Ns, Ts, 7, 1, 65, 1.0f, 0.0f));
+  v.push_back(std::make_unique<GemmInvariance>(Ts, Ts, 4103, 9, 33, 1.0f, 0.0f));  // two row chunks
   v.push_back(std::make_unique<GemmBadInput>());
   return v;
 }
