@@ -92,9 +92,10 @@ void pack_bt(float* out, int64_t w, const float* Bt, int64_t ldb, int64_t s0, in
 // A block of op(A), rows [r0, r0 + rows) x steps [s0, s0 + ns), into 6-row micro-panels:
 //   out[(r / 6) * 6 * ns + s * 6 + r % 6] = op(A)[r0 + r][s0 + s],
 // the last micro-panel zero-padded to 6 rows. May write 2 floats past the end.
-void pack_a(float* out, Trans ta, const float* A, int64_t lda, int64_t r0, int64_t s0, int64_t rows, int64_t ns,
-            bool simd) {
+void pack_a(float* out, Trans ta, const float* A, int64_t lda, int64_t r0, int64_t s0, int64_t rows, int64_t M,
+            int64_t ns, bool simd) {
   const int64_t nq = ceil_div(rows, kMR), full = rows / kMR;
+  if (ta == Trans::T && simd) return gg::pack_at_f32_avx2(out, A + s0 * lda + r0, lda, rows, M - r0, ns);
   if (ta == Trans::T) {  // op(A)[r][s] = A[s][r]: rows of the stored A are contiguous in r
     for (int64_t s = 0; s < ns; ++s) {
       const float* a = A + (s0 + s) * lda + r0;
@@ -188,7 +189,7 @@ void gemm_rows(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
         for (int64_t u = 0; u < nbu + nau; ++u) {
           if (u >= nbu) {
             const int64_t r0 = (u - nbu) * mt;
-            pack_a(ap + r0 * ns, ta, A, lda, r0, s0, std::min(mt, M - r0), ns, simd);
+            pack_a(ap + r0 * ns, ta, A, lda, r0, s0, std::min(mt, M - r0), M, ns, simd);
           } else if (tb == Trans::N) {
             pack_b_rows(bp, pw, ps, B, ldb, s0 + 16 * u, std::min<int64_t>(16, ns - 16 * u), j0, nbj, 16 * u);
           } else {
@@ -217,7 +218,7 @@ void gemm_rows(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
             if (share_a) {
               t.A = ap + r0 * ns + (k0 - s0) * kMR, t.a_bs = kMR * ns, t.a_rs = 1, t.a_ss = kMR;
             } else if (packa) {
-              pack_a(tap, ta, A, lda, r0, k0, t.rows, nk, simd);
+              pack_a(tap, ta, A, lda, r0, k0, t.rows, M, nk, simd);
               t.A = tap, t.a_bs = kMR * nk, t.a_rs = 1, t.a_ss = kMR;
             } else {
               t.A = A + r0 * lda + k0, t.a_bs = kMR * lda, t.a_rs = lda, t.a_ss = 1;

@@ -525,6 +525,35 @@ void pack_a_rows_f32_avx2(float* out, const float* A, int64_t lda, int64_t rows,
   }
 }
 
+inline constexpr int64_t kPackAhead = 6;  // rows of lookahead for the A^T packer's prefetches
+
+void pack_at_f32_avx2(float* out, const float* A, int64_t lda, int64_t rows, int64_t avail, int64_t ns) {
+  // Row s of the stored A holds the 6-row groups of op(A) contiguously: copy each group with one 8-float load
+  // and one 8-float store into its micro-panel; the store's 2 extra floats land on the slot of step s + 1 of
+  // the same micro-panel, written later (steps go in increasing order), except at the last step, which is
+  // stored with a 6-lane mask. Groups whose 8-float load would pass `avail` columns use scalar code.
+  const int64_t nq = (rows + kMR - 1) / kMR;
+  const __m256i m6 = lane_mask(kMR);
+  for (int64_t s = 0; s < ns; ++s) {
+    const float* a = A + s * lda;
+    if (s + kPackAhead < ns)  // rows of A sit lda apart: prefetch a few rows ahead
+      for (int64_t c = 0; c < rows; c += 16) _mm_prefetch(reinterpret_cast<const char*>(a + kPackAhead * lda + c), _MM_HINT_T0);
+    for (int64_t q = 0; q < nq; ++q) {
+      float* o = out + q * kMR * ns + s * kMR;
+      const int64_t r = q * kMR;
+      if (r + 8 <= avail && r + kMR <= rows) {
+        const __m256 v = _mm256_loadu_ps(a + r);
+        if (s + 1 < ns)
+          _mm256_storeu_ps(o, v);
+        else
+          _mm256_maskstore_ps(o, m6, v);
+      } else {
+        for (int64_t i = 0; i < kMR; ++i) o[i] = r + i < rows ? a[r + i] : 0.0f;
+      }
+    }
+  }
+}
+
 void pack_pairs_avx2(bf16* out, int64_t panel_stride, const bf16* in, int64_t ld, int64_t n_rows, int64_t cols) {
   // Word c of the output row pair p is (row 2p, column c) | (row 2p+1, column c) << 16: unpacklo/hi of the two
   // rows' 16-bit elements, 16 columns at a time (an in-lane interleave, fixed up by the 128-bit lane order).

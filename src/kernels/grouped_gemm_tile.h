@@ -97,6 +97,9 @@ void pack_bt_panel_f32_avx2(float* out, const float* Bt, int64_t ldb, int64_t st
 // 6-row micro-panels of a row-major fp32 block: out[(r / 6) * 6 * ns + s * 6 + r % 6] = A[r * lda + s] for
 // r < rows, s < ns, zero for the missing rows of the last micro-panel. Writes up to 2 floats past the end.
 void pack_a_rows_f32_avx2(float* out, const float* A, int64_t lda, int64_t rows, int64_t ns);
+// The same for op(A) = A^T (A stored [K, M], pointing at step 0, row 0 of the block): out[(r / 6) * 6 * ns +
+// s * 6 + r % 6] = A[s * lda + r]; `avail` >= rows columns of each stored row may be read.
+void pack_at_f32_avx2(float* out, const float* A, int64_t lda, int64_t rows, int64_t avail, int64_t ns);
 // bf16 wgrad row-pair interleave (pack_pairs_avx512's contract, AVX2 instructions).
 void pack_pairs_avx2(bf16* out, int64_t panel_stride, const bf16* in, int64_t ld, int64_t n_rows, int64_t cols);
 // bf16 wgrad packing: row pairs interleaved into 64-column panels (the VNNI layout of both wgrad operands):
