@@ -6,7 +6,8 @@
 # once per torch MoE variant, A B B B A B B B ... (ROUNDS rounds, default 2), each for WARMUP + STEPS optimizer
 # steps of one micro-batch. Reports tokens/s over the steps after the warm-up for every run, the best and median
 # of moetron and of each torch variant, the ratio moetron / best torch variant, torch's own 2048^3 fp32 torch.mm
-# GFLOPS and both sides' model FLOP rates against it (moetron's FLOP count: 3 x forward, causal attention).
+# GFLOPS and both sides' model FLOP rates against it (moetron's FLOP count: 3 x forward, causal attention), and
+# the fastest single timed step of each side (on a shared machine the least disturbed figure).
 # moetron's figure comes from its metrics.jsonl (cumulative time_s per step, validation excluded).
 #
 # env:
@@ -61,13 +62,15 @@ run_moetron() {  # prints tokens/s over steps warmup+1..total; sets nothing (dty
   echo "$got" > "$tmp/dtype"
   echo "    $line" >&2
   echo "    $(grep -o 'isa=[^ ]* threads=[^ ]* onednn=[^ ,]*' "$tmp/moetron.$1.log" | head -1)" >&2
-  "$py" - "$out/metrics.jsonl" "$warmup" <<'PY'
+  "$py" - "$out/metrics.jsonl" "$warmup" "$tmp/steps.moetron" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 w = int(sys.argv[2])
 tok = 8 * 256 * (len(rows) - w)
 print(f"{tok / (rows[-1]['time_s'] - rows[w - 1]['time_s']):.1f}")
 print("    per step (tokens/s): " + " ".join(f"{r['tokens_per_s']:.0f}" for r in rows), file=sys.stderr)
+with open(sys.argv[3], "a") as f:
+    f.write("".join(f"{r['tokens_per_s']:.1f}\n" for r in rows[w:]))
 PY
 }
 run_torch() {  # $1 tag, $2 variant, $3 --no-check or empty; prints tokens/s, leaves the log in $tmp/torch.$1.log
@@ -76,6 +79,8 @@ run_torch() {  # $1 tag, $2 variant, $3 --no-check or empty; prints tokens/s, le
     --warmup $warmup --threads $threads --dtype "$dtype" --moe "$2" $chk > "$log" 2>&1 || { cat "$log" >&2; return 1; }
   grep -E '^(torch |isa caps|check:|mm_gflops)' "$log" | sed 's/^/    /' >&2
   echo "    per step (tokens/s): $(sed -n 's/.* s  \([0-9]*\) tok\/s$/\1/p' "$log" | tr '\n' ' ')" >&2
+  sed -n 's/^step .*  \([0-9.]*\) s  [0-9]* tok\/s$/\1/p' "$log" | tail -n +$((warmup + 1)) |
+    awk -v n=$((8 * 256)) '{printf "%.1f\n", n / $1}' >> "$tmp/steps.$2"
   sed -n 's/^tokens_per_s: //p' "$log"
 }
 
@@ -98,9 +103,9 @@ for r in $(seq 1 "$rounds"); do
   done
 done
 fpt=$(sed -n 's/.*, \([0-9.]*\) GFLOP per trained token.*/\1/p' "$tmp/torch.1.${variants%% *}.log")
-"$py" - "$dtype" "$fpt" "${A[*]}" "${res[*]}" <<'PY'
-import sys, statistics as st
-dtype, fpt = sys.argv[1], float(sys.argv[2])
+"$py" - "$dtype" "$fpt" "${A[*]}" "${res[*]}" "$tmp" <<'PY'
+import os, sys, statistics as st
+dtype, fpt, tmp = sys.argv[1], float(sys.argv[2]), sys.argv[5]
 a = [float(x) for x in sys.argv[3].split()]
 runs, peaks = {}, []
 for item in sys.argv[4].split():
@@ -116,6 +121,14 @@ bv = max(runs, key=lambda v: max(runs[v]))
 b = runs[bv]
 print(f"best torch variant: {bv}")
 print(f"ratio moetron / torch {bv}: best/best {max(a) / max(b):.2f}x  median/median {st.median(a) / st.median(b):.2f}x")
+def steps(name):  # tokens/s of every timed step of every run of one side
+    return [float(x) for x in open(os.path.join(tmp, "steps." + name))]
+sm = steps("moetron")
+sb = {v: steps(v) for v in runs}
+bs = max(sb, key=lambda v: max(sb[v]))
+print(f"fastest single timed step (least disturbed by other load): moetron {max(sm):.1f}, "
+      + ", ".join(f"torch {v} {max(x):.1f}" for v, x in sb.items())
+      + f"; ratio moetron / torch {bs} {max(sm) / max(sb[bs]):.2f}x")
 if peaks:
     pk = max(peaks)
     print(f"torch 2048^3 fp32 torch.mm: best {pk:.1f} GFLOPS (over {len(peaks)} runs, median {st.median(peaks):.1f})")
