@@ -16,6 +16,20 @@
 //                    gradient) and W (weight gradient); rank r postpones its first r W's, which then trail
 //                    one step behind and fill the cool-down bubble. The peak number of activation sets held on
 //                    any rank stays pp, as 1F1B's rank 0.
+//
+// Preconditions (check_spec), each taken from the reference implementation of the schedule:
+//   all              pp >= 1, pp_microbatches >= 1, at most kMaxComputeActions compute actions
+//   gpipe            one stage per rank; any number of micro-batches (torch's ScheduleGPipe)
+//   1f1b, zb1p       one stage per rank; pp_microbatches >= pp (torch's Schedule1F1B refuses fewer)
+//   interleaved_1f1b pp >= 2 and pp_virtual_stages >= 2 (Megatron-Core refuses an interleaved schedule on one
+//                    rank); group_size n (0 = pp) in [pp, pp_microbatches], so pp_microbatches >= pp; when
+//                    pp_microbatches is not a multiple of n the last group holds the remainder, which must be
+//                    >= pp (Megatron-Core refuses a smaller remainder: it would stall the pipeline). With the
+//                    default n = pp that means pp_microbatches must be a multiple of pp.
+//   zbv, dualpipev   exactly 2 stages per rank; zbv takes any number of micro-batches (fewer than 2*pp-1
+//                    leave bubbles, as torch's ScheduleZBVZeroBubble); dualpipev needs pp_microbatches >= 2*pp
+//                    (DeepSeek's DualPipeV and torch's ScheduleDualPipeV assert it)
+//   group_size       must stay 0 for every schedule but interleaved_1f1b.
 #include <algorithm>
 #include <string>
 
