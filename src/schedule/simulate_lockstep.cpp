@@ -35,40 +35,66 @@ struct Progress {
 
 bool before(int when, int step) { return when > 0 && when < step; }
 
-// What the plain compute half `h` still waits for at `step` ("" when ready).
-std::string half_waits(const Schedule& s, const Progress& p, const Action& h, int step) {
-  const bool cross_in = !remote_inputs(s, h).empty();
+// Whether the plain compute half `h` can run at `step`; if not and `why` is given, what it waits for.
+bool half_ready(const Schedule& s, const Progress& p, const Action& h, int step, std::string* why) {
+  const int L = s.n_stages - 1;
   if (h.op == Op::F) {
-    if (h.stage == 0) return "";
-    if (cross_in && s.lowered)
-      return before(p.recvd[1][p.at(h.stage - 1, h.mb)], step) ? "" : to_string(recv_of({true, h.stage - 1, h.mb}));
-    return before(p.f[p.at(h.stage - 1, h.mb)], step) ? "" : to_string(F(h.stage - 1, h.mb));
+    if (h.stage == 0) return true;
+    const bool cross = s.stage_rank[size_t(h.stage - 1)] != s.stage_rank[size_t(h.stage)];
+    if (cross && s.lowered) {
+      if (before(p.recvd[1][p.at(h.stage - 1, h.mb)], step)) return true;
+      if (why) *why = to_string(recv_of({true, h.stage - 1, h.mb}));
+      return false;
+    }
+    if (before(p.f[p.at(h.stage - 1, h.mb)], step)) return true;
+    if (why) *why = to_string(F(h.stage - 1, h.mb));
+    return false;
   }
-  if (h.op == Op::W) return before(p.bwd[p.at(h.stage, h.mb)], step) ? "" : to_string(I(h.stage, h.mb));
+  if (h.op == Op::W) {
+    if (before(p.bwd[p.at(h.stage, h.mb)], step)) return true;
+    if (why) *why = to_string(I(h.stage, h.mb));
+    return false;
+  }
   // B or I
-  if (!before(p.f[p.at(h.stage, h.mb)], step)) return to_string(F(h.stage, h.mb));
-  if (h.stage == s.n_stages - 1) return "";
-  if (cross_in && s.lowered)
-    return before(p.recvd[0][p.at(h.stage + 1, h.mb)], step) ? "" : to_string(recv_of({false, h.stage + 1, h.mb}));
-  return before(p.bwd[p.at(h.stage + 1, h.mb)], step)
-             ? ""
-             : to_string(B(h.stage + 1, h.mb)) + " or " + to_string(I(h.stage + 1, h.mb));
+  if (!before(p.f[p.at(h.stage, h.mb)], step)) {
+    if (why) *why = to_string(F(h.stage, h.mb));
+    return false;
+  }
+  if (h.stage == L) return true;
+  const bool cross = s.stage_rank[size_t(h.stage + 1)] != s.stage_rank[size_t(h.stage)];
+  if (cross && s.lowered) {
+    if (before(p.recvd[0][p.at(h.stage + 1, h.mb)], step)) return true;
+    if (why) *why = to_string(recv_of({false, h.stage + 1, h.mb}));
+    return false;
+  }
+  if (before(p.bwd[p.at(h.stage + 1, h.mb)], step)) return true;
+  if (why) *why = to_string(B(h.stage + 1, h.mb)) + " or " + to_string(I(h.stage + 1, h.mb));
+  return false;
 }
 
-std::string waits(const Schedule& s, const Progress& p, const Action& a, int step) {
+bool ready(const Schedule& s, const Progress& p, const Action& a, int step, std::string* why) {
   if (is_compute(a.op)) {
     Action h[2];
     const int nh = halves(a, h);
     for (int k = 0; k < nh; ++k)
-      if (std::string w = half_waits(s, p, h[k], step); !w.empty()) return w;
-    return "";
+      if (!half_ready(s, p, h[k], step, why)) return false;
+    return true;
   }
   const Msg msg = msg_of(a);
   const size_t i = p.at(msg.stage, msg.mb);
-  if (a.op == Op::SEND_F) return before(p.f[i], step) ? "" : to_string(F(msg.stage, msg.mb));
-  if (a.op == Op::SEND_B)
-    return before(p.bwd[i], step) ? "" : to_string(B(msg.stage, msg.mb)) + " or " + to_string(I(msg.stage, msg.mb));
-  return before(p.sent[msg.fwd ? 1 : 0][i], step) ? "" : to_string(send_of(msg));
+  if (a.op == Op::SEND_F) {
+    if (before(p.f[i], step)) return true;
+    if (why) *why = to_string(F(msg.stage, msg.mb));
+    return false;
+  }
+  if (a.op == Op::SEND_B) {
+    if (before(p.bwd[i], step)) return true;
+    if (why) *why = to_string(B(msg.stage, msg.mb)) + " or " + to_string(I(msg.stage, msg.mb));
+    return false;
+  }
+  if (before(p.sent[msg.fwd ? 1 : 0][i], step)) return true;
+  if (why) *why = to_string(send_of(msg));
+  return false;
 }
 
 void run(Progress& p, const Action& a, int step) {
@@ -115,7 +141,7 @@ LockstepResult lockstep(const Schedule& s, int* stuck_rank, int* stuck_index) {
     for (int r : active) {
       const auto& row = s.actions[size_t(r)];
       const Action& a = row[pc[size_t(r)]];
-      if (waits(s, p, a, step).empty()) {
+      if (ready(s, p, a, step, nullptr)) {
         run(p, a, step);
         moved = true;
         ++pc[size_t(r)];
@@ -130,8 +156,10 @@ LockstepResult lockstep(const Schedule& s, int* stuck_rank, int* stuck_index) {
         const int r = active[k];
         const size_t i = pc[size_t(r)];
         const Action& a = s.actions[size_t(r)][i];
+        std::string why;
+        ready(s, p, a, step, &why);
         res.error += (k ? "; " : "") + std::string("rank ") + std::to_string(r) + " waits at action " +
-                     std::to_string(i) + " '" + to_string(a) + "' for " + waits(s, p, a, step);
+                     std::to_string(i) + " '" + to_string(a) + "' for " + why;
       }
       if (stuck_rank) *stuck_rank = active.front();
       if (stuck_index) *stuck_index = int(pc[size_t(active.front())]);

@@ -50,7 +50,10 @@ inline Schedule from_rows(int n_stages, int m, std::vector<int> placement, const
 
 inline std::string row_text(const std::vector<Action>& row) {
   std::string out;
-  for (const auto& a : row) out += (out.empty() ? "" : " ") + to_string(a);
+  for (const auto& a : row) {
+    if (!out.empty()) out += ' ';
+    out += to_string(a);
+  }
   return out;
 }
 
