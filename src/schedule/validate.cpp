@@ -331,7 +331,7 @@ Verdict validate(const Schedule& s) {
 
 void check_valid(const Schedule& s) {
   const Verdict v = validate(s);
-  MT_CHECK(v.ok, "schedule", "schedule '", s.name, "' is invalid: ", v.error);
+  if (!v.ok) MT_FAIL("schedule", "schedule '", s.name, "' is invalid: ", v.error);
 }
 
 }  // namespace moetron::sched
