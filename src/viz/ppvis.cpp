@@ -139,8 +139,10 @@ void derive_stats(Timeline& t) {
     row.busy = busy;
     row.bubble_ratio = t.step_time > 0 ? 1.0 - busy / t.step_time : 0.0;
     busy_sum += busy;
-    // Peak in-flight: an activation set is held from its F's end until the last of its backward blocks ends
-    // (B, or W when the backward is split). At equal times releases come first.
+    // Peak in-flight: an activation set is live from its F's start until the last of its backward blocks
+    // ends (B, or W when the backward is split); I frees nothing. At equal times releases come first, so an
+    // F that starts as a B ends does not count the freed set, while the halves of an FB action (same start)
+    // are both live, as in sched::simulate_timed.
     std::map<std::pair<int, int>, double> release;  // (stage, mb) -> end of its last backward block
     for (const Block& b : row.blocks)
       if (b.kind != Kind::F) {
@@ -149,7 +151,7 @@ void derive_stats(Timeline& t) {
       }
     std::vector<std::pair<double, int>> ev;
     for (const Block& b : row.blocks)
-      if (b.kind == Kind::F) ev.emplace_back(b.end, +1);
+      if (b.kind == Kind::F) ev.emplace_back(b.start, +1);
     for (const auto& [key, when] : release) ev.emplace_back(when, -1);
     std::sort(ev.begin(), ev.end());
     int held = 0, peak = 0;

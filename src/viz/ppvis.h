@@ -32,7 +32,7 @@ struct RankRow {
   std::vector<Block> blocks;  // by start time (fused halves: F first)
   double busy = 0;            // time covered by at least one block
   double bubble_ratio = 0;    // 1 - busy / step_time
-  int peak_inflight = 0;      // max activation sets held: F done, its backward (B, or W when split) not yet
+  int peak_inflight = 0;      // max activation sets live: F started, its backward (B, or W if split) not done
   double memory = -1;         // the dump's "memory" field (GB in Primus training dumps); -1 = none
 };
 
@@ -56,8 +56,8 @@ Timeline from_simulation(const sched::Schedule& s, const sched::TimedResult& r, 
                          const std::string& unit = "units");
 
 // Recomputes every row's busy time (union of its blocks), bubble ratio against `step_time` and peak
-// in-flight from the block order (at equal times a backward completes before a forward), and the total
-// bubble ratio. step_time <= 0 is first set to the latest block end.
+// in-flight from the block times (a set is live from its F's start to its B's or W's end; at equal times a
+// release comes first), and the total bubble ratio. step_time <= 0 is first set to the latest block end.
 void derive_stats(Timeline& t);
 
 // Checks the model: ranks 0..pp-1 in order, every block end >= start >= 0 and end <= step_time, chunk in

@@ -46,7 +46,8 @@ std::vector<sched::Action> halves(const sched::Action& a) {
 // Naive replay of an unlowered schedule: each rank runs its list in order; an action starts when the rank is
 // free and its inputs are done (F after the previous stage's F, B/I after its F and the next stage's B/I, W
 // after its I). F costs f, I costs i, W costs w, B costs i + w, an FB action the sum of its halves. Fills
-// ops, step time, busy, bubble and peak in-flight (counted over the finished ops at each F end).
+// ops, step time, busy, bubble and peak in-flight (at each F start, the sets whose F has started and whose
+// last backward ends later).
 sched::TimedResult replay(const sched::Schedule& s, double f, double i, double w) {
   using sched::Op;
   sched::TimedResult out;
@@ -101,15 +102,15 @@ sched::TimedResult replay(const sched::Schedule& s, double f, double i, double w
         mine.push_back(&op);
         st.busy += op.end - op.start;
       }
-    // Held at time t: F ended by t, and the set's final backward (B or W) ends after t.
+    // Live at time t: F started by t, and the set's final backward (B or W) ends after t.
     for (const auto* op : mine)
       for (const auto& h : halves(op->action)) {
         if (h.op != Op::F) continue;
-        const double t = op->end;
+        const double t = op->start;
         int held = 0;
         for (const auto* o2 : mine)
           for (const auto& h2 : halves(o2->action))
-            if (h2.op == Op::F && o2->end <= t && end.at({2, h2.stage, h2.mb}) > t) ++held;
+            if (h2.op == Op::F && o2->start <= t && end.at({2, h2.stage, h2.mb}) > t) ++held;
         st.peak_inflight = std::max(st.peak_inflight, held);
       }
     st.bubble_ratio = 1 - st.busy / out.step_time;
@@ -209,6 +210,34 @@ TEST(PpVis, FromSimulationOneBlockPerComputeHalf) {
   }
 }
 
+// The real simulator on lowered schedules: one block per compute half, and the busy time, bubble and peak
+// in-flight recomputed from the blocks' times agree with what simulate_timed counted from the action order.
+TEST(PpVis, SimulateTimedStatsAgreeWithBlocks) {
+  for (const auto& [name, vpp] : std::vector<std::pair<std::string, int>>{
+           {"gpipe", 1}, {"1f1b", 1}, {"interleaved_1f1b", 2}, {"zb1p", 1}, {"zbv", 2}, {"dualpipev", 2}}) {
+    const int pp = 4, m = name == "dualpipev" ? 10 : 8;
+    const sched::Schedule s = sched::lower(gen(name, pp, vpp, m));
+    sched::Durations d = sched::Durations::uniform(s.n_stages, 1, 2, 1, 0.1);
+    for (auto& c : d.stage) c.a2a_f = c.a2a_b = 0.25;
+    const sched::TimedResult r = sched::simulate_timed(s, d);
+    const Timeline t = from_simulation(s, r, "test");
+    Timeline again = t;
+    derive_stats(again);
+    EXPECT_NEAR(again.step_time, r.step_time, 1e-9) << name;  // the last action of a step is compute
+    for (int rk = 0; rk < pp; ++rk) {
+      size_t n = 0;
+      for (const auto& a : s.actions[size_t(rk)])
+        if (sched::is_compute(a.op)) n += halves(a).size();
+      EXPECT_EQ(t.ranks[size_t(rk)].blocks.size(), n) << name;
+      EXPECT_EQ(t.ranks[size_t(rk)].peak_inflight, r.ranks[size_t(rk)].peak_inflight) << name;
+      EXPECT_NEAR(again.ranks[size_t(rk)].busy, r.ranks[size_t(rk)].busy, 1e-9) << name << " rank " << rk;
+      EXPECT_NEAR(again.ranks[size_t(rk)].bubble_ratio, r.ranks[size_t(rk)].bubble_ratio, 1e-9) << name;
+      EXPECT_EQ(again.ranks[size_t(rk)].peak_inflight, r.ranks[size_t(rk)].peak_inflight) << name << " " << rk;
+    }
+    EXPECT_NEAR(again.bubble_ratio, r.bubble_ratio, 1e-9) << name;
+  }
+}
+
 TEST(PpVis, DerivedStatsMatchHandNumbers) {
   Timeline t;
   t.pp = 2;
@@ -217,12 +246,11 @@ TEST(PpVis, DerivedStatsMatchHandNumbers) {
   t.step_time = 8;
   t.ranks.resize(2);
   t.ranks[1].rank = 1;
-  // rank 0: F0 [0,1] F1 [1,2] | B0 [3,5] B1 [5,7]: busy 6 of 8; both sets held from t=2 to t=5.
+  // rank 0: F0 [0,1] F1 [1,2] | B0 [3,5] B1 [5,7]: busy 6 of 8; both sets live from t=1 to t=5.
   t.ranks[0].blocks = {{Kind::F, 0, 0, 0, 0, 1}, {Kind::F, 0, 0, 1, 1, 2}, {Kind::B, 0, 0, 0, 3, 5},
                        {Kind::B, 0, 0, 1, 5, 7}};
   // rank 1: F0 [1,2], then F1 and I0 overlapped [2,4] (one FB action), W0 [4,5], I1 [5,6], W1 [6,7].
-  // Busy 1 + 2 + 1 + 1 + 1 = 6 (the fused pair counts once). Sets: mb0 held 2..5, mb1 held 4..7; at t=4
-  // mb1's F ends and mb0 is still held (its W ends at 5): peak 2.
+  // Busy 1 + 2 + 1 + 1 + 1 = 6 (the fused pair counts once). Sets: mb0 live 1..5, mb1 live 2..7: peak 2.
   t.ranks[1].blocks = {{Kind::F, 1, 0, 0, 1, 2},       {Kind::F, 1, 0, 1, 2, 4, true}, {Kind::I, 1, 0, 0, 2, 4, true},
                        {Kind::W, 1, 0, 0, 4, 5},       {Kind::I, 1, 0, 1, 5, 6},       {Kind::W, 1, 0, 1, 6, 7}};
   derive_stats(t);
@@ -236,10 +264,14 @@ TEST(PpVis, DerivedStatsMatchHandNumbers) {
   derive_stats(t);
   EXPECT_DOUBLE_EQ(t.ranks[1].busy, 5);
   EXPECT_DOUBLE_EQ(t.bubble_ratio, 1 - 11.0 / 16);
-  // A release and an F end at the same time: the release counts first.
-  t.ranks[0].blocks = {{Kind::F, 0, 0, 0, 0, 1}, {Kind::B, 0, 0, 0, 1, 3}, {Kind::F, 0, 0, 1, 3, 3}};
+  // An F starting as a B ends: the release counts first. The halves of an FB action are both live.
+  t.ranks[0].blocks = {{Kind::F, 0, 0, 0, 0, 1}, {Kind::B, 0, 0, 0, 1, 3}, {Kind::F, 0, 0, 1, 3, 4}};
   derive_stats(t);
   EXPECT_EQ(t.ranks[0].peak_inflight, 1);
+  t.ranks[0].blocks = {{Kind::F, 0, 0, 0, 0, 1}, {Kind::F, 0, 0, 1, 1, 3, true}, {Kind::B, 0, 0, 0, 1, 3, true},
+                       {Kind::B, 0, 0, 1, 3, 4}};
+  derive_stats(t);
+  EXPECT_EQ(t.ranks[0].peak_inflight, 2);
   // step_time <= 0 is taken from the latest end (rank 1's I1 at 6).
   t.step_time = 0;
   derive_stats(t);

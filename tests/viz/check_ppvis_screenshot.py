@@ -148,18 +148,26 @@ def main():
         r = rows[y]
         return r[3 * x], r[3 * x + 1], r[3 * x + 2]
 
-    # Where the SVG sits in the page: the first lane's top-left corner, found by the lane colour.
+    # Where the SVG sits in the page: the first lane's top rows (above the blocks, which start 2 px lower) are
+    # idle grey across the plot except under the thin grid lines. Its top is the first pixel row that is mostly
+    # lane colour; its left edge the start of the first run of lane pixels in that row (a grid line may blend
+    # the very first pixel, hence the 2 px tolerance of the position checks below).
     lane_rgb = hex_rgb("#eceff3")
-    top = next((y for y in range(height) if any(close(pixel(x, y), lane_rgb, 2) for x in range(width))), None)
+    need = 0.5 * lanes[0][2]
+    top = None
+    for y in range(height):
+        if sum(1 for x in range(width) if close(pixel(x, y), lane_rgb, 2)) >= need:
+            top = y
+            break
     if top is None:
-        print("FAIL: no lane (idle grey) pixels: the timeline is not on the page")
+        print("FAIL: no lane (idle grey) rows: the timeline is not on the page")
         return 1
-    left = next(x for x in range(width) if close(pixel(x, top), lane_rgb, 2))
-    # The lane's top edge is at y + 1 in its rect, and its left edge sits under the first grid line.
+    left = next(x for x in range(width - 5) if all(close(pixel(x + i, top), lane_rgb, 2) for i in range(5)))
     dx, dy = left - lanes[0][0], top - lanes[0][1]
-    if abs(dx - round(dx)) > 0.6:
-        dx = round(dx)
     print(f"SVG origin in the page: ({dx:.0f}, {dy:.0f})")
+    if not (0 <= dx <= 60 and 0 <= dy <= 60):
+        print("FAIL: the timeline is not where the page puts it (body margin 16 px)")
+        return 1
 
     colours = {}
     for b in blocks:
