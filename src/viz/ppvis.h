@@ -85,7 +85,11 @@ std::string block_colour(Kind k, int chunk);
 // `iteration` < 0 picks the largest iteration present in pp_rank_0.json. Every refusal names the file and
 // the field (missing files, wrong list lengths, end < start, non-numbers, ids out of range).
 Timeline read_primus(const std::string& dir, int iteration = -1);
-// Writes DIR/config.json and DIR/pp_rank_<r>.json (iteration "0", like Primus's simulator), creating DIR.
+// Writes DIR/config.json (plus moetron's "schedule" and "time_unit" keys) and DIR/pp_rank_<r>.json
+// (iteration "0" like Primus's simulator, every event with its micro-batch and chunk, "total" = the step
+// time), creating DIR. "memory" is the row's dump value or else, as Primus's simulator does, the peak
+// in-flight activations in whole micro-batches. Refuses a timeline that is not a whole step (a rank without
+// vp_size * num_mbs forwards and backwards, or an I without its W).
 void write_primus(const Timeline& t, const std::string& dir);
 
 }  // namespace moetron::viz
