@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
       libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libsentencepiece-dev ocl-icd-opencl-dev)
+      libsentencepiece-dev ocl-icd-opencl-dev
+      chromium)  # chromium: the pp_vis page is rendered headless in a test (tests/viz/)
 if [[ "${MOETRON_SKIP_APT:-0}" != 1 ]]; then
   missing=()
   for p in "${PKGS[@]}"; do
