@@ -183,7 +183,7 @@ double seconds(F&& f) {
 // which survive a shared, noisy machine better than ratios of separately run benchmarks.
 template <bool BF>
 void run_grouped(benchmark::State& st) {
-  constexpr int kRounds = 7;
+  constexpr int kRounds = 15;
   const int which = int(st.range(0)), op = int(st.range(1));
   Problem<BF>& p = problem<BF>(which);
   p.dense(op), p.loop(op), p.grouped(op);  // warm-up (oneDNN primitive creation, page faults)
