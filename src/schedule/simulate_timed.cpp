@@ -1,0 +1,181 @@
+// simulate_timed.cpp: the timed replay of a lowered schedule (simulate_timed), the uniform duration table
+// (Durations::uniform) and the closed bubble formula (bubble_formula). Not the lock-step simulator
+// (simulate_lockstep.cpp) and not a model of overlapping communication with compute beyond what is stated
+// below.
+//
+// Model. Each rank runs its list in order, one action at a time, from time 0:
+//   F        f + a2a_f of its stage            I   i + a2a_b           B   i + w + a2a_b        W   w
+//   FB       max(f + b, a2a_f + a2a_b), f and a2a_f of the forward half's stage, b (i + w for a B half, i for
+//            an I half) and a2a_b of the backward half's stage: the compute of one half hides the other half's
+//            exposed all-to-all.
+//   SEND     takes no time on its rank (non-blocking); the tensor is issued when the rank reaches it.
+//   RECV     starts when the rank reaches it and ends at max(that time, issue time of the SEND + p2p).
+// A compute action starts when its rank reaches it: its inputs were produced earlier on the rank or received
+// by an earlier RECV (lowering guarantees it). The replay is event-driven: a rank blocked on a RECV resumes
+// when the matching SEND is issued.
+// Results: step_time = the latest end of any action; per rank busy = the summed durations of its compute
+// actions (their exposed all-to-all included: it is work, not pipeline idle), bubble_ratio = 1 - busy /
+// step_time; whole bubble_ratio = 1 - sum(busy) / (pp * step_time); steps = simulate_lockstep's count for the
+// same lowered schedule. Peak in-flight counts the activation sets (stage, mb) a rank holds: +1 when an F
+// runs, -1 when the set is freed by its B or, with split backward, its W (an I frees nothing). An FB counts
+// its forward's set before its backward frees one (both are live while they overlap). The peak is taken after
+// every action; peak_inflight_microbatches = peak / the number of stages the rank owns.
+// Requires a lowered schedule (lower()), except with pp = 1 where nothing crosses ranks; the schedule is
+// validated first (check_valid).
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "moetron/check.h"
+#include "moetron/schedule.h"
+#include "schedule/sim_internal.h"
+
+namespace moetron::sched {
+
+namespace {
+
+void check_cost(const char* what, int stage, const char* name, double v) {
+  MT_CHECK(std::isfinite(v) && v >= 0, "schedule", what, ": stage ", stage, " ", name, " = ", v,
+           " must be finite and >= 0");
+}
+
+}  // namespace
+
+Durations Durations::uniform(int n_stages, double f, double b, double w, double p2p) {
+  MT_CHECK(n_stages >= 1, "schedule", "Durations::uniform: n_stages = ", n_stages, " must be >= 1");
+  const std::pair<const char*, double> args[] = {{"f", f}, {"b", b}, {"w", w}, {"p2p", p2p}};
+  for (const auto& [name, v] : args)
+    MT_CHECK(std::isfinite(v) && v >= 0, "schedule", "Durations::uniform: ", name, " = ", v,
+             " must be finite and >= 0");
+  MT_CHECK(w <= b, "schedule", "Durations::uniform: w = ", w, " must be <= b = ", b,
+           " (a full backward B is the input gradient I plus the weight gradient W)");
+  Durations d;
+  d.stage.assign(size_t(n_stages), StageCost{f, b - w, w, 0, 0});
+  d.p2p = p2p;
+  return d;
+}
+
+double bubble_formula(int pp, int microbatches, int vpp) {
+  MT_CHECK(pp >= 1 && microbatches >= 1 && vpp >= 1, "schedule", "bubble_formula: pp = ", pp,
+           ", microbatches = ", microbatches, ", vpp = ", vpp, " must all be >= 1");
+  return double(pp - 1) / (double(pp - 1) + double(microbatches) * double(vpp));
+}
+
+TimedResult simulate_timed(const Schedule& s, const Durations& d) {
+  MT_CHECK(s.lowered || s.pp == 1, "schedule", "simulate_timed: schedule '", s.name,
+           "' is not lowered; run lower() first (the timed replay needs its SEND/RECV actions)");
+  MT_CHECK(d.stage.empty() || int64_t(d.stage.size()) == s.n_stages, "schedule", "simulate_timed: durations for ",
+           d.stage.size(), " stages, the schedule has n_stages = ", s.n_stages);
+  MT_CHECK(std::isfinite(d.p2p) && d.p2p >= 0, "schedule", "simulate_timed: p2p = ", d.p2p,
+           " must be finite and >= 0");
+  for (size_t k = 0; k < d.stage.size(); ++k) {
+    const StageCost& c = d.stage[k];
+    check_cost("simulate_timed", int(k), "f", c.f);
+    check_cost("simulate_timed", int(k), "i", c.i);
+    check_cost("simulate_timed", int(k), "w", c.w);
+    check_cost("simulate_timed", int(k), "a2a_f", c.a2a_f);
+    check_cost("simulate_timed", int(k), "a2a_b", c.a2a_b);
+  }
+  check_valid(s);
+
+  const StageCost dflt{};
+  auto cost = [&](int stage) -> const StageCost& { return d.stage.empty() ? dflt : d.stage[size_t(stage)]; };
+  auto duration = [&](const Action& a) -> double {
+    switch (a.op) {
+      case Op::F: return cost(a.stage).f + cost(a.stage).a2a_f;
+      case Op::I: return cost(a.stage).i + cost(a.stage).a2a_b;
+      case Op::B: return cost(a.stage).i + cost(a.stage).w + cost(a.stage).a2a_b;
+      case Op::W: return cost(a.stage).w;
+      case Op::FB: {
+        const StageCost& cf = cost(a.stage);
+        const StageCost& cb = cost(a.stage2);
+        const double b = a.op2 == Op::B ? cb.i + cb.w : cb.i;
+        return std::max(cf.f + b, cf.a2a_f + cb.a2a_b);
+      }
+      default: return 0;
+    }
+  };
+
+  TimedResult res;
+  res.ranks.resize(size_t(s.pp));
+  std::vector<std::vector<TimedOp>> ops(size_t(s.pp));
+  std::vector<double> clock(size_t(s.pp), 0.0);
+  std::vector<size_t> pc(size_t(s.pp), 0);
+  const size_t cells = size_t(s.n_stages) * size_t(s.n_microbatches);
+  auto cell = [&](const detail::Msg& m) {
+    return (size_t(m.stage) * size_t(s.n_microbatches) + size_t(m.mb)) * 2 + (m.fwd ? 1 : 0);
+  };
+  std::vector<double> issued(cells * 2, -1.0);  // SEND issue time per message
+  std::vector<int> waiter(cells * 2, -1);       // rank blocked on a RECV of the message
+  std::vector<int> ready;
+  for (int r = 0; r < s.pp; ++r) {
+    ready.push_back(r);
+    ops[size_t(r)].reserve(s.actions[size_t(r)].size());
+  }
+
+  // Runs rank r until it blocks or finishes; returns ranks woken by its SENDs through `ready`.
+  while (!ready.empty()) {
+    const int r = ready.back();
+    ready.pop_back();
+    const auto& row = s.actions[size_t(r)];
+    double& t = clock[size_t(r)];
+    while (pc[size_t(r)] < row.size()) {
+      const size_t idx = pc[size_t(r)];
+      const Action& a = row[idx];
+      TimedOp op{r, int(idx), a, t, t};
+      if (is_compute(a.op)) {
+        op.end = t + duration(a);
+        res.ranks[size_t(r)].busy += op.end - op.start;
+      } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
+        const size_t c = cell(detail::msg_of(a));
+        issued[c] = t;
+        if (waiter[c] >= 0) {
+          ready.push_back(waiter[c]);
+          waiter[c] = -1;
+        }
+      } else {
+        const size_t c = cell(detail::msg_of(a));
+        if (issued[c] < 0) {
+          waiter[c] = r;
+          break;
+        }
+        op.end = std::max(t, issued[c] + d.p2p);
+      }
+      t = op.end;
+      ops[size_t(r)].push_back(op);
+      ++pc[size_t(r)];
+    }
+  }
+  for (int r = 0; r < s.pp; ++r)
+    MT_CHECK(pc[size_t(r)] == s.actions[size_t(r)].size(), "schedule", "simulate_timed: internal error: rank ", r,
+             " stopped at action ", pc[size_t(r)], " of a validated schedule");
+
+  double total_busy = 0;
+  for (int r = 0; r < s.pp; ++r) res.step_time = std::max(res.step_time, clock[size_t(r)]);
+  for (int r = 0; r < s.pp; ++r) {
+    RankStats& rs = res.ranks[size_t(r)];
+    rs.rank = r;
+    rs.bubble_ratio = res.step_time > 0 ? 1.0 - rs.busy / res.step_time : 0.0;
+    total_busy += rs.busy;
+    int live = 0;
+    for (const Action& a : s.actions[size_t(r)]) {
+      Action h[2];
+      if (!is_compute(a.op)) continue;
+      const int nh = detail::halves(a, h);
+      for (int k = 0; k < nh; ++k) {
+        if (h[k].op == Op::F) ++live;
+        rs.peak_inflight = std::max(rs.peak_inflight, live);
+      }
+      for (int k = 0; k < nh; ++k)
+        if (h[k].op == Op::B || h[k].op == Op::W) --live;
+    }
+    const auto owned = std::count(s.stage_rank.begin(), s.stage_rank.end(), r);
+    rs.peak_inflight_microbatches = double(rs.peak_inflight) / double(std::max<int64_t>(owned, 1));
+  }
+  res.bubble_ratio = res.step_time > 0 ? 1.0 - total_busy / (double(s.pp) * res.step_time) : 0.0;
+  res.steps = detail::lockstep(s, nullptr, nullptr).steps;
+  for (auto& row : ops) res.ops.insert(res.ops.end(), row.begin(), row.end());
+  return res;
+}
+
+}  // namespace moetron::sched
