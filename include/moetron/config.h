@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "moetron/check.h"
+#include "moetron/pp_layout.h"
+#include "moetron/schedule.h"
 #include "moetron/spec.h"
 
 namespace moetron {
@@ -81,12 +83,20 @@ struct ParallelSpec {
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
   int64_t ep = 1;
-  int64_t pp = 1;  // reserved: pipeline generators come later
+  int64_t pp = 1;  // pipeline ranks; the trainer runs pp = 1 only, the pp_* keys are validated (resolve_pipeline)
   int64_t ranks_per_node = 8;
   EpDispatcher ep_dispatcher = EpDispatcher::AllToAll;
   bool fp8_dispatch = false;
-  int64_t zero = 0;             // 0, 1 or 3
-  std::string pipeline_layout;  // reserved, e.g. "Et*3|t*4|...|t*2,L"
+  int64_t zero = 0;  // 0, 1 or 3
+  // Pipeline (schedule.h, pp_layout.h). pp_schedule names the generator: gpipe, 1f1b, interleaved_1f1b, zb1p,
+  // zbv or dualpipev. pp_schedule_csv (a path) replaces the generator by a user's schedule.
+  std::string pp_schedule = "1f1b";
+  int64_t pp_virtual_stages = 0;  // stages per rank; 0 = from pp_layout or the CSV, else the schedule's default
+  int64_t pp_microbatches = 0;    // per optimizer step; 0 = global_batch_size / (micro_batch_size * dp)
+  std::string pp_layout;          // Megatron's grammar, e.g. "Et*3|t*4|t*4|t*2L"; "" = even split
+  std::string pp_schedule_csv;
+  int64_t pp_first_stage_less_layers = 0;  // even split: layer-equivalents the embedding counts for
+  int64_t pp_last_stage_less_layers = 0;   // even split: layer-equivalents the head + loss count for
   int64_t dp() const { return dp_replicate * dp_shard; }
   int64_t world_size() const { return dp() * pp; }
   bool operator==(const ParallelSpec&) const = default;
@@ -149,6 +159,28 @@ template <class V, class... A>
   (os << ... << why);
   throw Error(os.str());
 }
+
+// The pipeline the [parallelism] keys describe, resolved and checked (JobConfig::validate calls this; tools
+// such as `moetron schedule` use the result). Throws "invalid config: parallelism.<key> = <value>: <why>".
+//   - stages per rank: pp_virtual_stages if > 0, else the layout's (or the CSV's) stage count / pp, else the
+//     schedule's default (2 for interleaved_1f1b, zbv and dualpipev, 1 otherwise);
+//   - micro-batches: pp_microbatches if > 0 (it must then equal global_batch_size / (micro_batch_size * dp)),
+//     else that quotient;
+//   - the layout: pp_layout parsed for n_layers and pp * stages per rank stages, or the even split with the
+//     two less-layers keys (which a pp_layout makes meaningless: setting both is an error);
+//   - the schedule: sched::check_spec of the generator's spec, or, with pp_schedule_csv, the CSV read and
+//     checked by sched::check_valid, with pp rows, pp * stages per rank stages and the job's micro-batches.
+// Stages are placed on ranks the schedule's way: the V placement for zbv / dualpipev, the CSV's own
+// placement for a CSV, stage s on rank s mod pp otherwise.
+struct PipelineSetup {
+  int stages_per_rank = 1;
+  int64_t microbatches = 1;
+  sched::GenSpec spec;        // the generator's input (schedule name, pp, vpp, micro-batches)
+  sched::PpLayout layout;     // layers per stage and stage -> rank
+  bool from_csv = false;
+  sched::Schedule csv;        // from_csv: the user's schedule as read (validated)
+};
+PipelineSetup resolve_pipeline(const JobConfig& c);
 
 // Load a TOML file, apply overrides (each "--section.key=value" or "section.key=value"), resolve and
 // validate. Errors name the file and line (when known), the key, and a suggestion for unknown keys.

@@ -254,7 +254,14 @@ const std::vector<Field>& fields() {
                      {"alltoall", "sync_free", "hierarchical"}));
     t.push_back(MT_F("parallelism", "fp8_dispatch", parallelism.fp8_dispatch));
     t.push_back(MT_F("parallelism", "zero", parallelism.zero));
-    t.push_back(MT_F("parallelism", "pipeline_layout", parallelism.pipeline_layout));
+    t.push_back(MT_E("parallelism", "pp_schedule", parallelism.pp_schedule,
+                     {"gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"}));
+    t.push_back(MT_F("parallelism", "pp_virtual_stages", parallelism.pp_virtual_stages));
+    t.push_back(MT_F("parallelism", "pp_microbatches", parallelism.pp_microbatches));
+    t.push_back(MT_F("parallelism", "pp_layout", parallelism.pp_layout));
+    t.push_back(MT_F("parallelism", "pp_schedule_csv", parallelism.pp_schedule_csv));
+    t.push_back(MT_F("parallelism", "pp_first_stage_less_layers", parallelism.pp_first_stage_less_layers));
+    t.push_back(MT_F("parallelism", "pp_last_stage_less_layers", parallelism.pp_last_stage_less_layers));
     // [checkpoint]
     t.push_back(MT_F("checkpoint", "enable", checkpoint.enable));
     t.push_back(MT_F("checkpoint", "interval", checkpoint.interval));
@@ -324,6 +331,9 @@ constexpr RetiredKey kRetired[] = {
     {"training.dtype",
      "was retired: it only reached the accounting. Use training.compute_dtype = \"auto\" | \"bf16\" | \"fp32\" "
      "(FP8 training will be configured in its own section)"},
+    {"parallelism.pipeline_layout",
+     "was retired: use parallelism.pp_layout, in Megatron's layout grammar (e.g. \"Et*3|t*4|t*4|t*2L\": E embedding, "
+     "t decoder layer, L loss, | between stages)"},
 };
 
 std::string unknown_key_text(const std::string& name) {
@@ -755,7 +765,17 @@ JobConfig config_from_json(const nlohmann::json& j) {
 
 void JobConfig::resolve() {
   model.resolve();
-  if (training.global_batch_size == 0) training.global_batch_size = training.micro_batch_size * parallelism.dp();
+  auto& t = training;
+  const auto& p = parallelism;
+  if (t.global_batch_size == 0 && p.pp_microbatches > 0) {
+    // Derived from the pipeline's micro-batch count; left 0 on overflow (validate() then names the keys).
+    int64_t dp = 0, g = 0;
+    if (!__builtin_mul_overflow(p.dp_replicate, p.dp_shard, &dp) && !__builtin_mul_overflow(t.micro_batch_size, dp, &g) &&
+        !__builtin_mul_overflow(g, p.pp_microbatches, &g))
+      t.global_batch_size = g;
+  } else if (t.global_batch_size == 0) {
+    t.global_batch_size = t.micro_batch_size * p.dp();
+  }
 }
 
 void JobConfig::validate() const {
@@ -763,6 +783,14 @@ void JobConfig::validate() const {
 
   const auto& t = training;
   const auto& p = parallelism;
+  // pp_microbatches may have derived global_batch_size (resolve): name it before the batch's own limits do.
+  if (p.pp_microbatches < 0 || p.pp_microbatches > (int64_t(1) << 20))
+    invalid_config("parallelism.pp_microbatches", p.pp_microbatches, "must be in [0, 2^20] (0 = global_batch_size / "
+        "(micro_batch_size * dp))");
+  if (t.global_batch_size == 0 && p.pp_microbatches > 0 && t.micro_batch_size > 0 && p.dp_replicate > 0 && p.dp_shard > 0)
+    invalid_config("parallelism.pp_microbatches", p.pp_microbatches, "training.global_batch_size = micro_batch_size * "
+        "dp_replicate * dp_shard * pp_microbatches = ", t.micro_batch_size, " * ", p.dp_replicate, " * ", p.dp_shard,
+        " * ", p.pp_microbatches, " overflows int64");
   check_size_limits(*this);  // first: nothing below may multiply or loop on an absurd value (memcheck.h)
   if (p.dp_replicate < 1) invalid_config("parallelism.dp_replicate", p.dp_replicate, "must be >= 1");
   if (p.dp_shard < 1) invalid_config("parallelism.dp_shard", p.dp_shard, "must be >= 1");
@@ -795,7 +823,6 @@ void JobConfig::validate() const {
 
   if (p.ep < 1) invalid_config("parallelism.ep", p.ep, "must be >= 1");
   if (p.pp < 1) invalid_config("parallelism.pp", p.pp, "must be >= 1");
-  if (p.pp > model.n_layers) invalid_config("parallelism.pp", p.pp, "more pipeline stages than layers (", model.n_layers, ")");
   if (p.ep > 1 && !model.is_moe()) invalid_config("parallelism.ep", p.ep, "expert parallelism needs a MoE model");
   if (p.ep > 1 && model.moe.n_routed_experts % p.ep != 0)
     invalid_config("parallelism.ep", p.ep, "must divide model.n_routed_experts (", model.moe.n_routed_experts, ")");
@@ -831,6 +858,8 @@ void JobConfig::validate() const {
   if (!(metrics.peak_tflops >= 0)) invalid_config("metrics.peak_tflops", metrics.peak_tflops, "must be >= 0 (0 = measure)");
   if (hardware.num_nodes < 0) invalid_config("hardware.num_nodes", hardware.num_nodes, "must be >= 0");
   if (hardware.gpus_per_node < 0) invalid_config("hardware.gpus_per_node", hardware.gpus_per_node, "must be >= 0");
+
+  resolve_pipeline(*this);  // the pp_* keys: layout, schedule preconditions, a user's CSV (config_pipeline.cpp)
 }
 
 }  // namespace moetron

@@ -159,7 +159,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
   const Comm world = opt.comm ? *opt.comm : comm_world();
   const DeviceMesh mesh(cfg.parallelism, world.size(), ms.is_moe() ? ms.moe.n_routed_experts : 0);
   MT_CHECK(mesh.pp() == 1, "train", "parallelism.pp = ", mesh.pp(),
-           ": pipeline parallelism is not implemented in the trainer yet (use pp = 1)");
+           ": pipeline parallelism is not implemented in the trainer yet (use pp = 1). The [parallelism] pp_schedule, "
+           "pp_virtual_stages, pp_microbatches, pp_layout and pp_schedule_csv keys are validated with the config, and "
+           "`moetron schedule show` simulates pipeline schedules");
   MT_CHECK(mesh.ep() > 1 || !cfg.parallelism.fp8_dispatch, "train",
            "parallelism.fp8_dispatch = true needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
   MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_dispatcher == EpDispatcher::AllToAll, "train",

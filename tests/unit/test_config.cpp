@@ -130,7 +130,7 @@ TEST(Config, ConfigKeysAreUniqueAndCoverEverySection) {
   EXPECT_EQ(secs, (std::set<std::string>{"job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
                                          "checkpoint", "activation_checkpoint", "metrics", "hardware"}));
   for (const char* k : {"model.q_lora_rank", "model.dense_layers", "model.drop_policy", "parallelism.fp8_dispatch",
-                        "parallelism.pipeline_layout", "activation_checkpoint.modules", "metrics.peak_tflops"})
+                        "parallelism.pp_layout", "activation_checkpoint.modules", "metrics.peak_tflops"})
     EXPECT_TRUE(uniq.count(k)) << k;
 }
 
@@ -332,7 +332,9 @@ TEST(Config, ImpossibleValuesNameTheKey) {
        "parallelism.ep = 3: must divide model.n_routed_experts (4)"},
       {{"--parallelism.ep=2"}, "parallelism.ep = 2: must divide dp_replicate * dp_shard (1)"},
       {{"--parallelism.zero=2"}, "parallelism.zero = 2: must be 0, 1 or 3"},
-      {{"--parallelism.pp=3"}, "parallelism.pp = 3: more pipeline stages than layers (2)"},
+      {{"--parallelism.pp=3", "--training.global_batch_size=6"},
+       "parallelism.pp = 3: cannot split model.n_layers = 2 over pp * stages per rank = 3 * 1 = 3 stages: only 2 "
+       "layer-equivalents"},
       {{"--activation_checkpoint.mode=selective"}, "activation_checkpoint.modules = []: selective mode needs"},
       {{"--activation_checkpoint.mode=selective", "--activation_checkpoint.modules=[attn]"},
        "activation_checkpoint.modules = \"attn\": expected attention_core, moe_act or norm"},
@@ -460,6 +462,229 @@ TEST(Config, MemoryCheckKeyDefaultsOnAndRoundTrips) {
   auto keys = config_keys();
   EXPECT_NE(std::find(keys.begin(), keys.end(), "training.memory_check"), keys.end());
   EXPECT_HAS(load_error(kTiny, {"--training.memory_check=maybe"}), "training.memory_check: expected boolean");
+}
+
+// ---- [parallelism] pipeline keys ----------------------------------------------------------------------
+
+namespace {
+// A schedule CSV in the temp directory (one row per pipeline rank).
+std::string write_csv(const std::string& name, const std::string& text) {
+  const fs::path p = fs::temp_directory_path() / ("moetron_test_config_" + name + ".csv");
+  std::ofstream(p) << text;
+  return p.string();
+}
+}  // namespace
+
+TEST(ConfigPipeline, KeysDefaultParseAndRoundTrip) {
+  JobConfig c = load_config_string(kTiny);
+  const auto& p = c.parallelism;
+  EXPECT_EQ(p.pp_schedule, "1f1b");
+  EXPECT_EQ(p.pp_virtual_stages, 0);
+  EXPECT_EQ(p.pp_microbatches, 0);
+  EXPECT_EQ(p.pp_layout, "");
+  EXPECT_EQ(p.pp_schedule_csv, "");
+  EXPECT_EQ(p.pp_first_stage_less_layers, 0);
+  EXPECT_EQ(p.pp_last_stage_less_layers, 0);
+  const std::string t = to_toml(c);
+  EXPECT_HAS(t, "zero = 0\npp_schedule = \"1f1b\"\npp_virtual_stages = 0\npp_microbatches = 0\npp_layout = \"\"\n"
+                "pp_schedule_csv = \"\"\npp_first_stage_less_layers = 0\npp_last_stage_less_layers = 0\n");
+  EXPECT_EQ(t.find("pipeline_layout"), std::string::npos);
+  // Defaults: one stage with everything, micro-batches = global_batch_size / (micro_batch_size * dp) = 4 / 2.
+  PipelineSetup d = resolve_pipeline(c);
+  EXPECT_EQ(d.stages_per_rank, 1);
+  EXPECT_EQ(d.microbatches, 2);
+  EXPECT_EQ(d.spec.schedule, "1f1b");
+  EXPECT_EQ(d.spec.pp, 1);
+  EXPECT_EQ(d.spec.vpp, 1);
+  EXPECT_EQ(d.spec.microbatches, 2);
+  EXPECT_FALSE(d.from_csv);
+  EXPECT_EQ(d.layout.to_string(), "EttL");
+
+  JobConfig o = load_config_string(kTiny, {"--model.n_layers=8", "--parallelism.pp=2",
+                                           "--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
+                                           "--parallelism.pp_microbatches=2", "--parallelism.pp_layout=Et*2|t*2|t*2|t*2L"});
+  EXPECT_EQ(o.parallelism.pp_schedule, "interleaved_1f1b");
+  EXPECT_EQ(o.parallelism.pp_virtual_stages, 2);
+  EXPECT_EQ(o.parallelism.pp_microbatches, 2);
+  EXPECT_EQ(o.parallelism.pp_layout, "Et*2|t*2|t*2|t*2L");
+  EXPECT_EQ(load_config_string(to_toml(o)), o);
+  EXPECT_EQ(config_from_json(to_json(o)), o);
+  PipelineSetup s = resolve_pipeline(o);
+  EXPECT_EQ(s.stages_per_rank, 2);
+  EXPECT_EQ(s.layout.to_string(), "Ett|tt|tt|ttL");
+  EXPECT_EQ(s.layout.stage_rank, (std::vector<int>{0, 1, 0, 1}));
+  o = load_config_string(kTiny, {"--parallelism.pp_first_stage_less_layers=1", "--parallelism.pp_last_stage_less_layers=1"});
+  EXPECT_EQ(o.parallelism.pp_first_stage_less_layers, 1);
+  EXPECT_EQ(o.parallelism.pp_last_stage_less_layers, 1);
+  EXPECT_EQ(load_config_string(to_toml(o)), o);
+
+  // The enum accepts exactly the generators' names.
+  std::string names;
+  for (const auto& n : sched::schedule_names()) {
+    JobConfig x;
+    apply_override(x, "--parallelism.pp_schedule=" + n);
+    EXPECT_EQ(x.parallelism.pp_schedule, n);
+    names += (names.empty() ? "" : "|") + n;
+  }
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.pp_schedule=1F1B"}),
+             "parallelism.pp_schedule: expected one of " + names + ", got '1F1B'");
+}
+
+TEST(ConfigPipeline, RetiredPipelineLayoutNamesPpLayout) {
+  std::string m = load_error("[parallelism]\npipeline_layout = \"Et|tL\"\n");
+  EXPECT_HAS(m, "test.toml:2: key 'parallelism.pipeline_layout' was retired: use parallelism.pp_layout");
+  JobConfig c;
+  m = error_of([&] { apply_override(c, "--parallelism.pipeline_layout=EtL"); });
+  EXPECT_HAS(m, "key 'parallelism.pipeline_layout' was retired: use parallelism.pp_layout");
+}
+
+TEST(ConfigPipeline, StagesPerRankAndPlacementResolve) {
+  const std::vector<std::string> base = {"--model.n_layers=8", "--parallelism.pp=2"};
+  auto setup = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), base.begin(), base.end());
+    return resolve_pipeline(load_config_string(kTiny, more));
+  };
+  PipelineSetup s = setup({});  // 1f1b: 1 stage per rank, even split 4 + 4
+  EXPECT_EQ(s.stages_per_rank, 1);
+  EXPECT_EQ(s.layout.to_string(), "Etttt|ttttL");
+  s = setup({"--parallelism.pp_schedule=interleaved_1f1b"});  // default 2 stages per rank, loop placement
+  EXPECT_EQ(s.stages_per_rank, 2);
+  EXPECT_EQ(s.layout.to_string(), "Ett|tt|tt|ttL");
+  EXPECT_EQ(s.layout.stage_rank, (std::vector<int>{0, 1, 0, 1}));
+  s = setup({"--parallelism.pp_schedule=zbv"});  // V placement
+  EXPECT_EQ(s.stages_per_rank, 2);
+  EXPECT_EQ(s.layout.stage_rank, (std::vector<int>{0, 1, 1, 0}));
+  // A layout fixes the stages per rank when pp_virtual_stages is 0: 6 stages on 2 ranks = 3.
+  s = setup({"--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_layout=Et|t|t|tt|tt|tL"});
+  EXPECT_EQ(s.stages_per_rank, 3);
+  EXPECT_EQ(s.spec.vpp, 3);
+  EXPECT_EQ(s.layout.layers(3), (std::vector<int>{3, 4}));
+  // ... and must agree with it when it is given.
+  std::string m = load_error(kTiny, {"--model.n_layers=8", "--parallelism.pp=2", "--parallelism.pp_schedule=interleaved_1f1b",
+                                     "--parallelism.pp_virtual_stages=2", "--parallelism.pp_layout=Et|t|t|tt|tt|tL"});
+  EXPECT_HAS(m, "invalid config: parallelism.pp_layout = \"Et|t|t|tt|tt|tL\": has 6 stages, pp * stages per rank = "
+                "2 * 2 = 4");
+  // The less-layers options shape the even split: e = 8 + 1 + 1 = 10 over 2 stages, 5 each, minus 1 at each end.
+  s = setup({"--parallelism.pp_first_stage_less_layers=1", "--parallelism.pp_last_stage_less_layers=1"});
+  EXPECT_EQ(s.layout.to_string(), "Etttt|ttttL");
+  s = setup({"--parallelism.pp_first_stage_less_layers=2"});  // e = 10: stage 0 = 5 - 2 = 3 layers
+  EXPECT_EQ(s.layout.to_string(), "Ettt|tttttL");
+}
+
+TEST(ConfigPipeline, MicrobatchesDeriveOrDefineTheGlobalBatch) {
+  EXPECT_EQ(resolve_pipeline(load_config_string(kTiny)).microbatches, 2);  // 4 / (2 * 1)
+  std::string t = kTiny;
+  t.replace(t.find("global_batch_size = 4"), 21, "");
+  JobConfig c = load_config_string(t, {"--parallelism.pp_microbatches=4", "--parallelism.dp_shard=2"});
+  EXPECT_EQ(c.training.global_batch_size, 16);  // micro_batch_size 2 * dp 2 * 4 micro-batches
+  EXPECT_EQ(resolve_pipeline(c).microbatches, 4);
+  EXPECT_EQ(load_error(kTiny, {"--parallelism.pp_microbatches=2"}), "");
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.pp_microbatches=3"}),
+             "test.toml: invalid config: parallelism.pp_microbatches = 3: must equal training.global_batch_size / "
+             "(micro_batch_size * dp) = 4 / (2 * 1) = 2");
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.pp_microbatches=-1"}), "parallelism.pp_microbatches = -1: must be in [0, 2^20]");
+  EXPECT_HAS(load_error(t, {"--parallelism.pp_microbatches=1000000000000"}),
+             "parallelism.pp_microbatches = 1000000000000: must be in [0, 2^20]");
+  EXPECT_HAS(load_error(t, {"--parallelism.pp_microbatches=1000000", "--training.micro_batch_size=16777216",
+                            "--parallelism.dp_shard=1048576"}),
+             "parallelism.pp_microbatches = 1000000: training.global_batch_size = micro_batch_size * dp_replicate * "
+             "dp_shard * pp_microbatches = 16777216 * 1 * 1048576 * 1000000 overflows int64");
+}
+
+TEST(ConfigPipeline, BadValuesNameTheKey) {
+  struct Case {
+    std::vector<std::string> overrides;
+    const char* expect;
+  };
+  const std::vector<Case> cases = {
+      {{"--parallelism.pp_virtual_stages=-1"}, "parallelism.pp_virtual_stages = -1: must be in [0, 1024]"},
+      {{"--parallelism.pp_virtual_stages=2000"}, "parallelism.pp_virtual_stages = 2000: must be in [0, 1024]"},
+      {{"--parallelism.pp_first_stage_less_layers=-1"}, "parallelism.pp_first_stage_less_layers = -1: must be in [0, 2^14]"},
+      {{"--parallelism.pp_last_stage_less_layers=100000"},
+       "parallelism.pp_last_stage_less_layers = 100000: must be in [0, 2^14]"},
+      {{"--parallelism.pp_layout=EttL", "--parallelism.pp_first_stage_less_layers=1"},
+       "parallelism.pp_first_stage_less_layers = 1: applies to the even split only, but parallelism.pp_layout = "
+       "\"EttL\" places every layer"},
+      {{"--parallelism.pp_layout=Et|x"}, "parallelism.pp_layout = \"Et|x\": unknown character 'x' at position 4"},
+      {{"--parallelism.pp_layout=E(t|tL"}, "parallelism.pp_layout = \"E(t|tL\": unbalanced parentheses: '(' at position 2"},
+      {{"--parallelism.pp_layout=Et*0|tL"}, "parallelism.pp_layout = \"Et*0|tL\": bad repeat count: *0 at position 3"},
+      {{"--parallelism.pp=2", "--parallelism.pp_layout=Ettt|tL"},
+       "parallelism.pp_layout = \"Ettt|tL\": has 4 decoder layers, model.n_layers = 2"},
+      {{"--parallelism.pp=2", "--parallelism.pp_layout=tE|tL"},
+       "parallelism.pp_layout = \"tE|tL\": E (embedding) at position 2 must be the first item of stage 0"},
+      {{"--parallelism.pp=2", "--parallelism.pp_layout=EtL|t"},
+       "parallelism.pp_layout = \"EtL|t\": L (loss) at position 3 must be the last item of the last stage (stage 1)"},
+      {{"--parallelism.pp=2", "--parallelism.pp_layout=Et|t|L"},
+       "parallelism.pp_layout = \"Et|t|L\": has 3 stages, not divisible by pp = 2"},
+      {{"--parallelism.pp=3", "--training.global_batch_size=6"},
+       "parallelism.pp = 3: cannot split model.n_layers = 2 over pp * stages per rank = 3 * 1"},
+      {{"--parallelism.pp=2", "--parallelism.pp_first_stage_less_layers=3"},
+       "parallelism.pp_first_stage_less_layers = 3 exceeds the 2 layer-equivalents of a stage (5 over 2 stages)"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.overrides.back());
+    std::string m = load_error(kTiny, c.overrides);
+    EXPECT_HAS(m, c.expect);
+    EXPECT_HAS(m, "test.toml: invalid config: ");
+    EXPECT_EQ(m.find(".cpp:"), std::string::npos) << m;  // keys and values, not source locations
+  }
+  // A layout may leave a middle stage empty, and pp may then exceed n_layers.
+  EXPECT_EQ(load_error(kTiny, {"--parallelism.pp=4", "--parallelism.pp_layout=Et||t|L", "--training.global_batch_size=8"}),
+            "");
+}
+
+TEST(ConfigPipeline, SchedulePreconditionsSurfaceThroughValidation) {
+  // 1f1b on 2 ranks needs at least 2 micro-batches; global 2 / (micro 2 * dp 1) = 1.
+  std::string m = load_error(kTiny, {"--parallelism.pp=2", "--training.global_batch_size=2"});
+  EXPECT_HAS(m, "test.toml: invalid config: parallelism.pp_schedule = 1f1b: ");
+  EXPECT_HAS(m, "(pp = 2, stages per rank = 1 by default, micro-batches = 1 = global_batch_size / "
+                "(micro_batch_size * dp))");
+  EXPECT_EQ(m.find(".cpp:"), std::string::npos) << m;
+  // V schedules need exactly 2 stages per rank.
+  m = load_error(kTiny, {"--model.n_layers=8", "--parallelism.pp=2", "--parallelism.pp_schedule=zbv",
+                         "--parallelism.pp_virtual_stages=3", "--training.global_batch_size=8"});
+  EXPECT_HAS(m, "invalid config: parallelism.pp_schedule = zbv: ");
+  EXPECT_HAS(m, "stages per rank = 3 from pp_virtual_stages, micro-batches = 4");
+  // The same job with the schedule's own default passes.
+  EXPECT_EQ(load_error(kTiny, {"--model.n_layers=8", "--parallelism.pp=2", "--parallelism.pp_schedule=zbv",
+                               "--training.global_batch_size=8"}),
+            "");
+}
+
+TEST(ConfigPipeline, ScheduleCsvIsReadAndValidated) {
+  // pp 1, 2 micro-batches (kTiny): one rank computes F then B for each.
+  const std::string ok = write_csv("ok", "0F0,0F1,0B0,0B1\n");
+  JobConfig c = load_config_string(kTiny, {"--parallelism.pp_schedule_csv=" + ok});
+  EXPECT_EQ(c.parallelism.pp_schedule_csv, ok);
+  PipelineSetup s = resolve_pipeline(c);
+  EXPECT_TRUE(s.from_csv);
+  EXPECT_EQ(s.csv.n_microbatches, 2);
+  EXPECT_EQ(s.layout.stage_rank, std::vector<int>{0});
+  EXPECT_EQ(load_config_string(to_toml(c)), c);
+
+  auto err = [](const std::string& path, std::vector<std::string> more = {}) {
+    more.push_back("--parallelism.pp_schedule_csv=" + path);
+    return load_error(kTiny, more);
+  };
+  std::string m = err("/nonexistent/dir/s.csv");
+  EXPECT_HAS(m, "test.toml: invalid config: parallelism.pp_schedule_csv = \"/nonexistent/dir/s.csv\": cannot open "
+                "schedule CSV '/nonexistent/dir/s.csv'");
+  EXPECT_EQ(m.find(".cpp:"), std::string::npos) << m;
+  const std::string bad = write_csv("bad", "0F0,0Q1\n");
+  m = err(bad);
+  EXPECT_HAS(m, "parallelism.pp_schedule_csv = \"" + bad + "\": " + bad + ": CSV row 1, column 2");
+  EXPECT_EQ(m.find(".cpp:"), std::string::npos) << m;
+  m = err(ok, {"--model.n_layers=8", "--parallelism.pp=2"});
+  EXPECT_HAS(m, "parallelism.pp_schedule_csv = \"" + ok + "\": has 1 rows (one per pipeline rank), parallelism.pp = 2");
+  const std::string one_mb = write_csv("one_mb", "0F0,0B0\n");
+  EXPECT_HAS(err(one_mb), "runs 1 micro-batches, the job has 2 per optimizer step");
+  m = err(ok, {"--parallelism.pp_virtual_stages=2"});
+  EXPECT_HAS(m, "has 1 stages, pp * stages per rank = 1 * 2 = 2 (pp_virtual_stages)");
+  const std::string order = write_csv("order", "0F0,0B1,0F1,0B0\n");  // B of micro-batch 1 before its F
+  m = err(order);
+  EXPECT_HAS(m, "parallelism.pp_schedule_csv = \"" + order + "\": schedule 'csv' is invalid: rank 0, action 1 '0B1': "
+                "no F for stage 0 mb 1 before it");
+  EXPECT_EQ(m.find(".cpp:"), std::string::npos) << m;
 }
 
 // ---- HF config.json ---------------------------------------------------------------------------------
