@@ -170,6 +170,14 @@ Schedule from_csv(std::string_view text) {
       if (is_comm(a.op)) s.lowered = true;
     }
   MT_CHECK(max_stage >= 0, "schedule", "CSV has no actions");
+  // Every stage and micro-batch needs at least one compute action, so ids beyond that count cannot be valid;
+  // refusing them here keeps a stray huge id from sizing the placement table.
+  int64_t n_compute = 0;
+  for (const auto& row : s.actions)
+    for (const auto& a : row) n_compute += is_compute(a.op) ? 1 : 0;
+  MT_CHECK(int64_t(max_stage) < n_compute && int64_t(max_mb) < n_compute, "schedule", "CSV names stage ", max_stage,
+           " and micro-batch ", max_mb, " but has only ", n_compute,
+           " compute actions: stage and micro-batch ids count from 0 with no gaps");
   s.n_stages = max_stage + 1;
   s.n_microbatches = max_mb + 1;
   MT_CHECK(s.n_stages % s.pp == 0, "schedule", "CSV names ", s.n_stages, " stages on ", s.pp,

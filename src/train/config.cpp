@@ -336,6 +336,12 @@ constexpr RetiredKey kRetired[] = {
      "t decoder layer, L loss, | between stages)"},
 };
 
+bool is_retired(const std::string& name) {
+  for (const auto& r : kRetired)
+    if (name == r.name) return true;
+  return false;
+}
+
 std::string unknown_key_text(const std::string& name) {
   for (const auto& r : kRetired)
     if (name == r.name) return "key '" + name + "' " + r.why;
@@ -708,6 +714,9 @@ JobConfig config_from_json(const nlohmann::json& j) {
     if (!body.is_object()) unknown_key("config JSON", 0, sec);
     for (const auto& [key, v] : body.items()) {
       const Field* f = find_field(sec, key);
+      // A stored config (a checkpoint's) may carry keys retired since it was written: they are skipped, so an
+      // old checkpoint still loads. Only keys that never existed are errors.
+      if (!f && is_retired(sec + "." + key)) continue;
       if (!f) unknown_key("config JSON", 0, sec + "." + key);
       const std::string ctx = "config JSON: ";
       auto wrong = [&]() { return Error(ctx + f->full() + ": expected " + kind_name(f->kind) + ", got " + v.type_name()); };

@@ -79,7 +79,8 @@ TEST(ScheduleText, BadCsvNamesRowAndColumn) {
   EXPECT_NE(error_of([] { from_csv("0F0,0F1\n1F0,1Q1\n"); }).find("CSV row 2, column 2"), std::string::npos);
   EXPECT_NE(error_of([] { from_csv("\n\n"); }).find("no rows"), std::string::npos);
   EXPECT_NE(error_of([] { from_csv("0F0,2F0\n1F0\n"); }).find("3 stages on 2 ranks"), std::string::npos);
-  EXPECT_NE(error_of([] { from_csv("0F0,3F0\n2F0\n"); }).find("no rank computes stage 1"), std::string::npos);
+  EXPECT_NE(error_of([] { from_csv("0F0,3F0,0B0\n2F0,2B0\n"); }).find("no rank computes stage 1"), std::string::npos);
+  EXPECT_NE(error_of([] { from_csv("0F0,999999999F0\n"); }).find("only 2 compute actions"), std::string::npos);
   EXPECT_NE(error_of([] { read_csv_file("/no/such/schedule.csv"); }).find("/no/such/schedule.csv"),
             std::string::npos);
 }
