@@ -178,6 +178,13 @@ double seconds(F&& f) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Tuning experiments without a rebuild: MOETRON_BENCH_GG_MT sets the M-grouped rows per work item
+// (gg::tuning().mt) for this process only.
+const bool kTuningFromEnv = [] {
+  if (const char* v = std::getenv("MOETRON_BENCH_GG_MT")) gg::tuning().mt = std::atoll(v);
+  return true;
+}();
+
 // Grouped op, timed by the framework. Before that, kRounds alternating rounds of (dense, loop, grouped) calls:
 // the best of each gives same-moment ratios vs_dense = t(dense) / t(grouped) and vs_loop = t(loop) / t(grouped),
 // which survive a shared, noisy machine better than ratios of separately run benchmarks.
