@@ -130,7 +130,7 @@ struct Plan {
 Plan plan_mgrouped(int64_t n_out) {
   const gg::Tuning& tu = gg::tuning();
   Plan p;
-  p.mt = tu.mt;
+  p.mt = active_isa() == Isa::Avx2 ? tu.mt_avx2 : tu.mt;
   p.nt = std::min<int64_t>(round_up(std::max<int64_t>(n_out, 1), kPanel), tu.nt);
   return p;
 }

@@ -37,6 +37,7 @@ struct Tuning {
   bool strip_pf_avx2 = true;   // ... and prefetch the next panel while the current one computes
   bool widen_a_avx2 = true;    // AVX2 bf16: widen each K block of A to fp32 once per tile (not per strip)
   int64_t mt = 96;        // M-grouped: rows per work item
+  int64_t mt_avx2 = 192;  // the same for the AVX2 kernel (each item reads its expert's weights: fewer reads)
   int64_t nt = 512;       // M-grouped: max columns per work item (multiple of 64)
   int64_t wmt = 512;      // wgrad: rows of dW[e] per work item
   int64_t wnt = 512;      // wgrad fp32: max columns per work item (bf16 items cover all N)
