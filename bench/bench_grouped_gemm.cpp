@@ -179,9 +179,9 @@ double seconds(F&& f) {
 }
 
 // Tuning experiments without a rebuild: MOETRON_BENCH_GG_MT sets the M-grouped rows per work item
-// (gg::tuning().mt) for this process only.
+// (gg::tuning().mt and .mt_avx2) for this process only.
 const bool kTuningFromEnv = [] {
-  if (const char* v = std::getenv("MOETRON_BENCH_GG_MT")) gg::tuning().mt = std::atoll(v);
+  if (const char* v = std::getenv("MOETRON_BENCH_GG_MT")) gg::tuning().mt = gg::tuning().mt_avx2 = std::atoll(v);
   return true;
 }();
 
