@@ -15,6 +15,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "../unit/test_util.h"
 #include "moetron/check.h"
 #include "moetron/schedule.h"
 
@@ -23,14 +24,7 @@ using namespace moetron::sched;
 
 namespace {
 
-std::string error_of(auto&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetron::testing::error_of;
 
 std::vector<Action> halves(const Action& a) {
   if (a.op == Op::FB) return {fwd_half(a), bwd_half(a)};

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "../unit/test_util.h"
 #include "moetron/check.h"
 #include "moetron/pp_layout.h"
 
@@ -15,14 +16,7 @@ using namespace moetron;
 using namespace moetron::sched;
 
 namespace {
-std::string error_of(auto&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetron::testing::error_of;
 #define EXPECT_HAS(msg, sub) EXPECT_NE((msg).find(sub), std::string::npos) << "message: " << (msg)
 
 using Strs = std::vector<std::string>;

@@ -2,6 +2,7 @@
 // with a message naming it, CSV rows become ranks with inferred stages and placement. Not the generators.
 #include <gtest/gtest.h>
 
+#include "../unit/test_util.h"
 #include "moetron/check.h"
 #include "moetron/schedule.h"
 
@@ -9,14 +10,7 @@ using namespace moetron;
 using namespace moetron::sched;
 
 namespace {
-std::string error_of(auto&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetron::testing::error_of;
 }  // namespace
 
 TEST(ScheduleText, EveryKindRoundTrips) {
