@@ -720,8 +720,9 @@ TrainResult train(const JobConfig& cfg_in, const TrainOptions& opt) {
                 human_bytes(res.optimizer_peak_bytes).c_str(), human_bytes(res.act_peak_bytes).c_str(),
                 zero3 ? "  (zero = 3: shards + one gathered unit)" : "");
     if (res.unigram_entropy > 0)
-      std::printf("unigram entropy of the training data: %.4f nats/token (final train loss %.2f nats below it)\n",
-                  res.unigram_entropy, res.unigram_entropy - res.final_loss);
+      std::printf("unigram entropy of the training data: %.4f nats/token (final train loss %.2f nats %s it)\n",
+                  res.unigram_entropy, std::fabs(res.unigram_entropy - res.final_loss),
+                  res.final_loss <= res.unigram_entropy ? "below" : "above");
     if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
     std::printf("metrics: %s\n", res.metrics_path.c_str());
     if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
