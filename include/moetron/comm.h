@@ -1,8 +1,9 @@
 // comm.h: Comm, the one narrow communication interface of moetron: rank/size, all_reduce (sum),
-// reduce_scatter, all_gather, all_to_all_v, a capped exchange, send/recv, barrier and split. Two
-// backends: MPI (src/parallel/comm_mpi.cpp, when built with MOETRON_WITH_MPI) and single-process (size 1,
-// collectives are copies). Every call is timed and its bytes counted per op kind (stats()), and can be
-// reported to a trace hook. Not a tensor library and not a scheduler: raw pointers, sizes, blocking calls.
+// reduce_scatter, all_gather, all_to_all_v, a capped exchange, send/recv (blocking and non-blocking),
+// barrier and split. Two backends: MPI (src/parallel/comm_mpi.cpp, when built with MOETRON_WITH_MPI) and
+// single-process (size 1, collectives are copies). Every call is timed and its bytes counted per op kind
+// (stats()), and can be reported to a trace hook. Not a tensor library and not a scheduler: raw pointers,
+// sizes, blocking calls plus non-blocking point-to-point (isend / irecv / wait).
 //
 // Reduction order (all_reduce, reduce_scatter, all_reduce_ordered); this is what parallel-equivalence
 // tests can rely on:
@@ -22,6 +23,16 @@
 // reduce_scatter its input; all_gather / all_to_all_v / exchange what this rank contributes; send what is
 // sent; recv what is received) and `wire_bytes` (what this rank itself sends to OTHER ranks for the
 // algorithm used: e.g. all_to_all_v excludes the self block; all_reduce counts both phases).
+//
+// Non-blocking point-to-point (isend / irecv, completed by wait / wait_all). Accounting matches send/recv:
+// an isend counts as one Send call with its bytes (and wire bytes unless sent to itself), an irecv as one Recv
+// call, both when posted; the op's seconds add the time spent posting and the time spent in the wait that
+// completes it (a wait_all's time is shared equally among its requests), not the time the message was in
+// flight while the caller did other work. The trace hook sees one event per request when it completes, from
+// its posting to the end of its wait. Matching follows MPI: between one sender and one receiver, messages
+// with the same tag are received in the order they were sent. The single-process backend loops back to
+// itself: an isend is buffered at once (complete when posted); an irecv completes at once if a message is
+// waiting, else at the next send/isend with its tag; waiting for an irecv nothing can satisfy is refused.
 //
 // Tags: user send/recv tags must be in [0, kCommMaxUserTag]; larger tags are reserved.
 // Thread safety: a Comm is used by one thread at a time (MPI is initialized with MPI_THREAD_FUNNELED).
@@ -72,6 +83,30 @@ namespace detail {
 class CommBackend;
 struct CommState;
 }  // namespace detail
+
+// A posted non-blocking send or receive (Comm::isend / Comm::irecv). Move-only. Complete it exactly once with
+// wait() or wait_all() on the Comm that posted it; until then the buffer must stay valid (and an isend's
+// buffer unchanged). A request dropped while pending stays counted in Comm::pending_requests().
+class CommRequest {
+ public:
+  CommRequest() = default;
+  CommRequest(CommRequest&& o) noexcept : owner_(o.owner_), id_(o.id_) { o.id_ = -1; }
+  CommRequest& operator=(CommRequest&& o) noexcept {
+    owner_ = o.owner_;
+    id_ = o.id_;
+    o.id_ = -1;
+    return *this;
+  }
+  CommRequest(const CommRequest&) = delete;
+  CommRequest& operator=(const CommRequest&) = delete;
+  bool pending() const { return id_ >= 0; }  // posted and not yet waited for
+
+ private:
+  friend class Comm;
+  friend struct detail::CommState;
+  const void* owner_ = nullptr;
+  int64_t id_ = -1;
+};
 
 // A handle (like a shared_ptr: the methods are const, the communicator and its stats are shared by copies).
 // A default-constructed Comm is the single-process communicator (size 1).
@@ -126,6 +161,14 @@ class Comm {
 
   void send(const void* buf, int64_t bytes, int dst, int tag = 0) const;
   void recv(void* buf, int64_t bytes, int src, int tag = 0) const;  // exactly `bytes` must arrive
+  // Non-blocking forms (see above). An irecv checks at completion that exactly `bytes` arrived.
+  CommRequest isend(const void* buf, int64_t bytes, int dst, int tag = 0) const;
+  CommRequest irecv(void* buf, int64_t bytes, int src, int tag = 0) const;
+  // Completes the request(s) and leaves them empty. Refuses an empty request (never posted, or already
+  // completed) and one posted on another communicator, naming its position in the list.
+  void wait(CommRequest& r) const;
+  void wait_all(CommRequest* reqs, size_t n) const;
+  int64_t pending_requests() const;  // posted, not yet completed
   void barrier() const;
 
   // Ranks with the same color (>= 0) form a communicator, ordered by (key, rank). Collective.

@@ -64,7 +64,8 @@ std::string CommStats::summary() const {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Single-process backend: size 1, collectives are copies, send/recv to self go through a queue per tag.
+// Single-process backend: size 1, collectives are copies, send/recv to self go through a queue per tag. A
+// message first completes the oldest pending irecv of its tag (MPI's matching order), else it is queued.
 
 namespace detail {
 namespace {
@@ -86,34 +87,128 @@ class LocalBackend final : public CommBackend {
   }
   void send(const void* buf, int64_t bytes, int, int tag) override {
     const char* p = static_cast<const char*>(buf);
+    auto posted = posted_.find(tag);
+    if (posted != posted_.end() && !posted->second.empty()) {  // completes the oldest pending irecv
+      Req& r = reqs_[size_t(posted->second.front())];
+      MT_CHECK(r.bytes == bytes, "comm.recv", "message of ", bytes, " bytes, expected ", r.bytes, " (tag ", tag,
+               ", posted by irecv)");
+      if (bytes > 0) std::memcpy(r.buf, p, size_t(bytes));
+      r.done = true;
+      posted->second.pop_front();
+      return;
+    }
     queue_[tag].emplace_back(p, p + bytes);
   }
   void recv(void* buf, int64_t bytes, int, int tag) override {
-    auto it = queue_.find(tag);
-    MT_CHECK(it != queue_.end() && !it->second.empty(), "comm.recv",
-             "single-process recv with no matching send (tag ", tag, ") would block forever");
-    std::vector<char>& m = it->second.front();
-    MT_CHECK(int64_t(m.size()) == bytes, "comm.recv", "message of ", m.size(), " bytes, expected ", bytes,
-             " (tag ", tag, ")");
-    if (bytes > 0) std::memcpy(buf, m.data(), size_t(bytes));
-    it->second.pop_front();
+    MT_CHECK(take(buf, bytes, tag), "comm.recv", "single-process recv with no matching send (tag ", tag,
+             ") would block forever");
+  }
+  int64_t isend(const void* buf, int64_t bytes, int dst, int tag) override {
+    send(buf, bytes, dst, tag);  // buffered at once: complete when posted
+    return new_req({nullptr, bytes, tag, true, true});
+  }
+  int64_t irecv(void* buf, int64_t bytes, int, int tag) override {
+    const bool got = take(buf, bytes, tag);
+    const int64_t id = new_req({buf, bytes, tag, got, true});
+    if (!got) posted_[tag].push_back(id);
+    return id;
+  }
+  std::string wait_all(const int64_t* ids, int n) override {
+    for (int k = 0; k < n; ++k) {
+      Req& r = reqs_[size_t(ids[k])];
+      MT_CHECK(r.done, "comm.wait", "single-process irecv of ", r.bytes, " bytes (tag ", r.tag,
+               ") has no matching send and would block forever");
+    }
+    for (int k = 0; k < n; ++k) {
+      reqs_[size_t(ids[k])].live = false;
+      free_.push_back(ids[k]);
+    }
+    return {};  // sizes were checked when the message met its irecv
   }
   void barrier() override {}
   std::shared_ptr<CommBackend> split(int, int) override { return std::make_shared<LocalBackend>(); }
 
  private:
+  struct Req {
+    void* buf = nullptr;
+    int64_t bytes = 0;
+    int tag = 0;
+    bool done = false;
+    bool live = false;
+  };
+  // Takes the oldest queued message of `tag` into buf (its size must be `bytes`); false if none is queued.
+  bool take(void* buf, int64_t bytes, int tag) {
+    auto it = queue_.find(tag);
+    if (it == queue_.end() || it->second.empty()) return false;
+    std::vector<char>& m = it->second.front();
+    MT_CHECK(int64_t(m.size()) == bytes, "comm.recv", "message of ", m.size(), " bytes, expected ", bytes,
+             " (tag ", tag, ")");
+    if (bytes > 0) std::memcpy(buf, m.data(), size_t(bytes));
+    it->second.pop_front();
+    return true;
+  }
+  int64_t new_req(const Req& r) {
+    int64_t id;
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+    } else {
+      id = int64_t(reqs_.size());
+      reqs_.emplace_back();
+    }
+    reqs_[size_t(id)] = r;
+    return id;
+  }
   std::map<int, std::deque<std::vector<char>>> queue_;
+  std::map<int, std::deque<int64_t>> posted_;  // pending irecv ids per tag, oldest first
+  std::vector<Req> reqs_;
+  std::vector<int64_t> free_;
 };
 
 }  // namespace
 
 std::shared_ptr<CommBackend> make_local_backend() { return std::make_shared<LocalBackend>(); }
 
-// Shared state of a Comm handle: the backend, the statistics, the trace hook and a tracked workspace.
+// Shared state of a Comm handle: the backend, the statistics, the trace hook, the pending non-blocking
+// requests and a tracked workspace.
 struct CommState {
   std::shared_ptr<CommBackend> be;
   CommStats stats;
   CommTraceHook hook;
+  struct Pending {
+    CommOp op = CommOp::Send;
+    int64_t bytes = 0, wire = 0;
+    int64_t backend_id = -1;
+    double t_post = 0;
+    bool live = false;
+  };
+  std::vector<Pending> pending;  // indexed by CommRequest id; slots are reused
+  std::vector<int64_t> pending_free;
+  int64_t n_pending = 0;
+  std::vector<int64_t> wait_ids;  // scratch of wait_all
+
+  // Registers a posted request: counts its call and bytes now, its posting time [t0, t1] in its op's seconds.
+  CommRequest post(CommOp op, int64_t bytes, int64_t wire, double t0, double t1, int64_t backend_id) {
+    int64_t id;
+    if (!pending_free.empty()) {
+      id = pending_free.back();
+      pending_free.pop_back();
+    } else {
+      id = int64_t(pending.size());
+      pending.emplace_back();
+    }
+    pending[size_t(id)] = {op, bytes, wire, backend_id, t0, true};
+    ++n_pending;
+    CommOpStats& o = stats.op[size_t(op)];
+    o.calls += 1;
+    o.bytes += bytes;
+    o.wire_bytes += wire;
+    o.seconds += t1 - t0;
+    CommRequest r;
+    r.owner_ = this;
+    r.id_ = id;
+    return r;
+  }
   char* ws = nullptr;
   size_t ws_bytes = 0;
   std::vector<int64_t> c1, d1, c2, d2;  // count / displacement scratch, [size] each
@@ -451,6 +546,58 @@ void Comm::recv(void* buf, int64_t bytes, int src, int tag) const {
   s_->be->recv(buf, bytes, src, tag);
   tm.done(bytes, 0);
 }
+
+CommRequest Comm::isend(const void* buf, int64_t bytes, int dst, int tag) const {
+  const char* op = "comm.isend";
+  MT_CHECK(dst >= 0 && dst < size(), op, "destination rank ", dst, " outside [0, ", size(), ")");
+  MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
+  MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
+  const double t0 = now_s();
+  const int64_t id = s_->be->isend(buf, bytes, dst, tag);
+  return s_->post(CommOp::Send, bytes, dst == rank() ? 0 : bytes, t0, now_s(), id);
+}
+
+CommRequest Comm::irecv(void* buf, int64_t bytes, int src, int tag) const {
+  const char* op = "comm.irecv";
+  MT_CHECK(src >= 0 && src < size(), op, "source rank ", src, " outside [0, ", size(), ")");
+  MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
+  MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
+  const double t0 = now_s();
+  const int64_t id = s_->be->irecv(buf, bytes, src, tag);
+  return s_->post(CommOp::Recv, bytes, 0, t0, now_s(), id);
+}
+
+void Comm::wait(CommRequest& r) const { wait_all(&r, 1); }
+
+void Comm::wait_all(CommRequest* reqs, size_t n) const {
+  const char* op = "comm.wait";
+  MT_CHECK(reqs != nullptr || n == 0, op, "null request list of ", n, " requests");
+  CommState& s = *s_;
+  for (size_t k = 0; k < n; ++k) {
+    MT_CHECK(reqs[k].pending(), op, "request ", k, " of ", n, " is empty (never posted, or already completed)");
+    MT_CHECK(reqs[k].owner_ == &s, op, "request ", k, " of ", n, " was posted on another communicator");
+    MT_CHECK(s.pending[size_t(reqs[k].id_)].live, op, "request ", k, " of ", n, " is not pending");
+  }
+  if (n == 0) return;
+  const double t0 = now_s();
+  s.wait_ids.resize(n);
+  for (size_t k = 0; k < n; ++k) s.wait_ids[k] = s.pending[size_t(reqs[k].id_)].backend_id;
+  const std::string problem = s.be->wait_all(s.wait_ids.data(), int(n));
+  const double t1 = now_s();
+  const double share = (t1 - t0) / double(n);
+  for (size_t k = 0; k < n; ++k) {
+    CommState::Pending& p = s.pending[size_t(reqs[k].id_)];
+    s.stats.op[size_t(p.op)].seconds += share;
+    if (s.hook) s.hook(CommEvent{p.op, p.bytes, p.wire, p.t_post, t1, s.be->size()});
+    p.live = false;
+    s.pending_free.push_back(reqs[k].id_);
+    --s.n_pending;
+    reqs[k].id_ = -1;
+  }
+  if (!problem.empty()) MT_FAIL(op, problem);
+}
+
+int64_t Comm::pending_requests() const { return s_->n_pending; }
 
 void Comm::barrier() const {
   OpTimer tm(*s_, CommOp::Barrier);

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 namespace moetron::detail {
@@ -25,6 +26,13 @@ class CommBackend {
                         const int64_t* send_displs) = 0;
   virtual void send(const void* buf, int64_t bytes, int dst, int tag) = 0;
   virtual void recv(void* buf, int64_t bytes, int src, int tag) = 0;
+  // Non-blocking point-to-point: each returns a request id (>= 0) of this backend; wait_all completes the
+  // given ids (each exactly once). It throws only when it completed none of them (they stay pending); once
+  // they are complete it returns "" or the first problem (a receive that got another byte count, an MPI
+  // error in a status), which Comm reports after releasing the requests. Arguments validated by Comm.
+  virtual int64_t isend(const void* buf, int64_t bytes, int dst, int tag) = 0;
+  virtual int64_t irecv(void* buf, int64_t bytes, int src, int tag) = 0;
+  virtual std::string wait_all(const int64_t* ids, int n) = 0;
   virtual void barrier() = 0;
   virtual std::shared_ptr<CommBackend> split(int color, int key) = 0;
 };

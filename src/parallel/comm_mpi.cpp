@@ -2,13 +2,15 @@
 // counts are sent as contiguous units of 2^j bytes (the largest power of two <= 4096 dividing every count
 // and displacement of the call) so that int-typed MPI counts reach past 2 GiB. Errors come back as
 // moetron::Error naming the op and the MPI error string (MPI_ERRORS_RETURN on every communicator).
-// Not a reduction: Comm folds in a fixed order itself; MPI_Allreduce is never used.
+// Not a reduction: Comm folds in a fixed order itself; MPI_Allreduce is never used. Non-blocking sends and
+// receives (isend / irecv) keep their MPI_Request in a table of reusable slots until wait_all completes them.
 #include <mpi.h>
 
 #include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "comm_backend.h"
@@ -146,6 +148,62 @@ class MpiBackend final : public CommBackend {
     MT_CHECK(got == bytes, op, "message of ", got, " bytes from rank ", src, ", expected ", bytes, " (tag ", tag, ")");
   }
 
+  int64_t isend(const void* buf, int64_t bytes, int dst, int tag) override {
+    const char* op = "comm.isend";
+    const int j = common_unit({}, bytes);
+    static char dummy[64];
+    const int count = to_int(bytes, j, op);
+    const int64_t id = new_req({MPI_REQUEST_NULL, bytes, dst, tag, false});
+    mpi_ok(MPI_Isend(buf ? buf : dummy, count, unit_type(j), dst, tag, comm_, &preq_[size_t(id)].req), op);
+    return id;
+  }
+
+  int64_t irecv(void* buf, int64_t bytes, int src, int tag) override {
+    const char* op = "comm.irecv";
+    static char dummy[64];
+    // Received as bytes so that the size check at completion is exact.
+    MT_CHECK(bytes <= INT_MAX, op, "irecv of ", bytes, " bytes is too large for one MPI call");
+    const int64_t id = new_req({MPI_REQUEST_NULL, bytes, src, tag, true});
+    mpi_ok(MPI_Irecv(buf ? buf : dummy, int(bytes), MPI_BYTE, src, tag, comm_, &preq_[size_t(id)].req), op);
+    return id;
+  }
+
+  std::string wait_all(const int64_t* ids, int n) override {
+    reqs_.resize(size_t(n));
+    stats_.resize(size_t(n));
+    for (int k = 0; k < n; ++k) reqs_[size_t(k)] = preq_[size_t(ids[k])].req;
+    const int rc = MPI_Waitall(n, reqs_.data(), stats_.data());
+    for (int k = 0; k < n; ++k) free_.push_back(ids[k]);
+    auto describe = [&](const Req& r) {
+      return std::string(r.is_recv ? "irecv of " : "isend of ") + std::to_string(r.bytes) + " bytes " +
+             (r.is_recv ? "from" : "to") + " rank " + std::to_string(r.peer) + " (tag " + std::to_string(r.tag) + ")";
+    };
+    auto mpi_text = [](int code) {
+      char msg[MPI_MAX_ERROR_STRING];
+      int len = 0;
+      MPI_Error_string(code, msg, &len);
+      return "MPI error " + std::to_string(code) + ": " + std::string(msg, size_t(len));
+    };
+    if (rc != MPI_SUCCESS) {
+      for (int k = 0; k < n; ++k) {
+        const int e = stats_[size_t(k)].MPI_ERROR;
+        if (rc == MPI_ERR_IN_STATUS && e != MPI_SUCCESS && e != MPI_ERR_PENDING)
+          return describe(preq_[size_t(ids[k])]) + ": " + mpi_text(e);
+      }
+      return mpi_text(rc);
+    }
+    for (int k = 0; k < n; ++k) {
+      const Req& r = preq_[size_t(ids[k])];
+      if (!r.is_recv) continue;
+      int got = 0;
+      MPI_Get_count(&stats_[size_t(k)], MPI_BYTE, &got);
+      if (got != r.bytes)
+        return "message of " + std::to_string(got) + " bytes from rank " + std::to_string(r.peer) + ", expected " +
+               std::to_string(r.bytes) + " (tag " + std::to_string(r.tag) + ", posted by irecv)";
+    }
+    return {};
+  }
+
   void barrier() override { mpi_ok(MPI_Barrier(comm_), "comm.barrier"); }
 
   std::shared_ptr<CommBackend> split(int color, int key) override {
@@ -160,6 +218,28 @@ class MpiBackend final : public CommBackend {
   int rank_ = 0, size_ = 1;
   std::vector<int> ic_;
   std::vector<MPI_Request> reqs_;
+  std::vector<MPI_Status> stats_;
+  // Non-blocking requests by id (slots reused once completed).
+  struct Req {
+    MPI_Request req = MPI_REQUEST_NULL;
+    int64_t bytes = 0;
+    int peer = 0, tag = 0;
+    bool is_recv = false;
+  };
+  std::vector<Req> preq_;
+  std::vector<int64_t> free_;
+  int64_t new_req(const Req& r) {
+    int64_t id;
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+    } else {
+      id = int64_t(preq_.size());
+      preq_.emplace_back();
+    }
+    preq_[size_t(id)] = r;
+    return id;
+  }
 };
 
 }  // namespace

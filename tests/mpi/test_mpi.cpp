@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "ep_check.h"
@@ -167,6 +168,64 @@ TEST(MpiComm, ReduceScatterGatherAllToAll) {
     c.send(&token, 8, next, 3);
   }
   EXPECT_EQ(got, prev * 7);
+  c.barrier();
+}
+
+TEST(MpiComm, NonBlockingPointToPoint) {
+  Comm& c = world();
+  const int p = c.size(), me = c.rank();
+  const int next = (me + 1) % p, prev = (me + p - 1) % p;
+  // K messages in flight each way around the ring, receives posted first on even ranks and last on odd
+  // ones; sizes from 0 bytes to past the eager limit. Per pair and tag they arrive in send order.
+  const int K = 6;
+  auto len = [](int k) { return int64_t(k == 0 ? 0 : 37 * k * k * k + 3); };  // floats
+  auto value = [](int src, int k, int64_t i) { return float(src * 1000000 + k * 10000) + float(i % 9973); };
+  std::vector<std::vector<float>> out(K), in(K);
+  for (int k = 0; k < K; ++k) {
+    out[size_t(k)].resize(size_t(len(k)));
+    in[size_t(k)].assign(size_t(len(k)), -1.0f);
+    for (int64_t i = 0; i < len(k); ++i) out[size_t(k)][size_t(i)] = value(me, k, i);
+  }
+  c.reset_stats();
+  std::vector<CommRequest> reqs;
+  auto post_recvs = [&] {
+    for (int k = 0; k < K; ++k) reqs.push_back(c.irecv(in[size_t(k)].data(), len(k) * 4, prev, 11));
+  };
+  if (me % 2 == 0) post_recvs();
+  for (int k = 0; k < K; ++k) reqs.push_back(c.isend(out[size_t(k)].data(), len(k) * 4, next, 11));
+  if (me % 2 == 1) post_recvs();
+  EXPECT_EQ(c.pending_requests(), 2 * K);
+  c.wait(reqs[0]);
+  c.wait_all(reqs.data() + 1, reqs.size() - 1);
+  EXPECT_EQ(c.pending_requests(), 0);
+  int64_t total = 0;
+  for (int k = 0; k < K; ++k) {
+    total += len(k) * 4;
+    for (int64_t i = 0; i < len(k); ++i) ASSERT_EQ(in[size_t(k)][size_t(i)], value(prev, k, i)) << "k " << k;
+  }
+  // The same accounting as blocking send / recv: calls and bytes when posted, wire bytes for the sends.
+  const CommStats st = c.stats();
+  EXPECT_EQ(st[CommOp::Send].calls, K);
+  EXPECT_EQ(st[CommOp::Send].bytes, total);
+  EXPECT_EQ(st[CommOp::Send].wire_bytes, total);
+  EXPECT_EQ(st[CommOp::Recv].calls, K);
+  EXPECT_EQ(st[CommOp::Recv].bytes, total);
+  EXPECT_EQ(st[CommOp::Recv].wire_bytes, 0);
+  // A shorter message than the irecv asked for is an error naming the sizes and the peer.
+  float one[2] = {1, 2};
+  if (me == 0) {
+    CommRequest r = c.irecv(one, 8, 1, 12);
+    std::string e;
+    try {
+      c.wait(r);
+    } catch (const Error& x) {
+      e = x.what();
+    }
+    EXPECT_NE(e.find("message of 4 bytes from rank 1, expected 8 (tag 12, posted by irecv)"), std::string::npos) << e;
+  } else if (me == 1) {
+    CommRequest s = c.isend(one, 4, 0, 12);
+    c.wait(s);
+  }
   c.barrier();
 }
 

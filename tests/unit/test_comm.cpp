@@ -128,6 +128,95 @@ TEST(CommLocal, BadArgumentsNameTheOp) {
   EXPECT_NE(error_of([&] { c.recv(&b, 2, 0, 1); }).find("expected 2"), std::string::npos);
 }
 
+TEST(CommLocal, NonBlockingLoopback) {
+  Comm c = comm_local();
+  // isend first: buffered at once, complete when posted; the irecv takes it.
+  float a[3] = {1.5f, -2.0f, 3.0f}, b[3] = {};
+  CommRequest s = c.isend(a, 12, 0, 4);
+  EXPECT_TRUE(s.pending());
+  a[0] = 99.0f;  // the local backend copied the message when posted
+  CommRequest r = c.irecv(b, 12, 0, 4);
+  EXPECT_EQ(c.pending_requests(), 2);
+  c.wait(r);
+  c.wait(s);
+  EXPECT_FALSE(r.pending());
+  EXPECT_EQ(c.pending_requests(), 0);
+  EXPECT_EQ(b[0], 1.5f);
+  EXPECT_EQ(b[2], 3.0f);
+  // irecv first: the next send of that tag completes it, oldest posted irecv first (MPI's order); a
+  // message with another tag does not.
+  int x1 = -1, x2 = -1, y = -1;
+  CommRequest r1 = c.irecv(&x1, 4, 0, 7);
+  CommRequest r2 = c.irecv(&x2, 4, 0, 7);
+  int v1 = 10, v2 = 20, v3 = 30;
+  c.send(&v3, 4, 0, 8);
+  CommRequest s1 = c.isend(&v1, 4, 0, 7);
+  c.send(&v2, 4, 0, 7);
+  CommRequest both[2] = {std::move(r2), std::move(r1)};
+  EXPECT_FALSE(r1.pending());  // moved from
+  c.wait_all(both, 2);
+  c.wait(s1);
+  EXPECT_EQ(x1, 10);
+  EXPECT_EQ(x2, 20);
+  c.recv(&y, 4, 0, 8);
+  EXPECT_EQ(y, 30);
+  c.wait_all(nullptr, 0);
+}
+
+TEST(CommLocal, NonBlockingStatsMatchBlocking) {
+  Comm blocking = comm_local(), nb = comm_local();
+  std::vector<char> buf(100), got(100);
+  blocking.send(buf.data(), 100, 0, 1);
+  blocking.recv(got.data(), 100, 0, 1);
+  int n_events = 0;
+  nb.set_trace_hook([&](const CommEvent& e) {
+    ++n_events;
+    EXPECT_EQ(e.bytes, 100);
+    EXPECT_LE(e.t_begin, e.t_end);
+  });
+  CommRequest r = nb.irecv(got.data(), 100, 0, 1);
+  CommRequest s = nb.isend(buf.data(), 100, 0, 1);
+  EXPECT_EQ(n_events, 0);  // reported when completed
+  CommRequest all[2] = {std::move(s), std::move(r)};
+  nb.wait_all(all, 2);
+  EXPECT_EQ(n_events, 2);
+  for (CommOp op : {CommOp::Send, CommOp::Recv}) {
+    EXPECT_EQ(nb.stats()[op].calls, blocking.stats()[op].calls);
+    EXPECT_EQ(nb.stats()[op].bytes, blocking.stats()[op].bytes);
+    EXPECT_EQ(nb.stats()[op].wire_bytes, blocking.stats()[op].wire_bytes);  // to itself: 0
+  }
+  EXPECT_EQ(nb.stats()[CommOp::Send].bytes, 100);
+  EXPECT_EQ(nb.stats().total().calls, 2);
+}
+
+TEST(CommLocal, NonBlockingMisuseIsRefused) {
+  Comm c = comm_local(), other = comm_local();
+  int v = 1, w = 0;
+  CommRequest empty;
+  const std::string e_empty = error_of([&] { c.wait(empty); });
+  EXPECT_NE(e_empty.find("[comm.wait] "), std::string::npos) << e_empty;
+  EXPECT_NE(e_empty.find("request 0 of 1 is empty"), std::string::npos) << e_empty;
+  CommRequest r = c.irecv(&w, 4, 0, 2);
+  EXPECT_NE(error_of([&] { c.wait(r); }).find("irecv of 4 bytes (tag 2) has no matching send and would block forever"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { other.wait(r); }).find("posted on another communicator"), std::string::npos);
+  EXPECT_NE(error_of([&] { c.send(&v, 2, 0, 2); }).find("message of 2 bytes, expected 4 (tag 2, posted by irecv)"),
+            std::string::npos);
+  c.send(&v, 4, 0, 2);
+  c.wait(r);
+  EXPECT_EQ(w, 1);
+  EXPECT_NE(error_of([&] { c.wait(r); }).find("is empty (never posted, or already completed)"), std::string::npos);
+  const std::string e_dst = error_of([&] { (void)c.isend(&v, 4, 1, 0); });
+  EXPECT_NE(e_dst.find("[comm.isend] "), std::string::npos) << e_dst;
+  EXPECT_NE(e_dst.find("destination rank 1 outside [0, 1)"), std::string::npos) << e_dst;
+  const std::string e_tag = error_of([&] { (void)c.irecv(&v, 4, 0, -1); });
+  EXPECT_NE(e_tag.find("[comm.irecv] "), std::string::npos) << e_tag;
+  EXPECT_NE(e_tag.find("tag -1 outside"), std::string::npos) << e_tag;
+  EXPECT_NE(error_of([&] { (void)c.irecv(nullptr, 4, 0, 0); }).find("bad buffer"), std::string::npos);
+  c.send(&v, 4, 0, 3);
+  EXPECT_NE(error_of([&] { (void)c.irecv(&w, 8, 0, 3); }).find("message of 4 bytes, expected 8"), std::string::npos);
+}
+
 TEST(CommLocal, WorldWithoutLauncherIsLocalOrMpiSingleton) {
   Comm w = comm_world();
   EXPECT_EQ(w.size(), 1);
