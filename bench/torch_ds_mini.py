@@ -19,7 +19,7 @@ Before training it prints the BLAS / oneDNN (MKL-DNN) set-up torch runs with and
 checks sorted and padded against loop: on a small float64 MoE layer (loss and every gradient within 1e-10
 relative) and on the first ds_mini batch in the chosen dtype (loss within 1e-5 relative for fp32, 2e-3 for
 bf16; every parameter's gradient norm likewise). Last it prints `tokens_per_s: X` over the steps after the warm-up and the
-model FLOP rate (moetron's count: src/model/accounting.cpp flops_per_token, causal attention).
+model FLOP rate (moetron's count: src/job/accounting.cpp flops_per_token, causal attention).
 
 Not a training script (random tokens, no data, no checkpoints). Run with /usr/bin/python3 (Debian
 python3-torch 1.13); bench/train_vs_torch.sh runs it against the engine.

@@ -154,8 +154,9 @@ struct MemoryEstimate {
   double total() const { return params + grads + optimizer + activations + workspace + comm; }
   double peak() const { return std::max(total(), build_peak); }
 };
-// `threads`: the OpenMP threads of one rank (kernel workspaces have a part per thread). Uses the grouped
-// GEMM and attention kernels' own packing and workspace sizes. For a validated config.
+// `threads`: the OpenMP threads of one rank (kernel workspaces have a part per thread). The grouped GEMM's
+// packing and workspace sizes, the attention workspace and the loss chunk come from kernel_sizes.h, the same
+// arithmetic the kernels size their buffers with. For a validated config.
 MemoryEstimate estimate_memory(const JobConfig& c, int64_t compute_bytes, int threads);
 
 }  // namespace moetron

@@ -17,11 +17,12 @@
 
 #include "moetron/dtype.h"
 #include "moetron/gemm.h"
+#include "moetron/kernel_sizes.h"
 
 namespace moetron {
 
-enum class GemmPrec : uint8_t { F32, BF16 };          // element type of activations and packed weights
-enum class GroupedPackKind : uint8_t { Fwd, Dgrad };  // packed W[e] (forward) or W[e]^T (dgrad)
+// GemmPrec (element type of activations and packed weights), GroupedPackKind (packed W[e] for the forward or
+// W[e]^T for dgrad) and GroupedOp come from kernel_sizes.h, with the size arithmetic the accounting shares.
 
 // Rows of expert e are [off[e], off[e+1]). Throws if E < 0, M < 0, a count is negative or sum(counts) != M.
 void grouped_offsets(int64_t* off /* [E+1] */, const int32_t* counts /* [E] */, int64_t E, int64_t M);
@@ -44,7 +45,6 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W /* [E, K, N
 // Workspace for one call: the schedule (O(E)) and, for bf16 wgrad, one packing slot (~0.3 MiB at d=512) per
 // thread. Valid for any counts; `threads` <= 0 means num_threads(). Pass it as ws / ws_bytes (64-byte aligned);
 // a call uses at most as many threads as ws_bytes has slots for, and throws if it is below one slot.
-enum class GroupedOp : uint8_t { Fwd, Dgrad, Wgrad };
 size_t grouped_gemm_workspace_bytes(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N,
                                     int threads = 0);
 

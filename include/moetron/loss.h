@@ -18,14 +18,15 @@
 #include <vector>
 
 #include "moetron/dtype.h"
+#include "moetron/kernel_sizes.h"
 
 namespace moetron {
 
 inline constexpr int32_t kIgnoreIndex = -1;
 
-// Default rows per chunk: max(256, rows filling 8 MiB of fp32 logits, a multiple of 16). Depends on V only.
-// The floor keeps the dW GEMM (K = rows, dW re-read and re-written per chunk) compute bound.
-int64_t linear_xent_default_chunk(int64_t V);
+// Default rows per chunk, linear_xent_default_chunk(V) (kernel_sizes.h, shared with the accounting):
+// max(256, rows filling 8 MiB of fp32 logits, a multiple of 16). Depends on V only. The floor keeps the dW
+// GEMM (K = rows, dW re-read and re-written per chunk) compute bound.
 // Workspace: the fp32 logits chunk [chunk, V] plus one double per chunk row. chunk_rows <= 0 means default.
 size_t linear_xent_workspace_bytes(int64_t N, int64_t V, int64_t chunk_rows);
 

@@ -81,9 +81,7 @@ struct PortableOps {
   }
 };
 
-size_t ws_bytes(const AttnDims& d, int nthreads) {
-  return sizeof(float) * size_t(thread_floats(d) * nthreads + shared_floats(d)) + 64;
-}
+size_t ws_bytes(const AttnDims& d, int nthreads) { return attention_workspace_size(ws_shape(d), nthreads); }
 
 float* align64(void* p) {
   auto u = reinterpret_cast<uintptr_t>(p);

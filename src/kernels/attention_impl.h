@@ -28,27 +28,31 @@
 #include <cstdint>
 
 #include "moetron/attention.h"
+#include "moetron/kernel_sizes.h"
 
 namespace {
 
-constexpr int64_t kTile = 64;  // query rows and key columns per tile (equal, so diagonal tiles align)
+// Query rows and key columns per tile (equal, so diagonal tiles align); kernel_sizes.h holds the value.
+constexpr int64_t kTile = moetron::kAttnTile;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// Per-thread scratch, in floats.
-inline int64_t fwd_thread_floats(const moetron::AttnDims& d) { return round16(d.Dqk) * kTile + kTile * kTile; }
-inline int64_t bwd_thread_floats(const moetron::AttnDims& d) {
-  return (round16(d.Dqk) + round16(d.Dv)) * kTile * 2 + 2 * kTile * kTile + 2 * kTile;
+// Workspace sizes: one definition for the kernels and the accounting (kernel_sizes.h). The forward carves
+// [round16(Dqk), kTile] + [kTile, kTile] per thread, the backward the tiles listed in flash_backward.
+inline moetron::AttnWorkspaceShape ws_shape(const moetron::AttnDims& d) {
+  moetron::AttnWorkspaceShape s;
+  s.B = d.B, s.T = d.T, s.Hkv = d.Hkv, s.Dqk = d.Dqk, s.Dv = d.Dv;
+  s.shared_k = d.head_k == 0, s.shared_v = d.head_v == 0;
+  return s;
 }
-inline int64_t thread_floats(const moetron::AttnDims& d) { return std::max(fwd_thread_floats(d), bwd_thread_floats(d)); }
+// Per-thread scratch, in floats.
+inline int64_t thread_floats(const moetron::AttnDims& d) { return moetron::attention_thread_floats(d.Dqk, d.Dv); }
 inline bool alias_k(const moetron::AttnDims& d) { return d.head_k == 0 && d.Hkv > 1; }
 inline bool alias_v(const moetron::AttnDims& d) { return d.head_v == 0 && d.Hkv > 1; }
 // Shared scratch: per-kv-head partial gradients when several kv heads alias one k (or v) head.
-inline int64_t shared_floats(const moetron::AttnDims& d) {
-  return (alias_k(d) ? d.B * d.Hkv * d.T * round16(d.Dqk) : 0) + (alias_v(d) ? d.B * d.Hkv * d.T * round16(d.Dv) : 0);
-}
+inline int64_t shared_floats(const moetron::AttnDims& d) { return moetron::attention_shared_floats(ws_shape(d)); }
 
 // The GEMMs of a diagonal tile (i0 == j0) only need part of the work: row block [m0, m0 + kRows) of
 // op(A) or C is cut where the causal mask makes the rest zero or unused (uncomputed C entries are

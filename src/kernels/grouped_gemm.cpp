@@ -34,25 +34,11 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
-size_t align64(size_t b) { return (b + 63) & ~size_t(63); }
 
-// ---------------------------------------------------------------------------------------------------------
-// Packed weight layout. B = W[e] (Fwd, Kc = K contraction, Nc = N columns) or W[e]^T (Dgrad, Kc = N, Nc = K).
-// Columns are cut into 64-wide panels (the last one zero-padded to 64). bf16 panel: [ceil(Kc/2)][64][2]
-// (VNNI pairs along the contraction, zero-padded when Kc is odd); fp32 panel: [Kc][64].
-struct PackGeom {
-  int64_t Kc, Nc, steps, npanels, panel_elems, expert_elems, elem_bytes;
-};
+// Packed weight layout: GroupedPackGeom (kernel_sizes.h; the sizes are shared with the accounting).
+using PackGeom = GroupedPackGeom;
 PackGeom pack_geom(GroupedPackKind kind, GemmPrec prec, int64_t K, int64_t N) {
-  PackGeom g{};
-  g.Kc = kind == GroupedPackKind::Fwd ? K : N;
-  g.Nc = kind == GroupedPackKind::Fwd ? N : K;
-  g.elem_bytes = prec == GemmPrec::BF16 ? 2 : 4;
-  g.steps = prec == GemmPrec::BF16 ? ceil_div(g.Kc, 2) : g.Kc;
-  g.npanels = ceil_div(g.Nc, kPanel);
-  g.panel_elems = g.steps * kPanel * (prec == GemmPrec::BF16 ? 2 : 1);
-  g.expert_elems = g.npanels * g.panel_elems;  // a multiple of 64 elements, so experts stay 64-byte aligned
-  return g;
+  return grouped_pack_geom(kind, prec, K, N);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -137,7 +123,7 @@ Plan plan_mgrouped(int64_t n_out) {
 Plan plan_wgrad(GemmPrec prec, int64_t K, int64_t N) {
   const gg::Tuning& tu = gg::tuning();
   Plan p;
-  p.mt = std::min<int64_t>(round_up(std::max<int64_t>(K, 1), gg::kMR), tu.wmt);
+  p.mt = grouped_wgrad_item_rows(K, tu.wmt);
   // bf16 packs whole rows of dY per chunk, so an item covers all N columns.
   p.nt = prec == GemmPrec::BF16 ? round_up(std::max<int64_t>(N, 1), kPanel)
                                 : std::min<int64_t>(round_up(std::max<int64_t>(N, 1), kPanel), tu.wnt);
@@ -154,29 +140,10 @@ Plan plan_wgrad(GemmPrec prec, int64_t K, int64_t N) {
 //               b  [ceil(N/64)][mc][64][2] bf16  (B operand: 64-column panels of a chunk of dY_e)
 // The number of slots is what ws_bytes allows, at most the OpenMP thread count; it caps the threads of the
 // wgrad region (results do not depend on it).
-struct WsLayout {
-  size_t off = 0, perm = 0, pref = 0, slots = 0, slot_a = 0, slot_bytes = 0, fixed = 0;
-};
+using WsLayout = GroupedWsLayout;
 WsLayout ws_layout(GroupedOp op, GemmPrec prec, int64_t E, int64_t K, int64_t N) {
-  WsLayout l;
-  size_t at = 0;
-  auto take = [&](size_t bytes) {
-    size_t p = at;
-    at += align64(bytes);
-    return p;
-  };
-  const size_t e1 = size_t(E + 1) * sizeof(int64_t);
-  l.off = take(e1);
-  l.perm = take(size_t(E) * sizeof(int64_t));
-  l.pref = take(e1);
-  l.slots = l.fixed = at;
-  if (op == GroupedOp::Wgrad && prec == GemmPrec::BF16) {
-    const Plan p = plan_wgrad(prec, K, N);
-    l.slot_a = align64(size_t(round_up(p.mt, kPanel)) * size_t(p.mc) * 2 * sizeof(bf16));
-    l.slot_bytes =
-        l.slot_a + align64(size_t(round_up(std::max<int64_t>(N, 1), kPanel)) * size_t(p.mc) * 2 * sizeof(bf16));
-  }
-  return l;
+  const gg::Tuning& tu = gg::tuning();
+  return grouped_ws_layout(op, prec, E, K, N, tu.wmt, tu.wmc);
 }
 
 struct Sched {
@@ -392,8 +359,7 @@ void grouped_offsets(int64_t* off, const int32_t* counts, int64_t E, int64_t M) 
 
 size_t grouped_packed_bytes(GroupedPackKind kind, GemmPrec prec, int64_t E, int64_t K, int64_t N) {
   MT_CHECK(E >= 0 && K >= 0 && N >= 0, "grouped_pack_weights", "negative size E=", E, " K=", K, " N=", N);
-  const PackGeom g = pack_geom(kind, prec, K, N);
-  return align64(size_t(E) * size_t(g.expert_elems) * size_t(g.elem_bytes));
+  return grouped_packed_size(kind, prec, E, K, N);
 }
 
 GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E, int64_t K, int64_t N, GemmPrec prec,
@@ -456,8 +422,8 @@ GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E,
 size_t grouped_gemm_workspace_bytes(GroupedOp op, GemmPrec prec, int64_t E, int64_t M, int64_t K, int64_t N,
                                     int threads) {
   MT_CHECK(E >= 0 && M >= 0 && K >= 0 && N >= 0, "grouped_gemm", "negative size E=", E, " M=", M, " K=", K, " N=", N);
-  const WsLayout l = ws_layout(op, prec, E, K, N);
-  return l.fixed + size_t(threads > 0 ? threads : num_threads()) * l.slot_bytes;
+  const gg::Tuning& tu = gg::tuning();
+  return grouped_workspace_size(op, prec, E, K, N, threads > 0 ? threads : num_threads(), tu.wmt, tu.wmc);
 }
 
 void grouped_gemm_fwd(float* Y, bf16* Y_bf16, const bf16* X, const GroupedPackedWeights& W, const int32_t* counts,

@@ -18,11 +18,12 @@
 #include <cstdint>
 
 #include "moetron/dtype.h"
+#include "moetron/kernel_sizes.h"
 
 namespace moetron::gg {
 
-inline constexpr int64_t kPanel = 64;  // columns per B panel (4 zmm / 8 ymm of fp32)
-inline constexpr int64_t kMR = 6;      // rows per microkernel call (and per A row block)
+inline constexpr int64_t kPanel = kGroupedPanel;  // columns per B panel, 64 (4 zmm / 8 ymm of fp32)
+inline constexpr int64_t kMR = kGroupedMR;         // rows per microkernel call (and per A row block), 6
 
 // Tile-size and kernel choices (heuristics kept apart from the kernels). Internal: benchmarks may change them
 // between calls to compare variants; results never depend on them beyond fp32 summation blocking, which
@@ -39,9 +40,9 @@ struct Tuning {
   int64_t mt = 96;        // M-grouped: rows per work item
   int64_t mt_avx2 = 192;  // the same for the AVX2 kernel (each item reads its expert's weights: fewer reads)
   int64_t nt = 512;       // M-grouped: max columns per work item (multiple of 64)
-  int64_t wmt = 512;      // wgrad: rows of dW[e] per work item
+  int64_t wmt = kGroupedWgradRows;    // wgrad: rows of dW[e] per work item (512)
   int64_t wnt = 512;      // wgrad fp32: max columns per work item (bf16 items cover all N)
-  int64_t wmc = 128;      // wgrad bf16: token pairs per packed chunk
+  int64_t wmc = kGroupedWgradChunk;   // wgrad bf16: token pairs per packed chunk (128)
   int order = 1;          // tile loop: 0 panel-outer, 1 row-block-outer
   bool stream = false;    // non-temporal stores for write-only fp32 outputs (forward / dgrad)
   bool prefetch = true;   // wgrad bf16: prefetch the next chunk's X / dY rows during the current chunk

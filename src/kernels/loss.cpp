@@ -152,12 +152,6 @@ double run(const char* op, double* row_loss, float* dh, float* dW, const In* h, 
 // Two constraints. Memory: about 8 MiB of fp32 logits. Speed: every chunk re-reads and re-writes the
 // fp32 dW [V, C] (8 V C bytes) for 2 rows V C flops of the dW GEMM, so rows / 4 flop per byte; at this
 // machine's balance (~900 GFLOPS bf16 / ~20 GB/s = 45 flop/byte) that needs rows >= ~180. The floor of
-// 256 rows wins for V > 8192 (e.g. V = 32000: 31 MiB of logits instead of 8 MiB).
-int64_t linear_xent_default_chunk(int64_t V) {
-  const int64_t by_memory = (int64_t(8) << 20) / (4 * std::max<int64_t>(V, 1)) / 16 * 16;
-  return std::max<int64_t>(256, by_memory);
-}
-
 size_t linear_xent_workspace_bytes(int64_t N, int64_t V, int64_t chunk_rows) {
   MT_CHECK(N >= 0 && V > 0, "linear_xent_workspace_bytes", "bad shape N=", N, " V=", V);
   if (N == 0) return 0;

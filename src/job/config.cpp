@@ -1,6 +1,6 @@
 // config.cpp: JobConfig from TOML (toml++) plus `--section.key=value` overrides, validation, and the
 // way back (to_toml, JSON). One table of fields drives everything: parsing, type checks, overrides,
-// "did you mean" suggestions, serialization. Not the model spec rules (src/model/spec.cpp).
+// "did you mean" suggestions, serialization. Not the model spec rules (src/job/spec.cpp).
 #include "moetron/config.h"
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // memcheck.cpp: the size limits of a JobConfig's non-model keys, and the start-up memory check (see
 // memcheck.h): reading the node's available memory from /proc and the cgroup files, and comparing the
-// accounting's per-rank estimate with it. Not the estimate itself (src/model/accounting.cpp,
-// estimate_memory) and not the model's limits (src/model/spec.cpp).
+// accounting's per-rank estimate with it. Not the estimate itself (src/job/accounting.cpp,
+// estimate_memory) and not the model's limits (src/job/spec.cpp).
 #include "moetron/memcheck.h"
 
 #include <algorithm>

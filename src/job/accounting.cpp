@@ -10,9 +10,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "moetron/attention.h"
 #include "moetron/check.h"
-#include "moetron/grouped_gemm.h"
+#include "moetron/kernel_sizes.h"
 
 namespace moetron {
 
@@ -475,8 +474,8 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   if (s.is_moe()) {
     const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
     for (auto kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
-      packed_layer += double(grouped_packed_bytes(kind, prec, el, dm, 2 * fe)) +
-                      double(grouped_packed_bytes(kind, prec, el, fe, dm));
+      packed_layer += double(grouped_packed_size(kind, prec, el, dm, 2 * fe)) +
+                      double(grouped_packed_size(kind, prec, el, fe, dm));
   }
   const double packed = n_moe * packed_layer;
   const double bias = n_moe * E * 4;                // aux-free biases (fp32, every expert)
@@ -595,23 +594,20 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   // Kernel workspace, one buffer for the largest need: the chunked fused loss (chunk rows: at least 256,
   // about 8 MiB of logits), attention tiles per thread, the router, the grouped GEMMs (a packing slot per
   // thread for the bf16 weight gradient).
-  const double chunk = std::min(N, std::max(256.0, std::floor((8.0 * 1024 * 1024) / (4 * V) / 16) * 16));
+  const double chunk = std::min(N, double(linear_xent_default_chunk(s.vocab_size)));
   double kernel = chunk * V * 4 + chunk * 8;
   {
-    AttnDims ad{};
-    ad.B = c.training.micro_batch_size, ad.T = c.training.seq_len, ad.Hq = at.n_heads, ad.Hkv = at.kv_heads();
-    ad.Dqk = at.qk_head_dim(), ad.Dv = at.v_dim();
-    ad.head_q = ad.head_k = ad.Dqk, ad.head_v = ad.head_o = ad.Dv;  // the engine's heads are never shared
-    ad.ldq = ad.ldk = ad.Hq * ad.Dqk, ad.ldv = ad.ldo = ad.Hq * ad.Dv, ad.scale = 1.0f;
-    kernel = std::max(kernel, double(attention_workspace_bytes(ad, threads)));
+    AttnWorkspaceShape aw;  // the engine's k and v heads are never shared (no head stride of 0)
+    aw.B = c.training.micro_batch_size, aw.T = c.training.seq_len, aw.Hkv = at.kv_heads();
+    aw.Dqk = at.qk_head_dim(), aw.Dv = at.v_dim();
+    kernel = std::max(kernel, double(attention_workspace_size(aw, threads)));
   }
   if (s.is_moe()) {
     kernel = std::max(kernel, N * 16 + (m.aux_seq_wise ? B : 1) * E * 4);
     const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
-    const int64_t nrows = c.training.micro_batch_size * c.training.seq_len * m.topk;
     for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
       for (auto [k_in, n_out] : {std::pair<int64_t, int64_t>{dm, 2 * fe}, {fe, dm}})
-        kernel = std::max(kernel, double(grouped_gemm_workspace_bytes(op, prec, el, nrows, k_in, n_out, threads)));
+        kernel = std::max(kernel, double(grouped_workspace_size(op, prec, el, k_in, n_out, threads)));
   }
   r.workspace = ws + kernel;
   const bool layer_wide = big * N >= chunk * V;

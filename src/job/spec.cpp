@@ -1,6 +1,6 @@
 // spec.cpp: ModelSpec helpers: enum names, dense/MoE layer map, derived defaults and validation (including
 // the size limits that keep absurd shapes out of every loop and allocation). Not the TOML loader
-// (src/train/config.cpp) and not HF import (hf_config.cpp).
+// (src/job/config.cpp) and not HF import (hf_config.cpp).
 #include "moetron/spec.h"
 
 #include <algorithm>
