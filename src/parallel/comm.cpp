@@ -147,18 +147,7 @@ class LocalBackend final : public CommBackend {
     it->second.pop_front();
     return true;
   }
-  int64_t new_req(const Req& r) {
-    int64_t id;
-    if (!free_.empty()) {
-      id = free_.back();
-      free_.pop_back();
-    } else {
-      id = int64_t(reqs_.size());
-      reqs_.emplace_back();
-    }
-    reqs_[size_t(id)] = r;
-    return id;
-  }
+  int64_t new_req(const Req& r) { return put_request(reqs_, free_, r); }
   std::map<int, std::deque<std::vector<char>>> queue_;
   std::map<int, std::deque<int64_t>> posted_;  // pending irecv ids per tag, oldest first
   std::vector<Req> reqs_;

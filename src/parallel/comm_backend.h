@@ -6,11 +6,27 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace moetron::detail {
 
 // Tags above kCommMaxUserTag (comm.h) that the backends use for their own point-to-point traffic.
 inline constexpr int kExchangeTag = 30001;
+
+// A request table with reused ids: stores `r` in a free slot (or a new one) of `table` and returns its id.
+template <class R>
+int64_t put_request(std::vector<R>& table, std::vector<int64_t>& free_ids, const R& r) {
+  int64_t id;
+  if (!free_ids.empty()) {
+    id = free_ids.back();
+    free_ids.pop_back();
+  } else {
+    id = int64_t(table.size());
+    table.emplace_back();
+  }
+  table[size_t(id)] = r;
+  return id;
+}
 
 class CommBackend {
  public:

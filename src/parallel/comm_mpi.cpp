@@ -228,18 +228,7 @@ class MpiBackend final : public CommBackend {
   };
   std::vector<Req> preq_;
   std::vector<int64_t> free_;
-  int64_t new_req(const Req& r) {
-    int64_t id;
-    if (!free_.empty()) {
-      id = free_.back();
-      free_.pop_back();
-    } else {
-      id = int64_t(preq_.size());
-      preq_.emplace_back();
-    }
-    preq_[size_t(id)] = r;
-    return id;
-  }
+  int64_t new_req(const Req& r) { return put_request(preq_, free_, r); }
 };
 
 }  // namespace

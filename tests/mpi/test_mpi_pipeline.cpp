@@ -29,14 +29,7 @@ Comm& world() {
   return w;
 }
 
-sched::Schedule gen(const std::string& name, int pp, int vpp, int m) {
-  sched::GenSpec g;
-  g.schedule = name;
-  g.pp = pp;
-  g.vpp = vpp;
-  g.microbatches = m;
-  return sched::generate(g);
-}
+sched::Schedule gen(const std::string& name, int pp, int vpp, int m) { return sched::generate({name, pp, vpp, m}); }
 
 std::string error_of_setup(const sched::Schedule& sc, std::vector<pipeline::PipelineStage*> st, const Comm& c) {
   try {

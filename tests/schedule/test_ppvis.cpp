@@ -121,14 +121,7 @@ sched::TimedResult replay(const sched::Schedule& s, double f, double i, double w
   return out;
 }
 
-sched::Schedule gen(const std::string& name, int pp, int vpp, int m) {
-  sched::GenSpec g;
-  g.schedule = name;
-  g.pp = pp;
-  g.vpp = vpp;
-  g.microbatches = m;
-  return sched::generate(g);
-}
+sched::Schedule gen(const std::string& name, int pp, int vpp, int m) { return sched::generate({name, pp, vpp, m}); }
 
 fs::path temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("moetron_ppvis_" + std::to_string(::getpid()) + "_" + name);

@@ -36,14 +36,7 @@ struct ToyRun {
   }
 };
 
-sched::Schedule gen(const std::string& name, int pp, int vpp, int m) {
-  sched::GenSpec g;
-  g.schedule = name;
-  g.pp = pp;
-  g.vpp = vpp;
-  g.microbatches = m;
-  return sched::generate(g);
-}
+sched::Schedule gen(const std::string& name, int pp, int vpp, int m) { return sched::generate({name, pp, vpp, m}); }
 
 void expect_bitwise(const pp_toy::Result& want, const ToyRun& run, const std::string& what) {
   const auto& last = *run.own.back();
