@@ -1,0 +1,171 @@
+// model_attention.cpp: the attention block of a decoder layer, forward and backward: the q/k/v projections
+// (fused wqkv for MHA/GQA; MLA's low-rank q and kv paths with their norms and the shared rope key), rope,
+// the attention core (softmax(q k^T) v, also what selective "attention_core" recompute re-runs) and the
+// output projection's backward. The block's input is the normed h1 (b.h1c); its output is b.ao / b.aoc.
+// Not the attention norm, the output projection's forward or the residual (model_layer.cpp), and not the
+// attention kernels themselves (include/moetron/attention.h).
+#include <cmath>
+#include <cstring>
+
+#include "model/model_impl.h"
+#include "moetron/rope.h"
+#include "moetron/trace.h"
+
+namespace moetron {
+
+AttnDims Model::Impl::attn_dims() const {
+  AttnDims a{};
+  a.B = m.B_, a.T = m.T_, a.Hq = H, a.Hkv = Hkv, a.Dqk = Dqk, a.Dv = Dv;
+  if (s.attn.type == AttnType::MLA) {
+    a.ldq = H * Dqk, a.head_q = Dqk;
+    a.ldk = H * Dqk, a.head_k = Dqk;
+    a.ldv = H * (dn + Dv), a.head_v = dn + Dv;
+  } else {
+    a.ldq = a.ldk = a.ldv = Wqkv;
+    a.head_q = a.head_k = a.head_v = hd;
+  }
+  a.ldo = H * Dv, a.head_o = Dv;
+  a.scale = float(1.0 / std::sqrt(double(Dqk)));
+  return a;
+}
+
+void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
+  {
+  MT_TRACE("fwd.attn.proj");
+  const int64_t B = m.B_, T = m.T_;
+  const void* h = b.h1c.raw();
+  const float* cs = rope_cos.data<float>();
+  const float* sn = rope_sin.data<float>();
+  if (s.attn.type != AttnType::MLA) {
+    float* qkv = b.qkv.data<float>();
+    lin_fwd(qkv, h, W(L.wqkv), N, d, Wqkv);
+    rope_forward(qkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);  // q heads then k heads are adjacent
+  } else {
+    float* q = b.q.data<float>();
+    if (rq > 0) {
+      lin_fwd(b.cq.data<float>(), h, W(L.wdq), N, d, rq);
+      norm_fwd_c(b.cqnc, b.rstdq.data<float>(), b.cq.data<float>(), P(L.q_norm), N, rq);
+      lin_fwd(q, b.cqnc.raw(), W(L.wuq), N, rq, H * Dqk);
+    } else {
+      lin_fwd(q, h, W(L.wq), N, d, H * Dqk);
+    }
+    rope_forward(q, B, T, H, H * Dqk, Dqk, dn, dr, cs, sn);
+    lin_fwd(b.ckv.data<float>(), h, W(L.wdkv), N, d, rkv);
+    norm_fwd_c(b.ckvnc, b.rstdkv.data<float>(), b.ckv.data<float>(), P(L.kv_norm), N, rkv);
+    float* kpe = b.kpe.data<float>();
+    lin_fwd(kpe, h, W(L.wkr), N, d, dr);
+    rope_forward(kpe, B, T, 1, dr, dr, 0, dr, cs, sn);
+    float* kv = b.kv.data<float>();
+    lin_fwd(kv, b.ckvnc.raw(), W(L.wukv), N, rkv, H * (dn + Dv));
+    float* k = b.k.data<float>();
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(k + (t * H + h) * Dqk, kv + (t * H + h) * (dn + Dv), size_t(dn) * 4);
+        std::memcpy(k + (t * H + h) * Dqk + dn, kpe + t * dr, size_t(dr) * 4);
+      }
+  }
+  }
+  attn_core(b);
+}
+
+// softmax(q k^T) v and its compute copy for the output projection (what attention_core recompute redoes).
+void Model::Impl::attn_core(LayerBufs& b) {
+  MT_TRACE("fwd.attn.core");
+  AttnDims ad = attn_dims();
+  if (s.attn.type != AttnType::MLA) {
+    const float* qkv = b.qkv.data<float>();
+    attention_forward(b.ao.data<float>(), b.lse.data<float>(), qkv, qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+  } else {
+    attention_forward(b.ao.data<float>(), b.lse.data<float>(), b.q.data<float>(), b.k.data<float>(),
+                      b.kv.data<float>() + dn, ad, wsp());
+  }
+  to_c(b.aoc, b.ao.data<float>(), N * H * Dv);  // aoc is ao itself in fp32 mode
+}
+
+// dh (out) = gradient w.r.t. the attention block's input h1 (before the attention norm backward).
+// do_c: the gradient of the attention output o, in the compute dtype.
+void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float* dhout) {
+  const int64_t B = m.B_, T = m.T_;
+  const void* h = b.h1c.raw();
+  AttnDims ad = attn_dims();
+  const float* cs = rope_cos.data<float>();
+  const float* sn = rope_sin.data<float>();
+  float* dao = s_dao.data<float>();
+  {
+    MT_TRACE("bwd.attn.out_proj");
+    lin_wgrad(G(L.wo), b.aoc.raw(), do_c, N, H * Dv, d);
+    lin_dgrad(dao, do_c, W(L.wo), N, H * Dv, d);
+  }
+  if (s.attn.type != AttnType::MLA) {
+    const float* qkv = b.qkv.data<float>();
+    float* dqkv = s_f1.data<float>();
+    {
+    MT_TRACE("bwd.attn.core");
+    attention_backward(dqkv, dqkv + H * hd, dqkv + (H + Hkv) * hd, dao, b.ao.data<float>(), b.lse.data<float>(), qkv,
+                       qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+    }
+    MT_TRACE("bwd.attn.proj");
+    rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
+    const void* dqkv_c = to_c(s_c1, dqkv, N * Wqkv);
+    lin_wgrad(G(L.wqkv), h, dqkv_c, N, d, Wqkv);
+    lin_dgrad(dhout, dqkv_c, W(L.wqkv), N, d, Wqkv);
+    return;
+  }
+  // MLA
+  float* dq = m_dq.data<float>();
+  float* dk = m_dk.data<float>();
+  float* dkv = m_dkv.data<float>();
+  const float* q = b.q.data<float>();
+  const float* kv = b.kv.data<float>();
+  // dv lands directly in its slot of dkv (same strides as v); dk_nope is copied next to it afterwards.
+  {
+  MT_TRACE("bwd.attn.core");
+  attention_backward(dq, dk, dkv + dn, dao, b.ao.data<float>(), b.lse.data<float>(), q, b.k.data<float>(), kv + dn,
+                     ad, wsp());
+  }
+  MT_TRACE("bwd.attn.proj");
+  float* dkpe = m_dkpe.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    float* dp = dkpe + t * dr;
+    for (int64_t i = 0; i < dr; ++i) dp[i] = 0.0f;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = dk + (t * H + h) * Dqk;
+      std::memcpy(dkv + (t * H + h) * (dn + Dv), src, size_t(dn) * 4);
+      for (int64_t i = 0; i < dr; ++i) dp[i] += src[dn + i];
+    }
+  }
+  rope_backward(dq, B, T, H, H * Dqk, Dqk, dn, dr, cs, sn);
+  rope_backward(dkpe, B, T, 1, dr, dr, 0, dr, cs, sn);
+  // kv up-projection and kv norm
+  const void* t = to_c(s_c1, dkv, N * H * (dn + Dv));
+  lin_wgrad(G(L.wukv), b.ckvnc.raw(), t, N, rkv, H * (dn + Dv));
+  float* dckvn = s_f2.data<float>();
+  lin_dgrad(dckvn, t, W(L.wukv), N, rkv, H * (dn + Dv));
+  float* dckv = m_dckv.data<float>();
+  rmsnorm_backward(dckv, G(L.kv_norm), dckvn, b.ckv.data<float>(), P(L.kv_norm), b.rstdkv.data<float>(), N, rkv, wsp());
+  t = to_c(s_c1, dckv, N * rkv);
+  lin_wgrad(G(L.wdkv), h, t, N, d, rkv);
+  lin_dgrad(dhout, t, W(L.wdkv), N, d, rkv);
+  t = to_c(s_c1, dkpe, N * dr);
+  lin_wgrad(G(L.wkr), h, t, N, d, dr);
+  lin_dgrad(dhout, t, W(L.wkr), N, d, dr, true);
+  // q path
+  t = to_c(s_c1, dq, N * H * Dqk);
+  if (rq > 0) {
+    lin_wgrad(G(L.wuq), b.cqnc.raw(), t, N, rq, H * Dqk);
+    float* dcqn = s_f2.data<float>();
+    lin_dgrad(dcqn, t, W(L.wuq), N, rq, H * Dqk);
+    float* dcq = m_dcq.data<float>();
+    rmsnorm_backward(dcq, G(L.q_norm), dcqn, b.cq.data<float>(), P(L.q_norm), b.rstdq.data<float>(), N, rq, wsp());
+    t = to_c(s_c1, dcq, N * rq);
+    lin_wgrad(G(L.wdq), h, t, N, d, rq);
+    lin_dgrad(dhout, t, W(L.wdq), N, d, rq, true);
+  } else {
+    lin_wgrad(G(L.wq), h, t, N, d, H * Dqk);
+    lin_dgrad(dhout, t, W(L.wq), N, d, H * Dqk, true);
+  }
+}
+
+}  // namespace moetron

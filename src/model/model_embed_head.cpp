@@ -1,0 +1,86 @@
+// model_embed_head.cpp: the two ends of the decoder: the token embedding (lookup and its gradient) and the
+// last step, final RMSNorm + the fused linear head and cross-entropy (the logits are never materialised;
+// compute_logits makes them explicitly for tests). With tied embeddings the head is the embedding matrix,
+// so in FSDP mode its unit stays gathered from the embedding to the head (and its backward).
+// Not the decoder layers (model_layer.cpp) and not the loss kernels (include/moetron/loss.h).
+#include <cstring>
+#include <vector>
+
+#include "model/model_impl.h"
+#include "moetron/loss.h"
+#include "moetron/trace.h"
+
+namespace moetron {
+
+void Model::Impl::embed_forward(const int32_t* tokens, float* xcur, bool head_grads) {
+  const bool tied = head == emb;
+  fs_acquire(0, true, head_grads && tied);
+  const float* E0 = P(emb);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tokens[t]) * d, size_t(d) * 4);
+  if (!tied) fs_release(0);
+}
+
+void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool backward, float ce_scale, float* g,
+                            ForwardStats& st) {
+  const bool tied = head == emb;
+  const int last_u = head_unit();
+  fs_acquire(last_u, true, backward);
+  norm_fwd_c(hfc, rstdf.data<float>(), xcur, P(final_norm), N, d);
+  std::memcpy(xf.data<float>(), xcur, size_t(N * d) * 4);
+  for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
+  const int64_t chunk = linear_xent_default_chunk(V);
+  trace::Scope tr_loss("loss.fused_linear_xent");
+  if (!backward) {
+    st.ce_sum = f32 ? linear_xent_fwd_f32(nullptr, hfc.data<float>(), P(head), targets, N, d, V, 1.0f, chunk, wsp())
+                    : linear_xent_fwd_bf16(nullptr, hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N,
+                                           d, V, 1.0f, chunk, wsp());
+    fs_release(last_u);
+    if (tied) fs_release(0);
+    return;
+  }
+  float* dhf = dh.data<float>();
+  // The fused kernel returns the scaled loss; recover the plain sum for reporting.
+  double scaled =
+      f32 ? linear_xent_fwd_bwd_f32(dhf, G(head), hfc.data<float>(), P(head), targets, N, d, V, ce_scale, chunk,
+                                    wsp())
+          : linear_xent_fwd_bwd_bf16(dhf, G(head), hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N, d,
+                                     V, ce_scale, chunk, wsp());
+  st.ce_sum = ce_scale != 0 ? scaled / ce_scale : 0;
+  tr_loss.stop();
+  {
+    MT_TRACE("bwd.norm");
+    rmsnorm_backward(g, G(final_norm), dhf, xf.data<float>(), P(final_norm), rstdf.data<float>(), N, d, wsp());
+  }
+  fs_release(last_u);
+}
+
+void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
+  if (head != emb) fs_acquire(0, false, true);
+  MT_TRACE("bwd.embed");
+  float* gE = G(emb);
+  for (int64_t t = 0; t < N; ++t) {
+    float* dst = gE + int64_t(tokens[t]) * d;
+    const float* src = g + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
+  }
+  fs_release(0);
+}
+
+void Model::compute_logits(float* logits, const int32_t* tokens) {
+  std::vector<int32_t> tg(size_t(impl_->N), -1);
+  impl_->run(tokens, tg.data(), false, 0.0f, 0.0f);
+  auto& I = *impl_;
+  std::vector<float> hf(size_t(I.N * I.d)), wh(size_t(I.V * I.d));
+  if (I.f32) std::memcpy(hf.data(), I.hfc.raw(), hf.size() * 4);
+  else bf16_to_f32(hf.data(), I.hfc.data<bf16>(), I.N * I.d);
+  const int hu = I.head == I.emb ? 0 : I.head_unit();
+  I.fs_acquire(hu, true, false);
+  if (I.f32) std::memcpy(wh.data(), I.P(I.head), wh.size() * 4);
+  else bf16_to_f32(wh.data(), static_cast<const bf16*>(I.W(I.head)), I.V * I.d);
+  I.fs_release(hu);
+  gemm_f32(Trans::N, Trans::T, I.N, I.V, I.d, 1.0f, hf.data(), I.d, wh.data(), I.d, 0.0f, logits, I.V);
+}
+
+}  // namespace moetron

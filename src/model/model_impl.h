@@ -1,0 +1,302 @@
+// model_impl.h: the private state of Model (Model::Impl: dimensions, per-layer parameter indices and saved
+// activations, scratch, FSDP unit slots) and the small compute-dtype helpers every model_*.cpp uses (GEMM,
+// norm and SwiGLU wrappers that pick bf16 or fp32). The member functions are defined by concern:
+//   model.cpp             construction, parameter layout, buffers, the public Model API, the pass (run)
+//   model_layer.cpp       one decoder layer by index (forward_layer / backward_layer), residuals, recompute
+//   model_attention.cpp   the attention block (MHA/GQA/MLA) forward and backward
+//   model_mlp.cpp         the dense SwiGLU FFN (dense layers and the MoE layers' shared experts)
+//   model_moe.cpp         the MoE FFN: router, permute, grouped experts, combine, expert weight packing
+//   model_ep.cpp          the routed experts under expert parallelism (dispatch / combine, growing rows)
+//   model_embed_head.cpp  the embedding, the final norm and the fused head + cross-entropy loss
+//   model_fsdp.cpp        FSDP mode: unit slots, gather and release
+// Not a public header (only src/model includes it) and not where the kernels live (include/moetron/*.h).
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "moetron/attention.h"
+#include "moetron/check.h"
+#include "moetron/gemm.h"
+#include "moetron/grouped_gemm.h"
+#include "moetron/model.h"
+#include "moetron/norm.h"
+#include "moetron/router.h"
+#include "moetron/swiglu.h"
+
+namespace moetron {
+namespace model_detail {
+
+inline void add_inplace(float* y, const float* x, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+inline Tensor f32buf(int64_t n, MemCategory c = MemCategory::Activations) {
+  return Tensor::zeros({n}, DType::F32, c);
+}
+inline Tensor i32buf(int64_t n, MemCategory c = MemCategory::Activations) {
+  return Tensor::zeros({n}, DType::I32, c);
+}
+
+}  // namespace model_detail
+
+// Saved activations of one layer (a checkpointed layer shares one set with the others of its kind and
+// keeps only its input).
+struct LayerBufs {
+  Tensor rstd1, h1c, x_mid, rstd2, h2, h2c;
+  // attention (mha/gqa)
+  Tensor qkv;
+  // attention (mla)
+  Tensor cq, rstdq, cqnc, q, ckv, rstdkv, ckvnc, kpe, kv, k;
+  Tensor ao, aoc, lse;
+  // dense ffn / shared experts
+  Tensor gu, actc;
+  // moe
+  Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, slot_of, xpc, egu, eactc, ez;
+  int64_t R = 0;         // routed rows of the last forward (received rows under EP)
+  int64_t rows_cap = 0;  // rows xpc / egu / eactc / ez hold (grows under EP when routing is skewed)
+};
+
+struct Layer {
+  bool moe = false;
+  bool recompute = false;                                 // full: re-run the whole layer forward
+  bool sel_norm = false, sel_attn = false, sel_act = false;  // selective: recompute these modules
+  int moe_index = -1;
+  // parameter indices (-1 = absent)
+  int attn_norm = -1, ffn_norm = -1;
+  int wqkv = -1, wo = -1;                                          // mha/gqa
+  int wq = -1, wdq = -1, q_norm = -1, wuq = -1, wdkv = -1, wkr = -1, kv_norm = -1, wukv = -1;  // mla
+  int w13 = -1, w2 = -1;                                           // dense ffn
+  int gate = -1, we13 = -1, we2 = -1, ws13 = -1, ws2 = -1;         // moe
+  Tensor x_in;        // [N, d] saved layer input (always)
+  LayerBufs* bufs = nullptr;
+  // packed expert weights (refreshed by sync_weights)
+  Tensor p13f, p13d, p2f, p2d;
+  GroupedPackedWeights pk13f, pk13d, pk2f, pk2d;
+  Tensor bias;        // [E] aux-free expert bias
+  std::vector<int64_t> count_acc;  // tokens per expert since last take
+  std::unique_ptr<EpDispatch> disp;  // expert parallelism: this layer's dispatcher (keeps its layout for backward)
+};
+
+struct Model::Impl {
+  Model& m;
+  const ModelSpec& s;
+  int64_t N, d, V;
+  // attention dims
+  int64_t H, Hkv, hd, Dqk, Dv, dn = 0, dr = 0, rq = 0, rkv = 0, Wqkv = 0;
+  int64_t F = 0, E = 0, K = 0, Fe = 0, Fs = 0, Rmax = 0;
+  // expert parallelism: El experts held here, the first is e0; ep = EP group size
+  int64_t El = 0, e0 = 0;
+  int ep = 1;
+  ModelParallel par;
+  Comm ep_comm;
+  Tensor send_idx, dwr, iota_r, zero_r;  // EP scratch: slots sent (-1 = dropped), per-row dw, row maps
+  int64_t scratch_rows = 0, sel_rows_cap = 0;
+  std::vector<Layer> layers;
+  std::vector<std::unique_ptr<LayerBufs>> owned_bufs;
+  Tensor wc;  // bf16 copy of every parameter (bf16 mode only: fp32 mode multiplies the masters)
+  Tensor rope_cos, rope_sin;
+  Tensor xf, rstdf, hfc;  // final norm
+  int emb = -1, head = -1, final_norm = -1;
+  // scratch
+  Tensor x, dx, dh, dh2, dyc, s_f1, s_f2, s_c1, s_c2, s_f3, s_dao, dtopk_w, dlogits;
+  Tensor m_dq, m_dk, m_dkv, m_dkpe, m_dcq, m_dckv;  // MLA backward scratch
+  Tensor ws;  // workspace for kernels (max of all needs)
+  size_t ws_bytes = 0;
+  RouterConfig rcfg;
+  double last_aux = 0, last_z = 0;
+  int64_t last_dropped = 0;
+  float cur_aux_scale = 1.0f;
+  bool recomputing = false;  // re-running a checkpointed layer's forward: statistics are not counted twice
+  Tensor recompute_out;  // [N, d] output of a recomputed layer (discarded: it equals the next x_in)
+
+  explicit Impl(Model& model) : m(model), s(model.spec_) {}
+
+  // ---- FSDP mode (see model.h, fsdp.h; model_fsdp.cpp): units 0 = embedding, 1..n_layers = decoder layers,
+  // n_layers + 1 = final norm + head (tied: the head is the embedding, unit 0). A unit in use lives in a
+  // slot: fp32 parameters, their bf16 copy, the packed expert weights (MoE layers), fp32 gradients.
+  struct FsSlot {
+    Tensor p, wc, g, p13f, p13d, p2f, p2d;
+    int unit = -1;
+    bool grads = false;
+  };
+  bool fs_on = false;
+  const FsdpOptions* fs_opts = nullptr;  // construction only
+  std::vector<FsSlot> fs_slots;
+  std::vector<int> fs_slot_of;      // [unit] slot index or -1
+  std::vector<int> fs_unit;         // [param] unit
+  std::vector<int64_t> fs_local;    // [param] offset in the unit slot
+  FsSlot& fs_slot(int i) {
+    const int k = fs_slot_of[size_t(fs_unit[size_t(i)])];
+    MT_CHECK(k >= 0, "Model(fsdp)", "parameter ", m.params_[size_t(i)].name, " used while its unit ",
+             fs_unit[size_t(i)], " is not gathered");
+    return fs_slots[size_t(k)];
+  }
+  void fs_build();
+  void fs_acquire(int u, bool params, bool grads);
+  void fs_release(int u);
+  int layer_unit(int64_t l) const { return int(l) + 1; }       // FSDP unit of decoder layer l
+  int head_unit() const { return int(layers.size()) + 1; }     // FSDP unit of the final norm + head
+
+  // Parameter i's fp32 value, gradient and bf16 copy: in the flat buffers, or in FSDP mode in its unit's slot.
+  float* P(int i) {
+    return fs_on ? fs_slot(i).p.data<float>() + fs_local[i] : m.pbuf_.data<float>() + m.params_[i].offset;
+  }
+  float* G(int i) {
+    return fs_on ? fs_slot(i).g.data<float>() + fs_local[i] : m.gbuf_.data<float>() + m.params_[i].offset;
+  }
+  // Parameter i as a GEMM operand: the fp32 master itself in fp32 mode, else its bf16 copy.
+  const void* W(int i) {
+    if (f32) return P(i);
+    return fs_on ? fs_slot(i).wc.data<bf16>() + fs_local[i] : wc.data<bf16>() + m.params_[i].offset;
+  }
+  void* wsp() { return ws.defined() ? ws.raw() : nullptr; }
+
+  // ---- the compute dtype: every call that depends on it goes through these ----
+  bool f32 = false;  // compute dtype FP32 (else BF16)
+  GemmPrec prec() const { return f32 ? GemmPrec::F32 : GemmPrec::BF16; }
+  Tensor cbuf(int64_t n, MemCategory c = MemCategory::Activations) const {
+    return Tensor::zeros({n}, f32 ? DType::F32 : DType::BF16, c);
+  }
+  // A compute-dtype buffer that in fp32 mode is the fp32 tensor `same` itself.
+  Tensor cbuf_or(const Tensor& same, int64_t n) const { return f32 ? same : cbuf(n); }
+  // src in the compute dtype: src itself in fp32 mode (nothing copied), else rounded to bf16 into dst.
+  const void* to_c(Tensor& dst, const float* src, int64_t n) {
+    if (f32) return src;
+    f32_to_bf16(dst.data<bf16>(), src, n);
+    return dst.raw();
+  }
+  // src copied into the compute-dtype buffer dst (rounded to bf16 in bf16 mode).
+  void copy_c(Tensor& dst, const float* src, int64_t n) {
+    if (f32) std::memcpy(dst.raw(), src, size_t(n) * 4);
+    else f32_to_bf16(dst.data<bf16>(), src, n);
+  }
+  // y[N,out] (+)= x[N,in] · W[in,out]
+  void lin_fwd(float* y, const void* x, const void* w, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    gemm_c(Trans::N, Trans::N, rows, out, in, x, in, w, out, acc ? 1.0f : 0.0f, y, out);
+  }
+  // dx[N,in] (+)= dy[N,out] · W[in,out]^T
+  void lin_dgrad(float* dx, const void* dy, const void* w, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    gemm_c(Trans::N, Trans::T, rows, in, out, dy, out, w, out, acc ? 1.0f : 0.0f, dx, in);
+  }
+  // dW[in,out] += x[N,in]^T · dy[N,out]
+  void lin_wgrad(float* dw, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
+    gemm_c(Trans::T, Trans::N, in, out, rows, x, in, dy, out, 1.0f, dw, out);
+  }
+  void gemm_c(Trans ta, Trans tb, int64_t M, int64_t Nn, int64_t Kk, const void* A, int64_t lda, const void* B,
+              int64_t ldb, float beta, float* C, int64_t ldc) {
+    if (f32)
+      gemm_f32(ta, tb, M, Nn, Kk, 1.0f, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C,
+               ldc);
+    else
+      gemm_bf16(ta, tb, M, Nn, Kk, 1.0f, static_cast<const bf16*>(A), lda, static_cast<const bf16*>(B), ldb, beta, C,
+                ldc);
+  }
+  // RMSNorm of x into y (fp32, kept) and yc (its compute copy; the same tensor in fp32 mode).
+  void norm_fwd(float* y, Tensor& yc, float* rstd, const float* x, const float* w, int64_t rows, int64_t C) {
+    rmsnorm_forward(y, f32 ? nullptr : yc.data<bf16>(), rstd, x, w, rows, C, float(s.norm_eps));
+  }
+  // RMSNorm whose output only feeds GEMMs: written once, in the compute dtype (fp32 scratch in bf16 mode).
+  void norm_fwd_c(Tensor& yc, float* rstd, const float* x, const float* w, int64_t rows, int64_t C) {
+    if (f32) rmsnorm_forward(yc.data<float>(), nullptr, rstd, x, w, rows, C, float(s.norm_eps));
+    else rmsnorm_forward(s_f3.data<float>(), yc.data<bf16>(), rstd, x, w, rows, C, float(s.norm_eps));
+  }
+  // SwiGLU whose output only feeds the down GEMM: into hc in the compute dtype (scratch: fp32 in bf16 mode).
+  void swiglu_c(Tensor& hc, float* scratch, const float* gu, int64_t rows, int64_t Fw) {
+    if (f32) swiglu_forward(hc.data<float>(), nullptr, gu, rows, Fw);
+    else swiglu_forward(scratch, hc.data<bf16>(), gu, rows, Fw);
+  }
+  // Grouped expert GEMMs on compute-dtype rows (weights packed in prec()).
+  void gg_fwd(float* Y, const void* X, const GroupedPackedWeights& W, const int32_t* kept, int64_t R, int64_t in,
+              int64_t out) {
+    if (f32) grouped_gemm_fwd(Y, static_cast<const float*>(X), W, kept, El, R, in, out, wsp(), ws_bytes);
+    else grouped_gemm_fwd(Y, nullptr, static_cast<const bf16*>(X), W, kept, El, R, in, out, wsp(), ws_bytes);
+  }
+  void gg_dgrad(float* dX, const void* dY, const GroupedPackedWeights& Wt, const int32_t* kept, int64_t R, int64_t in,
+                int64_t out) {
+    if (f32) grouped_gemm_dgrad(dX, static_cast<const float*>(dY), Wt, kept, El, R, in, out, wsp(), ws_bytes);
+    else grouped_gemm_dgrad(dX, nullptr, static_cast<const bf16*>(dY), Wt, kept, El, R, in, out, wsp(), ws_bytes);
+  }
+  void gg_wgrad(float* dW, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in, int64_t out) {
+    if (f32)
+      grouped_gemm_wgrad(dW, static_cast<const float*>(X), static_cast<const float*>(dY), kept, El, R, in, out, true,
+                         wsp(), ws_bytes);
+    else
+      grouped_gemm_wgrad(dW, static_cast<const bf16*>(X), static_cast<const bf16*>(dY), kept, El, R, in, out, true,
+                         wsp(), ws_bytes);
+  }
+
+  // ---- construction and buffers (model.cpp) ----
+  void build();
+  void build_params();   // the parameter layout: names, shapes, offsets (flat or FSDP shards)
+  void build_buffers();  // saved activations, recompute sharing, dispatchers, scratch, kernel workspace
+  void alloc_bufs(LayerBufs& b, bool moe);
+  void alloc_row_scratch(int64_t rows);
+
+  // ---- the pass (model.cpp): embedding, the layers in order, head + loss, and back ----
+  ForwardStats run(const int32_t* tokens, const int32_t* targets, bool backward, float ce_scale, float aux_scale);
+
+  // ---- embedding and head (model_embed_head.cpp) ----
+  // x [N, d] = the tokens' embedding rows. head_grads: the pass will run the head backward (with tied
+  // embeddings the embedding unit then stays gathered, with its gradient, until embed_backward).
+  void embed_forward(const int32_t* tokens, float* x, bool head_grads);
+  // Final norm of x (the last layer's output) and the fused head + cross-entropy. Sets ce_sum and ce_count.
+  // backward: also the loss and final-norm backward, leaving dL/dx in g (ce_scale scales the loss gradient).
+  void head_loss(const float* x, const int32_t* targets, bool backward, float ce_scale, float* g, ForwardStats& st);
+  // The embedding gradient from g = dL/d(embedding output), rows in token order (deterministic).
+  void embed_backward(const int32_t* tokens, const float* g);
+
+  // ---- one decoder layer (model_layer.cpp) ----
+  // forward_layer(l, x): layer l on the residual stream x [N, d] in place (saves its input, gathers and
+  // releases its FSDP unit). backward_layer(l, g): g = dL/d(layer output) in, dL/d(layer input) out; full
+  // recompute first when the layer is checkpointed. Layers run in any contiguous range, forward ascending
+  // and backward descending, given the matching x / g and the pass state run() sets first (statistics
+  // reset, cur_aux_scale). Each layer keeps one micro-batch's saved activations.
+  void forward_layer(int64_t l, float* x);
+  void backward_layer(int64_t l, float* g);
+  void layer_forward(Layer& L, const float* xin, float* xout);  // compute only (no unit, no input save)
+  void layer_backward(Layer& L, float* dxio);  // dxio: gradient w.r.t. layer output in, input out
+  // The FFN of a layer, dense or MoE: y [N, d] from b.h2 / b.h2c; dh2 (out) = grad of h2 from dy.
+  void ffn_forward(Layer& L, LayerBufs& b, float* y /* [N,d] */);
+  void ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2 /* out */, float aux_scale);
+  void recompute_selected_ffn(Layer& L, LayerBufs& b);
+  void recompute_selected_attn(Layer& L, LayerBufs& b);
+  LayerBufs sel;  // buffers shared by the layers whose modules are selectively recomputed
+
+  // ---- attention (model_attention.cpp) ----
+  AttnDims attn_dims() const;
+  void attn_forward(Layer& L, LayerBufs& b);
+  void attn_core(LayerBufs& b);
+  void attn_backward(Layer& L, LayerBufs& b, const void* do_c, float* dh /* [N,d] out: grad of h1 */);
+
+  // ---- dense SwiGLU FFN (model_mlp.cpp) ----
+  // y [N, d] (+= when acc) = (SwiGLU(h2 W13[w13]) W2[w2]), width Fw; b.gu / b.actc keep the activations.
+  void swiglu_mlp_forward(LayerBufs& b, int w13, int w2, int64_t Fw, float* y, bool acc);
+  // Its backward from dy (compute dtype): weight gradients accumulated, dh2 (+= when acc) = grad of h2.
+  void swiglu_mlp_backward(LayerBufs& b, int w13, int w2, int64_t Fw, const void* dy_c, float* dh2, bool acc);
+
+  // ---- MoE FFN (model_moe.cpp) ----
+  void moe_forward(Layer& L, LayerBufs& b, float* y);
+  void moe_backward(Layer& L, LayerBufs& b, const float* dy, const void* dy_c, float* dh2, float aux_scale);
+  // The El local experts on R rows grouped by expert (b.kept counts, b.xpc input): gate/up GEMM, SwiGLU,
+  // down GEMM into b.ez; and the backward from the weighted output gradient dz (compute dtype), which
+  // accumulates the expert weight gradients and returns the input gradient [R, d] (in s_f1).
+  void experts_forward(Layer& L, LayerBufs& b, int64_t R);
+  float* experts_backward(Layer& L, LayerBufs& b, const void* dz, int64_t R);
+  // Packed expert weights (gate/up and down, forward and dgrad layouts) of the El local experts: the four
+  // buffers, and packing a layer's fp32 expert weights into them (the layer's pk* handles point there).
+  void alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d, const char* name);
+  void pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d);
+  size_t grouped_ws_bytes(int64_t rows) const;
+
+  // ---- the routed experts under expert parallelism (model_ep.cpp; after the router, before the shared
+  // experts) ----
+  void ep_ffn_forward(Layer& L, LayerBufs& b, float* y);
+  void ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2);
+  void ensure_rows(Layer& L, int64_t R);
+  void ensure_scratch(int64_t R);
+};
+
+}  // namespace moetron
