@@ -51,17 +51,6 @@ std::string known_list() {
 
 bool known(std::string_view name) { return std::find(kNames.begin(), kNames.end(), name) != kNames.end(); }
 
-Schedule empty_schedule(const GenSpec& g, std::vector<int> placement) {
-  Schedule s;
-  s.name = g.schedule;
-  s.pp = g.pp;
-  s.n_stages = int(placement.size());
-  s.n_microbatches = g.microbatches;
-  s.stage_rank = std::move(placement);
-  s.actions.assign(size_t(g.pp), {});
-  return s;
-}
-
 // gpipe: rank r = stage r runs F0..F(m-1) then B0..B(m-1).
 Schedule gen_gpipe(const GenSpec& g) {
   Schedule s = empty_schedule(g, loop_placement(g.pp, g.pp));
@@ -152,6 +141,17 @@ int64_t compute_action_bound(const GenSpec& g) {
 
 }  // namespace
 
+Schedule empty_schedule(const GenSpec& g, std::vector<int> placement) {
+  Schedule s;
+  s.name = g.schedule;
+  s.pp = g.pp;
+  s.n_stages = int(placement.size());
+  s.n_microbatches = g.microbatches;
+  s.stage_rank = std::move(placement);
+  s.actions.assign(size_t(g.pp), {});
+  return s;
+}
+
 int interleaved_warmup(int pp, int vpp, int group_size, int rank) {
   return 2 * (pp - 1 - rank) + (vpp - 1) * group_size;
 }
@@ -230,8 +230,8 @@ Schedule generate(const GenSpec& spec) {
   if (n == "1f1b") return gen_1f1b(spec, false);
   if (n == "zb1p") return gen_1f1b(spec, true);
   if (n == "interleaved_1f1b") return gen_interleaved(spec);
-  if (n == "zbv") return gen_zbv(spec.pp, spec.microbatches);
-  return gen_dualpipev(spec.pp, spec.microbatches);
+  if (n == "zbv") return gen_zbv(spec);
+  return gen_dualpipev(spec);
 }
 
 }  // namespace moetron::sched

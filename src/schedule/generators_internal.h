@@ -2,6 +2,8 @@
 // the moetron_schedule library. Not part of the public API (include/moetron/schedule.h is) and not used by
 // the lowering pass, the validator or the simulators.
 #pragma once
+#include <vector>
+
 #include "moetron/schedule.h"
 
 namespace moetron::sched {
@@ -10,8 +12,11 @@ namespace moetron::sched {
 // 2 * (pp - 1 - rank) + (vpp - 1) * group_size.
 int interleaved_warmup(int pp, int vpp, int group_size, int rank);
 
+// A schedule named g.schedule with g.pp empty rank lists, g.microbatches and the given stage placement.
+Schedule empty_schedule(const GenSpec& g, std::vector<int> placement);
+
 // The V-shape generators (placement v_placement(pp)); the caller has run check_spec.
-Schedule gen_zbv(int pp, int microbatches);
-Schedule gen_dualpipev(int pp, int microbatches);
+Schedule gen_zbv(const GenSpec& g);
+Schedule gen_dualpipev(const GenSpec& g);
 
 }  // namespace moetron::sched

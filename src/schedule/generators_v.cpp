@@ -54,14 +54,9 @@ struct RankEmitter {
 //             forward has run
 //   cool-down r pairs (I chunk 0, I chunk 1) whose W's wait; pp-r pairs (I chunk 0, W chunk 0 oldest first);
 //             then the chunk-1 W's still owed, then the chunk-0 W's still owed.
-Schedule gen_zbv(int pp, int M) {
-  Schedule s;
-  s.name = "zbv";
-  s.pp = pp;
-  s.n_stages = 2 * pp;
-  s.n_microbatches = M;
-  s.stage_rank = v_placement(pp);
-  s.actions.assign(size_t(pp), {});
+Schedule gen_zbv(const GenSpec& g) {
+  const int pp = g.pp, M = g.microbatches;
+  Schedule s = empty_schedule(g, v_placement(pp));
   const int n = std::max(2 * pp - 1, M);
   for (int r = 0; r < pp; ++r) {
     std::vector<Action> full;
@@ -114,14 +109,9 @@ Schedule gen_zbv(int pp, int M) {
 //      an I, on even ranks only its chunk-0 half
 //   7  (pp-1-r) x (oldest owed W, I0)
 //   8  the owed W's, oldest first (r+1 of them).
-Schedule gen_dualpipev(int pp, int M) {
-  Schedule s;
-  s.name = "dualpipev";
-  s.pp = pp;
-  s.n_stages = 2 * pp;
-  s.n_microbatches = M;
-  s.stage_rank = v_placement(pp);
-  s.actions.assign(size_t(pp), {});
+Schedule gen_dualpipev(const GenSpec& g) {
+  const int pp = g.pp, M = g.microbatches;
+  Schedule s = empty_schedule(g, v_placement(pp));
   for (int r = 0; r < pp; ++r) {
     RankEmitter e(s.actions[size_t(r)], r, 2 * pp - 1 - r);
     const int down = pp - 1 - r;  // ranks below this one on the way down the V
