@@ -163,18 +163,17 @@ Schedule from_csv(std::string_view text) {
   s.pp = int(s.actions.size());
 
   int max_stage = -1, max_mb = -1;
+  int64_t n_compute = 0;
   for (const auto& row : s.actions)
     for (const auto& a : row) {
       max_stage = std::max({max_stage, a.stage, a.op == Op::FB ? a.stage2 : -1});
       max_mb = std::max({max_mb, a.mb, a.op == Op::FB ? a.mb2 : -1});
       if (is_comm(a.op)) s.lowered = true;
+      else ++n_compute;
     }
   MT_CHECK(max_stage >= 0, "schedule", "CSV has no actions");
   // Every stage and micro-batch needs at least one compute action, so ids beyond that count cannot be valid;
   // refusing them here keeps a stray huge id from sizing the placement table.
-  int64_t n_compute = 0;
-  for (const auto& row : s.actions)
-    for (const auto& a : row) n_compute += is_compute(a.op) ? 1 : 0;
   MT_CHECK(int64_t(max_stage) < n_compute && int64_t(max_mb) < n_compute, "schedule", "CSV names stage ", max_stage,
            " and micro-batch ", max_mb, " but has only ", n_compute,
            " compute actions: stage and micro-batch ids count from 0 with no gaps");
