@@ -16,7 +16,7 @@ struct ShowArgs {
 };
 
 nlohmann::json to_json(const sched::Schedule& compute, const sched::Schedule& lowered,
-                       const sched::TimedResult& t, const sched::LockstepResult& ls) {
+                       const sched::TimedResult& t) {
   nlohmann::json j;
   j["schedule"] = compute.name;
   j["pp"] = compute.pp;
@@ -24,8 +24,8 @@ nlohmann::json to_json(const sched::Schedule& compute, const sched::Schedule& lo
   j["vpp"] = compute.stages_per_rank();
   j["microbatches"] = compute.n_microbatches;
   j["valid"] = true;
-  j["deadlock"] = ls.deadlock;
-  j["steps"] = ls.steps;
+  j["deadlock"] = false;  // the validator (schedule_from_flags) refuses a schedule that deadlocks
+  j["steps"] = t.steps;
   j["step_time"] = t.step_time;
   j["bubble_ratio"] = t.bubble_ratio;
   j["bubble_formula"] = sched::bubble_formula(compute.pp, compute.n_microbatches, compute.stages_per_rank());
@@ -51,8 +51,6 @@ void show(const ShowArgs& a) {
   sched::Schedule compute = lowered;
   for (auto& row : compute.actions) std::erase_if(row, [](const sched::Action& x) { return sched::is_comm(x.op); });
   compute.lowered = false;
-  const sched::LockstepResult ls = sched::simulate_lockstep(lowered);
-  MT_CHECK(!ls.deadlock, "schedule", "the schedule deadlocks: ", ls.error);
   const sched::TimedResult t =
       sched::simulate_timed(lowered, cli::parse_durations(a.flags.durations, lowered.n_stages));
 
@@ -61,7 +59,7 @@ void show(const ShowArgs& a) {
     return;
   }
   if (a.format == "json") {
-    std::printf("%s\n", to_json(compute, lowered, t, ls).dump(1).c_str());
+    std::printf("%s\n", to_json(compute, lowered, t).dump(1).c_str());
     return;
   }
   std::printf("schedule %s: pp %d, %d stages (%d per rank), %d micro-batches\n", compute.name.c_str(), compute.pp,
@@ -69,7 +67,7 @@ void show(const ShowArgs& a) {
   std::fputs(sched::to_text(compute).c_str(), stdout);
   std::printf("lowered (with point-to-point communication):\n");
   std::fputs(sched::to_text(lowered).c_str(), stdout);
-  std::printf("validator: ok; lock-step: %d steps, no deadlock\n", ls.steps);
+  std::printf("validator: ok; lock-step: %d steps, no deadlock\n", t.steps);
   std::printf("timed: step %.4g, bubble %.2f%% (formula (p-1)/(p-1+m*v): %.2f%%)\n", t.step_time,
               100 * t.bubble_ratio,
               100 * sched::bubble_formula(compute.pp, compute.n_microbatches, compute.stages_per_rank()));
