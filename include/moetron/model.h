@@ -54,9 +54,23 @@ void init_param_elements(float* dst, const ParamEntry& e, uint64_t seed, int64_t
 struct ForwardStats {
   double ce_sum = 0;      // sum of per-token cross-entropy (unscaled) over valid targets
   int64_t ce_count = 0;   // valid targets
-  double aux_loss = 0;    // router aux loss summed over MoE layers (coefficient included)
+  double aux_loss = 0;    // router aux loss summed over MoE layers (coefficient included), in layer order
   double z_loss = 0;
   int64_t dropped = 0;    // tokens dropped by capacity
+  // Per MoE layer (global MoE index; 0 for the layers this pass did not run): the router aux and z losses.
+  // Pipeline stages report their layers here, so a step can fold the whole model's sum in layer order.
+  std::vector<double> aux_by_layer, z_by_layer;
+};
+
+// One pipeline stage this rank holds (include/moetron/pp_layout.h decides which): its global stage id, its
+// decoder layers (ascending and contiguous, possibly none), whether it starts with the embedding and ends
+// with the final norm + head + loss, and how many micro-batches it keeps activations for at once (the
+// schedule's peak in-flight count for the stage).
+struct ModelStagePart {
+  int stage = 0;
+  std::vector<int64_t> layers;
+  bool embedding = false, head = false;
+  int slots = 1;
 };
 
 // How the model is split over ranks. ep null or of size 1: all experts local (no communication).
@@ -66,7 +80,11 @@ struct ModelParallel {
   bool fp8_dispatch = false;  // E4M3 1x128 dispatch payload (else bf16, which is exact: the experts
                               // consume bf16 rows anyway); combine and the backward rows stay fp32
   int ep_ranks_per_node = 0;  // EP ranks per node (0 = one node)
-  const FsdpOptions* fsdp = nullptr;  // FSDP / ZeRO-3 mode (see the constructor); not with ep > 1 yet
+  const FsdpOptions* fsdp = nullptr;  // FSDP / ZeRO-3 mode (see the constructor)
+  // Pipeline parallelism: this rank's stages, ascending stage ids (null or empty: the whole model as one
+  // stage with one activation slot). Parameters, saved activations and dispatchers exist for these stages
+  // only; parameter names stay global ("layers.7.attn.wo").
+  const std::vector<ModelStagePart>* stages = nullptr;
 };
 
 // training.compute_dtype for this machine: Auto -> BF16 where bf16 GEMMs are native (the kernels run at
@@ -110,11 +128,12 @@ class Model {
   // target -1 is ignored. ce_scale multiplies the cross-entropy gradient (e.g. 1 / valid tokens of the
   // whole step); aux_scale multiplies the router aux / z losses' gradients (e.g. 1 / micro-batches).
   ForwardStats forward_backward(const int32_t* tokens, const int32_t* targets, float ce_scale, float aux_scale);
-  // Forward only (validation).
+  // Forward only (validation). forward_backward, forward and compute_logits need the whole model (no stages).
   ForwardStats forward(const int32_t* tokens, const int32_t* targets);
 
   // Aux-loss-free balancing state: per MoE layer bias [E] and the tokens-per-expert counts summed since
-  // the last take_expert_counts() call.
+  // the last take_expert_counts() call. n_moe_layers() counts the local MoE layers; expert_bias takes a
+  // global MoE index (one of local_moe_layers()); counts and updates are in local_moe_layers() order.
   int n_moe_layers() const;
   float* expert_bias(int moe_layer);
   std::vector<std::vector<int64_t>> take_expert_counts();
@@ -126,6 +145,39 @@ class Model {
   void compute_logits(float* logits, const int32_t* tokens);
 
   int64_t tokens_per_micro_batch() const { return B_ * T_; }
+
+  // ---- pipeline stages (ModelParallel::stages; without them the whole model is local stage 0, 1 slot) ----
+  // A stage's F / B / I / W for one micro-batch, with its activations in slot `slot` (< its slots). `in` /
+  // `out` are the residual stream [B*T, d] fp32 entering / leaving the stage (in: null on the embedding
+  // stage, which reads `tokens`; out: null on the head stage). The head stage's forward also runs the loss
+  // backward (the fused head), keeping dL/dx in the slot until its backward; its head weight gradient is
+  // added then. `targets` are read by the head stage only, `tokens` by the embedding stage only. The step's
+  // loss scales come from set_loss_scales. stage_backward: `dout` = dL/d(out) (null on the head stage),
+  // `din` = dL/d(in) out (null on the embedding stage, which adds the embedding gradient). weights = false
+  // is the I half: the weight-gradient GEMMs are recorded (their operands copied into the slot's arena) and
+  // run by stage_backward_weight (W), in the same order, so the gradients are bitwise those of the full B.
+  // Statistics (loss, aux, z, dropped, expert counts) are the stage's share.
+  int n_stages() const;  // local stages
+  const ModelStagePart& stage_part(int local) const;
+  void set_loss_scales(float ce_scale, float aux_scale);
+  ForwardStats stage_forward(int local, int slot, const int32_t* tokens, const int32_t* targets, const float* in,
+                             float* out, bool backward = true);
+  void stage_backward(int local, int slot, const int32_t* tokens, const float* dout, float* din, bool weights = true);
+  void stage_backward_weight(int local, int slot);
+  bool holds_embedding() const;  // the embedding stage is local
+  bool holds_head() const;       // the head stage is local
+  bool holds_layer(int64_t layer) const;
+  // Tied embeddings: the head's weight gradient accumulates in a buffer of its own [V, d], not in the
+  // embedding's. fold_tied_head_grad adds it into the embedding gradient and zeroes it (FSDP mode folds it
+  // into the unit's gradient at every embedding backward instead, before the reduce-scatter). forward_backward folds after every call; a pipeline step folds once
+  // after the step (the pipeline trainer moves it between the first and the last stage's ranks), so the
+  // embedding gradient is (embedding rows of every micro-batch) + (head gradient of every micro-batch)
+  // whatever the layout. nullptr when not tied, in FSDP mode, or without the head stage.
+  float* tied_head_grad();
+  void fold_tied_head_grad();
+  // Global MoE indices of the local MoE layers, ascending (all of them without pipeline stages).
+  std::vector<int> local_moe_layers() const;
+  int n_moe_layers_total() const;
 
   // Expert parallelism: EP group size and this rank's experts.
   int ep_size() const;

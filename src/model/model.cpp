@@ -74,8 +74,10 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
 Model::~Model() = default;
 
 void Model::Impl::build() {
+  build_stages();
   build_params();
   build_buffers();
+  build_slots();
 }
 
 // The parameter list (names, shapes, flat offsets, expert shards under EP) and its storage: the flat
@@ -115,11 +117,16 @@ void Model::Impl::build_params() {
     P_.push_back(e);
     return int(P_.size() - 1);
   };
-  emb = add("embed", {V, d}, true, -1);
+  // Pipeline stages hold a subset (build_stages marked the held layers): the embedding on its stage (and on
+  // the head's when tied: the head multiplies by it), the final norm and head on the head stage.
+  const bool tied = s.tie_embeddings;
+  if (has_emb || (has_head && tied)) emb = add("embed", {V, d}, true, -1);
   int moe_i = 0;
-  layers.resize(size_t(s.n_layers));
   for (int64_t l = 0; l < s.n_layers; ++l) {
     Layer& L = layers[l];
+    L.moe = s.is_moe_layer(l);
+    if (L.moe) L.moe_index = moe_i++;
+    if (!L.held) continue;
     std::string p = "layers." + std::to_string(l) + ".";
     int li = int(l);
     L.attn_norm = add(p + "attn_norm", {d}, false, li, false, true);
@@ -140,12 +147,10 @@ void Model::Impl::build_params() {
     }
     L.wo = add(p + "attn.wo", {H * Dv, d}, true, li);
     L.ffn_norm = add(p + "ffn_norm", {d}, false, li, false, true);
-    L.moe = s.is_moe_layer(l);
     if (!L.moe) {
       L.w13 = add(p + "mlp.w13", {d, 2 * F}, true, li);
       L.w2 = add(p + "mlp.w2", {F, d}, true, li);
     } else {
-      L.moe_index = moe_i++;
       L.gate = add(p + "moe.gate", {d, E}, true, li);
       L.we13 = add(p + "moe.experts.w13", {E, d, 2 * Fe}, true, li, true);
       L.we2 = add(p + "moe.experts.w2", {E, Fe, d}, true, li, true);
@@ -155,9 +160,11 @@ void Model::Impl::build_params() {
       }
     }
   }
-  final_norm = add("final_norm", {d}, false, -1, false, true);
-  if (!s.tie_embeddings) head = add("head", {V, d}, true, -1);
-  else head = emb;
+  n_moe_total = moe_i;
+  if (has_head) {
+    final_norm = add("final_norm", {d}, false, -1, false, true);
+    head = tied ? emb : add("head", {V, d}, true, -1);
+  }
 
   if (fs_opts) {
     fs_build();
@@ -172,28 +179,14 @@ void Model::Impl::build_params() {
 // layers), selective-recompute buffers, per-MoE-layer bias / counts / dispatcher / packed experts, rope
 // tables, scratch and the kernel workspace.
 void Model::Impl::build_buffers() {
-  // Buffers: every non-recomputed layer owns its saved activations; recomputed layers share one set
-  // per kind (dense / MoE).
-  LayerBufs* shared[2] = {nullptr, nullptr};
-  for (int64_t l = 0; l < s.n_layers; ++l) {
-    Layer& L = layers[l];
-    L.x_in = f32buf(N * d);
-    L.recompute = m.ac_.mode == AcMode::Full && m.ac_.applies_to(l);
-    if (L.recompute && shared[L.moe]) {
-      L.bufs = shared[L.moe];
-      continue;
-    }
-    owned_bufs.push_back(std::make_unique<LayerBufs>());
-    alloc_bufs(*owned_bufs.back(), L.moe);
-    L.bufs = owned_bufs.back().get();
-    if (L.recompute) shared[L.moe] = L.bufs;
-  }
   // Selective recompute: the chosen modules' outputs live in one set of buffers shared by every
   // selected layer; each layer recomputes them right before its backward needs them.
   const bool selective = m.ac_.mode == AcMode::Selective;
   bool any_norm = false, any_attn = false, any_act = false;
   for (int64_t l = 0; l < s.n_layers; ++l) {
     Layer& L = layers[l];
+    if (!L.held) continue;
+    L.recompute = m.ac_.mode == AcMode::Full && m.ac_.applies_to(l);
     if (!selective || !m.ac_.applies_to(l)) continue;
     L.sel_norm = m.ac_.has_module("norm");
     L.sel_attn = m.ac_.has_module("attention_core");
@@ -207,32 +200,15 @@ void Model::Impl::build_buffers() {
     if (Fs > 0) sel.actc = cbuf(N * Fs);
   }
   for (auto& L : layers) {
-    if (!(L.sel_norm || L.sel_attn || L.sel_act)) continue;
-    LayerBufs& b = *L.bufs;  // owned by this layer (full recompute is a different mode)
-    if (L.sel_norm) b.h1c = sel.h1c, b.h2 = sel.h2, b.h2c = sel.h2c;
-    if (L.sel_attn) b.ao = sel.ao, b.aoc = sel.aoc, b.lse = sel.lse;
-    if (L.sel_act) {
-      b.eactc = sel.eactc;
-      if (Fs > 0) b.actc = sel.actc;
-    }
-  }
-  for (auto& L : layers) {
-    if (!L.moe) continue;
+    if (!L.moe || !L.held) continue;
     L.bias = f32buf(E, MemCategory::Params);
     L.count_acc.assign(size_t(E), 0);
-    if (ep > 1) {
-      EpDispatchConfig dc;
-      dc.kind = par.dispatcher, dc.n_experts = int(E), dc.topk = int(K), dc.hidden = d, dc.max_tokens = N;
-      dc.ranks_per_node = par.ep_ranks_per_node;
-      dc.dispatch_payload = par.fp8_dispatch ? EpPayload::E4M3 : f32 ? EpPayload::F32 : EpPayload::BF16;
-      dc.combine_payload = EpPayload::F32;
-      L.disp = std::make_unique<EpDispatch>(ep_comm, dc);
-    }
     if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots
     alloc_packed(L.p13f, L.p13d, L.p2f, L.p2d, "experts.packed");
   }
   if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
-  xf = f32buf(N * d), rstdf = f32buf(N), hfc = cbuf(N * d);
+  if (has_head) xf = f32buf(N * d), rstdf = f32buf(N), hfc = cbuf(N * d);
+  if (has_head && s.tie_embeddings) tied_hg = f32buf(V * d, MemCategory::Grads);
   if (m.ac_.mode == AcMode::Full) recompute_out = f32buf(N * d, MemCategory::Workspace);
 
   // rope tables
@@ -257,7 +233,7 @@ void Model::Impl::build_buffers() {
   // kernel workspace: the max over every call site
   AttnDims ad = attn_dims();
   size_t w = attention_workspace_bytes(ad, num_threads());
-  w = std::max(w, linear_xent_workspace_bytes(N, V, linear_xent_default_chunk(V)));
+  if (has_head) w = std::max(w, linear_xent_workspace_bytes(N, V, linear_xent_default_chunk(V)));
   w = std::max(w, rmsnorm_backward_workspace_bytes(N, std::max<int64_t>({d, rq, rkv})));
   if (E > 0) {
     rcfg.E = int(E), rcfg.topk = int(K);
@@ -336,13 +312,13 @@ void Model::init_params(uint64_t seed) {
   if (fsdp_) {
     fsdp_->init(seed);
     for (auto& L : impl_->layers)
-      if (L.moe) L.bias.zero_();
+      if (L.moe && L.held) L.bias.zero_();
     return;
   }
   float* p = pbuf_.data<float>();
   for (auto& e : params_) init_param_elements(p + e.offset, e, seed, 0, e.numel);
   for (auto& L : impl_->layers)
-    if (L.moe) L.bias.zero_();
+    if (L.moe && L.held) L.bias.zero_();
   sync_weights();
 }
 
@@ -351,7 +327,7 @@ void Model::sync_weights() {
   if (fsdp_) return;  // FSDP: a unit's bf16 copy and packed experts are made when it is gathered
   if (!I.f32) f32_to_bf16(I.wc.data<bf16>(), pbuf_.data<float>(), n_params_);
   for (auto& L : I.layers) {
-    if (!L.moe) continue;
+    if (!L.moe || !L.held) continue;
     I.pack_experts(L, L.p13f, L.p13d, L.p2f, L.p2d);
   }
 }
@@ -359,6 +335,7 @@ void Model::sync_weights() {
 void Model::zero_grads() {
   if (fsdp_) fsdp_->zero_grads();
   else gbuf_.zero_();
+  if (impl_->tied_hg.defined()) impl_->tied_hg.zero_();
 }
 
 int Model::ep_size() const { return impl_->ep; }
@@ -367,9 +344,8 @@ int Model::local_experts() const { return int(impl_->El); }
 
 EpTraffic Model::ep_traffic() const {
   EpTraffic t;
-  for (auto& L : impl_->layers) {
-    if (!L.disp) continue;
-    EpStats s = L.disp->stats();
+  for (auto& dp : impl_->owned_disp) {
+    EpStats s = dp->stats();
     t.add(s.dispatch), t.add(s.combine), t.add(s.backward);
   }
   return t;
@@ -377,27 +353,36 @@ EpTraffic Model::ep_traffic() const {
 
 int64_t Model::ep_buffer_bytes() const {
   int64_t b = 0;
-  for (auto& L : impl_->layers)
-    if (L.disp) b += L.disp->buffer_bytes();
+  for (auto& dp : impl_->owned_disp) b += dp->buffer_bytes();
   return b;
 }
 
 int Model::n_moe_layers() const {
   int n = 0;
-  for (auto& L : impl_->layers) n += L.moe;
+  for (auto& L : impl_->layers) n += L.moe && L.held;
   return n;
+}
+
+int Model::n_moe_layers_total() const { return impl_->n_moe_total; }
+
+std::vector<int> Model::local_moe_layers() const {
+  std::vector<int> v;
+  for (auto& L : impl_->layers)
+    if (L.moe && L.held) v.push_back(L.moe_index);
+  return v;
 }
 
 float* Model::expert_bias(int moe_layer) {
   for (auto& L : impl_->layers)
-    if (L.moe && L.moe_index == moe_layer) return L.bias.data<float>();
-  MT_FAIL("Model::expert_bias", "no MoE layer ", moe_layer);
+    if (L.moe && L.held && L.moe_index == moe_layer) return L.bias.data<float>();
+  MT_FAIL("Model::expert_bias", "MoE layer ", moe_layer, " is not on this rank (", n_moe_layers(), " of ",
+          impl_->n_moe_total, " MoE layers are)");
 }
 
 std::vector<std::vector<int64_t>> Model::take_expert_counts() {
   std::vector<std::vector<int64_t>> out;
   for (auto& L : impl_->layers) {
-    if (!L.moe) continue;
+    if (!L.moe || !L.held) continue;
     out.push_back(L.count_acc);
     std::fill(L.count_acc.begin(), L.count_acc.end(), 0);
   }
@@ -410,7 +395,7 @@ void Model::update_expert_bias(const std::vector<std::vector<int64_t>>& counts) 
            " MoE layers, model has ", n_moe_layers());
   int i = 0;
   for (auto& L : impl_->layers) {
-    if (!L.moe) continue;
+    if (!L.moe || !L.held) continue;
     router_update_bias(L.bias.data<float>(), counts[i++].data(), int(impl_->E), float(spec_.moe.bias_update_rate));
   }
 }
@@ -420,32 +405,16 @@ void Model::update_expert_bias(const std::vector<std::vector<int64_t>>& counts) 
 
 ForwardStats Model::Impl::run(const int32_t* tokens, const int32_t* targets, bool backward, float ce_scale,
                               float aux_scale) {
-  last_aux = last_z = 0;
-  last_dropped = 0;
-  cur_aux_scale = aux_scale;
-  for (int64_t t = 0; t < N; ++t)
-    MT_CHECK(tokens[t] >= 0 && tokens[t] < V, "Model::forward", "token ", tokens[t], " at position ", t,
-             " outside the vocabulary [0, ", V, ")");
-  // FSDP: units are gathered before use and released after (no-ops otherwise). With tied embeddings unit 0
-  // (embedding = head) stays gathered for the whole pass.
-  if (fs_on) {  // a previous pass that threw may have left units held
-    for (auto& sl : fs_slots) sl.unit = -1;
-    std::fill(fs_slot_of.begin(), fs_slot_of.end(), -1);
-  }
-  const int64_t nL = int64_t(layers.size());
-  float* xcur = x.data<float>();
-  embed_forward(tokens, xcur, backward);
-  for (int64_t l = 0; l < nL; ++l) forward_layer(l, xcur);
-  ForwardStats st;
-  float* g = dx.data<float>();
-  head_loss(xcur, targets, backward, ce_scale, g, st);
+  MT_CHECK(whole, "Model::forward", "this model holds pipeline stages (", stages.size(),
+           " local); run them with stage_forward / stage_backward");
+  const float ce0 = step_ce_scale, aux0 = step_aux_scale;
+  step_ce_scale = ce_scale, step_aux_scale = aux_scale;
+  ForwardStats st = m.stage_forward(0, 0, tokens, targets, nullptr, nullptr, backward);
   if (backward) {
-    for (int64_t l = nL - 1; l >= 0; --l) backward_layer(l, g);
-    embed_backward(tokens, g);
+    m.stage_backward(0, 0, tokens, nullptr, nullptr, true);
+    m.fold_tied_head_grad();
   }
-  st.aux_loss = last_aux;
-  st.z_loss = last_z;
-  st.dropped = last_dropped;
+  step_ce_scale = ce0, step_aux_scale = aux0;
   return st;
 }
 

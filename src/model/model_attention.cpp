@@ -94,7 +94,7 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
   float* dao = s_dao.data<float>();
   {
     MT_TRACE("bwd.attn.out_proj");
-    lin_wgrad(G(L.wo), b.aoc.raw(), do_c, N, H * Dv, d);
+    lin_wgrad(L.wo, b.aoc.raw(), do_c, N, H * Dv, d);
     lin_dgrad(dao, do_c, W(L.wo), N, H * Dv, d);
   }
   if (s.attn.type != AttnType::MLA) {
@@ -108,7 +108,7 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
     MT_TRACE("bwd.attn.proj");
     rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
     const void* dqkv_c = to_c(s_c1, dqkv, N * Wqkv);
-    lin_wgrad(G(L.wqkv), h, dqkv_c, N, d, Wqkv);
+    lin_wgrad(L.wqkv, h, dqkv_c, N, d, Wqkv);
     lin_dgrad(dhout, dqkv_c, W(L.wqkv), N, d, Wqkv);
     return;
   }
@@ -140,30 +140,30 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
   rope_backward(dkpe, B, T, 1, dr, dr, 0, dr, cs, sn);
   // kv up-projection and kv norm
   const void* t = to_c(s_c1, dkv, N * H * (dn + Dv));
-  lin_wgrad(G(L.wukv), b.ckvnc.raw(), t, N, rkv, H * (dn + Dv));
+  lin_wgrad(L.wukv, b.ckvnc.raw(), t, N, rkv, H * (dn + Dv));
   float* dckvn = s_f2.data<float>();
   lin_dgrad(dckvn, t, W(L.wukv), N, rkv, H * (dn + Dv));
   float* dckv = m_dckv.data<float>();
   rmsnorm_backward(dckv, G(L.kv_norm), dckvn, b.ckv.data<float>(), P(L.kv_norm), b.rstdkv.data<float>(), N, rkv, wsp());
   t = to_c(s_c1, dckv, N * rkv);
-  lin_wgrad(G(L.wdkv), h, t, N, d, rkv);
+  lin_wgrad(L.wdkv, h, t, N, d, rkv);
   lin_dgrad(dhout, t, W(L.wdkv), N, d, rkv);
   t = to_c(s_c1, dkpe, N * dr);
-  lin_wgrad(G(L.wkr), h, t, N, d, dr);
+  lin_wgrad(L.wkr, h, t, N, d, dr);
   lin_dgrad(dhout, t, W(L.wkr), N, d, dr, true);
   // q path
   t = to_c(s_c1, dq, N * H * Dqk);
   if (rq > 0) {
-    lin_wgrad(G(L.wuq), b.cqnc.raw(), t, N, rq, H * Dqk);
+    lin_wgrad(L.wuq, b.cqnc.raw(), t, N, rq, H * Dqk);
     float* dcqn = s_f2.data<float>();
     lin_dgrad(dcqn, t, W(L.wuq), N, rq, H * Dqk);
     float* dcq = m_dcq.data<float>();
     rmsnorm_backward(dcq, G(L.q_norm), dcqn, b.cq.data<float>(), P(L.q_norm), b.rstdq.data<float>(), N, rq, wsp());
     t = to_c(s_c1, dcq, N * rq);
-    lin_wgrad(G(L.wdq), h, t, N, d, rq);
+    lin_wgrad(L.wdq, h, t, N, d, rq);
     lin_dgrad(dhout, t, W(L.wdq), N, d, rq, true);
   } else {
-    lin_wgrad(G(L.wq), h, t, N, d, H * Dqk);
+    lin_wgrad(L.wq, h, t, N, d, H * Dqk);
     lin_dgrad(dhout, t, W(L.wq), N, d, H * Dqk, true);
   }
 }

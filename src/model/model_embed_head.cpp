@@ -42,9 +42,9 @@ void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool back
   float* dhf = dh.data<float>();
   // The fused kernel returns the scaled loss; recover the plain sum for reporting.
   double scaled =
-      f32 ? linear_xent_fwd_bwd_f32(dhf, G(head), hfc.data<float>(), P(head), targets, N, d, V, ce_scale, chunk,
+      f32 ? linear_xent_fwd_bwd_f32(dhf, head_weight_grad(), hfc.data<float>(), P(head), targets, N, d, V, ce_scale, chunk,
                                     wsp())
-          : linear_xent_fwd_bwd_bf16(dhf, G(head), hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N, d,
+          : linear_xent_fwd_bwd_bf16(dhf, head_weight_grad(), hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N, d,
                                      V, ce_scale, chunk, wsp());
   st.ce_sum = ce_scale != 0 ? scaled / ce_scale : 0;
   tr_loss.stop();
@@ -64,6 +64,12 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
     const float* src = g + t * d;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
+  }
+  // FSDP with tied embeddings: the head's gradient of this micro-batch joins the unit's before it is reduced
+  // (the plain model folds once per step: fold_tied_head_grad).
+  if (fs_on && tied_hg.defined()) {
+    model_detail::add_inplace(gE, tied_hg.data<float>(), V * d);
+    tied_hg.zero_();
   }
   fs_release(0);
 }

@@ -90,8 +90,7 @@ void Model::Impl::ensure_rows(Layer& L, int64_t R) {
   if (L.sel_act && R > sel_rows_cap) {
     sel_rows_cap = std::max(R, sel_rows_cap + sel_rows_cap / 4);
     sel.eactc = cbuf(sel_rows_cap * Fe);
-    for (auto& O : layers)
-      if (O.sel_act) O.bufs->eactc = sel.eactc;
+    for (LayerBufs* o : sel_act_bufs) o->eactc = sel.eactc;
   }
   ensure_scratch(R);
 }

@@ -9,6 +9,8 @@
 //   model_ep.cpp          the routed experts under expert parallelism (dispatch / combine, growing rows)
 //   model_embed_head.cpp  the embedding, the final norm and the fused head + cross-entropy loss
 //   model_fsdp.cpp        FSDP mode: unit slots, gather and release
+//   model_stage.cpp       pipeline stages: activation slots, stage forward / backward, the deferred
+//                         weight-gradient arena of the split backward (I / W)
 // Not a public header (only src/model includes it) and not where the kernels live (include/moetron/*.h).
 #pragma once
 #include <cstdint>
@@ -59,7 +61,22 @@ struct LayerBufs {
   int64_t rows_cap = 0;  // rows xpc / egu / eactc / ez hold (grows under EP when routing is skewed)
 };
 
+// The split backward's deferred weight gradients (one arena per stage and slot): each task is one
+// weight-gradient GEMM of the I half whose operands were copied here, run by W in recording order.
+struct WTask {
+  enum Kind : uint8_t { Lin, LinF32, Grouped } kind = Lin;
+  int param = -1;
+  int64_t rows = 0, in = 0, out = 0;
+  size_t x = 0, dy = 0, kept = 0;  // byte offsets into the arena
+};
+struct WArena {
+  std::vector<WTask> tasks;
+  Tensor buf;       // bytes (as floats), grows when a record needs more (first steps, EP row growth)
+  size_t used = 0;  // bytes
+};
+
 struct Layer {
+  bool held = true;  // on one of this rank's pipeline stages (else no parameters, buffers or dispatcher)
   bool moe = false;
   bool recompute = false;                                 // full: re-run the whole layer forward
   bool sel_norm = false, sel_attn = false, sel_act = false;  // selective: recompute these modules
@@ -70,14 +87,26 @@ struct Layer {
   int wq = -1, wdq = -1, q_norm = -1, wuq = -1, wdkv = -1, wkr = -1, kv_norm = -1, wukv = -1;  // mla
   int w13 = -1, w2 = -1;                                           // dense ffn
   int gate = -1, we13 = -1, we2 = -1, ws13 = -1, ws2 = -1;         // moe
-  Tensor x_in;        // [N, d] saved layer input (always)
-  LayerBufs* bufs = nullptr;
+  Tensor x_in;        // [N, d] saved layer input (always): the active slot's
+  LayerBufs* bufs = nullptr;  // the active slot's saved activations
+  // Per activation slot (pipeline stages keep several micro-batches): inputs, saved activations and the EP
+  // dispatcher that keeps each micro-batch's layout for its backward. use_slot() makes one active.
+  std::vector<Tensor> slot_x_in;
+  std::vector<LayerBufs*> slot_bufs;
+  std::vector<EpDispatch*> slot_disp;
   // packed expert weights (refreshed by sync_weights)
   Tensor p13f, p13d, p2f, p2d;
   GroupedPackedWeights pk13f, pk13d, pk2f, pk2d;
   Tensor bias;        // [E] aux-free expert bias
   std::vector<int64_t> count_acc;  // tokens per expert since last take
-  std::unique_ptr<EpDispatch> disp;  // expert parallelism: this layer's dispatcher (keeps its layout for backward)
+  EpDispatch* disp = nullptr;  // expert parallelism: the active slot's dispatcher (keeps its layout for backward)
+};
+
+// A local pipeline stage at run time.
+struct StageRt {
+  ModelStagePart part;
+  std::vector<Tensor> head_g;    // head stage: dL/dx per slot, from the fused head in F until B
+  std::vector<WArena> warena;    // per slot: the I half's deferred weight gradients
 };
 
 struct Model::Impl {
@@ -94,8 +123,19 @@ struct Model::Impl {
   Comm ep_comm;
   Tensor send_idx, dwr, iota_r, zero_r;  // EP scratch: slots sent (-1 = dropped), per-row dw, row maps
   int64_t scratch_rows = 0, sel_rows_cap = 0;
-  std::vector<Layer> layers;
+  std::vector<Layer> layers;  // every decoder layer of the model (held or not), indexed by layer id
   std::vector<std::unique_ptr<LayerBufs>> owned_bufs;
+  std::vector<std::unique_ptr<EpDispatch>> owned_disp;
+  std::vector<LayerBufs*> sel_act_bufs;  // the buffer sets whose eactc is the shared selective one
+  std::vector<StageRt> stages;           // local pipeline stages, ascending (the whole model: one)
+  bool whole = true;                     // one local stage with everything (forward_backward works)
+  bool has_emb = true, has_head = true;  // the embedding / head stage is local
+  int n_moe_total = 0;
+  Tensor tied_hg;                        // tied embeddings (plain mode, head stage local): head gradient
+  float step_ce_scale = 0, step_aux_scale = 0;
+  std::vector<double> cur_aux, cur_z;    // per global MoE layer, the current pass
+  // The split backward: while an I half runs, weight-gradient GEMMs are recorded into this arena.
+  WArena* defer = nullptr;
   Tensor wc;  // bf16 copy of every parameter (bf16 mode only: fp32 mode multiplies the masters)
   Tensor rope_cos, rope_sin;
   Tensor xf, rstdf, hfc;  // final norm
@@ -181,9 +221,15 @@ struct Model::Impl {
   void lin_dgrad(float* dx, const void* dy, const void* w, int64_t rows, int64_t in, int64_t out, bool acc = false) {
     gemm_c(Trans::N, Trans::T, rows, in, out, dy, out, w, out, acc ? 1.0f : 0.0f, dx, in);
   }
-  // dW[in,out] += x[N,in]^T · dy[N,out]
-  void lin_wgrad(float* dw, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
-    gemm_c(Trans::T, Trans::N, in, out, rows, x, in, dy, out, 1.0f, dw, out);
+  // dW[in,out] of parameter p += x[N,in]^T · dy[N,out] (compute dtype; recorded instead inside an I half)
+  void lin_wgrad(int p, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
+    if (defer) return record_wgrad(WTask::Lin, p, x, dy, nullptr, rows, in, out);
+    gemm_c(Trans::T, Trans::N, in, out, rows, x, in, dy, out, 1.0f, G(p), out);
+  }
+  // The same on fp32 operands whatever the compute dtype (the router's gate).
+  void lin_wgrad_f32(int p, const float* x, const float* dy, int64_t rows, int64_t in, int64_t out) {
+    if (defer) return record_wgrad(WTask::LinF32, p, x, dy, nullptr, rows, in, out);
+    gemm_f32(Trans::T, Trans::N, in, out, rows, 1.0f, x, in, dy, out, 1.0f, G(p), out);
   }
   void gemm_c(Trans ta, Trans tb, int64_t M, int64_t Nn, int64_t Kk, const void* A, int64_t lda, const void* B,
               int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -219,7 +265,9 @@ struct Model::Impl {
     if (f32) grouped_gemm_dgrad(dX, static_cast<const float*>(dY), Wt, kept, El, R, in, out, wsp(), ws_bytes);
     else grouped_gemm_dgrad(dX, nullptr, static_cast<const bf16*>(dY), Wt, kept, El, R, in, out, wsp(), ws_bytes);
   }
-  void gg_wgrad(float* dW, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in, int64_t out) {
+  void gg_wgrad(int p, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in, int64_t out) {
+    if (defer) return record_wgrad(WTask::Grouped, p, X, dY, kept, R, in, out);
+    float* dW = G(p);
     if (f32)
       grouped_gemm_wgrad(dW, static_cast<const float*>(X), static_cast<const float*>(dY), kept, El, R, in, out, true,
                          wsp(), ws_bytes);
@@ -227,6 +275,17 @@ struct Model::Impl {
       grouped_gemm_wgrad(dW, static_cast<const bf16*>(X), static_cast<const bf16*>(dY), kept, El, R, in, out, true,
                          wsp(), ws_bytes);
   }
+
+  // ---- pipeline stages (model_stage.cpp) ----
+  void build_stages();  // from par.stages (or the whole model): which layers / ends are held
+  void build_slots();   // per-slot inputs, saved activations and dispatchers of the held layers
+  void use_slot(StageRt& st, int slot);
+  void begin_pass();    // statistics of one stage pass reset
+  void end_pass(ForwardStats& st);
+  void record_wgrad(WTask::Kind k, int p, const void* x, const void* dy, const int32_t* kept, int64_t rows,
+                    int64_t in, int64_t out);
+  void replay_wgrads(WArena& a);
+  float* head_weight_grad() { return tied_hg.defined() ? tied_hg.data<float>() : G(head); }
 
   // ---- construction and buffers (model.cpp) ----
   void build();

@@ -27,6 +27,7 @@ void Model::Impl::moe_forward(Layer& L, LayerBufs& b, float* y) {
   router_forward(idx, b.topk_w.data<float>(), counts, b.scores.data<float>(), &rl, logits, bias, rcfg, N, wsp());
   if (!recomputing) {
     last_aux += rl.aux, last_z += rl.z;
+    cur_aux[size_t(L.moe_index)] += rl.aux, cur_z[size_t(L.moe_index)] += rl.z;
     for (int64_t e = 0; e < E; ++e) L.count_acc[e] += counts[e];
   }
   int32_t* off = b.offsets.data<int32_t>();
@@ -92,7 +93,7 @@ void Model::Impl::moe_backward(Layer& L, LayerBufs& b, const float* dy, const vo
   rc.z_coef *= aux_scale;
   float* dlg = dlogits.data<float>();
   router_backward(dlg, dtw, b.scores.data<float>(), b.topk_idx.data<int32_t>(), b.logits.data<float>(), rc, N, wsp());
-  gemm_f32(Trans::T, Trans::N, d, E, N, 1.0f, b.h2.data<float>(), d, dlg, E, 1.0f, G(L.gate), E);
+  lin_wgrad_f32(L.gate, b.h2.data<float>(), dlg, N, d, E);
   gemm_f32(Trans::N, Trans::T, N, d, E, 1.0f, dlg, E, P(L.gate), E, 1.0f, dh2out, d);
   tr_router.stop();
   if (Fs > 0) swiglu_mlp_backward(b, L.ws13, L.ws2, Fs, dy_c, dh2out, true);
@@ -109,13 +110,13 @@ void Model::Impl::experts_forward(Layer& L, LayerBufs& b, int64_t R) {
 float* Model::Impl::experts_backward(Layer& L, LayerBufs& b, const void* dz, int64_t R) {
   MT_TRACE("bwd.experts");
   const int32_t* kept = b.kept.data<int32_t>();
-  gg_wgrad(G(L.we2), b.eactc.raw(), dz, kept, R, Fe, d);
+  gg_wgrad(L.we2, b.eactc.raw(), dz, kept, R, Fe, d);
   float* deact = s_f1.data<float>();
   gg_dgrad(deact, dz, L.pk2d, kept, R, Fe, d);
   float* degu = s_f2.data<float>();
   swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
   const void* degu_c = to_c(s_c1, degu, R * 2 * Fe);
-  gg_wgrad(G(L.we13), b.xpc.raw(), degu_c, kept, R, d, 2 * Fe);
+  gg_wgrad(L.we13, b.xpc.raw(), degu_c, kept, R, d, 2 * Fe);
   float* dxp = s_f1.data<float>();
   gg_dgrad(dxp, degu_c, L.pk13d, kept, R, d, 2 * Fe);
   return dxp;

@@ -1,0 +1,297 @@
+// model_stage.cpp: the model as pipeline stages. Which layers and ends this rank holds (ModelParallel::stages,
+// or the whole model as one stage), the per-slot activations that let a stage keep several micro-batches in
+// flight (inputs, saved activations, EP dispatchers; a fully recomputed layer keeps only its input per slot),
+// one stage's forward and backward for one micro-batch, and the split backward: the I half records every
+// weight-gradient GEMM with copies of its operands, the W half replays them in the same order.
+// Not the order of stages and micro-batches (the pipeline runtime runs the schedule: src/parallel/) and not
+// the layer math (model_layer.cpp and the blocks).
+#include <algorithm>
+#include <cstring>
+
+#include "model/model_impl.h"
+#include "moetron/trace.h"
+
+namespace moetron {
+
+using model_detail::f32buf;
+
+void Model::Impl::build_stages() {
+  const int64_t nL = s.n_layers;
+  layers.assign(size_t(nL), Layer{});
+  const std::vector<ModelStagePart>* parts = par.stages;
+  if (!parts || parts->empty()) {
+    ModelStagePart all;
+    all.stage = 0, all.embedding = true, all.head = true, all.slots = 1;
+    for (int64_t l = 0; l < nL; ++l) all.layers.push_back(l);
+    stages.push_back(StageRt{all, {}, {}});
+  } else {
+    for (const auto& p : *parts) stages.push_back(StageRt{p, {}, {}});
+  }
+  for (auto& L : layers) L.held = false;
+  has_emb = has_head = false;
+  int prev_stage = -1;
+  for (const auto& st : stages) {
+    const ModelStagePart& p = st.part;
+    MT_CHECK(p.stage > prev_stage, "Model(stages)", "stage ids must ascend; got ", p.stage, " after ", prev_stage);
+    MT_CHECK(p.slots >= 1, "Model(stages)", "stage ", p.stage, " has ", p.slots, " activation slots (need >= 1)");
+    prev_stage = p.stage;
+    for (size_t i = 0; i < p.layers.size(); ++i) {
+      const int64_t l = p.layers[i];
+      MT_CHECK(l >= 0 && l < nL, "Model(stages)", "stage ", p.stage, " names layer ", l, " of a ", nL,
+               "-layer model");
+      MT_CHECK(i == 0 || l == p.layers[i - 1] + 1, "Model(stages)", "stage ", p.stage,
+               " layers must be contiguous and ascending (", p.layers[i - 1], " then ", l, ")");
+      MT_CHECK(!layers[size_t(l)].held, "Model(stages)", "layer ", l, " is in two local stages");
+      layers[size_t(l)].held = true;
+    }
+    MT_CHECK(!p.embedding || p.layers.empty() || p.layers.front() == 0, "Model(stages)", "the embedding stage ",
+             p.stage, " must start at layer 0, not ", p.layers.front());
+    MT_CHECK(!p.head || p.layers.empty() || p.layers.back() == nL - 1, "Model(stages)", "the head stage ", p.stage,
+             " must end at layer ", nL - 1, ", not ", p.layers.back());
+    has_emb |= p.embedding, has_head |= p.head;
+  }
+  whole = stages.size() == 1 && has_emb && has_head && int64_t(stages[0].part.layers.size()) == nL &&
+          stages[0].part.slots == 1;
+  MT_CHECK(whole || !fs_opts || !s.tie_embeddings, "Model(stages)",
+           "tied embeddings under FSDP (parallelism.zero = 3) need the whole model in one stage with one micro-batch "
+           "in flight: the tied weight's unit stays gathered from the embedding to the head (set "
+           "model.tie_embeddings = false, another parallelism.zero, or pp = 1 with pp_schedule = \"1f1b\")");
+}
+
+// Per-slot buffers of the held layers. A layer under full recompute keeps only its input per slot and
+// shares one set of saved activations (and one dispatcher) with the other recomputed layers of its kind: its
+// backward recomputes them right before use.
+void Model::Impl::build_slots() {
+  LayerBufs* shared[2] = {nullptr, nullptr};
+  EpDispatch* shared_disp = nullptr;
+  auto make_disp = [&]() {
+    EpDispatchConfig dc;
+    dc.kind = par.dispatcher, dc.n_experts = int(E), dc.topk = int(K), dc.hidden = d, dc.max_tokens = N;
+    dc.ranks_per_node = par.ep_ranks_per_node;
+    dc.dispatch_payload = par.fp8_dispatch ? EpPayload::E4M3 : f32 ? EpPayload::F32 : EpPayload::BF16;
+    dc.combine_payload = EpPayload::F32;
+    owned_disp.push_back(std::make_unique<EpDispatch>(ep_comm, dc));
+    return owned_disp.back().get();
+  };
+  auto new_bufs = [&](bool moe) {
+    owned_bufs.push_back(std::make_unique<LayerBufs>());
+    alloc_bufs(*owned_bufs.back(), moe);
+    return owned_bufs.back().get();
+  };
+  for (auto& st : stages) {
+    const int S = st.part.slots;
+    for (int64_t l : st.part.layers) {
+      Layer& L = layers[size_t(l)];
+      for (int k = 0; k < S; ++k) {
+        L.slot_x_in.push_back(f32buf(N * d));
+        LayerBufs* b = nullptr;
+        if (L.recompute) {
+          if (!shared[L.moe]) shared[L.moe] = new_bufs(L.moe);
+          b = shared[L.moe];
+        } else {
+          b = new_bufs(L.moe);
+        }
+        L.slot_bufs.push_back(b);
+        if (L.moe && ep > 1) {
+          if (L.recompute && !shared_disp) shared_disp = make_disp();
+          L.slot_disp.push_back(L.recompute ? shared_disp : make_disp());
+        }
+        if (L.sel_norm) b->h1c = sel.h1c, b->h2 = sel.h2, b->h2c = sel.h2c;
+        if (L.sel_attn) b->ao = sel.ao, b->aoc = sel.aoc, b->lse = sel.lse;
+        if (L.sel_act) {
+          b->eactc = sel.eactc;
+          if (Fs > 0) b->actc = sel.actc;
+          sel_act_bufs.push_back(b);
+        }
+      }
+    }
+    st.warena.resize(size_t(S));
+    if (st.part.head) {
+      // One stage with one slot: the scratch dx is free between its F and B (nothing else runs between).
+      if (stages.size() == 1 && S == 1) st.head_g.push_back(dx);
+      else
+        for (int k = 0; k < S; ++k) st.head_g.push_back(f32buf(N * d));
+    }
+    use_slot(st, 0);
+  }
+}
+
+void Model::Impl::use_slot(StageRt& st, int slot) {
+  MT_CHECK(slot >= 0 && slot < st.part.slots, "Model::stage", "slot ", slot, " of stage ", st.part.stage,
+           " outside [0, ", st.part.slots, ")");
+  for (int64_t l : st.part.layers) {
+    Layer& L = layers[size_t(l)];
+    L.x_in = L.slot_x_in[size_t(slot)];
+    L.bufs = L.slot_bufs[size_t(slot)];
+    L.disp = L.slot_disp.empty() ? nullptr : L.slot_disp[size_t(slot)];
+  }
+}
+
+void Model::Impl::begin_pass() {
+  last_aux = last_z = 0;
+  last_dropped = 0;
+  cur_aux.assign(size_t(n_moe_total), 0.0);
+  cur_z.assign(size_t(n_moe_total), 0.0);
+}
+
+void Model::Impl::end_pass(ForwardStats& st) {
+  st.aux_loss = last_aux, st.z_loss = last_z, st.dropped = last_dropped;
+  st.aux_by_layer = cur_aux, st.z_by_layer = cur_z;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// the split backward's arena
+
+void Model::Impl::record_wgrad(WTask::Kind k, int p, const void* x, const void* dy, const int32_t* kept,
+                               int64_t rows, int64_t in, int64_t out) {
+  WArena& a = *defer;
+  const size_t esz = k == WTask::LinF32 || f32 ? 4 : 2;
+  auto al = [](size_t b) { return (b + 63) / 64 * 64; };
+  const size_t xb = size_t(rows * in) * esz, yb = size_t(rows * out) * esz;
+  const size_t kb = k == WTask::Grouped ? size_t(El) * 4 : 0;
+  const size_t need = a.used + al(xb) + al(yb) + al(kb);
+  const size_t cap = a.buf.defined() ? size_t(a.buf.numel()) * 4 : 0;
+  if (need > cap) {  // grows on the first steps (and with EP row growth); keeps what is recorded
+    const size_t ncap = std::max(need, cap + cap / 4);
+    Tensor nb = Tensor::zeros({int64_t((ncap + 3) / 4)}, DType::F32, MemCategory::Activations, "split_bwd.arena");
+    if (a.used) std::memcpy(nb.raw(), a.buf.raw(), a.used);
+    a.buf = nb;
+  }
+  char* base = static_cast<char*>(a.buf.raw());
+  WTask t;
+  t.kind = k, t.param = p, t.rows = rows, t.in = in, t.out = out;
+  t.x = a.used, std::memcpy(base + t.x, x, xb), a.used += al(xb);
+  t.dy = a.used, std::memcpy(base + t.dy, dy, yb), a.used += al(yb);
+  if (kb) t.kept = a.used, std::memcpy(base + t.kept, kept, kb), a.used += al(kb);
+  a.tasks.push_back(t);
+}
+
+// Runs the recorded GEMMs in recording order (layers descending), each layer's FSDP unit gathered for its
+// gradient only (released: reduce-scattered into the shard).
+void Model::Impl::replay_wgrads(WArena& a) {
+  MT_CHECK(!defer, "Model::stage_backward_weight", "called inside an I half");
+  char* base = a.buf.defined() ? static_cast<char*>(a.buf.raw()) : nullptr;
+  int unit = -1;
+  for (const WTask& t : a.tasks) {
+    const int u = fs_on ? fs_unit[size_t(t.param)] : -1;
+    if (u != unit) {
+      if (unit >= 0) fs_release(unit);
+      if (u >= 0) fs_acquire(u, false, true);
+      unit = u;
+    }
+    const void* x = base + t.x;
+    const void* dy = base + t.dy;
+    if (t.kind == WTask::Lin) lin_wgrad(t.param, x, dy, t.rows, t.in, t.out);
+    else if (t.kind == WTask::LinF32)
+      lin_wgrad_f32(t.param, static_cast<const float*>(x), static_cast<const float*>(dy), t.rows, t.in, t.out);
+    else gg_wgrad(t.param, x, dy, reinterpret_cast<const int32_t*>(base + t.kept), t.rows, t.in, t.out);
+  }
+  if (unit >= 0) fs_release(unit);
+  a.tasks.clear();
+  a.used = 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// the public stage API
+
+int Model::n_stages() const { return int(impl_->stages.size()); }
+const ModelStagePart& Model::stage_part(int local) const {
+  MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_part", "local stage ", local, " outside [0, ",
+           n_stages(), ")");
+  return impl_->stages[size_t(local)].part;
+}
+bool Model::holds_embedding() const { return impl_->has_emb; }
+bool Model::holds_head() const { return impl_->has_head; }
+bool Model::holds_layer(int64_t l) const {
+  return l >= 0 && l < int64_t(impl_->layers.size()) && impl_->layers[size_t(l)].held;
+}
+
+void Model::set_loss_scales(float ce_scale, float aux_scale) {
+  auto& I = *impl_;
+  I.step_ce_scale = ce_scale, I.step_aux_scale = aux_scale;
+  if (I.fs_on) {  // a step that threw may have left units held
+    for (auto& sl : I.fs_slots) sl.unit = -1;
+    std::fill(I.fs_slot_of.begin(), I.fs_slot_of.end(), -1);
+  }
+}
+
+float* Model::tied_head_grad() {
+  return impl_->tied_hg.defined() && !impl_->fs_on ? impl_->tied_hg.data<float>() : nullptr;
+}
+
+void Model::fold_tied_head_grad() {
+  auto& I = *impl_;
+  if (!I.tied_hg.defined() || !I.has_emb || I.fs_on) return;  // FSDP folds per micro-batch (embed_backward)
+  model_detail::add_inplace(I.G(I.emb), I.tied_hg.data<float>(), I.V * I.d);
+  I.tied_hg.zero_();
+}
+
+ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, const int32_t* targets,
+                                  const float* in, float* out, bool backward) {
+  auto& I = *impl_;
+  MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_forward", "local stage ", local, " outside [0, ",
+           n_stages(), ")");
+  StageRt& st = I.stages[size_t(local)];
+  const ModelStagePart& p = st.part;
+  MT_CHECK(p.embedding ? tokens != nullptr : in != nullptr, "Model::stage_forward", "stage ", p.stage,
+           p.embedding ? " embeds tokens: tokens must not be null" : " needs its input activation");
+  MT_CHECK(p.head ? targets != nullptr : out != nullptr, "Model::stage_forward", "stage ", p.stage,
+           p.head ? " computes the loss: targets must not be null" : " needs an output buffer");
+  I.use_slot(st, slot);
+  I.begin_pass();
+  // The residual stream: the output buffer itself, or on the head stage the scratch x.
+  float* xr = p.head ? I.x.data<float>() : out;
+  if (p.embedding) {
+    for (int64_t t = 0; t < I.N; ++t)
+      MT_CHECK(tokens[t] >= 0 && tokens[t] < I.V, "Model::forward", "token ", tokens[t], " at position ", t,
+               " outside the vocabulary [0, ", I.V, ")");
+    I.embed_forward(tokens, xr, backward && p.head);
+  } else {
+    std::memcpy(xr, in, size_t(I.N * I.d) * 4);
+  }
+  for (int64_t l : p.layers) I.forward_layer(l, xr);
+  ForwardStats fs;
+  if (p.head) I.head_loss(xr, targets, backward, I.step_ce_scale, st.head_g[size_t(slot)].data<float>(), fs);
+  I.end_pass(fs);
+  return fs;
+}
+
+void Model::stage_backward(int local, int slot, const int32_t* tokens, const float* dout, float* din,
+                           bool weights) {
+  auto& I = *impl_;
+  MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward", "local stage ", local, " outside [0, ",
+           n_stages(), ")");
+  StageRt& st = I.stages[size_t(local)];
+  const ModelStagePart& p = st.part;
+  MT_CHECK(p.head || dout != nullptr, "Model::stage_backward", "stage ", p.stage, " needs dL/d(output)");
+  MT_CHECK(p.embedding ? tokens != nullptr : din != nullptr, "Model::stage_backward", "stage ", p.stage,
+           p.embedding ? " adds the embedding gradient: tokens must not be null" : " needs an input-gradient buffer");
+  I.use_slot(st, slot);
+  I.cur_aux_scale = I.step_aux_scale;
+  float* g = p.head ? st.head_g[size_t(slot)].data<float>() : I.dx.data<float>();
+  if (!p.head) std::memcpy(g, dout, size_t(I.N * I.d) * 4);
+  WArena& a = st.warena[size_t(slot)];
+  MT_CHECK(a.tasks.empty(), "Model::stage_backward", "stage ", p.stage, " slot ", slot,
+           " still holds the weight gradients of an earlier I half (run its W first)");
+  if (!weights) I.defer = &a;
+  struct Undefer {
+    Impl& i;
+    ~Undefer() { i.defer = nullptr; }
+  } undefer{I};
+  for (auto it = p.layers.rbegin(); it != p.layers.rend(); ++it) I.backward_layer(*it, g);
+  if (p.embedding) I.embed_backward(tokens, g);
+  else std::memcpy(din, g, size_t(I.N * I.d) * 4);
+}
+
+void Model::stage_backward_weight(int local, int slot) {
+  auto& I = *impl_;
+  MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward_weight", "local stage ", local,
+           " outside [0, ", n_stages(), ")");
+  StageRt& st = I.stages[size_t(local)];
+  MT_CHECK(slot >= 0 && slot < st.part.slots, "Model::stage_backward_weight", "slot ", slot, " outside [0, ",
+           st.part.slots, ")");
+  MT_TRACE("bwd.weight");
+  I.replay_wgrads(st.warena[size_t(slot)]);
+}
+
+}  // namespace moetron
