@@ -114,6 +114,10 @@ struct ActivationCheckpointSpec {
   AcMode mode = AcMode::None;
   std::vector<int> layer_ids;         // layers the mode applies to; empty = every layer
   std::vector<std::string> modules;   // selective: any of attention_core, moe_act, norm
+  // Pipeline stages whose layers the mode applies to (with layer_ids: the layers in both); empty = every
+  // stage. Only chosen stages recompute, e.g. the first ones, which hold the most micro-batches in flight.
+  // resolve_checkpointing turns it into layer_ids; applies_to() reads layer_ids only.
+  std::vector<int> stage_ids;
   bool applies_to(int64_t layer) const;
   bool has_module(std::string_view m) const;
   bool operator==(const ActivationCheckpointSpec&) const = default;
@@ -181,6 +185,11 @@ struct PipelineSetup {
   sched::Schedule csv;        // from_csv: the user's schedule as read (validated)
 };
 PipelineSetup resolve_pipeline(const JobConfig& c);
+
+// [activation_checkpoint] with stage_ids resolved against the pipeline layout: layer_ids = the layers of those
+// stages (intersected with layer_ids when both are given; mode none when nothing is left) and stage_ids
+// cleared. Without stage_ids, the section as it is. The engine and the accounting use this.
+ActivationCheckpointSpec resolve_checkpointing(const JobConfig& c);
 
 // Load a TOML file, apply overrides (each "--section.key=value" or "section.key=value"), resolve and
 // validate. Errors name the file and line (when known), the key, and a suggestion for unknown keys.

@@ -302,7 +302,7 @@ ActivationBytes activation_bytes(const ModelSpec& s, int64_t B, int64_t S, Preci
 
 ActivationBytes activation_bytes(const JobConfig& c) {
   return activation_bytes(c.model, c.training.micro_batch_size, c.training.seq_len, precision_of(c.training.compute_dtype),
-                          c.activation_checkpoint);
+                          resolve_checkpointing(c));
 }
 
 ActivationSize activation_size(const ModelSpec& s, int64_t B, int64_t S, int64_t act_bytes, int64_t gemm_bytes,
@@ -452,7 +452,7 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   MT_CHECK(threads >= 1, "estimate_memory", "threads = ", threads, " (expected >= 1)");
   const ModelSpec& s = c.model;
   const auto& par = c.parallelism;
-  const auto& ac = c.activation_checkpoint;
+  const ActivationCheckpointSpec ac = resolve_checkpointing(c);
   MemoryEstimate r;
   const double D = double(par.dp()), EP = double(par.ep), B = double(c.training.micro_batch_size);
   const double S = double(c.training.seq_len), N = B * S;

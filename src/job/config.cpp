@@ -270,6 +270,7 @@ const std::vector<Field>& fields() {
     // [activation_checkpoint]
     t.push_back(MT_E("activation_checkpoint", "mode", activation_checkpoint.mode, {"none", "selective", "full"}));
     t.push_back(MT_F("activation_checkpoint", "layer_ids", activation_checkpoint.layer_ids));
+    t.push_back(MT_F("activation_checkpoint", "stage_ids", activation_checkpoint.stage_ids));
     t.push_back(MT_F("activation_checkpoint", "modules", activation_checkpoint.modules));
     // [metrics]
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
@@ -868,7 +869,18 @@ void JobConfig::validate() const {
   if (hardware.num_nodes < 0) invalid_config("hardware.num_nodes", hardware.num_nodes, "must be >= 0");
   if (hardware.gpus_per_node < 0) invalid_config("hardware.gpus_per_node", hardware.gpus_per_node, "must be >= 0");
 
-  resolve_pipeline(*this);  // the pp_* keys: layout, schedule preconditions, a user's CSV (config_pipeline.cpp)
+  // the pp_* keys: layout, schedule preconditions, a user's CSV (config_pipeline.cpp)
+  const PipelineSetup ps = resolve_pipeline(*this);
+  std::vector<char> st_listed(size_t(ps.layout.n_stages), 0);
+  for (int id : activation_checkpoint.stage_ids) {
+    if (id < 0 || id >= ps.layout.n_stages)
+      invalid_config("activation_checkpoint.stage_ids", id, "pipeline stage out of range [0, ", ps.layout.n_stages,
+                     ") (pp = ", parallelism.pp, " x ", ps.stages_per_rank, " stages per rank)");
+    if (st_listed[size_t(id)]++) invalid_config("activation_checkpoint.stage_ids", id, "listed twice");
+  }
+  if (activation_checkpoint.mode == AcMode::None && !activation_checkpoint.stage_ids.empty())
+    invalid_config("activation_checkpoint.stage_ids", activation_checkpoint.stage_ids.size(),
+                   " stage(s) listed but mode is none (set activation_checkpoint.mode)");
 }
 
 }  // namespace moetron

@@ -2,10 +2,12 @@
 // micro-batches per step, a layer layout and a checked schedule (the generator's preconditions, or a user's
 // CSV schedule read and validated). Errors name the key and its value. Not the layout grammar or the
 // generators (src/schedule/) and not the rest of config validation (config.cpp).
+#include <algorithm>
 #include <string>
 #include <string_view>
 
 #include "moetron/config.h"
+#include "moetron/check.h"
 
 namespace moetron {
 namespace {
@@ -173,6 +175,25 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
   }
   if (out.from_csv) out.layout.stage_rank = out.csv.stage_rank;  // the CSV's placement (sizes checked above)
   return out;
+}
+
+ActivationCheckpointSpec resolve_checkpointing(const JobConfig& c) {
+  ActivationCheckpointSpec a = c.activation_checkpoint;
+  if (a.stage_ids.empty()) return a;
+  const PipelineSetup ps = resolve_pipeline(c);
+  std::vector<int> layers;
+  for (int st : a.stage_ids) {
+    MT_CHECK(st >= 0 && st < ps.layout.n_stages, "resolve_checkpointing", "stage ", st, " outside [0, ",
+             ps.layout.n_stages, ")");
+    for (int l : ps.layout.layers(st))
+      if (a.layer_ids.empty() || std::find(a.layer_ids.begin(), a.layer_ids.end(), l) != a.layer_ids.end())
+        layers.push_back(l);
+  }
+  std::sort(layers.begin(), layers.end());
+  a.stage_ids.clear();
+  a.layer_ids = layers;
+  if (layers.empty()) a.mode = AcMode::None, a.modules.clear();
+  return a;
 }
 
 }  // namespace moetron

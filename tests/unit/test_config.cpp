@@ -794,3 +794,37 @@ TEST(HfConfig, ImportErrors) {
   m = error_of([&] { model_spec_from_hf_json(j.dump(), "x.json"); });
   EXPECT_HAS(m, "x.json: invalid config: model.topk = 9: must be <= n_routed_experts (8)");
 }
+
+TEST(ConfigPipeline, RecomputeStageIdsResolveToTheirLayers) {
+  const std::vector<std::string> base = {"--model.n_layers=8", "--parallelism.pp=2",
+                                         "--parallelism.pp_schedule=interleaved_1f1b",
+                                         "--parallelism.pp_layout=Et*2|t*2|t*2|t*2L",
+                                         "--activation_checkpoint.mode=full"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), base.begin(), base.end());
+    return load_config_string(kTiny, more);
+  };
+  JobConfig c = with({"--activation_checkpoint.stage_ids=[0, 2]"});
+  EXPECT_EQ(c.activation_checkpoint.stage_ids, (std::vector<int>{0, 2}));
+  EXPECT_EQ(load_config_string(to_toml(c)), c);
+  ActivationCheckpointSpec a = resolve_checkpointing(c);
+  EXPECT_TRUE(a.stage_ids.empty());
+  EXPECT_EQ(a.layer_ids, (std::vector<int>{0, 1, 4, 5}));  // stage 0: layers 0-1, stage 2: layers 4-5
+  EXPECT_TRUE(a.applies_to(4));
+  EXPECT_FALSE(a.applies_to(2));
+  // with layer_ids: the layers in both; nothing left turns recompute off
+  a = resolve_checkpointing(with({"--activation_checkpoint.stage_ids=[2]", "--activation_checkpoint.layer_ids=[5, 7]"}));
+  EXPECT_EQ(a.layer_ids, (std::vector<int>{5}));
+  a = resolve_checkpointing(with({"--activation_checkpoint.stage_ids=[1]", "--activation_checkpoint.layer_ids=[5]"}));
+  EXPECT_EQ(a.mode, AcMode::None);
+  EXPECT_FALSE(a.applies_to(5));
+  // without stage_ids the section is unchanged
+  EXPECT_EQ(resolve_checkpointing(with({})), with({}).activation_checkpoint);
+  EXPECT_HAS(load_error(kTiny, {"--model.n_layers=8", "--parallelism.pp=2", "--activation_checkpoint.mode=full",
+                                "--activation_checkpoint.stage_ids=[2]"}),
+             "activation_checkpoint.stage_ids = 2: pipeline stage out of range [0, 2)");
+  EXPECT_HAS(load_error(kTiny, {"--activation_checkpoint.mode=full", "--activation_checkpoint.stage_ids=[0, 0]"}),
+             "activation_checkpoint.stage_ids = 0: listed twice");
+  EXPECT_HAS(load_error(kTiny, {"--activation_checkpoint.stage_ids=[0]"}),
+             "stage(s) listed but mode is none");
+}
