@@ -42,6 +42,19 @@ struct ParamEntry {
   float init_std = 0.02f;
 };
 
+// Which part of the model a parameter list covers (model_param_layout): decoder layers (mask [n_layers];
+// empty = all), the embedding stage, the head stage (final norm + head; with tied embeddings it carries the
+// embedding too), and this rank's expert shard under expert parallelism.
+struct ParamSelection {
+  std::vector<char> layers;
+  bool embedding = true, head = true;
+  int ep = 1, ep_rank = 0;
+};
+// The parameter list in declaration order (embedding, layers ascending, final norm, head), with flat offsets
+// as the model lays them out for that part. The default is the whole model on one process: the global
+// layout that checkpoints and parameter hashes use.
+std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSelection& sel = {});
+
 // Elements a parameter takes in the flat buffers: its numel rounded up to 16 floats (64-byte alignment).
 // The flat layout (ParamEntry::offset), FSDP runs and the trainer's global layout all follow it.
 inline int64_t param_padded_numel(int64_t numel) { return (numel + 15) / 16 * 16; }
