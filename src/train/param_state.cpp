@@ -1,0 +1,272 @@
+// param_state.cpp: ParamState and pipeline_ownership (see param_state.h).
+//
+// Runs: the flat gradient buffer cut into maximal ranges of non-expert parameters (reduced over all of DP)
+// and, under EP, of this rank's routed-expert shards (reduced over the expert-data-parallel group). Without EP
+// it is one run [0, np) over DP. AdamW state: per run the whole range, or with zero = 1 this rank's slice
+// [s_lo, s_hi) of it over the run's group (ZeRO-1); the state buffers concatenate them. zero = 3: the state has
+// the layout of the parameter shard (fsdp->segments()); the runs are not used.
+#include "train/param_state.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "moetron/check.h"
+#include "moetron/fsdp.h"
+#include "moetron/trace.h"
+
+namespace moetron {
+
+PipelineOwnership pipeline_ownership(const ModelSpec& spec, const std::vector<ParamEntry>& gp,
+                                     const std::vector<std::vector<int>>& stage_layers,
+                                     const std::vector<int>& stage_rank, int first_stage_rank, int last_stage_rank) {
+  std::vector<int> layer_rank(size_t(spec.n_layers), -1);
+  for (size_t s = 0; s < stage_layers.size(); ++s)
+    for (int l : stage_layers[s]) layer_rank[size_t(l)] = stage_rank[s];
+  PipelineOwnership o;
+  for (const auto& p : gp)
+    o.param_rank.push_back(p.layer >= 0 ? layer_rank[size_t(p.layer)]
+                                        : p.name == "embed" ? first_stage_rank : last_stage_rank);
+  for (int64_t l = 0; l < spec.n_layers; ++l)
+    if (spec.is_moe_layer(l)) o.moe_rank.push_back(layer_rank[size_t(l)]);
+  return o;
+}
+
+ParamState::ParamState(Model& m, const JobConfig& cfg, const ParamStateComms& c, const PipelineOwnership& own,
+                       int pp_rank)
+    : m_(m), fsdp_(m.fsdp()), c_(c), own_(own), pp_rank_(pp_rank), EP_(c.ep.size()) {
+  zero3_ = cfg.parallelism.zero == 3;
+  sharded_ = cfg.parallelism.zero == 1 && c.dp.size() > 1;
+  E_ = cfg.model.is_moe() ? cfg.model.moe.n_routed_experts : 0;
+  np_ = m.num_params();
+  const auto& ps = m.params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const bool ex = ps[i].expert && EP_ > 1;
+    const int64_t hi = i + 1 < ps.size() ? ps[i + 1].offset : np_;
+    if (!runs_.empty() && runs_.back().expert == ex) runs_.back().hi = hi;
+    else runs_.push_back({ps[i].offset, hi, 0, 0, 0, ex, ex ? &c_.edp : &c_.dp, {}, {}});
+  }
+  int64_t st = 0, ns_max = 0;
+  for (auto& r : runs_) {
+    const int S = sharded_ ? r.comm->size() : 1, q = sharded_ ? r.comm->rank() : 0;
+    const int64_t n = r.hi - r.lo;
+    r.s_lo = r.lo + n * q / S, r.s_hi = r.lo + n * (q + 1) / S, r.st = st, st += r.s_hi - r.s_lo;
+    ns_max = std::max(ns_max, r.s_hi - r.s_lo);
+    for (int g = 0; g < S; ++g) r.counts.push_back((n * (g + 1) / S - n * g / S) * 4), r.displs.push_back(n * g / S * 4);
+  }
+  ns_ = zero3_ ? fsdp_->shard_numel() : st;
+  mbuf_ = Tensor::zeros({std::max<int64_t>(ns_, 1)}, DType::F32, MemCategory::Optimizer, "adam.m");
+  vbuf_ = Tensor::zeros({std::max<int64_t>(ns_, 1)}, DType::F32, MemCategory::Optimizer, "adam.v");
+  if (sharded_) stage_.resize(size_t(ns_max));
+
+  gparams_ = model_param_layout(cfg.model);
+  std::map<std::string, int> by_name;
+  for (size_t g = 0; g < gparams_.size(); ++g) {
+    by_name[gparams_[g].name] = int(g);
+    goff_.push_back(gparams_[g].offset);
+  }
+  gnp_ = gparams_.empty() ? 0 : gparams_.back().offset + param_padded_numel(gparams_.back().numel);
+  for (const auto& p : ps) {
+    auto it = by_name.find(p.name);
+    MT_CHECK(it != by_name.end(), "train", "parameter ", p.name, " is not in the model's global layout");
+    gidx_.push_back(it->second);
+  }
+  MT_CHECK(own_.param_rank.size() == gparams_.size(), "train", "ownership of ", own_.param_rank.size(),
+           " parameters for ", gparams_.size());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// the step
+
+void ParamState::reduce_grads() {
+  if (zero3_ || c_.dp.size() == 1) return;
+  MT_TRACE("dp.all_reduce");
+  for (auto& r : runs_)
+    if (r.comm->size() > 1)
+      for (int64_t off = r.lo; off < r.hi; off += kCommReduceSegment)
+        r.comm->all_reduce(m_.grad_data() + off, std::min<int64_t>(kCommReduceSegment, r.hi - off));
+}
+
+double ParamState::grad_norm() {
+  if (zero3_) {
+    double sq = fsdp_->grad_norm_sq();
+    if (c_.pp.size() > 1) {
+      double tot = 0;
+      c_.pp.all_reduce_ordered(&tot, &sq, 1, 1);
+      sq = tot;
+    }
+    return std::sqrt(sq);
+  }
+  const auto& ps = m_.params();
+  std::vector<double> sq(gparams_.size(), 0.0);
+  std::vector<double> ex_local, ex_sum;
+  std::vector<int> ex_idx;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const int g = gidx_[i];
+    if (own_.param_rank[size_t(g)] != pp_rank_) continue;  // a tied copy: counted where it is owned
+    const double v = grad_norm_sq(m_.grad_data() + ps[i].offset, ps[i].numel);
+    if (ps[i].expert && EP_ > 1) ex_local.push_back(v), ex_idx.push_back(g);
+    else sq[size_t(g)] = v;
+  }
+  if (EP_ > 1 && !ex_local.empty()) {  // expert tensors: their shards summed over EP in rank order (every EP rank
+    // of a stage holds the same tensors)
+    ex_sum.assign(ex_local.size(), 0.0);
+    c_.ep.all_reduce_ordered(ex_sum.data(), ex_local.data(), 1, int64_t(ex_local.size()));
+    for (size_t k = 0; k < ex_idx.size(); ++k) sq[size_t(ex_idx[k])] = ex_sum[k];
+  }
+  if (c_.pp.size() > 1) c_.pp.all_reduce(sq.data(), int64_t(sq.size()));  // one owner each: exact
+  double total = 0;
+  for (double v : sq) total += v;
+  return std::sqrt(total);
+}
+
+// AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
+void ParamState::adamw(const AdamWConfig& ac, int64_t step, float clip) {
+  float* mb = mbuf_.data<float>();
+  float* vb = vbuf_.data<float>();
+  if (zero3_) {  // the shard's pieces of parameters (a piece has one decay flag; padding is not updated)
+    for (auto& sg : fsdp_->segments())
+      adamw_step(fsdp_->params() + sg.shard_offset, mb + sg.shard_offset, vb + sg.shard_offset,
+                 fsdp_->grads() + sg.shard_offset, sg.count, ac, step, clip, m_.params()[size_t(sg.param)].decay);
+    return;
+  }
+  for (auto& r : runs_)
+    for (auto& p : m_.params()) {
+      const int64_t a = std::max(r.s_lo, p.offset), b = std::min(r.s_hi, p.offset + p.numel);
+      if (a < b)
+        adamw_step(m_.param_data() + a, mb + r.st + (a - r.s_lo), vb + r.st + (a - r.s_lo), m_.grad_data() + a, b - a,
+                   ac, step, clip, p.decay);
+    }
+  if (sharded_) {
+    MT_TRACE("dp.all_gather_params");
+    for (auto& r : runs_) {
+      std::copy(m_.param_data() + r.s_lo, m_.param_data() + r.s_hi, stage_.data());
+      r.comm->all_gather_v(m_.param_data() + r.lo, r.counts.data(), r.displs.data(), stage_.data());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// local flat layout <-> state buffers, and the global layout
+
+const float* ParamState::local_params() {
+  if (!zero3_) return m_.param_data();
+  flat_.resize(size_t(np_));
+  fsdp_->gather_flat(flat_.data(), fsdp_->params());
+  return flat_.data();
+}
+
+const float* ParamState::local_grads() {
+  if (!zero3_) return m_.grad_data();
+  flat_.resize(size_t(np_));
+  fsdp_->gather_flat(flat_.data(), fsdp_->grads());
+  return flat_.data();
+}
+
+std::vector<float> ParamState::gather_state(const float* st) {
+  std::vector<float> full(size_t(np_), 0.0f);
+  if (zero3_) {
+    fsdp_->gather_flat(full.data(), st);
+    return full;
+  }
+  for (auto& r : runs_) {
+    if (sharded_) r.comm->all_gather_v(full.data() + r.lo, r.counts.data(), r.displs.data(), st + r.st);
+    else std::copy(st + r.st, st + r.st + (r.hi - r.lo), full.data() + r.lo);
+  }
+  return full;
+}
+
+void ParamState::slice_state(float* st, const std::vector<float>& full) {
+  if (zero3_) return fsdp_->slice_flat(st, full.data());
+  for (auto& r : runs_) std::copy(full.begin() + r.s_lo, full.begin() + r.s_hi, st + r.st);
+}
+
+// Gathers every pipeline rank's owned pieces of g (piece k: offs[k], sizes[k] floats, owner[k]) into every
+// rank's g. Collective over pp; a copy-free no-op with one pipeline rank.
+void ParamState::gather_pp(std::vector<float>& g, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
+                           const std::vector<int>& owner) {
+  const int P = c_.pp.size();
+  if (P == 1) return;
+  std::vector<int64_t> counts(static_cast<size_t>(P), 0), displs(static_cast<size_t>(P), 0);
+  for (size_t k = 0; k < offs.size(); ++k) counts[size_t(owner[k])] += sizes[k] * 4;
+  for (int r = 1; r < P; ++r) displs[size_t(r)] = displs[size_t(r - 1)] + counts[size_t(r - 1)];
+  std::vector<float> mine;
+  mine.reserve(size_t(counts[size_t(pp_rank_)] / 4));
+  for (size_t k = 0; k < offs.size(); ++k)
+    if (owner[k] == pp_rank_) mine.insert(mine.end(), g.begin() + offs[k], g.begin() + offs[k] + sizes[k]);
+  std::vector<float> all(size_t((displs[size_t(P - 1)] + counts[size_t(P - 1)]) / 4));
+  c_.pp.all_gather_v(all.data(), counts.data(), displs.data(), mine.data());
+  std::vector<int64_t> pos(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) pos[size_t(r)] = displs[size_t(r)] / 4;
+  for (size_t k = 0; k < offs.size(); ++k) {
+    int64_t& p = pos[size_t(owner[k])];
+    std::copy(all.begin() + p, all.begin() + p + sizes[k], g.begin() + offs[k]);
+    p += sizes[k];
+  }
+}
+
+// Global layout from a local-layout vector: expert shards gathered over EP, then the pipeline ranks' parameters
+// over PP. Collective under EP and PP; otherwise a copy.
+std::vector<float> ParamState::to_global(const float* local) {
+  std::vector<float> g(size_t(gnp_), 0.0f);
+  const auto& ps = m_.params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    float* dst = g.data() + goff_[size_t(gidx_[i])];
+    if (ps[i].expert && EP_ > 1) c_.ep.all_gather(dst, local + ps[i].offset, ps[i].numel * 4);
+    else std::copy(local + ps[i].offset, local + ps[i].offset + ps[i].numel, dst);
+  }
+  std::vector<int64_t> sizes;
+  for (const auto& p : gparams_) sizes.push_back(p.numel);
+  gather_pp(g, goff_, sizes, own_.param_rank);
+  return g;
+}
+
+void ParamState::from_global(float* local, const std::vector<float>& g) {
+  MT_CHECK(int64_t(g.size()) == gnp_, "train", "global vector of ", g.size(), " floats, expected ", gnp_);
+  const auto& ps = m_.params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const float* src = g.data() + goff_[size_t(gidx_[i])] + ps[i].shard_first;
+    std::copy(src, src + ps[i].numel, local + ps[i].offset);
+  }
+}
+
+std::vector<float> ParamState::global_params_values() { return to_global(local_params()); }
+std::vector<float> ParamState::global_grads() { return to_global(local_grads()); }
+std::vector<float> ParamState::global_moment(int which) {
+  const std::vector<float> full = gather_state((which == 0 ? mbuf_ : vbuf_).data<float>());
+  return to_global(full.data());
+}
+
+std::vector<float> ParamState::global_biases() {
+  const size_t n_moe = own_.moe_rank.size();
+  std::vector<float> g(n_moe * size_t(E_), 0.0f);
+  for (int i : m_.local_moe_layers()) std::copy(m_.expert_bias(i), m_.expert_bias(i) + E_, g.begin() + i * E_);
+  std::vector<int64_t> offs, sizes;
+  for (size_t i = 0; i < n_moe; ++i) offs.push_back(int64_t(i) * E_), sizes.push_back(E_);
+  gather_pp(g, offs, sizes, own_.moe_rank);
+  return g;
+}
+
+void ParamState::set_params(const std::vector<float>& g) {
+  if (zero3_) {
+    std::vector<float> pf(static_cast<size_t>(np_));
+    from_global(pf.data(), g);
+    fsdp_->slice_flat(fsdp_->params(), pf.data());
+  } else {
+    from_global(m_.param_data(), g);
+  }
+}
+
+void ParamState::set_moment(int which, const std::vector<float>& g) {
+  std::vector<float> full(static_cast<size_t>(np_));
+  from_global(full.data(), g);
+  slice_state((which == 0 ? mbuf_ : vbuf_).data<float>(), full);
+}
+
+void ParamState::set_biases(const std::vector<float>& g) {
+  MT_CHECK(g.size() == own_.moe_rank.size() * size_t(E_), "train", "expert biases of ", g.size(), " floats, expected ",
+           own_.moe_rank.size() * size_t(E_));
+  for (int i : m_.local_moe_layers()) std::copy(g.begin() + i * E_, g.begin() + (i + 1) * E_, m_.expert_bias(i));
+}
+
+}  // namespace moetron

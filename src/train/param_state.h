@@ -1,0 +1,102 @@
+// param_state.h: the trainer's parameter-side state and arithmetic around one Model on one rank: the AdamW
+// moments and how they are laid out (whole, ZeRO-1 slices over the run's group, or FSDP's shard segments),
+// the DP gradient reduction, the global gradient norm, the clipped AdamW step with the ZeRO-1 parameter
+// all-gather, and the global layout that checkpoints, parameter hashes and tests see: every parameter of the
+// whole model (all experts, all pipeline stages) at the offsets of model_param_layout(spec), gathered over
+// the EP and pipeline groups, plus the expert biases of every MoE layer.
+// Not the forward / backward (the pipeline step) and not the file format (checkpoint.h).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moetron/comm.h"
+#include "moetron/config.h"
+#include "moetron/model.h"
+#include "moetron/optim.h"
+#include "moetron/tensor.h"
+
+namespace moetron {
+
+struct ParamStateComms {
+  Comm dp, ep, edp, pp;
+};
+
+// Who holds what across the pipeline: the pipeline rank owning each global parameter and each MoE layer's
+// expert bias (the embedding: the first stage's rank, even when the head stage holds a tied copy).
+struct PipelineOwnership {
+  std::vector<int> param_rank;  // [global params]
+  std::vector<int> moe_rank;    // [MoE layers]
+};
+
+class ParamState {
+ public:
+  // zero: 0, 1 (AdamW moments sliced over each run's group) or 3 (the model is in FSDP mode).
+  ParamState(Model& m, const JobConfig& cfg, const ParamStateComms& c, const PipelineOwnership& own, int pp_rank);
+
+  int64_t state_bytes() const { return 2 * ns_ * 4; }  // AdamW m + v on this rank
+  bool zero1() const { return sharded_; }
+  bool zero3() const { return zero3_; }
+
+  // ---- the step
+  // DP: gradients summed over each run's group (rank-order fold, identical on every rank) in buckets of
+  // kCommReduceSegment elements; zero = 3 reduced unit by unit during the backward already.
+  void reduce_grads();
+  // The global gradient norm. Plain and ZeRO-1: per parameter (an expert tensor's shards summed over EP in
+  // rank order), folded in global parameter order, so any pipeline split gives the same bits as one process.
+  // zero = 3: the FSDP shard norms, then summed over the pipeline ranks in rank order.
+  double grad_norm();
+  void adamw(const AdamWConfig& ac, int64_t step, float clip);  // + the ZeRO-1 parameter all-gather
+
+  // ---- the global layout (collective over EP and PP; zero = 3 also over DP)
+  int64_t global_numel() const { return gnp_; }
+  const std::vector<ParamEntry>& global_params() const { return gparams_; }
+  std::vector<float> global_params_values();  // the model's parameters
+  std::vector<float> global_grads();          // the model's gradients
+  std::vector<float> global_moment(int which);  // AdamW m (0) or v (1)
+  std::vector<float> global_biases();          // [n_moe_total * E]: every MoE layer's expert bias
+  // Loading: the local parts of global vectors (no communication).
+  void set_params(const std::vector<float>& g);
+  void set_moment(int which, const std::vector<float>& g);
+  void set_biases(const std::vector<float>& g);
+
+ private:
+  struct Run {
+    int64_t lo, hi, s_lo, s_hi, st;  // range, this rank's slice, slice's offset in the state buffers
+    bool expert;
+    const Comm* comm;
+    std::vector<int64_t> counts, displs;  // bytes per group rank (all_gather_v of the slices)
+  };
+  const float* local_params();
+  const float* local_grads();
+  std::vector<float> gather_state(const float* st);  // local flat layout from the state buffers
+  void slice_state(float* st, const std::vector<float>& flat);
+  std::vector<float> to_global(const float* local);
+  void from_global(float* local, const std::vector<float>& g);
+  void gather_pp(std::vector<float>& g, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
+                 const std::vector<int>& owner);
+
+  Model& m_;
+  Fsdp* fsdp_;
+  ParamStateComms c_;
+  PipelineOwnership own_;
+  int pp_rank_;
+  int EP_;
+  int64_t E_ = 0;  // routed experts (bias length)
+  bool zero3_, sharded_;
+  int64_t np_ = 0, ns_ = 0;
+  std::vector<Run> runs_;
+  Tensor mbuf_, vbuf_;
+  std::vector<float> stage_, flat_;
+  std::vector<ParamEntry> gparams_;
+  std::vector<int> gidx_;  // [local param] -> global index
+  std::vector<int64_t> goff_;
+  int64_t gnp_ = 0;
+};
+
+// The pipeline ownership of a job's parameters and expert biases under a plan's stage placement.
+PipelineOwnership pipeline_ownership(const ModelSpec& spec, const std::vector<ParamEntry>& global_params,
+                                     const std::vector<std::vector<int>>& stage_layers,
+                                     const std::vector<int>& stage_rank, int first_stage_rank, int last_stage_rank);
+
+}  // namespace moetron

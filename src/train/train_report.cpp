@@ -1,0 +1,209 @@
+// train_report.cpp: what a training run prints and logs: the start-up lines, one metrics.jsonl record and
+// progress line per log step, and the end summary; plus TrainSession::finish, which fills the result's totals.
+// Not the step (train_step.cpp).
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "moetron/memory.h"
+#include "moetron/router.h"
+#include "moetron/runtime.h"
+#include "moetron/trace.h"
+#include "train/train_session.h"
+
+using json = nlohmann::json;
+
+namespace moetron {
+
+std::string human_bytes(int64_t b) {
+  char buf[32];
+  if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(1 << 30));
+  else std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(1 << 20));
+  return buf;
+}
+
+void TrainSession::print_start() const {
+  if (!say) return;
+  {
+    std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS "
+                "%s\n",
+                cfg.job.name.c_str(), (long long)model->num_params(), model->n_moe_layers(), (long long)(G * T), (long long)micro,
+                (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops,
+                std::string(to_string(compute)).c_str());
+    std::printf("compute dtype: %s (%s)\n", std::string(to_string(compute)).c_str(), compute_why.c_str());
+  }
+  if (D > 1)
+    std::printf("data parallel: %s; %lld micro-batches per rank per step; optimizer state %s per rank%s\n",
+                mesh.describe().c_str(), (long long)micro_local, human_bytes(res.opt_state_bytes).c_str(),
+                state->zero1() ? " (zero = 1: sharded)" : zero3 ? " (zero = 3: parameters, gradients, optimizer sharded)" : "");
+
+  if (PP > 1) {
+    const auto& rt = exec->runtime();
+    std::printf("pipeline: %s, %d stages (%s), %lld micro-batches per step; this rank holds stage",
+                plan.setup.spec.schedule.c_str(), plan.lowered.n_stages, plan.setup.layout.to_string().c_str(),
+                (long long)micro_local);
+    for (int s : rt.stage_ids()) std::printf(" %d (%d activation slots)", s, rt.stage_slots(s));
+    std::printf("\n");
+  }
+}
+
+void TrainSession::log_step(const StepRecord& rec, const StepTotals& t, bool do_val) {
+const auto& tr = cfg.training;
+const bool log_now = step % std::max<int64_t>(1, cfg.metrics.log_interval) == 0 || step == tr.steps || do_val;
+auto& mt = MemoryTracker::global();
+const auto& counts = t.counts;
+const double gn = t.grad_norm;
+if (log_now) {
+    // A start-up measurement taken while the machine was busy understates the peak (and overstates MFU):
+    // re-measure briefly at every log step, outside the timed window, and keep the best figure.
+    if (cfg.metrics.peak_tflops <= 0) res.peak_gflops = std::max(res.peak_gflops, measure_peak_gflops(compute, 1024, 3));
+    double tps = window_tok / window_t;
+    double tflops = tps * fpt.train * 1e-12;
+    double mfu = tflops * 1e3 / (res.peak_gflops * world.size());  // peak measured per rank
+    // expert load over all MoE layers of this step
+    int64_t lmin = 0, lmax = 0;
+    double cv = 0;
+    if (!counts.empty()) {
+      lmin = INT64_MAX;
+      for (auto& c : counts) {
+        LoadStats ls = router_load_stats(c.data(), int(c.size()));
+        lmin = std::min(lmin, ls.min), lmax = std::max(lmax, ls.max), cv = std::max(cv, ls.cv);
+      }
+    }
+    auto snap = mt.snapshot();
+    json j{{"step", step},          {"loss", rec.loss},       {"aux_loss", rec.aux_loss}, {"lr", rec.lr},
+           {"grad_norm", gn},       {"tokens_per_s", tps},   {"tflops", tflops},         {"mfu", mfu},
+           {"mem_peak_bytes", snap.total_peak}, {"time_s", time_total},
+           {"expert_load", {{"min", lmin}, {"max", lmax}, {"cv_max", cv}}}};
+    json cat;
+    for (int c = 0; c < kNumMemCategories; ++c) cat[std::string(mem_category_name(MemCategory(c)))] = snap.peak[c];
+    j["mem_peak_by_category"] = cat;
+    if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
+    if (PP > 1) {  // this rank's (rank 0: the first stage's) measured step: busy, waiting, bubble
+      const auto& r = t.runtime;
+      j["pp"] = {{"step_s", r.seconds}, {"compute_s", r.compute_seconds}, {"recv_wait_s", r.recv_seconds},
+                 {"send_wait_s", r.send_wait_seconds}, {"bubble", r.seconds > 0 ? 1 - r.compute_seconds / r.seconds : 0.0}};
+    }
+    if (EP > 1) {  // this rank's EP bytes sent and time per step over the window (validation included)
+      EpTraffic now = model->ep_traffic();
+      const double ws_ = double(std::max<int64_t>(1, window_steps));
+      j["ep"] = {{"bytes_inter_per_step", double(now.bytes_inter - ep_window0.bytes_inter) / ws_},
+                 {"bytes_intra_per_step", double(now.bytes_intra - ep_window0.bytes_intra) / ws_},
+                 {"seconds_per_step", (now.seconds - ep_window0.seconds) / ws_}};
+      ep_window0 = now;
+    }
+    if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
+    if (say) {
+      char line[512];
+      std::snprintf(line, sizeof line,
+                    "step %5lld/%lld  loss %.4f  aux %.4f%s  lr %.2e  gnorm %.3f  %.0f tok/s  %.3f TFLOPS  MFU %.1f%%  "
+                    "mem %s  load cv %.2f",
+                    (long long)step, (long long)tr.steps, rec.loss, rec.aux_loss,
+                    rec.val_loss >= 0 ? ("  val " + std::to_string(rec.val_loss).substr(0, 6)).c_str() : "", rec.lr,
+                    gn, tps, tflops, mfu * 100, human_bytes(snap.total_peak).c_str(), cv);
+      if (tty) std::printf("\r\033[K%s%s", line, (step == tr.steps || do_val) ? "\n" : "");
+      else std::printf("%s\n", line);
+      std::fflush(stdout);
+    }
+    window_t = 0, window_tok = 0, window_steps = 0;
+  } else if (tty) {
+    std::printf("\r\033[Kstep %5lld/%lld  loss %.4f", (long long)step, (long long)tr.steps, rec.loss);
+    std::fflush(stdout);
+  }
+  if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps))
+    save(step);
+}
+
+void TrainSession::finish() {
+  auto& mt = MemoryTracker::global();
+  res.end_step = step;
+  if (!res.history.empty()) {
+    res.final_loss = res.history.back().loss;
+    for (auto it = res.history.rbegin(); it != res.history.rend(); ++it)
+      if (it->val_loss >= 0) {
+        res.final_val_loss = it->val_loss;
+        break;
+      }
+  }
+  res.tokens_per_s = time_total > 0 ? double(tokens_total) / time_total : 0;
+  res.tflops = res.tokens_per_s * fpt.train * 1e-12;
+  res.mfu = res.tflops * 1e3 / (res.peak_gflops * world.size());
+  res.comm_seconds = mcs.dp.stats().total().seconds;
+  res.ep = EP;
+  if (EP > 1) {
+    EpTraffic t = model->ep_traffic();
+    const double st_ = double(std::max<int64_t>(1, res.end_step - res.start_step));
+    res.ep_bytes_inter_per_step = double(t.bytes_inter - ep_run0.bytes_inter) / st_;
+    res.ep_bytes_intra_per_step = double(t.bytes_intra - ep_run0.bytes_intra) / st_;
+    res.ep_seconds = t.seconds - ep_run0.seconds;
+    res.ep_buffer_bytes = model->ep_buffer_bytes();
+  }
+  if (opt.keep_params) {
+    res.final_params = state->global_params_values();
+    const std::vector<float> b = state->global_biases();
+    res.final_params.insert(res.final_params.end(), b.begin(), b.end());
+  }
+  res.mem_peak_bytes = mt.total_peak();
+  res.act_peak_bytes = mt.peak(MemCategory::Activations);
+  res.params_peak_bytes = mt.peak(MemCategory::Params);
+  res.grads_peak_bytes = mt.peak(MemCategory::Grads);
+  res.optimizer_peak_bytes = mt.peak(MemCategory::Optimizer);
+  res.recompute_seconds = model->recompute_seconds();
+  if (profiling) {
+    double tot = 0;
+    for (auto& t : trace::totals()) {
+      res.op_seconds.push_back({t.name, t.seconds});
+      if (t.name != "recompute.layer") tot += t.seconds;
+    }
+    if (!opt.trace_path.empty() && root) trace::write_chrome_trace(opt.trace_path, 0);
+    if (say) {
+      std::printf("\nper-op time over steps %lld..%lld (first step excluded; recompute.layer contains fwd.*):\n",
+                  (long long)res.start_step + 2, (long long)res.end_step);
+      for (auto& [n, sec] : res.op_seconds)
+        std::printf("  %-22s %8.3f s  %5.1f%%\n", n.c_str(), sec, tot > 0 ? 100 * sec / tot : 0.0);
+      if (!opt.trace_path.empty()) std::printf("chrome trace: %s\n", opt.trace_path.c_str());
+    }
+  }
+  print_summary();
+  if (world.size() > 1) world.barrier();  // rank 0's checkpoint and metrics are on disk when any rank returns
+}
+
+void TrainSession::print_summary() const {
+  auto& mt = MemoryTracker::global();
+  if (!say) return;
+  {
+    std::printf("\nsummary: steps %lld..%lld  final loss %.4f  val loss %s  %.0f tokens/s  %.3f TFLOPS  MFU %.1f%% "
+                "(of %.0f GFLOPS %s %s)\n",
+                (long long)res.start_step, (long long)res.end_step, res.final_loss,
+                res.final_val_loss >= 0 ? std::to_string(res.final_val_loss).c_str() : "n/a", res.tokens_per_s,
+                res.tflops, res.mfu * 100, res.peak_gflops, std::string(to_string(compute)).c_str(),
+                cfg.metrics.peak_tflops > 0 ? "stated in [metrics] peak_tflops" : "best measured in this run");
+    auto snap = mt.snapshot();
+    std::printf("memory peak %s:", human_bytes(snap.total_peak).c_str());
+    for (int c = 0; c < kNumMemCategories; ++c)
+      if (snap.peak[c]) std::printf(" %s %s", std::string(mem_category_name(MemCategory(c))).c_str(),
+                                    human_bytes(snap.peak[c]).c_str());
+    std::printf("\n");
+    std::printf("memory per rank (peak): params %s  grads %s  optimizer %s  activations %s%s\n",
+                human_bytes(res.params_peak_bytes).c_str(), human_bytes(res.grads_peak_bytes).c_str(),
+                human_bytes(res.optimizer_peak_bytes).c_str(), human_bytes(res.act_peak_bytes).c_str(),
+                zero3 ? "  (zero = 3: shards + one gathered unit)" : "");
+    if (res.unigram_entropy > 0)
+      std::printf("unigram entropy of the training data: %.4f nats/token (final train loss %.2f nats %s it)\n",
+                  res.unigram_entropy, std::fabs(res.unigram_entropy - res.final_loss),
+                  res.final_loss <= res.unigram_entropy ? "below" : "above");
+    if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
+    std::printf("metrics: %s\n", res.metrics_path.c_str());
+    if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
+    if (D > 1) std::printf("DP collectives: %.3f s\n%s", res.comm_seconds, mcs.dp.stats().summary().c_str());
+    if (EP > 1)
+      std::printf("EP (%s%s): %.3f s in dispatch/combine; per step rank 0 sent %s to other nodes, %s inside its node; "
+                  "dispatcher buffers %s\n",
+                  std::string(to_string(cfg.parallelism.ep_dispatcher)).c_str(),
+                  cfg.parallelism.fp8_dispatch ? ", fp8 payload" : "", res.ep_seconds,
+                  human_bytes(int64_t(res.ep_bytes_inter_per_step)).c_str(),
+                  human_bytes(int64_t(res.ep_bytes_intra_per_step)).c_str(), human_bytes(res.ep_buffer_bytes).c_str());
+  }
+}
+
+}  // namespace moetron

@@ -1,0 +1,215 @@
+// train_session.cpp: TrainSession's set-up, validation, and checkpoint save / resume (see train_session.h).
+// Checkpoints hold global tensors (every expert, every pipeline stage, at the whole model's layout), so a run
+// resumes under any layout: the parameter state gathers them over EP, PP (and DP for zero = 3) before rank 0
+// writes, and every rank takes its part when loading.
+#include "train/train_session.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "moetron/accounting.h"
+#include "moetron/check.h"
+#include "moetron/checkpoint.h"
+#include "moetron/fsdp.h"
+#include "moetron/memcheck.h"
+#include "moetron/memory.h"
+#include "moetron/runtime.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace moetron {
+
+namespace {
+
+// The combinations the trainer cannot run, each named by its rule.
+void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
+  MT_CHECK(mesh.ep() > 1 || !cfg.parallelism.fp8_dispatch, "train",
+           "parallelism.fp8_dispatch = true needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
+  MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_dispatcher == EpDispatcher::AllToAll, "train",
+           "parallelism.ep_dispatcher = ", to_string(cfg.parallelism.ep_dispatcher),
+           " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
+  MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1 || cfg.parallelism.zero == 3, "train",
+           "parallelism.zero = ", cfg.parallelism.zero,
+           " is not implemented in the trainer (use 0; 1 shards the optimizer state; 3 shards parameters, "
+           "gradients and optimizer state)");
+}
+
+}  // namespace
+
+TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
+    : cfg(cfg_in),
+      opt(o),
+      compute(resolve_compute_dtype(cfg_in.training.compute_dtype, &compute_why)),  // bf16 refused first
+      world(o.comm ? *o.comm : comm_world()),
+      mesh(cfg_in.parallelism, world.size(), cfg_in.model.is_moe() ? cfg_in.model.moe.n_routed_experts : 0) {
+  const auto& tr = cfg.training;
+  const ModelSpec& ms = cfg.model;
+  check_layout(cfg, mesh);
+  mcs = world.size() == 1 ? MeshComms{world, world, world, world, world, world, world} : make_mesh_comms(mesh, world);
+  EP = mesh.ep(), PP = mesh.pp();
+  rank = mcs.dp.rank(), D = mcs.dp.size(), pp_rank = mesh.coord(world.rank()).pp;
+  root = world.rank() == 0;
+  {
+    // Ranks sharing this machine: the launcher says it; otherwise the mesh's ranks per node.
+    int local = mesh.ranks_per_node();
+    if (const char* e = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); e && std::atoi(e) > 0) local = std::atoi(e);
+    init_threads(int(tr.threads), local);
+    // Before anything is allocated: the per-rank estimate against this node's memory (memcheck.h), with
+    // GEMM inputs in the resolved compute dtype (bf16: 2 bytes, fp32: 4).
+    check_job_memory(cfg, local, compute == ComputeDtype::FP32 ? 4 : 2, num_threads());
+  }
+  say = !opt.quiet && root;
+  tty = say && opt.progress && isatty(fileno(stdout));
+  B = tr.micro_batch_size, T = tr.seq_len;
+  G = tr.global_batch_size > 0 ? tr.global_batch_size : B * D;
+  MT_CHECK(G % (B * D) == 0, "train", "training.global_batch_size=", G, " is not a multiple of micro_batch_size * dp = ",
+           B, " * ", D);
+  micro = G / B;            // micro-batches per step over all ranks
+  micro_local = micro / D;  // this rank's: sequences [rank*G/D, (rank+1)*G/D) of each step
+  zero3 = cfg.parallelism.zero == 3;
+  res.rank = rank, res.world = D;
+  res.dump_folder = cfg.job.dump_folder;
+  fs::create_directories(res.dump_folder);
+
+  data = make_train_sources(cfg, opt.data_root, rank, D, G, world, say);
+  res.unigram_entropy = data.unigram_entropy;
+
+  // The pipeline: this rank's stages and the schedule (pp = 1: the whole model, the trivial schedule). The
+  // runtime plans the activation slots before the model is built with them.
+  plan = make_pipeline_plan(cfg, pp_rank);
+  MT_CHECK(plan.lowered.n_microbatches == micro_local, "train", "the pipeline schedule has ",
+           plan.lowered.n_microbatches, " micro-batches per step, the data ", micro_local,
+           " (global_batch_size / (micro_batch_size * dp))");
+  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T * ms.d_model);
+
+  ModelParallel mpar;
+  if (EP > 1) {
+    mpar.ep = &mcs.ep, mpar.dispatcher = cfg.parallelism.ep_dispatcher, mpar.fp8_dispatch = cfg.parallelism.fp8_dispatch;
+    mpar.ep_ranks_per_node = mesh.ep_ranks_per_node();
+  }
+  // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is
+  // the expert-data-parallel group (the DP group without EP).
+  if (zero3) fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{mcs.dp, mcs.edp}), mpar.fsdp = fsdp_opts.get();
+  mpar.stages = &plan.parts;
+  const ActivationCheckpointSpec ac = resolve_checkpointing(cfg);
+  model = std::make_unique<Model>(ms, B, T, ac, mpar, compute);
+  model->init_params(uint64_t(tr.seed));
+  exec->bind(*model);
+
+  std::vector<std::vector<int>> stage_layers;
+  for (int s = 0; s < plan.setup.layout.n_stages; ++s) stage_layers.push_back(plan.setup.layout.layers(s));
+  const PipelineOwnership own = pipeline_ownership(ms, model_param_layout(ms), stage_layers, plan.lowered.stage_rank,
+                                                   plan.first_stage_rank, plan.last_stage_rank);
+  state = std::make_unique<ParamState>(*model, cfg, ParamStateComms{mcs.dp, mcs.ep, mcs.edp, mcs.pp}, own, pp_rank);
+  res.opt_state_bytes = state->state_bytes();
+
+  fpt = flops_per_token(ms, T, true, ac);
+  res.compute_dtype = compute;
+  res.peak_gflops = cfg.metrics.peak_tflops > 0 ? cfg.metrics.peak_tflops * 1e3 : measure_peak_gflops(compute);
+  ckdir = (fs::path(res.dump_folder) / cfg.checkpoint.folder).string();
+  res.checkpoint_dir = ckdir;
+  profiling = opt.profile || !opt.trace_path.empty();
+  adam.beta1 = float(cfg.optimizer.beta1), adam.beta2 = float(cfg.optimizer.beta2), adam.eps = float(cfg.optimizer.eps);
+  adam.weight_decay = float(cfg.optimizer.weight_decay);
+  vin.resize(size_t(B * T)), vtg.resize(size_t(B * T));
+}
+
+TrainSession::~TrainSession() = default;
+
+namespace {
+
+// The checkpoint's tensors over global-layout vectors: parameters (or a moment, with a name prefix) and the
+// expert biases.
+std::vector<CheckpointTensor> global_tensors(const ParamState& st, const std::vector<float>& g, const std::string& pre) {
+  std::vector<CheckpointTensor> v;
+  for (const auto& p : st.global_params())
+    v.push_back({pre + p.name, DType::F32, p.global_shape, g.data() + p.offset});
+  return v;
+}
+void add_biases(std::vector<CheckpointTensor>& v, const std::vector<float>& b, int64_t E) {
+  for (int64_t i = 0; E > 0 && i * E < int64_t(b.size()); ++i)
+    v.push_back({"expert_bias." + std::to_string(i), DType::F32, {E}, b.data() + i * E});
+}
+
+}  // namespace
+
+void TrainSession::resume() {
+  if (!cfg.checkpoint.enable) return;
+  auto latest = latest_complete_checkpoint(ckdir);
+  if (!latest) return;
+  LoadedCheckpoint ck = load_checkpoint(*latest);
+  JobConfig saved = config_from_json(ck.state.at("config"));
+  MT_CHECK(saved.model == cfg.model, "train", "checkpoint ", *latest, " was written for a different model spec");
+  const int64_t E = cfg.model.is_moe() ? cfg.model.moe.n_routed_experts : 0;
+  std::vector<float> p(size_t(state->global_numel()), 0.0f), m(p.size(), 0.0f), v(p.size(), 0.0f);
+  std::vector<float> bias(size_t(model->n_moe_layers_total() * E), 0.0f);
+  auto mt = global_tensors(*state, p, "");
+  add_biases(mt, bias, E);
+  for (auto& t : mt) load_into(ck.model, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+  for (auto& t : global_tensors(*state, m, "m.")) load_into(ck.optimizer, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+  for (auto& t : global_tensors(*state, v, "v.")) load_into(ck.optimizer, t.name, t.dtype, t.shape, const_cast<void*>(t.data));
+  state->set_params(p);
+  state->set_moment(0, m);
+  state->set_moment(1, v);
+  state->set_biases(bias);
+  step = ck.step;
+  data.train->restore(ck.state.at("data"));
+  model->sync_weights();
+  if (say) std::printf("resumed from %s (step %lld)\n", latest->c_str(), (long long)step);
+}
+
+// Collective (parameters, moments and biases are gathered to the global layout); rank 0 writes.
+std::string TrainSession::save(int64_t s) {
+  const std::vector<float> p = state->global_params_values(), m = state->global_moment(0), v = state->global_moment(1);
+  const std::vector<float> bias = state->global_biases();
+  if (!root) return std::string();
+  CheckpointWriteRequest req;
+  req.step = s;
+  req.model = global_tensors(*state, p, "");
+  add_biases(req.model, bias, cfg.model.is_moe() ? cfg.model.moe.n_routed_experts : 0);
+  for (const char* pre : {"m.", "v."}) {
+    auto t = global_tensors(*state, pre[0] == 'm' ? m : v, pre);
+    req.optimizer.insert(req.optimizer.end(), t.begin(), t.end());
+  }
+  req.state = json{{"data", data.train->state()}, {"config", to_json(cfg)}, {"config_toml", to_toml(cfg)},
+                   {"rng", {{"seed", cfg.training.seed}}}};
+  return save_checkpoint(ckdir, req, int(cfg.checkpoint.keep_latest_k));
+}
+
+// Validation batches 0..nb-1 (batch i = sequences [i*B, i*B + B) of the validation stream); under DP rank r
+// computes the contiguous range [nb*r/D, nb*(r+1)/D) through its pipeline and the per-batch sums are folded in
+// batch order (all_reduce_ordered), so the result is the single-process sum whatever the layout.
+double TrainSession::validate() {
+  const int64_t nb = std::max<int64_t>(1, cfg.training.val_steps);
+  BatchSource& val = *data.val;
+  const bool is_loader = val.state().contains("micro");
+  std::vector<double> parts;
+  int64_t cnt = 0;
+  // Under EP and FSDP every rank must run the same number of forwards (MoE layers and unit gathers are
+  // collective): ranks with fewer batches run their first one again and discard it.
+  const int64_t lo = nb * rank / D, hi = nb * (rank + 1) / D;
+  const int64_t iters = EP > 1 || zero3 ? (nb + D - 1) / D : hi - lo;
+  for (int64_t j = 0; j < iters; ++j) {
+    const int64_t i = lo + j < hi ? lo + j : lo;
+    const uint64_t pos = uint64_t(i * B);
+    val.restore(is_loader ? json{{"kind", "loader"}, {"epoch", 0}, {"position", pos}, {"micro", 0}}
+                          : json{{"kind", "synthetic"}, {"position", pos}});
+    val.next(vin.data(), vtg.data());
+    ForwardStats fs_ = pipeline_forward_only(*model, plan, mcs.pp, vin.data(), vtg.data());
+    if (lo + j >= hi) continue;
+    parts.push_back(fs_.ce_sum), cnt += fs_.ce_count;
+  }
+  // Validation routes tokens too: its expert counts must not reach the next step's bias update.
+  model->take_expert_counts();
+  double sum = 0;
+  mcs.dp.all_reduce_ordered(&sum, parts.data(), int64_t(parts.size()), 1);
+  mcs.dp.all_reduce(&cnt, 1);
+  return cnt ? sum / double(cnt) : 0.0;
+}
+
+}  // namespace moetron

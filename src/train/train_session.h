@@ -1,0 +1,91 @@
+// train_session.h: the state of one `moetron train` run on one rank, and the steps train() walks through:
+// set-up (layout, communicators, data, pipeline plan, model, parameter state), resume, the training steps,
+// validation, checkpoints, and the reports (start-up lines, the per-log-step metrics, the summary).
+// Private to src/train: train() in trainer.cpp is the only user.
+//   train_session.cpp   set-up, validation, resume and save
+//   train_step.cpp      one optimizer step: the pipeline executor, the step-wide reductions, AdamW
+//   train_report.cpp    printing and metrics.jsonl
+// Not the model, the runtime or the optimizer kernels.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moetron/comm.h"
+#include "moetron/accounting.h"
+#include "moetron/config.h"
+#include "moetron/ep_dispatch.h"
+#include "moetron/mesh.h"
+#include "moetron/model.h"
+#include "moetron/optim.h"
+#include "moetron/trainer.h"
+#include "train/model_stages.h"
+#include "train/param_state.h"
+#include "train/pipeline_executor.h"
+#include "train/train_data.h"
+
+namespace moetron {
+
+struct FsdpOptions;
+
+// What one step produced, folded over the step's micro-batches and every rank.
+struct StepTotals {
+  double ce = 0, aux = 0;   // loss sums (aux already divided by the micro-batch count)
+  int64_t ce_n = 0;
+  double grad_norm = 0;
+  std::vector<std::vector<int64_t>> counts;  // tokens per expert of this rank's MoE layers, summed over DP
+  pipeline::StepStats runtime;
+};
+
+struct TrainSession {
+  TrainSession(const JobConfig& cfg, const TrainOptions& opt);
+  ~TrainSession();
+
+  void resume();                  // from the latest complete checkpoint, if any
+  std::string save(int64_t step);  // collective; rank 0 writes, returns the path there
+  double validate();              // mean validation loss (collective)
+  void run_step();                // one optimizer step, its record, its log line, its checkpoint
+  void finish();                  // the result's totals and the summary
+
+  // reports (train_report.cpp)
+  void print_start() const;
+  void log_step(const StepRecord& rec, const StepTotals& t, bool do_val);
+  void print_summary() const;
+
+  JobConfig cfg;
+  const TrainOptions& opt;
+  std::string compute_why;  // before `compute`: its initializer writes the reason here
+  ComputeDtype compute = ComputeDtype::Auto;
+  Comm world;
+  DeviceMesh mesh;
+  MeshComms mcs;
+  int EP = 1, PP = 1, rank = 0, D = 1, pp_rank = 0;
+  bool root = true, say = false, tty = false, zero3 = false, profiling = false;
+  int64_t B = 0, T = 0, G = 0, micro = 0, micro_local = 0;
+  TrainResult res;
+  TrainSources data;
+  PipelinePlan plan;
+  std::unique_ptr<FsdpOptions> fsdp_opts;
+  std::unique_ptr<PipelineExecutor> exec;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<ParamState> state;
+  FlopsPerToken fpt;
+  AdamWConfig adam;
+  std::string ckdir;
+  std::ofstream metrics;
+  int64_t step = 0;
+  double time_total = 0, window_t = 0;
+  int64_t tokens_total = 0, window_tok = 0, window_steps = 0;
+  EpTraffic ep_window0, ep_run0;
+  std::vector<int32_t> vin, vtg;  // validation batch
+
+ private:
+  StepTotals forward_backward();  // the executor and the step-wide sums (train_step.cpp)
+};
+
+std::string human_bytes(int64_t b);
+
+}  // namespace moetron

@@ -1,0 +1,116 @@
+// train_step.cpp: one optimizer step of TrainSession: the schedule (PipelineExecutor), the step-wide
+// quantities folded over micro-batches, pipeline stages and data-parallel ranks, the gradient norm and
+// clipping, AdamW, the aux-free bias update, the step record, its log line and its checkpoint.
+//
+// Step-wide quantities under pipeline parallelism (each rank holds some stages):
+//   - losses: a micro-batch's cross-entropy comes from the head stage, its router aux / z losses from the
+//     stages holding MoE layers, one value per MoE layer. They are summed over the pipeline ranks (every
+//     value has exactly one nonzero source, so the sum is exact) and then folded in micro-batch and layer
+//     order, the same additions one process makes;
+//   - the gradients need no pipeline reduction (each rank holds its stages' parameters) except tied
+//     embeddings, whose head gradient joins the embedding's between the first and the last stage's ranks;
+//   - the gradient norm folds per-parameter sums in global order (ParamState::grad_norm);
+//   - the aux-free expert counts are per MoE layer, each on its stage's ranks, summed over DP.
+#include <chrono>
+#include <cmath>
+
+#include "moetron/check.h"
+#include "moetron/trace.h"
+#include "train/train_session.h"
+
+namespace moetron {
+
+StepTotals TrainSession::forward_backward() {
+  StepTotals t;
+  model->zero_grads();
+  // Normalized by the GLOBAL token count of the step (every target of the synthetic / loader data is valid).
+  model->set_loss_scales(float(1.0 / double(G * T)), float(1.0 / double(micro)));
+  const bool record_seqs = opt.record_data && pp_rank == plan.first_stage_rank;
+  std::vector<uint64_t> seqs;
+  StepOutcome o = exec->run(*data.train, B, T, false, record_seqs ? &seqs : nullptr);
+  t.runtime = o.runtime;
+  for (size_t k = 0; k < seqs.size(); ++k)
+    res.data.push_back({step, rank * (G / D) + int64_t(k), seqs[k]});
+  exchange_tied_grads(*model, plan, mcs.pp);
+
+  // Per micro-batch: [ce, aux of MoE layer 0, 1, ...], summed over the pipeline ranks.
+  const int n_moe = model->n_moe_layers_total();
+  const size_t w = size_t(1 + n_moe);
+  std::vector<double> per(size_t(micro_local) * w, 0.0);
+  int64_t ce_n = 0;
+  for (int64_t mb = 0; mb < micro_local; ++mb) {
+    const MicroStats& s = o.micro[size_t(mb)];
+    per[size_t(mb) * w] = s.ce_sum;
+    for (size_t l = 0; l < s.aux_by_layer.size() && l < size_t(n_moe); ++l) per[size_t(mb) * w + 1 + l] = s.aux_by_layer[l];
+    ce_n += s.ce_count;
+  }
+  if (PP > 1) mcs.pp.all_reduce(per.data(), int64_t(per.size())), mcs.pp.all_reduce(&ce_n, 1);
+  std::vector<double> ce_parts(static_cast<size_t>(micro_local)), aux_parts(static_cast<size_t>(micro_local));
+  for (int64_t mb = 0; mb < micro_local; ++mb) {
+    ce_parts[size_t(mb)] = per[size_t(mb) * w];
+    double aux = 0;
+    for (int l = 0; l < n_moe; ++l) aux += per[size_t(mb) * w + 1 + size_t(l)];
+    aux_parts[size_t(mb)] = aux / double(micro);
+  }
+  t.counts = model->take_expert_counts();
+  {
+    // DP: loss sums folded in global micro-batch order (= the single-process sum); gradients, token and
+    // expert counts summed over the ranks.
+    MT_TRACE("dp.all_reduce");
+    mcs.dp.all_reduce_ordered(&t.ce, ce_parts.data(), micro_local, 1);
+    mcs.dp.all_reduce_ordered(&t.aux, aux_parts.data(), micro_local, 1);
+    if (D > 1) {
+      mcs.dp.all_reduce(&ce_n, 1);
+      state->reduce_grads();
+      std::vector<int64_t> flat;
+      for (auto& c : t.counts) flat.insert(flat.end(), c.begin(), c.end());
+      mcs.dp.all_reduce(flat.data(), int64_t(flat.size()));
+      size_t k = 0;
+      for (auto& c : t.counts)
+        for (auto& x : c) x = flat[k++];
+    }
+  }
+  t.ce_n = ce_n;
+  return t;
+}
+
+void TrainSession::run_step() {
+  const auto& tr = cfg.training;
+  // The first step warms caches and oneDNN primitives: it is not profiled.
+  trace::enable(profiling && step > res.start_step);
+  const auto t0 = std::chrono::steady_clock::now();
+  ++step;
+  StepTotals t = forward_backward();
+  trace::Scope tr_opt("optimizer");
+  t.grad_norm = state->grad_norm();
+  if (opt.keep_first_grads && step == res.start_step + 1) res.first_grads = state->global_grads();
+  const float clip = tr.max_norm > 0 ? clip_coefficient(t.grad_norm, tr.max_norm) : 1.0f;
+  adam.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
+  state->adamw(adam, step, clip);
+  model->update_expert_bias(t.counts);
+  tr_opt.stop();
+  {
+    MT_TRACE("sync_weights");
+    model->sync_weights();
+  }
+  trace::enable(false);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  time_total += dt, tokens_total += G * T, window_t += dt, window_tok += G * T, ++window_steps;
+
+  StepRecord rec;
+  rec.step = step, rec.loss = t.ce_n ? t.ce / double(t.ce_n) : 0, rec.aux_loss = t.aux, rec.lr = adam.lr;
+  rec.grad_norm = t.grad_norm;
+  if (opt.record_param_hash) {
+    const std::vector<float> p = state->global_params_values(), b = state->global_biases();
+    rec.param_hash = fnv1a(b.data(), b.size() * 4, fnv1a(p.data(), p.size() * 4));
+  }
+  MT_CHECK(std::isfinite(rec.loss), "train", "loss became ", rec.loss, " at step ", step);
+  const bool do_val = tr.val_interval > 0 && (step % tr.val_interval == 0 || step == tr.steps);
+  if (do_val) rec.val_loss = validate();
+  res.history.push_back(rec);
+  log_step(rec, t, do_val);
+  if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps))
+    save(step);
+}
+
+}  // namespace moetron
