@@ -99,7 +99,7 @@ const TrainResult& reference(const std::vector<std::string>& layout_args) {
   return cache.emplace(key, train(tiny(d, model_args), recorded(&local))).first->second;
 }
 
-enum class Bar { Exact, Hier, Fp8 };
+enum class Bar { Exact, Hier, Fp8, Bitwise };
 
 struct Layout {
   std::string name;
@@ -152,6 +152,43 @@ std::vector<Layout> layouts() {
   v.push_back({"ep2_np2_aux_free", 2, {dp + "2", "--parallelism.ep=2", "--model.load_balance=aux_free"}, Bar::Exact});
   v.push_back({"ep4_np8_aux_free_fsdp", 8,
                {dp + "8", "--parallelism.ep=4", "--model.load_balance=aux_free", "--parallelism.zero=3"}, Bar::Exact});
+  // Pipeline parallelism. Alone it is BITWISE the single-process run at every step: each stage accumulates
+  // its weight gradients in micro-batch order (every generator runs a stage's B or W in micro-batch order; the
+  // split backward replays the deferred GEMMs on copies of their operands), the loss and aux sums are folded in
+  // micro-batch and layer order, the gradient norm per parameter in global order, and tied embeddings add the
+  // head's gradient after the embedding rows on both copies. Combined with DP / EP / FSDP the DP bars apply.
+  const std::string pp = "--parallelism.pp=", sch = "--parallelism.pp_schedule=", lay = "--parallelism.pp_layout=";
+  const std::string six = "--model.n_layers=6";
+  for (int p : {2, 4}) {
+    const std::string P = std::to_string(p);
+    const std::string one = p == 2 ? "Ett|tL" : "Et|t|t|L";  // one stage per rank
+    for (const char* name : {"gpipe", "1f1b", "zb1p"})
+      v.push_back({"pp" + P + "_" + name, p, {pp + P, sch + name, lay + one}, Bar::Bitwise});
+    for (const char* name : {"interleaved_1f1b", "zbv", "dualpipev"}) {  // two stages per rank
+      if (p == 2) v.push_back({"pp2_" + std::string(name), 2, {pp + P, sch + name, lay + "Et|t|t|L"}, Bar::Bitwise});
+      else v.push_back({"pp4_" + std::string(name), 4, {six, pp + P, sch + name, lay + "E|t|t|t|t|t|t|L"}, Bar::Bitwise});
+    }
+  }
+  v.push_back({"pp2_interleaved_uneven", 2, {pp + "2", sch + "interleaved_1f1b", lay + "Ett|t||L"}, Bar::Bitwise});
+  v.push_back({"pp2_even_split_less_layers", 2,
+               {pp + "2", "--parallelism.pp_first_stage_less_layers=1", "--parallelism.pp_last_stage_less_layers=1"},
+               Bar::Bitwise});
+  v.push_back({"pp2_tied", 2, {"--model.tie_embeddings=true", pp + "2", lay + "Ett|tL"}, Bar::Bitwise});
+  v.push_back({"pp2_zbv_tied", 2, {"--model.tie_embeddings=true", pp + "2", sch + "zbv", lay + "Et|t|t|L"}, Bar::Bitwise});
+  v.push_back({"pp2_aux_free", 2, {"--model.load_balance=aux_free", pp + "2", lay + "Et|ttL"}, Bar::Bitwise});
+  v.push_back({"pp2_recompute_stage0", 2,
+               {pp + "2", lay + "Ett|tL", "--activation_checkpoint.mode=full", "--activation_checkpoint.stage_ids=[0]"},
+               Bar::Bitwise});
+  v.push_back({"pp2_dp2_1f1b", 4, {pp + "2", dp + "2", lay + "Ett|tL"}, Bar::Exact});
+  v.push_back({"pp2_dp2_zero1", 4, {pp + "2", dp + "2", "--parallelism.zero=1", lay + "Ett|tL"}, Bar::Exact});
+  v.push_back({"pp2_dp2_fsdp_zb1p", 4, {pp + "2", dp + "2", "--parallelism.zero=3", sch + "zb1p", lay + "Ett|tL"},
+               Bar::Exact});
+  v.push_back({"pp2_ep2_alltoall", 4, {pp + "2", dp + "2", "--parallelism.ep=2", lay + "Et|ttL"}, Bar::Exact});
+  v.push_back({"pp2_ep4_hierarchical_interleaved", 8,
+               {pp + "2", dp + "4", "--parallelism.ep=4", "--parallelism.ep_dispatcher=hierarchical",
+                "--parallelism.ranks_per_node=2", sch + "interleaved_1f1b", lay + "Et|t|t|L"},
+               Bar::Hier});
+  v.push_back({"pp4_dp2_zbv", 8, {six, pp + "4", dp + "2", sch + "zbv", lay + "E|t|t|t|t|t|t|L"}, Bar::Exact});
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
                Bar::Exact});
@@ -199,8 +236,21 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   const double loss_tol = L.bar == Bar::Fp8 ? kFp8LossRel : kLossRel;
   const double param_tol = L.bar == Bar::Fp8 ? kFp8ParamRelL2 : kParamRelL2;
   const double l1 = got.history[0].loss, r1 = ref.history[0].loss;
-  if (L.bar == Bar::Exact) {
+  if (L.bar == Bar::Exact || L.bar == Bar::Bitwise) {
     EXPECT_EQ(0, std::memcmp(&l1, &r1, sizeof(double))) << L.name << ": step 1 loss " << l1 << " vs one process " << r1;
+  }
+  if (L.bar == Bar::Bitwise) {  // every step, every parameter, the first gradient
+    for (int i = 0; i < kSteps; ++i) {
+      const StepRecord &a = got.history[size_t(i)], &b = ref.history[size_t(i)];
+      EXPECT_EQ(0, std::memcmp(&a.loss, &b.loss, sizeof(double))) << L.name << " step " << i + 1 << " loss";
+      EXPECT_EQ(0, std::memcmp(&a.aux_loss, &b.aux_loss, sizeof(double))) << L.name << " step " << i + 1 << " aux";
+      EXPECT_EQ(0, std::memcmp(&a.grad_norm, &b.grad_norm, sizeof(double))) << L.name << " step " << i + 1 << " gnorm";
+      EXPECT_EQ(a.param_hash, b.param_hash) << L.name << " step " << i + 1 << " parameter hash";
+    }
+    EXPECT_EQ(0, std::memcmp(got.final_params.data(), ref.final_params.data(), got.final_params.size() * 4))
+        << L.name << ": final parameters";
+    EXPECT_EQ(0, std::memcmp(got.first_grads.data(), ref.first_grads.data(), got.first_grads.size() * 4))
+        << L.name << ": step 1 gradient";
   }
   if (L.bar == Bar::Hier) {
     EXPECT_LE(std::abs(l1 - r1) / std::abs(r1), kHierStep1LossRel) << L.name << ": step 1 loss";
@@ -217,12 +267,13 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   }
   // Memory: with EP the routed experts are 1/ep per rank, so (zero = 0) the optimizer state drops by exactly
   // 8 bytes per expert element not held here; ZeRO-1 / FSDP shard what remains (test_mpi_train.cpp).
-  int ep = 1, zero = 0;
+  int ep = 1, zero = 0, pp_size = 1;
   for (auto& a : L.args) {
+    if (a.rfind("--parallelism.pp=", 0) == 0) pp_size = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.ep=", 0) == 0) ep = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.zero=", 0) == 0) zero = std::stoi(a.substr(19));
   }
-  if (ep > 1 && zero == 0) {
+  if (ep > 1 && zero == 0 && pp_size == 1) {
     const ModelSpec& m = tiny("unused").model;
     int64_t expert_elems = 0;
     for (int64_t l = 0; l < m.n_layers; ++l)
