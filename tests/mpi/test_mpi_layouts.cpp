@@ -44,6 +44,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -394,4 +396,68 @@ TEST(MpiLayoutCheckpoint, ExpertParallelResumeAndLoadInOneProcess) {
     }
     world().barrier();
   }
+}
+
+// Checkpoints under pipeline parallelism hold the whole model's tensors (every stage's parameters and moments,
+// gathered over the pipeline ranks): a pipeline run resumes bitwise under its own layout, and its checkpoint
+// continues bitwise under pp = 1 (one process) and under another schedule and stage split, since pure pipeline
+// runs are bitwise the single-process run. The checkpoint files equal the single-process run's byte for byte.
+TEST(MpiLayoutCheckpoint, PipelineResumesAndLoadsUnderOtherSchedules) {
+  const int w = world().size();
+  if (w != 2 && w != 4) GTEST_SKIP() << "pipeline of 2 or 4 stages";
+  const std::string P = std::to_string(w);
+  const std::vector<std::string> ck = {"--checkpoint.enable=true", "--checkpoint.interval=3"};
+  auto with = [&](std::vector<std::string> a) {
+    a.insert(a.end(), ck.begin(), ck.end());
+    return a;
+  };
+  const std::vector<std::string> pp = with({"--parallelism.pp=" + P, "--parallelism.pp_schedule=1f1b",
+                                            "--parallelism.pp_layout=" + std::string(w == 2 ? "Ett|tL" : "Et|t|t|L")});
+  const std::vector<std::string> other =
+      with({"--parallelism.pp=" + P, "--parallelism.pp_schedule=" + std::string(w == 2 ? "zbv" : "gpipe"),
+            "--parallelism.pp_layout=" + std::string(w == 2 ? "Et|t|t|L" : "E|ttt||L")});
+  const std::string d = shared_dir("pp_ckpt_full");
+  TrainResult full = train(tiny(d, pp), recorded(&world()));
+  auto cut_to_step3 = [&](const std::string& name, bool per_rank) {
+    const std::string to = per_rank ? temp_dir("moetron_mpi_layout_" + name + "_r", std::to_string(world().rank()))
+                                    : shared_dir(name);
+    if (per_rank || world().rank() == 0) {
+      fs::remove_all(to);
+      fs::create_directories(fs::path(to) / "checkpoint");
+      fs::copy(fs::path(d) / "checkpoint" / "step-3", fs::path(to) / "checkpoint" / "step-3",
+               fs::copy_options::recursive);
+    }
+    world().barrier();
+    return to;
+  };
+  auto same_continuation = [&](const TrainResult& r, const std::string& what) {
+    ASSERT_EQ(r.start_step, 3) << what;
+    ASSERT_EQ(r.history.size(), size_t(kSteps - 3)) << what;
+    for (size_t i = 0; i < r.history.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(&r.history[i].loss, &full.history[i + 3].loss, sizeof(double))) << what << " step " << i + 4;
+      EXPECT_EQ(r.history[i].param_hash, full.history[i + 3].param_hash) << what << " step " << i + 4;
+    }
+    ASSERT_EQ(r.final_params.size(), full.final_params.size()) << what;
+    EXPECT_EQ(0, std::memcmp(r.final_params.data(), full.final_params.data(), full.final_params.size() * 4)) << what;
+  };
+  same_continuation(train(tiny(cut_to_step3("pp_ckpt_same", false), pp), recorded(&world())), "same layout");
+  same_continuation(train(tiny(cut_to_step3("pp_ckpt_other", false), other), recorded(&world())),
+                    "another schedule and split");
+  static Comm local = comm_local();
+  same_continuation(train(tiny(cut_to_step3("pp_ckpt_one", true), ck), recorded(&local)), "one process");
+  // The single-process run writes the same checkpoint files.
+  const std::string one = temp_dir("moetron_mpi_layout_pp_ckpt_ref_r", std::to_string(world().rank()));
+  fs::remove_all(one);
+  train(tiny(one, ck), recorded(&local));
+  if (world().rank() == 0)
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"})
+      for (const char* st : {"step-3", "step-5"}) {
+        auto bytes = [](const fs::path& p) {
+          std::ifstream in(p, std::ios::binary);
+          return std::string(std::istreambuf_iterator<char>(in), {});
+        };
+        EXPECT_TRUE(bytes(fs::path(d) / "checkpoint" / st / f) == bytes(fs::path(one) / "checkpoint" / st / f))
+            << st << "/" << f << " differs between pp = " << w << " and one process";
+      }
+  world().barrier();
 }
