@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "schedule_flags.h"
+#include "schedule_compare.h"
 
 namespace {
 using namespace moetron;
@@ -86,4 +87,5 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   c->add_option("--format", args->format, "text, csv (the lowered schedule) or json")
       ->check(CLI::IsMember({"text", "csv", "json"}));
   c->callback([args] { show(*args); });
+  moetron::cli::add_compare_command(sc);
 });

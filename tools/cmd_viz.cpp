@@ -1,6 +1,7 @@
 // cmd_viz.cpp: `moetron viz pipeline` draws a pipeline schedule's timeline (pp_vis) as a self-contained
 // HTML page plus an SVG: from a simulated schedule (the flags of `moetron schedule show`, tools/schedule_flags.h)
-// or from a Primus pp_vis dump (--primus DIR); --export-primus DIR writes the timeline in Primus's dump format.
+// from a Primus pp_vis dump (--primus DIR), or from a profiled run's measured steps (--run DIR, the trainer's
+// pipeline_record.json); --export-primus DIR writes the timeline in Primus's dump format.
 // Not the renderer itself (src/viz/) and not the simulator (src/schedule/).
 #include <cstdio>
 #include <memory>
@@ -8,7 +9,9 @@
 
 #include "cli.h"
 #include "moetron/check.h"
+#include "moetron/pipeline_record.h"
 #include "moetron/schedule.h"
+#include "schedule_compare.h"
 #include "schedule_flags.h"
 #include "viz/ppvis.h"
 
@@ -17,6 +20,8 @@ using namespace moetron;
 
 struct VizArgs {
   cli::ScheduleFlags flags;
+  std::string run;
+  int64_t run_step = -1;
   std::string primus;
   int primus_iteration = -1;
   std::string out = "pipeline.html";
@@ -28,6 +33,22 @@ void run(const VizArgs& a) {
   viz::Timeline t;
   if (!a.primus.empty()) {
     t = viz::read_primus(a.primus, a.primus_iteration);
+  } else if (!a.run.empty()) {  // a profiled run's measured step (the last recorded unless --step)
+    const std::string path = cli::record_path(a.run);
+    const sched::PipelineRecord r = sched::read_record(path);
+    MT_CHECK(!r.steps.empty(), "viz pipeline", path, " holds no recorded steps");
+    size_t k = r.steps.size() - 1;
+    if (a.run_step >= 0) {
+      k = r.steps.size();
+      for (size_t i = 0; i < r.steps.size(); ++i)
+        if (r.steps[i].step == a.run_step) k = i;
+      MT_CHECK(k < r.steps.size(), "viz pipeline", "step ", a.run_step, " is not recorded in ", path, " (steps ",
+               r.steps.front().step, "..", r.steps.back().step, ")");
+    }
+    t = viz::from_simulation(r.lowered, sched::measured_result(r, k),
+                             "measured, step " + std::to_string(r.steps[k].step) + " of " + path, "s");
+    t.title = "measured " + r.schedule_name;
+    viz::derive_stats(t);
   } else {
     const sched::Schedule s = cli::schedule_from_flags(a.flags);
     const sched::Durations d = cli::parse_durations(a.flags.durations, s.n_stages);
@@ -68,9 +89,14 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
                              "Iteration of the dump to draw (default: the largest in pp_rank_0.json)")
                    ->check(CLI::NonNegativeNumber);
   iter->needs(primus);
-  // The schedule flags describe a simulation; with --primus they would be ignored, so they are refused.
+  auto* run_opt = c->add_option("--run", a->run,
+                            "Draw a measured step of a profiled run (DIR/pipeline_record.json, written by "
+                            "`moetron train --profile`)");
+  c->add_option("--step", a->run_step, "Recorded step to draw (default: the last)")->needs(run_opt);
+  run_opt->excludes(primus);
+  // The schedule flags describe a simulation; with --primus or --run they would be ignored, so they are refused.
   for (const char* name : {"--pp", "--vpp", "--microbatches", "--schedule", "--group-size", "--csv", "--durations"})
-    primus->excludes(c->get_option(name));
+    primus->excludes(c->get_option(name)), run_opt->excludes(c->get_option(name));
   c->add_option("--out", a->out, "Output HTML page; the SVG goes next to it with the extension .svg")
       ->capture_default_str();
   c->add_option("--export-primus", a->export_primus, "Also write the timeline as a Primus pp_vis dump in DIR");

@@ -72,6 +72,7 @@ struct TrainResult {
   // grads / optimizer figures are this rank's shards plus the gathered unit slot(s) (docs/parallel.md).
   int64_t params_peak_bytes = 0, grads_peak_bytes = 0, optimizer_peak_bytes = 0;
   std::string dump_folder, metrics_path, checkpoint_dir;
+  std::string pipeline_record_path;  // profiled runs: every pipeline rank's executed actions (pipeline_record.h)
   double unigram_entropy = -1;  // of the training data (nats/token) when known
   std::vector<std::pair<std::string, double>> op_seconds;  // per-op breakdown when profiling
   int rank = 0, world = 1;              // this process in the DP group

@@ -1,6 +1,8 @@
 // pipeline_executor.cpp: PipelineExecutor (see pipeline_executor.h).
 #include "train/pipeline_executor.h"
 
+#include <algorithm>
+
 #include "moetron/check.h"
 #include "moetron/trace.h"
 
@@ -43,6 +45,35 @@ StepOutcome PipelineExecutor::run(BatchSource& src, int64_t B, int64_t T, bool r
   out.runtime = rt_->run_step(record ? &out.record : nullptr);
   out.micro = stats_;
   return out;
+}
+
+sched::RecordedStep PipelineExecutor::gather_record(int64_t step, const StepOutcome& o, const Comm& pp) const {
+  // Per rank: [step start (absolute), then (index, start, end) per op].
+  std::vector<double> mine = {rt_->step_start()};
+  for (const sched::TimedOp& op : o.record) mine.insert(mine.end(), {double(op.index), op.start, op.end});
+  const int P = pp.size();
+  std::vector<int64_t> counts(static_cast<size_t>(P)), displs(static_cast<size_t>(P), 0);
+  const int64_t my_bytes = int64_t(mine.size()) * 8;
+  pp.all_gather(counts.data(), &my_bytes, 8);
+  for (int r = 1; r < P; ++r) displs[size_t(r)] = displs[size_t(r - 1)] + counts[size_t(r - 1)];
+  std::vector<double> all(size_t((displs[size_t(P - 1)] + counts[size_t(P - 1)]) / 8));
+  pp.all_gather_v(all.data(), counts.data(), displs.data(), mine.data());
+  double origin = 0;
+  for (int r = 0; r < P; ++r) origin = r == 0 ? all[0] : std::min(origin, all[size_t(displs[size_t(r)] / 8)]);
+  sched::RecordedStep st;
+  st.step = step;
+  const sched::Schedule& s = rt_->schedule();
+  for (int r = 0; r < P; ++r) {
+    const size_t a = size_t(displs[size_t(r)] / 8), n = size_t(counts[size_t(r)] / 8);
+    const double shift = all[a] - origin;
+    for (size_t k = a + 1; k + 3 <= a + n; k += 3) {
+      sched::TimedOp op;
+      op.rank = r, op.index = int(all[k]), op.start = all[k + 1] + shift, op.end = all[k + 2] + shift;
+      op.action = s.actions[size_t(r)][size_t(op.index)];
+      st.ops.push_back(op);
+    }
+  }
+  return st;
 }
 
 }  // namespace moetron

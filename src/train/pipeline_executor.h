@@ -11,6 +11,7 @@
 
 #include "moetron/comm.h"
 #include "moetron/model.h"
+#include "moetron/pipeline_record.h"
 #include "moetron/schedule.h"
 #include "parallel/pipeline_runtime.h"
 #include "train/model_stages.h"
@@ -36,6 +37,11 @@ class PipelineExecutor {
   // Fetches the step's micro-batches from src (a hash per sequence into `seqs` when given, with the index of
   // micro-batch mb's first sequence at seq_base + mb * B), then runs the schedule once.
   StepOutcome run(BatchSource& src, int64_t B, int64_t T, bool record, std::vector<uint64_t>* seqs = nullptr);
+  // Collective over pp: every pipeline rank's recorded actions of a run (run with record = true) on every rank,
+  // the times moved to one origin, the earliest rank's step start. steady_clock is one clock for every process
+  // of a host, so on one host the ranks' times are directly comparable; across hosts the offsets would carry
+  // the clocks' difference (the trainer only records on one host's worth of ranks meaningfully).
+  sched::RecordedStep gather_record(int64_t step, const StepOutcome& o, const Comm& pp) const;
 
  private:
   int M_ = 1;

@@ -3,6 +3,7 @@
 // Not the step (train_step.cpp).
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "moetron/memory.h"
@@ -164,6 +165,11 @@ void TrainSession::finish() {
       if (!opt.trace_path.empty()) std::printf("chrome trace: %s\n", opt.trace_path.c_str());
     }
   }
+  if (root && !record.steps.empty()) {
+    record.schedule_name = plan.lowered.name, record.lowered = plan.lowered;
+    res.pipeline_record_path = (std::filesystem::path(res.dump_folder) / "pipeline_record.json").string();
+    sched::write_record(record, res.pipeline_record_path);
+  }
   print_summary();
   if (world.size() > 1) world.barrier();  // rank 0's checkpoint and metrics are on disk when any rank returns
 }
@@ -195,6 +201,9 @@ void TrainSession::print_summary() const {
     if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
     std::printf("metrics: %s\n", res.metrics_path.c_str());
     if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
+    if (!res.pipeline_record_path.empty())
+      std::printf("pipeline record: %s (%zu steps; moetron viz pipeline --run %s)\n", res.pipeline_record_path.c_str(),
+                  record.steps.size(), res.dump_folder.c_str());
     if (D > 1) std::printf("DP collectives: %.3f s\n%s", res.comm_seconds, mcs.dp.stats().summary().c_str());
     if (EP > 1)
       std::printf("EP (%s%s): %.3f s in dispatch/combine; per step rank 0 sent %s to other nodes, %s inside its node; "

@@ -81,6 +81,10 @@ struct TrainSession {
   int64_t tokens_total = 0, window_tok = 0, window_steps = 0;
   EpTraffic ep_window0, ep_run0;
   std::vector<int32_t> vin, vtg;  // validation batch
+  // Profiled steps (every step after the first when profiling): each pipeline rank's executed actions,
+  // gathered; rank 0 writes them to <dump_folder>/pipeline_record.json at the end (at most kMaxRecordedSteps).
+  static constexpr size_t kMaxRecordedSteps = 64;
+  sched::PipelineRecord record;
 
  private:
   StepTotals forward_backward();  // the executor and the step-wide sums (train_step.cpp)

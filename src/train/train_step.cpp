@@ -27,8 +27,10 @@ StepTotals TrainSession::forward_backward() {
   model->set_loss_scales(float(1.0 / double(G * T)), float(1.0 / double(micro)));
   const bool record_seqs = opt.record_data && pp_rank == plan.first_stage_rank;
   std::vector<uint64_t> seqs;
-  StepOutcome o = exec->run(*data.train, B, T, false, record_seqs ? &seqs : nullptr);
+  const bool rec = profiling && step > res.start_step + 1 && record.steps.size() < kMaxRecordedSteps;
+  StepOutcome o = exec->run(*data.train, B, T, rec, record_seqs ? &seqs : nullptr);
   t.runtime = o.runtime;
+  if (rec) record.steps.push_back(exec->gather_record(step, o, mcs.pp));
   for (size_t k = 0; k < seqs.size(); ++k)
     res.data.push_back({step, rank * (G / D) + int64_t(k), seqs[k]});
   exchange_tied_grads(*model, plan, mcs.pp);
