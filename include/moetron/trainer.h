@@ -68,6 +68,10 @@ struct TrainResult {
   double recompute_seconds = 0;
   int64_t mem_peak_bytes = 0;
   int64_t act_peak_bytes = 0;  // peak of the activations category (what recompute saves)
+  // The accounting's prediction of that peak for this rank: per local pipeline stage, its activation slots
+  // (the schedule's peak in-flight micro-batches) times the bytes one micro-batch saves in the stage's layers
+  // (activation_bytes), plus the model-level terms of the embedding / head stage once.
+  int64_t act_predicted_bytes = 0;
   // Peaks per category on this rank over the training loop (MemoryTracker): with zero = 3 the params /
   // grads / optimizer figures are this rank's shards plus the gathered unit slot(s) (docs/parallel.md).
   int64_t params_peak_bytes = 0, grads_peak_bytes = 0, optimizer_peak_bytes = 0;

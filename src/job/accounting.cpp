@@ -231,7 +231,9 @@ void outside_terms(const ModelSpec& s, Num B, Num S, Num a, Num g, Emit&& emit) 
   emit("final_norm.x", T * d * a);
   emit("final_norm.rstd", T * 4);
   emit("final_norm.out", T * d * g);
-  emit("loss.probs", T * Num(s.vocab_size) * 4);
+  // The fused head + loss never materializes logits or probabilities (chunked, in the kernel workspace); what
+  // lives from the head stage's forward to its backward is dL/dx of the final norm's input, fp32.
+  emit("loss.dx", T * d * 4);
 }
 
 // Per layer, in one pass each (not a search of the lists per layer: they may be as long as the model):
@@ -328,7 +330,7 @@ std::string activation_term_keys(const ModelSpec& s, const std::string& term) {
   auto starts = [&](const char* p) { return term.rfind(p, 0) == 0; };
   const auto& at = s.attn;
   const auto& m = s.moe;
-  if (starts("loss.")) return kv("model.vocab_size", s.vocab_size);
+  if (starts("loss.")) return kv("model.d_model", s.d_model);
   if (starts("router.")) return kv("model.n_routed_experts", m.n_routed_experts);
   if (starts("mlp.")) return kv("model.inter_size", s.inter_size);
   if (starts("shared."))

@@ -146,6 +146,24 @@ void TrainSession::finish() {
   }
   res.mem_peak_bytes = mt.total_peak();
   res.act_peak_bytes = mt.peak(MemCategory::Activations);
+  {
+    const ActivationBytes ab = activation_bytes(cfg.model, B, T, precision_of(compute), resolve_checkpointing(cfg));
+    int64_t pred = 0;
+    for (int k = 0; k < model->n_stages(); ++k) {
+      const ModelStagePart& p = model->stage_part(k);
+      int64_t per_mb = 0;
+      for (int64_t l : p.layers) per_mb += ab.layers[size_t(l)].total();
+      pred += int64_t(p.slots) * per_mb;
+      for (const ActTerm& t : ab.outside.terms) {  // embed.* on the embedding stage, the rest on the head stage;
+        // loss.dx is kept per micro-batch in flight
+        if (!(t.name.rfind("embed.", 0) == 0 ? p.embedding : p.head)) continue;
+        // (one stage with one slot keeps it in the backward scratch: Model's build_slots)
+        const bool scratch = model->n_stages() == 1 && p.slots == 1;
+        pred += t.name == "loss.dx" ? (scratch ? 0 : int64_t(p.slots) * t.bytes) : t.bytes;
+      }
+    }
+    res.act_predicted_bytes = pred;
+  }
   res.params_peak_bytes = mt.peak(MemCategory::Params);
   res.grads_peak_bytes = mt.peak(MemCategory::Grads);
   res.optimizer_peak_bytes = mt.peak(MemCategory::Optimizer);
@@ -199,6 +217,10 @@ void TrainSession::print_summary() const {
                   res.unigram_entropy, std::fabs(res.unigram_entropy - res.final_loss),
                   res.final_loss <= res.unigram_entropy ? "below" : "above");
     if (res.recompute_seconds > 0) std::printf("recompute time: %.2f s\n", res.recompute_seconds);
+    if (PP > 1)
+      std::printf("activations on this rank: peak %s measured, %s predicted (activation slots x bytes per "
+                  "micro-batch of the stage's layers)\n",
+                  human_bytes(res.act_peak_bytes).c_str(), human_bytes(res.act_predicted_bytes).c_str());
     std::printf("metrics: %s\n", res.metrics_path.c_str());
     if (cfg.checkpoint.enable) std::printf("checkpoints: %s\n", ckdir.c_str());
     if (!res.pipeline_record_path.empty())

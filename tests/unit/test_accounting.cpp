@@ -287,7 +287,7 @@ TEST(Accounting, ActivationTotalsAndRecomputeTransient) {
   EXPECT_EQ(none.recompute_transient, 0);
   const int64_t T = c.training.micro_batch_size * c.training.seq_len;
   auto out = terms(none.outside);
-  EXPECT_EQ(out.at("loss.probs"), T * 512 * 4);
+  EXPECT_EQ(out.at("loss.dx"), T * 64 * 4);  // dL/dx kept from the fused head's forward to the backward
   EXPECT_EQ(out.at("embed.ids"), T * 4);
   c.activation_checkpoint.mode = AcMode::Full;
   ActivationBytes full = activation_bytes(c);
@@ -346,7 +346,7 @@ TEST(Accounting, ActivationSizeInDoubleAgreesWithTheInt64Figures) {
 TEST(Accounting, ActivationTermKeysNameTheWidths) {
   ModelSpec s = preset("ds_tiny").model;
   EXPECT_EQ(activation_term_keys(s, "moe.gate_up"), "model.topk = 2, model.moe_inter_size = 32");
-  EXPECT_EQ(activation_term_keys(s, "loss.probs"), "model.vocab_size = 512");
+  EXPECT_EQ(activation_term_keys(s, "loss.dx"), "model.d_model = 64");
   EXPECT_EQ(activation_term_keys(s, "router.scores"), "model.n_routed_experts = 8");
   EXPECT_EQ(activation_term_keys(s, "attn.q"), "model.n_heads = 4, model.head_dim = 16");
   EXPECT_EQ(activation_term_keys(s, "attn_norm.x"), "model.d_model = 64");
