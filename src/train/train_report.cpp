@@ -28,7 +28,7 @@ void TrainSession::print_start() const {
   {
     std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS "
                 "%s\n",
-                cfg.job.name.c_str(), (long long)model->num_params(), model->n_moe_layers(), (long long)(G * T), (long long)micro,
+                cfg.job.name.c_str(), (long long)state->global_numel(), model->n_moe_layers_total(), (long long)(G * T), (long long)micro,
                 (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops,
                 std::string(to_string(compute)).c_str());
     std::printf("compute dtype: %s (%s)\n", std::string(to_string(compute)).c_str(), compute_why.c_str());
