@@ -95,7 +95,7 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   c->add_option("--step", a->run_step, "Recorded step to draw (default: the last)")->needs(run_opt);
   run_opt->excludes(primus);
   // The schedule flags describe a simulation; with --primus or --run they would be ignored, so they are refused.
-  for (const char* name : {"--pp", "--vpp", "--microbatches", "--schedule", "--group-size", "--csv", "--durations"})
+  for (const char* name : {"--pp", "--vpp", "--microbatches", "--schedule", "--group-size", "--ep-overlap", "--csv", "--durations"})
     primus->excludes(c->get_option(name)), run_opt->excludes(c->get_option(name));
   c->add_option("--out", a->out, "Output HTML page; the SVG goes next to it with the extension .svg")
       ->capture_default_str();

@@ -18,6 +18,7 @@ struct ScheduleFlags {
   int vpp = 0;  // 0 = the schedule's own default (1, or 2 for interleaved and V shapes)
   int microbatches = 8;
   int group_size = 0;
+  bool ep_overlap = false;
   std::string schedule = "1f1b";
   std::string csv;        // a user's schedule instead of a generator
   std::string durations;  // "F,B,W,P2P[,A2A]"; empty = 1,2,1,0
@@ -31,6 +32,9 @@ inline void add_schedule_flags(CLI::App* c, ScheduleFlags& f) {
   c->add_option("--schedule", f.schedule, "gpipe, 1f1b, interleaved_1f1b, zb1p, zbv or dualpipev");
   c->add_option("--group-size", f.group_size, "interleaved_1f1b: micro-batch group size per virtual stage (0 = pp)")
       ->check(CLI::Range(0, 1 << 20));
+  c->add_flag("--ep-overlap", f.ep_overlap,
+              "interleaved_1f1b: one more warm-up forward and the steady-state F/B pairs fused into FB actions (the "
+              "1F1B all-to-all overlap; an FB costs max(f + b, a2a_f + a2a_b) in the timed replay)");
   c->add_option("--csv", f.csv, "Read the schedule from this CSV (one row of actions per rank) instead");
   c->add_option("--durations", f.durations,
                 "Per-op times F,B,W,P2P[,A2A] (B is the full backward = I + W; A2A is paid by each F and B)");
@@ -73,6 +77,7 @@ inline sched::Schedule schedule_from_flags(const ScheduleFlags& f) {
     g.vpp = f.vpp != 0 ? f.vpp : (f.schedule == "interleaved_1f1b" || sched::is_v_shape(f.schedule) ? 2 : 1);
     g.microbatches = f.microbatches;
     g.group_size = f.group_size;
+    g.ep_overlap = f.ep_overlap;
     s = sched::generate(g);
   }
   sched::check_valid(s);

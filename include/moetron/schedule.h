@@ -78,6 +78,11 @@ struct GenSpec {
   int vpp = 1;
   int microbatches = 1;
   int group_size = 0;
+  // interleaved_1f1b only: the 1F1B all-to-all overlap. One more warm-up forward per rank, then every
+  // steady-state (forward, backward) pair fused into one FB action, so that one micro-batch's forward and another
+  // micro-batch's backward can interleave layer by layer and each hides the other's EP dispatch / combine (the
+  // timed simulator charges an FB max(f + b, a2a_f + a2a_b)). Each stage's backwards keep micro-batch order.
+  bool ep_overlap = false;
 };
 Schedule generate(const GenSpec& spec);  // compute actions only (lowered = false); calls check_spec first
 // The preconditions alone (cheap; config validation calls it): known name, pp/vpp/microbatches/group_size

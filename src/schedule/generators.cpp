@@ -96,7 +96,8 @@ Schedule gen_1f1b(const GenSpec& g, bool split) {
 // Megatron-Core's interleaved 1F1B. The table lists (micro-batch, chunk) pairs in forward order: for each group
 // of `n` consecutive micro-batches (the last group takes whatever is left), every chunk in turn runs the whole
 // group. Forward k uses table[k]; backward k uses table[k] with the chunk mirrored (v-1-chunk). Rank r runs
-// min(total, 2*(pp-1-r) + (v-1)*n) warm-up forwards, then alternates forward and backward, then drains.
+// min(total, 2*(pp-1-r) + (v-1)*n) warm-up forwards, then alternates forward and backward, then drains. With
+// ep_overlap: one warm-up forward more, and each steady-state forward / backward pair is one FB action.
 Schedule gen_interleaved(const GenSpec& g) {
   const int pp = g.pp, v = g.vpp, M = g.microbatches;
   const int n = g.group_size > 0 ? g.group_size : pp;
@@ -114,13 +115,20 @@ Schedule gen_interleaved(const GenSpec& g) {
   const int total = M * v;
   for (int r = 0; r < pp; ++r) {
     auto& row = s.actions[size_t(r)];
-    const int warm = std::min(total, interleaved_warmup(pp, v, n, r));
+    // ep_overlap: one more warm-up forward, so that both halves of every fused pair have their inputs.
+    const int warm = std::min(total, interleaved_warmup(pp, v, n, r) + (g.ep_overlap ? 1 : 0));
     auto fwd = [&](int k) { row.push_back(F(table[size_t(k)].chunk * pp + r, table[size_t(k)].mb)); };
     auto bwd = [&](int k) { row.push_back(B((v - 1 - table[size_t(k)].chunk) * pp + r, table[size_t(k)].mb)); };
     for (int k = 0; k < warm; ++k) fwd(k);
     for (int k = 0; k < total - warm; ++k) {
       fwd(warm + k);
       bwd(k);
+      if (g.ep_overlap) {  // the pair as one FB action: forward half first, then the backward half
+        const Action b = row.back();
+        row.pop_back();
+        const Action f = row.back();
+        row.back() = FB(f.stage, f.mb, b.stage, b.mb, Op::B);
+      }
     }
     for (int k = total - warm; k < total; ++k) bwd(k);
   }
@@ -184,6 +192,9 @@ void check_spec(const GenSpec& g) {
   }
   if (g.group_size != 0 && name != "interleaved_1f1b")
     refuse(g, "group_size = ", g.group_size, " applies to interleaved_1f1b only (leave it 0)");
+  if (g.ep_overlap && name != "interleaved_1f1b")
+    refuse(g, "ep_overlap applies to interleaved_1f1b only (the 1F1B all-to-all overlap fuses its steady-state "
+              "forward / backward pairs)");
 
   // Size cap, checked before anything that depends on the size (the factors are checked one at a time so the
   // product cannot overflow).

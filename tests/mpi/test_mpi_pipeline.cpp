@@ -29,7 +29,13 @@ Comm& world() {
   return w;
 }
 
-sched::Schedule gen(const std::string& name, int pp, int vpp, int m) { return sched::generate({name, pp, vpp, m}); }
+// "interleaved_1f1b+ep_overlap": the interleaved schedule with its steady-state pairs fused into FB actions.
+sched::Schedule gen(const std::string& name, int pp, int vpp, int m) {
+  const bool ov = name == "interleaved_1f1b+ep_overlap";
+  sched::GenSpec g{ov ? "interleaved_1f1b" : name, pp, vpp, m};
+  g.ep_overlap = ov;
+  return sched::generate(g);
+}
 
 std::string error_of_setup(const sched::Schedule& sc, std::vector<pipeline::PipelineStage*> st, const Comm& c) {
   try {
@@ -105,7 +111,7 @@ TEST(MpiPipeline, EveryGeneratorEqualsTheSequentialRunBitwise) {
   const Case cases[] = {
       {"gpipe", 1, {0, 1, 2}, {1, 0, 1}},  {"1f1b", 1, {1, 2}, {0, 1}},       {"interleaved_1f1b", 2, {1, 2}, {0, 0}},
       {"interleaved_1f1b", 3, {2}, {0}},  {"zb1p", 1, {1, 2}, {0, 1}},        {"zbv", 2, {0, 1, 2}, {1, 0, 1}},
-      {"dualpipev", 2, {2, 2}, {0, 2}},
+      {"dualpipev", 2, {2, 2}, {0, 2}},   {"interleaved_1f1b+ep_overlap", 2, {1, 2}, {0, 0}},
   };
   for (const Case& k : cases)
     for (size_t i = 0; i < k.m.size(); ++i) {
