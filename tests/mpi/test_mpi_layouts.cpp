@@ -421,13 +421,7 @@ TEST(MpiLayoutCheckpoint, PipelineResumesAndLoadsUnderOtherSchedules) {
   auto cut_to_step3 = [&](const std::string& name, bool per_rank) {
     const std::string to = per_rank ? temp_dir("moetron_mpi_layout_" + name + "_r", std::to_string(world().rank()))
                                     : shared_dir(name);
-    if (per_rank || world().rank() == 0) {
-      fs::remove_all(to);
-      fs::create_directories(fs::path(to) / "checkpoint");
-      fs::copy(fs::path(d) / "checkpoint" / "step-3", fs::path(to) / "checkpoint" / "step-3",
-               fs::copy_options::recursive);
-    }
-    world().barrier();
+    copy_one_checkpoint(d, to, "step-3", per_rank);
     return to;
   };
   auto same_continuation = [&](const TrainResult& r, const std::string& what) {

@@ -372,13 +372,7 @@ TEST(MpiTrain, Zero3CheckpointsResumeUnderOtherLayouts) {
   };
   // `to` gets only the step-3 checkpoint of `from` (per rank when `local`).
   auto cut_copy = [&](const std::string& from, const std::string& to, bool local) {
-    if (local || world().rank() == 0) {
-      fs::remove_all(to);
-      fs::create_directories(fs::path(to) / "checkpoint");
-      fs::copy(fs::path(from) / "checkpoint" / "step-3", fs::path(to) / "checkpoint" / "step-3",
-               fs::copy_options::recursive);
-    }
-    world().barrier();
+    copy_one_checkpoint(from, to, "step-3", local);
   };
   auto file_bytes = [](const fs::path& f) {
     std::ifstream in(f, std::ios::binary);

@@ -47,6 +47,18 @@ inline moetron::TrainOptions recorded(const moetron::Comm* c) {
   return o;
 }
 
+// A fresh run folder `to` holding only the checkpoint `step` (e.g. "step-3") of the run in `from`: every rank
+// writes its own copy when `per_rank`, else rank 0 writes the shared one; all ranks wait.
+inline void copy_one_checkpoint(const std::string& from, const std::string& to, const std::string& step, bool per_rank) {
+  namespace fs = std::filesystem;
+  if (per_rank || world().rank() == 0) {
+    fs::remove_all(to);
+    fs::create_directories(fs::path(to) / "checkpoint");
+    fs::copy(fs::path(from) / "checkpoint" / step, fs::path(to) / "checkpoint" / step, fs::copy_options::recursive);
+  }
+  world().barrier();
+}
+
 // All ranks' copies of `x` must be bitwise identical.
 inline void expect_same_on_all_ranks(const void* x, int64_t bytes, const std::string& what) {
   const moetron::Comm& c = world();
