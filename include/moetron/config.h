@@ -83,7 +83,7 @@ struct ParallelSpec {
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
   int64_t ep = 1;
-  int64_t pp = 1;  // pipeline ranks; the trainer runs pp = 1 only, the pp_* keys are validated (resolve_pipeline)
+  int64_t pp = 1;  // pipeline ranks (the pp_* keys: resolve_pipeline)
   int64_t ranks_per_node = 8;
   EpDispatcher ep_dispatcher = EpDispatcher::AllToAll;
   bool fp8_dispatch = false;
@@ -97,6 +97,10 @@ struct ParallelSpec {
   std::string pp_schedule_csv;
   int64_t pp_first_stage_less_layers = 0;  // even split: layer-equivalents the embedding counts for
   int64_t pp_last_stage_less_layers = 0;   // even split: layer-equivalents the head + loss count for
+  // The 1F1B all-to-all overlap (interleaved_1f1b with EP): one more warm-up forward, then each steady-state
+  // forward / backward pair runs at once on two threads, so one micro-batch's EP dispatch / combine proceeds
+  // while the other computes (schedule.h GenSpec::ep_overlap; docs/pipeline.md).
+  bool ep_overlap = false;
   int64_t dp() const { return dp_replicate * dp_shard; }
   int64_t world_size() const { return dp() * pp; }
   bool operator==(const ParallelSpec&) const = default;

@@ -98,6 +98,10 @@ struct ModelParallel {
   // stage with one activation slot). Parameters, saved activations and dispatchers exist for these stages
   // only; parameter names stay global ("layers.7.attn.wo").
   const std::vector<ModelStagePart>* stages = nullptr;
+  // The 1F1B all-to-all overlap: every EP dispatcher gets a communicator of its own (so two micro-batches'
+  // exchanges can run at once) and the model a second execution lane (set_thread_lane). Needs MPI with
+  // MPI_THREAD_MULTIPLE; not with FSDP or activation recompute.
+  bool ep_overlap = false;
 };
 
 // training.compute_dtype for this machine: Auto -> BF16 where bf16 GEMMs are native (the kernels run at
@@ -188,6 +192,12 @@ class Model {
   // whatever the layout. nullptr when not tied, in FSDP mode, or without the head stage.
   float* tied_head_grad();
   void fold_tied_head_grad();
+  // Lanes (ModelParallel::ep_overlap): the stage calls of a thread run on its lane, 0 (the default) or 1. Two
+  // threads may run stage calls at once only on different lanes, for different slots, and lane 1 runs
+  // backwards only (forwards count the routing on lane 0).
+  static void set_thread_lane(int lane);
+  bool has_lanes() const { return lane1_ != nullptr; }
+
   // Global MoE indices of the local MoE layers, ascending (all of them without pipeline stages).
   std::vector<int> local_moe_layers() const;
   int n_moe_layers_total() const;
@@ -217,6 +227,8 @@ class Model {
   std::unique_ptr<Fsdp> fsdp_;
   double recompute_s_ = 0;
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Impl> lane1_;  // ep_overlap: the second execution lane
+  Impl& lane();                  // this thread's lane
   friend struct Impl;
 };
 

@@ -262,6 +262,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("parallelism", "pp_schedule_csv", parallelism.pp_schedule_csv));
     t.push_back(MT_F("parallelism", "pp_first_stage_less_layers", parallelism.pp_first_stage_less_layers));
     t.push_back(MT_F("parallelism", "pp_last_stage_less_layers", parallelism.pp_last_stage_less_layers));
+    t.push_back(MT_F("parallelism", "ep_overlap", parallelism.ep_overlap));
     // [checkpoint]
     t.push_back(MT_F("checkpoint", "enable", checkpoint.enable));
     t.push_back(MT_F("checkpoint", "interval", checkpoint.interval));

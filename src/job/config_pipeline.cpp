@@ -131,6 +131,9 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
 
   // ---- the schedule's preconditions (before the layout: they say what the schedule needs) ----
   if (out.from_csv) {
+    if (p.ep_overlap)
+      invalid_config("parallelism.ep_overlap", "true", "applies to the generated interleaved_1f1b schedule, not to "
+                     "parallelism.pp_schedule_csv");
     if (out.csv.n_stages != n_stages)
       invalid_config(csv_key.c_str(), quoted(p.pp_schedule_csv), "has ", out.csv.n_stages,
           " stages, pp * stages per rank = ", pp, " * ", vpp, " = ", n_stages,
@@ -141,6 +144,13 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
     out.spec.vpp = vpp;
     out.spec.microbatches = int(out.microbatches);  // <= 2^20
     out.spec.group_size = 0;
+    out.spec.ep_overlap = p.ep_overlap;
+    if (p.ep_overlap && p.pp_schedule != "interleaved_1f1b")
+      invalid_config("parallelism.ep_overlap", "true", "needs parallelism.pp_schedule = \"interleaved_1f1b\" (got \"",
+                     p.pp_schedule, "\"): the overlap fuses the interleaved schedule's steady-state pairs");
+    if (p.ep_overlap && p.ep < 2)
+      invalid_config("parallelism.ep_overlap", "true", "needs expert parallelism (parallelism.ep > 1): without EP "
+                     "there is no all-to-all to hide");
     try {
       sched::check_spec(out.spec);
     } catch (const Error& e) {

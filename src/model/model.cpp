@@ -67,8 +67,13 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
            ") needs an MoE model; this one has no routed experts");
   impl_->fs_opts = par.fsdp;
+  MT_CHECK(!par.ep_overlap || (par.fsdp == nullptr && ac.mode == AcMode::None), "Model",
+           "the EP overlap (parallelism.ep_overlap) runs two micro-batches at once on lanes that share the "
+           "model's buffers: not with FSDP (parallelism.zero = 3) or activation recompute "
+           "(activation_checkpoint.mode) yet");
   impl_->build();
   impl_->fs_opts = nullptr;
+  if (par.ep_overlap) lane1_ = impl_->make_lane();
 }
 
 Model::~Model() = default;
@@ -111,29 +116,13 @@ void Model::Impl::build_buffers() {
     if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots
     alloc_packed(L.p13f, L.p13d, L.p2f, L.p2d, "experts.packed");
   }
-  if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
-  if (has_head) xf = f32buf(N * d), rstdf = f32buf(N), hfc = cbuf(N * d);
   if (has_head && s.tie_embeddings) tied_hg = f32buf(V * d, MemCategory::Grads);
-  if (m.ac_.mode == AcMode::Full) recompute_out = f32buf(N * d, MemCategory::Workspace);
 
   // rope tables
   int64_t R = s.attn.type == AttnType::MLA ? dr : hd;
   rope_cos = f32buf(m.T_ * R / 2, MemCategory::Workspace);
   rope_sin = f32buf(m.T_ * R / 2, MemCategory::Workspace);
   rope_table(rope_cos.data<float>(), rope_sin.data<float>(), m.T_, R, float(s.rope_theta));
-
-  // scratch
-  x = f32buf(N * d, MemCategory::Workspace), dx = f32buf(N * d, MemCategory::Workspace);
-  dh = f32buf(N * d, MemCategory::Workspace), dh2 = f32buf(N * d, MemCategory::Workspace);
-  alloc_row_scratch(Rmax);
-  s_dao = f32buf(N * H * Dv, MemCategory::Workspace);
-  if (s.attn.type == AttnType::MLA) {
-    m_dq = f32buf(N * H * Dqk, MemCategory::Workspace), m_dk = f32buf(N * H * Dqk, MemCategory::Workspace);
-    m_dkv = f32buf(N * H * (dn + Dv), MemCategory::Workspace), m_dkpe = f32buf(N * dr, MemCategory::Workspace);
-    if (rq > 0) m_dcq = f32buf(N * rq, MemCategory::Workspace);
-    m_dckv = f32buf(N * rkv, MemCategory::Workspace);
-  }
-  if (E > 0) dtopk_w = f32buf(N * K, MemCategory::Workspace), dlogits = f32buf(N * E, MemCategory::Workspace);
 
   // kernel workspace: the max over every call site
   AttnDims ad = attn_dims();
@@ -157,7 +146,29 @@ void Model::Impl::build_buffers() {
     w = std::max(w, grouped_ws_bytes(Rmax));
   }
   ws_bytes = w;
-  if (w > 0) ws = Tensor::zeros({int64_t((w + 3) / 4)}, DType::F32, MemCategory::Workspace, "kernel.ws");
+  alloc_scratch();
+}
+
+// What one execution lane writes while it runs a pass (see model_impl.h, "lanes"): the residual and gradient
+// scratch, the routed-row scratch, the head's buffers and the kernel workspace.
+void Model::Impl::alloc_scratch() {
+  if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
+  if (has_head) xf = f32buf(N * d), rstdf = f32buf(N), hfc = cbuf(N * d);
+  if (m.ac_.mode == AcMode::Full) recompute_out = f32buf(N * d, MemCategory::Workspace);
+  // scratch
+  x = f32buf(N * d, MemCategory::Workspace), dx = f32buf(N * d, MemCategory::Workspace);
+  dh = f32buf(N * d, MemCategory::Workspace), dh2 = f32buf(N * d, MemCategory::Workspace);
+  alloc_row_scratch(Rmax);
+  s_dao = f32buf(N * H * Dv, MemCategory::Workspace);
+  if (s.attn.type == AttnType::MLA) {
+    m_dq = f32buf(N * H * Dqk, MemCategory::Workspace), m_dk = f32buf(N * H * Dqk, MemCategory::Workspace);
+    m_dkv = f32buf(N * H * (dn + Dv), MemCategory::Workspace), m_dkpe = f32buf(N * dr, MemCategory::Workspace);
+    if (rq > 0) m_dcq = f32buf(N * rq, MemCategory::Workspace);
+    m_dckv = f32buf(N * rkv, MemCategory::Workspace);
+  }
+  if (E > 0) dtopk_w = f32buf(N * K, MemCategory::Workspace), dlogits = f32buf(N * E, MemCategory::Workspace);
+
+  if (ws_bytes > 0) ws = Tensor::zeros({int64_t((ws_bytes + 3) / 4)}, DType::F32, MemCategory::Workspace, "kernel.ws");
 }
 
 void Model::Impl::alloc_bufs(LayerBufs& b, bool moe) {
@@ -235,6 +246,7 @@ void Model::sync_weights() {
     if (!L.moe || !L.held) continue;
     I.pack_experts(L, L.p13f, L.p13d, L.p2f, L.p2d);
   }
+  if (lane1_) lane1_->sync_lane_from(I);
 }
 
 void Model::zero_grads() {

@@ -50,6 +50,7 @@ void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
 
 void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2out) {
   const int64_t R = b.R;
+  ensure_scratch(R);  // the forward grew its lane's scratch; the backward may run on the other lane
   float* dyr = s_f3.data<float>();
   {
     MT_TRACE("bwd.ep.redispatch");

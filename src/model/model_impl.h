@@ -291,6 +291,15 @@ struct Model::Impl {
   void build();
   void build_params();   // the parameter layout: names, shapes, offsets (flat or FSDP shards)
   void build_buffers();  // saved activations, recompute sharing, dispatchers, scratch, kernel workspace
+  void alloc_scratch();  // a lane's own buffers (below)
+
+  // ---- lanes (model_stage.cpp): the EP all-to-all overlap runs one micro-batch's forward and another's
+  // backward at once, on two threads. Lane 1 is a second Impl that shares everything of the model (parameters,
+  // gradients, per-slot saved activations and dispatchers, packed weights, the aux-free state) but has its own
+  // scratch and per-pass state (alloc_scratch, last_aux, cur_aux_scale, ...). A thread picks its lane with
+  // Model::set_thread_lane. Lane 0 is this Impl; forwards (and so the expert counts) run on lane 0.
+  std::unique_ptr<Impl> make_lane() const;
+  void sync_lane_from(const Impl& o);  // the per-layer packed-weight descriptors after sync_weights
   void alloc_bufs(LayerBufs& b, bool moe);
   void alloc_row_scratch(int64_t rows);
 

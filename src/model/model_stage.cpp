@@ -70,7 +70,9 @@ void Model::Impl::build_slots() {
     dc.ranks_per_node = par.ep_ranks_per_node;
     dc.dispatch_payload = par.fp8_dispatch ? EpPayload::E4M3 : f32 ? EpPayload::F32 : EpPayload::BF16;
     dc.combine_payload = EpPayload::F32;
-    owned_disp.push_back(std::make_unique<EpDispatch>(ep_comm, dc));
+    // With the overlap two dispatchers may exchange at once: each gets a communicator of its own (collective
+    // over the EP group; every EP rank builds the same dispatchers in the same order).
+    owned_disp.push_back(std::make_unique<EpDispatch>(par.ep_overlap ? ep_comm.split(0, ep_comm.rank()) : ep_comm, dc));
     return owned_disp.back().get();
   };
   auto new_bufs = [&](bool moe) {
@@ -192,6 +194,49 @@ void Model::Impl::replay_wgrads(WArena& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// lanes
+
+namespace {
+thread_local int t_lane = 0;
+}
+
+void Model::set_thread_lane(int lane) {
+  MT_CHECK(lane == 0 || lane == 1, "Model::set_thread_lane", "lane ", lane, " (0 or 1)");
+  t_lane = lane;
+}
+
+Model::Impl& Model::lane() {
+  if (t_lane == 0) return *impl_;
+  MT_CHECK(lane1_ != nullptr, "Model", "this thread runs on lane 1, but the model has one lane (ModelParallel::ep_overlap)");
+  return *lane1_;
+}
+
+std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
+  auto p = std::make_unique<Impl>(m);
+  Impl& o = *p;
+  o.N = N, o.d = d, o.V = V, o.H = H, o.Hkv = Hkv, o.hd = hd, o.Dqk = Dqk, o.Dv = Dv, o.dn = dn, o.dr = dr;
+  o.rq = rq, o.rkv = rkv, o.Wqkv = Wqkv, o.F = F, o.E = E, o.K = K, o.Fe = Fe, o.Fs = Fs, o.Rmax = Rmax;
+  o.El = El, o.e0 = e0, o.ep = ep, o.par = par, o.ep_comm = ep_comm;
+  o.layers = layers;  // handles: the slots' saved activations, dispatchers and packed weights are shared
+  o.stages = stages;
+  o.whole = whole, o.has_emb = has_emb, o.has_head = has_head, o.n_moe_total = n_moe_total;
+  o.tied_hg = tied_hg, o.step_ce_scale = step_ce_scale, o.step_aux_scale = step_aux_scale;
+  o.wc = wc, o.rope_cos = rope_cos, o.rope_sin = rope_sin;
+  o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
+  o.alloc_scratch();
+  return p;
+}
+
+void Model::Impl::sync_lane_from(const Impl& o) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    Layer& L = layers[l];
+    const Layer& S = o.layers[l];
+    L.pk13f = S.pk13f, L.pk13d = S.pk13d, L.pk2f = S.pk2f, L.pk2d = S.pk2d;
+  }
+  step_ce_scale = o.step_ce_scale, step_aux_scale = o.step_aux_scale;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // the public stage API
 
 int Model::n_stages() const { return int(impl_->stages.size()); }
@@ -209,6 +254,7 @@ bool Model::holds_layer(int64_t l) const {
 void Model::set_loss_scales(float ce_scale, float aux_scale) {
   auto& I = *impl_;
   I.step_ce_scale = ce_scale, I.step_aux_scale = aux_scale;
+  if (lane1_) lane1_->step_ce_scale = ce_scale, lane1_->step_aux_scale = aux_scale;
   if (I.fs_on) {  // a step that threw may have left units held
     for (auto& sl : I.fs_slots) sl.unit = -1;
     std::fill(I.fs_slot_of.begin(), I.fs_slot_of.end(), -1);
@@ -228,7 +274,7 @@ void Model::fold_tied_head_grad() {
 
 ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, const int32_t* targets,
                                   const float* in, float* out, bool backward) {
-  auto& I = *impl_;
+  auto& I = lane();
   MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_forward", "local stage ", local, " outside [0, ",
            n_stages(), ")");
   StageRt& st = I.stages[size_t(local)];
@@ -258,7 +304,7 @@ ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, co
 
 void Model::stage_backward(int local, int slot, const int32_t* tokens, const float* dout, float* din,
                            bool weights) {
-  auto& I = *impl_;
+  auto& I = lane();
   MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward", "local stage ", local, " outside [0, ",
            n_stages(), ")");
   StageRt& st = I.stages[size_t(local)];
@@ -284,7 +330,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
 }
 
 void Model::stage_backward_weight(int local, int slot) {
-  auto& I = *impl_;
+  auto& I = lane();
   MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward_weight", "local stage ", local,
            " outside [0, ", n_stages(), ")");
   StageRt& st = I.stages[size_t(local)];

@@ -623,6 +623,14 @@ Comm comm_world() {
   return local;
 }
 
+bool comm_thread_multiple() {
+#if MOETRON_WITH_MPI
+  return detail::mpi_thread_multiple();
+#else
+  return false;
+#endif
+}
+
 void comm_finalize() {
 #if MOETRON_WITH_MPI
   detail::mpi_finalize_if_owned();

@@ -59,6 +59,7 @@ std::shared_ptr<CommBackend> make_local_backend();
 bool mpi_launched();                                 // started by an MPI launcher, or MPI already initialized
 std::shared_ptr<CommBackend> mpi_world_backend();    // initializes MPI on first use
 void mpi_finalize_if_owned();
+bool mpi_thread_multiple();  // MPI initialised with MPI_THREAD_MULTIPLE (and not finalized)
 #endif
 
 }  // namespace moetron::detail

@@ -249,7 +249,9 @@ std::shared_ptr<CommBackend> mpi_world_backend() {
     MPI_Initialized(&init);
     if (!init) {
       int provided = 0;
-      mpi_ok(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "comm.init");
+      // MULTIPLE: the pipeline's EP overlap runs two micro-batches' halves on two threads, each with its own
+      // communicators (Model lanes). Everything else calls MPI from the main thread only.
+      mpi_ok(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "comm.init");
       g_we_initialized = true;
       std::atexit([] { mpi_finalize_if_owned(); });
     }
@@ -258,6 +260,16 @@ std::shared_ptr<CommBackend> mpi_world_backend() {
   MPI_Finalized(&fin);
   MT_CHECK(!fin, "comm.init", "MPI was already finalized");
   return std::make_shared<MpiBackend>(MPI_COMM_WORLD, false);
+}
+
+bool mpi_thread_multiple() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin) return false;
+  int level = 0;
+  MPI_Query_thread(&level);
+  return level == MPI_THREAD_MULTIPLE;
 }
 
 void mpi_finalize_if_owned() {

@@ -486,8 +486,8 @@ StepStats PipelineRuntime::run_step(std::vector<sched::TimedOp>* record) {
       case Op::B:
       case Op::I:
       case Op::W:
-      case Op::FB:
-        for (int q = 0; q < in.nh; ++q) {
+      case Op::FB: {
+        auto run_half = [&](int q) {
           const Half& h = in.h[q];
           PipelineStage& stg = *m.stages[size_t(h.local)];
           switch (h.op) {
@@ -497,8 +497,12 @@ StepStats PipelineRuntime::run_step(std::vector<sched::TimedOp>* record) {
             case Op::W: stg.backward_weight(h.mb, h.slot); break;
             default: MT_FAIL(op, "internal error: compute half '", sched::to_string(in.a), "'");
           }
-        }
+        };
+        if (in.nh == 2 && m.opt.run_fb) m.opt.run_fb([&] { run_half(0); }, [&] { run_half(1); });
+        else
+          for (int q = 0; q < in.nh; ++q) run_half(q);
         break;
+      }
       case Op::SEND_F:
       case Op::SEND_B: {
         float* hp = m.header(in.buf);

@@ -20,9 +20,11 @@
 //     to be complete: the peer has posted its receive, which this rank knows when it receives a message the
 //     peer sent after that receive (the schedule says which). Sends still open at the end of a step are
 //     waited for then.
-// FB actions run their forward half, then their backward half, one after the other (no overlap yet).
+// FB actions run their forward half, then their backward half, one after the other, unless
+// RuntimeOptions::run_fb runs them otherwise (the EP overlap: at once, on two threads).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -75,6 +77,10 @@ class PipelineStage {
 
 struct RuntimeOptions {
   int tag = kPipelineTag;  // in [0, kCommMaxUserTag]
+  // How an FB action runs its two halves (each a call of its stage's forward / backward): null = the forward
+  // half, then the backward half. The trainer's EP overlap runs them at once on two threads. The halves use
+  // different stages' or slots' data and different buffers; they may not touch the pipeline communicator.
+  std::function<void(const std::function<void()>& fwd_half, const std::function<void()>& bwd_half)> run_fb;
 };
 
 struct StepStats {

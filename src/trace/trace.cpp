@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <chrono>
 #include <fstream>
 #include <unordered_map>
@@ -17,6 +18,7 @@ struct Event {
   double t0, t1;
 };
 std::atomic<bool> g_on{false};
+std::mutex g_mu;
 std::vector<Event> g_events;
 std::unordered_map<std::string, OpTotal> g_tot;
 const auto g_epoch = std::chrono::steady_clock::now();
@@ -34,6 +36,7 @@ double Scope::now_us() {
 }
 
 void Scope::record(const char* name, double t0, double t1) {
+  std::lock_guard<std::mutex> lock(g_mu);  // the EP overlap runs two model lanes on two threads
   g_events.push_back({name, t0, t1});
   auto& t = g_tot[name];
   t.name = name;

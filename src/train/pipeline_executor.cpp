@@ -2,24 +2,96 @@
 #include "train/pipeline_executor.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 
 #include "moetron/check.h"
+#include "moetron/runtime.h"
 #include "moetron/trace.h"
 
 namespace moetron {
 
-PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats) {
+// One persistent thread that runs a task at a time as the model's lane 1 (it keeps its OpenMP team between
+// tasks). run() hands it `task`, runs `here` on the calling thread meanwhile, waits, and rethrows either error.
+struct PipelineExecutor::Worker {
+  std::mutex mu;
+  std::condition_variable cv;
+  const std::function<void()>* task = nullptr;
+  bool quit = false, done = false;
+  std::exception_ptr err;
+  std::thread th;
+  Worker() {
+    const int nt = num_threads();  // this (main) thread's OpenMP team size: the model's workspaces are sized for it
+    th = std::thread([this, nt] {
+      init_threads(nt);
+      Model::set_thread_lane(1);
+      std::unique_lock<std::mutex> lk(mu);
+      for (;;) {
+        cv.wait(lk, [this] { return quit || task != nullptr; });
+        if (quit) return;
+        const std::function<void()>* t = task;
+        lk.unlock();
+        std::exception_ptr e;
+        try {
+          (*t)();
+        } catch (...) {
+          e = std::current_exception();
+        }
+        lk.lock();
+        err = e, task = nullptr, done = true;
+        cv.notify_all();
+      }
+    });
+  }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      quit = true;
+    }
+    cv.notify_all();
+    th.join();
+  }
+  void run(const std::function<void()>& here, const std::function<void()>& there) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      task = &there, done = false, err = nullptr;
+    }
+    cv.notify_all();
+    std::exception_ptr mine;
+    try {
+      here();
+    } catch (...) {
+      mine = std::current_exception();
+    }
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [this] { return done; });
+    if (mine) std::rethrow_exception(mine);
+    if (err) std::rethrow_exception(err);
+  }
+};
+
+PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats, bool ep_overlap) {
   M_ = plan.lowered.n_microbatches;
   std::vector<pipeline::PipelineStage*> ptrs;
   for (size_t k = 0; k < plan.parts.size(); ++k) {
     stages_.push_back(std::make_unique<ModelStage>(int(k), plan.parts[k], act_floats));
     ptrs.push_back(stages_.back().get());
   }
-  rt_ = std::make_unique<pipeline::PipelineRuntime>(plan.lowered, ptrs, pp);
+  pipeline::RuntimeOptions ro;
+  if (ep_overlap) {
+    worker_ = std::make_unique<Worker>();
+    ro.run_fb = [w = worker_.get()](const std::function<void()>& f, const std::function<void()>& b) { w->run(f, b); };
+  }
+  rt_ = std::make_unique<pipeline::PipelineRuntime>(plan.lowered, ptrs, pp, ro);
   for (size_t k = 0; k < plan.parts.size(); ++k) plan.parts[k].slots = stages_[k]->slots();
   data_.tokens.resize(size_t(M_)), data_.targets.resize(size_t(M_));
   stats_.resize(size_t(M_));
 }
+
+PipelineExecutor::~PipelineExecutor() = default;
 
 void PipelineExecutor::bind(Model& m) {
   MT_CHECK(m.n_stages() == int(stages_.size()), "pipeline", "the model holds ", m.n_stages(), " stages, the plan ",

@@ -29,7 +29,10 @@ class PipelineExecutor {
  public:
   // Collective over pp: builds the adapters and the runtime (which plans the activation slots; `plan.parts`
   // gets them) before the model exists. act_floats: the residual stream of one micro-batch, B * T * d_model.
-  PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats);
+  // ep_overlap: FB actions run their halves at once, the backward half on a worker thread as the model's
+  // lane 1 (Model::set_thread_lane), the forward half on this thread.
+  PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats, bool ep_overlap = false);
+  ~PipelineExecutor();
   void bind(Model& m);  // once the model is built with plan.parts
   const pipeline::PipelineRuntime& runtime() const { return *rt_; }
   int microbatches() const { return M_; }
@@ -44,6 +47,8 @@ class PipelineExecutor {
   sched::RecordedStep gather_record(int64_t step, const StepOutcome& o, const Comm& pp) const;
 
  private:
+  struct Worker;  // the lane-1 thread of the EP overlap
+  std::unique_ptr<Worker> worker_;
   int M_ = 1;
   std::vector<std::unique_ptr<ModelStage>> stages_;
   std::unique_ptr<pipeline::PipelineRuntime> rt_;

@@ -85,7 +85,11 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   MT_CHECK(plan.lowered.n_microbatches == micro_local, "train", "the pipeline schedule has ",
            plan.lowered.n_microbatches, " micro-batches per step, the data ", micro_local,
            " (global_batch_size / (micro_batch_size * dp))");
-  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T * ms.d_model);
+  const bool overlap = cfg.parallelism.ep_overlap;
+  MT_CHECK(!overlap || comm_thread_multiple(), "train",
+           "parallelism.ep_overlap = true runs two micro-batches' EP exchanges at once on two threads, which needs MPI "
+           "with MPI_THREAD_MULTIPLE; this MPI did not provide it");
+  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T * ms.d_model, overlap);
 
   ModelParallel mpar;
   if (EP > 1) {
@@ -96,6 +100,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   // the expert-data-parallel group (the DP group without EP).
   if (zero3) fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{mcs.dp, mcs.edp}), mpar.fsdp = fsdp_opts.get();
   mpar.stages = &plan.parts;
+  mpar.ep_overlap = overlap;
   const ActivationCheckpointSpec ac = resolve_checkpointing(cfg);
   model = std::make_unique<Model>(ms, B, T, ac, mpar, compute);
   model->init_params(uint64_t(tr.seed));
