@@ -481,3 +481,61 @@ TEST(MpiLayoutMemory, PipelineActivationsFollowTheScheduleInFlightCount) {
   }
   if (world().rank() < w - 1) EXPECT_GT(peak[1], peak[0]) << "gpipe holds more micro-batches than 1f1b";
 }
+
+// The 1F1B all-to-all overlap (parallelism.ep_overlap): the interleaved schedule with its steady-state pairs
+// fused, each pair's backward half on a second thread (the model's lane 1) while the forward half runs. The
+// per-parameter accumulation order is the plain schedule's, so the run is BITWISE the plain interleaved run
+// of the same layout (every step's loss, aux, gradient norm and parameter hash, the final parameters).
+TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
+  const int w = world().size();
+  if (w != 4 && w != 8) GTEST_SKIP() << "pp 2 x dp (w / 2) with EP";
+  const std::vector<std::string> base = {
+      "--parallelism.pp=2", "--parallelism.dp_shard=" + std::to_string(w / 2),
+      "--parallelism.ep=" + std::to_string(w / 2), "--parallelism.pp_schedule=interleaved_1f1b",
+      "--parallelism.pp_layout=Et|t|t|L", "--training.global_batch_size=" + std::to_string(4 * w),
+      w == 8 ? "--parallelism.ep_dispatcher=hierarchical" : "--parallelism.ep_dispatcher=alltoall",
+      "--parallelism.ranks_per_node=" + std::to_string(w == 8 ? 2 : 8)};
+  auto with = [&](bool ov) {
+    std::vector<std::string> a = base;
+    a.push_back(std::string("--parallelism.ep_overlap=") + (ov ? "true" : "false"));
+    return a;
+  };
+  const TrainResult plain = train(tiny(shared_dir("ovl_plain"), with(false)), recorded(&world()));
+  const TrainResult ov = train(tiny(shared_dir("ovl_on"), with(true)), recorded(&world()));
+  ASSERT_EQ(ov.history.size(), plain.history.size());
+  for (size_t i = 0; i < plain.history.size(); ++i) {
+    const StepRecord &a = ov.history[i], &b = plain.history[i];
+    EXPECT_EQ(0, std::memcmp(&a.loss, &b.loss, sizeof(double))) << "step " << i + 1 << ": " << a.loss << " vs " << b.loss;
+    EXPECT_EQ(0, std::memcmp(&a.aux_loss, &b.aux_loss, sizeof(double))) << "step " << i + 1;
+    EXPECT_EQ(0, std::memcmp(&a.grad_norm, &b.grad_norm, sizeof(double))) << "step " << i + 1;
+    EXPECT_EQ(a.param_hash, b.param_hash) << "step " << i + 1;
+  }
+  ASSERT_EQ(ov.final_params.size(), plain.final_params.size());
+  EXPECT_EQ(0, std::memcmp(ov.final_params.data(), plain.final_params.data(), plain.final_params.size() * 4));
+  EXPECT_GT(ov.ep_bytes_inter_per_step + ov.ep_bytes_intra_per_step + plain.ep_bytes_intra_per_step, 0.0);
+}
+
+// What the overlap refuses, each naming its rule.
+TEST(MpiLayoutOverlap, EpOverlapRefusals) {
+  const int w = world().size();
+  if (w != 4) GTEST_SKIP() << "4 ranks";
+  const std::vector<std::string> base = {"--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2",
+                                         "--parallelism.pp_schedule=interleaved_1f1b",
+                                         "--parallelism.pp_layout=Et|t|t|L", "--parallelism.ep_overlap=true"};
+  auto error_of = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    try {
+      train(tiny(shared_dir("ovl_bad"), a), recorded(&world()));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error_of({"--parallelism.pp_schedule=1f1b", "--parallelism.pp_layout=Ett|tL"})
+                .find("needs parallelism.pp_schedule = \"interleaved_1f1b\""),
+            std::string::npos);
+  EXPECT_NE(error_of({"--parallelism.ep=1"}).find("needs expert parallelism"), std::string::npos);
+  EXPECT_NE(error_of({"--parallelism.zero=3"}).find("not with FSDP"), std::string::npos);
+  EXPECT_NE(error_of({"--activation_checkpoint.mode=full"}).find("activation recompute"), std::string::npos);
+}
