@@ -73,7 +73,10 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
            "(activation_checkpoint.mode) yet");
   impl_->build();
   impl_->fs_opts = nullptr;
-  if (par.ep_overlap) lane1_ = impl_->make_lane();
+  if (par.ep_overlap) {
+    impl_->baton = std::make_shared<std::mutex>();
+    lane1_ = impl_->make_lane();
+  }
 }
 
 Model::~Model() = default;

@@ -32,6 +32,7 @@ void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
   int64_t R;
   {
     MT_TRACE("fwd.ep.dispatch");
+    EpYield y(*this);
     R = L.disp->dispatch(b.h2.data<float>(), send, b.topk_w.data<float>(), N);
   }
   ensure_rows(L, R);
@@ -45,6 +46,7 @@ void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
   }
   experts_forward(L, b, R);
   MT_TRACE("fwd.ep.combine");
+  EpYield yc(*this);
   L.disp->combine(y, b.ez.data<float>(), true);
 }
 
@@ -54,6 +56,7 @@ void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float
   float* dyr = s_f3.data<float>();
   {
     MT_TRACE("bwd.ep.redispatch");
+    EpYield y(*this);
     L.disp->redispatch(dyr, dy);
   }
   float* dw_r = dwr.data<float>();
@@ -70,10 +73,12 @@ void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float
   }
   {
     MT_TRACE("bwd.ep.combine_scalars");
+    EpYield y(*this);
     L.disp->combine_scalars(dtopk_w.data<float>(), dw_r);
   }
   float* dxp = experts_backward(L, b, s_c2.raw(), R);
   MT_TRACE("bwd.ep.combine");
+  EpYield y(*this);
   L.disp->combine(dh2out, dxp, false);
 }
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "moetron/attention.h"
@@ -299,6 +300,19 @@ struct Model::Impl {
   // scratch and per-pass state (alloc_scratch, last_aux, cur_aux_scale, ...). A thread picks its lane with
   // Model::set_thread_lane. Lane 0 is this Impl; forwards (and so the expert counts) run on lane 0.
   std::unique_ptr<Impl> make_lane() const;
+  // The compute baton (shared by the two lanes): a lane computes only while it holds it and hands it over for
+  // the time of every EP exchange (EpYield), so one lane's exchange runs while the other computes and the lanes
+  // never compete for the cores. Null with one lane.
+  std::shared_ptr<std::mutex> baton;
+  struct EpYield {  // scope of one EP exchange: the baton is free meanwhile
+    std::mutex* b;
+    explicit EpYield(Impl& i) : b(i.baton.get()) {
+      if (b) b->unlock();
+    }
+    ~EpYield() {
+      if (b) b->lock();
+    }
+  };
   void sync_lane_from(const Impl& o);  // the per-layer packed-weight descriptors after sync_weights
   void alloc_bufs(LayerBufs& b, bool moe);
   void alloc_row_scratch(int64_t rows);

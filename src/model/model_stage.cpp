@@ -224,6 +224,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.wc = wc, o.rope_cos = rope_cos, o.rope_sin = rope_sin;
   o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
   o.alloc_scratch();
+  o.baton = baton;
   return p;
 }
 
@@ -275,6 +276,7 @@ void Model::fold_tied_head_grad() {
 ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, const int32_t* targets,
                                   const float* in, float* out, bool backward) {
   auto& I = lane();
+  std::unique_lock<std::mutex> hold = I.baton ? std::unique_lock<std::mutex>(*I.baton) : std::unique_lock<std::mutex>();
   MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_forward", "local stage ", local, " outside [0, ",
            n_stages(), ")");
   StageRt& st = I.stages[size_t(local)];
@@ -305,6 +307,7 @@ ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, co
 void Model::stage_backward(int local, int slot, const int32_t* tokens, const float* dout, float* din,
                            bool weights) {
   auto& I = lane();
+  std::unique_lock<std::mutex> hold = I.baton ? std::unique_lock<std::mutex>(*I.baton) : std::unique_lock<std::mutex>();
   MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward", "local stage ", local, " outside [0, ",
            n_stages(), ")");
   StageRt& st = I.stages[size_t(local)];
@@ -331,6 +334,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
 
 void Model::stage_backward_weight(int local, int slot) {
   auto& I = lane();
+  std::unique_lock<std::mutex> hold = I.baton ? std::unique_lock<std::mutex>(*I.baton) : std::unique_lock<std::mutex>();
   MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward_weight", "local stage ", local,
            " outside [0, ", n_stages(), ")");
   StageRt& st = I.stages[size_t(local)];
