@@ -304,6 +304,13 @@ struct Model::Impl {
   // the time of every EP exchange (EpYield), so one lane's exchange runs while the other computes and the lanes
   // never compete for the cores. Null with one lane.
   std::shared_ptr<std::mutex> baton;
+  std::unique_lock<std::mutex> hold_baton() {  // for the time of a stage call (no-op with one lane)
+    return baton ? std::unique_lock<std::mutex>(*baton) : std::unique_lock<std::mutex>();
+  }
+  StageRt& stage_rt(int local, const char* op) {
+    MT_CHECK(local >= 0 && local < int(stages.size()), op, "local stage ", local, " outside [0, ", stages.size(), ")");
+    return stages[size_t(local)];
+  }
   struct EpYield {  // scope of one EP exchange: the baton is free meanwhile
     std::mutex* b;
     explicit EpYield(Impl& i) : b(i.baton.get()) {

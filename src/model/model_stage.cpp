@@ -276,10 +276,8 @@ void Model::fold_tied_head_grad() {
 ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, const int32_t* targets,
                                   const float* in, float* out, bool backward) {
   auto& I = lane();
-  std::unique_lock<std::mutex> hold = I.baton ? std::unique_lock<std::mutex>(*I.baton) : std::unique_lock<std::mutex>();
-  MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_forward", "local stage ", local, " outside [0, ",
-           n_stages(), ")");
-  StageRt& st = I.stages[size_t(local)];
+  std::unique_lock<std::mutex> hold = I.hold_baton();
+  StageRt& st = I.stage_rt(local, "Model::stage_forward");
   const ModelStagePart& p = st.part;
   MT_CHECK(p.embedding ? tokens != nullptr : in != nullptr, "Model::stage_forward", "stage ", p.stage,
            p.embedding ? " embeds tokens: tokens must not be null" : " needs its input activation");
@@ -307,10 +305,8 @@ ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, co
 void Model::stage_backward(int local, int slot, const int32_t* tokens, const float* dout, float* din,
                            bool weights) {
   auto& I = lane();
-  std::unique_lock<std::mutex> hold = I.baton ? std::unique_lock<std::mutex>(*I.baton) : std::unique_lock<std::mutex>();
-  MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward", "local stage ", local, " outside [0, ",
-           n_stages(), ")");
-  StageRt& st = I.stages[size_t(local)];
+  std::unique_lock<std::mutex> hold = I.hold_baton();
+  StageRt& st = I.stage_rt(local, "Model::stage_backward");
   const ModelStagePart& p = st.part;
   MT_CHECK(p.head || dout != nullptr, "Model::stage_backward", "stage ", p.stage, " needs dL/d(output)");
   MT_CHECK(p.embedding ? tokens != nullptr : din != nullptr, "Model::stage_backward", "stage ", p.stage,
@@ -334,10 +330,8 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
 
 void Model::stage_backward_weight(int local, int slot) {
   auto& I = lane();
-  std::unique_lock<std::mutex> hold = I.baton ? std::unique_lock<std::mutex>(*I.baton) : std::unique_lock<std::mutex>();
-  MT_CHECK(local >= 0 && local < n_stages(), "Model::stage_backward_weight", "local stage ", local,
-           " outside [0, ", n_stages(), ")");
-  StageRt& st = I.stages[size_t(local)];
+  std::unique_lock<std::mutex> hold = I.hold_baton();
+  StageRt& st = I.stage_rt(local, "Model::stage_backward_weight");
   MT_CHECK(slot >= 0 && slot < st.part.slots, "Model::stage_backward_weight", "slot ", slot, " outside [0, ",
            st.part.slots, ")");
   MT_TRACE("bwd.weight");
