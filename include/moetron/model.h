@@ -196,6 +196,10 @@ class Model {
   // threads may run stage calls at once only on different lanes, for different slots, and lane 1 runs
   // backwards only (forwards count the routing on lane 0).
   static void set_thread_lane(int lane);
+  // Around one FB pair run on the two lanes: the lanes take turns (lane 0 first), handing over at every EP
+  // exchange and when a half ends, in the same order on every EP rank.
+  void begin_overlap_pair();
+  void end_overlap_pair();
   bool has_lanes() const { return lane1_ != nullptr; }
 
   // Global MoE indices of the local MoE layers, ascending (all of them without pipeline stages).

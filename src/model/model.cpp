@@ -74,7 +74,7 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   impl_->build();
   impl_->fs_opts = nullptr;
   if (par.ep_overlap) {
-    impl_->baton = std::make_shared<std::mutex>();
+    impl_->baton = std::make_shared<Impl::Baton>();
     lane1_ = impl_->make_lane();
   }
 }

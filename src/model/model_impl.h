@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
 #include <vector>
 
@@ -300,26 +301,47 @@ struct Model::Impl {
   // scratch and per-pass state (alloc_scratch, last_aux, cur_aux_scale, ...). A thread picks its lane with
   // Model::set_thread_lane. Lane 0 is this Impl; forwards (and so the expert counts) run on lane 0.
   std::unique_ptr<Impl> make_lane() const;
-  // The compute baton (shared by the two lanes): a lane computes only while it holds it and hands it over for
-  // the time of every EP exchange (EpYield), so one lane's exchange runs while the other computes and the lanes
-  // never compete for the cores. Null with one lane.
-  std::shared_ptr<std::mutex> baton;
-  std::unique_lock<std::mutex> hold_baton() {  // for the time of a stage call (no-op with one lane)
-    return baton ? std::unique_lock<std::mutex>(*baton) : std::unique_lock<std::mutex>();
-  }
+  // The compute baton, shared by the two lanes while an FB pair runs (begin_pair / end_pair): the lanes take
+  // turns, lane 0 first, and a lane hands the turn over at each EP exchange (EpYield) and when its half ends.
+  // So one lane's exchange runs while the other computes, the lanes never compete for the cores, and the
+  // order of compute segments is the same on every EP rank (they run the same pairs), which keeps the two
+  // lanes' exchanges meeting their peers in step. Outside a pair it is inactive (no waits).
+  struct Baton {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool active = false;
+    int turn = 0;
+    bool done[2] = {false, false};
+    void begin_pair();
+    void end_pair();
+    void acquire(int lane);  // wait for this lane's turn (or the other lane's half has ended)
+    void pass(int lane);     // hand the turn to the other lane
+    void finish(int lane);   // this lane's half has ended: the other lane runs on without waiting
+  };
+  std::shared_ptr<Baton> baton;
+  int lane_id = 0;
+  struct StageTurn {  // scope of a stage call on a lane
+    Impl& i;
+    explicit StageTurn(Impl& x) : i(x) {
+      if (i.baton) i.baton->acquire(i.lane_id);
+    }
+    ~StageTurn() {
+      if (i.baton) i.baton->finish(i.lane_id);
+    }
+  };
+  struct EpYield {  // scope of one EP exchange: the other lane computes meanwhile
+    Impl& i;
+    explicit EpYield(Impl& x) : i(x) {
+      if (i.baton) i.baton->pass(i.lane_id);
+    }
+    ~EpYield() {
+      if (i.baton) i.baton->acquire(i.lane_id);
+    }
+  };
   StageRt& stage_rt(int local, const char* op) {
     MT_CHECK(local >= 0 && local < int(stages.size()), op, "local stage ", local, " outside [0, ", stages.size(), ")");
     return stages[size_t(local)];
   }
-  struct EpYield {  // scope of one EP exchange: the baton is free meanwhile
-    std::mutex* b;
-    explicit EpYield(Impl& i) : b(i.baton.get()) {
-      if (b) b->unlock();
-    }
-    ~EpYield() {
-      if (b) b->lock();
-    }
-  };
   void sync_lane_from(const Impl& o);  // the per-layer packed-weight descriptors after sync_weights
   void alloc_bufs(LayerBufs& b, bool moe);
   void alloc_row_scratch(int64_t rows);

@@ -225,6 +225,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
   o.alloc_scratch();
   o.baton = baton;
+  o.lane_id = 1;
   return p;
 }
 
@@ -235,6 +236,36 @@ void Model::Impl::sync_lane_from(const Impl& o) {
     L.pk13f = S.pk13f, L.pk13d = S.pk13d, L.pk2f = S.pk2f, L.pk2d = S.pk2d;
   }
   step_ce_scale = o.step_ce_scale, step_aux_scale = o.step_aux_scale;
+}
+
+void Model::Impl::Baton::begin_pair() {
+  std::lock_guard<std::mutex> lk(mu);
+  active = true, turn = 0, done[0] = done[1] = false;
+}
+void Model::Impl::Baton::end_pair() {
+  std::lock_guard<std::mutex> lk(mu);
+  active = false;
+}
+void Model::Impl::Baton::acquire(int lane) {
+  std::unique_lock<std::mutex> lk(mu);
+  cv.wait(lk, [&] { return !active || turn == lane || done[1 - lane]; });
+}
+void Model::Impl::Baton::pass(int lane) {
+  std::lock_guard<std::mutex> lk(mu);
+  if (active && turn == lane) turn = 1 - lane;
+  cv.notify_all();
+}
+void Model::Impl::Baton::finish(int lane) {
+  std::lock_guard<std::mutex> lk(mu);
+  if (active) done[lane] = true, turn = 1 - lane;
+  cv.notify_all();
+}
+
+void Model::begin_overlap_pair() {
+  if (impl_->baton) impl_->baton->begin_pair();
+}
+void Model::end_overlap_pair() {
+  if (impl_->baton) impl_->baton->end_pair();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -276,7 +307,7 @@ void Model::fold_tied_head_grad() {
 ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, const int32_t* targets,
                                   const float* in, float* out, bool backward) {
   auto& I = lane();
-  std::unique_lock<std::mutex> hold = I.hold_baton();
+  Impl::StageTurn turn(I);
   StageRt& st = I.stage_rt(local, "Model::stage_forward");
   const ModelStagePart& p = st.part;
   MT_CHECK(p.embedding ? tokens != nullptr : in != nullptr, "Model::stage_forward", "stage ", p.stage,
@@ -305,7 +336,7 @@ ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, co
 void Model::stage_backward(int local, int slot, const int32_t* tokens, const float* dout, float* din,
                            bool weights) {
   auto& I = lane();
-  std::unique_lock<std::mutex> hold = I.hold_baton();
+  Impl::StageTurn turn(I);
   StageRt& st = I.stage_rt(local, "Model::stage_backward");
   const ModelStagePart& p = st.part;
   MT_CHECK(p.head || dout != nullptr, "Model::stage_backward", "stage ", p.stage, " needs dL/d(output)");
@@ -330,7 +361,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
 
 void Model::stage_backward_weight(int local, int slot) {
   auto& I = lane();
-  std::unique_lock<std::mutex> hold = I.hold_baton();
+  Impl::StageTurn turn(I);
   StageRt& st = I.stage_rt(local, "Model::stage_backward_weight");
   MT_CHECK(slot >= 0 && slot < st.part.slots, "Model::stage_backward_weight", "slot ", slot, " outside [0, ",
            st.part.slots, ")");

@@ -83,7 +83,16 @@ PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t a
   pipeline::RuntimeOptions ro;
   if (ep_overlap) {
     worker_ = std::make_unique<Worker>();
-    ro.run_fb = [w = worker_.get()](const std::function<void()>& f, const std::function<void()>& b) { w->run(f, b); };
+    ro.run_fb = [this](const std::function<void()>& f, const std::function<void()>& b) {
+      model_->begin_overlap_pair();
+      try {
+        worker_->run(f, b);
+      } catch (...) {
+        model_->end_overlap_pair();
+        throw;
+      }
+      model_->end_overlap_pair();
+    };
   }
   rt_ = std::make_unique<pipeline::PipelineRuntime>(plan.lowered, ptrs, pp, ro);
   for (size_t k = 0; k < plan.parts.size(); ++k) plan.parts[k].slots = stages_[k]->slots();
@@ -96,6 +105,7 @@ PipelineExecutor::~PipelineExecutor() = default;
 void PipelineExecutor::bind(Model& m) {
   MT_CHECK(m.n_stages() == int(stages_.size()), "pipeline", "the model holds ", m.n_stages(), " stages, the plan ",
            stages_.size());
+  model_ = &m;
   for (auto& s : stages_) s->bind(&m, &data_, &stats_);
 }
 

@@ -49,6 +49,7 @@ class PipelineExecutor {
  private:
   struct Worker;  // the lane-1 thread of the EP overlap
   std::unique_ptr<Worker> worker_;
+  Model* model_ = nullptr;
   int M_ = 1;
   std::vector<std::unique_ptr<ModelStage>> stages_;
   std::unique_ptr<pipeline::PipelineRuntime> rt_;
