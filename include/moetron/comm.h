@@ -191,7 +191,8 @@ bool comm_mpi_built();
 // Finalizes MPI if comm_world() initialized it (idempotent; also registered with atexit).
 void comm_finalize();
 // MPI runs with MPI_THREAD_MULTIPLE: two threads may use two different communicators at once (the
-// pipeline's EP overlap needs it). comm_world() initialises MPI with it when it can.
+// pipeline's EP overlap needs it). comm_world() initialises MPI with it (MOETRON_MPI_THREAD=funneled asks for
+// MPI_THREAD_FUNNELED instead; docs/benchmarks.md compares the two).
 bool comm_thread_multiple();
 
 }  // namespace moetron

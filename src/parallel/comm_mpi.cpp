@@ -251,7 +251,10 @@ std::shared_ptr<CommBackend> mpi_world_backend() {
       int provided = 0;
       // MULTIPLE: the pipeline's EP overlap runs two micro-batches' halves on two threads, each with its own
       // communicators (Model lanes). Everything else calls MPI from the main thread only.
-      mpi_ok(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "comm.init");
+      // MOETRON_MPI_THREAD=funneled asks for the lower level (for comparisons; ep_overlap is then refused).
+      const char* lv = std::getenv("MOETRON_MPI_THREAD");
+      const int want = lv && std::string(lv) == "funneled" ? MPI_THREAD_FUNNELED : MPI_THREAD_MULTIPLE;
+      mpi_ok(MPI_Init_thread(nullptr, nullptr, want, &provided), "comm.init");
       g_we_initialized = true;
       std::atexit([] { mpi_finalize_if_owned(); });
     }
