@@ -1,0 +1,73 @@
+// plan/hardware.h: what the planner knows of a GPU cluster: one GPU's memory and compute rates, the
+// scale-up domain (NVLink switch or xGMI full mesh) and the scale-out network, each figure with the public
+// source it came from. A catalog of named entries (lower case: mi300x, mi325x, mi355x, h100, h200, b200,
+// gb200) and user TOML files share one loader. Not a cost model (plan/comm_model.h, plan/cost.h) and
+// nothing the engine reads.
+//
+// Units inside the struct are SI: bytes, bytes/s, FLOP/s, seconds. The TOML form uses GB, GB/s, TFLOPS and
+// microseconds (docs/planner.md lists every key).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moetron::plan {
+
+// One interconnect tier. Bandwidths are per GPU and per direction.
+struct Tier {
+  int64_t domain = 8;           // GPUs reachable at this tier's bandwidth (scale-up: GPUs per node / NVL domain)
+  double bw = 0;                // bytes/s per GPU per direction that a collective can use at this tier
+  double alpha = 0;             // seconds: latency of one message step (launch + wire + sync)
+  std::string topology = "switch";  // "switch" (any pair at full bw) or "full_mesh" (point-to-point links)
+  int64_t links = 0;            // full_mesh: links per GPU (domain - 1 for a full mesh)
+  double link_bw = 0;           // full_mesh: bytes/s per link per direction
+  double link_efficiency = 1;   // full_mesh: achievable fraction of a link (derating)
+  // What one GPU can push to ONE peer at a time (a ring step, a P2P): switch = bw, full_mesh = link_bw * eff.
+  double pair_bw() const;
+  // What one GPU can push to ALL peers at once (all-to-all): switch = bw, full_mesh = links * link_bw * eff.
+  double all_peers_bw() const;
+};
+
+// Achieved fraction of the achievable matmul rate for a GEMM of m x n x k: a table over the smallest of
+// the three dimensions (log-linear interpolation, clamped at the ends). Empty = 1.0 everywhere.
+struct EffPoint {
+  double dim = 0;
+  double eff = 1;
+};
+
+struct Hardware {
+  std::string name;         // catalog key or the TOML's [hardware] name
+  std::string description;  // e.g. "AMD Instinct MI300X (OAM, 750 W)"
+  double hbm_bytes = 0;     // usable device memory
+  double hbm_bw = 0;        // peak HBM bytes/s
+  double hbm_efficiency = 1;  // achievable fraction of hbm_bw for streaming (memory-bound) kernels
+  double peak_bf16 = 0;     // dense FLOP/s, datasheet
+  double peak_fp8 = 0;      // dense FLOP/s, datasheet
+  double achievable_bf16 = 0;  // FLOP/s measured on large GEMMs (not the datasheet peak)
+  double achievable_fp8 = 0;
+  std::vector<EffPoint> gemm_efficiency;  // by the GEMM's smallest dimension
+  double kernel_overhead = 0;  // seconds per kernel launch (a floor under every op)
+  Tier scale_up;
+  Tier scale_out;
+  // Public source of each figure, by TOML key ("hbm_gb", "peak_bf16_tflops", "scale_up.bw_gbps", ...).
+  std::map<std::string, std::string> sources;
+
+  // FLOP/s a GEMM of m x n x k reaches in bf16 (fp8 = true: fp8): achievable x efficiency(min dim).
+  double gemm_rate(double m, double n, double k, bool fp8) const;
+  double gemm_eff(double min_dim) const;
+};
+
+const std::vector<std::string>& catalog_names();
+// A catalog entry; throws moetron::Error naming the known entries for an unknown name.
+Hardware catalog_hardware(std::string_view name);
+// The TOML form of an entry (the catalog is written in it, and `plan calibrate` writes it).
+Hardware hardware_from_toml(std::string_view toml_text, std::string_view source = "<string>");
+std::string hardware_to_toml(const Hardware& h);
+// `--hw` argument: a catalog name, or a path to a TOML file (anything with '/' or ending in .toml).
+Hardware resolve_hardware(const std::string& name_or_path);
+// Throws naming the key when a figure is missing or out of range (negative, zero where needed).
+void validate_hardware(const Hardware& h, std::string_view source);
+
+}  // namespace moetron::plan
