@@ -25,9 +25,11 @@ struct Tier {
   double link_bw = 0;           // full_mesh: bytes/s per link per direction
   double link_efficiency = 1;   // full_mesh: achievable fraction of a link (derating)
   // What one GPU can push to ONE peer at a time (a ring step, a P2P): switch = bw, full_mesh = link_bw * eff.
-  double pair_bw() const;
+  double pair_bw() const { return topology == "full_mesh" ? link_bw * link_efficiency : bw; }
   // What one GPU can push to ALL peers at once (all-to-all): switch = bw, full_mesh = links * link_bw * eff.
-  double all_peers_bw() const;
+  double all_peers_bw() const {
+    return topology == "full_mesh" ? double(links) * link_bw * link_efficiency : bw;
+  }
 };
 
 // Achieved fraction of the achievable matmul rate for a GEMM of m x n x k: a table over the smallest of
