@@ -122,6 +122,33 @@ ActivationSize activation_size(const ModelSpec& s, int64_t micro_batch, int64_t 
 // "model.d_model = 7168, ..." : the config keys (with their values) that a term's width comes from.
 std::string activation_term_keys(const ModelSpec& s, const std::string& term);
 
+// ---- sharded activations: the planner's GPU convention ---------------------------------------------
+// The same term list, divided over a GPU layout: cp splits the sequence; with sequence parallelism (sp) the
+// token-parallel regions (norms, residual, router, dispatched rows) split over tp too; head- and width-split
+// tensors over tp; routed experts' widths over etp (their rows gathered over etp). The planner calls these
+// with a = 2 (bf16 activations and GEMM outputs, Megatron / Transformer Engine) and g = the GEMM-input bytes
+// (2, or 1 under an FP8 recipe); the engine's figures are the same functions at a = 4, all divisors 1.
+struct ActShard {
+  int64_t tp = 1;
+  bool sp = false;
+  int64_t cp = 1;
+  int64_t etp = 1;
+};
+using TermFn = void (*)(void* ctx, const char* name, double bytes);
+// One layer's kept terms per micro-batch of B sequences of S tokens under `ac` (applies_to(layer) decides).
+void sharded_layer_terms(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
+                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx);
+double sharded_layer_bytes(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
+                           const ActivationCheckpointSpec& ac, const ActShard& sh);
+// Every term of the layer (what a full recompute re-materializes at once during its backward).
+double sharded_layer_bytes_all(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
+                               const ActShard& sh);
+// The last stage's terms (final norm, head input, loss). fused_loss = false adds the logits (g bytes) and the
+// fp32 softmax the unfused vocab-parallel cross-entropy keeps, T x V / tp each. The first stage's embedding
+// ids: "embed.ids".
+void sharded_outside_terms(const ModelSpec& s, double B, double S, double a, double g, const ActShard& sh,
+                           bool fused_loss, bool first, bool last, TermFn fn, void* ctx);
+
 // ---- per-rank memory of a training job ------------------------------------------------------------
 // What one rank of the trainer holds at its peak, by MemoryTracker category, for the layout in
 // c.parallelism (dp = dp_replicate * dp_shard, ep, zero) and one micro-batch of c.training:

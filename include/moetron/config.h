@@ -3,7 +3,7 @@
 // Not the trainer and not the planner: both read a JobConfig and nothing else.
 //
 // Sections: [job] [model] [training] [optimizer] [lr_scheduler] [parallelism] [checkpoint]
-// [activation_checkpoint] [metrics] [hardware]. Every key has a default (below); [model] sizes default
+// [activation_checkpoint] [quantize] [metrics] [hardware]. Every key has a default (below); [model] sizes default
 // to 0 and must be given. Unknown sections or keys are errors with a "did you mean" suggestion.
 // Presets are flat files: there is no `inherit`/include mechanism. docs/model.md lists every key.
 #pragma once
@@ -29,6 +29,9 @@ enum class ComputeDtype : uint8_t { Auto, BF16, FP32 };
 enum class DecayType : uint8_t { Cosine, Linear, None };
 enum class EpDispatcher : uint8_t { AllToAll, SyncFree, Hierarchical };
 enum class AcMode : uint8_t { None, Selective, Full };
+// [quantize] recipe: the FP8 training recipe (how GEMM operands are scaled). The planner prices its GEMMs at
+// the FP8 rate plus the quantization passes; the engine refuses anything but none until it trains in FP8.
+enum class Fp8Recipe : uint8_t { None, Tensorwise, Rowwise, Blockwise, MXFP8 };
 
 std::string_view to_string(Precision v);
 std::string_view to_string(ComputeDtype v);
@@ -37,6 +40,7 @@ Precision precision_of(ComputeDtype v);
 std::string_view to_string(DecayType v);
 std::string_view to_string(EpDispatcher v);
 std::string_view to_string(AcMode v);
+std::string_view to_string(Fp8Recipe v);
 
 struct JobSpec {
   std::string name = "moetron";
@@ -80,6 +84,15 @@ struct LRSchedulerSpec {
 };
 
 struct ParallelSpec {
+  // Tensor and context parallelism: read by the planner; the engine refuses tp, cp or expert_tp > 1 with a
+  // clear message until it implements them. tp shards attention heads and FFN widths (with sequence
+  // parallelism the norm / residual regions shard the sequence over tp too); cp shards the sequence of the
+  // attention layers; expert_tp shards each routed expert's FFN width. Expert groups (ep x expert_tp) are
+  // carved out of tp x cp x dp, Megatron's rule.
+  int64_t tp = 1;
+  int64_t cp = 1;
+  int64_t expert_tp = 1;
+  bool sequence_parallel = true;
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
   int64_t ep = 1;
@@ -87,7 +100,7 @@ struct ParallelSpec {
   int64_t ranks_per_node = 8;
   EpDispatcher ep_dispatcher = EpDispatcher::AllToAll;
   bool fp8_dispatch = false;
-  int64_t zero = 0;  // 0, 1 or 3
+  int64_t zero = 0;  // 0, 1, 2 (planner only: gradients sharded too) or 3
   // Pipeline (schedule.h, pp_layout.h). pp_schedule names the generator: gpipe, 1f1b, interleaved_1f1b, zb1p,
   // zbv or dualpipev. pp_schedule_csv (a path) replaces the generator by a user's schedule.
   std::string pp_schedule = "1f1b";
@@ -102,7 +115,7 @@ struct ParallelSpec {
   // while the other computes (schedule.h GenSpec::ep_overlap; docs/pipeline.md).
   bool ep_overlap = false;
   int64_t dp() const { return dp_replicate * dp_shard; }
-  int64_t world_size() const { return dp() * pp; }
+  int64_t world_size() const { return tp * cp * dp() * pp; }
   bool operator==(const ParallelSpec&) const = default;
 };
 
@@ -134,6 +147,10 @@ struct MetricsSpec {
   bool operator==(const MetricsSpec&) const = default;
 };
 
+struct QuantizeSpec {
+  Fp8Recipe recipe = Fp8Recipe::None;
+  bool operator==(const QuantizeSpec&) const = default;
+};
 // Reserved for the planner (GPU catalog entry and cluster size); the engine ignores it.
 struct HardwareSpec {
   std::string name;  // e.g. "mi300x" (catalog key), empty = none
@@ -151,6 +168,7 @@ struct JobConfig {
   ParallelSpec parallelism;
   CheckpointSpec checkpoint;
   ActivationCheckpointSpec activation_checkpoint;
+  QuantizeSpec quantize;
   MetricsSpec metrics;
   HardwareSpec hardware;
 

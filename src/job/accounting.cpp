@@ -142,7 +142,13 @@ Num rows_for(const ModelSpec& s, Num tokens) {
 // recompute module that drops the term ("norm", "attention_core", "moe_act") or nullptr. In the arithmetic
 // Num; a: activation element bytes, g: GEMM-input element bytes. THE list of terms (docs/model.md).
 template <class Num, class Emit>
-void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, Emit&& emit) {
+void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, Emit&& emit,
+                     const ActShard& sh = {}) {
+  // Sharding (all 1 on the engine): S is the sequence per cp rank; `q` divides the token-parallel regions
+  // (norms, residual, router, dispatch: sequence parallelism over tp), `w` the head / width-split tensors (tp),
+  // `e` the routed experts' width (expert_tp), whose rows are gathered over expert_tp.
+  S = S / Num(sh.cp);
+  const Num q = Num(sh.sp ? sh.tp : 1), w = Num(sh.tp), e = Num(sh.etp);
   const Num T = B * S, d = Num(s.d_model), f32 = 4, i32 = 4;
   const char* norm = "norm";
   const char* core = "attention_core";
@@ -151,76 +157,76 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
   // Attention block.
   const auto& at = s.attn;
   const Num H = Num(at.n_heads);
-  emit("attn_norm.x", T * d * a, nullptr);
-  emit("attn_norm.rstd", T * f32, nullptr);
-  emit("attn_norm.out", T * d * g, norm);
+  emit("attn_norm.x", T * d * a / q, nullptr);
+  emit("attn_norm.rstd", T * f32 / q, nullptr);
+  emit("attn_norm.out", T * d * g / q, norm);
   if (at.type != AttnType::MLA) {
     const Num hd = Num(at.head_dim), Hkv = Num(at.n_kv_heads);
     if (at.qk_norm) {
-      emit("attn.qk_norm.x", T * (H + Hkv) * hd * a, nullptr);
-      emit("attn.qk_norm.rstd", T * (H + Hkv) * f32, nullptr);
+      emit("attn.qk_norm.x", T * (H + Hkv) * hd * a / w, nullptr);
+      emit("attn.qk_norm.rstd", T * (H + Hkv) * f32 / w, nullptr);
     }
-    emit("attn.q", T * H * hd * a, nullptr);
-    emit("attn.k", T * Hkv * hd * a, nullptr);
-    emit("attn.v", T * Hkv * hd * a, nullptr);
+    emit("attn.q", T * H * hd * a / w, nullptr);
+    emit("attn.k", T * Hkv * hd * a / w, nullptr);
+    emit("attn.v", T * Hkv * hd * a / w, nullptr);
   } else {
     const Num rq = Num(at.q_lora_rank), rkv = Num(at.kv_lora_rank), dqk = Num(at.qk_head_dim());
     if (at.q_lora_rank > 0) {
-      emit("attn.q_a", T * rq * a, nullptr);
-      emit("attn.q_a.rstd", T * f32, nullptr);
-      emit("attn.q_a_norm.out", T * rq * g, norm);
+      emit("attn.q_a", T * rq * a / q, nullptr);
+      emit("attn.q_a.rstd", T * f32 / q, nullptr);
+      emit("attn.q_a_norm.out", T * rq * g / q, norm);
     }
-    emit("attn.kv_a", T * (rkv + Num(at.qk_rope_head_dim)) * a, nullptr);
-    emit("attn.kv_a.rstd", T * f32, nullptr);
-    emit("attn.kv_a_norm.out", T * rkv * g, norm);
-    emit("attn.q", T * H * dqk * a, nullptr);
-    emit("attn.k", T * H * dqk * a, nullptr);
-    emit("attn.v", T * H * Num(at.v_head_dim) * a, nullptr);
+    emit("attn.kv_a", T * (rkv + Num(at.qk_rope_head_dim)) * a / q, nullptr);
+    emit("attn.kv_a.rstd", T * f32 / q, nullptr);
+    emit("attn.kv_a_norm.out", T * rkv * g / q, norm);
+    emit("attn.q", T * H * dqk * a / w, nullptr);
+    emit("attn.k", T * H * dqk * a / w, nullptr);
+    emit("attn.v", T * H * Num(at.v_head_dim) * a / w, nullptr);
   }
-  emit("attn.out", T * H * Num(at.v_dim()) * g, core);
-  emit("attn.lse", B * H * S * f32, core);
+  emit("attn.out", T * H * Num(at.v_dim()) * g / w, core);
+  emit("attn.lse", B * H * S * f32 / w, core);
 
   // FFN block.
-  emit("ffn_norm.x", T * d * a, nullptr);
-  emit("ffn_norm.rstd", T * f32, nullptr);
-  emit("ffn_norm.out", T * d * g, norm);
+  emit("ffn_norm.x", T * d * a / q, nullptr);
+  emit("ffn_norm.rstd", T * f32 / q, nullptr);
+  emit("ffn_norm.out", T * d * g / q, norm);
   if (!moe) {
     const Num I = Num(s.inter_size);
-    emit("mlp.gate_up", T * 2 * I * a, nullptr);
-    emit("mlp.act", T * I * g, nullptr);  // kept: moe_act covers the experts only
+    emit("mlp.gate_up", T * 2 * I * a / w, nullptr);
+    emit("mlp.act", T * I * g / w, nullptr);  // kept: moe_act covers the experts only
     return;
   }
   const auto& m = s.moe;
   const Num E = Num(m.n_routed_experts), k = Num(m.topk), Im = Num(m.moe_inter_size);
-  const Num R = rows_for(s, T);
-  if (m.z_loss_coef > 0) emit("router.logits", T * E * f32, nullptr);
-  emit("router.scores", T * E * f32, nullptr);
-  emit("router.topk_idx", T * k * i32, nullptr);
-  emit("router.topk_w", T * k * f32, nullptr);
+  const Num R = rows_for(s, T) / q * e;  // rows this rank computes (dispatch keeps the count balanced)
+  if (m.z_loss_coef > 0) emit("router.logits", T * E * f32 / q, nullptr);
+  emit("router.scores", T * E * f32 / q, nullptr);
+  emit("router.topk_idx", T * k * i32 / q, nullptr);
+  emit("router.topk_w", T * k * f32 / q, nullptr);
   emit("moe.row_map", R * i32, nullptr);
   emit("moe.x", R * d * g, nullptr);
-  emit("moe.gate_up", R * 2 * Im * a, nullptr);
-  emit("moe.act", R * Im * g, act);
+  emit("moe.gate_up", R * 2 * Im * a / e, nullptr);
+  emit("moe.act", R * Im * g / e, act);
   emit("moe.y", R * d * a, nullptr);
   if (m.n_shared_experts > 0) {
     const Num Is = Num(m.n_shared_experts) * Im;
-    emit("shared.gate_up", T * 2 * Is * a, nullptr);
-    emit("shared.act", T * Is * g, act);
+    emit("shared.gate_up", T * 2 * Is * a / w, nullptr);
+    emit("shared.act", T * Is * g / w, act);
   }
 }
 
 // The terms a layer keeps under `ac` (`on`: the mode applies to this layer), as emit(name, bytes).
 template <class Num, class Emit>
 void layer_terms_kept(const ModelSpec& s, bool moe, bool on, Num B, Num S, Num a, Num g,
-                      const ActivationCheckpointSpec& ac, Emit&& emit) {
+                      const ActivationCheckpointSpec& ac, Emit&& emit, const ActShard& sh = {}) {
   if (on && ac.mode == AcMode::Full) {
-    emit("layer.input", B * S * Num(s.d_model) * a);
+    emit("layer.input", B * (S / Num(sh.cp)) * Num(s.d_model) * a / Num(sh.sp ? sh.tp : 1));
     return;
   }
   const bool sel = on && ac.mode == AcMode::Selective;
   layer_terms_all(s, moe, B, S, a, g, [&](const char* name, Num bytes, const char* module) {
     if (!(sel && module && ac.has_module(module))) emit(name, bytes);
-  });
+  }, sh);
 }
 
 // The model-level terms (embedding ids, final norm, loss), as emit(name, bytes).
@@ -300,6 +306,43 @@ ActivationBytes activation_bytes(const ModelSpec& s, int64_t B, int64_t S, Preci
                          [&](const char* name, int64_t bytes) { r.outside.terms.push_back({name, bytes}); });
   r.total += r.outside.total();
   return r;
+}
+
+void sharded_layer_terms(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
+                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx) {
+  MT_CHECK(layer >= 0 && layer < s.n_layers, "sharded_layer_terms", "layer ", layer, " of ", s.n_layers);
+  layer_terms_kept<double>(s, s.is_moe_layer(layer), ac.applies_to(layer), B, S, a, g, ac,
+                           [&](const char* name, double b) { fn(ctx, name, b); }, sh);
+}
+
+double sharded_layer_bytes(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
+                           const ActivationCheckpointSpec& ac, const ActShard& sh) {
+  double t = 0;
+  layer_terms_kept<double>(s, s.is_moe_layer(layer), ac.applies_to(layer), B, S, a, g, ac,
+                           [&](const char*, double b) { t += b; }, sh);
+  return t;
+}
+
+double sharded_layer_bytes_all(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
+                               const ActShard& sh) {
+  double t = 0;
+  layer_terms_all<double>(s, s.is_moe_layer(layer), B, S, a, g, [&](const char*, double b, const char*) { t += b; }, sh);
+  return t;
+}
+
+void sharded_outside_terms(const ModelSpec& s, double B, double S, double a, double g, const ActShard& sh,
+                           bool fused_loss, bool first, bool last, TermFn fn, void* ctx) {
+  const double T = B * S / double(sh.cp), q = double(sh.sp ? sh.tp : 1), d = double(s.d_model);
+  if (first) fn(ctx, "embed.ids", T * 4 / q);
+  if (!last) return;
+  fn(ctx, "final_norm.x", T * d * a / q);
+  fn(ctx, "final_norm.rstd", T * 4 / q);
+  fn(ctx, "final_norm.out", T * d * g / q);
+  if (!fused_loss) {
+    const double v = double(s.vocab_size) / double(sh.tp);
+    fn(ctx, "loss.logits", T * v * g);
+    fn(ctx, "loss.softmax", T * v * 4);
+  }
 }
 
 ActivationBytes activation_bytes(const JobConfig& c) {

@@ -55,6 +55,17 @@ std::string_view to_string(EpDispatcher v) {
   }
   return "?";
 }
+std::string_view to_string(Fp8Recipe v) {
+  switch (v) {
+    case Fp8Recipe::None: return "none";
+    case Fp8Recipe::Tensorwise: return "tensorwise";
+    case Fp8Recipe::Rowwise: return "rowwise";
+    case Fp8Recipe::Blockwise: return "blockwise";
+    case Fp8Recipe::MXFP8: return "mxfp8";
+  }
+  return "?";
+}
+
 std::string_view to_string(AcMode v) {
   switch (v) {
     case AcMode::None: return "none";
@@ -245,6 +256,10 @@ const std::vector<Field>& fields() {
     t.push_back(MT_E("lr_scheduler", "decay_type", lr_scheduler.decay_type, {"cosine", "linear", "none"}));
     t.push_back(MT_F("lr_scheduler", "min_lr_ratio", lr_scheduler.min_lr_ratio));
     // [parallelism]
+    t.push_back(MT_F("parallelism", "tp", parallelism.tp));
+    t.push_back(MT_F("parallelism", "cp", parallelism.cp));
+    t.push_back(MT_F("parallelism", "expert_tp", parallelism.expert_tp));
+    t.push_back(MT_F("parallelism", "sequence_parallel", parallelism.sequence_parallel));
     t.push_back(MT_F("parallelism", "dp_replicate", parallelism.dp_replicate));
     t.push_back(MT_F("parallelism", "dp_shard", parallelism.dp_shard));
     t.push_back(MT_F("parallelism", "ep", parallelism.ep));
@@ -273,6 +288,8 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("activation_checkpoint", "layer_ids", activation_checkpoint.layer_ids));
     t.push_back(MT_F("activation_checkpoint", "stage_ids", activation_checkpoint.stage_ids));
     t.push_back(MT_F("activation_checkpoint", "modules", activation_checkpoint.modules));
+    // [quantize]
+    t.push_back(MT_E("quantize", "recipe", quantize.recipe, {"none", "tensorwise", "rowwise", "blockwise", "mxfp8"}));
     // [metrics]
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
     t.push_back(MT_F("metrics", "peak_tflops", metrics.peak_tflops));
@@ -837,11 +854,23 @@ void JobConfig::validate() const {
   if (p.ep > 1 && !model.is_moe()) invalid_config("parallelism.ep", p.ep, "expert parallelism needs a MoE model");
   if (p.ep > 1 && model.moe.n_routed_experts % p.ep != 0)
     invalid_config("parallelism.ep", p.ep, "must divide model.n_routed_experts (", model.moe.n_routed_experts, ")");
-  if (p.dp() % p.ep != 0)
-    invalid_config("parallelism.ep", p.ep, "must divide dp_replicate * dp_shard (", p.dp(),
-        "): expert groups are carved out of the data-parallel ranks");
+  if (p.tp < 1) invalid_config("parallelism.tp", p.tp, "must be >= 1");
+  if (p.cp < 1) invalid_config("parallelism.cp", p.cp, "must be >= 1");
+  if (p.expert_tp < 1) invalid_config("parallelism.expert_tp", p.expert_tp, "must be >= 1");
+  if (p.tp > 1 && model.attn.n_heads % p.tp != 0)
+    invalid_config("parallelism.tp", p.tp, "must divide model.n_heads (", model.attn.n_heads, ")");
+  if (p.tp > 1 && model.attn.type == AttnType::GQA && model.attn.n_kv_heads % p.tp != 0)
+    invalid_config("parallelism.tp", p.tp, "must divide model.n_kv_heads (", model.attn.n_kv_heads, ")");
+  if (p.cp > 1 && training.seq_len % (2 * p.cp) != 0)
+    invalid_config("parallelism.cp", p.cp, "2 * cp must divide training.seq_len (", training.seq_len,
+        "): the causal load balance gives each rank two chunks");
+  if (p.expert_tp > 1 && model.is_moe() && model.moe.moe_inter_size % p.expert_tp != 0)
+    invalid_config("parallelism.expert_tp", p.expert_tp, "must divide model.moe_inter_size (", model.moe.moe_inter_size, ")");
+  if ((p.tp * p.cp * p.dp()) % (p.ep * p.expert_tp) != 0)
+    invalid_config("parallelism.ep", p.ep, "ep x expert_tp (", p.ep * p.expert_tp, ") must divide tp x cp x dp (",
+        p.tp * p.cp * p.dp(), "): expert groups are carved out of the tensor, context and data-parallel ranks");
   if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
-  if (p.zero != 0 && p.zero != 1 && p.zero != 3) invalid_config("parallelism.zero", p.zero, "must be 0, 1 or 3");
+  if (p.zero < 0 || p.zero > 3) invalid_config("parallelism.zero", p.zero, "must be 0, 1, 2 or 3");
 
   const auto& c = checkpoint;
   if (c.enable && c.interval <= 0) invalid_config("checkpoint.interval", c.interval, "must be > 0 when checkpoints are enabled");

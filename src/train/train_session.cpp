@@ -33,6 +33,15 @@ void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
   MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_dispatcher == EpDispatcher::AllToAll, "train",
            "parallelism.ep_dispatcher = ", to_string(cfg.parallelism.ep_dispatcher),
            " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
+  const ParallelSpec& p = cfg.parallelism;
+  MT_CHECK(p.tp == 1, "train", "parallelism.tp = ", p.tp,
+           " is not implemented in the engine (tensor parallelism is planned only: `moetron plan`); use tp = 1");
+  MT_CHECK(p.cp == 1, "train", "parallelism.cp = ", p.cp,
+           " is not implemented in the engine (context parallelism is planned only: `moetron plan`); use cp = 1");
+  MT_CHECK(p.expert_tp == 1, "train", "parallelism.expert_tp = ", p.expert_tp,
+           " is not implemented in the engine (expert tensor parallelism is planned only: `moetron plan`); use 1");
+  MT_CHECK(cfg.quantize.recipe == Fp8Recipe::None, "train", "quantize.recipe = ", to_string(cfg.quantize.recipe),
+           ": FP8 training is not implemented in the engine yet (the planner prices it); use \"none\"");
   MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1 || cfg.parallelism.zero == 3, "train",
            "parallelism.zero = ", cfg.parallelism.zero,
            " is not implemented in the trainer (use 0; 1 shards the optimizer state; 3 shards parameters, "

@@ -51,6 +51,7 @@ struct Hardware {
   double achievable_fp8 = 0;
   std::vector<EffPoint> gemm_efficiency;  // by the GEMM's smallest dimension
   double kernel_overhead = 0;  // seconds per kernel launch (a floor under every op)
+  double attention_efficiency = 1;  // fused (flash) attention's FLOP rate as a fraction of achievable_bf16
   Tier scale_up;
   Tier scale_out;
   // Public source of each figure, by TOML key ("hbm_gb", "peak_bf16_tflops", "scale_up.bw_gbps", ...).

@@ -1,0 +1,64 @@
+// plan/cost.h: the step-time projection of a job's layout on a GPU cluster. Per pipeline stage and
+// micro-batch: compute from per-op FLOPs and bytes against the hardware's achievable rates (dense GEMMs,
+// grouped GEMMs by tokens per expert, attention, the memory-bound ops, FP8 quantization passes), the TP / CP
+// communication a layer exposes, and the EP all-to-all per MoE layer; the timed schedule simulator replays the
+// pipeline with these durations (the EP exchange hides in FB actions under ep_overlap); then the data-parallel
+// gradient / parameter collectives with the overlap each layout allows, and the optimizer step.
+// Not a memory model (plan/memory.h) and not a search (plan/search.h).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "moetron/config.h"
+#include "moetron/plan/hardware.h"
+#include "moetron/plan/layout.h"
+#include "moetron/plan/memory.h"
+#include "moetron/schedule.h"
+
+namespace moetron::plan {
+
+// One micro-batch of one stage, seconds.
+struct StageTime {
+  double f = 0, i = 0, w = 0;     // compute (F; backward input and weight halves), incl. exposed TP/CP comm
+  double a2a_f = 0, a2a_b = 0;    // EP dispatch + combine per F and per backward
+  double gemm = 0, attention = 0, memory_bound = 0, quantize = 0, recompute = 0;  // compute parts (f+i+w)
+  double tp_comm = 0, cp_comm = 0;  // exposed, included in f / i
+  double flops = 0;               // hardware FLOPs of F+B (incl. recompute)
+};
+
+struct TimePlan {
+  Layout layout;
+  std::string hardware;
+  std::vector<StageTime> stages;  // [n_stages]
+  double p2p = 0;                 // one activation / gradient message
+  double pipeline_time = 0;       // the simulator's step (compute + EP + p2p + bubbles)
+  double bubble_ratio = 0;
+  double dp_exposed = 0;          // gradient reduce-scatter / all-reduce and parameter all-gather not hidden
+  double dp_total = 0;            // the same before overlap
+  double optimizer = 0;
+  double step_time = 0;
+  double tokens_per_step = 0;
+  double tokens_per_s_per_gpu = 0;
+  double tflops_per_gpu = 0;      // model FLOPs (3 x forward, accounting.h) per second per GPU
+  double mfu = 0;                 // against the bf16 dense peak
+  std::map<std::string, double> breakdown;  // seconds per step, per kind (sums to step_time)
+  bool simulated = true;          // false: the analytic estimate (search's first pass)
+  int64_t simulated_microbatches = 0;
+};
+
+struct TimeOptions {
+  PlanOptions memory;             // recipe, loss fusion (for the FLOP / byte counts)
+  bool simulate = true;           // replay the schedule (else the analytic pipeline estimate)
+};
+
+TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o = {});
+// The per-stage durations alone (search evaluates these, then the analytic pipeline).
+std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                                   const sched::PpLayout& pl);
+nlohmann::json to_json(const TimePlan& t);
+std::string format_time(const TimePlan& t);
+
+}  // namespace moetron::plan

@@ -1,0 +1,39 @@
+// plan/pipeline.h: what the planner asks of the schedule IR: the layers of each pipeline stage for a
+// layout, and the peak activation sets each pipeline rank holds, taken from the schedule simulator (the same
+// generators and timed simulator the engine's runs are compared with), not from a closed formula. Not a
+// cost model.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "moetron/config.h"
+#include "moetron/plan/layout.h"
+#include "moetron/schedule.h"
+
+namespace moetron::plan {
+
+struct StagePlan {
+  sched::PpLayout layout;    // layers per stage, stage -> rank
+  sched::GenSpec spec;       // the generator's input for the planner's dp
+  bool from_csv = false;
+  sched::Schedule csv;
+};
+StagePlan stage_plan(const JobConfig& c, const Layout& l);
+
+// Peak in-flight activation sets per pipeline rank: the timed simulator replays the schedule with F = 1,
+// B = 2 (I = W = 1) and the rank's held (stage, micro-batch) sets are tracked in time order. A set is held
+// from its F to its B (or W). With stage_bytes given, peak_bytes[r] is the largest sum of held sets' bytes.
+// Micro-batch counts above 4 pp are simulated at 4 pp (a multiple of pp that every generator accepts): the
+// warm-up of every schedule here ends within (vpp + 1) pp forwards, so the peak is reached by then
+// (tests/plan/test_memory.cpp checks capped against uncapped). Results are cached by (schedule, pp, vpp,
+// micro-batches, ep_overlap).
+struct Inflight {
+  std::vector<int> peak_sets;        // per rank
+  std::vector<double> peak_bytes;    // per rank (0 when no stage_bytes)
+  int64_t simulated_microbatches = 0;
+};
+Inflight inflight(const StagePlan& p, const std::vector<double>& stage_bytes = {});
+// The capped micro-batch count inflight() simulates.
+int64_t inflight_microbatches(const sched::GenSpec& g);
+
+}  // namespace moetron::plan

@@ -1,0 +1,66 @@
+// plan/search.h: the layout search (`moetron plan search`) and strong scaling (`moetron plan scale`).
+// Enumerates TP, CP, PP, stages per rank and schedule, EP, ZeRO / FSDP, recompute, micro-batch size and the
+// all-to-all overlap for a world and a global batch; prunes what cannot run (the layout rules) or cannot fit
+// (the memory projection); ranks the rest by tokens/s/GPU with the analytic pipeline estimate; replays the top
+// candidates in the timed simulator. Not a cost model itself: it calls plan_memory and plan_time.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "moetron/config.h"
+#include "moetron/plan/cost.h"
+#include "moetron/plan/hardware.h"
+#include "moetron/plan/memory.h"
+
+namespace moetron::plan {
+
+struct SearchOptions {
+  TimeOptions time;
+  int64_t top_k = 5;
+  int64_t max_mbs = 8;
+  std::vector<std::string> schedules = {"1f1b", "interleaved_1f1b", "zb1p", "zbv"};
+  bool allow_tp = true, allow_cp = true, allow_fsdp = true, allow_recompute = true, allow_ep_overlap = true;
+  int64_t max_pp = 0;  // 0 = n_layers
+};
+
+struct Candidate {
+  Layout layout;
+  double analytic_tokens_per_s_per_gpu = 0;
+  double memory_total = 0;  // the projected worst rank
+  std::string verdict;
+  TimePlan time;            // top candidates: simulated
+  MemoryPlan memory;
+};
+
+struct SearchResult {
+  int64_t world = 0;
+  double global_batch_tokens = 0;
+  int64_t enumerated = 0, invalid = 0, oom = 0, evaluated = 0;
+  double seconds = 0;             // wall time of the whole search
+  double layouts_per_second = 0;  // enumerated / analytic phase seconds
+  std::vector<Candidate> top;     // best first (simulated)
+  std::string why;                // why the winner wins, in words
+};
+
+// c.training.global_batch_size is replaced by global_batch_tokens / seq_len (must divide).
+SearchResult search(const JobConfig& c, const Hardware& h, int64_t world, double global_batch_tokens,
+                    const SearchOptions& o = {});
+
+struct ScalePoint {
+  int64_t world = 0;
+  bool found = false;
+  Candidate best;
+  double efficiency = 0;  // tokens/s/GPU relative to the first world's
+  std::string note;       // where efficiency goes
+};
+std::vector<ScalePoint> scale(const JobConfig& c, const Hardware& h, const std::vector<int64_t>& worlds,
+                              double global_batch_tokens, const SearchOptions& o = {});
+
+nlohmann::json to_json(const SearchResult& r);
+std::string format_search(const SearchResult& r);
+nlohmann::json to_json(const std::vector<ScalePoint>& s);
+std::string format_scale(const std::vector<ScalePoint>& s);
+
+}  // namespace moetron::plan

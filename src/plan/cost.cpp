@@ -1,0 +1,402 @@
+// cost.cpp: the step-time projection (plan/cost.h): per-op FLOPs and bytes of one layer on one GPU under the
+// layout, priced on the hardware; TP / CP / EP / PP / DP communication from the alpha-beta model
+// (plan/comm_model.h); the pipeline replayed by the shared timed simulator. Not a memory model.
+#include "moetron/plan/cost.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "moetron/accounting.h"
+#include "moetron/check.h"
+#include "moetron/plan/comm_model.h"
+#include "moetron/plan/pipeline.h"
+
+namespace moetron::plan {
+
+namespace {
+
+struct Ctx {
+  const JobConfig& c;
+  const Layout& l;
+  const Hardware& h;
+  bool fp8;
+  double T;   // tokens per rank per micro-batch (after CP)
+  double q;   // sequence-parallel divisor
+};
+
+// Time of a GEMM m x n x k on the hardware (flop-bound or byte-bound, floored by the launch overhead), and the
+// FP8 quantization passes over its two inputs when a recipe is set.
+struct GemmCost {
+  double t = 0, quant = 0, flops = 0;
+};
+GemmCost gemm(const Ctx& x, double m, double n, double k) {
+  GemmCost g;
+  if (m <= 0 || n <= 0 || k <= 0) return g;
+  g.flops = 2 * m * n * k;
+  const double eb = x.fp8 ? 1.0 : 2.0;
+  const double bytes = eb * (m * k + k * n) + 2.0 * m * n;
+  const double bw = x.h.hbm_bw * x.h.hbm_efficiency;
+  g.t = std::max({g.flops / x.h.gemm_rate(m, n, k, x.fp8), bytes / bw, x.h.kernel_overhead});
+  if (x.fp8) {
+    // Quantizing both inputs: read bf16, write fp8 (3 bytes an element); tensorwise adds an amax pass (2 more);
+    // row-, block- and mx-scaled recipes also write the transposed copy the backward GEMMs read (1 more).
+    const Fp8Recipe r = x.c.quantize.recipe;
+    const double per = r == Fp8Recipe::Tensorwise ? 5.0 : 4.0;
+    g.quant = std::max(per * (m * k + k * n) / bw, x.h.kernel_overhead);
+  }
+  return g;
+}
+
+double membound(const Ctx& x, double bytes) {
+  return bytes <= 0 ? 0.0 : std::max(bytes / (x.h.hbm_bw * x.h.hbm_efficiency), x.h.kernel_overhead);
+}
+
+// Ranks of a group inside one scale-up domain, for a group of `size` ranks laid out with `stride` between
+// neighbours (tp innermost: stride tp for dp / cp groups).
+Group place(const Hardware& h, int64_t size, int64_t stride) {
+  Group g;
+  g.size = size;
+  const int64_t per = std::max<int64_t>(1, h.scale_up.domain / std::max<int64_t>(1, stride));
+  g.per_node = std::min(size, per);
+  while (g.size % g.per_node != 0) --g.per_node;
+  return g;
+}
+
+struct LayerCost {
+  double f_gemm = 0, f_attn = 0, f_mem = 0, f_quant = 0, flops_f = 0;
+  double w_gemm = 0;            // weight-gradient GEMMs (backward)
+  double tp_f = 0, tp_b = 0;    // exposed TP collectives
+  double cp_f = 0, cp_b = 0;    // exposed CP exchange
+  double a2a = 0;               // one dispatch + one combine
+  double recompute = 0;         // forward work redone in backward
+};
+
+LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec& ac) {
+  const ModelSpec& s = x.c.model;
+  const Layout& l = x.l;
+  const double T = x.T, d = double(s.d_model), tp = double(l.tp);
+  const auto& at = s.attn;
+  const double H = double(at.n_heads) / tp;
+  LayerCost lc;
+  double attn_fwd = 0, gemm_f = 0, quant = 0, flops = 0;
+  auto G = [&](double m, double n, double k) {
+    const GemmCost g = gemm(x, m, n, k);
+    gemm_f += g.t, quant += g.quant, flops += g.flops;
+  };
+  // Attention projections (rows: the full sequence of this cp rank, after the SP all-gather).
+  if (at.type == AttnType::MLA) {
+    const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dqk = double(at.qk_head_dim());
+    if (at.q_lora_rank > 0) G(T, rq, d), G(T, H * dqk, rq);
+    else G(T, H * dqk, d);
+    G(T, rkv + double(at.qk_rope_head_dim), d);
+    G(T, H * double(at.qk_nope_head_dim + at.v_head_dim), rkv);
+    G(T, d, H * double(at.v_head_dim));
+  } else {
+    const double hd = double(at.head_dim), Hkv = double(at.n_kv_heads) / tp;
+    G(T, (H + 2 * Hkv) * hd, d);
+    G(T, d, H * hd);
+  }
+  // Core attention: causal, each cp rank's queries see on average (seq + 1) / 2 keys (load-balanced chunks).
+  const double ctx = (double(x.c.training.seq_len) + 1) / 2;
+  const double attn_flops = 2.0 * H * double(at.qk_head_dim() + at.v_dim()) * T * ctx;
+  attn_fwd = std::max(attn_flops / (x.h.achievable_bf16 * x.h.attention_efficiency), x.h.kernel_overhead);
+  flops += attn_flops;
+  // Memory-bound passes per token (bytes): two norms (read + write), rope on q/k, residual adds, and the
+  // attention output. On the SP shard (T / q rows) where sequence parallel.
+  double mem = (2 * 2 * d * 2 + 2 * 3 * d * 2) * T / x.q + 2 * 2 * H * double(at.qk_head_dim()) * T;
+  const bool moe = s.is_moe_layer(layer);
+  double act_bytes = 0;  // SwiGLU passes (what moe_act recompute redoes)
+  if (!moe) {
+    const double I = double(s.inter_size) / tp;
+    G(T, 2 * I, d), G(T, d, I);
+    act_bytes = 3 * I * 2 * T;
+  } else {
+    const auto& m = s.moe;
+    const double E = double(m.n_routed_experts), k = double(m.topk), Im = double(m.moe_inter_size) / double(l.etp);
+    // Rows per rank (balanced): T / q tokens x topk copies (capacity-capped when a capacity factor is set),
+    // gathered over expert_tp.
+    const double per_tok = m.capacity_factor > 0 ? double(routed_rows(s, int64_t(T / x.q))) / (T / x.q) : k;
+    const double R = per_tok * T / x.q * double(l.etp);
+    const double local = E / double(l.ep);
+    const double te = R / local;  // tokens per local expert
+    G(T / x.q, E, d);             // router
+    for (int part = 0; part < 2; ++part) {  // gate_up, then down, one GEMM per local expert
+      const GemmCost g = part == 0 ? gemm(x, te, 2 * Im, d) : gemm(x, te, d, Im);
+      gemm_f += local * g.t, quant += local * g.quant, flops += local * g.flops;
+    }
+    act_bytes = 3 * Im * 2 * R;
+    mem += T / x.q * E * 4 * 3 + 2 * 2 * R * d * 2;  // router softmax / top-k; permute and unpermute
+    if (m.n_shared_experts > 0) {
+      const double Is = double(m.n_shared_experts * m.moe_inter_size) / tp;
+      G(T, 2 * Is, d), G(T, d, Is);
+      act_bytes += 3 * Is * 2 * T;
+    }
+    // EP dispatch + combine of this rank's rows (before the expert-TP gather).
+    if (l.ep > 1) {
+      const double row = x.c.parallelism.fp8_dispatch ? d + d / 128 * 4 : d * 2;
+      const double bytes = T / x.q * k * row;
+      const Group g = place(x.h, l.ep, l.etp);
+      double t1;
+      if (x.c.parallelism.ep_dispatcher == EpDispatcher::AllToAll || g.nodes() == 1) {
+        t1 = all_to_all(x.h, bytes, g);
+      } else {
+        const int64_t max_nodes = m.n_group > 1 ? m.topk_group : 0;
+        const double npt = expected_nodes_per_token(m.n_routed_experts, m.topk, g.nodes(), max_nodes);
+        t1 = all_to_all_hierarchical(x.h, bytes, m.topk, npt, g);
+      }
+      lc.a2a = 2 * t1;
+    }
+  }
+  mem += act_bytes;
+  lc.f_gemm = gemm_f, lc.f_attn = attn_fwd, lc.f_mem = membound(x, mem), lc.f_quant = quant, lc.flops_f = flops;
+  lc.w_gemm = gemm_f;  // weight gradients: the same FLOPs as the forward GEMMs
+  // TP: with SP two all-gathers and two reduce-scatters of the layer's [T, d] activations per pass; without SP
+  // two all-reduces. Not overlapped (no TP comm overlap is modelled).
+  if (l.tp > 1) {
+    const Group g = place(x.h, l.tp, 1);
+    const double bytes = T * d * 2;
+    const double one = l.sp ? 2 * (all_gather(x.h, bytes, g) + reduce_scatter(x.h, bytes, g))
+                            : 2 * all_reduce(x.h, bytes, g);
+    lc.tp_f = one, lc.tp_b = one;
+  }
+  // CP: the ring passes K and V (backward also dK, dV) around cp ranks, overlapped with the core attention.
+  if (l.cp > 1) {
+    const double kvw = at.type == AttnType::MLA ? H * double(at.qk_head_dim() + at.v_head_dim)
+                                                : 2 * double(at.n_kv_heads) / tp * double(at.head_dim);
+    const Group g = place(x.h, l.cp, l.tp);
+    const double ring = double(l.cp - 1) * p2p(x.h, T * kvw * 2, g.nodes() > 1);
+    lc.cp_f = std::max(0.0, ring - attn_fwd);
+    lc.cp_b = std::max(0.0, 2 * ring - 2 * attn_fwd);
+  }
+  // Recompute in backward.
+  if (ac.applies_to(layer)) {
+    if (ac.mode == AcMode::Full) lc.recompute = gemm_f + attn_fwd + lc.f_mem + quant + lc.tp_f;
+    else if (ac.mode == AcMode::Selective) {
+      if (ac.has_module("attention_core")) lc.recompute += attn_fwd;
+      if (ac.has_module("moe_act")) lc.recompute += membound(x, act_bytes);
+      if (ac.has_module("norm")) lc.recompute += membound(x, 2 * 2 * d * 2 * T / x.q);
+    }
+  }
+  return lc;
+}
+
+}  // namespace
+
+std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                                   const sched::PpLayout& pl) {
+  const ModelSpec& s = c.model;
+  const Ctx x{c, l, h, c.quantize.recipe != Fp8Recipe::None,
+              double(l.mbs) * double(c.training.seq_len) / double(l.cp), double(l.sp && l.tp > 1 ? l.tp : 1)};
+  const ActivationCheckpointSpec ac = resolve_checkpointing(apply_layout(c, l));
+  // Layers of one kind cost the same unless recompute applies to some of them: cache by (moe, recompute).
+  LayerCost cache[2][2];
+  bool have[2][2] = {{false, false}, {false, false}};
+  std::vector<StageTime> out(size_t(pl.n_stages));
+  for (int st = 0; st < pl.n_stages; ++st) {
+    StageTime& t = out[size_t(st)];
+    for (int layer : pl.layers(st)) {
+      const int km = s.is_moe_layer(layer) ? 1 : 0, kr = ac.applies_to(layer) ? 1 : 0;
+      if (!have[km][kr]) cache[km][kr] = layer_cost(x, layer, ac), have[km][kr] = true;
+      const LayerCost& lc = cache[km][kr];
+      t.f += lc.f_gemm + lc.f_attn + lc.f_mem + lc.f_quant + lc.tp_f + lc.cp_f;
+      // Backward: input gradients = the forward GEMMs again (dgrad), attention backward at twice the forward,
+      // the memory-bound passes twice; weight gradients = the forward GEMMs' FLOPs again.
+      t.i += lc.f_gemm + 2 * lc.f_attn + 2 * lc.f_mem + lc.f_quant + lc.tp_b + lc.cp_b + lc.recompute;
+      t.w += lc.w_gemm;
+      t.a2a_f += lc.a2a, t.a2a_b += lc.a2a;
+      t.gemm += 3 * lc.f_gemm, t.attention += 3 * lc.f_attn, t.memory_bound += 3 * lc.f_mem;
+      t.quantize += 2 * lc.f_quant, t.recompute += lc.recompute;
+      t.tp_comm += lc.tp_f + lc.tp_b, t.cp_comm += lc.cp_f + lc.cp_b;
+      t.flops += 3 * lc.flops_f;
+    }
+    if (pl.has_loss(st)) {  // the head GEMM and the loss (fused: one pass over the logits chunks)
+      const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
+      const GemmCost g = gemm(x, x.T, V, d);
+      const double loss = membound(x, x.T * V * (o.memory.fused_loss ? 4.0 : 12.0));
+      t.f += g.t + g.quant + loss, t.i += g.t + g.quant + loss, t.w += g.t;
+      t.gemm += 3 * g.t, t.memory_bound += 2 * loss, t.flops += 3 * g.flops;
+    }
+  }
+  return out;
+}
+
+TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o) {
+  const ModelSpec& s = c.model;
+  TimePlan tp;
+  tp.layout = l;
+  tp.hardware = h.name;
+  const StagePlan sp = stage_plan(c, l);
+  tp.stages = stage_times(c, l, h, o, sp.layout);
+  const double T = double(l.mbs) * double(c.training.seq_len) / double(l.cp);
+  const double q = double(l.sp && l.tp > 1 ? l.tp : 1);
+  const bool pp_cross = l.world() / l.pp >= h.scale_up.domain;
+  tp.p2p = l.pp > 1 ? p2p(h, T / q * double(s.d_model) * 2, pp_cross) : 0.0;
+
+  sched::Durations d;
+  d.p2p = tp.p2p;
+  for (const auto& st : tp.stages) d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b});
+  const int64_t m = l.microbatches;
+  if (o.simulate) {
+    // Long steps: simulate m1 and 2 m1 micro-batches (multiples of pp) and extend the steady state linearly.
+    sched::GenSpec g = sp.spec;
+    const int64_t m1 = 8 * int64_t(g.pp);
+    auto run = [&](int64_t mb) {
+      sched::GenSpec gg = g;
+      gg.microbatches = int(mb);
+      sched::Schedule sch = sp.from_csv ? sp.csv : sched::generate(gg);
+      return sched::simulate_timed(sched::lower(sch), d);
+    };
+    if (sp.from_csv || m <= 2 * m1) {
+      const auto r = run(m);
+      tp.pipeline_time = r.step_time, tp.bubble_ratio = r.bubble_ratio, tp.simulated_microbatches = m;
+    } else {
+      const auto r1 = run(m1), r2 = run(2 * m1);
+      const double slope = (r2.step_time - r1.step_time) / double(m1);
+      tp.pipeline_time = r1.step_time + slope * double(m - m1);
+      double busy = 0;
+      for (const auto& rs : r2.ranks) busy = std::max(busy, rs.busy);
+      const double per_mb_busy = busy / double(2 * m1);
+      tp.bubble_ratio = 1.0 - per_mb_busy * double(m) / tp.pipeline_time;
+      tp.simulated_microbatches = 2 * m1;
+    }
+  } else {
+    // Analytic: the slowest rank's per-micro-batch time, m of them, plus the warm-up / cool-down of (pp - 1) / vpp
+    // micro-batches' worth (the closed bubble formula's shape).
+    double worst = 0;
+    for (int r = 0; r < l.pp; ++r) {
+      double t = 0;
+      for (int st : sp.layout.stages_for_rank(r)) {
+        const auto& x = tp.stages[size_t(st)];
+        t += x.f + x.i + x.w + (l.ep_overlap ? 0.0 : x.a2a_f + x.a2a_b) + 2 * tp.p2p;
+      }
+      worst = std::max(worst, t);
+    }
+    tp.pipeline_time = worst * (double(m) + double(l.pp - 1) / double(l.vpp));
+    tp.bubble_ratio = 1.0 - double(m) / (double(m) + double(l.pp - 1) / double(l.vpp));
+    tp.simulated = false;
+  }
+
+  // Data parallel: per pipeline rank, gradients reduced (reduce-scatter with a distributed optimizer, else
+  // all-reduce) after the last micro-batch's backward, overlapped with that backward; parameters all-gathered
+  // after the step, overlapped with the first micro-batch's forward. FSDP (zero 3) gathers per micro-batch and
+  // hides behind each stage's compute (prefetch). The slowest pipeline rank counts.
+  const PlanOptions& po = o.memory;
+  const MemoryPlan mp = plan_memory(c, l, h, po);
+  const Group gd = place(h, l.dp * l.cp, l.tp);
+  const Group ge = place(h, l.edp(), l.ep * l.etp);
+  for (int r = 0; r < l.pp; ++r) {
+    const RankMemory& rm = mp.per_rank[size_t(r)];
+    const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+    double f1 = 0, b1 = 0;
+    for (int st : sp.layout.stages_for_rank(r)) f1 += tp.stages[size_t(st)].f, b1 += tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
+    const double gb = po.recipe.grad, pb = po.recipe.param;
+    double red = 0, gather = 0;
+    auto red_fn = [&](double bytes, Group g) {
+      return l.zero >= 1 ? reduce_scatter(h, bytes, g) : all_reduce(h, bytes, g);
+    };
+    red = red_fn(Pd * gb, gd) + (Pe > 0 ? red_fn(Pe * gb, ge) : 0.0);
+    if (l.zero >= 1) gather = all_gather(h, Pd * pb, gd) + (Pe > 0 ? all_gather(h, Pe * pb, ge) : 0.0);
+    double exposed, total;
+    if (l.zero == 3) {
+      // per micro-batch: gather for forward and again for backward, reduce-scatter of the gradients
+      const double per_mb = 2 * gather + red;
+      total = per_mb * double(m);
+      exposed = double(m) * (std::max(0.0, gather - f1) + std::max(0.0, gather + red - b1));
+    } else {
+      total = red + gather;
+      exposed = std::max(0.0, red - b1) + std::max(0.0, gather - f1);
+    }
+    if (exposed > tp.dp_exposed) tp.dp_exposed = exposed, tp.dp_total = total;
+    // Optimizer: read and write parameters, main parameters and moments, read gradients (its shard).
+    const double shard_d = l.zero >= 1 ? double(l.dp * l.cp) : 1.0, shard_e = l.zero >= 1 ? double(l.edp()) : 1.0;
+    const Recipe& rc = po.recipe;
+    const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
+    tp.optimizer = std::max(tp.optimizer, (Pd / shard_d + Pe / shard_e) * per_elem / (h.hbm_bw * h.hbm_efficiency));
+  }
+  tp.step_time = tp.pipeline_time + tp.dp_exposed + tp.optimizer;
+
+  const double world = double(l.world());
+  tp.tokens_per_step = double(c.training.global_batch_size) * double(c.training.seq_len);
+  tp.tokens_per_s_per_gpu = tp.tokens_per_step / tp.step_time / world;
+  const FlopsPerToken fl = flops_per_token(s, c.training.seq_len);
+  tp.tflops_per_gpu = fl.train * tp.tokens_per_s_per_gpu / 1e12;
+  tp.mfu = fl.train * tp.tokens_per_s_per_gpu / h.peak_bf16;
+
+  // Breakdown: the slowest rank's compute parts per micro-batch times m, exposed EP, p2p and bubble the rest.
+  {
+    int worst = 0;
+    double wt = -1;
+    for (int r = 0; r < l.pp; ++r) {
+      double t = 0;
+      for (int st : sp.layout.stages_for_rank(r)) t += tp.stages[size_t(st)].f + tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
+      if (t > wt) wt = t, worst = r;
+    }
+    StageTime sum;
+    for (int st : sp.layout.stages_for_rank(worst)) {
+      const auto& x = tp.stages[size_t(st)];
+      sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
+      sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
+      sum.a2a_f += x.a2a_f + x.a2a_b;
+    }
+    const double mm = double(m);
+    auto& b = tp.breakdown;
+    b["compute.gemm"] = sum.gemm * mm;
+    b["compute.attention"] = sum.attention * mm;
+    b["compute.memory_bound"] = sum.memory_bound * mm;
+    b["compute.fp8_quantize"] = sum.quantize * mm;
+    b["compute.recompute"] = sum.recompute * mm;
+    b["comm.tp"] = sum.tp_comm * mm;
+    b["comm.cp"] = sum.cp_comm * mm;
+    b["comm.ep"] = l.ep_overlap ? 0.0 : sum.a2a_f * mm;  // under ep_overlap the simulator hides it in FB actions
+    b["comm.pp_p2p"] = 0;
+    double accounted = 0;
+    for (const auto& [k, v] : b) accounted += v;
+    b["bubble_and_p2p"] = std::max(0.0, tp.pipeline_time - accounted);
+    b["comm.dp_exposed"] = tp.dp_exposed;
+    b["optimizer"] = tp.optimizer;
+    b.erase("comm.pp_p2p");
+  }
+  return tp;
+}
+
+nlohmann::json to_json(const TimePlan& t) {
+  nlohmann::json j;
+  j["layout"] = t.layout.describe();
+  j["hardware"] = t.hardware;
+  j["step_time_s"] = t.step_time;
+  j["tokens_per_s_per_gpu"] = t.tokens_per_s_per_gpu;
+  j["tflops_per_gpu"] = t.tflops_per_gpu;
+  j["mfu"] = t.mfu;
+  j["bubble_ratio"] = t.bubble_ratio;
+  j["pipeline_time_s"] = t.pipeline_time;
+  j["dp_exposed_s"] = t.dp_exposed;
+  j["dp_total_s"] = t.dp_total;
+  j["optimizer_s"] = t.optimizer;
+  j["tokens_per_step"] = t.tokens_per_step;
+  j["simulated"] = t.simulated;
+  j["simulated_microbatches"] = t.simulated_microbatches;
+  j["breakdown"] = t.breakdown;
+  for (const auto& s : t.stages)
+    j["stages"].push_back({{"f_s", s.f}, {"i_s", s.i}, {"w_s", s.w}, {"a2a_f_s", s.a2a_f}, {"a2a_b_s", s.a2a_b}});
+  return j;
+}
+
+std::string format_time(const TimePlan& t) {
+  std::ostringstream os;
+  char buf[256];
+  os << "layout   " << t.layout.describe() << "\nhardware " << t.hardware << "\n";
+  std::snprintf(buf, sizeof buf,
+                "step %.3f s   %.0f tokens/s/GPU   %.1f TFLOPS/GPU   MFU %.1f%%   bubble %.1f%%\n", t.step_time,
+                t.tokens_per_s_per_gpu, t.tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_ratio);
+  os << buf << "breakdown (s per step):\n";
+  for (const auto& [k, v] : t.breakdown) {
+    std::snprintf(buf, sizeof buf, "  %-22s %10.4f  %5.1f%%\n", k.c_str(), v, 100 * v / t.step_time);
+    os << buf;
+  }
+  return os.str();
+}
+
+}  // namespace moetron::plan

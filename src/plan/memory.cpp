@@ -1,0 +1,248 @@
+// memory.cpp: the planner's memory projection (plan/memory.h): parameters by divisor and precision recipe,
+// activations from the shared accounting's sharded terms times the simulator's in-flight sets, comm buffers
+// and workspace, and the verdict. Not a step-time model.
+#include "moetron/plan/memory.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "moetron/accounting.h"
+#include "moetron/check.h"
+#include "moetron/plan/pipeline.h"
+
+namespace moetron::plan {
+
+Recipe recipe_named(const std::string& name, const JobConfig& c) {
+  Recipe r;
+  r.name = name;
+  if (name == "megatron") return r;  // bf16 params, fp32 main grads, fp32 main params, fp32 moments
+  if (name == "engine") {
+    // moetron's trainer: fp32 masters are the parameters; bf16 compute keeps a bf16 copy of them.
+    const bool bf16 = c.training.compute_dtype != ComputeDtype::FP32;
+    r.param = 4, r.grad = 4, r.main = 0, r.moment = 4, r.compute_copy = bf16 ? 2 : 0;
+    return r;
+  }
+  MT_FAIL("plan", "unknown precision recipe '", name, "' (known: megatron, engine)");
+}
+
+std::string verdict_for(double bytes, double hbm, double margin) {
+  if (bytes <= (1.0 - margin) * hbm) return "FITS";
+  if (bytes <= hbm) return "AT-RISK";
+  return "OOM";
+}
+
+namespace {
+
+// Parameter elements of one layer by divisor (before dividing).
+struct ParamSplit {
+  double tp_sharded = 0, replicated = 0, experts = 0;
+};
+
+ParamSplit split_layer(const ModelSpec& s, int64_t layer) {
+  const LayerParams lp = layer_params(s, layer);
+  ParamSplit p;
+  const auto& at = s.attn;
+  const double d = double(s.d_model);
+  double attn_rep = 0;  // attention weights every tp rank holds whole
+  if (at.type == AttnType::MLA) {
+    if (at.q_lora_rank > 0) attn_rep += d * double(at.q_lora_rank) + double(at.q_lora_rank);
+    attn_rep += d * double(at.kv_lora_rank + at.qk_rope_head_dim) + double(at.kv_lora_rank);
+  } else if (at.qk_norm) {
+    attn_rep += 2.0 * double(at.head_dim);
+  }
+  p.replicated = attn_rep + double(lp.norms + lp.router);
+  p.tp_sharded = double(lp.attention) - attn_rep + double(lp.dense_mlp + lp.shared_experts);
+  p.experts = double(lp.routed_experts);
+  return p;
+}
+
+// Module of an accounting term, for the breakdown.
+const char* module_of(const std::string& t) {
+  auto starts = [&](const char* p) { return t.rfind(p, 0) == 0; };
+  if (starts("attn_norm") || starts("ffn_norm") || starts("final_norm")) return "norms";
+  if (starts("attn")) return "attention";
+  if (starts("router")) return "router";
+  if (starts("moe")) return "routed_experts";
+  if (starts("shared")) return "shared_experts";
+  if (starts("mlp")) return "mlp";
+  if (starts("loss")) return "loss";
+  if (starts("embed")) return "embedding";
+  if (starts("layer.input")) return "checkpointed_inputs";
+  return "other";
+}
+
+struct ModuleSum {
+  std::map<std::string, double> by;
+  static void add(void* ctx, const char* name, double b) { static_cast<ModuleSum*>(ctx)->by[module_of(name)] += b; }
+};
+
+constexpr double kGemmWorkspace = 32.0 * 1024 * 1024;  // cuBLAS: 32 MiB recommended workspace on Hopper (cuBLAS docs, cublasSetWorkspace)
+
+}  // namespace
+
+MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o) {
+  const ModelSpec& s = c.model;
+  const StagePlan sp = stage_plan(c, l);
+  const ActivationCheckpointSpec ac = resolve_checkpointing(apply_layout(c, l));
+  const ActShard sh{l.tp, l.sp && l.tp > 1, l.cp, l.etp};
+  const double B = double(l.mbs), S = double(c.training.seq_len);
+  const double a = 2.0, g = c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
+  const Recipe& rc = o.recipe;
+
+  const int n_stages = sp.layout.n_stages;
+  std::vector<double> stage_bytes(size_t(n_stages), 0.0);
+  std::vector<ModuleSum> stage_mods(size_t(n_stages));
+  double transient = 0;  // the largest full-recompute re-materialization
+  for (int st = 0; st < n_stages; ++st) {
+    for (int layer : sp.layout.layers(st)) {
+      sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &ModuleSum::add, &stage_mods[size_t(st)]);
+      if (ac.mode == AcMode::Full && ac.applies_to(layer))
+        transient = std::max(transient, sharded_layer_bytes_all(s, layer, B, S, a, g, sh));
+    }
+    sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.layout.has_embedding(st), sp.layout.has_loss(st),
+                          &ModuleSum::add, &stage_mods[size_t(st)]);
+    for (const auto& [k, v] : stage_mods[size_t(st)].by) stage_bytes[size_t(st)] += v;
+  }
+  const Inflight inf = inflight(sp, stage_bytes);
+
+  const double dense_dp = double(l.dp * l.cp);  // the distributed optimizer's group for dense parameters
+  const double edp = double(l.edp());
+  const double T = B * S / double(l.cp), q = double(sh.sp ? l.tp : 1), d = double(s.d_model);
+
+  MemoryPlan m;
+  m.layout = l;
+  m.hardware = h.name;
+  m.hbm = h.hbm_bytes;
+  m.margin = o.margin;
+  for (int r = 0; r < l.pp; ++r) {
+    RankMemory rm;
+    rm.rank = r;
+    rm.stages = sp.layout.stages_for_rank(r);
+    ParamSplit ps;
+    double largest_unit = 0;
+    bool moe_here = false;
+    for (int st : rm.stages) {
+      for (int layer : sp.layout.layers(st)) {
+        const ParamSplit x = split_layer(s, layer);
+        ps.tp_sharded += x.tp_sharded, ps.replicated += x.replicated, ps.experts += x.experts;
+        largest_unit = std::max(largest_unit, x.tp_sharded / double(l.tp) + x.replicated + x.experts / double(l.ep * l.etp));
+        moe_here = moe_here || s.is_moe_layer(layer);
+        rm.layers += 1;
+      }
+      const double vd = double(s.vocab_size) * d;
+      if (sp.layout.has_embedding(st)) ps.tp_sharded += vd;
+      if (sp.layout.has_loss(st)) ps.tp_sharded += vd, ps.replicated += d;  // head (a copy when tied) + final norm
+    }
+    rm.params_tp_sharded = ps.tp_sharded / double(l.tp);
+    rm.params_replicated = ps.replicated;
+    rm.params_experts = ps.experts / double(l.ep * l.etp);
+    const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+    if (l.zero == 3) {
+      const double dsh = double(l.dp_shard > 0 ? l.dp_shard : l.dp);
+      const double esh = std::max(1.0, edp * dsh / double(l.dp));
+      rm.params = (Pd / (dsh * double(l.cp)) + Pe / esh) * (rc.param + rc.compute_copy);
+      rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
+    } else {
+      rm.params = (Pd + Pe) * (rc.param + rc.compute_copy);
+    }
+    const double shard_d = l.zero >= 1 ? dense_dp : 1.0, shard_e = l.zero >= 1 ? edp : 1.0;
+    const double gshard_d = l.zero >= 2 ? dense_dp : 1.0, gshard_e = l.zero >= 2 ? edp : 1.0;
+    rm.grads = Pd * rc.grad / gshard_d + Pe * rc.grad / gshard_e;
+    rm.main_params = Pd * rc.main / shard_d + Pe * rc.main / shard_e;
+    rm.optimizer = 2.0 * rc.moment * (Pd / shard_d + Pe / shard_e);
+
+    // Activations: the simulator's peak of held sets, by module in the proportions of one micro-batch.
+    rm.inflight_sets = inf.peak_sets[size_t(r)];
+    rm.activations = inf.peak_bytes[size_t(r)];
+    std::map<std::string, double> mods;
+    for (int st : rm.stages) {
+      rm.act_per_microbatch += stage_bytes[size_t(st)];
+      for (const auto& [k, v] : stage_mods[size_t(st)].by) mods[k] += v;
+    }
+    const double scale = rm.act_per_microbatch > 0 ? rm.activations / rm.act_per_microbatch : 0.0;
+    for (const auto& [k, v] : mods) rm.act_by_module.push_back({k, v * scale});
+
+    // Communication buffers.
+    if (moe_here && l.ep > 1) {
+      const double row = c.parallelism.fp8_dispatch ? d + d / 128.0 * 4.0 : d * 2.0;
+      double rows = T / q * double(s.moe.topk) * double(l.etp);
+      if (c.parallelism.ep_dispatcher == EpDispatcher::SyncFree)  // worst case: every source sends all its copies here
+        rows = T / q * double(l.ep) * double(std::min<int64_t>(s.moe.topk, s.moe.n_routed_experts / l.ep)) * double(l.etp);
+      rm.buffers_by_kind.push_back({"ep_dispatch", 2.0 * rows * row});
+    }
+    if (l.pp > 1) rm.buffers_by_kind.push_back({"pp_p2p", 2.0 * T / q * d * a});
+    for (const auto& [k, v] : rm.buffers_by_kind) rm.buffers += v;
+    // Workspace: GEMM library workspace, the SP all-gather of a layer input, a full recompute's transient.
+    rm.workspace = kGemmWorkspace + (sh.sp ? T * d * a : 0.0) + transient;
+    if (rm.total() > m.max_total) m.max_total = rm.total(), m.worst_rank = r;
+    m.per_rank.push_back(std::move(rm));
+  }
+  m.verdict = verdict_for(m.max_total, m.hbm, m.margin);
+  return m;
+}
+
+nlohmann::json to_json(const MemoryPlan& m) {
+  nlohmann::json j;
+  j["layout"] = m.layout.describe();
+  j["hardware"] = m.hardware;
+  j["hbm_bytes"] = m.hbm;
+  j["margin"] = m.margin;
+  for (const auto& r : m.per_rank) {
+    nlohmann::json x;
+    x["rank"] = r.rank;
+    x["pp_stage"] = r.stages;
+    x["layers"] = r.layers;
+    x["params_bytes"] = r.params;
+    x["grads_bytes"] = r.grads;
+    x["main_params_bytes"] = r.main_params;
+    x["optimizer_bytes"] = r.optimizer;
+    x["activations_bytes"] = r.activations;
+    x["buffers_bytes"] = r.buffers;
+    x["workspace_bytes"] = r.workspace;
+    x["total_bytes"] = r.total();
+    x["inflight_sets"] = r.inflight_sets;
+    x["params"] = {{"tp_sharded", r.params_tp_sharded}, {"replicated", r.params_replicated}, {"experts", r.params_experts}};
+    for (const auto& [k, v] : r.act_by_module) x["activations_by_module"][k] = v;
+    for (const auto& [k, v] : r.buffers_by_kind) x["buffers_by_kind"][k] = v;
+    j["per_rank"].push_back(x);
+  }
+  j["max_total_bytes"] = m.max_total;
+  j["worst_rank"] = m.worst_rank;
+  j["verdict"] = m.verdict;
+  return j;
+}
+
+std::string format_memory(const MemoryPlan& m) {
+  auto gb = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%8.2f", b / 1e9);
+    return std::string(buf);
+  };
+  std::ostringstream os;
+  os << "layout  " << m.layout.describe() << "\nhardware " << m.hardware << ": " << gb(m.hbm) << " GB HBM, margin "
+     << m.margin * 100 << "%\n\n";
+  os << "pp rank  stages  layers  in-flight    params     grads      main       optim      activ      buffers    "
+        "workspace  total (GB)\n";
+  for (const auto& r : m.per_rank) {
+    std::string st;
+    for (size_t i = 0; i < r.stages.size(); ++i) st += (i ? "," : "") + std::to_string(r.stages[i]);
+    char head[64];
+    std::snprintf(head, sizeof head, "%7lld  %-6s  %6lld  %9d", (long long)r.rank, st.c_str(), (long long)r.layers,
+                  r.inflight_sets);
+    os << head << "  " << gb(r.params) << "  " << gb(r.grads) << "  " << gb(r.main_params) << "  " << gb(r.optimizer)
+       << "  " << gb(r.activations) << "  " << gb(r.buffers) << "  " << gb(r.workspace) << "  " << gb(r.total()) << "\n";
+  }
+  const auto& w = m.per_rank.at(size_t(m.worst_rank));
+  os << "\nworst pp rank " << w.rank << ": activations by module (GB):";
+  for (const auto& [k, v] : w.act_by_module) os << " " << k << " " << gb(v);
+  os << "\nparameters per GPU (elements): tp-sharded " << w.params_tp_sharded << ", replicated " << w.params_replicated
+     << ", routed experts " << w.params_experts << "\n";
+  os << "\nverdict: " << m.verdict << " (" << gb(m.max_total) << " GB of " << gb(m.hbm) << " GB; AT-RISK above "
+     << gb((1 - m.margin) * m.hbm) << " GB)\n";
+  return os.str();
+}
+
+}  // namespace moetron::plan

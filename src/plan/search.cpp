@@ -1,0 +1,280 @@
+// search.cpp: layout search and strong scaling (plan/search.h). Enumerates the layout space, prunes by the
+// layout rules and the memory projection, ranks by the analytic step estimate, simulates the top candidates.
+// Not a cost model.
+#include "moetron/plan/search.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "moetron/check.h"
+
+namespace moetron::plan {
+
+namespace {
+
+std::vector<int64_t> divisors_upto(int64_t n, int64_t cap) {
+  std::vector<int64_t> d;
+  for (int64_t i = 1; i <= std::min(n, cap); ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+std::vector<int64_t> pow2_upto(int64_t cap) {
+  std::vector<int64_t> v;
+  for (int64_t x = 1; x <= cap; x *= 2) v.push_back(x);
+  return v;
+}
+
+struct Ac {
+  AcMode mode;
+  std::vector<std::string> modules;
+};
+
+std::string explain(const Candidate& w, const std::vector<Candidate>& top) {
+  std::ostringstream os;
+  const auto& b = w.time.breakdown;
+  double comm = 0;
+  for (const auto& [k, v] : b)
+    if (k.rfind("comm.", 0) == 0) comm += v;
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "%s wins at %.0f tokens/s/GPU (MFU %.1f%%): bubble %.1f%% of the step, exposed communication "
+                "%.1f%%, recompute %.1f%%, peak memory %.1f GB (%s).",
+                w.layout.describe().c_str(), w.time.tokens_per_s_per_gpu, 100 * w.time.mfu,
+                100 * b.at("bubble_and_p2p") / w.time.step_time, 100 * comm / w.time.step_time,
+                100 * b.at("compute.recompute") / w.time.step_time, w.memory.max_total / 1e9, w.memory.verdict.c_str());
+  os << buf;
+  if (top.size() > 1) {
+    const auto& r = top[1];
+    std::snprintf(buf, sizeof buf, " The runner-up %s reaches %.0f tokens/s/GPU (%.1f%% less).",
+                  r.layout.describe().c_str(), r.time.tokens_per_s_per_gpu,
+                  100 * (1 - r.time.tokens_per_s_per_gpu / w.time.tokens_per_s_per_gpu));
+    os << buf;
+  }
+  return os.str();
+}
+
+}  // namespace
+
+SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, double gbt, const SearchOptions& o) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  JobConfig c = c_in;
+  const ModelSpec& s = c.model;
+  const int64_t S = c.training.seq_len;
+  MT_CHECK(world >= 1, "plan search", "--world = ", world, " must be >= 1");
+  MT_CHECK(gbt > 0 && std::fmod(gbt, double(S)) == 0, "plan search", "--global-batch-tokens = ", gbt,
+           " must be a positive multiple of training.seq_len (", S, ")");
+  const int64_t gbs = int64_t(gbt / double(S));
+  c.training.global_batch_size = gbs;
+  c.parallelism.pp_layout.clear();
+  c.parallelism.pp_schedule_csv.clear();
+  c.parallelism.pp_microbatches = 0;
+  c.parallelism.pp_virtual_stages = 0;
+  c.activation_checkpoint.layer_ids.clear();
+  c.activation_checkpoint.stage_ids.clear();
+
+  SearchResult res;
+  res.world = world;
+  res.global_batch_tokens = gbt;
+  std::vector<Ac> acs = {{AcMode::None, {}}};
+  if (o.allow_recompute) acs.push_back({AcMode::Selective, {"attention_core", "moe_act", "norm"}}), acs.push_back({AcMode::Full, {}});
+  const int64_t max_tp = o.allow_tp ? h.scale_up.domain : 1;
+  const int64_t max_cp = o.allow_cp ? 8 : 1;
+  const int64_t max_pp = o.max_pp > 0 ? o.max_pp : s.n_layers;
+  const int64_t E = s.is_moe() ? s.moe.n_routed_experts : 1;
+
+  std::vector<Candidate> ok;
+  TimeOptions analytic = o.time;
+  analytic.simulate = false;
+  for (int64_t tp : pow2_upto(max_tp))
+    for (int64_t cp : pow2_upto(max_cp)) {
+      if (world % (tp * cp) != 0) continue;
+      for (int64_t pp : divisors_upto(world / (tp * cp), max_pp)) {
+        const int64_t dp = world / (tp * cp * pp);
+        for (const auto& sched : o.schedules) {
+          std::vector<int64_t> vpps = {1};
+          if (sched == "interleaved_1f1b") vpps = {2, 3, 4, 6, 8};
+          if (sched == "zbv") vpps = {2};
+          for (int64_t vpp : vpps)
+            for (int64_t ep : divisors_upto(E, E))
+              for (int64_t zero : {int64_t(1), int64_t(3)})
+                for (const Ac& ac : acs)
+                  for (int64_t mbs : pow2_upto(o.max_mbs))
+                    for (int ov = 0; ov < 2; ++ov) {
+                      if (zero == 3 && !o.allow_fsdp) continue;
+                      if (ov && !(o.allow_ep_overlap && ep > 1 && sched == "interleaved_1f1b")) continue;
+                      ++res.enumerated;
+                      Layout l;
+                      l.tp = tp, l.cp = cp, l.pp = pp, l.vpp = vpp, l.dp = dp, l.ep = ep, l.zero = zero;
+                      l.schedule = sched, l.ep_overlap = ov, l.recompute = ac.mode, l.recompute_modules = ac.modules;
+                      l.mbs = mbs;
+                      if (pp == 1 && sched != "1f1b") { ++res.invalid; continue; }
+                      if (!layout_error(c, l, gbs).empty()) { ++res.invalid; continue; }
+                      l.microbatches = gbs / (mbs * dp);
+                      sched::GenSpec g;
+                      g.schedule = sched, g.pp = int(pp), g.vpp = int(vpp), g.microbatches = int(l.microbatches);
+                      g.ep_overlap = ov;
+                      try {
+                        if (pp > 1) sched::check_spec(g);
+                      } catch (const Error&) {
+                        ++res.invalid;
+                        continue;
+                      }
+                      Candidate cd;
+                      cd.layout = l;
+                      try {
+                        cd.memory = plan_memory(c, l, h, o.time.memory);
+                      } catch (const Error&) {
+                        ++res.invalid;
+                        continue;
+                      }
+                      cd.memory_total = cd.memory.max_total;
+                      cd.verdict = cd.memory.verdict;
+                      if (cd.verdict != "FITS") { ++res.oom; continue; }
+                      cd.time = plan_time(c, l, h, analytic);
+                      cd.analytic_tokens_per_s_per_gpu = cd.time.tokens_per_s_per_gpu;
+                      ++res.evaluated;
+                      ok.push_back(std::move(cd));
+                    }
+        }
+      }
+    }
+  const auto t1 = clock::now();
+  const double analytic_s = std::chrono::duration<double>(t1 - t0).count();
+  res.layouts_per_second = analytic_s > 0 ? double(res.enumerated) / analytic_s : 0;
+  std::sort(ok.begin(), ok.end(), [](const Candidate& a, const Candidate& b) {
+    return a.analytic_tokens_per_s_per_gpu > b.analytic_tokens_per_s_per_gpu;
+  });
+  // The top candidates by the estimate go through the timed simulator (twice top_k, then the best top_k).
+  const size_t n = std::min(ok.size(), size_t(2 * o.top_k));
+  for (size_t i = 0; i < n; ++i) ok[i].time = plan_time(c, ok[i].layout, h, o.time);
+  std::sort(ok.begin(), ok.begin() + long(n), [](const Candidate& a, const Candidate& b) {
+    return a.time.tokens_per_s_per_gpu > b.time.tokens_per_s_per_gpu;
+  });
+  for (size_t i = 0; i < std::min(n, size_t(o.top_k)); ++i) res.top.push_back(ok[i]);
+  if (!res.top.empty()) res.why = explain(res.top[0], res.top);
+  res.seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  return res;
+}
+
+std::vector<ScalePoint> scale(const JobConfig& c, const Hardware& h, const std::vector<int64_t>& worlds, double gbt,
+                              const SearchOptions& o) {
+  std::vector<ScalePoint> out;
+  for (int64_t w : worlds) {
+    ScalePoint p;
+    p.world = w;
+    const SearchResult r = search(c, h, w, gbt, o);
+    if (!r.top.empty()) p.found = true, p.best = r.top[0];
+    else p.note = "no layout fits (" + std::to_string(r.oom) + " out of memory, " + std::to_string(r.invalid) + " invalid)";
+    out.push_back(std::move(p));
+  }
+  const ScalePoint* base = nullptr;
+  for (const auto& p : out)
+    if (p.found) { base = &p; break; }
+  for (auto& p : out) {
+    if (!p.found || !base) continue;
+    p.efficiency = p.best.time.tokens_per_s_per_gpu / base->best.time.tokens_per_s_per_gpu;
+    if (&p == base) { p.note = "baseline"; continue; }
+    // Where the efficiency goes: the breakdown shares that grew against the baseline.
+    const auto& b0 = base->best.time.breakdown;
+    const auto& b1 = p.best.time.breakdown;
+    std::string worst;
+    double grow = 0;
+    for (const auto& [k, v] : b1) {
+      const double share1 = v / p.best.time.step_time;
+      const double share0 = b0.count(k) ? b0.at(k) / base->best.time.step_time : 0.0;
+      if (share1 - share0 > grow) grow = share1 - share0, worst = k;
+    }
+    char buf[200];
+    if (grow > 0.005)
+      std::snprintf(buf, sizeof buf, "%s grew from %.1f%% to %.1f%% of the step", worst.c_str(),
+                    100 * (b0.count(worst) ? b0.at(worst) / base->best.time.step_time : 0.0),
+                    100 * b1.at(worst) / p.best.time.step_time);
+    else
+      std::snprintf(buf, sizeof buf, "no overhead grew by more than 0.5%% of the step");
+    p.note = buf;
+  }
+  return out;
+}
+
+nlohmann::json to_json(const SearchResult& r) {
+  nlohmann::json j;
+  j["world"] = r.world;
+  j["global_batch_tokens"] = r.global_batch_tokens;
+  j["enumerated"] = r.enumerated;
+  j["invalid"] = r.invalid;
+  j["out_of_memory"] = r.oom;
+  j["evaluated"] = r.evaluated;
+  j["seconds"] = r.seconds;
+  j["layouts_per_second"] = r.layouts_per_second;
+  j["why"] = r.why;
+  j["top"] = nlohmann::json::array();
+  for (const auto& cd : r.top) {
+    nlohmann::json x = to_json(cd.time);
+    x["memory"] = to_json(cd.memory);
+    j["top"].push_back(x);
+  }
+  return j;
+}
+
+std::string format_search(const SearchResult& r) {
+  std::ostringstream os;
+  char buf[400];
+  std::snprintf(buf, sizeof buf,
+                "%lld layouts enumerated (%lld invalid, %lld out of memory, %lld ranked) in %.3f s "
+                "(%.0f layouts/s)\n\n",
+                (long long)r.enumerated, (long long)r.invalid, (long long)r.oom, (long long)r.evaluated, r.seconds,
+                r.layouts_per_second);
+  os << buf;
+  os << " #  tokens/s/GPU   MFU    step (s)  bubble  mem (GB)  layout\n";
+  for (size_t i = 0; i < r.top.size(); ++i) {
+    const auto& cd = r.top[i];
+    std::snprintf(buf, sizeof buf, "%2zu  %12.0f  %5.1f%%  %8.3f  %5.1f%%  %8.1f  %s\n", i + 1,
+                  cd.time.tokens_per_s_per_gpu, 100 * cd.time.mfu, cd.time.step_time, 100 * cd.time.bubble_ratio,
+                  cd.memory.max_total / 1e9, cd.layout.describe().c_str());
+    os << buf;
+  }
+  if (!r.top.empty()) os << "\n" << format_time(r.top[0].time) << "\nwhy: " << r.why << "\n";
+  else os << "\nno layout fits this world and global batch\n";
+  return os.str();
+}
+
+nlohmann::json to_json(const std::vector<ScalePoint>& s) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& p : s) {
+    nlohmann::json x{{"world", p.world}, {"found", p.found}, {"efficiency", p.efficiency}, {"note", p.note}};
+    if (p.found) {
+      x["layout"] = p.best.layout.describe();
+      x["tokens_per_s_per_gpu"] = p.best.time.tokens_per_s_per_gpu;
+      x["step_time_s"] = p.best.time.step_time;
+      x["mfu"] = p.best.time.mfu;
+      x["memory_bytes"] = p.best.memory.max_total;
+    }
+    j.push_back(x);
+  }
+  return j;
+}
+
+std::string format_scale(const std::vector<ScalePoint>& s) {
+  std::ostringstream os;
+  char buf[400];
+  os << "   world  tokens/s/GPU   MFU   step (s)  efficiency  layout / where efficiency goes\n";
+  for (const auto& p : s) {
+    if (!p.found) {
+      std::snprintf(buf, sizeof buf, "%8lld  %s\n", (long long)p.world, p.note.c_str());
+    } else {
+      std::snprintf(buf, sizeof buf, "%8lld  %12.0f  %5.1f%%  %8.3f  %10.3f  %s\n%56s%s\n", (long long)p.world,
+                    p.best.time.tokens_per_s_per_gpu, 100 * p.best.time.mfu, p.best.time.step_time, p.efficiency,
+                    p.best.layout.describe().c_str(), "", p.note.c_str());
+    }
+    os << buf;
+  }
+  return os.str();
+}
+
+}  // namespace moetron::plan
