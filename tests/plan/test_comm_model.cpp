@@ -194,6 +194,8 @@ TEST(CommModel, HierarchicalAllToAllHandCounted) {
   // Fan-out 8e8 x 7/8 = 7e8 bytes over the switch: 7 ms. Latency 7 x 10 us + 1 x 20 us = 90 us.
   const Hardware s = switch8();
   expect_close(all_to_all_hierarchical(s, 8e8, 8, 1.5, {16, 8}), 0.00709);
+  // Same with a 5 GB/s NIC: the scale-out leg, 7.5e7 / 5e9 = 15 ms, now dominates: 15.09 ms.
+  expect_close(all_to_all_hierarchical(switch8(5e9), 8e8, 8, 1.5, {16, 8}), 0.01509);
   // The flat one for the same buffer: 230 us + max(7/16 x 8e8 / 100e9, 8/16 x 8e8 / 25e9) = 16.23 ms.
   expect_close(all_to_all(s, 8e8, {16, 8}), 0.01623);
 }
@@ -290,7 +292,7 @@ TEST(CommModel, ExpectedNodesPerTokenMonotone) {
 }
 
 TEST(CommModel, ExpectedNodesPerTokenNodeLimited) {
-  const double free = expected_nodes_per_token(256, 8, 8);  // about 5.28
+  const double free = expected_nodes_per_token(256, 8, 8);  // about 5.29
   EXPECT_EQ(expected_nodes_per_token(256, 8, 8, 4), 4.0);   // capped by the 4 picked nodes
   EXPECT_EQ(expected_nodes_per_token(256, 8, 8, 8), free);  // a limit that never binds
   EXPECT_EQ(expected_nodes_per_token(256, 8, 8, 16), free);
@@ -368,7 +370,7 @@ TEST(CommModel, SpanningCostsMoreThanOneDomain) {
   }
   // The deduplicated dispatch is the exception while the NIC is fast: the NIC adds its bandwidth to the
   // switch port's, and a quarter of the remote copies arrive on their final GPU. 64 experts, topk 8:
-  // npt 1.98 over 2 nodes. 2 x 4: NIC 1e8/8 x 1.98/2 / 25e9 = 0.49 ms, switch 1e8 x 3/4 / 100e9 = 0.75 ms,
+  // npt 1.99 over 2 nodes. 2 x 4: NIC 1e8/8 x 1.99/2 / 25e9 = 0.50 ms, switch 1e8 x 3/4 / 100e9 = 0.75 ms,
   // + 50 us; one domain: 1e8 x 7/8 / 100e9 + 70 us = 0.945 ms.
   const double npt = expected_nodes_per_token(64, 8, 2);
   EXPECT_LT(all_to_all_hierarchical(s, 1e8, 8, npt, {8, 4}), all_to_all_hierarchical(s, 1e8, 8, 1.0, {8, 8}));
