@@ -1,0 +1,172 @@
+// test_memory.cpp: the memory projection (plan/memory.h): hand-counted parameter, gradient, main-parameter and
+// optimizer bytes; activations from the simulator's in-flight sets; the verdict; and the seeds' conclusions
+// for the 1T / 2T proxies on 768 MI300X-class GPUs.
+#include <gtest/gtest.h>
+
+#include "moetron/accounting.h"
+#include "moetron/plan/memory.h"
+#include "moetron/plan/pipeline.h"
+#include "plan_test_util.h"
+
+using namespace moetron;
+using plantest::cfg;
+
+namespace {
+plan::MemoryPlan mem(const JobConfig& c, int64_t world, const plan::PlanOptions& o = {}) {
+  return plan::plan_memory(c, plan::layout_from_config(c, world), plantest::round_gpu(), o);
+}
+double act_total(const plan::MemoryPlan& m, size_t r) { return m.per_rank.at(r).activations; }
+}  // namespace
+
+TEST(PlanMemory, OneGpuCountsEveryParameterOnce) {
+  // ds_tiny on one GPU, Megatron recipe, zero 1 with dp 1: 2 + 4 + 4 + 8 bytes per parameter.
+  const auto c = cfg("ds_tiny");
+  const double P = double(count_params(c.model).total);
+  const auto m = mem(c, 1);
+  ASSERT_EQ(m.per_rank.size(), 1u);
+  const auto& r = m.per_rank[0];
+  EXPECT_DOUBLE_EQ(r.params_tp_sharded + r.params_replicated + r.params_experts, P);
+  EXPECT_DOUBLE_EQ(r.params, 2 * P);
+  EXPECT_DOUBLE_EQ(r.grads, 4 * P);
+  EXPECT_DOUBLE_EQ(r.main_params, 4 * P);
+  EXPECT_DOUBLE_EQ(r.optimizer, 8 * P);
+  EXPECT_EQ(r.inflight_sets, 1);
+  EXPECT_EQ(m.verdict, "FITS");
+}
+
+TEST(PlanMemory, ShardingDivisorsByBucket) {
+  // 8 GPUs: tp 2, ep 4 (experts over ep; ep divides tp x dp = 8), dp 4, zero 1.
+  const auto c0 = cfg("ds_tiny");
+  const auto c = cfg("ds_tiny", {"--parallelism.tp=2", "--parallelism.ep=4", "--training.global_batch_size=8"});
+  const ParamCounts pc = count_params(c.model);
+  const auto m = mem(c, 8);
+  const auto& r = m.per_rank.at(0);
+  EXPECT_DOUBLE_EQ(r.params_experts, double(pc.routed_experts) / 4);
+  const auto one = mem(c0, 1).per_rank[0];
+  EXPECT_DOUBLE_EQ(r.params_tp_sharded, one.params_tp_sharded / 2);
+  EXPECT_DOUBLE_EQ(r.params_replicated, one.params_replicated);
+  // main params and moments: dense over dp x cp = 4, experts over edp = tp x dp / ep = 2
+  const double Pd = r.params_tp_sharded + r.params_replicated, Pe = r.params_experts;
+  EXPECT_DOUBLE_EQ(r.main_params, Pd * 4 / 4 + Pe * 4 / 2);
+  EXPECT_DOUBLE_EQ(r.optimizer, 8 * (Pd / 4 + Pe / 2));
+  EXPECT_DOUBLE_EQ(r.grads, 4 * (Pd + Pe));
+  // zero 2 shards the gradients the same way; zero 0 shards nothing.
+  auto c2 = c;
+  c2.parallelism.zero = 2;
+  EXPECT_DOUBLE_EQ(mem(c2, 8).per_rank[0].grads, 4 * (Pd / 4 + Pe / 2));
+  auto c0z = c;
+  c0z.parallelism.zero = 0;
+  EXPECT_DOUBLE_EQ(mem(c0z, 8).per_rank[0].optimizer, 8 * (Pd + Pe));
+}
+
+TEST(PlanMemory, EngineRecipeMatchesTheEnginesConvention) {
+  const auto c = cfg("ds_tiny", {"--training.compute_dtype=fp32"});
+  plan::PlanOptions o;
+  o.recipe = plan::recipe_named("engine", c);
+  const double P = double(count_params(c.model).total);
+  const auto r = mem(c, 1, o).per_rank[0];
+  EXPECT_DOUBLE_EQ(r.params, 4 * P);  // fp32 masters, no bf16 copy under fp32 compute
+  EXPECT_DOUBLE_EQ(r.main_params, 0);
+  EXPECT_THROW(plan::recipe_named("apex", c), Error);
+}
+
+TEST(PlanMemory, ActivationsFollowTheSimulatedInflightSets) {
+  // 1f1b at pp 4 with 8 micro-batches: rank r holds pp - r sets of its stage.
+  const auto c = cfg("ds_mini", {"--parallelism.pp=4", "--training.global_batch_size=8"});
+  const auto l = plan::layout_from_config(c, 4);
+  const auto m = plan::plan_memory(c, l, plantest::round_gpu(), {});
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(m.per_rank[size_t(r)].inflight_sets, 4 - r) << r;
+    EXPECT_NEAR(act_total(m, size_t(r)), (4 - r) * m.per_rank[size_t(r)].act_per_microbatch, 1e-6) << r;
+  }
+}
+
+TEST(PlanMemory, CappedSimulationGivesTheSamePeaks) {
+  // The in-flight peak is reached in the warm-up: simulating 4 pp micro-batches gives the full run's peak.
+  for (std::string s : {"1f1b", "interleaved_1f1b", "zb1p", "zbv"}) {
+    sched::GenSpec g;
+    g.schedule = s, g.pp = 4, g.vpp = (s == "interleaved_1f1b" || s == "zbv") ? 2 : 1;
+    plan::StagePlan full, capped;
+    full.spec = g, capped.spec = g;
+    full.spec.microbatches = 16;  // = 4 pp: simulated as is
+    capped.spec.microbatches = 64;  // simulated at 16
+    EXPECT_EQ(plan::inflight_microbatches(capped.spec), 16);
+    // Compare against an uncapped run at 64 through the simulator directly.
+    sched::GenSpec g64 = g;
+    g64.microbatches = 64;
+    const auto r = sched::simulate_timed(sched::lower(sched::generate(g64)), sched::Durations{});
+    const auto ic = plan::inflight(capped);
+    for (int rk = 0; rk < 4; ++rk) EXPECT_EQ(ic.peak_sets[size_t(rk)], r.ranks[size_t(rk)].peak_inflight) << s << " rank " << rk;
+  }
+}
+
+TEST(PlanMemory, LossFusionAndRecomputeCutActivations) {
+  const auto c = cfg("ds_mini");
+  const auto fused = mem(c, 1);
+  plan::PlanOptions o;
+  o.fused_loss = false;
+  const auto unfused = mem(c, 1, o);
+  // unfused keeps T x V logits (2 bytes) and fp32 softmax (4 bytes)
+  const double T = double(c.training.micro_batch_size * c.training.seq_len);
+  EXPECT_NEAR(act_total(unfused, 0) - act_total(fused, 0), T * double(c.model.vocab_size) * 6, 1.0);
+  auto cf = c;
+  cf.activation_checkpoint.mode = AcMode::Full;
+  const auto full = mem(cf, 1);
+  EXPECT_LT(act_total(full, 0), act_total(fused, 0) / 3);
+  EXPECT_GT(full.per_rank[0].workspace, fused.per_rank[0].workspace);  // the re-materialized layer
+}
+
+TEST(PlanMemory, Verdict) {
+  EXPECT_EQ(plan::verdict_for(89e9, 100e9, 0.1), "FITS");
+  EXPECT_EQ(plan::verdict_for(95e9, 100e9, 0.1), "AT-RISK");
+  EXPECT_EQ(plan::verdict_for(101e9, 100e9, 0.1), "OOM");
+}
+
+// ---- the seeds' memory conclusions (AMD MoE best-practice blog, "Memory Projection", 1T and 2T on 768 GPUs).
+namespace {
+plan::MemoryPlan seed_layout(const std::string& model, int64_t pp, int64_t ep, int64_t cp) {
+  const auto c = cfg(model, {"--parallelism.pp=" + std::to_string(pp), "--parallelism.ep=" + std::to_string(ep),
+                             "--parallelism.cp=" + std::to_string(cp)});
+  return plan::plan_memory(c, plan::layout_from_config(c, 768), plan::catalog_hardware("mi300x"), {});
+}
+double worst_act(const plan::MemoryPlan& m) {
+  double a = 0;
+  for (const auto& r : m.per_rank) a = std::max(a, r.activations);
+  return a;
+}
+}  // namespace
+
+TEST(PlanMemorySeeds, ActivationsDominate) {
+  for (std::string model : {"moe_1t", "moe_2t"}) {
+    const auto m = seed_layout(model, 24, 8, 1);
+    const auto& r = m.per_rank.at(size_t(m.worst_rank));
+    EXPECT_GT(r.activations, r.params) << model;
+    EXPECT_GT(r.activations, r.optimizer + r.main_params) << model;
+    EXPECT_GT(r.activations, r.grads) << model;
+  }
+}
+
+TEST(PlanMemorySeeds, Cp2HalvesActivations) {
+  // Seeds: CP2 saves about 76 GB per GPU (1T) and about 131 GB (2T). The projection must halve the
+  // activations; the saved GB is printed and held within 25% of the seeds' figure (docs/planner.md has the error).
+  const double seed_saved[2] = {76e9, 131e9};
+  int i = 0;
+  for (std::string model : {"moe_1t", "moe_2t"}) {
+    const double a1 = worst_act(seed_layout(model, 24, 8, 1)), a2 = worst_act(seed_layout(model, 24, 8, 2));
+    EXPECT_NEAR(a2 / a1, 0.5, 0.02) << model;
+    const double saved = a1 - a2;
+    std::printf("[seed] %s CP2 saves %.1f GB per GPU (seed: ~%.0f GB, error %+.1f%%)\n", model.c_str(), saved / 1e9,
+                seed_saved[i] / 1e9, 100 * (saved / seed_saved[i] - 1));
+    EXPECT_NEAR(saved / seed_saved[i], 1.0, 0.25) << model;
+    ++i;
+  }
+}
+
+TEST(PlanMemorySeeds, Ep16BarelyChangesAndPp48DoesNotCutActivations) {
+  for (std::string model : {"moe_1t", "moe_2t"}) {
+    const auto e8 = seed_layout(model, 24, 8, 2), e16 = seed_layout(model, 24, 16, 2);
+    EXPECT_LT(std::abs(e16.max_total / e8.max_total - 1), 0.10) << model << " EP 8 -> 16 changes memory by less than 10%";
+    const auto p24 = seed_layout(model, 24, 8, 2), p48 = seed_layout(model, 48, 8, 2);
+    EXPECT_GE(worst_act(p48), 0.97 * worst_act(p24)) << model << " PP 24 -> 48 does not cut activations";
+  }
+}

@@ -1,0 +1,147 @@
+// cmd_plan.cpp: `moetron plan memory|time|search|scale CONFIG --hw H ...`: the planner's commands (tables for
+// people, --json for programs; docs/planner.md lists the JSON keys). The planner library (src/plan/) links the
+// job description and the schedule IR only; this file is its command line. Not the engine.
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "moetron/check.h"
+#include "moetron/config.h"
+#include "moetron/plan/cost.h"
+#include "moetron/plan/hardware.h"
+#include "moetron/plan/layout.h"
+#include "moetron/plan/memory.h"
+#include "moetron/plan/search.h"
+
+namespace {
+using namespace moetron;
+
+struct PlanArgs {
+  std::string config, hw, recipe = "megatron";
+  int64_t world = 0;
+  double gbt = 0;  // global batch tokens (0 = the config's)
+  double margin = 0.10;
+  bool unfused_loss = false, json = false;
+  int64_t top_k = 5;
+  std::string worlds;
+};
+
+void common(CLI::App* a, PlanArgs& p, bool need_world) {
+  a->add_option("config", p.config, "TOML job config (e.g. configs/deepseek_v3.toml)")->required();
+  a->add_option("--hw", p.hw, "hardware: mi300x, mi325x, mi355x, h100, h200, b200, gb200, or a TOML file")->required();
+  if (need_world) a->add_option("--world", p.world, "number of GPUs")->required();
+  a->add_option("--global-batch-tokens", p.gbt, "global batch in tokens (default: training.global_batch_size x seq_len)");
+  a->add_option("--recipe", p.recipe, "precision recipe: megatron (bf16 params, fp32 grads/main/moments) or engine");
+  a->add_option("--margin", p.margin, "AT-RISK band below HBM (fraction, default 0.10)");
+  a->add_flag("--unfused-loss", p.unfused_loss, "the loss keeps logits and softmax (no loss fusion)");
+  a->add_flag("--json", p.json, "print one JSON object");
+  a->allow_extras();
+}
+
+JobConfig load(const PlanArgs& p, CLI::App* a) {
+  JobConfig c = load_config(p.config, a->remaining());
+  if (p.gbt > 0) {
+    const double seqs = p.gbt / double(c.training.seq_len);
+    MT_CHECK(seqs >= 1 && std::floor(seqs) == seqs, "plan", "--global-batch-tokens = ", p.gbt,
+             " must be a positive multiple of training.seq_len (", c.training.seq_len, ")");
+    c.training.global_batch_size = int64_t(seqs);
+    c.parallelism.pp_microbatches = 0;
+  }
+  return c;
+}
+
+plan::PlanOptions options(const PlanArgs& p, const JobConfig& c) {
+  plan::PlanOptions o;
+  o.recipe = plan::recipe_named(p.recipe, c);
+  o.fused_loss = !p.unfused_loss;
+  MT_CHECK(p.margin >= 0 && p.margin < 1, "plan", "--margin = ", p.margin, " must lie in [0, 1)");
+  o.margin = p.margin;
+  return o;
+}
+
+std::vector<int64_t> parse_worlds(const std::string& s) {
+  std::vector<int64_t> w;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      size_t used = 0;
+      const long long v = std::stoll(item, &used);
+      MT_CHECK(used == item.size() && v >= 1, "plan scale", "--worlds: '", item, "' is not a positive integer");
+      w.push_back(v);
+    } catch (const std::logic_error&) {
+      MT_FAIL("plan scale", "--worlds: '", item, "' is not a positive integer");
+    }
+  }
+  MT_CHECK(!w.empty(), "plan scale", "--worlds needs at least one size, e.g. 768,1024,2048");
+  return w;
+}
+
+}  // namespace
+
+MT_REGISTER_COMMAND([](CLI::App& root) {
+  auto* plan = root.add_subcommand("plan", "Project a job onto a GPU cluster: memory, step time, layout search, scaling");
+  plan->require_subcommand(1);
+
+  auto pm = std::make_shared<PlanArgs>();
+  auto* mem = plan->add_subcommand("memory", "Per-rank memory by category and pipeline stage, with a FITS / AT-RISK / OOM verdict");
+  common(mem, *pm, true);
+  mem->callback([mem, pm] {
+    const JobConfig c = load(*pm, mem);
+    const plan::Hardware h = plan::resolve_hardware(pm->hw);
+    const plan::Layout l = plan::layout_from_config(c, pm->world);
+    const plan::MemoryPlan m = plan::plan_memory(c, l, h, options(*pm, c));
+    if (pm->json) std::printf("%s\n", plan::to_json(m).dump(2).c_str());
+    else std::printf("%s", plan::format_memory(m).c_str());
+  });
+
+  auto pt = std::make_shared<PlanArgs>();
+  auto* tim = plan->add_subcommand("time", "Step time, tokens/s/GPU, TFLOPS/GPU, MFU and a breakdown");
+  common(tim, *pt, true);
+  tim->callback([tim, pt] {
+    const JobConfig c = load(*pt, tim);
+    const plan::Hardware h = plan::resolve_hardware(pt->hw);
+    const plan::Layout l = plan::layout_from_config(c, pt->world);
+    plan::TimeOptions o;
+    o.memory = options(*pt, c);
+    const plan::TimePlan t = plan::plan_time(c, l, h, o);
+    if (pt->json) std::printf("%s\n", plan::to_json(t).dump(2).c_str());
+    else std::printf("%s", plan::format_time(t).c_str());
+  });
+
+  auto ps = std::make_shared<PlanArgs>();
+  auto* sea = plan->add_subcommand("search", "Search TP, CP, PP, VPP, schedule, EP, ZeRO, recompute and micro-batch");
+  common(sea, *ps, true);
+  sea->add_option("--top", ps->top_k, "candidates to print (default 5)");
+  sea->callback([sea, ps] {
+    const JobConfig c = load(*ps, sea);
+    const plan::Hardware h = plan::resolve_hardware(ps->hw);
+    plan::SearchOptions o;
+    o.time.memory = options(*ps, c);
+    o.top_k = ps->top_k;
+    const double gbt = ps->gbt > 0 ? ps->gbt : double(c.training.global_batch_size * c.training.seq_len);
+    const plan::SearchResult r = plan::search(c, h, ps->world, gbt, o);
+    if (ps->json) std::printf("%s\n", plan::to_json(r).dump(2).c_str());
+    else std::printf("%s", plan::format_search(r).c_str());
+  });
+
+  auto pc = std::make_shared<PlanArgs>();
+  auto* sca = plan->add_subcommand("scale", "Strong scaling at a fixed global batch: the best layout per world size");
+  common(sca, *pc, false);
+  sca->add_option("--worlds", pc->worlds, "comma-separated world sizes, e.g. 768,1024,2048")->required();
+  sca->callback([sca, pc] {
+    const JobConfig c = load(*pc, sca);
+    const plan::Hardware h = plan::resolve_hardware(pc->hw);
+    plan::SearchOptions o;
+    o.time.memory = options(*pc, c);
+    const double gbt = pc->gbt > 0 ? pc->gbt : double(c.training.global_batch_size * c.training.seq_len);
+    const auto s = plan::scale(c, h, parse_worlds(pc->worlds), gbt, o);
+    if (pc->json) std::printf("%s\n", plan::to_json(s).dump(2).c_str());
+    else std::printf("%s", plan::format_scale(s).c_str());
+  });
+});
