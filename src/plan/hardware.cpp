@@ -3,7 +3,7 @@
 // (hardware_catalog.cpp holds those, as TOML read by this same loader) and no cost model.
 #include "moetron/plan/hardware.h"
 
-#include <toml++/toml.hpp>
+#include <toml++/toml.h>
 
 #include <algorithm>
 #include <cerrno>
