@@ -226,8 +226,8 @@ std::string in_units(double v, double scale) {
   for (int p = 1; p <= 17; ++p) {
     char buf[64];
     auto r = std::to_chars(buf, buf + sizeof buf, v / scale, std::chars_format::general, p);
-    const std::string s(buf, r.ptr);
-    if (std::strtod(s.c_str(), nullptr) * scale == v) return s;
+    const double d = std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
+    if (d * scale == v) return shortest(d);  // shortest() writes 8000, not 8e+03
   }
   return shortest(v / scale);
 }

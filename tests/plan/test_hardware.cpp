@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <sstream>
 #include <string>
 
 #include <unistd.h>
@@ -378,4 +379,25 @@ TEST(HardwareResolve, UnreadableFileNamesThePath) {
   msg = error_of([] { resolve_hardware("cluster.toml"); });  // .toml: a path, not a catalog name
   EXPECT_NE(msg.find("'cluster.toml'"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("unknown hardware"), std::string::npos) << msg;
+}
+
+// The example in docs/hardware.md is a valid file.
+TEST(HardwareResolve, DocsExampleIsValid) {
+  std::ifstream in(std::string(MOETRON_SOURCE_DIR) + "/docs/hardware.md");
+  ASSERT_TRUE(in) << "docs/hardware.md";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string doc = ss.str();
+  const size_t begin = doc.find("```toml\n");
+  ASSERT_NE(begin, std::string::npos);
+  const size_t end = doc.find("```", begin + 8);
+  ASSERT_NE(end, std::string::npos);
+  TempDir dir;
+  const auto path = dir.path / "my_cluster.toml";
+  std::ofstream(path) << doc.substr(begin + 8, end - begin - 8);
+  const Hardware h = resolve_hardware(path.string());
+  EXPECT_EQ(h.name, "my_cluster");
+  EXPECT_NEAR(h.scale_up.bw, 7 * 64e9 * 0.9, 1.0);
+  EXPECT_DOUBLE_EQ(h.scale_out.bw, 100e9);
+  EXPECT_FALSE(h.sources.at("scale_out.bw_gbps").empty());
 }
