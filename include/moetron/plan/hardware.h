@@ -40,7 +40,7 @@ struct EffPoint {
 };
 
 struct Hardware {
-  std::string name;         // catalog key or the TOML's [hardware] name
+  std::string name;         // catalog key or the TOML's top-level name (default: the file's stem)
   std::string description;  // e.g. "AMD Instinct MI300X (OAM, 750 W)"
   double hbm_bytes = 0;     // usable device memory
   double hbm_bw = 0;        // peak HBM bytes/s
