@@ -5,7 +5,7 @@
 // nothing the engine reads.
 //
 // Units inside the struct are SI: bytes, bytes/s, FLOP/s, seconds. The TOML form uses GB, GB/s, TFLOPS and
-// microseconds (docs/planner.md lists every key).
+// microseconds (docs/hardware.md lists every key and the catalog's sources).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -40,7 +40,7 @@ struct EffPoint {
 };
 
 struct Hardware {
-  std::string name;         // catalog key or the TOML's [hardware] name
+  std::string name;         // catalog key or the TOML's top-level name (default: the file's stem)
   std::string description;  // e.g. "AMD Instinct MI300X (OAM, 750 W)"
   double hbm_bytes = 0;     // usable device memory
   double hbm_bw = 0;        // peak HBM bytes/s
@@ -65,6 +65,8 @@ struct Hardware {
 const std::vector<std::string>& catalog_names();
 // A catalog entry; throws moetron::Error naming the known entries for an unknown name.
 Hardware catalog_hardware(std::string_view name);
+// The embedded TOML text of a catalog entry (what catalog_hardware parses); throws like catalog_hardware.
+std::string_view catalog_toml(std::string_view name);
 // The TOML form of an entry (the catalog is written in it, and `plan calibrate` writes it).
 Hardware hardware_from_toml(std::string_view toml_text, std::string_view source = "<string>");
 std::string hardware_to_toml(const Hardware& h);

@@ -1,0 +1,484 @@
+// plan/hardware.cpp: the hardware description's TOML loader and writer, its validation, the GEMM
+// efficiency curve and the `--hw` resolution (catalog name or file). Not the catalog's figures
+// (hardware_catalog.cpp holds those, as TOML read by this same loader) and no cost model.
+#include "moetron/plan/hardware.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "moetron/check.h"
+
+namespace moetron::plan {
+namespace {
+
+// ---- the key schema ------------------------------------------------------------------------------------
+// Every key a hardware file may set, with its TOML unit (the factor from the TOML number to SI).
+enum class Kind { Number, Integer, String, Curve };
+
+struct Key {
+  const char* name;  // full dotted key as in [sources]
+  Kind kind;
+  double scale;      // TOML value x scale = SI value (Number only)
+  bool required;
+  const char* what;  // one line for messages and docs
+};
+
+constexpr double kGB = 1e9, kT = 1e12, kUs = 1e-6;
+
+constexpr Key kTop[] = {
+    {"name", Kind::String, 1, false, "entry name (defaults to the file name)"},
+    {"description", Kind::String, 1, false, "free text"},
+    {"hbm_gb", Kind::Number, kGB, true, "device memory, GB (1e9 bytes)"},
+    {"hbm_bw_gbps", Kind::Number, kGB, true, "peak HBM bandwidth, GB/s"},
+    {"hbm_efficiency", Kind::Number, 1, false, "achievable fraction of hbm_bw_gbps for streaming kernels"},
+    {"peak_bf16_tflops", Kind::Number, kT, true, "dense BF16 datasheet peak, TFLOPS"},
+    {"peak_fp8_tflops", Kind::Number, kT, false, "dense FP8 datasheet peak, TFLOPS (0 = no FP8)"},
+    {"achievable_bf16_tflops", Kind::Number, kT, true, "measured large-GEMM BF16 rate, TFLOPS"},
+    {"achievable_fp8_tflops", Kind::Number, kT, false, "measured large-GEMM FP8 rate, TFLOPS"},
+    {"kernel_overhead_us", Kind::Number, kUs, false, "per-kernel floor, microseconds"},
+    {"gemm_efficiency", Kind::Curve, 1, false, "[[min_dim, eff], ...] fraction of the achievable rate"},
+};
+constexpr Key kTier[] = {
+    {"domain", Kind::Integer, 1, true, "GPUs reachable at this tier"},
+    {"bw_gbps", Kind::Number, kGB, false, "per-GPU per-direction bandwidth, GB/s"},
+    {"alpha_us", Kind::Number, kUs, false, "latency of one message step, microseconds"},
+    {"topology", Kind::String, 1, false, "\"switch\" or \"full_mesh\""},
+    {"links", Kind::Integer, 1, false, "full_mesh: links per GPU"},
+    {"link_bw_gbps", Kind::Number, kGB, false, "full_mesh: per-link per-direction bandwidth, GB/s"},
+    {"link_efficiency", Kind::Number, 1, false, "full_mesh: achievable fraction of a link"},
+};
+constexpr const char* kTiers[] = {"scale_up", "scale_out"};
+
+std::vector<std::string> all_keys() {
+  std::vector<std::string> out;
+  for (const auto& k : kTop) out.push_back(k.name);
+  for (const char* t : kTiers)
+    for (const auto& k : kTier) out.push_back(std::string(t) + "." + k.name);
+  return out;
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// The closest known key, if it is close enough to be a plausible typo ("" otherwise).
+std::string closest(std::string_view name, const std::vector<std::string>& known) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const auto& k : known) {
+    size_t d = edit_distance(name, k);
+    const size_t dot = k.rfind('.');
+    if (dot != std::string::npos && std::string_view(k).substr(dot + 1) == name) d = std::min<size_t>(d, 1);
+    if (d < best_d) best_d = d, best = k;
+  }
+  return best_d <= std::max<size_t>(2, name.size() / 3) ? best : std::string();
+}
+
+std::string where(std::string_view source, const toml::node& n) {
+  std::string w(source);
+  if (n.source().begin.line > 0) w += ":" + std::to_string(n.source().begin.line);
+  return w + ": ";
+}
+
+[[noreturn]] void unknown(std::string_view source, const toml::node& n, const std::string& key,
+                          const std::vector<std::string>& known) {
+  std::string msg = where(source, n) + "unknown key '" + key + "'";
+  const std::string s = closest(key, known);
+  if (!s.empty()) msg += "; did you mean '" + s + "'?";
+  throw Error(msg);
+}
+
+const char* type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::table: return "a table";
+    default: return "a date/time";
+  }
+}
+
+[[noreturn]] void wrong_type(std::string_view source, const toml::node& n, const std::string& key,
+                             const char* expected) {
+  throw Error(where(source, n) + key + ": expected " + expected + ", got " + type_name(n));
+}
+
+double as_number(std::string_view source, const toml::node& n, const std::string& key) {
+  if (auto i = n.as_integer()) return double(i->get());
+  if (auto f = n.as_floating_point()) {
+    const double v = f->get();
+    if (!std::isfinite(v)) throw Error(where(source, n) + key + ": must be a finite number");
+    return v;
+  }
+  wrong_type(source, n, key, "a number");
+}
+
+int64_t as_int(std::string_view source, const toml::node& n, const std::string& key) {
+  if (auto i = n.as_integer()) return i->get();
+  wrong_type(source, n, key, "an integer");
+}
+
+std::string as_string(std::string_view source, const toml::node& n, const std::string& key) {
+  if (auto s = n.as_string()) return s->get();
+  wrong_type(source, n, key, "a string");
+}
+
+std::vector<EffPoint> as_curve(std::string_view source, const toml::node& n, const std::string& key) {
+  const auto* arr = n.as_array();
+  if (!arr) wrong_type(source, n, key, "an array of [dim, eff] pairs");
+  std::vector<EffPoint> out;
+  for (const auto& el : *arr) {
+    const auto* pair = el.as_array();
+    if (!pair || pair->size() != 2) wrong_type(source, el, key, "a [dim, eff] pair");
+    out.push_back({as_number(source, (*pair)[0], key), as_number(source, (*pair)[1], key)});
+  }
+  return out;
+}
+
+// Pointers from a key to the Hardware field it fills.
+double* number_field(Hardware& h, std::string_view key) {
+  if (key == "hbm_gb") return &h.hbm_bytes;
+  if (key == "hbm_bw_gbps") return &h.hbm_bw;
+  if (key == "hbm_efficiency") return &h.hbm_efficiency;
+  if (key == "peak_bf16_tflops") return &h.peak_bf16;
+  if (key == "peak_fp8_tflops") return &h.peak_fp8;
+  if (key == "achievable_bf16_tflops") return &h.achievable_bf16;
+  if (key == "achievable_fp8_tflops") return &h.achievable_fp8;
+  if (key == "kernel_overhead_us") return &h.kernel_overhead;
+  return nullptr;
+}
+double* number_field(Tier& t, std::string_view key) {
+  if (key == "bw_gbps") return &t.bw;
+  if (key == "alpha_us") return &t.alpha;
+  if (key == "link_bw_gbps") return &t.link_bw;
+  if (key == "link_efficiency") return &t.link_efficiency;
+  return nullptr;
+}
+int64_t* int_field(Tier& t, std::string_view key) {
+  if (key == "domain") return &t.domain;
+  if (key == "links") return &t.links;
+  return nullptr;
+}
+
+void read_tier(std::string_view source, const toml::table& tbl, const std::string& tier, Tier& t,
+               const std::vector<std::string>& known) {
+  bool seen[std::size(kTier)] = {};
+  for (const auto& [k, v] : tbl) {
+    const std::string key(k.str());
+    const std::string full = tier + "." + key;
+    size_t idx = std::size(kTier);
+    for (size_t i = 0; i < std::size(kTier); ++i)
+      if (key == kTier[i].name) idx = i;
+    if (idx == std::size(kTier)) unknown(source, v, full, known);
+    seen[idx] = true;
+    const Key& spec = kTier[idx];
+    if (spec.kind == Kind::Integer) *int_field(t, key) = as_int(source, v, full);
+    else if (spec.kind == Kind::String) t.topology = as_string(source, v, full);
+    else *number_field(t, key) = as_number(source, v, full) * spec.scale;
+  }
+  for (size_t i = 0; i < std::size(kTier); ++i)
+    if (kTier[i].required && !seen[i])
+      throw Error(std::string(source) + ": missing required key '" + tier + "." + kTier[i].name + "' (" +
+                  kTier[i].what + ")");
+  const bool has_bw = seen[1];
+  if (t.topology == "full_mesh") {
+    if (!seen[4] || !seen[5])
+      throw Error(std::string(source) + ": " + tier + ".topology = \"full_mesh\" needs '" + tier + "." +
+                  (seen[4] ? "link_bw_gbps" : "links") + "'");
+    if (!has_bw) t.bw = t.all_peers_bw();  // the aggregate, when the file gives only the links
+  } else if (!has_bw) {
+    throw Error(std::string(source) + ": missing required key '" + tier + ".bw_gbps' (" + kTier[1].what + ")");
+  }
+}
+
+// ---- number formatting -----------------------------------------------------------------------------------
+std::string shortest(double v) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
+// The shortest decimal d with d * scale == v exactly, so that a written file reads back to the same double.
+std::string in_units(double v, double scale) {
+  if (scale == 1) return shortest(v);
+  for (int p = 1; p <= 17; ++p) {
+    char buf[64];
+    auto r = std::to_chars(buf, buf + sizeof buf, v / scale, std::chars_format::general, p);
+    const double d = std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
+    if (d * scale == v) return shortest(d);  // shortest() writes 8000, not 8e+03
+  }
+  return shortest(v / scale);
+}
+
+// A TOML float literal (always with a '.', 'e' or inf/nan so it reads back as a float).
+std::string toml_float(std::string s) {
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string quoted(std::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char esc[8];
+          std::snprintf(esc, sizeof esc, "\\u%04x", c);
+          out += esc;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string source_stem(std::string_view source) {
+  std::string_view s = source;
+  if (auto slash = s.find_last_of('/'); slash != std::string_view::npos) s = s.substr(slash + 1);
+  if (s.size() > 5 && s.substr(s.size() - 5) == ".toml") s = s.substr(0, s.size() - 5);
+  return std::string(s);
+}
+
+// ---- validation ---------------------------------------------------------------------------------------------
+struct Checker {
+  std::string_view source;
+  [[noreturn]] void fail(const std::string& key, double toml_value, const std::string& rule) const {
+    throw Error(std::string(source) + ": " + key + " = " + shortest(toml_value) + ": " + rule);
+  }
+  void positive(const std::string& key, double si, double scale) const {
+    if (!(si > 0)) fail(key, si / scale, "must be > 0");
+  }
+  void non_negative(const std::string& key, double si, double scale) const {
+    if (!(si >= 0)) fail(key, si / scale, "must be >= 0");
+  }
+  void fraction(const std::string& key, double v) const {
+    if (!(v > 0 && v <= 1)) fail(key, v, "must be in (0, 1]");
+  }
+};
+
+void validate_tier(const Checker& c, const Tier& t, const std::string& tier) {
+  if (t.domain < 1) c.fail(tier + ".domain", double(t.domain), "must be >= 1");
+  c.positive(tier + ".bw_gbps", t.bw, kGB);
+  c.non_negative(tier + ".alpha_us", t.alpha, kUs);
+  if (t.topology != "switch" && t.topology != "full_mesh")
+    throw Error(std::string(c.source) + ": " + tier + ".topology = \"" + t.topology +
+                "\": must be \"switch\" or \"full_mesh\"");
+  if (t.topology == "full_mesh") {
+    if (t.links < 1) c.fail(tier + ".links", double(t.links), "must be >= 1 for a full mesh");
+    if (t.links > t.domain - 1)
+      c.fail(tier + ".links", double(t.links),
+             "must be <= domain - 1 = " + std::to_string(t.domain - 1) + " (one link per peer)");
+    c.positive(tier + ".link_bw_gbps", t.link_bw, kGB);
+    c.fraction(tier + ".link_efficiency", t.link_efficiency);
+  } else {
+    if (t.links < 0) c.fail(tier + ".links", double(t.links), "must be >= 0");
+    c.non_negative(tier + ".link_bw_gbps", t.link_bw, kGB);
+    c.fraction(tier + ".link_efficiency", t.link_efficiency);
+  }
+}
+
+}  // namespace
+
+// ---- Hardware methods ---------------------------------------------------------------------------------------
+double Hardware::gemm_eff(double min_dim) const {
+  const auto& t = gemm_efficiency;
+  if (t.empty()) return 1.0;
+  if (!(min_dim > t.front().dim)) return t.front().eff;
+  if (min_dim >= t.back().dim) return t.back().eff;
+  size_t i = 1;
+  while (t[i].dim < min_dim) ++i;  // t[i-1].dim < min_dim <= t[i].dim
+  const double x0 = std::log(t[i - 1].dim), x1 = std::log(t[i].dim);
+  const double f = (std::log(min_dim) - x0) / (x1 - x0);
+  return t[i - 1].eff + f * (t[i].eff - t[i - 1].eff);
+}
+
+double Hardware::gemm_rate(double m, double n, double k, bool fp8) const {
+  const double rate = fp8 ? achievable_fp8 : achievable_bf16;
+  if (!(rate > 0))
+    throw Error("hardware '" + name + "': no " + (fp8 ? "achievable_fp8_tflops" : "achievable_bf16_tflops") +
+                " figure, so no " + (fp8 ? "FP8" : "BF16") + " GEMM rate");
+  return rate * gemm_eff(std::min({m, n, k}));
+}
+
+// ---- TOML -> Hardware --------------------------------------------------------------------------------------
+Hardware hardware_from_toml(std::string_view toml_text, std::string_view source) {
+  toml::table root;
+  try {
+    root = toml::parse(toml_text, source);
+  } catch (const toml::parse_error& e) {
+    throw Error(std::string(source) + ":" + std::to_string(e.source().begin.line) +
+                ": TOML syntax error: " + std::string(e.description()));
+  }
+  const std::vector<std::string> known = all_keys();
+  Hardware h;
+  bool seen[std::size(kTop)] = {};
+  bool seen_tier[2] = {};
+  const toml::table* sources = nullptr;
+  for (const auto& [k, v] : root) {
+    const std::string key(k.str());
+    if (key == "sources") {
+      sources = v.as_table();
+      if (!sources) wrong_type(source, v, key, "a table of key = \"source\" strings");
+      continue;
+    }
+    if (key == "scale_up" || key == "scale_out") {
+      const auto* tbl = v.as_table();
+      if (!tbl) wrong_type(source, v, key, "a table");
+      const int ti = key == "scale_up" ? 0 : 1;
+      seen_tier[ti] = true;
+      read_tier(source, *tbl, key, ti == 0 ? h.scale_up : h.scale_out, known);
+      continue;
+    }
+    size_t idx = std::size(kTop);
+    for (size_t i = 0; i < std::size(kTop); ++i)
+      if (key == kTop[i].name) idx = i;
+    if (idx == std::size(kTop)) unknown(source, v, key, known);
+    seen[idx] = true;
+    const Key& spec = kTop[idx];
+    switch (spec.kind) {
+      case Kind::String:
+        (key == "name" ? h.name : h.description) = as_string(source, v, key);
+        break;
+      case Kind::Curve: h.gemm_efficiency = as_curve(source, v, key); break;
+      case Kind::Number: *number_field(h, key) = as_number(source, v, key) * spec.scale; break;
+      case Kind::Integer: break;  // no top-level integers
+    }
+  }
+  for (size_t i = 0; i < std::size(kTop); ++i)
+    if (kTop[i].required && !seen[i])
+      throw Error(std::string(source) + ": missing required key '" + kTop[i].name + "' (" + kTop[i].what + ")");
+  for (int ti = 0; ti < 2; ++ti)
+    if (!seen_tier[ti])
+      throw Error(std::string(source) + ": missing required table [" + kTiers[ti] + "] (domain, bw_gbps, ...)");
+  if (!seen[0]) h.name = source_stem(source);
+  if (sources) {
+    for (const auto& [k, v] : *sources) {
+      const std::string key(k.str());
+      if (std::find(known.begin(), known.end(), key) == known.end())
+        unknown(source, v, "sources." + key, [&] {
+          std::vector<std::string> s;
+          for (const auto& kk : known) s.push_back("sources." + kk);
+          return s;
+        }());
+      h.sources[key] = as_string(source, v, "sources." + key);
+    }
+  }
+  return h;
+}
+
+// ---- Hardware -> TOML --------------------------------------------------------------------------------------
+std::string hardware_to_toml(const Hardware& h) {
+  std::ostringstream os;
+  auto num = [&](const char* key, double si, double scale) {
+    os << key << " = " << toml_float(in_units(si, scale)) << "\n";
+  };
+  os << "name = " << quoted(h.name) << "\n";
+  os << "description = " << quoted(h.description) << "\n";
+  num("hbm_gb", h.hbm_bytes, kGB);
+  num("hbm_bw_gbps", h.hbm_bw, kGB);
+  num("hbm_efficiency", h.hbm_efficiency, 1);
+  num("peak_bf16_tflops", h.peak_bf16, kT);
+  num("peak_fp8_tflops", h.peak_fp8, kT);
+  num("achievable_bf16_tflops", h.achievable_bf16, kT);
+  num("achievable_fp8_tflops", h.achievable_fp8, kT);
+  num("kernel_overhead_us", h.kernel_overhead, kUs);
+  os << "gemm_efficiency = [";
+  for (size_t i = 0; i < h.gemm_efficiency.size(); ++i)
+    os << (i ? ", " : "") << "[" << toml_float(shortest(h.gemm_efficiency[i].dim)) << ", "
+       << toml_float(shortest(h.gemm_efficiency[i].eff)) << "]";
+  os << "]\n";
+  for (int ti = 0; ti < 2; ++ti) {
+    const Tier& t = ti == 0 ? h.scale_up : h.scale_out;
+    os << "\n[" << kTiers[ti] << "]\n";
+    os << "domain = " << t.domain << "\n";
+    num("bw_gbps", t.bw, kGB);
+    num("alpha_us", t.alpha, kUs);
+    os << "topology = " << quoted(t.topology) << "\n";
+    os << "links = " << t.links << "\n";
+    num("link_bw_gbps", t.link_bw, kGB);
+    num("link_efficiency", t.link_efficiency, 1);
+  }
+  if (!h.sources.empty()) {
+    os << "\n[sources]\n";
+    for (const auto& [k, v] : h.sources) os << quoted(k) << " = " << quoted(v) << "\n";
+  }
+  return os.str();
+}
+
+// ---- validation ---------------------------------------------------------------------------------------------
+void validate_hardware(const Hardware& h, std::string_view source) {
+  const Checker c{source};
+  c.positive("hbm_gb", h.hbm_bytes, kGB);
+  c.positive("hbm_bw_gbps", h.hbm_bw, kGB);
+  c.fraction("hbm_efficiency", h.hbm_efficiency);
+  c.positive("peak_bf16_tflops", h.peak_bf16, kT);
+  c.positive("achievable_bf16_tflops", h.achievable_bf16, kT);
+  if (h.achievable_bf16 > h.peak_bf16)
+    c.fail("achievable_bf16_tflops", h.achievable_bf16 / kT,
+           "must be <= peak_bf16_tflops = " + shortest(h.peak_bf16 / kT) + " (a measured rate, not above the peak)");
+  c.non_negative("peak_fp8_tflops", h.peak_fp8, kT);
+  c.non_negative("achievable_fp8_tflops", h.achievable_fp8, kT);
+  if (h.achievable_fp8 > 0 && !(h.peak_fp8 > 0))
+    c.fail("peak_fp8_tflops", h.peak_fp8 / kT, "must be > 0 when achievable_fp8_tflops is set");
+  if (h.achievable_fp8 > h.peak_fp8)
+    c.fail("achievable_fp8_tflops", h.achievable_fp8 / kT,
+           "must be <= peak_fp8_tflops = " + shortest(h.peak_fp8 / kT));
+  c.non_negative("kernel_overhead_us", h.kernel_overhead, kUs);
+  for (size_t i = 0; i < h.gemm_efficiency.size(); ++i) {
+    const auto& p = h.gemm_efficiency[i];
+    const std::string at = "gemm_efficiency[" + std::to_string(i) + "]";
+    if (!(p.dim > 0)) c.fail(at + ".dim", p.dim, "must be > 0");
+    if (i > 0 && !(p.dim > h.gemm_efficiency[i - 1].dim))
+      c.fail(at + ".dim", p.dim, "must be > the previous point's dim (ascending)");
+    c.fraction(at + ".eff", p.eff);
+  }
+  validate_tier(c, h.scale_up, "scale_up");
+  validate_tier(c, h.scale_out, "scale_out");
+}
+
+// ---- --hw resolution ----------------------------------------------------------------------------------------
+Hardware resolve_hardware(const std::string& name_or_path) {
+  const bool is_path = name_or_path.find('/') != std::string::npos ||
+                       (name_or_path.size() >= 5 && name_or_path.compare(name_or_path.size() - 5, 5, ".toml") == 0);
+  if (!is_path) return catalog_hardware(name_or_path);
+  std::ifstream in(name_or_path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    throw Error("hardware file '" + name_or_path + "': cannot read (" + std::strerror(err ? err : ENOENT) +
+                "); pass a catalog name or a readable TOML file");
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  Hardware h = hardware_from_toml(text.str(), name_or_path);
+  validate_hardware(h, name_or_path);
+  return h;
+}
+
+}  // namespace moetron::plan

@@ -1,0 +1,375 @@
+// plan/hardware_catalog.cpp: the planner's named hardware entries (mi300x, mi325x, mi355x, h100, h200, b200,
+// gb200), each an embedded TOML text read by the one loader in hardware.cpp, with a public source (or an
+// explicit "derived:" / "assumption:" note) for every figure it sets. Not the loader and not a cost model.
+//
+// Conventions shared by every entry (docs/hardware.md has the full table):
+//  - peaks are dense (no 2:4 sparsity); NVIDIA datasheets quote sparse figures, halved here;
+//  - bandwidths are per GPU and per direction (NVLink's "900 GB/s" is bidirectional: 450 each way);
+//  - achievable_* are measured maximum GEMM rates, never datasheet peaks; where no public measurement
+//    exists the source says "derived:" and how.
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "moetron/check.h"
+#include "moetron/plan/hardware.h"
+
+namespace moetron::plan {
+namespace {
+
+// ---- figures every entry shares (all of them assumptions, and labelled so) ----------------------------------
+const char* const kSharedTop = R"toml(hbm_efficiency = 0.8
+kernel_overhead_us = 4.0
+gemm_efficiency = [[64.0, 0.25], [128.0, 0.4], [256.0, 0.6], [512.0, 0.78], [1024.0, 0.9], [2048.0, 0.96], [4096.0, 1.0]]
+)toml";
+
+const char* const kSharedSources = R"toml(hbm_efficiency = "assumption: streaming kernels reach 80% of the datasheet HBM bandwidth; not measured for this GPU (replace with a calibrated figure)"
+kernel_overhead_us = "assumption: about 4 us launch and tail per kernel without graph capture; not measured for this GPU"
+gemm_efficiency = "assumption: generic fraction of the achievable rate by the GEMM's smallest dimension (25% at 64 rising to 100% at 4096); not measured for this GPU"
+"scale_up.alpha_us" = "assumption: 3 us per message step inside the node (launch + wire + sync), the order of small-message collective latencies; not measured"
+"scale_out.domain" = "assumption: a non-blocking fat tree of up to 65536 GPUs (a planning ceiling, not a product figure)"
+"scale_out.alpha_us" = "assumption: 10 us per message step across nodes (NIC + switch hops + sync); not measured"
+"scale_out.topology" = "assumption: rail-optimized non-blocking fat tree, any pair at the NIC rate"
+)toml";
+
+// Sources cited by several entries: {WHITEPAPER}, {AMD_MAF} and {MAMF} in an entry's sources expand to these.
+const char* const kWhitepaper = "AMD whitepaper 'At-Scale AI Training on AMD Instinct MI350/MI300X Series GPUs' (2025)";
+const char* const kAmdMaf =
+    "AMD ROCm blog 'Measuring Max-Achievable FLOPs - Part 2' (2025), Table 1, hipBLASLt-bench, "
+    "https://rocm.blogs.amd.com/software-tools-optimization/measuring-max-achievable-flops-part2/README.html";
+const char* const kMamf =
+    "S. Bekman, Machine Learning Engineering Open Book, 'Maximum Achievable Matmul FLOPS comparison table' "
+    "(2025, torch matmul, mean at the best shape of a sweep), "
+    "https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md";
+
+struct Entry {
+  const char* name;
+  const char* head;     // top-level figures
+  const char* tiers;    // [scale_up] and [scale_out]
+  const char* sources;  // this entry's [sources] lines
+};
+
+const Entry kEntries[] = {
+    // ---- AMD ----------------------------------------------------------------------------------------------
+    {"mi300x",
+     R"toml(name = "mi300x"
+description = "AMD Instinct MI300X (OAM, 750 W), 8 per node on an xGMI full mesh"
+hbm_gb = 192.0
+hbm_bw_gbps = 5300.0
+peak_bf16_tflops = 1307.4
+peak_fp8_tflops = 2614.9
+achievable_bf16_tflops = 708.0
+achievable_fp8_tflops = 1273.0
+)toml",
+     R"toml(
+[scale_up]
+domain = 8
+topology = "full_mesh"
+links = 7
+link_bw_gbps = 64.0
+link_efficiency = 1.0
+bw_gbps = 448.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "AMD Instinct MI300X data sheet (2023): 192 GB HBM3; same in {WHITEPAPER}"
+hbm_bw_gbps = "AMD Instinct MI300X data sheet (2023): 5.3 TB/s peak; same in {WHITEPAPER}"
+peak_bf16_tflops = "AMD Instinct MI300X data sheet (2023): 1307.4 TFLOPS dense BF16 (the whitepaper rounds to 1.3 PF)"
+peak_fp8_tflops = "AMD Instinct MI300X data sheet (2023): 2614.9 TFLOPS dense FP8 (the whitepaper rounds to 2.6 PF)"
+achievable_bf16_tflops = "measured: 708 TFLOPS BF16 max-achievable GEMM (M=4096 N=4864 K=32896, 1207 MHz median clock), {AMD_MAF}; an independent torch sweep measured 668.4 in {MAMF}"
+achievable_fp8_tflops = "measured: 1273 TFLOPS FP8 max-achievable GEMM (M=4096 N=3648 K=32896), {AMD_MAF}"
+"scale_up.domain" = "AMD Instinct MI300X platform: 8 OAM GPUs per node on one Infinity Fabric (xGMI) full mesh; {WHITEPAPER} (scale-up domain of 8)"
+"scale_up.topology" = "AMD Instinct MI300X data sheet (2023): 7 Infinity Fabric links per GPU, each to one of the 7 peers (full mesh)"
+"scale_up.links" = "AMD Instinct MI300X data sheet (2023): 7 Infinity Fabric links"
+"scale_up.link_bw_gbps" = "AMD Instinct MI300X data sheet (2023): 128 GB/s peak bidirectional per Infinity Fabric link = 64 GB/s per direction"
+"scale_up.link_efficiency" = "assumption: no derating; the whitepaper's 448 GB/s all-to-all figure equals 7 links x 64 GB/s at full rate"
+"scale_up.bw_gbps" = "All-to-All BW 448 GB/s per GPU, {WHITEPAPER}"
+"scale_out.bw_gbps" = "400 Gb/s InfiniBand per GPU = 50 GB/s per direction: {WHITEPAPER}, footnote 1 (96 nodes of 8 MI300X, Azure, 400 Gbps InfiniBand)"
+)toml"},
+    {"mi325x",
+     R"toml(name = "mi325x"
+description = "AMD Instinct MI325X (OAM, 1000 W), 8 per node on an xGMI full mesh"
+hbm_gb = 256.0
+hbm_bw_gbps = 6000.0
+peak_bf16_tflops = 1307.4
+peak_fp8_tflops = 2614.9
+achievable_bf16_tflops = 843.0
+achievable_fp8_tflops = 1519.0
+)toml",
+     R"toml(
+[scale_up]
+domain = 8
+topology = "full_mesh"
+links = 7
+link_bw_gbps = 64.0
+link_efficiency = 1.0
+bw_gbps = 448.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "AMD Instinct MI325X data sheet (2024): 256 GB HBM3E; also PyTorch/AMD blog on TorchTitan MoE pre-training on 1,024 MI325X GPUs (2025)"
+hbm_bw_gbps = "AMD Instinct MI325X data sheet (2024): 6 TB/s peak"
+peak_bf16_tflops = "AMD Instinct MI325X data sheet (2024): 1307.4 TFLOPS dense BF16"
+peak_fp8_tflops = "AMD Instinct MI325X data sheet (2024): 2614.9 TFLOPS dense FP8"
+achievable_bf16_tflops = "measured: 843 TFLOPS BF16 max-achievable GEMM (1447 MHz median clock), {AMD_MAF}; an independent torch sweep measured 784.9 in {MAMF}"
+achievable_fp8_tflops = "measured: 1519 TFLOPS FP8 max-achievable GEMM (1464 MHz median clock), {AMD_MAF}"
+"scale_up.domain" = "AMD Instinct MI325X platform (2024): 8 OAM GPUs per node on one Infinity Fabric full mesh"
+"scale_up.topology" = "AMD Instinct MI325X data sheet (2024): 7 Infinity Fabric links per GPU (full mesh of 8)"
+"scale_up.links" = "AMD Instinct MI325X data sheet (2024): 7 Infinity Fabric links"
+"scale_up.link_bw_gbps" = "AMD Instinct MI325X data sheet (2024): 128 GB/s peak bidirectional per link = 64 GB/s per direction"
+"scale_up.link_efficiency" = "assumption: no derating, as for mi300x (whose whitepaper all-to-all figure is the full link rate)"
+"scale_up.bw_gbps" = "derived: 7 links x 64 GB/s = 448 GB/s, the same Infinity Fabric as MI300X (the whitepaper's MI300X all-to-all figure)"
+"scale_out.bw_gbps" = "one 400 Gb RoCE v2 NIC (Broadcom Thor 2) per GPU = 50 GB/s per direction: PyTorch/AMD blog on TorchTitan MoE pre-training on 1,024 MI325X GPUs at TensorWave (2025)"
+)toml"},
+    {"mi355x",
+     R"toml(name = "mi355x"
+description = "AMD Instinct MI355X (OAM, liquid cooled, 1400 W), 8 per node on an xGMI full mesh"
+hbm_gb = 288.0
+hbm_bw_gbps = 8000.0
+peak_bf16_tflops = 2500.0
+peak_fp8_tflops = 5000.0
+achievable_bf16_tflops = 1565.0
+achievable_fp8_tflops = 2820.0
+)toml",
+     R"toml(
+[scale_up]
+domain = 8
+topology = "full_mesh"
+links = 7
+link_bw_gbps = 76.8
+link_efficiency = 1.0
+bw_gbps = 537.6
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "288 GB HBM3E: {WHITEPAPER}; AMD Instinct MI355X product page (2025)"
+hbm_bw_gbps = "8.0 TB/s: {WHITEPAPER}; AMD Instinct MI355X product page (2025)"
+peak_bf16_tflops = "2.5 PF dense BF16: {WHITEPAPER}; AMD Instinct MI355X product page (2025)"
+peak_fp8_tflops = "5.0 PF dense FP8: {WHITEPAPER}; AMD Instinct MI355X product page (2025)"
+achievable_bf16_tflops = "measured: 1565 TFLOPS BF16 (torch 2.8, ROCm 7.0.2, best shape 12288x8192x8192), {MAMF}"
+achievable_fp8_tflops = "derived: no public FP8 GEMM maximum found for MI355X; 1565 (its measured BF16) x 1519/843 (MI325X's measured FP8/BF16 ratio in {AMD_MAF}) = 2820"
+"scale_up.domain" = "AMD Instinct MI355X platform (2025): 8 GPUs per node on one Infinity Fabric full mesh; {WHITEPAPER} (scale-up domain of 8)"
+"scale_up.topology" = "AMD Instinct MI355X product page (2025): 7 Infinity Fabric links per GPU (full mesh of 8)"
+"scale_up.links" = "AMD Instinct MI355X product page (2025): 7 Infinity Fabric links"
+"scale_up.link_bw_gbps" = "AMD Instinct MI355X product page (2025): 153.6 GB/s peak bidirectional per link = 76.8 GB/s per direction (7 x 76.8 = the whitepaper's 537.6)"
+"scale_up.link_efficiency" = "assumption: no derating; the whitepaper's 537.6 GB/s all-to-all figure equals 7 links x 76.8 GB/s at full rate"
+"scale_up.bw_gbps" = "All-to-All BW 537.6 GB/s per GPU, {WHITEPAPER}"
+"scale_out.bw_gbps" = "assumption: one 400 Gb/s NIC per GPU (e.g. AMD Pensando Pollara 400 AI NIC, 2025) = 50 GB/s per direction, as in the whitepaper's MI300X cluster"
+)toml"},
+    // ---- NVIDIA ------------------------------------------------------------------------------------------
+    {"h100",
+     R"toml(name = "h100"
+description = "NVIDIA H100 SXM5 80GB (700 W), HGX/DGX H100 8-GPU NVSwitch node"
+hbm_gb = 80.0
+hbm_bw_gbps = 3350.0
+peak_bf16_tflops = 989.5
+peak_fp8_tflops = 1979.0
+achievable_bf16_tflops = 794.5
+achievable_fp8_tflops = 1402.6
+)toml",
+     R"toml(
+[scale_up]
+domain = 8
+topology = "switch"
+bw_gbps = 450.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: 80 GB HBM3"
+hbm_bw_gbps = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: 3.35 TB/s"
+peak_bf16_tflops = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: 1979 TFLOPS BF16 with sparsity, halved for dense"
+peak_fp8_tflops = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: 3958 TFLOPS FP8 with sparsity, halved for dense"
+achievable_bf16_tflops = "measured: 794.5 TFLOPS BF16 (torch 2.7, CUDA 12.6, best shape 2048x2048x13312), {MAMF}"
+achievable_fp8_tflops = "measured: 1402.6 TFLOPS FP8 e4m3 (torch 2.7, CUDA 12.6), {MAMF}"
+"scale_up.domain" = "NVIDIA DGX H100 datasheet (2023): 8 H100 GPUs per node on NVSwitch"
+"scale_up.topology" = "NVIDIA DGX H100 datasheet (2023): 4th-generation NVSwitch, any pair at full NVLink bandwidth"
+"scale_up.bw_gbps" = "NVIDIA H100 Tensor Core GPU datasheet (2023): NVLink 900 GB/s bidirectional = 450 GB/s per direction"
+"scale_out.bw_gbps" = "NVIDIA DGX H100 datasheet (2023): 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU = 50 GB/s per direction"
+)toml"},
+    {"h200",
+     R"toml(name = "h200"
+description = "NVIDIA H200 SXM 141GB (700 W), HGX/DGX H200 8-GPU NVSwitch node"
+hbm_gb = 141.0
+hbm_bw_gbps = 4800.0
+peak_bf16_tflops = 989.5
+peak_fp8_tflops = 1979.0
+achievable_bf16_tflops = 794.5
+achievable_fp8_tflops = 1453.4
+)toml",
+     R"toml(
+[scale_up]
+domain = 8
+topology = "switch"
+bw_gbps = 450.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "NVIDIA H200 Tensor Core GPU product page/datasheet (2024), H200 SXM: 141 GB HBM3e"
+hbm_bw_gbps = "NVIDIA H200 Tensor Core GPU product page/datasheet (2024), H200 SXM: 4.8 TB/s"
+peak_bf16_tflops = "NVIDIA H200 datasheet (2024), H200 SXM: 1979 TFLOPS BF16 with sparsity, halved for dense"
+peak_fp8_tflops = "NVIDIA H200 datasheet (2024), H200 SXM: 3958 TFLOPS FP8 with sparsity, halved for dense"
+achievable_bf16_tflops = "measured on H100 SXM: 794.5 TFLOPS BF16; the table notes H200 is the same (same GH100 compute), {MAMF}"
+achievable_fp8_tflops = "measured: 1453.4 TFLOPS FP8 e4m3 on H200 SXM (torch 2.7.1, CUDA 12.8), {MAMF}"
+"scale_up.domain" = "NVIDIA DGX H200 datasheet (2024): 8 H200 GPUs per node on NVSwitch"
+"scale_up.topology" = "NVIDIA DGX H200 datasheet (2024): NVSwitch, any pair at full NVLink bandwidth"
+"scale_up.bw_gbps" = "NVIDIA H200 datasheet (2024): NVLink 900 GB/s bidirectional = 450 GB/s per direction"
+"scale_out.bw_gbps" = "NVIDIA DGX H200 datasheet (2024): 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU = 50 GB/s per direction"
+)toml"},
+    {"b200",
+     R"toml(name = "b200"
+description = "NVIDIA B200 (1000 W), HGX/DGX B200 8-GPU NVLink 5 node"
+hbm_gb = 180.0
+hbm_bw_gbps = 8000.0
+peak_bf16_tflops = 2250.0
+peak_fp8_tflops = 4500.0
+achievable_bf16_tflops = 1745.0
+achievable_fp8_tflops = 3432.5
+)toml",
+     R"toml(
+[scale_up]
+domain = 8
+topology = "switch"
+bw_gbps = 900.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "NVIDIA DGX B200 datasheet (2024): 1,440 GB GPU memory for 8 GPUs = 180 GB per GPU"
+hbm_bw_gbps = "NVIDIA DGX B200 datasheet (2024): 64 TB/s HBM3e for 8 GPUs = 8 TB/s per GPU"
+peak_bf16_tflops = "NVIDIA HGX B200 specifications (2024): 36 PFLOPS FP16/BF16 for 8 GPUs with sparsity = 2.25 PF dense per GPU"
+peak_fp8_tflops = "NVIDIA HGX B200 specifications (2024): 72 PFLOPS FP8 for 8 GPUs with sparsity = 4.5 PF dense per GPU"
+achievable_bf16_tflops = "measured: 1745 TFLOPS BF16 (torch 2.7.1, CUDA 12.8, best shape 1792x16128x3072), {MAMF}"
+achievable_fp8_tflops = "measured: 3432.5 TFLOPS FP8 e4m3 (torch 2.7.1, CUDA 12.8), {MAMF}"
+"scale_up.domain" = "NVIDIA DGX B200 datasheet (2024): 8 B200 GPUs per node on NVLink 5 switches"
+"scale_up.topology" = "NVIDIA HGX B200 specifications (2024): NVLink Switch, any pair at full NVLink bandwidth"
+"scale_up.bw_gbps" = "NVIDIA HGX B200 specifications (2024): NVLink 5 1.8 TB/s bidirectional per GPU = 900 GB/s per direction"
+"scale_out.bw_gbps" = "NVIDIA DGX B200 datasheet (2024): 8 single-port ConnectX-7 VPI 400 Gb/s for the compute fabric, one per GPU = 50 GB/s per direction"
+)toml"},
+    {"gb200",
+     R"toml(name = "gb200"
+description = "NVIDIA GB200 NVL72: 72 Blackwell GPUs in one NVLink 5 domain (rack scale)"
+hbm_gb = 186.0
+hbm_bw_gbps = 8000.0
+peak_bf16_tflops = 2500.0
+peak_fp8_tflops = 5000.0
+achievable_bf16_tflops = 1822.0
+achievable_fp8_tflops = 3615.6
+)toml",
+     R"toml(
+[scale_up]
+domain = 72
+topology = "switch"
+bw_gbps = 900.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "NVIDIA GB200 NVL72 specifications (2024): up to 13.4 TB HBM3e for 72 GPUs = 186 GB per GPU"
+hbm_bw_gbps = "NVIDIA GB200 NVL72 specifications (2024): 576 TB/s for 72 GPUs = 8 TB/s per GPU"
+peak_bf16_tflops = "NVIDIA GB200 NVL72 specifications (2024): 360 PFLOPS FP16/BF16 for 72 GPUs with sparsity = 2.5 PF dense per GPU"
+peak_fp8_tflops = "NVIDIA GB200 NVL72 specifications (2024): 720 PFLOPS FP8 for 72 GPUs with sparsity = 5 PF dense per GPU"
+achievable_bf16_tflops = "measured: 1822 TFLOPS BF16 on a GB200 GPU (torch 2.10 nightly, CUDA 13.0, best shape 4096x9728x2048), {MAMF}"
+achievable_fp8_tflops = "measured: 3615.6 TFLOPS FP8 e4m3 on a GB200 GPU (torch 2.10 nightly, CUDA 13.0), {MAMF}"
+"scale_up.domain" = "NVIDIA GB200 NVL72 specifications (2024): 72 GPUs in one NVLink domain"
+"scale_up.topology" = "NVIDIA GB200 NVL72 specifications (2024): NVLink Switch trays, any pair of the 72 at full NVLink bandwidth"
+"scale_up.bw_gbps" = "NVIDIA GB200 NVL72 specifications (2024): 130 TB/s NVLink for 72 GPUs = 1.8 TB/s bidirectional per GPU = 900 GB/s per direction"
+"scale_out.bw_gbps" = "NVIDIA DGX SuperPOD reference architecture with DGX GB200 (2024): one ConnectX-7 400 Gb/s InfiniBand port per GPU for the compute fabric = 50 GB/s per direction"
+)toml"},
+};
+
+std::string expand(std::string s) {
+  const std::pair<const char*, const char*> subs[] = {
+      {"{WHITEPAPER}", kWhitepaper}, {"{AMD_MAF}", kAmdMaf}, {"{MAMF}", kMamf}};
+  for (const auto& [token, text] : subs)
+    for (size_t at = s.find(token); at != std::string::npos; at = s.find(token, at))
+      s.replace(at, std::strlen(token), text);
+  return s;
+}
+
+const std::map<std::string, std::string, std::less<>>& texts() {
+  static const auto* m = [] {
+    auto* out = new std::map<std::string, std::string, std::less<>>;
+    for (const auto& e : kEntries)
+      (*out)[e.name] =
+          std::string(e.head) + kSharedTop + e.tiers + "\n[sources]\n" + expand(e.sources) + kSharedSources;
+    return out;
+  }();
+  return *m;
+}
+
+[[noreturn]] void unknown_entry(std::string_view name) {
+  std::string msg = "unknown hardware '" + std::string(name) + "'; the catalog has: ";
+  const auto& names = catalog_names();
+  for (size_t i = 0; i < names.size(); ++i) msg += (i ? ", " : "") + names[i];
+  msg += " (or pass a path to a TOML file: anything containing '/' or ending in .toml; docs/hardware.md)";
+  throw Error(msg);
+}
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out)
+    if (c >= 'A' && c <= 'Z') c = char(c - 'A' + 'a');
+  return out;
+}
+
+}  // namespace
+
+const std::vector<std::string>& catalog_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (const auto& e : kEntries) v.push_back(e.name);
+    return v;
+  }();
+  return names;
+}
+
+std::string_view catalog_toml(std::string_view name) {
+  const auto& m = texts();
+  auto it = m.find(lower(name));
+  if (it == m.end()) unknown_entry(name);
+  return it->second;
+}
+
+Hardware catalog_hardware(std::string_view name) {
+  const std::string key = lower(name);
+  const std::string source = "catalog entry '" + key + "'";
+  Hardware h = hardware_from_toml(catalog_toml(key), source);
+  validate_hardware(h, source);
+  return h;
+}
+
+}  // namespace moetron::plan

@@ -1,0 +1,403 @@
+// tests/plan/test_hardware.cpp: the planner's hardware catalog and its TOML loader: every entry loads and
+// names a source for each figure it sets, TOML round trips, refusals name the key, the GEMM efficiency
+// interpolation, the whitepaper's all-to-all figures, and user files. Not the collective cost model.
+#include <gtest/gtest.h>
+
+#include <toml++/toml.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include <unistd.h>
+
+#include "moetron/check.h"
+#include "moetron/plan/hardware.h"
+
+using namespace moetron;
+using namespace moetron::plan;
+
+namespace {
+
+// The message of the moetron::Error that f throws (fails the test if it throws nothing).
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a moetron::Error";
+  return {};
+}
+
+// A small valid user file; tests break one thing at a time.
+const char* const kUserToml = R"(name = "lab"
+description = "test cluster"
+hbm_gb = 96
+hbm_bw_gbps = 4000
+peak_bf16_tflops = 1000
+peak_fp8_tflops = 2000
+achievable_bf16_tflops = 700
+achievable_fp8_tflops = 1300
+kernel_overhead_us = 5
+gemm_efficiency = [[128, 0.4], [1024, 0.9]]
+
+[scale_up]
+domain = 4
+bw_gbps = 300
+alpha_us = 2
+
+[scale_out]
+domain = 1024
+bw_gbps = 25
+alpha_us = 12
+)";
+
+std::string replace(std::string s, const std::string& from, const std::string& to) {
+  const size_t at = s.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  if (at != std::string::npos) s.replace(at, from.size(), to);
+  return s;
+}
+
+void expect_same(const Hardware& a, const Hardware& b) {
+  EXPECT_EQ(a.name, b.name);
+  EXPECT_EQ(a.description, b.description);
+  EXPECT_DOUBLE_EQ(a.hbm_bytes, b.hbm_bytes);
+  EXPECT_DOUBLE_EQ(a.hbm_bw, b.hbm_bw);
+  EXPECT_DOUBLE_EQ(a.hbm_efficiency, b.hbm_efficiency);
+  EXPECT_DOUBLE_EQ(a.peak_bf16, b.peak_bf16);
+  EXPECT_DOUBLE_EQ(a.peak_fp8, b.peak_fp8);
+  EXPECT_DOUBLE_EQ(a.achievable_bf16, b.achievable_bf16);
+  EXPECT_DOUBLE_EQ(a.achievable_fp8, b.achievable_fp8);
+  EXPECT_DOUBLE_EQ(a.kernel_overhead, b.kernel_overhead);
+  ASSERT_EQ(a.gemm_efficiency.size(), b.gemm_efficiency.size());
+  for (size_t i = 0; i < a.gemm_efficiency.size(); ++i) {
+    EXPECT_DOUBLE_EQ(a.gemm_efficiency[i].dim, b.gemm_efficiency[i].dim);
+    EXPECT_DOUBLE_EQ(a.gemm_efficiency[i].eff, b.gemm_efficiency[i].eff);
+  }
+  for (Tier Hardware::*t : {&Hardware::scale_up, &Hardware::scale_out}) {
+    const Tier& x = a.*t;
+    const Tier& y = b.*t;
+    EXPECT_EQ(x.domain, y.domain);
+    EXPECT_DOUBLE_EQ(x.bw, y.bw);
+    EXPECT_DOUBLE_EQ(x.alpha, y.alpha);
+    EXPECT_EQ(x.topology, y.topology);
+    EXPECT_EQ(x.links, y.links);
+    EXPECT_DOUBLE_EQ(x.link_bw, y.link_bw);
+    EXPECT_DOUBLE_EQ(x.link_efficiency, y.link_efficiency);
+  }
+  EXPECT_EQ(a.sources, b.sources);
+}
+
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "moetron_hw_XXXXXX").string();
+    if (!mkdtemp(tmpl.data())) ADD_FAILURE() << "mkdtemp failed";
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+}  // namespace
+
+// ---- the catalog ------------------------------------------------------------------------------------------
+TEST(HardwareCatalog, HasTheSevenEntries) {
+  const std::vector<std::string> want = {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "gb200"};
+  EXPECT_EQ(catalog_names(), want);
+}
+
+TEST(HardwareCatalog, EveryEntryLoadsAndValidates) {
+  for (const auto& name : catalog_names()) {
+    SCOPED_TRACE(name);
+    Hardware h;
+    ASSERT_NO_THROW(h = catalog_hardware(name));
+    EXPECT_EQ(h.name, name);
+    EXPECT_FALSE(h.description.empty());
+    EXPECT_NO_THROW(validate_hardware(h, name));
+    // Measured rates sit below the datasheet peaks, and FP8 above BF16.
+    EXPECT_LT(h.achievable_bf16, h.peak_bf16);
+    EXPECT_LT(h.achievable_fp8, h.peak_fp8);
+    EXPECT_GT(h.achievable_fp8, h.achievable_bf16);
+    EXPECT_GE(h.scale_up.domain, 8);
+    EXPECT_GT(h.scale_up.bw, h.scale_out.bw);
+  }
+  EXPECT_EQ(catalog_hardware("MI300X").name, "mi300x");  // names are case-insensitive
+}
+
+TEST(HardwareCatalog, EverySetFigureNamesASource) {
+  for (const auto& name : catalog_names()) {
+    SCOPED_TRACE(name);
+    const toml::table root = toml::parse(catalog_toml(name));
+    const Hardware h = catalog_hardware(name);
+    std::set<std::string> set_keys;
+    for (const auto& [k, v] : root) {
+      const std::string key(k.str());
+      if (key == "name" || key == "description" || key == "sources") continue;
+      if (const auto* tier = v.as_table()) {
+        for (const auto& [tk, tv] : *tier) set_keys.insert(key + "." + std::string(tk.str()));
+      } else {
+        set_keys.insert(key);
+      }
+    }
+    EXPECT_GE(set_keys.size(), 17u);  // 9 top-level figures + 4 per tier at least
+    for (const auto& key : set_keys) {
+      auto it = h.sources.find(key);
+      ASSERT_NE(it, h.sources.end()) << "no source for " << key;
+      EXPECT_GE(it->second.size(), 20u) << key << ": '" << it->second << "'";
+    }
+    for (const auto& [key, text] : h.sources) EXPECT_TRUE(set_keys.count(key)) << "source for unset key " << key;
+    // An achievable rate is a measurement or says how it was derived; never a bare datasheet figure.
+    for (const char* key : {"achievable_bf16_tflops", "achievable_fp8_tflops"}) {
+      const std::string& s = h.sources.at(key);
+      EXPECT_TRUE(s.rfind("measured", 0) == 0 || s.rfind("derived:", 0) == 0) << key << ": " << s;
+    }
+  }
+  EXPECT_EQ(catalog_hardware("mi355x").sources.at("achievable_fp8_tflops").rfind("derived:", 0), 0u);
+}
+
+TEST(HardwareCatalog, DatasheetFigures) {
+  const Hardware mi300x = catalog_hardware("mi300x"), mi355x = catalog_hardware("mi355x");
+  EXPECT_DOUBLE_EQ(mi300x.hbm_bytes, 192e9);
+  EXPECT_DOUBLE_EQ(mi300x.hbm_bw, 5.3e12);
+  EXPECT_DOUBLE_EQ(mi355x.hbm_bytes, 288e9);
+  EXPECT_DOUBLE_EQ(mi355x.hbm_bw, 8.0e12);
+  EXPECT_NEAR(mi300x.peak_bf16, 1.3e15, 0.01e15);
+  EXPECT_NEAR(mi355x.peak_fp8, 5.0e15, 0.01e15);
+  const Hardware h100 = catalog_hardware("h100"), gb200 = catalog_hardware("gb200");
+  EXPECT_DOUBLE_EQ(h100.scale_up.bw, 450e9);  // NVLink 4: 900 GB/s bidirectional
+  EXPECT_DOUBLE_EQ(gb200.scale_up.bw, 900e9);  // NVLink 5: 1.8 TB/s bidirectional
+  EXPECT_EQ(gb200.scale_up.domain, 72);
+  EXPECT_DOUBLE_EQ(h100.scale_out.bw, 50e9);   // 400 Gb/s per GPU
+}
+
+// The whitepaper's all-to-all bandwidths: 448 GB/s (MI300X) and 537.6 GB/s (MI355X).
+TEST(HardwareCatalog, FullMeshAllToAllMatchesTheWhitepaper) {
+  const Hardware mi300x = catalog_hardware("mi300x"), mi355x = catalog_hardware("mi355x");
+  EXPECT_EQ(mi300x.scale_up.topology, "full_mesh");
+  EXPECT_EQ(mi300x.scale_up.links, 7);
+  EXPECT_NEAR(mi300x.scale_up.all_peers_bw(), 448e9, 448e9 * 0.01);
+  EXPECT_NEAR(mi355x.scale_up.all_peers_bw(), 537.6e9, 537.6e9 * 0.01);
+  EXPECT_NEAR(mi300x.scale_up.pair_bw(), 64e9, 64e9 * 0.01);  // one link, one direction
+  // A switch gives every pair, and all peers together, the same per-GPU bandwidth.
+  const Hardware h100 = catalog_hardware("h100");
+  EXPECT_DOUBLE_EQ(h100.scale_up.all_peers_bw(), h100.scale_up.pair_bw());
+}
+
+TEST(HardwareCatalog, UnknownNameListsTheCatalog) {
+  for (const std::string& msg : {error_of([] { catalog_hardware("mi400x"); }),
+                                error_of([] { resolve_hardware("mi400x"); })}) {
+    EXPECT_NE(msg.find("'mi400x'"), std::string::npos) << msg;
+    for (const auto& name : catalog_names()) EXPECT_NE(msg.find(name), std::string::npos) << name << ": " << msg;
+  }
+}
+
+// ---- TOML round trip -------------------------------------------------------------------------------------
+TEST(HardwareToml, CatalogRoundTrips) {
+  for (const auto& name : catalog_names()) {
+    SCOPED_TRACE(name);
+    const Hardware h = catalog_hardware(name);
+    const std::string text = hardware_to_toml(h);
+    const Hardware back = hardware_from_toml(text, "roundtrip.toml");
+    expect_same(h, back);
+    EXPECT_EQ(hardware_to_toml(back), text);  // stable after one trip
+  }
+}
+
+TEST(HardwareToml, AwkwardValuesRoundTrip) {
+  Hardware h = hardware_from_toml(kUserToml, "lab.toml");
+  h.description = "quote \" backslash \\ tab \t end";
+  h.hbm_bytes = 123456789012.345;
+  h.hbm_bw = 1.0 / 3.0 * 1e13;
+  h.kernel_overhead = 1.7e-6;
+  h.scale_up.alpha = 0.1e-6;
+  h.scale_out.topology = "full_mesh";
+  h.scale_out.links = 3;
+  h.scale_out.link_bw = 12.5e9;
+  h.scale_out.link_efficiency = 0.85;
+  h.sources["hbm_gb"] = "a \"quoted\" source";
+  const Hardware back = hardware_from_toml(hardware_to_toml(h), "x.toml");
+  expect_same(h, back);
+}
+
+// ---- refusals ---------------------------------------------------------------------------------------------
+TEST(HardwareToml, UserFileParses) {
+  const Hardware h = hardware_from_toml(kUserToml, "lab.toml");
+  EXPECT_EQ(h.name, "lab");
+  EXPECT_DOUBLE_EQ(h.hbm_bytes, 96e9);
+  EXPECT_DOUBLE_EQ(h.hbm_bw, 4e12);
+  EXPECT_DOUBLE_EQ(h.achievable_bf16, 700e12);
+  EXPECT_DOUBLE_EQ(h.kernel_overhead, 5e-6);
+  EXPECT_DOUBLE_EQ(h.scale_up.alpha, 2e-6);
+  EXPECT_EQ(h.scale_up.topology, "switch");
+  EXPECT_DOUBLE_EQ(h.hbm_efficiency, 1.0);  // optional keys keep their defaults
+  EXPECT_NO_THROW(validate_hardware(h, "lab.toml"));
+}
+
+TEST(HardwareToml, UnknownKeyNamesItAndSuggests) {
+  std::string msg = error_of([] { hardware_from_toml(replace(kUserToml, "hbm_gb =", "hbm_gbs ="), "lab.toml"); });
+  EXPECT_NE(msg.find("lab.toml"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unknown key 'hbm_gbs'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did you mean 'hbm_gb'"), std::string::npos) << msg;
+  msg = error_of([] { hardware_from_toml(replace(kUserToml, "bw_gbps = 300", "bw_gpbs = 300"), "lab.toml"); });
+  EXPECT_NE(msg.find("'scale_up.bw_gpbs'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did you mean 'scale_up.bw_gbps'"), std::string::npos) << msg;
+  msg = error_of([] {
+    hardware_from_toml(std::string(kUserToml) + "\n[sources]\nhbm_bw = \"x\"\n", "lab.toml");
+  });
+  EXPECT_NE(msg.find("'sources.hbm_bw'"), std::string::npos) << msg;
+  msg = error_of([] { hardware_from_toml(std::string(kUserToml) + "\n[network]\nx = 1\n", "lab.toml"); });
+  EXPECT_NE(msg.find("unknown key 'network'"), std::string::npos) << msg;
+}
+
+TEST(HardwareToml, NegativeBandwidthNamesTheKey) {
+  const Hardware h = hardware_from_toml(replace(kUserToml, "bw_gbps = 300", "bw_gbps = -1"), "mi300x.toml");
+  const std::string msg = error_of([&] { validate_hardware(h, "mi300x.toml"); });
+  EXPECT_NE(msg.find("mi300x.toml: scale_up.bw_gbps = -1: must be > 0"), std::string::npos) << msg;
+  // resolve_hardware validates too.
+  TempDir dir;
+  const auto path = dir.path / "bad.toml";
+  std::ofstream(path) << replace(kUserToml, "hbm_bw_gbps = 4000", "hbm_bw_gbps = 0");
+  const std::string msg2 = error_of([&] { resolve_hardware(path.string()); });
+  EXPECT_NE(msg2.find("hbm_bw_gbps = 0: must be > 0"), std::string::npos) << msg2;
+}
+
+TEST(HardwareToml, MissingRequiredFigureNamesTheKey) {
+  std::string msg = error_of([] { hardware_from_toml(replace(kUserToml, "hbm_gb = 96\n", ""), "lab.toml"); });
+  EXPECT_NE(msg.find("missing required key 'hbm_gb'"), std::string::npos) << msg;
+  msg = error_of([] { hardware_from_toml(replace(kUserToml, "domain = 4\n", ""), "lab.toml"); });
+  EXPECT_NE(msg.find("'scale_up.domain'"), std::string::npos) << msg;
+  msg = error_of([] { hardware_from_toml(replace(kUserToml, "bw_gbps = 25\n", ""), "lab.toml"); });
+  EXPECT_NE(msg.find("'scale_out.bw_gbps'"), std::string::npos) << msg;
+  msg = error_of([] {
+    hardware_from_toml(replace(kUserToml, "bw_gbps = 300", "topology = \"full_mesh\"\nlinks = 3"), "lab.toml");
+  });
+  EXPECT_NE(msg.find("'scale_up.link_bw_gbps'"), std::string::npos) << msg;
+}
+
+TEST(HardwareToml, WrongTypeNamesTheKey) {
+  std::string msg = error_of([] { hardware_from_toml(replace(kUserToml, "hbm_gb = 96", "hbm_gb = \"96\""), "lab.toml"); });
+  EXPECT_NE(msg.find("hbm_gb: expected a number, got a string"), std::string::npos) << msg;
+  msg = error_of([] { hardware_from_toml(replace(kUserToml, "domain = 4", "domain = 4.5"), "lab.toml"); });
+  EXPECT_NE(msg.find("scale_up.domain: expected an integer, got a float"), std::string::npos) << msg;
+  msg = error_of([] {
+    hardware_from_toml(replace(kUserToml, "[[128, 0.4], [1024, 0.9]]", "[128, 0.4]"), "lab.toml");
+  });
+  EXPECT_NE(msg.find("gemm_efficiency: expected a [dim, eff] pair"), std::string::npos) << msg;
+  msg = error_of([] { hardware_from_toml("hbm_gb = = 3\n", "broken.toml"); });
+  EXPECT_NE(msg.find("broken.toml:1: TOML syntax error"), std::string::npos) << msg;
+}
+
+TEST(HardwareToml, OutOfRangeFiguresAreRefused) {
+  auto refuse = [](const std::string& from, const std::string& to, const std::string& want) {
+    const Hardware h = hardware_from_toml(replace(kUserToml, from, to), "lab.toml");
+    const std::string msg = error_of([&] { validate_hardware(h, "lab.toml"); });
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
+  };
+  refuse("achievable_bf16_tflops = 700", "achievable_bf16_tflops = 1200",
+         "achievable_bf16_tflops = 1200: must be <= peak_bf16_tflops = 1000");
+  refuse("kernel_overhead_us = 5", "kernel_overhead_us = -1", "kernel_overhead_us = -1: must be >= 0");
+  refuse("[[128, 0.4], [1024, 0.9]]", "[[1024, 0.9], [128, 0.4]]", "gemm_efficiency[1].dim = 128: must be >");
+  refuse("[[128, 0.4], [1024, 0.9]]", "[[128, 1.5]]", "gemm_efficiency[0].eff = 1.5: must be in (0, 1]");
+}
+
+TEST(HardwareToml, FullMeshWithoutAggregateUsesTheLinks) {
+  const Hardware h = hardware_from_toml(
+      replace(kUserToml, "bw_gbps = 300", "topology = \"full_mesh\"\nlinks = 3\nlink_bw_gbps = 50\nlink_efficiency = 0.8"),
+      "lab.toml");
+  EXPECT_DOUBLE_EQ(h.scale_up.bw, 3 * 50e9 * 0.8);
+  EXPECT_DOUBLE_EQ(h.scale_up.pair_bw(), 40e9);
+  EXPECT_NO_THROW(validate_hardware(h, "lab.toml"));
+  Hardware bad = h;
+  bad.scale_up.links = 4;  // a 4-GPU mesh has 3 peers
+  const std::string msg = error_of([&] { validate_hardware(bad, "lab.toml"); });
+  EXPECT_NE(msg.find("scale_up.links = 4: must be <= domain - 1 = 3"), std::string::npos) << msg;
+}
+
+// ---- GEMM efficiency ---------------------------------------------------------------------------------------
+TEST(HardwareGemm, LogLinearInterpolationClampedAtTheEnds) {
+  Hardware h = hardware_from_toml(kUserToml, "lab.toml");  // [[128, 0.4], [1024, 0.9]]
+  // Hand-computed: ln(256/128)/ln(1024/128) = 1/3, ln(512/128)/ln(8) = 2/3, sqrt(128*1024) is the midpoint.
+  EXPECT_DOUBLE_EQ(h.gemm_eff(128), 0.4);
+  EXPECT_DOUBLE_EQ(h.gemm_eff(1024), 0.9);
+  EXPECT_NEAR(h.gemm_eff(256), 0.4 + 0.5 / 3, 1e-12);
+  EXPECT_NEAR(h.gemm_eff(512), 0.4 + 0.5 * 2 / 3, 1e-12);
+  EXPECT_NEAR(h.gemm_eff(std::sqrt(128.0 * 1024.0)), 0.65, 1e-12);
+  EXPECT_DOUBLE_EQ(h.gemm_eff(16), 0.4);    // clamped below
+  EXPECT_DOUBLE_EQ(h.gemm_eff(0), 0.4);
+  EXPECT_DOUBLE_EQ(h.gemm_eff(1e6), 0.9);   // clamped above
+  // The rate uses the smallest of m, n, k.
+  EXPECT_NEAR(h.gemm_rate(8192, 256, 4096, false), 700e12 * (0.4 + 0.5 / 3), 1e3);
+  EXPECT_NEAR(h.gemm_rate(8192, 8192, 512, true), 1300e12 * (0.4 + 0.5 * 2 / 3), 1e3);
+  // Three points: the middle segment is used between its own ends.
+  h.gemm_efficiency = {{100, 0.2}, {1000, 0.5}, {10000, 1.0}};
+  EXPECT_NEAR(h.gemm_eff(std::sqrt(1000.0 * 10000.0)), 0.75, 1e-12);
+  EXPECT_NEAR(h.gemm_eff(std::sqrt(100.0 * 1000.0)), 0.35, 1e-12);
+  h.gemm_efficiency.clear();
+  EXPECT_DOUBLE_EQ(h.gemm_eff(7), 1.0);  // empty table: 1.0 everywhere
+  EXPECT_DOUBLE_EQ(h.gemm_rate(10, 10, 10, false), 700e12);
+  h.achievable_fp8 = 0;
+  const std::string msg = error_of([&] { h.gemm_rate(4096, 4096, 4096, true); });
+  EXPECT_NE(msg.find("achievable_fp8_tflops"), std::string::npos) << msg;
+}
+
+TEST(HardwareGemm, CatalogCurve) {
+  const Hardware h = catalog_hardware("h100");
+  EXPECT_DOUBLE_EQ(h.gemm_eff(8), 0.25);
+  EXPECT_DOUBLE_EQ(h.gemm_eff(8192), 1.0);
+  EXPECT_NEAR(h.gemm_eff(std::sqrt(1024.0 * 2048.0)), (0.9 + 0.96) / 2, 1e-12);
+  EXPECT_DOUBLE_EQ(h.gemm_rate(8192, 8192, 8192, false), h.achievable_bf16);
+}
+
+// ---- --hw resolution --------------------------------------------------------------------------------------
+TEST(HardwareResolve, ReadsAUserFile) {
+  TempDir dir;
+  const auto path = dir.path / "my_cluster.toml";
+  std::ofstream(path) << replace(kUserToml, "name = \"lab\"\n", "");
+  const Hardware h = resolve_hardware(path.string());
+  EXPECT_EQ(h.name, "my_cluster");  // no name key: the file's stem
+  EXPECT_DOUBLE_EQ(h.hbm_bytes, 96e9);
+  EXPECT_EQ(h.scale_up.domain, 4);
+  EXPECT_EQ(resolve_hardware("h100").name, "h100");
+}
+
+TEST(HardwareResolve, UnreadableFileNamesThePath) {
+  TempDir dir;
+  const std::string missing = (dir.path / "nope.toml").string();
+  std::string msg = error_of([&] { resolve_hardware(missing); });
+  EXPECT_NE(msg.find(missing), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cannot read"), std::string::npos) << msg;
+  msg = error_of([] { resolve_hardware("cluster.toml"); });  // .toml: a path, not a catalog name
+  EXPECT_NE(msg.find("'cluster.toml'"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("unknown hardware"), std::string::npos) << msg;
+}
+
+// The example in docs/hardware.md is a valid file.
+TEST(HardwareResolve, DocsExampleIsValid) {
+  std::ifstream in(std::string(MOETRON_SOURCE_DIR) + "/docs/hardware.md");
+  ASSERT_TRUE(in) << "docs/hardware.md";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string doc = ss.str();
+  const size_t begin = doc.find("```toml\n");
+  ASSERT_NE(begin, std::string::npos);
+  const size_t end = doc.find("```", begin + 8);
+  ASSERT_NE(end, std::string::npos);
+  TempDir dir;
+  const auto path = dir.path / "my_cluster.toml";
+  std::ofstream(path) << doc.substr(begin + 8, end - begin - 8);
+  const Hardware h = resolve_hardware(path.string());
+  EXPECT_EQ(h.name, "my_cluster");
+  EXPECT_NEAR(h.scale_up.bw, 7 * 64e9 * 0.9, 1.0);
+  EXPECT_DOUBLE_EQ(h.scale_out.bw, 100e9);
+  EXPECT_FALSE(h.sources.at("scale_out.bw_gbps").empty());
+}
