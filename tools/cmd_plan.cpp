@@ -26,7 +26,7 @@ struct PlanArgs {
   int64_t world = 0;
   double gbt = 0;  // global batch tokens (0 = the config's)
   double margin = 0.10;
-  bool unfused_loss = false, json = false;
+  bool unfused_loss = false, json = false, no_dist_opt = false;
   int64_t top_k = 5;
   std::string worlds;
 };
@@ -40,6 +40,8 @@ void common(CLI::App* a, PlanArgs& p, bool need_world) {
   a->add_option("--margin", p.margin, "AT-RISK band below HBM (fraction, default 0.10)");
   a->add_flag("--unfused-loss", p.unfused_loss, "the loss keeps logits and softmax (no loss fusion)");
   a->add_flag("--json", p.json, "print one JSON object");
+  a->add_flag("--no-distributed-optimizer", p.no_dist_opt,
+              "keep parallelism.zero = 0 (by default the planner plans zero 0 as Megatron's distributed optimizer, zero 1)");
   a->allow_extras();
 }
 
@@ -94,7 +96,7 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   mem->callback([mem, pm] {
     const JobConfig c = load(*pm, mem);
     const plan::Hardware h = plan::resolve_hardware(pm->hw);
-    const plan::Layout l = plan::layout_from_config(c, pm->world);
+    const plan::Layout l = plan::layout_from_config(c, pm->world, !pm->no_dist_opt);
     const plan::MemoryPlan m = plan::plan_memory(c, l, h, options(*pm, c));
     if (pm->json) std::printf("%s\n", plan::to_json(m).dump(2).c_str());
     else std::printf("%s", plan::format_memory(m).c_str());
@@ -106,7 +108,7 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   tim->callback([tim, pt] {
     const JobConfig c = load(*pt, tim);
     const plan::Hardware h = plan::resolve_hardware(pt->hw);
-    const plan::Layout l = plan::layout_from_config(c, pt->world);
+    const plan::Layout l = plan::layout_from_config(c, pt->world, !pt->no_dist_opt);
     plan::TimeOptions o;
     o.memory = options(*pt, c);
     const plan::TimePlan t = plan::plan_time(c, l, h, o);

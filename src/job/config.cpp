@@ -866,7 +866,9 @@ void JobConfig::validate() const {
         "): the causal load balance gives each rank two chunks");
   if (p.expert_tp > 1 && model.is_moe() && model.moe.moe_inter_size % p.expert_tp != 0)
     invalid_config("parallelism.expert_tp", p.expert_tp, "must divide model.moe_inter_size (", model.moe.moe_inter_size, ")");
-  if ((p.tp * p.cp * p.dp()) % (p.ep * p.expert_tp) != 0)
+  // With dp_replicate = dp_shard = 1 the data-parallel size is left to the world (the planner's --world; the
+  // engine's mesh then checks the same rule against the launched ranks).
+  if (p.dp() > 1 && (p.tp * p.cp * p.dp()) % (p.ep * p.expert_tp) != 0)
     invalid_config("parallelism.ep", p.ep, "ep x expert_tp (", p.ep * p.expert_tp, ") must divide tp x cp x dp (",
         p.tp * p.cp * p.dp(), "): expert groups are carved out of the tensor, context and data-parallel ranks");
   if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");

@@ -45,6 +45,7 @@ constexpr Key kTop[] = {
     {"achievable_bf16_tflops", Kind::Number, kT, true, "measured large-GEMM BF16 rate, TFLOPS"},
     {"achievable_fp8_tflops", Kind::Number, kT, false, "measured large-GEMM FP8 rate, TFLOPS"},
     {"kernel_overhead_us", Kind::Number, kUs, false, "per-kernel floor, microseconds"},
+    {"attention_efficiency", Kind::Number, 1, false, "fused attention's rate as a fraction of achievable_bf16"},
     {"gemm_efficiency", Kind::Curve, 1, false, "[[min_dim, eff], ...] fraction of the achievable rate"},
 };
 constexpr Key kTier[] = {
@@ -167,6 +168,7 @@ double* number_field(Hardware& h, std::string_view key) {
   if (key == "achievable_bf16_tflops") return &h.achievable_bf16;
   if (key == "achievable_fp8_tflops") return &h.achievable_fp8;
   if (key == "kernel_overhead_us") return &h.kernel_overhead;
+  if (key == "attention_efficiency") return &h.attention_efficiency;
   return nullptr;
 }
 double* number_field(Tier& t, std::string_view key) {
@@ -409,6 +411,7 @@ std::string hardware_to_toml(const Hardware& h) {
   num("achievable_bf16_tflops", h.achievable_bf16, kT);
   num("achievable_fp8_tflops", h.achievable_fp8, kT);
   num("kernel_overhead_us", h.kernel_overhead, kUs);
+  num("attention_efficiency", h.attention_efficiency, 1);
   os << "gemm_efficiency = [";
   for (size_t i = 0; i < h.gemm_efficiency.size(); ++i)
     os << (i ? ", " : "") << "[" << toml_float(shortest(h.gemm_efficiency[i].dim)) << ", "
@@ -451,6 +454,8 @@ void validate_hardware(const Hardware& h, std::string_view source) {
     c.fail("achievable_fp8_tflops", h.achievable_fp8 / kT,
            "must be <= peak_fp8_tflops = " + shortest(h.peak_fp8 / kT));
   c.non_negative("kernel_overhead_us", h.kernel_overhead, kUs);
+  if (!(h.attention_efficiency > 0 && h.attention_efficiency <= 1))
+    c.fail("attention_efficiency", h.attention_efficiency, "must lie in (0, 1]");
   for (size_t i = 0; i < h.gemm_efficiency.size(); ++i) {
     const auto& p = h.gemm_efficiency[i];
     const std::string at = "gemm_efficiency[" + std::to_string(i) + "]";

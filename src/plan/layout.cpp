@@ -74,11 +74,12 @@ std::string layout_error(const JobConfig& c, const Layout& l, int64_t gbs) {
   return "";
 }
 
-Layout layout_from_config(const JobConfig& c, int64_t world) {
+Layout layout_from_config(const JobConfig& c, int64_t world, bool distributed_optimizer) {
   const ParallelSpec& p = c.parallelism;
   Layout l;
   l.tp = p.tp, l.cp = p.cp, l.pp = p.pp, l.ep = p.ep, l.etp = p.expert_tp, l.sp = p.sequence_parallel;
   l.schedule = p.pp_schedule, l.ep_overlap = p.ep_overlap, l.zero = p.zero;
+  if (distributed_optimizer && l.zero == 0) l.zero = 1;
   l.mbs = c.training.micro_batch_size;
   l.recompute = c.activation_checkpoint.mode;
   l.recompute_modules = c.activation_checkpoint.modules;
@@ -92,6 +93,7 @@ Layout layout_from_config(const JobConfig& c, int64_t world) {
   if (p.zero == 3 && p.dp_shard > 1) l.dp_shard = p.dp_shard;
   const int64_t gbs = c.training.global_batch_size;
   if (std::string e = layout_error(c, l, gbs); !e.empty()) MT_FAIL("plan", e);
+  l.vpp = 0;  // the config's own (pp_virtual_stages, pp_layout, CSV or the schedule's default), resolved below
   const JobConfig a = apply_layout(c, l);
   const PipelineSetup ps = resolve_pipeline(a);
   l.vpp = ps.stages_per_rank;
@@ -113,7 +115,7 @@ JobConfig apply_layout(const JobConfig& c, const Layout& l) {
   }
   // The global batch stays; the micro-batches follow from the planner's dp.
   if (p.pp_microbatches != 0 && p.pp_microbatches * l.mbs * l.dp != a.training.global_batch_size) p.pp_microbatches = 0;
-  if (p.pp_layout.empty() && p.pp_schedule_csv.empty()) p.pp_virtual_stages = l.vpp > 1 || p.pp_virtual_stages > 0 ? l.vpp : 0;
+  if (l.vpp > 0 && p.pp_layout.empty() && p.pp_schedule_csv.empty()) p.pp_virtual_stages = l.vpp;
   a.training.micro_batch_size = l.mbs;
   a.activation_checkpoint.mode = l.recompute;
   a.activation_checkpoint.modules = l.recompute_modules;

@@ -93,8 +93,8 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   const Recipe& rc = o.recipe;
 
   const int n_stages = sp.layout.n_stages;
-  std::vector<double> stage_bytes(size_t(n_stages), 0.0);
-  std::vector<ModuleSum> stage_mods(size_t(n_stages));
+  std::vector<double> stage_bytes(static_cast<size_t>(n_stages), 0.0);
+  std::vector<ModuleSum> stage_mods(static_cast<size_t>(n_stages));
   double transient = 0;  // the largest full-recompute re-materialization
   for (int st = 0; st < n_stages; ++st) {
     for (int layer : sp.layout.layers(st)) {

@@ -36,7 +36,7 @@ Events replay(const sched::Schedule& lowered) {
   sched::Durations d;  // uniform: F = 1, I = W = 1 (B = 2)
   const sched::TimedResult r = sched::simulate_timed(lowered, d);
   const bool split = [&] {
-    for (const auto& rk : lowered.ranks)
+    for (const auto& rk : lowered.actions)
       for (const auto& a : rk)
         if (a.op == sched::Op::W) return true;
     return false;

@@ -41,10 +41,8 @@ TEST(PlanCost, MfuAndBreakdownIdentities) {
 TEST(PlanCost, TensorParallelCollectivesAreTheCommModels) {
   // One dense layer pair with tp 2 + SP: per layer and pass two all-gathers and two reduce-scatters of T x d bf16.
   const auto h = plantest::round_gpu();
-  const auto c1 = cfg("ds_mini", {"--parallelism.tp=2", "--model.n_routed_experts=0", "--model.first_k_dense=0"});
-  const auto l = plan::layout_from_config(c1, 2);
-  const auto sp = plan::stage_times(c1, l, h, {}, sched::PpLayout{});
-  (void)sp;
+  const auto c1 = cfg("ds_mini", {"--parallelism.tp=2", "--model.n_routed_experts=0", "--model.n_shared_experts=0",
+                                    "--model.moe_inter_size=0", "--model.topk=0", "--model.first_k_dense=0"});
   const auto t = timeof(c1, 2, h);
   const double T = double(c1.training.micro_batch_size * c1.training.seq_len), d = double(c1.model.d_model);
   const plan::Group g{2, 2};
@@ -57,8 +55,8 @@ TEST(PlanCost, EpOverlapHidesAllToAll) {
   // A slow scale-out makes EP expensive; the 1F1B all-to-all overlap must hide part of it.
   auto h = plan::catalog_hardware("h100");
   h.scale_out.bw /= 8;
-  auto c = cfg("deepseek_v3", {"--parallelism.pp=4", "--parallelism.ep=64", "--parallelism.pp_schedule=interleaved_1f1b",
-                               "--parallelism.pp_virtual_stages=2", "--training.global_batch_size=256"});
+  auto c = cfg("deepseek_v3", {"--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
+                               "--parallelism.pp=4", "--parallelism.ep=64", "--training.global_batch_size=2048"});
   const auto base = timeof(c, 256, h);
   c.parallelism.ep_overlap = true;
   const auto ov = timeof(c, 256, h);
@@ -79,7 +77,8 @@ TEST(PlanCost, Fp8SpeedsGemmsAndPaysQuantization) {
 
 TEST(PlanCost, RecomputeCostsTime) {
   const auto h = plan::catalog_hardware("mi300x");
-  auto c = cfg("moe_1t", {"--parallelism.pp=24", "--parallelism.ep=8", "--parallelism.cp=2"});
+  auto c = cfg("moe_1t", {"--parallelism.pp=24", "--parallelism.ep=8", "--parallelism.cp=2",
+                          "--training.global_batch_size=1536"});
   const auto none = timeof(c, 768, h);
   c.activation_checkpoint.mode = AcMode::Full;
   const auto full = timeof(c, 768, h);
@@ -90,8 +89,8 @@ TEST(PlanCost, RecomputeCostsTime) {
 TEST(PlanCost, AnalyticEstimateTracksTheSimulator) {
   const auto h = plan::catalog_hardware("mi300x");
   for (std::string s : {"1f1b", "interleaved_1f1b"}) {
-    auto c = cfg("moe_1t", {"--parallelism.pp=24", "--parallelism.ep=8", "--parallelism.cp=2",
-                            "--parallelism.pp_schedule=" + s});
+    auto c = cfg("moe_1t", {"--parallelism.pp_schedule=" + s, "--parallelism.pp=24", "--parallelism.ep=8",
+                            "--parallelism.cp=2", "--training.global_batch_size=1536"});
     const auto sim = timeof(c, 768, h, true), est = timeof(c, 768, h, false);
     EXPECT_NEAR(est.step_time / sim.step_time, 1.0, 0.15) << s;
   }
@@ -99,19 +98,23 @@ TEST(PlanCost, AnalyticEstimateTracksTheSimulator) {
 
 TEST(PlanCostSeeds, BubbleRatios) {
   // Seeds (AMD MoE best practices, interleaved PP): PP16 with 16 micro-batches: 48.43 % (VPP 1) and 13.51 %
-  // (VPP 6). moe_1t's 96 layers split evenly into 16 x 6 stages; its embedding and head make the end stages
-  // slightly heavier, so the simulated bubble may differ from the equal-stage figure by a point.
-  const auto h = plan::catalog_hardware("mi300x");
+  // (VPP 6). moe_1t's 96 layers split evenly into 16 x 6 stages.
+  // ... and free point-to-point messages (the closed formula's assumptions): a network with no latency and a
+  // bandwidth no message notices.
+  auto h = plan::catalog_hardware("mi300x");
+  h.scale_out.bw = h.scale_up.bw = 1e18, h.scale_out.alpha = h.scale_up.alpha = 0;
+  h.scale_up.topology = "switch";
   const double seed[2] = {0.4843, 0.1351};
   int i = 0;
   for (int vpp : {1, 6}) {
-    auto c = cfg("moe_1t", {"--parallelism.pp=16", "--parallelism.ep=8", "--training.global_batch_size=128",
-                            vpp == 1 ? "--parallelism.pp_schedule=1f1b" : "--parallelism.pp_schedule=interleaved_1f1b",
-                            "--parallelism.pp_virtual_stages=" + std::to_string(vpp)});
+    // The seeds' figures are for equal stages: a 128-token vocabulary makes the embedding and head negligible.
+    auto c = cfg("moe_1t", {vpp == 1 ? "--parallelism.pp_schedule=1f1b" : "--parallelism.pp_schedule=interleaved_1f1b",
+                            "--parallelism.pp_virtual_stages=" + std::to_string(vpp), "--parallelism.pp=16",
+                            "--parallelism.ep=8", "--training.global_batch_size=128", "--model.vocab_size=128"});
     const auto t = timeof(c, 128, h);  // dp 8: 128 / 8 = 16 micro-batches
     ASSERT_EQ(t.layout.microbatches, 16);
     std::printf("[seed] PP16 GA16 VPP%d bubble %.2f%% (seed %.2f%%)\n", vpp, 100 * t.bubble_ratio, 100 * seed[i]);
-    EXPECT_NEAR(t.bubble_ratio, seed[i], 0.02) << vpp;
+    EXPECT_NEAR(t.bubble_ratio, seed[i], 0.01) << vpp;
     ++i;
   }
 }

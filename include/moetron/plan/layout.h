@@ -34,7 +34,9 @@ struct Layout {
 // The job's layout on `world` GPUs: the [parallelism] keys, dp = world / (tp cp pp), micro-batches from the
 // global batch. Throws moetron::Error naming the key for a world that is not a multiple of tp x cp x pp, a
 // global batch that does not split, a dp_replicate x dp_shard that disagrees with the world, ...
-Layout layout_from_config(const JobConfig& c, int64_t world);
+// distributed_optimizer: parallelism.zero = 0 is planned as 1 (Megatron's distributed optimizer, the planner's
+// default; `--no-distributed-optimizer` keeps 0).
+Layout layout_from_config(const JobConfig& c, int64_t world, bool distributed_optimizer = true);
 // The rules, for a layout built any way (the search builds them directly). Returns "" when the layout can
 // run, else the first broken rule, e.g. "parallelism.tp = 3 must divide model.n_heads (128)".
 std::string layout_error(const JobConfig& c, const Layout& l, int64_t global_batch_seqs);
