@@ -186,33 +186,35 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
 }  // namespace
 
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
-                                   const sched::PpLayout& pl) {
+                                   const StagePlan& sp) {
   const ModelSpec& s = c.model;
   const Ctx x{c, l, h, c.quantize.recipe != Fp8Recipe::None,
               double(l.mbs) * double(c.training.seq_len) / double(l.cp), double(l.sp && l.tp > 1 ? l.tp : 1)};
-  const ActivationCheckpointSpec ac = resolve_checkpointing(apply_layout(c, l));
+  const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
   // Layers of one kind cost the same unless recompute applies to some of them: cache by (moe, recompute).
   LayerCost cache[2][2];
   bool have[2][2] = {{false, false}, {false, false}};
-  std::vector<StageTime> out(size_t(pl.n_stages));
-  for (int st = 0; st < pl.n_stages; ++st) {
+  const int n_stages = int(sp.stage_layers.size());
+  std::vector<StageTime> out(static_cast<size_t>(n_stages));
+  for (int st = 0; st < n_stages; ++st) {
     StageTime& t = out[size_t(st)];
-    for (int layer : pl.layers(st)) {
-      const int km = s.is_moe_layer(layer) ? 1 : 0, kr = ac.applies_to(layer) ? 1 : 0;
+    for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool on, int count) {
+      const int km = moe ? 1 : 0, kr = on ? 1 : 0;
       if (!have[km][kr]) cache[km][kr] = layer_cost(x, layer, ac), have[km][kr] = true;
       const LayerCost& lc = cache[km][kr];
-      t.f += lc.f_gemm + lc.f_attn + lc.f_mem + lc.f_quant + lc.tp_f + lc.cp_f;
+      const double n = count;
+      t.f += n * (lc.f_gemm + lc.f_attn + lc.f_mem + lc.f_quant + lc.tp_f + lc.cp_f);
       // Backward: input gradients = the forward GEMMs again (dgrad), attention backward at twice the forward,
       // the memory-bound passes twice; weight gradients = the forward GEMMs' FLOPs again.
-      t.i += lc.f_gemm + 2 * lc.f_attn + 2 * lc.f_mem + lc.f_quant + lc.tp_b + lc.cp_b + lc.recompute;
-      t.w += lc.w_gemm;
-      t.a2a_f += lc.a2a, t.a2a_b += lc.a2a;
-      t.gemm += 3 * lc.f_gemm, t.attention += 3 * lc.f_attn, t.memory_bound += 3 * lc.f_mem;
-      t.quantize += 2 * lc.f_quant, t.recompute += lc.recompute;
-      t.tp_comm += lc.tp_f + lc.tp_b, t.cp_comm += lc.cp_f + lc.cp_b;
-      t.flops += 3 * lc.flops_f;
-    }
-    if (pl.has_loss(st)) {  // the head GEMM and the loss (fused: one pass over the logits chunks)
+      t.i += n * (lc.f_gemm + 2 * lc.f_attn + 2 * lc.f_mem + lc.f_quant + lc.tp_b + lc.cp_b + lc.recompute);
+      t.w += n * lc.w_gemm;
+      t.a2a_f += n * lc.a2a, t.a2a_b += n * lc.a2a;
+      t.gemm += n * 3 * lc.f_gemm, t.attention += n * 3 * lc.f_attn, t.memory_bound += n * 3 * lc.f_mem;
+      t.quantize += n * 2 * lc.f_quant, t.recompute += n * lc.recompute;
+      t.tp_comm += n * (lc.tp_f + lc.tp_b), t.cp_comm += n * (lc.cp_f + lc.cp_b);
+      t.flops += n * 3 * lc.flops_f;
+    });
+    if (sp.last[size_t(st)]) {  // the head GEMM and the loss (fused: one pass over the logits chunks)
       const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
       const GemmCost g = gemm(x, x.T, V, d);
       const double loss = membound(x, x.T * V * (o.memory.fused_loss ? 4.0 : 12.0));
@@ -223,13 +225,15 @@ std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Ha
   return out;
 }
 
-TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o) {
+TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                   const MemoryPlan* memory) {
   const ModelSpec& s = c.model;
   TimePlan tp;
   tp.layout = l;
   tp.hardware = h.name;
-  const StagePlan sp = stage_plan(c, l);
-  tp.stages = stage_times(c, l, h, o, sp.layout);
+  const auto spp = stage_plan(c, l);
+  const StagePlan& sp = *spp;
+  tp.stages = stage_times(c, l, h, o, sp);
   const double T = double(l.mbs) * double(c.training.seq_len) / double(l.cp);
   const double q = double(l.sp && l.tp > 1 ? l.tp : 1);
   const bool pp_cross = l.world() / l.pp >= h.scale_up.domain;
@@ -268,7 +272,7 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     double worst = 0;
     for (int r = 0; r < l.pp; ++r) {
       double t = 0;
-      for (int st : sp.layout.stages_for_rank(r)) {
+      for (int st : sp.rank_stages[size_t(r)]) {
         const auto& x = tp.stages[size_t(st)];
         t += x.f + x.i + x.w + (l.ep_overlap ? 0.0 : x.a2a_f + x.a2a_b) + 2 * tp.p2p;
       }
@@ -284,14 +288,20 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   // after the step, overlapped with the first micro-batch's forward. FSDP (zero 3) gathers per micro-batch and
   // hides behind each stage's compute (prefetch). The slowest pipeline rank counts.
   const PlanOptions& po = o.memory;
-  const MemoryPlan mp = plan_memory(c, l, h, po);
+  MemoryPlan own;
+  if (!memory) {
+    PlanOptions quick = po;
+    quick.detail = false;
+    own = plan_memory(c, l, h, quick);
+  }
+  const MemoryPlan& mp = memory ? *memory : own;
   const Group gd = place(h, l.dp * l.cp, l.tp);
   const Group ge = place(h, l.edp(), l.ep * l.etp);
   for (int r = 0; r < l.pp; ++r) {
     const RankMemory& rm = mp.per_rank[size_t(r)];
     const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
     double f1 = 0, b1 = 0;
-    for (int st : sp.layout.stages_for_rank(r)) f1 += tp.stages[size_t(st)].f, b1 += tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
+    for (int st : sp.rank_stages[size_t(r)]) f1 += tp.stages[size_t(st)].f, b1 += tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
     const double gb = po.recipe.grad, pb = po.recipe.param;
     double red = 0, gather = 0;
     auto red_fn = [&](double bytes, Group g) {
@@ -321,9 +331,9 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   const double world = double(l.world());
   tp.tokens_per_step = double(c.training.global_batch_size) * double(c.training.seq_len);
   tp.tokens_per_s_per_gpu = tp.tokens_per_step / tp.step_time / world;
-  const FlopsPerToken fl = flops_per_token(s, c.training.seq_len);
-  tp.tflops_per_gpu = fl.train * tp.tokens_per_s_per_gpu / 1e12;
-  tp.mfu = fl.train * tp.tokens_per_s_per_gpu / h.peak_bf16;
+  const double fl = o.model_flops_per_token > 0 ? o.model_flops_per_token : flops_per_token(s, c.training.seq_len).train;
+  tp.tflops_per_gpu = fl * tp.tokens_per_s_per_gpu / 1e12;
+  tp.mfu = fl * tp.tokens_per_s_per_gpu / h.peak_bf16;
 
   // Breakdown: the slowest rank's compute parts per micro-batch times m, exposed EP, p2p and bubble the rest.
   {
@@ -331,11 +341,11 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     double wt = -1;
     for (int r = 0; r < l.pp; ++r) {
       double t = 0;
-      for (int st : sp.layout.stages_for_rank(r)) t += tp.stages[size_t(st)].f + tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
+      for (int st : sp.rank_stages[size_t(r)]) t += tp.stages[size_t(st)].f + tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
       if (t > wt) wt = t, worst = r;
     }
     StageTime sum;
-    for (int st : sp.layout.stages_for_rank(worst)) {
+    for (int st : sp.rank_stages[size_t(worst)]) {
       const auto& x = tp.stages[size_t(st)];
       sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
       sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;

@@ -83,10 +83,20 @@ constexpr double kGemmWorkspace = 32.0 * 1024 * 1024;  // cuBLAS: 32 MiB recomme
 
 }  // namespace
 
+ActivationCheckpointSpec plan_checkpointing(const JobConfig& c, const Layout& l) {
+  if (!c.activation_checkpoint.stage_ids.empty()) return resolve_checkpointing(apply_layout(c, l));
+  ActivationCheckpointSpec ac = c.activation_checkpoint;
+  ac.mode = l.recompute;
+  ac.modules = l.recompute_modules;
+  if (ac.mode == AcMode::None) ac.layer_ids.clear();
+  return ac;
+}
+
 MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o) {
   const ModelSpec& s = c.model;
-  const StagePlan sp = stage_plan(c, l);
-  const ActivationCheckpointSpec ac = resolve_checkpointing(apply_layout(c, l));
+  const auto spp = stage_plan(c, l);
+  const StagePlan& sp = *spp;
+  const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
   const ActShard sh{l.tp, l.sp && l.tp > 1, l.cp, l.etp};
   const double B = double(l.mbs), S = double(c.training.seq_len);
   const double a = 2.0, g = c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
@@ -96,15 +106,34 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   std::vector<double> stage_bytes(static_cast<size_t>(n_stages), 0.0);
   std::vector<ModuleSum> stage_mods(static_cast<size_t>(n_stages));
   double transient = 0;  // the largest full-recompute re-materialization
+  // A layer's terms depend on its kind (dense / MoE) and on whether recompute applies: four cases at most.
+  struct Kind {
+    bool have = false;
+    double bytes = 0, all = 0;
+    ModuleSum mods;
+  } kinds[2][2];
   for (int st = 0; st < n_stages; ++st) {
-    for (int layer : sp.layout.layers(st)) {
-      sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &ModuleSum::add, &stage_mods[size_t(st)]);
-      if (ac.mode == AcMode::Full && ac.applies_to(layer))
-        transient = std::max(transient, sharded_layer_bytes_all(s, layer, B, S, a, g, sh));
-    }
-    sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.layout.has_embedding(st), sp.layout.has_loss(st),
-                          &ModuleSum::add, &stage_mods[size_t(st)]);
-    for (const auto& [k, v] : stage_mods[size_t(st)].by) stage_bytes[size_t(st)] += v;
+    for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool on, int count) {
+      Kind& k = kinds[moe ? 1 : 0][on ? 1 : 0];
+      if (!k.have) {
+        k.have = true;
+        if (o.detail) {
+          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &ModuleSum::add, &k.mods);
+          for (const auto& [name, v] : k.mods.by) k.bytes += v;
+        } else {
+          k.bytes = sharded_layer_bytes(s, layer, B, S, a, g, ac, sh);
+        }
+        if (ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, B, S, a, g, sh);
+      }
+      stage_bytes[size_t(st)] += count * k.bytes;
+      if (o.detail)
+        for (const auto& [name, v] : k.mods.by) stage_mods[size_t(st)].by[name] += count * v;
+      transient = std::max(transient, k.all);
+    });
+    ModuleSum outside;
+    sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
+                          &ModuleSum::add, &outside);
+    for (const auto& [name, v] : outside.by) stage_bytes[size_t(st)] += v, stage_mods[size_t(st)].by[name] += v;
   }
   const Inflight inf = inflight(sp, stage_bytes);
 
@@ -112,6 +141,8 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   const double edp = double(l.edp());
   const double T = B * S / double(l.cp), q = double(sh.sp ? l.tp : 1), d = double(s.d_model);
 
+  ParamSplit split_cache[2];
+  bool split_have[2] = {false, false};
   MemoryPlan m;
   m.layout = l;
   m.hardware = h.name;
@@ -120,21 +151,23 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   for (int r = 0; r < l.pp; ++r) {
     RankMemory rm;
     rm.rank = r;
-    rm.stages = sp.layout.stages_for_rank(r);
+    rm.stages = sp.rank_stages[size_t(r)];
     ParamSplit ps;
     double largest_unit = 0;
     bool moe_here = false;
     for (int st : rm.stages) {
-      for (int layer : sp.layout.layers(st)) {
-        const ParamSplit x = split_layer(s, layer);
-        ps.tp_sharded += x.tp_sharded, ps.replicated += x.replicated, ps.experts += x.experts;
+      for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool, int count) {
+        const int km = moe ? 1 : 0;
+        if (!split_have[km]) split_cache[km] = split_layer(s, layer), split_have[km] = true;
+        const ParamSplit& x = split_cache[km];
+        ps.tp_sharded += count * x.tp_sharded, ps.replicated += count * x.replicated, ps.experts += count * x.experts;
         largest_unit = std::max(largest_unit, x.tp_sharded / double(l.tp) + x.replicated + x.experts / double(l.ep * l.etp));
-        moe_here = moe_here || s.is_moe_layer(layer);
-        rm.layers += 1;
-      }
+        moe_here = moe_here || moe;
+        rm.layers += count;
+      });
       const double vd = double(s.vocab_size) * d;
-      if (sp.layout.has_embedding(st)) ps.tp_sharded += vd;
-      if (sp.layout.has_loss(st)) ps.tp_sharded += vd, ps.replicated += d;  // head (a copy when tied) + final norm
+      if (sp.first[size_t(st)]) ps.tp_sharded += vd;
+      if (sp.last[size_t(st)]) ps.tp_sharded += vd, ps.replicated += d;  // head (a copy when tied) + final norm
     }
     rm.params_tp_sharded = ps.tp_sharded / double(l.tp);
     rm.params_replicated = ps.replicated;

@@ -2,6 +2,7 @@
 // shared schedule generators and timed simulator. Not a cost model.
 #include "moetron/plan/pipeline.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -10,14 +11,56 @@
 
 namespace moetron::plan {
 
-StagePlan stage_plan(const JobConfig& c, const Layout& l) {
+namespace {
+std::mutex g_plan_mu;
+// Stage plans of generated schedules by (config's pipeline keys, layout's pipeline shape): a search asks for the
+// same few thousand shapes many times.
+std::map<std::string, std::shared_ptr<const StagePlan>> g_plans;
+}  // namespace
+
+std::shared_ptr<const StagePlan> stage_plan(const JobConfig& c, const Layout& l) {
+  const ParallelSpec& p = c.parallelism;
+  const bool cacheable = p.pp_schedule_csv.empty();
+  std::string key;
+  if (cacheable) {
+    key = std::to_string(c.model.n_layers) + "|" + p.pp_layout + "|" + std::to_string(p.pp_first_stage_less_layers) +
+          "|" + std::to_string(p.pp_last_stage_less_layers) + "|" + l.schedule + "|" + std::to_string(l.pp) + "|" +
+          std::to_string(l.vpp) + "|" + std::to_string(l.microbatches) + "|" + (l.ep_overlap ? "o" : "-") + "|" +
+          std::to_string(p.pp_virtual_stages) + "|" + std::to_string(p.pp_microbatches);
+    std::lock_guard<std::mutex> lk(g_plan_mu);
+    if (auto it = g_plans.find(key); it != g_plans.end()) return it->second;
+  }
   const PipelineSetup ps = resolve_pipeline(apply_layout(c, l));
-  StagePlan p;
-  p.layout = ps.layout;
-  p.spec = ps.spec;
-  p.from_csv = ps.from_csv;
-  p.csv = ps.csv;
-  return p;
+  auto spp = std::make_shared<StagePlan>();
+  StagePlan& sp = *spp;
+  sp.layout = ps.layout;
+  sp.spec = ps.spec;
+  sp.from_csv = ps.from_csv;
+  sp.csv = ps.csv;
+  const int n = sp.layout.n_stages;
+  for (int st = 0; st < n; ++st) {
+    sp.stage_layers.push_back(sp.layout.layers(st));
+    int moe = 0, rm = -1, rd = -1;
+    for (int layer : sp.stage_layers.back()) {
+      const bool is = c.model.is_moe_layer(layer);
+      moe += is ? 1 : 0;
+      if (is && rm < 0) rm = layer;
+      if (!is && rd < 0) rd = layer;
+    }
+    sp.rep_moe.push_back(rm);
+    sp.rep_dense.push_back(rd);
+    sp.n_moe.push_back(moe);
+    sp.n_dense.push_back(int(sp.stage_layers.back().size()) - moe);
+    sp.first.push_back(sp.layout.has_embedding(st) ? 1 : 0);
+    sp.last.push_back(sp.layout.has_loss(st) ? 1 : 0);
+  }
+  for (int r = 0; r < sp.layout.pp; ++r) sp.rank_stages.push_back(sp.layout.stages_for_rank(r));
+  if (cacheable) {
+    std::lock_guard<std::mutex> lk(g_plan_mu);
+    if (g_plans.size() > 100000) g_plans.clear();
+    g_plans.emplace(key, spp);
+  }
+  return spp;
 }
 
 int64_t inflight_microbatches(const sched::GenSpec& g) {
@@ -26,13 +69,15 @@ int64_t inflight_microbatches(const sched::GenSpec& g) {
 }
 
 namespace {
-// Per rank, the held-set events in time order: +stage at F, -stage at B / W (FB: both halves at its start /
-// end, forward first).
-struct Events {
-  std::vector<std::vector<int>> per_rank;  // stage + 1 for acquire, -(stage + 1) for release
+// Per rank, the held-set peaks of a replayed schedule: every maximal vector of held sets per stage (a vector no
+// other one covers), so that the peak bytes for any per-stage sizes is the best dot product among a few vectors.
+struct Peaks {
+  std::vector<std::vector<int>> stages;                  // per rank: its stage ids (the vectors' order)
+  std::vector<std::vector<std::vector<int>>> vectors;    // per rank: non-dominated held-count vectors
+  std::vector<int> peak_sets;                            // per rank
 };
 
-Events replay(const sched::Schedule& lowered) {
+Peaks replay(const sched::Schedule& lowered) {
   sched::Durations d;  // uniform: F = 1, I = W = 1 (B = 2)
   const sched::TimedResult r = sched::simulate_timed(lowered, d);
   const bool split = [&] {
@@ -41,30 +86,66 @@ Events replay(const sched::Schedule& lowered) {
         if (a.op == sched::Op::W) return true;
     return false;
   }();
-  Events e;
-  e.per_rank.assign(size_t(lowered.pp), {});
+  const size_t pp = size_t(lowered.pp);
+  Peaks pk;
+  pk.stages.assign(pp, {});
+  pk.vectors.assign(pp, {});
+  pk.peak_sets.assign(pp, 0);
+  std::vector<int> local(size_t(lowered.n_stages), -1);
+  for (int st = 0; st < lowered.n_stages; ++st) {
+    auto& v = pk.stages[size_t(lowered.stage_rank[size_t(st)])];
+    local[size_t(st)] = int(v.size());
+    v.push_back(st);
+  }
+  std::vector<std::vector<int>> held(pp);
+  std::vector<int> total(pp, 0);
+  for (size_t rk = 0; rk < pp; ++rk) held[rk].assign(pk.stages[rk].size(), 0);
+  auto keep = [&](size_t rk) {
+    auto& list = pk.vectors[rk];
+    const auto& h = held[rk];
+    for (const auto& v : list) {
+      bool covered = true;
+      for (size_t i = 0; i < h.size() && covered; ++i) covered = v[i] >= h[i];
+      if (covered) return;
+    }
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [&](const std::vector<int>& v) {
+                                for (size_t i = 0; i < h.size(); ++i)
+                                  if (v[i] > h[i]) return false;
+                                return true;
+                              }),
+               list.end());
+    list.push_back(h);
+  };
   for (const auto& op : r.ops) {  // rank by rank, in each rank's order
     const auto& a = op.action;
-    auto& ev = e.per_rank[size_t(op.rank)];
-    auto release = [&](sched::Op o, int stage) {
-      if (o == sched::Op::B || (split && o == sched::Op::W) || (!split && o == sched::Op::I)) ev.push_back(-(stage + 1));
+    const size_t rk = size_t(op.rank);
+    auto acquire = [&](int stage) {
+      held[rk][size_t(local[size_t(stage)])] += 1;
+      pk.peak_sets[rk] = std::max(pk.peak_sets[rk], ++total[rk]);
+      keep(rk);
     };
-    if (a.op == sched::Op::F) ev.push_back(a.stage + 1);
-    else if (a.op == sched::Op::FB) ev.push_back(a.stage + 1), release(a.op2, a.stage2);
+    auto release = [&](sched::Op o, int stage) {
+      if (o == sched::Op::B || (split && o == sched::Op::W) || (!split && o == sched::Op::I))
+        held[rk][size_t(local[size_t(stage)])] -= 1, --total[rk];
+    };
+    if (a.op == sched::Op::F) acquire(a.stage);
+    else if (a.op == sched::Op::FB) acquire(a.stage), release(a.op2, a.stage2);
     else release(a.op, a.stage);
   }
-  return e;
+  return pk;
 }
 
 std::mutex g_mu;
-std::map<std::tuple<std::string, int, int, int64_t, bool, int>, Events> g_cache;
+std::map<std::tuple<std::string, int, int, int64_t, bool, int>, Peaks> g_cache;
 }  // namespace
 
 Inflight inflight(const StagePlan& p, const std::vector<double>& stage_bytes) {
   Inflight out;
-  Events ev;
+  Peaks own;
+  const Peaks* pkp = &own;
   if (p.from_csv) {
-    ev = replay(sched::lower(p.csv));
+    own = replay(sched::lower(p.csv));
     out.simulated_microbatches = p.csv.n_microbatches;
   } else {
     sched::GenSpec g = p.spec;
@@ -74,23 +155,19 @@ Inflight inflight(const StagePlan& p, const std::vector<double>& stage_bytes) {
     std::lock_guard<std::mutex> lk(g_mu);
     auto it = g_cache.find(key);
     if (it == g_cache.end()) it = g_cache.emplace(key, replay(sched::lower(sched::generate(g)))).first;
-    ev = it->second;
+    pkp = &it->second;  // entries are never erased: the pointer stays valid
   }
-  const size_t pp = ev.per_rank.size();
-  out.peak_sets.assign(pp, 0);
+  const Peaks& pk = *pkp;
+  const size_t pp = pk.stages.size();
+  out.peak_sets = pk.peak_sets;
   out.peak_bytes.assign(pp, 0.0);
-  for (size_t r = 0; r < pp; ++r) {
-    int held = 0;
-    double bytes = 0;
-    for (int e : ev.per_rank[r]) {
-      const int stage = (e > 0 ? e : -e) - 1;
-      const double b = stage_bytes.empty() ? 0.0 : stage_bytes.at(size_t(stage));
-      if (e > 0) held += 1, bytes += b;
-      else held -= 1, bytes -= b;
-      out.peak_sets[r] = std::max(out.peak_sets[r], held);
-      out.peak_bytes[r] = std::max(out.peak_bytes[r], bytes);
+  if (stage_bytes.empty()) return out;
+  for (size_t r = 0; r < pp; ++r)
+    for (const auto& v : pk.vectors[r]) {
+      double b = 0;
+      for (size_t i = 0; i < v.size(); ++i) b += double(v[i]) * stage_bytes.at(size_t(pk.stages[r][i]));
+      out.peak_bytes[r] = std::max(out.peak_bytes[r], b);
     }
-  }
   return out;
 }
 

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "moetron/accounting.h"
 #include "moetron/check.h"
 
 namespace moetron::plan {
@@ -91,6 +92,9 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   std::vector<Candidate> ok;
   TimeOptions analytic = o.time;
   analytic.simulate = false;
+  analytic.model_flops_per_token = flops_per_token(s, S).train;
+  PlanOptions quick = o.time.memory;
+  quick.detail = false;
   for (int64_t tp : pow2_upto(max_tp))
     for (int64_t cp : pow2_upto(max_cp)) {
       if (world % (tp * cp) != 0) continue;
@@ -114,6 +118,8 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                       l.schedule = sched, l.ep_overlap = ov, l.recompute = ac.mode, l.recompute_modules = ac.modules;
                       l.mbs = mbs;
                       if (pp == 1 && sched != "1f1b") { ++res.invalid; continue; }
+                      // The two rules most candidates break, as integer tests before the named check.
+                      if (gbs % (mbs * dp) != 0 || (tp * cp * dp) % ep != 0) { ++res.invalid; continue; }
                       if (!layout_error(c, l, gbs).empty()) { ++res.invalid; continue; }
                       l.microbatches = gbs / (mbs * dp);
                       sched::GenSpec g;
@@ -128,7 +134,7 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                       Candidate cd;
                       cd.layout = l;
                       try {
-                        cd.memory = plan_memory(c, l, h, o.time.memory);
+                        cd.memory = plan_memory(c, l, h, quick);
                       } catch (const Error&) {
                         ++res.invalid;
                         continue;
@@ -136,8 +142,8 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                       cd.memory_total = cd.memory.max_total;
                       cd.verdict = cd.memory.verdict;
                       if (cd.verdict != "FITS") { ++res.oom; continue; }
-                      cd.time = plan_time(c, l, h, analytic);
-                      cd.analytic_tokens_per_s_per_gpu = cd.time.tokens_per_s_per_gpu;
+                      cd.analytic_tokens_per_s_per_gpu = plan_time(c, l, h, analytic, &cd.memory).tokens_per_s_per_gpu;
+                      cd.memory = MemoryPlan{};  // the top candidates are projected again in full
                       ++res.evaluated;
                       ok.push_back(std::move(cd));
                     }
@@ -152,7 +158,10 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   });
   // The top candidates by the estimate go through the timed simulator (twice top_k, then the best top_k).
   const size_t n = std::min(ok.size(), size_t(2 * o.top_k));
-  for (size_t i = 0; i < n; ++i) ok[i].time = plan_time(c, ok[i].layout, h, o.time);
+  for (size_t i = 0; i < n; ++i) {
+    ok[i].memory = plan_memory(c, ok[i].layout, h, o.time.memory);  // with the module breakdown
+    ok[i].time = plan_time(c, ok[i].layout, h, o.time, &ok[i].memory);
+  }
   std::sort(ok.begin(), ok.begin() + long(n), [](const Candidate& a, const Candidate& b) {
     return a.time.tokens_per_s_per_gpu > b.time.tokens_per_s_per_gpu;
   });

@@ -16,6 +16,7 @@
 #include "moetron/plan/hardware.h"
 #include "moetron/plan/layout.h"
 #include "moetron/plan/memory.h"
+#include "moetron/plan/pipeline.h"
 #include "moetron/schedule.h"
 
 namespace moetron::plan {
@@ -52,12 +53,15 @@ struct TimePlan {
 struct TimeOptions {
   PlanOptions memory;             // recipe, loss fusion (for the FLOP / byte counts)
   bool simulate = true;           // replay the schedule (else the analytic pipeline estimate)
+  double model_flops_per_token = 0;  // the accounting's train FLOPs per token, when the caller has it (0 = count)
 };
 
-TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o = {});
+// `memory`: the layout's memory projection when the caller has it (the DP collectives read its parameter counts).
+TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o = {},
+                   const MemoryPlan* memory = nullptr);
 // The per-stage durations alone (search evaluates these, then the analytic pipeline).
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
-                                   const sched::PpLayout& pl);
+                                   const StagePlan& sp);
 nlohmann::json to_json(const TimePlan& t);
 std::string format_time(const TimePlan& t);
 

@@ -38,7 +38,11 @@ struct PlanOptions {
   Recipe recipe;
   bool fused_loss = true;  // the fused head + cross-entropy (no logits kept)
   double margin = 0.10;    // AT-RISK above (1 - margin) x HBM: allocator fragmentation, runtime context
+  bool detail = true;      // activations by module (the search's first pass leaves them out)
 };
+// The [activation_checkpoint] section a layout plans with: the config's layer / stage choices, the layout's mode
+// and modules (resolve_checkpointing when stages are named).
+ActivationCheckpointSpec plan_checkpointing(const JobConfig& c, const Layout& l);
 
 struct RankMemory {
   int64_t rank = 0;                  // pipeline rank

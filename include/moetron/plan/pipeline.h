@@ -4,6 +4,7 @@
 // cost model.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "moetron/config.h"
@@ -17,8 +18,28 @@ struct StagePlan {
   sched::GenSpec spec;       // the generator's input for the planner's dp
   bool from_csv = false;
   sched::Schedule csv;
+  // Read off `layout` once (the projections ask for them per candidate):
+  std::vector<std::vector<int>> stage_layers;  // [n_stages] decoder layer ids
+  std::vector<int> n_moe, n_dense;             // [n_stages] MoE / dense layer counts
+  std::vector<int> rep_moe, rep_dense;         // [n_stages] the stage's first MoE / dense layer (-1: none)
+  std::vector<char> first, last;               // [n_stages] holds the embedding / the head and loss
+  std::vector<std::vector<int>> rank_stages;   // [pp] the rank's stages, ascending
 };
-StagePlan stage_plan(const JobConfig& c, const Layout& l);
+// Calls fn(layer, moe, recompute, count) for groups of a stage's layers that cost the same: per kind when the
+// recompute choice is uniform (no layer_ids), else layer by layer.
+template <class Fn>
+void for_each_layer_group(const StagePlan& sp, const ModelSpec& s, const ActivationCheckpointSpec& ac, int st, Fn&& fn) {
+  const size_t i = static_cast<size_t>(st);
+  if (ac.layer_ids.empty()) {
+    const bool on = ac.mode != AcMode::None;
+    if (sp.n_dense[i] > 0) fn(sp.rep_dense[i], false, on, sp.n_dense[i]);
+    if (sp.n_moe[i] > 0) fn(sp.rep_moe[i], true, on, sp.n_moe[i]);
+    return;
+  }
+  for (int layer : sp.stage_layers[i]) fn(layer, s.is_moe_layer(layer), ac.applies_to(layer), 1);
+}
+// Cached by the pipeline keys (a search asks for the same shapes many times); shared, never copied.
+std::shared_ptr<const StagePlan> stage_plan(const JobConfig& c, const Layout& l);
 
 // Peak in-flight activation sets per pipeline rank: the timed simulator replays the schedule with F = 1,
 // B = 2 (I = W = 1) and the rank's held (stage, micro-batch) sets are tracked in time order. A set is held
