@@ -12,6 +12,7 @@
 namespace moetron::plan {
 
 namespace {
+std::shared_ptr<const InflightPeaks> cached_peaks(const sched::GenSpec& spec);
 std::mutex g_plan_mu;
 // Stage plans of generated schedules by (config's pipeline keys, layout's pipeline shape): a search asks for the
 // same few thousand shapes many times.
@@ -55,6 +56,7 @@ std::shared_ptr<const StagePlan> stage_plan(const JobConfig& c, const Layout& l)
     sp.last.push_back(sp.layout.has_loss(st) ? 1 : 0);
   }
   for (int r = 0; r < sp.layout.pp; ++r) sp.rank_stages.push_back(sp.layout.stages_for_rank(r));
+  if (!sp.from_csv) sp.peaks = cached_peaks(sp.spec);
   if (cacheable) {
     std::lock_guard<std::mutex> lk(g_plan_mu);
     if (g_plans.size() > 100000) g_plans.clear();
@@ -68,15 +70,16 @@ int64_t inflight_microbatches(const sched::GenSpec& g) {
   return g.microbatches > cap ? cap : g.microbatches;
 }
 
-namespace {
 // Per rank, the held-set peaks of a replayed schedule: every maximal vector of held sets per stage (a vector no
 // other one covers), so that the peak bytes for any per-stage sizes is the best dot product among a few vectors.
-struct Peaks {
+struct InflightPeaks {
   std::vector<std::vector<int>> stages;                  // per rank: its stage ids (the vectors' order)
   std::vector<std::vector<std::vector<int>>> vectors;    // per rank: non-dominated held-count vectors
   std::vector<int> peak_sets;                            // per rank
 };
 
+namespace {
+using Peaks = InflightPeaks;
 Peaks replay(const sched::Schedule& lowered) {
   sched::Durations d;  // uniform: F = 1, I = W = 1 (B = 2)
   const sched::TimedResult r = sched::simulate_timed(lowered, d);
@@ -137,26 +140,31 @@ Peaks replay(const sched::Schedule& lowered) {
 }
 
 std::mutex g_mu;
-std::map<std::tuple<std::string, int, int, int64_t, bool, int>, Peaks> g_cache;
+std::map<std::tuple<std::string, int, int, int64_t, bool, int>, std::shared_ptr<const Peaks>> g_cache;
+
+std::shared_ptr<const Peaks> cached_peaks(const sched::GenSpec& spec) {
+  sched::GenSpec g = spec;
+  g.microbatches = int(inflight_microbatches(g));
+  const auto key = std::make_tuple(g.schedule, g.pp, g.vpp, int64_t(g.microbatches), g.ep_overlap, g.group_size);
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_cache.find(key);
+  if (it == g_cache.end())
+    it = g_cache.emplace(key, std::make_shared<const Peaks>(replay(sched::lower(sched::generate(g))))).first;
+  return it->second;
+}
 }  // namespace
 
 Inflight inflight(const StagePlan& p, const std::vector<double>& stage_bytes) {
   Inflight out;
-  Peaks own;
-  const Peaks* pkp = &own;
+  std::shared_ptr<const Peaks> own;
   if (p.from_csv) {
-    own = replay(sched::lower(p.csv));
+    own = std::make_shared<const Peaks>(replay(sched::lower(p.csv)));
     out.simulated_microbatches = p.csv.n_microbatches;
   } else {
-    sched::GenSpec g = p.spec;
-    g.microbatches = int(inflight_microbatches(g));
-    out.simulated_microbatches = g.microbatches;
-    const auto key = std::make_tuple(g.schedule, g.pp, g.vpp, int64_t(g.microbatches), g.ep_overlap, g.group_size);
-    std::lock_guard<std::mutex> lk(g_mu);
-    auto it = g_cache.find(key);
-    if (it == g_cache.end()) it = g_cache.emplace(key, replay(sched::lower(sched::generate(g)))).first;
-    pkp = &it->second;  // entries are never erased: the pointer stays valid
+    own = p.peaks ? p.peaks : cached_peaks(p.spec);
+    out.simulated_microbatches = inflight_microbatches(p.spec);
   }
+  const Peaks* pkp = own.get();
   const Peaks& pk = *pkp;
   const size_t pp = pk.stages.size();
   out.peak_sets = pk.peak_sets;

@@ -89,7 +89,12 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   const int64_t max_pp = o.max_pp > 0 ? o.max_pp : s.n_layers;
   const int64_t E = s.is_moe() ? s.moe.n_routed_experts : 1;
 
-  std::vector<Candidate> ok;
+  struct Ranked {
+    Layout layout;
+    double score = 0;  // analytic tokens/s/GPU
+  };
+  std::vector<Ranked> ok;
+  ok.reserve(1 << 16);
   TimeOptions analytic = o.time;
   analytic.simulate = false;
   analytic.model_flops_per_token = flops_per_token(s, S).train;
@@ -131,21 +136,17 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                         ++res.invalid;
                         continue;
                       }
-                      Candidate cd;
-                      cd.layout = l;
+                      MemoryPlan mp;
                       try {
-                        cd.memory = plan_memory(c, l, h, quick);
+                        mp = plan_memory(c, l, h, quick);
                       } catch (const Error&) {
                         ++res.invalid;
                         continue;
                       }
-                      cd.memory_total = cd.memory.max_total;
-                      cd.verdict = cd.memory.verdict;
-                      if (cd.verdict != "FITS") { ++res.oom; continue; }
-                      cd.analytic_tokens_per_s_per_gpu = plan_time(c, l, h, analytic, &cd.memory).tokens_per_s_per_gpu;
-                      cd.memory = MemoryPlan{};  // the top candidates are projected again in full
+                      if (mp.verdict != "FITS") { ++res.oom; continue; }
+                      const double score = plan_time(c, l, h, analytic, &mp).tokens_per_s_per_gpu;
                       ++res.evaluated;
-                      ok.push_back(std::move(cd));
+                      ok.push_back({std::move(l), score});
                     }
         }
       }
@@ -153,19 +154,22 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   const auto t1 = clock::now();
   const double analytic_s = std::chrono::duration<double>(t1 - t0).count();
   res.layouts_per_second = analytic_s > 0 ? double(res.enumerated) / analytic_s : 0;
-  std::sort(ok.begin(), ok.end(), [](const Candidate& a, const Candidate& b) {
-    return a.analytic_tokens_per_s_per_gpu > b.analytic_tokens_per_s_per_gpu;
-  });
+  std::sort(ok.begin(), ok.end(), [](const Ranked& a, const Ranked& b) { return a.score > b.score; });
   // The top candidates by the estimate go through the timed simulator (twice top_k, then the best top_k).
   const size_t n = std::min(ok.size(), size_t(2 * o.top_k));
+  std::vector<Candidate> best(n);
   for (size_t i = 0; i < n; ++i) {
-    ok[i].memory = plan_memory(c, ok[i].layout, h, o.time.memory);  // with the module breakdown
-    ok[i].time = plan_time(c, ok[i].layout, h, o.time, &ok[i].memory);
+    best[i].layout = ok[i].layout;
+    best[i].analytic_tokens_per_s_per_gpu = ok[i].score;
+    best[i].memory = plan_memory(c, ok[i].layout, h, o.time.memory);  // with the module breakdown
+    best[i].memory_total = best[i].memory.max_total;
+    best[i].verdict = best[i].memory.verdict;
+    best[i].time = plan_time(c, ok[i].layout, h, o.time, &best[i].memory);
   }
-  std::sort(ok.begin(), ok.begin() + long(n), [](const Candidate& a, const Candidate& b) {
+  std::sort(best.begin(), best.end(), [](const Candidate& a, const Candidate& b) {
     return a.time.tokens_per_s_per_gpu > b.time.tokens_per_s_per_gpu;
   });
-  for (size_t i = 0; i < std::min(n, size_t(o.top_k)); ++i) res.top.push_back(ok[i]);
+  for (size_t i = 0; i < std::min(n, size_t(o.top_k)); ++i) res.top.push_back(std::move(best[i]));
   if (!res.top.empty()) res.why = explain(res.top[0], res.top);
   res.seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return res;

@@ -137,7 +137,7 @@ TEST(Config, ConfigKeysAreUniqueAndCoverEverySection) {
   std::set<std::string> secs;
   for (const auto& k : keys) secs.insert(k.substr(0, k.find('.')));
   EXPECT_EQ(secs, (std::set<std::string>{"job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
-                                         "checkpoint", "activation_checkpoint", "metrics", "hardware"}));
+                                         "checkpoint", "activation_checkpoint", "quantize", "metrics", "hardware"}));
   for (const char* k : {"model.q_lora_rank", "model.dense_layers", "model.drop_policy", "parallelism.fp8_dispatch",
                         "parallelism.pp_layout", "activation_checkpoint.modules", "metrics.peak_tflops"})
     EXPECT_TRUE(uniq.count(k)) << k;
@@ -339,8 +339,12 @@ TEST(Config, ImpossibleValuesNameTheKey) {
       {{"--lr_scheduler.min_lr_ratio=1.5"}, "lr_scheduler.min_lr_ratio = 1.5: must be in [0, 1]"},
       {{"--parallelism.ep=3", "--parallelism.dp_shard=3", "--training.global_batch_size=6"},
        "parallelism.ep = 3: must divide model.n_routed_experts (4)"},
-      {{"--parallelism.ep=2"}, "parallelism.ep = 2: must divide dp_replicate * dp_shard (1)"},
-      {{"--parallelism.zero=2"}, "parallelism.zero = 2: must be 0, 1 or 3"},
+      {{"--parallelism.ep=2", "--parallelism.dp_shard=3", "--training.global_batch_size=6"},
+       "parallelism.ep = 2: ep x expert_tp (2) must divide tp x cp x dp (3)"},
+      {{"--parallelism.zero=4"}, "parallelism.zero = 4: must be 0, 1, 2 or 3"},
+      {{"--parallelism.tp=3"}, "parallelism.tp = 3: must divide model.n_heads"},
+      {{"--parallelism.cp=3"}, "parallelism.cp = 3: 2 * cp must divide training.seq_len"},
+      {{"--parallelism.expert_tp=0"}, "parallelism.expert_tp = 0: must be >= 1"},
       {{"--parallelism.pp=3", "--training.global_batch_size=6"},
        "parallelism.pp = 3: cannot split model.n_layers = 2 over pp * stages per rank = 3 * 1 = 3 stages: only 2 "
        "layer-equivalents"},

@@ -210,6 +210,25 @@ TEST(ComputeDtype, AutoPicksNativeBf16OrFp32AndBf16ElsewhereNamesFeatureAndKey) 
   set_isa_override(before);
 }
 
+// Keys the planner reads and the engine does not implement yet are refused by name, not ignored.
+TEST(Trainer, RefusesPlannerOnlyKeys) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--parallelism.tp=2", "parallelism.tp = 2 is not implemented in the engine"},
+      {"--parallelism.cp=2", "parallelism.cp = 2 is not implemented in the engine"},
+      {"--parallelism.expert_tp=2", "parallelism.expert_tp = 2 is not implemented in the engine"},
+      {"--quantize.recipe=blockwise", "quantize.recipe = blockwise: FP8 training is not implemented"},
+      {"--parallelism.zero=2", "parallelism.zero = 2 is not implemented in the trainer"},
+  };
+  for (const auto& [ov, expect] : cases) {
+    try {
+      train(tiny(fresh_dir("planner_keys"), {ov, "--training.steps=1"}), quiet());
+      ADD_FAILURE() << ov << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << ov << ": " << e.what();
+    }
+  }
+}
+
 // The fp32 path trains: the loss falls, the run is bitwise deterministic, and where bf16 is native the two
 // dtypes agree to bf16 accuracy (the bf16 run rounds every GEMM operand: relative 2^-9 per operand).
 TEST(ComputeDtype, Fp32TrainsDeterministicallyAndAgreesWithBf16) {

@@ -13,6 +13,7 @@
 
 namespace moetron::plan {
 
+struct InflightPeaks;  // pipeline.cpp: the simulator's held-set peaks of a schedule
 struct StagePlan {
   sched::PpLayout layout;    // layers per stage, stage -> rank
   sched::GenSpec spec;       // the generator's input for the planner's dp
@@ -24,6 +25,7 @@ struct StagePlan {
   std::vector<int> rep_moe, rep_dense;         // [n_stages] the stage's first MoE / dense layer (-1: none)
   std::vector<char> first, last;               // [n_stages] holds the embedding / the head and loss
   std::vector<std::vector<int>> rank_stages;   // [pp] the rank's stages, ascending
+  std::shared_ptr<const InflightPeaks> peaks;  // set by stage_plan (generated schedules); inflight() reads it
 };
 // Calls fn(layer, moe, recompute, count) for groups of a stage's layers that cost the same: per kind when the
 // recompute choice is uniform (no layer_ids), else layer by layer.
