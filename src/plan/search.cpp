@@ -175,15 +175,59 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   return res;
 }
 
-std::vector<ScalePoint> scale(const JobConfig& c, const Hardware& h, const std::vector<int64_t>& worlds, double gbt,
+std::vector<ScalePoint> scale(const JobConfig& c_in, const Hardware& h, const std::vector<int64_t>& worlds, double gbt,
                               const SearchOptions& o) {
   std::vector<ScalePoint> out;
+  JobConfig c = c_in;
+  c.training.global_batch_size = int64_t(gbt / double(c.training.seq_len));
+  c.parallelism.pp_microbatches = 0;
+  // The replica: the best layout at the largest world (the replica must still have micro-batches to pipeline
+  // when the global batch is spread over the most replicas).
+  bool have_replica = false;
+  Layout replica;
+  {
+    const int64_t wmax = *std::max_element(worlds.begin(), worlds.end());
+    const SearchResult r = search(c_in, h, wmax, gbt, o);
+    if (!r.top.empty()) have_replica = true, replica = r.top[0].layout;
+  }
   for (int64_t w : worlds) {
     ScalePoint p;
     p.world = w;
-    const SearchResult r = search(c, h, w, gbt, o);
-    if (!r.top.empty()) p.found = true, p.best = r.top[0];
-    else p.note = "no layout fits (" + std::to_string(r.oom) + " out of memory, " + std::to_string(r.invalid) + " invalid)";
+    const SearchResult r = search(c_in, h, w, gbt, o);
+    if (!r.top.empty()) p.searched_ok = true, p.searched = r.top[0];
+    if (have_replica && w % (replica.tp * replica.cp * replica.pp) == 0) {
+      Layout l = replica;
+      l.dp = w / (l.tp * l.cp * l.pp);
+      const int64_t gbs = c.training.global_batch_size;
+      if (layout_error(c, l, gbs).empty()) {
+        l.microbatches = gbs / (l.mbs * l.dp);
+        sched::GenSpec g;
+        g.schedule = l.schedule, g.pp = int(l.pp), g.vpp = int(l.vpp), g.microbatches = int(l.microbatches);
+        g.ep_overlap = l.ep_overlap;
+        bool runs = true;
+        try {
+          if (l.pp > 1) sched::check_spec(g);
+        } catch (const Error&) {
+          runs = false;
+        }
+        if (runs) {
+          Candidate cd;
+          cd.layout = l;
+          cd.memory = plan_memory(c, l, h, o.time.memory);
+          cd.memory_total = cd.memory.max_total;
+          cd.verdict = cd.memory.verdict;
+          if (cd.verdict == "FITS") {
+            cd.time = plan_time(c, l, h, o.time, &cd.memory);
+            p.replica_ok = true, p.replica = std::move(cd);
+          }
+        }
+      }
+    }
+    // The replica scaled in dp is the scaling figure; a world it cannot run on takes the searched best.
+    if (p.replica_ok) p.found = true, p.best = p.replica;
+    else if (p.searched_ok) p.found = true, p.best = p.searched;
+    if (!p.found)
+      p.note = "no layout fits (" + std::to_string(r.oom) + " out of memory, " + std::to_string(r.invalid) + " invalid)";
     out.push_back(std::move(p));
   }
   const ScalePoint* base = nullptr;
@@ -261,6 +305,8 @@ nlohmann::json to_json(const std::vector<ScalePoint>& s) {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& p : s) {
     nlohmann::json x{{"world", p.world}, {"found", p.found}, {"efficiency", p.efficiency}, {"note", p.note}};
+    if (p.replica_ok) x["replica_scaled"] = {{"layout", p.replica.layout.describe()}, {"tokens_per_s_per_gpu", p.replica.time.tokens_per_s_per_gpu}};
+    if (p.searched_ok) x["searched"] = {{"layout", p.searched.layout.describe()}, {"tokens_per_s_per_gpu", p.searched.time.tokens_per_s_per_gpu}};
     if (p.found) {
       x["layout"] = p.best.layout.describe();
       x["tokens_per_s_per_gpu"] = p.best.time.tokens_per_s_per_gpu;
@@ -281,9 +327,11 @@ std::string format_scale(const std::vector<ScalePoint>& s) {
     if (!p.found) {
       std::snprintf(buf, sizeof buf, "%8lld  %s\n", (long long)p.world, p.note.c_str());
     } else {
-      std::snprintf(buf, sizeof buf, "%8lld  %12.0f  %5.1f%%  %8.3f  %10.3f  %s\n%56s%s\n", (long long)p.world,
+      std::snprintf(buf, sizeof buf, "%8lld  %12.0f  %5.1f%%  %8.3f  %10.3f  %s (%s)\n%56s%s\n", (long long)p.world,
                     p.best.time.tokens_per_s_per_gpu, 100 * p.best.time.mfu, p.best.time.step_time, p.efficiency,
-                    p.best.layout.describe().c_str(), "", p.note.c_str());
+                    p.best.layout.describe().c_str(), p.replica_ok && p.best.layout.describe() == p.replica.layout.describe()
+                                                          ? "replica x dp" : "searched",
+                    "", p.note.c_str());
     }
     os << buf;
   }

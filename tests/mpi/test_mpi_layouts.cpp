@@ -50,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "moetron/gemm.h"
 #include "moetron/check.h"
 #include "moetron/comm.h"
 #include "moetron/config.h"
@@ -494,7 +495,8 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       "--parallelism.ep=" + std::to_string(w / 2), "--parallelism.pp_schedule=interleaved_1f1b",
       "--parallelism.pp_layout=Et|t|t|L", "--training.global_batch_size=" + std::to_string(4 * w),
       w == 8 ? "--parallelism.ep_dispatcher=hierarchical" : "--parallelism.ep_dispatcher=alltoall",
-      "--parallelism.ranks_per_node=" + std::to_string(w == 8 ? 2 : 8)};
+      "--parallelism.ranks_per_node=" + std::to_string(w == 8 ? 2 : 8),
+      "--training.compute_dtype=fp32"};  // bf16 with the overlap is refused (a known defect, docs/status.md)
   auto with = [&](bool ov) {
     std::vector<std::string> a = base;
     a.push_back(std::string("--parallelism.ep_overlap=") + (ov ? "true" : "false"));
@@ -521,7 +523,8 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   if (w != 4) GTEST_SKIP() << "4 ranks";
   const std::vector<std::string> base = {"--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2",
                                          "--parallelism.pp_schedule=interleaved_1f1b",
-                                         "--parallelism.pp_layout=Et|t|t|L", "--parallelism.ep_overlap=true"};
+                                         "--parallelism.pp_layout=Et|t|t|L", "--parallelism.ep_overlap=true",
+                                         "--training.compute_dtype=fp32"};
   auto error_of = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = base;
     a.insert(a.end(), extra.begin(), extra.end());
@@ -538,4 +541,6 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   EXPECT_NE(error_of({"--parallelism.ep=1"}).find("needs expert parallelism"), std::string::npos);
   EXPECT_NE(error_of({"--parallelism.zero=3"}).find("not with FSDP"), std::string::npos);
   EXPECT_NE(error_of({"--activation_checkpoint.mode=full"}).find("activation recompute"), std::string::npos);
+  if (gemm_bf16_native())
+    EXPECT_NE(error_of({"--training.compute_dtype=bf16"}).find("not yet correct with bf16 compute"), std::string::npos);
 }

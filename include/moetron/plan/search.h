@@ -48,10 +48,18 @@ struct SearchResult {
 SearchResult search(const JobConfig& c, const Hardware& h, int64_t world, double global_batch_tokens,
                     const SearchOptions& o = {});
 
+// Strong scaling, the whitepaper's way: the best layout at the largest world fixes the replica (tp x cp x pp with
+// its ep, schedule, recompute and micro-batch); every world runs that replica times dp, so smaller worlds give
+// each replica more micro-batches of the fixed global batch. Each world is also searched afresh (reported
+// beside it); a world the replica does not divide takes its searched best.
 struct ScalePoint {
   int64_t world = 0;
   bool found = false;
-  Candidate best;
+  Candidate best;            // the better of the two below
+  bool replica_ok = false;   // the first world's replica, scaled in dp, can run here
+  Candidate replica;
+  bool searched_ok = false;
+  Candidate searched;
   double efficiency = 0;  // tokens/s/GPU relative to the first world's
   std::string note;       // where efficiency goes
 };
