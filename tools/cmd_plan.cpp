@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "plan_cmds.h"
 #include "moetron/check.h"
 #include "moetron/config.h"
 #include "moetron/plan/cost.h"
@@ -146,4 +147,6 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
     if (pc->json) std::printf("%s\n", plan::to_json(s).dump(2).c_str());
     else std::printf("%s", plan::format_scale(s).c_str());
   });
+  moetron::cli::add_plan_calibrate(plan);
+  moetron::cli::add_plan_validate(plan);
 });

@@ -101,6 +101,18 @@ ActivationBytes activation_bytes(const ModelSpec& s, int64_t micro_batch, int64_
 // The terms one layer saves under `ac` (pass {} for none: what a full recompute re-materializes).
 LayerActivations layer_activation_terms(const ModelSpec& s, int64_t layer, int64_t micro_batch,
                                         int64_t seq_len, Precision p, const ActivationCheckpointSpec& ac);
+// The same with explicit element sizes (a: activations, g: GEMM inputs), and the engine's convention: its
+// activations are fp32 (the residual stream, norm inputs and GEMM outputs) whatever the compute dtype, its GEMM
+// inputs are `compute_bytes` (2 = bf16, 4 = fp32).
+ActivationBytes activation_bytes_sized(const ModelSpec& s, int64_t micro_batch, int64_t seq_len, int64_t a, int64_t g,
+                                       const ActivationCheckpointSpec& ac = {});
+ActivationBytes engine_activation_bytes(const ModelSpec& s, int64_t micro_batch, int64_t seq_len,
+                                        int64_t compute_bytes, const ActivationCheckpointSpec& ac = {});
+// The engine's buffers per layer and micro-batch of `tokens` that the term list does not have (with bf16 compute
+// the fp32 ffn_norm and attention outputs beside their bf16 copies, MLA's k_nope, the router logits, row maps
+// and counters), as estimate_memory counts them; 0 for a fully recomputed layer.
+double engine_activation_extras(const ModelSpec& s, int64_t layer, double tokens, const ActivationCheckpointSpec& ac,
+                                int64_t compute_bytes);
 // Convenience: everything from a JobConfig (training.micro_batch_size, seq_len, dtype and the
 // [activation_checkpoint] section).
 ActivationBytes activation_bytes(const JobConfig& c);

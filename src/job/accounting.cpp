@@ -285,9 +285,19 @@ LayerActivations layer_activation_terms(const ModelSpec& s, int64_t layer, int64
 
 ActivationBytes activation_bytes(const ModelSpec& s, int64_t B, int64_t S, Precision p,
                                  const ActivationCheckpointSpec& ac) {
+  const auto [a, g] = elem_bytes(p);
+  return activation_bytes_sized(s, B, S, a, g, ac);
+}
+
+ActivationBytes engine_activation_bytes(const ModelSpec& s, int64_t B, int64_t S, int64_t compute_bytes,
+                                        const ActivationCheckpointSpec& ac) {
+  return activation_bytes_sized(s, B, S, 4, compute_bytes, ac);
+}
+
+ActivationBytes activation_bytes_sized(const ModelSpec& s, int64_t B, int64_t S, int64_t a, int64_t g,
+                                       const ActivationCheckpointSpec& ac) {
   MT_CHECK(B > 0 && S > 0, "activation_bytes", "micro_batch ", B, " seq_len ", S);
   ActivationBytes r;
-  const auto [a, g] = elem_bytes(p);
   const std::vector<char> moe = moe_map(s), on = ac_map(ac, s.n_layers);
   for (int64_t l = 0; l < s.n_layers; ++l) {
     LayerActivations la;
@@ -661,6 +671,15 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
                      (layer_wide ? " (the widest layer: " + kv("model.d_model", s.d_model)
                                  : " (the loss chunk: " + kv("model.vocab_size", s.vocab_size)) + ")";
   return r;
+}
+
+double engine_activation_extras(const ModelSpec& s, int64_t layer, double tokens, const ActivationCheckpointSpec& ac,
+                                int64_t compute_bytes) {
+  const bool here = ac.applies_to(layer);
+  if (here && ac.mode == AcMode::Full) return 0;  // the layer keeps its input only
+  const bool sel = here && ac.mode == AcMode::Selective;
+  return engine_extras(s, s.is_moe_layer(layer), tokens, sel && ac.has_module("norm"),
+                       sel && ac.has_module("attention_core"), compute_bytes);
 }
 
 }  // namespace moetron

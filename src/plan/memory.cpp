@@ -23,6 +23,8 @@ Recipe recipe_named(const std::string& name, const JobConfig& c) {
     // moetron's trainer: fp32 masters are the parameters; bf16 compute keeps a bf16 copy of them.
     const bool bf16 = c.training.compute_dtype != ComputeDtype::FP32;
     r.param = 4, r.grad = 4, r.main = 0, r.moment = 4, r.compute_copy = bf16 ? 2 : 0;
+    r.expert_packed = 2 * (bf16 ? 2 : 4);
+    r.act_bytes = 4, r.gemm_bytes = bf16 ? 2 : 4;
     return r;
   }
   MT_FAIL("plan", "unknown precision recipe '", name, "' (known: megatron, engine)");
@@ -99,7 +101,8 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
   const ActShard sh{l.tp, l.sp && l.tp > 1, l.cp, l.etp};
   const double B = double(l.mbs), S = double(c.training.seq_len);
-  const double a = 2.0, g = c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
+  const double a = o.recipe.act_bytes > 0 ? o.recipe.act_bytes : 2.0;
+  const double g = o.recipe.gemm_bytes > 0 ? o.recipe.gemm_bytes : c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
   const Recipe& rc = o.recipe;
 
   const int n_stages = sp.layout.n_stages;
@@ -179,7 +182,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
       rm.params = (Pd / (dsh * double(l.cp)) + Pe / esh) * (rc.param + rc.compute_copy);
       rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
     } else {
-      rm.params = (Pd + Pe) * (rc.param + rc.compute_copy);
+      rm.params = (Pd + Pe) * (rc.param + rc.compute_copy) + Pe * rc.expert_packed;
     }
     const double shard_d = l.zero >= 1 ? dense_dp : 1.0, shard_e = l.zero >= 1 ? edp : 1.0;
     const double gshard_d = l.zero >= 2 ? dense_dp : 1.0, gshard_e = l.zero >= 2 ? edp : 1.0;

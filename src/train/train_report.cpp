@@ -147,12 +147,17 @@ void TrainSession::finish() {
   res.mem_peak_bytes = mt.total_peak();
   res.act_peak_bytes = mt.peak(MemCategory::Activations);
   {
-    const ActivationBytes ab = activation_bytes(cfg.model, B, T, precision_of(compute), resolve_checkpointing(cfg));
+    // The engine's convention: fp32 activations, GEMM inputs in the compute dtype.
+    const ActivationBytes ab = engine_activation_bytes(cfg.model, B, T, compute == ComputeDtype::BF16 ? 2 : 4,
+                                                       resolve_checkpointing(cfg));
     int64_t pred = 0;
     for (int k = 0; k < model->n_stages(); ++k) {
       const ModelStagePart& p = model->stage_part(k);
       int64_t per_mb = 0;
-      for (int64_t l : p.layers) per_mb += ab.layers[size_t(l)].total();
+      const ActivationCheckpointSpec acr = resolve_checkpointing(cfg);
+      for (int64_t l : p.layers)
+        per_mb += ab.layers[size_t(l)].total() +
+                  int64_t(engine_activation_extras(cfg.model, l, double(B * T), acr, compute == ComputeDtype::BF16 ? 2 : 4));
       pred += int64_t(p.slots) * per_mb;
       for (const ActTerm& t : ab.outside.terms) {  // embed.* on the embedding stage, the rest on the head stage;
         // loss.dx is kept per micro-batch in flight

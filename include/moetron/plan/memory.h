@@ -7,8 +7,9 @@
 // Precision recipes (bytes per element):
 //   megatron  bf16 parameters (2), fp32 gradients (4, Megatron's main_grad buffer), fp32 main parameters (4)
 //             and two fp32 Adam moments (4 + 4); the default, with the distributed optimizer (zero 1)
-//   engine    moetron's own: fp32 parameters (4) plus their compute-dtype copy (2 under bf16), fp32 grads,
-//             no separate main copy, fp32 moments; used when comparing with the engine
+//   engine    moetron's own: fp32 parameters (4) plus their compute-dtype copy (2 under bf16) and the packed
+//             expert weights (two layouts in the compute dtype), fp32 grads, no separate main copy, fp32
+//             moments, fp32 activations; used when comparing with the engine (`plan validate`)
 // Sharding: zero >= 1 shards main parameters and moments over the data-parallel group (dense parameters over
 // dp x cp, routed experts over the expert data-parallel group edp); zero >= 2 shards gradients too; zero 3
 // shards parameters (over dp_shard for HSDP) and holds two gathered units (the current layer and the
@@ -30,6 +31,10 @@ struct Recipe {
   std::string name = "megatron";
   double param = 2, grad = 4, main = 4, moment = 4;  // bytes per element; `moment` per moment (two of them)
   double compute_copy = 0;                            // engine: the compute-dtype copy of the parameters
+  double expert_packed = 0;  // engine: routed-expert weights packed for the grouped GEMMs (two layouts)
+  // Activation element bytes: 0 = the GPU convention (bf16 activations; GEMM inputs 2 B, 1 B under FP8);
+  // the engine keeps fp32 activations (4) and GEMM inputs in its compute dtype.
+  double act_bytes = 0, gemm_bytes = 0;
 };
 // "megatron" or "engine" (the latter reads training.compute_dtype); throws naming the known recipes.
 Recipe recipe_named(const std::string& name, const JobConfig& c);
