@@ -31,20 +31,19 @@ using clk = std::chrono::steady_clock;
 
 double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
 
-// Best of `reps` timings of f() after one warm-up call, every rank timing at once.
+// Seconds per call of f() as every rank sustains it: one warm-up call, then `reps` calls back to back on every
+// rank at once, timed from a common start to the LAST rank's end. When ranks share cores this is each rank's
+// real share (a per-call best or median would count the moments a rank happened to run alone).
 template <class F>
 double best_of(const Comm& w, int reps, F&& f) {
   f();
-  double best = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    w.barrier();
-    const auto t = clk::now();
-    f();
-    best = std::min(best, secs(t));
-  }
-  double x = best;
-  w.all_reduce(&x, 1);  // the mean over ranks of each one's best
-  return x / w.size();
+  w.barrier();
+  const auto t0 = clk::now();
+  for (int r = 0; r < reps; ++r) f();
+  double mine = secs(t0);
+  std::vector<double> all(static_cast<size_t>(w.size()));
+  w.all_gather(all.data(), &mine, sizeof(double));
+  return *std::max_element(all.begin(), all.end()) / reps;
 }
 
 // FLOP/s of an m x n x k GEMM in the compute dtype.
@@ -103,10 +102,13 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     const double top = gemm_rate(w, dt, big, big, big, reps);
     h.peak_bf16 = h.achievable_bf16 = top;
     h.peak_fp8 = h.achievable_fp8 = 0;
-    for (int64_t m : {int64_t(8), int64_t(32), int64_t(128), big / 2, big}) {
-      const double r = m == big ? top : gemm_rate(w, dt, m, big, big, reps);
+    // The curve over the smallest dimension from skinny GEMMs (m rows against a big / 2 square weight): the
+    // shape of the routed experts' GEMMs, whose row count is the tokens each expert gets.
+    for (int64_t m : {int64_t(8), int64_t(16), int64_t(32), int64_t(64), int64_t(128), int64_t(256), big / 2}) {
+      const double r = gemm_rate(w, dt, m, big / 2, big / 2, m < 128 ? reps * 8 : reps);
       h.gemm_efficiency.push_back({double(m), std::min(1.0, r / top)});
     }
+    h.gemm_efficiency.push_back({double(big), 1.0});
     // The smallest GEMM's time: the floor under every op.
     {
       std::vector<float> a(64), b(64), c(64);
@@ -117,7 +119,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     // Attention: causal, forward + backward, against the GEMM rate.
     {
       const int64_t B = 1, T = quick ? 256 : 512, H = 8, D = 64;
-      AttnDims d{B, T, H, H, D, D, H * D, H * D, H * D, H * D, D, D, D, D};
+      AttnDims d{B, T, H, H, D, D, H * D, H * D, H * D, H * D, D, D, D, D, 0.125f};
       std::vector<float> q(size_t(B * T * H * D), 0.1f), k = q, v = q, o = q, dq = q, dk = q, dv = q, dout = q;
       std::vector<float> lse(size_t(B * H * T));
       const double t = best_of(w, reps, [&] {
@@ -145,7 +147,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
         return best_of(w, reps * 2, [&] {
           if (w.rank() == 0) w.send(buf.data(), bytes, 1), w.recv(buf.data(), bytes, 1);
           else if (w.rank() == 1) w.recv(buf.data(), bytes, 0), w.send(buf.data(), bytes, 0);
-        }) * double(w.size()) / 2.0;  // only two ranks timed something: undo the mean over all ranks
+        });
       };
       const double small = pingpong(8) / 2, large = pingpong(8 << 20) / 2;
       h.scale_up.alpha = small;
@@ -176,11 +178,22 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       std::vector<char> s(static_cast<size_t>(4 * n)), r(static_cast<size_t>(4 * n));
       const double a2a = best_of(w, reps, [&] { w.all_to_all(r.data(), s.data(), 4 * n / w.size()); });
       const plan::Group g{w.size(), w.size()};
-      char buf[400];
+      // The collective bandwidth: what the ring all-reduce formula needs to give the measured time (the
+      // point-to-point figure above stays the alpha; the fitted bandwidth covers the reduction arithmetic and the
+      // sharing of cores that a ping-pong between two ranks does not see).
+      const double p = double(w.size());
+      const double ring_bytes = 2 * (p - 1) / p * 4.0 * double(n), lat = 2 * (p - 1) * h.scale_up.alpha;
+      const double p2p_bw = h.scale_up.bw;
+      if (ar > lat) h.scale_up.bw = std::min(p2p_bw, ring_bytes / (ar - lat));
+      h.scale_out.bw = h.scale_up.bw;
+      h.sources["scale_up.bw_gbps"] = when + "; fitted to a 4 MiB all-reduce with the ring formula";
+      char buf[600];
       std::snprintf(buf, sizeof buf,
-                    "# check: all-reduce 4 MiB measured %.3f ms, model %.3f ms; all-to-all 4 MiB measured %.3f ms, "
-                    "model %.3f ms\n",
-                    1e3 * ar, 1e3 * plan::all_reduce(h, 4.0 * n, g), 1e3 * a2a, 1e3 * plan::all_to_all(h, 4.0 * n, g));
+                    "# point-to-point %.2f GB/s (8 MiB ping-pong), alpha %.2f us (8 B); bw_gbps fitted to the all-reduce: "
+                    "%.2f GB/s\n# check: all-reduce 4 MiB measured %.3f ms, model %.3f ms; all-to-all 4 MiB measured "
+                    "%.3f ms, model %.3f ms\n",
+                    p2p_bw / 1e9, h.scale_up.alpha * 1e6, h.scale_up.bw / 1e9, 1e3 * ar,
+                    1e3 * plan::all_reduce(h, 4.0 * n, g), 1e3 * a2a, 1e3 * plan::all_to_all(h, 4.0 * n, g));
       check = buf;
     }
   plan::validate_hardware(h, "calibrate");

@@ -310,14 +310,15 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     red = red_fn(Pd * gb, gd) + (Pe > 0 ? red_fn(Pe * gb, ge) : 0.0);
     if (l.zero >= 1) gather = all_gather(h, Pd * pb, gd) + (Pe > 0 ? all_gather(h, Pe * pb, ge) : 0.0);
     double exposed, total;
+    const double hide_f = o.overlap_dp ? f1 : 0.0, hide_b = o.overlap_dp ? b1 : 0.0;
     if (l.zero == 3) {
       // per micro-batch: gather for forward and again for backward, reduce-scatter of the gradients
       const double per_mb = 2 * gather + red;
       total = per_mb * double(m);
-      exposed = double(m) * (std::max(0.0, gather - f1) + std::max(0.0, gather + red - b1));
+      exposed = double(m) * (std::max(0.0, gather - hide_f) + std::max(0.0, gather + red - hide_b));
     } else {
       total = red + gather;
-      exposed = std::max(0.0, red - b1) + std::max(0.0, gather - f1);
+      exposed = std::max(0.0, red - hide_b) + std::max(0.0, gather - hide_f);
     }
     if (exposed > tp.dp_exposed) tp.dp_exposed = exposed, tp.dp_total = total;
     // Optimizer: read and write parameters, main parameters and moments, read gradients (its shard).

@@ -25,6 +25,7 @@ Recipe recipe_named(const std::string& name, const JobConfig& c) {
     r.param = 4, r.grad = 4, r.main = 0, r.moment = 4, r.compute_copy = bf16 ? 2 : 0;
     r.expert_packed = 2 * (bf16 ? 2 : 4);
     r.act_bytes = 4, r.gemm_bytes = bf16 ? 2 : 4;
+    r.engine_buffers = true;
     return r;
   }
   MT_FAIL("plan", "unknown precision recipe '", name, "' (known: megatron, engine)");
@@ -110,7 +111,10 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   std::vector<ModuleSum> stage_mods(static_cast<size_t>(n_stages));
   double transient = 0;  // the largest full-recompute re-materialization
   // A layer's terms depend on its kind (dense / MoE) and on whether recompute applies: four cases at most.
+  double engine_shared = 0;  // engine, full recompute: the shared re-materialization sets
+  const double d_model = double(s.d_model);
   struct Kind {
+    bool shared_counted = false;
     bool have = false;
     double bytes = 0, all = 0;
     ModuleSum mods;
@@ -127,8 +131,20 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
           k.bytes = sharded_layer_bytes(s, layer, B, S, a, g, ac, sh);
         }
         if (ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, B, S, a, g, sh);
+        if (o.recipe.engine_buffers) {  // the engine's own (one rank holds the whole layer: no tp / cp here)
+          const double extra = engine_activation_extras(s, layer, B * S, ac, int64_t(g));
+          k.bytes += extra;
+          if (o.detail) k.mods.by["engine_buffers"] += extra;
+        }
       }
       stage_bytes[size_t(st)] += count * k.bytes;
+      if (o.recipe.engine_buffers && ac.mode == AcMode::Full && on && !k.shared_counted) {
+        // The engine re-materializes into one buffer set per layer kind, allocated for the whole run: it counts as
+        // activations (held), not as a transient.
+        k.shared_counted = true;
+        const ActivationCheckpointSpec none;
+        engine_shared += k.all + engine_activation_extras(s, layer, B * S, none, int64_t(g)) - B * S * d_model * a;
+      }
       if (o.detail)
         for (const auto& [name, v] : k.mods.by) stage_mods[size_t(st)].by[name] += count * v;
       transient = std::max(transient, k.all);
@@ -156,7 +172,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     rm.rank = r;
     rm.stages = sp.rank_stages[size_t(r)];
     ParamSplit ps;
-    double largest_unit = 0;
+    double largest_unit = 0, fsdp_grad_slot = 0;
     bool moe_here = false;
     for (int st : rm.stages) {
       for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool, int count) {
@@ -169,6 +185,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
         rm.layers += count;
       });
       const double vd = double(s.vocab_size) * d;
+      if (sp.first[size_t(st)] || sp.last[size_t(st)]) largest_unit = std::max(largest_unit, vd / double(l.tp));
       if (sp.first[size_t(st)]) ps.tp_sharded += vd;
       if (sp.last[size_t(st)]) ps.tp_sharded += vd, ps.replicated += d;  // head (a copy when tied) + final norm
     }
@@ -180,19 +197,27 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
       const double dsh = double(l.dp_shard > 0 ? l.dp_shard : l.dp);
       const double esh = std::max(1.0, edp * dsh / double(l.dp));
       rm.params = (Pd / (dsh * double(l.cp)) + Pe / esh) * (rc.param + rc.compute_copy);
-      rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
+      if (rc.engine_buffers) {
+        // The engine gathers one unit at a time (two with tied embeddings) into a full-precision slot with its
+        // compute copy, and its gradient slot; both count as parameters and gradients.
+        const double slots = s.tie_embeddings ? 2.0 : 1.0;
+        rm.params += slots * largest_unit * (rc.param + rc.compute_copy);
+        fsdp_grad_slot = slots * largest_unit * rc.grad;
+      } else {
+        rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
+      }
     } else {
       rm.params = (Pd + Pe) * (rc.param + rc.compute_copy) + Pe * rc.expert_packed;
     }
     const double shard_d = l.zero >= 1 ? dense_dp : 1.0, shard_e = l.zero >= 1 ? edp : 1.0;
     const double gshard_d = l.zero >= 2 ? dense_dp : 1.0, gshard_e = l.zero >= 2 ? edp : 1.0;
-    rm.grads = Pd * rc.grad / gshard_d + Pe * rc.grad / gshard_e;
+    rm.grads = Pd * rc.grad / gshard_d + Pe * rc.grad / gshard_e + fsdp_grad_slot;
     rm.main_params = Pd * rc.main / shard_d + Pe * rc.main / shard_e;
     rm.optimizer = 2.0 * rc.moment * (Pd / shard_d + Pe / shard_e);
 
     // Activations: the simulator's peak of held sets, by module in the proportions of one micro-batch.
     rm.inflight_sets = inf.peak_sets[size_t(r)];
-    rm.activations = inf.peak_bytes[size_t(r)];
+    rm.activations = inf.peak_bytes[size_t(r)] + engine_shared;
     std::map<std::string, double> mods;
     for (int st : rm.stages) {
       rm.act_per_microbatch += stage_bytes[size_t(st)];
@@ -212,7 +237,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     if (l.pp > 1) rm.buffers_by_kind.push_back({"pp_p2p", 2.0 * T / q * d * a});
     for (const auto& [k, v] : rm.buffers_by_kind) rm.buffers += v;
     // Workspace: GEMM library workspace, the SP all-gather of a layer input, a full recompute's transient.
-    rm.workspace = kGemmWorkspace + (sh.sp ? T * d * a : 0.0) + transient;
+    rm.workspace = kGemmWorkspace + (sh.sp ? T * d * a : 0.0) + (o.recipe.engine_buffers ? 0.0 : transient);
     if (rm.total() > m.max_total) m.max_total = rm.total(), m.worst_rank = r;
     m.per_rank.push_back(std::move(rm));
   }

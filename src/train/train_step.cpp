@@ -102,6 +102,7 @@ void TrainSession::run_step() {
   StepRecord rec;
   rec.step = step, rec.loss = t.ce_n ? t.ce / double(t.ce_n) : 0, rec.aux_loss = t.aux, rec.lr = adam.lr;
   rec.grad_norm = t.grad_norm;
+  rec.seconds = dt;
   if (opt.record_param_hash) {
     const std::vector<float> p = state->global_params_values(), b = state->global_biases();
     rec.param_hash = fnv1a(b.data(), b.size() * 4, fnv1a(p.data(), p.size() * 4));

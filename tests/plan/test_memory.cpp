@@ -64,9 +64,11 @@ TEST(PlanMemory, EngineRecipeMatchesTheEnginesConvention) {
   const auto c = cfg("ds_tiny", {"--training.compute_dtype=fp32"});
   plan::PlanOptions o;
   o.recipe = plan::recipe_named("engine", c);
-  const double P = double(count_params(c.model).total);
+  const ParamCounts pc = count_params(c.model);
+  const double P = double(pc.total), Pe = double(pc.routed_experts);
   const auto r = mem(c, 1, o).per_rank[0];
-  EXPECT_DOUBLE_EQ(r.params, 4 * P);  // fp32 masters, no bf16 copy under fp32 compute
+  // fp32 masters, no bf16 copy under fp32 compute, the experts packed twice more (two fp32 layouts)
+  EXPECT_DOUBLE_EQ(r.params, 4 * P + 8 * Pe);
   EXPECT_DOUBLE_EQ(r.main_params, 0);
   EXPECT_THROW(plan::recipe_named("apex", c), Error);
 }

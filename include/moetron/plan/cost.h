@@ -54,6 +54,9 @@ struct TimeOptions {
   PlanOptions memory;             // recipe, loss fusion (for the FLOP / byte counts)
   bool simulate = true;           // replay the schedule (else the analytic pipeline estimate)
   double model_flops_per_token = 0;  // the accounting's train FLOPs per token, when the caller has it (0 = count)
+  // The data-parallel collectives overlap the last backward / first forward (Megatron's overlap_grad_reduce /
+  // overlap_param_gather, FSDP prefetch). moetron's engine runs them after the backward: false when validating.
+  bool overlap_dp = true;
 };
 
 // `memory`: the layout's memory projection when the caller has it (the DP collectives read its parameter counts).

@@ -35,6 +35,7 @@ struct Recipe {
   // Activation element bytes: 0 = the GPU convention (bf16 activations; GEMM inputs 2 B, 1 B under FP8);
   // the engine keeps fp32 activations (4) and GEMM inputs in its compute dtype.
   double act_bytes = 0, gemm_bytes = 0;
+  bool engine_buffers = false;  // engine: the buffers beside the term list (accounting.h engine_activation_extras)
 };
 // "megatron" or "engine" (the latter reads training.compute_dtype); throws naming the known recipes.
 Recipe recipe_named(const std::string& name, const JobConfig& c);
