@@ -325,7 +325,12 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     const double shard_d = l.zero >= 1 ? double(l.dp * l.cp) : 1.0, shard_e = l.zero >= 1 ? double(l.edp()) : 1.0;
     const Recipe& rc = po.recipe;
     const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
-    tp.optimizer = std::max(tp.optimizer, (Pd / shard_d + Pe / shard_e) * per_elem / (h.hbm_bw * h.hbm_efficiency));
+    // The engine then refreshes every local weight's compute copy (read the master, write the copy) and packs the
+    // experts (read the copy, write the packed layouts); a bf16 GPU recipe has none of this.
+    const double refresh = (rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) : 0.0) +
+                           Pe * (rc.expert_packed > 0 ? rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param) : 0.0);
+    tp.optimizer = std::max(tp.optimizer, ((Pd / shard_d + Pe / shard_e) * per_elem + refresh) /
+                                              (h.hbm_bw * h.hbm_efficiency));
   }
   tp.step_time = tp.pipeline_time + tp.dp_exposed + tp.optimizer;
 

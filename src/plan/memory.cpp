@@ -172,7 +172,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     rm.rank = r;
     rm.stages = sp.rank_stages[size_t(r)];
     ParamSplit ps;
-    double largest_unit = 0, fsdp_grad_slot = 0;
+    double largest_unit = 0, largest_unit_experts = 0, fsdp_grad_slot = 0;
     bool moe_here = false;
     for (int st : rm.stages) {
       for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool, int count) {
@@ -180,7 +180,8 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
         if (!split_have[km]) split_cache[km] = split_layer(s, layer), split_have[km] = true;
         const ParamSplit& x = split_cache[km];
         ps.tp_sharded += count * x.tp_sharded, ps.replicated += count * x.replicated, ps.experts += count * x.experts;
-        largest_unit = std::max(largest_unit, x.tp_sharded / double(l.tp) + x.replicated + x.experts / double(l.ep * l.etp));
+        const double unit = x.tp_sharded / double(l.tp) + x.replicated + x.experts / double(l.ep * l.etp);
+        if (unit > largest_unit) largest_unit = unit, largest_unit_experts = x.experts / double(l.ep * l.etp);
         moe_here = moe_here || moe;
         rm.layers += count;
       });
@@ -198,10 +199,12 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
       const double esh = std::max(1.0, edp * dsh / double(l.dp));
       rm.params = (Pd / (dsh * double(l.cp)) + Pe / esh) * (rc.param + rc.compute_copy);
       if (rc.engine_buffers) {
-        // The engine gathers one unit at a time (two with tied embeddings) into a full-precision slot with its
-        // compute copy, and its gradient slot; both count as parameters and gradients.
+        // The engine keeps the fp32 shard alone and gathers one unit at a time (two with tied embeddings) into a
+        // full-precision slot with its compute copy and the unit's packed experts, plus its gradient slot; both
+        // count as parameters and gradients.
         const double slots = s.tie_embeddings ? 2.0 : 1.0;
-        rm.params += slots * largest_unit * (rc.param + rc.compute_copy);
+        rm.params = (Pd / (dsh * double(l.cp)) + Pe / esh) * rc.param;
+        rm.params += slots * (largest_unit * (rc.param + rc.compute_copy) + largest_unit_experts * rc.expert_packed);
         fsdp_grad_slot = slots * largest_unit * rc.grad;
       } else {
         rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
@@ -218,6 +221,13 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     // Activations: the simulator's peak of held sets, by module in the proportions of one micro-batch.
     rm.inflight_sets = inf.peak_sets[size_t(r)];
     rm.activations = inf.peak_bytes[size_t(r)] + engine_shared;
+    if (o.recipe.engine_buffers) {
+      // The engine allocates each stage's activation slots once, as many as that stage ever holds: the sum of
+      // the per-stage peaks (a GPU allocator holds the peak of the sum, above).
+      double slots = engine_shared;
+      for (int st : sp.rank_stages[size_t(r)]) slots += double(inf.stage_peak.at(size_t(st))) * stage_bytes[size_t(st)];
+      rm.activations = slots;
+    }
     std::map<std::string, double> mods;
     for (int st : rm.stages) {
       rm.act_per_microbatch += stage_bytes[size_t(st)];

@@ -169,6 +169,15 @@ Inflight inflight(const StagePlan& p, const std::vector<double>& stage_bytes) {
   const size_t pp = pk.stages.size();
   out.peak_sets = pk.peak_sets;
   out.peak_bytes.assign(pp, 0.0);
+  size_t n_stages = 0;
+  for (const auto& st : pk.stages) n_stages += st.size();
+  out.stage_peak.assign(n_stages, 0);
+  for (size_t r = 0; r < pp; ++r)
+    for (const auto& v : pk.vectors[r])
+      for (size_t i = 0; i < v.size(); ++i) {
+        int& sp = out.stage_peak[size_t(pk.stages[r][i])];
+        sp = std::max(sp, v[i]);
+      }
   if (stage_bytes.empty()) return out;
   for (size_t r = 0; r < pp; ++r)
     for (const auto& v : pk.vectors[r]) {

@@ -53,6 +53,7 @@ std::shared_ptr<const StagePlan> stage_plan(const JobConfig& c, const Layout& l)
 struct Inflight {
   std::vector<int> peak_sets;        // per rank
   std::vector<double> peak_bytes;    // per rank (0 when no stage_bytes)
+  std::vector<int> stage_peak;       // per stage: the most sets it ever holds at once
   int64_t simulated_microbatches = 0;
 };
 Inflight inflight(const StagePlan& p, const std::vector<double>& stage_bytes = {});
