@@ -105,6 +105,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     // The curve over the smallest dimension from skinny GEMMs (m rows against a big / 2 square weight): the
     // shape of the routed experts' GEMMs, whose row count is the tokens each expert gets.
     for (int64_t m : {int64_t(8), int64_t(16), int64_t(32), int64_t(64), int64_t(128), int64_t(256), big / 2}) {
+      if (m > big / 2 || (m == 256 && big / 2 == 256)) continue;  // ascending, no repeats (--quick: big = 512)
       const double r = gemm_rate(w, dt, m, big / 2, big / 2, m < 128 ? reps * 8 : reps);
       h.gemm_efficiency.push_back({double(m), std::min(1.0, r / top)});
     }
