@@ -2,6 +2,7 @@
 // way back (to_toml, JSON). One table of fields drives everything: parsing, type checks, overrides,
 // "did you mean" suggestions, serialization. Not the model spec rules (src/job/spec.cpp).
 #include "moetron/config.h"
+#include "job/toml_names.h"
 
 #include <algorithm>
 #include <charconv>
@@ -375,20 +376,6 @@ std::string unknown_key_text(const std::string& name) {
 }
 
 // ---- TOML node -> Value --------------------------------------------------------------------------------
-const char* toml_type_name(const toml::node& n) {
-  switch (n.type()) {
-    case toml::node_type::string: return "string";
-    case toml::node_type::integer: return "integer";
-    case toml::node_type::floating_point: return "float";
-    case toml::node_type::boolean: return "boolean";
-    case toml::node_type::array: return "array";
-    case toml::node_type::table: return "table";
-    case toml::node_type::date: return "date";
-    case toml::node_type::time: return "time";
-    case toml::node_type::date_time: return "date-time";
-    default: return "nothing";
-  }
-}
 
 std::string choices_text(const Field& f) {
   std::string s;

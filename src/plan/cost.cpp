@@ -226,13 +226,13 @@ std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Ha
 }
 
 TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
-                   const MemoryPlan* memory) {
+                   const MemoryPlan* memory, const StagePlan* stages) {
   const ModelSpec& s = c.model;
   TimePlan tp;
   tp.layout = l;
   tp.hardware = h.name;
-  const auto spp = stage_plan(c, l);
-  const StagePlan& sp = *spp;
+  const auto spp = stages ? nullptr : stage_plan(c, l);
+  const StagePlan& sp = stages ? *stages : *spp;
   tp.stages = stage_times(c, l, h, o, sp);
   const double T = double(l.mbs) * double(c.training.seq_len) / double(l.cp);
   const double q = double(l.sp && l.tp > 1 ? l.tp : 1);
@@ -292,7 +292,7 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   if (!memory) {
     PlanOptions quick = po;
     quick.detail = false;
-    own = plan_memory(c, l, h, quick);
+    own = plan_memory(c, l, h, quick, &sp);
   }
   const MemoryPlan& mp = memory ? *memory : own;
   const Group gd = place(h, l.dp * l.cp, l.tp);

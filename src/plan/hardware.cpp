@@ -2,6 +2,7 @@
 // efficiency curve and the `--hw` resolution (catalog name or file). Not the catalog's figures
 // (hardware_catalog.cpp holds those, as TOML read by this same loader) and no cost model.
 #include "moetron/plan/hardware.h"
+#include "job/toml_names.h"
 
 #include <toml++/toml.h>
 
@@ -109,21 +110,10 @@ std::string where(std::string_view source, const toml::node& n) {
   throw Error(msg);
 }
 
-const char* type_name(const toml::node& n) {
-  switch (n.type()) {
-    case toml::node_type::string: return "a string";
-    case toml::node_type::integer: return "an integer";
-    case toml::node_type::floating_point: return "a float";
-    case toml::node_type::boolean: return "a boolean";
-    case toml::node_type::array: return "an array";
-    case toml::node_type::table: return "a table";
-    default: return "a date/time";
-  }
-}
 
 [[noreturn]] void wrong_type(std::string_view source, const toml::node& n, const std::string& key,
                              const char* expected) {
-  throw Error(where(source, n) + key + ": expected " + expected + ", got " + type_name(n));
+  throw Error(where(source, n) + key + ": expected " + expected + ", got " + toml_type_name(n));
 }
 
 double as_number(std::string_view source, const toml::node& n, const std::string& key) {

@@ -45,6 +45,39 @@ const char* const kMamf =
     "(2025, torch matmul, mean at the best shape of a sweep), "
     "https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md";
 
+// MI300X and MI325X: the same 8-GPU xGMI full mesh and 400 Gb/s NICs.
+const char* const kXgmiTiers = R"toml(
+[scale_up]
+domain = 8
+topology = "full_mesh"
+links = 7
+link_bw_gbps = 64.0
+link_efficiency = 1.0
+bw_gbps = 448.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml";
+
+// H100 and H200 (SXM): the same NVLink 4 switch and 400 Gb/s NICs.
+const char* const kNvlink4Tiers = R"toml(
+[scale_up]
+domain = 8
+topology = "switch"
+bw_gbps = 450.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml";
+
 struct Entry {
   const char* name;
   const char* head;     // top-level figures
@@ -64,22 +97,7 @@ peak_fp8_tflops = 2614.9
 achievable_bf16_tflops = 708.0
 achievable_fp8_tflops = 1273.0
 )toml",
-     R"toml(
-[scale_up]
-domain = 8
-topology = "full_mesh"
-links = 7
-link_bw_gbps = 64.0
-link_efficiency = 1.0
-bw_gbps = 448.0
-alpha_us = 3.0
-
-[scale_out]
-domain = 65536
-topology = "switch"
-bw_gbps = 50.0
-alpha_us = 10.0
-)toml",
+     kXgmiTiers,
      R"toml(hbm_gb = "AMD Instinct MI300X data sheet (2023): 192 GB HBM3; same in {WHITEPAPER}"
 hbm_bw_gbps = "AMD Instinct MI300X data sheet (2023): 5.3 TB/s peak; same in {WHITEPAPER}"
 peak_bf16_tflops = "AMD Instinct MI300X data sheet (2023): 1307.4 TFLOPS dense BF16 (the whitepaper rounds to 1.3 PF)"
@@ -104,22 +122,7 @@ peak_fp8_tflops = 2614.9
 achievable_bf16_tflops = 843.0
 achievable_fp8_tflops = 1519.0
 )toml",
-     R"toml(
-[scale_up]
-domain = 8
-topology = "full_mesh"
-links = 7
-link_bw_gbps = 64.0
-link_efficiency = 1.0
-bw_gbps = 448.0
-alpha_us = 3.0
-
-[scale_out]
-domain = 65536
-topology = "switch"
-bw_gbps = 50.0
-alpha_us = 10.0
-)toml",
+     kXgmiTiers,
      R"toml(hbm_gb = "AMD Instinct MI325X data sheet (2024): 256 GB HBM3E; also PyTorch/AMD blog on TorchTitan MoE pre-training on 1,024 MI325X GPUs (2025)"
 hbm_bw_gbps = "AMD Instinct MI325X data sheet (2024): 6 TB/s peak"
 peak_bf16_tflops = "AMD Instinct MI325X data sheet (2024): 1307.4 TFLOPS dense BF16"
@@ -185,19 +188,7 @@ peak_fp8_tflops = 1979.0
 achievable_bf16_tflops = 794.5
 achievable_fp8_tflops = 1402.6
 )toml",
-     R"toml(
-[scale_up]
-domain = 8
-topology = "switch"
-bw_gbps = 450.0
-alpha_us = 3.0
-
-[scale_out]
-domain = 65536
-topology = "switch"
-bw_gbps = 50.0
-alpha_us = 10.0
-)toml",
+     kNvlink4Tiers,
      R"toml(hbm_gb = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: 80 GB HBM3"
 hbm_bw_gbps = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: 3.35 TB/s"
 peak_bf16_tflops = "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: 1979 TFLOPS BF16 with sparsity, halved for dense"
@@ -219,19 +210,7 @@ peak_fp8_tflops = 1979.0
 achievable_bf16_tflops = 794.5
 achievable_fp8_tflops = 1453.4
 )toml",
-     R"toml(
-[scale_up]
-domain = 8
-topology = "switch"
-bw_gbps = 450.0
-alpha_us = 3.0
-
-[scale_out]
-domain = 65536
-topology = "switch"
-bw_gbps = 50.0
-alpha_us = 10.0
-)toml",
+     kNvlink4Tiers,
      R"toml(hbm_gb = "NVIDIA H200 Tensor Core GPU product page/datasheet (2024), H200 SXM: 141 GB HBM3e"
 hbm_bw_gbps = "NVIDIA H200 Tensor Core GPU product page/datasheet (2024), H200 SXM: 4.8 TB/s"
 peak_bf16_tflops = "NVIDIA H200 datasheet (2024), H200 SXM: 1979 TFLOPS BF16 with sparsity, halved for dense"

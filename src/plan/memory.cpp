@@ -95,10 +95,11 @@ ActivationCheckpointSpec plan_checkpointing(const JobConfig& c, const Layout& l)
   return ac;
 }
 
-MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o) {
+MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o,
+                       const StagePlan* stages) {
   const ModelSpec& s = c.model;
-  const auto spp = stage_plan(c, l);
-  const StagePlan& sp = *spp;
+  const auto spp = stages ? nullptr : stage_plan(c, l);
+  const StagePlan& sp = stages ? *stages : *spp;
   const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
   const ActShard sh{l.tp, l.sp && l.tp > 1, l.cp, l.etp};
   const double B = double(l.mbs), S = double(c.training.seq_len);

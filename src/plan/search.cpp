@@ -6,12 +6,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
+#include <memory>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "moetron/accounting.h"
 #include "moetron/check.h"
+#include "moetron/plan/pipeline.h"
 
 namespace moetron::plan {
 
@@ -109,7 +112,8 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
           std::vector<int64_t> vpps = {1};
           if (sched == "interleaved_1f1b") vpps = {2, 3, 4, 6, 8};
           if (sched == "zbv") vpps = {2};
-          for (int64_t vpp : vpps)
+          for (int64_t vpp : vpps) {
+            std::map<std::pair<int64_t, int>, std::shared_ptr<const StagePlan>> plans;
             for (int64_t ep : divisors_upto(E, E))
               for (int64_t zero : {int64_t(1), int64_t(3)})
                 for (const Ac& ac : acs)
@@ -136,18 +140,22 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                         ++res.invalid;
                         continue;
                       }
+                      // The stage plan depends on (pp, vpp, schedule, micro-batches, overlap): kept per shape here.
+                      auto& spp = plans[{l.microbatches, ov}];
                       MemoryPlan mp;
                       try {
-                        mp = plan_memory(c, l, h, quick);
+                        if (!spp) spp = stage_plan(c, l);
+                        mp = plan_memory(c, l, h, quick, spp.get());
                       } catch (const Error&) {
                         ++res.invalid;
                         continue;
                       }
                       if (mp.verdict != "FITS") { ++res.oom; continue; }
-                      const double score = plan_time(c, l, h, analytic, &mp).tokens_per_s_per_gpu;
+                      const double score = plan_time(c, l, h, analytic, &mp, spp.get()).tokens_per_s_per_gpu;
                       ++res.evaluated;
                       ok.push_back({std::move(l), score});
                     }
+          }
         }
       }
     }

@@ -61,7 +61,7 @@ struct TimeOptions {
 
 // `memory`: the layout's memory projection when the caller has it (the DP collectives read its parameter counts).
 TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o = {},
-                   const MemoryPlan* memory = nullptr);
+                   const MemoryPlan* memory = nullptr, const StagePlan* stages = nullptr);
 // The per-stage durations alone (search evaluates these, then the analytic pipeline).
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                                    const StagePlan& sp);

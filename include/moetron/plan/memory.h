@@ -74,7 +74,10 @@ struct MemoryPlan {
   std::string verdict;  // FITS, AT-RISK or OOM
 };
 
-MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o);
+struct StagePlan;
+// `stages`: the layout's stage plan when the caller has it (plan/pipeline.h stage_plan; the search keeps them).
+MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o,
+                       const StagePlan* stages = nullptr);
 std::string verdict_for(double bytes, double hbm, double margin);
 nlohmann::json to_json(const MemoryPlan& m);
 std::string format_memory(const MemoryPlan& m);
