@@ -20,6 +20,7 @@
 #include "moetron/check.h"
 #include "moetron/comm.h"
 #include "moetron/gemm.h"
+#include "moetron/grouped_gemm.h"
 #include "moetron/model.h"
 #include "moetron/plan/comm_model.h"
 #include "moetron/plan/hardware.h"
@@ -110,6 +111,44 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       h.gemm_efficiency.push_back({double(m), std::min(1.0, r / top)});
     }
     h.gemm_efficiency.push_back({double(big), 1.0});
+    // Grouped GEMMs (the routed experts): forward + dgrad + wgrad of 8 experts with d = 512 in, 384 out, by
+    // tokens per expert, against the achievable rate.
+    {
+      const int64_t El = 8, K = 512, N = 384;
+      const GemmPrec prec = dt == ComputeDtype::BF16 ? GemmPrec::BF16 : GemmPrec::F32;
+      std::vector<float> W(static_cast<size_t>(El * K * N), 0.01f), dW(W.size());
+      std::vector<char> pf(grouped_packed_bytes(GroupedPackKind::Fwd, prec, El, K, N) + 64),
+          pd(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, El, K, N) + 64);
+      auto align = [](std::vector<char>& v) { return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63)); };
+      const GroupedPackedWeights wf = grouped_pack_weights(align(pf), W.data(), El, K, N, prec, GroupedPackKind::Fwd);
+      const GroupedPackedWeights wd = grouped_pack_weights(align(pd), W.data(), El, K, N, prec, GroupedPackKind::Dgrad);
+      for (int64_t te : {int64_t(4), int64_t(16), int64_t(64), int64_t(256)}) {
+        const int64_t M = te * El;
+        std::vector<int32_t> counts(static_cast<size_t>(El), int32_t(te));
+        std::vector<float> X(static_cast<size_t>(M * K), 0.1f), Y(static_cast<size_t>(M * N)), dX(X.size()), dY(Y.size(), 0.1f);
+        std::vector<bf16> Xb(X.size()), dYb(Y.size());
+        f32_to_bf16(Xb.data(), X.data(), int64_t(X.size()));
+        f32_to_bf16(dYb.data(), dY.data(), int64_t(dY.size()));
+        size_t wsb = 0;
+        for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
+          wsb = std::max(wsb, grouped_gemm_workspace_bytes(op, prec, El, M, K, N));
+        std::vector<char> wsv(wsb + 64);
+        void* ws = align(wsv);
+        const double t = best_of(w, te < 64 ? reps * 8 : reps, [&] {
+          if (prec == GemmPrec::BF16) {
+            grouped_gemm_fwd(Y.data(), nullptr, Xb.data(), wf, counts.data(), El, M, K, N, ws, wsb);
+            grouped_gemm_dgrad(dX.data(), nullptr, dYb.data(), wd, counts.data(), El, M, K, N, ws, wsb);
+            grouped_gemm_wgrad(dW.data(), Xb.data(), dYb.data(), counts.data(), El, M, K, N, false, ws, wsb);
+          } else {
+            grouped_gemm_fwd(Y.data(), X.data(), wf, counts.data(), El, M, K, N, ws, wsb);
+            grouped_gemm_dgrad(dX.data(), dY.data(), wd, counts.data(), El, M, K, N, ws, wsb);
+            grouped_gemm_wgrad(dW.data(), X.data(), dY.data(), counts.data(), El, M, K, N, false, ws, wsb);
+          }
+        });
+        const double rate = 3 * 2.0 * double(M) * double(K) * double(N) / t;
+        h.grouped_gemm_efficiency.push_back({double(te), std::clamp(rate / top, 0.001, 1.0)});
+      }
+    }
     // The smallest GEMM's time: the floor under every op.
     {
       std::vector<float> a(64), b(64), c(64);
@@ -160,7 +199,8 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     h.scale_out = h.scale_up;
     h.scale_out.domain = 1 << 20;
     for (const char* k : {"hbm_gb", "hbm_bw_gbps", "hbm_efficiency", "peak_bf16_tflops", "achievable_bf16_tflops",
-                          "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "scale_up.domain",
+                          "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "grouped_gemm_efficiency",
+                          "scale_up.domain",
                           "scale_up.bw_gbps", "scale_up.alpha_us", "scale_up.topology"})
       h.sources[k] = when;
     h.sources["hbm_gb"] = "MemTotal of /proc/meminfo over the ranks on this node";

@@ -125,7 +125,12 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     G(T / x.q, E, d);             // router
     for (int part = 0; part < 2; ++part) {  // gate_up, then down, one GEMM per local expert
       const GemmCost g = part == 0 ? gemm(x, te, 2 * Im, d) : gemm(x, te, d, Im);
-      gemm_f += local * g.t, quant += local * g.quant, flops += local * g.flops;
+      double t = local * g.t;
+      // A measured grouped-GEMM curve (by tokens per expert) replaces the per-expert GEMM estimate.
+      if (!x.h.grouped_gemm_efficiency.empty())
+        t = std::max(local * g.flops / ((x.fp8 ? x.h.achievable_fp8 : x.h.achievable_bf16) * x.h.grouped_eff(te)),
+                     x.h.kernel_overhead);
+      gemm_f += t, quant += local * g.quant, flops += local * g.flops;
     }
     act_bytes = 3 * Im * 2 * R;
     mem += T / x.q * E * 4 * 3 + 2 * 2 * R * d * 2;  // router softmax / top-k; permute and unpermute

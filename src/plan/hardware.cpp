@@ -48,6 +48,8 @@ constexpr Key kTop[] = {
     {"kernel_overhead_us", Kind::Number, kUs, false, "per-kernel floor, microseconds"},
     {"attention_efficiency", Kind::Number, 1, false, "fused attention's rate as a fraction of achievable_bf16"},
     {"gemm_efficiency", Kind::Curve, 1, false, "[[min_dim, eff], ...] fraction of the achievable rate"},
+    {"grouped_gemm_efficiency", Kind::Curve, 1, false,
+     "[[tokens_per_expert, eff], ...] the experts' grouped GEMMs (forward + backward) against the achievable rate"},
 };
 constexpr Key kTier[] = {
     {"domain", Kind::Integer, 1, true, "GPUs reachable at this tier"},
@@ -299,8 +301,9 @@ void validate_tier(const Checker& c, const Tier& t, const std::string& tier) {
 }  // namespace
 
 // ---- Hardware methods ---------------------------------------------------------------------------------------
-double Hardware::gemm_eff(double min_dim) const {
-  const auto& t = gemm_efficiency;
+namespace {
+// Log-linear interpolation in a curve, clamped at both ends; 1.0 for an empty curve.
+double curve_at(const std::vector<EffPoint>& t, double min_dim) {
   if (t.empty()) return 1.0;
   if (!(min_dim > t.front().dim)) return t.front().eff;
   if (min_dim >= t.back().dim) return t.back().eff;
@@ -309,6 +312,12 @@ double Hardware::gemm_eff(double min_dim) const {
   const double x0 = std::log(t[i - 1].dim), x1 = std::log(t[i].dim);
   const double f = (std::log(min_dim) - x0) / (x1 - x0);
   return t[i - 1].eff + f * (t[i].eff - t[i - 1].eff);
+}
+}  // namespace
+
+double Hardware::gemm_eff(double min_dim) const { return curve_at(gemm_efficiency, min_dim); }
+double Hardware::grouped_eff(double tokens_per_expert) const {
+  return curve_at(grouped_gemm_efficiency, tokens_per_expert);
 }
 
 double Hardware::gemm_rate(double m, double n, double k, bool fp8) const {
@@ -358,7 +367,9 @@ Hardware hardware_from_toml(std::string_view toml_text, std::string_view source)
       case Kind::String:
         (key == "name" ? h.name : h.description) = as_string(source, v, key);
         break;
-      case Kind::Curve: h.gemm_efficiency = as_curve(source, v, key); break;
+      case Kind::Curve:
+        (key == "gemm_efficiency" ? h.gemm_efficiency : h.grouped_gemm_efficiency) = as_curve(source, v, key);
+        break;
       case Kind::Number: *number_field(h, key) = as_number(source, v, key) * spec.scale; break;
       case Kind::Integer: break;  // no top-level integers
     }
@@ -402,11 +413,14 @@ std::string hardware_to_toml(const Hardware& h) {
   num("achievable_fp8_tflops", h.achievable_fp8, kT);
   num("kernel_overhead_us", h.kernel_overhead, kUs);
   num("attention_efficiency", h.attention_efficiency, 1);
-  os << "gemm_efficiency = [";
-  for (size_t i = 0; i < h.gemm_efficiency.size(); ++i)
-    os << (i ? ", " : "") << "[" << toml_float(shortest(h.gemm_efficiency[i].dim)) << ", "
-       << toml_float(shortest(h.gemm_efficiency[i].eff)) << "]";
-  os << "]\n";
+  for (const auto* cv : {&h.gemm_efficiency, &h.grouped_gemm_efficiency}) {
+    if (cv == &h.grouped_gemm_efficiency && cv->empty()) continue;
+    os << (cv == &h.gemm_efficiency ? "gemm_efficiency" : "grouped_gemm_efficiency") << " = [";
+    for (size_t i = 0; i < cv->size(); ++i)
+      os << (i ? ", " : "") << "[" << toml_float(shortest((*cv)[i].dim)) << ", " << toml_float(shortest((*cv)[i].eff))
+         << "]";
+    os << "]\n";
+  }
   for (int ti = 0; ti < 2; ++ti) {
     const Tier& t = ti == 0 ? h.scale_up : h.scale_out;
     os << "\n[" << kTiers[ti] << "]\n";
@@ -446,14 +460,16 @@ void validate_hardware(const Hardware& h, std::string_view source) {
   c.non_negative("kernel_overhead_us", h.kernel_overhead, kUs);
   if (!(h.attention_efficiency > 0 && h.attention_efficiency <= 1))
     c.fail("attention_efficiency", h.attention_efficiency, "must lie in (0, 1]");
-  for (size_t i = 0; i < h.gemm_efficiency.size(); ++i) {
-    const auto& p = h.gemm_efficiency[i];
-    const std::string at = "gemm_efficiency[" + std::to_string(i) + "]";
-    if (!(p.dim > 0)) c.fail(at + ".dim", p.dim, "must be > 0");
-    if (i > 0 && !(p.dim > h.gemm_efficiency[i - 1].dim))
-      c.fail(at + ".dim", p.dim, "must be > the previous point's dim (ascending)");
-    c.fraction(at + ".eff", p.eff);
-  }
+  for (const auto* cv : {&h.gemm_efficiency, &h.grouped_gemm_efficiency})
+    for (size_t i = 0; i < cv->size(); ++i) {
+      const auto& p = (*cv)[i];
+      const std::string at = std::string(cv == &h.gemm_efficiency ? "gemm_efficiency" : "grouped_gemm_efficiency") +
+                             "[" + std::to_string(i) + "]";
+      if (!(p.dim > 0)) c.fail(at + ".dim", p.dim, "must be > 0");
+      if (i > 0 && !(p.dim > (*cv)[i - 1].dim))
+        c.fail(at + ".dim", p.dim, "must be > the previous point's dim (ascending)");
+      c.fraction(at + ".eff", p.eff);
+    }
   validate_tier(c, h.scale_up, "scale_up");
   validate_tier(c, h.scale_out, "scale_out");
 }

@@ -50,6 +50,9 @@ struct Hardware {
   double achievable_bf16 = 0;  // FLOP/s measured on large GEMMs (not the datasheet peak)
   double achievable_fp8 = 0;
   std::vector<EffPoint> gemm_efficiency;  // by the GEMM's smallest dimension
+  // The routed experts' grouped GEMMs, forward + dgrad + wgrad together, by tokens per expert (fraction of
+  // the achievable rate). Empty = each expert priced as its own GEMM through gemm_efficiency.
+  std::vector<EffPoint> grouped_gemm_efficiency;
   double kernel_overhead = 0;  // seconds per kernel launch (a floor under every op)
   double attention_efficiency = 1;  // fused (flash) attention's FLOP rate as a fraction of achievable_bf16
   Tier scale_up;
@@ -60,6 +63,7 @@ struct Hardware {
   // FLOP/s a GEMM of m x n x k reaches in bf16 (fp8 = true: fp8): achievable x efficiency(min dim).
   double gemm_rate(double m, double n, double k, bool fp8) const;
   double gemm_eff(double min_dim) const;
+  double grouped_eff(double tokens_per_expert) const;  // grouped_gemm_efficiency (1.0 when empty)
 };
 
 const std::vector<std::string>& catalog_names();
