@@ -118,3 +118,31 @@ TEST(PlanCostSeeds, BubbleRatios) {
     ++i;
   }
 }
+
+TEST(PlanCost, GroupedGemmCurvePricesTheExperts) {
+  // With a grouped-GEMM curve the experts run at achievable x eff(tokens per expert): halving eff doubles their
+  // time, and only theirs (attention, dense GEMMs and the rest stay).
+  auto c = cfg("ds_mini");
+  auto h = plantest::round_gpu();
+  h.grouped_gemm_efficiency = {{1.0, 1.0}, {1e6, 1.0}};
+  const auto full = timeof(c, 1, h);
+  h.grouped_gemm_efficiency = {{1.0, 0.5}, {1e6, 0.5}};
+  const auto half = timeof(c, 1, h);
+  // Expert FLOPs per step, hand-counted: 3 passes x 2 FLOPs x rows x (2 Im d + Im d), rows = tokens x topk.
+  const auto& m = c.model.moe;
+  const double tokens = double(c.training.global_batch_size * c.training.seq_len);
+  const double flops = 3.0 * 2 * tokens * double(m.topk) * 3.0 * double(m.moe_inter_size) * double(c.model.d_model) *
+                       double(c.model.n_moe_layers());
+  EXPECT_NEAR(half.breakdown.at("compute.gemm") - full.breakdown.at("compute.gemm"), flops / h.achievable_bf16,
+              1e-6 * flops / h.achievable_bf16);
+  EXPECT_DOUBLE_EQ(half.breakdown.at("compute.attention"), full.breakdown.at("compute.attention"));
+  // The key survives the TOML round trip.
+  const auto back = plan::hardware_from_toml(plan::hardware_to_toml(plan::catalog_hardware("h100")) +
+                                             "", "h100");
+  EXPECT_TRUE(back.grouped_gemm_efficiency.empty());
+  auto withc = plan::catalog_hardware("h100");
+  withc.grouped_gemm_efficiency = {{4, 0.25}, {64, 0.8}};
+  const auto rt = plan::hardware_from_toml(plan::hardware_to_toml(withc), "h100+curve");
+  ASSERT_EQ(rt.grouped_gemm_efficiency.size(), 2u);
+  EXPECT_DOUBLE_EQ(rt.grouped_eff(16), 0.25 + 0.5 * (0.8 - 0.25));  // log-linear: 16 is half-way from 4 to 64
+}
