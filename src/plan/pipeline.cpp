@@ -24,7 +24,11 @@ std::shared_ptr<const StagePlan> stage_plan(const JobConfig& c, const Layout& l)
   const bool cacheable = p.pp_schedule_csv.empty();
   std::string key;
   if (cacheable) {
-    key = std::to_string(c.model.n_layers) + "|" + p.pp_layout + "|" + std::to_string(p.pp_first_stage_less_layers) +
+    // Everything the plan reads: the pipeline keys and which layers are MoE (the per-stage kind counts).
+    std::string dense;
+    for (int dl : c.model.dense_layers) dense += std::to_string(dl) + ",";
+    key = std::to_string(c.model.n_layers) + "|" + std::to_string(c.model.moe.n_routed_experts) + "|" +
+          std::to_string(c.model.first_k_dense) + "|" + dense + "|" + p.pp_layout + "|" + std::to_string(p.pp_first_stage_less_layers) +
           "|" + std::to_string(p.pp_last_stage_less_layers) + "|" + l.schedule + "|" + std::to_string(l.pp) + "|" +
           std::to_string(l.vpp) + "|" + std::to_string(l.microbatches) + "|" + (l.ep_overlap ? "o" : "-") + "|" +
           std::to_string(p.pp_virtual_stages) + "|" + std::to_string(p.pp_microbatches);

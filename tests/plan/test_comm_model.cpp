@@ -3,6 +3,8 @@
 // Not a test of any catalog entry or of the hardware loader: every Hardware below is written out in full.
 #include <gtest/gtest.h>
 
+#include "../unit/test_util.h"
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -49,15 +51,7 @@ Hardware mesh8() {
   return h;
 }
 
-template <class Fn>
-std::string error_of(Fn&& f) {
-  try {
-    f();
-  } catch (const moetron::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetron::testing::error_of;  // the message of the moetron::Error f throws, or ""
 
 // Relative comparison: every expected value below is a hand-counted double.
 void expect_close(double got, double want) {

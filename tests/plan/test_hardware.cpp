@@ -3,6 +3,8 @@
 // interpolation, the whitepaper's all-to-all figures, and user files. Not the collective cost model.
 #include <gtest/gtest.h>
 
+#include "../unit/test_util.h"
+
 #include <toml++/toml.h>
 
 #include <cmath>
@@ -23,17 +25,7 @@ using namespace moetron::plan;
 
 namespace {
 
-// The message of the moetron::Error that f throws (fails the test if it throws nothing).
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a moetron::Error";
-  return {};
-}
+using moetron::testing::error_of;  // the message of the moetron::Error f throws, or ""
 
 // A small valid user file; tests break one thing at a time.
 const char* const kUserToml = R"(name = "lab"
