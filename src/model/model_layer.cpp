@@ -90,6 +90,10 @@ void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {
 
 // dy: gradient w.r.t. the FFN output [N,d]; dh2 (out): gradient w.r.t. the FFN input h2.
 void Model::Impl::ffn_backward(Layer& L, LayerBufs& b, const float* dy, float* dh2out, float aux_scale) {
+  // This lane's row scratch must hold the rows the forward received before dy's compute copy is made: growing it
+  // later (ep_ffn_backward) would reallocate dyc under dy_c. The forward may have run on the other lane (the EP
+  // overlap), whose scratch grew instead of this one.
+  if (L.moe) ensure_scratch(b.R);
   const void* dy_c = to_c(dyc, dy, N * d);  // dy itself in fp32 mode
   if (!L.moe) {
     swiglu_mlp_backward(b, L.w13, L.w2, F, dy_c, dh2out, false);

@@ -98,11 +98,6 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   MT_CHECK(!overlap || comm_thread_multiple(), "train",
            "parallelism.ep_overlap = true runs two micro-batches' EP exchanges at once on two threads, which needs MPI "
            "with MPI_THREAD_MULTIPLE; this MPI did not provide it");
-  // Known defect (docs/status.md): with bf16 compute the two-lane overlap produces NaN gradients (measured on an
-  // AVX512-BF16 CPU: pp 2 x ep 4, hierarchical dispatch); fp32 compute is bitwise the plain run. Refused until fixed.
-  MT_CHECK(!overlap || compute != ComputeDtype::BF16, "train",
-           "parallelism.ep_overlap = true is not yet correct with bf16 compute (a known defect: NaN gradients); set "
-           "training.compute_dtype = \"fp32\" to use the overlap, or ep_overlap = false");
   exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T * ms.d_model, overlap);
 
   ModelParallel mpar;
