@@ -41,10 +41,7 @@ double best_of(const Comm& w, int reps, F&& f) {
   w.barrier();
   const auto t0 = clk::now();
   for (int r = 0; r < reps; ++r) f();
-  double mine = secs(t0);
-  std::vector<double> all(static_cast<size_t>(w.size()));
-  w.all_gather(all.data(), &mine, sizeof(double));
-  return *std::max_element(all.begin(), all.end()) / reps;
+  return moetron::cli::max_over_ranks(w, secs(t0)) / reps;
 }
 
 // FLOP/s of an m x n x k GEMM in the compute dtype.

@@ -125,14 +125,10 @@ void add_plan_validate(CLI::App* plan) {
       to.quiet = true;
       to.comm = alone ? &self : &w;
       const TrainResult r = train(c, to);
-      // Measured: the largest rank's figure per category; the step time from the run's throughput.
+      // Measured: the largest rank's figure per category, then its step time.
       double meas[5] = {double(r.params_peak_bytes), double(r.grads_peak_bytes), double(r.optimizer_peak_bytes),
                         double(r.act_peak_bytes), 0};
-      for (int i = 0; i < 4; ++i) {
-        std::vector<double> all(size_t(w.size()));
-        w.all_gather(all.data(), &meas[i], sizeof(double));
-        meas[i] = *std::max_element(all.begin(), all.end());
-      }
+      for (int i = 0; i < 4; ++i) meas[i] = max_over_ranks(w, meas[i]);
       // Step time: the median over the steps after the first (which creates the kernels' primitives), the
       // slowest rank's.
       {
@@ -140,10 +136,7 @@ void add_plan_validate(CLI::App* plan) {
         for (size_t i = 1; i < r.history.size(); ++i) st.push_back(r.history[i].seconds);
         if (st.empty() && !r.history.empty()) st.push_back(r.history[0].seconds);
         std::sort(st.begin(), st.end());
-        double mine = st.empty() ? 0.0 : st[st.size() / 2];
-        std::vector<double> all(static_cast<size_t>(w.size()));
-        w.all_gather(all.data(), &mine, sizeof(double));
-        meas[4] = *std::max_element(all.begin(), all.end());
+        meas[4] = max_over_ranks(w, st.empty() ? 0.0 : st[st.size() / 2]);
       }
       // Projected: the same job on this machine, the engine's precision convention.
       plan::PlanOptions po;

@@ -145,6 +145,7 @@ struct ActShard {
   bool sp = false;
   int64_t cp = 1;
   int64_t etp = 1;
+  int64_t token_div() const { return sp ? tp : 1; }  // what divides the token-parallel regions
 };
 using TermFn = void (*)(void* ctx, const char* name, double bytes);
 // One layer's kept terms per micro-batch of B sequences of S tokens under `ac` (applies_to(layer) decides).

@@ -148,7 +148,7 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
   // (norms, residual, router, dispatch: sequence parallelism over tp), `w` the head / width-split tensors (tp),
   // `e` the routed experts' width (expert_tp), whose rows are gathered over expert_tp.
   S = S / Num(sh.cp);
-  const Num q = Num(sh.sp ? sh.tp : 1), w = Num(sh.tp), e = Num(sh.etp);
+  const Num q = Num(sh.token_div()), w = Num(sh.tp), e = Num(sh.etp);
   const Num T = B * S, d = Num(s.d_model), f32 = 4, i32 = 4;
   const char* norm = "norm";
   const char* core = "attention_core";
@@ -220,7 +220,7 @@ template <class Num, class Emit>
 void layer_terms_kept(const ModelSpec& s, bool moe, bool on, Num B, Num S, Num a, Num g,
                       const ActivationCheckpointSpec& ac, Emit&& emit, const ActShard& sh = {}) {
   if (on && ac.mode == AcMode::Full) {
-    emit("layer.input", B * (S / Num(sh.cp)) * Num(s.d_model) * a / Num(sh.sp ? sh.tp : 1));
+    emit("layer.input", B * (S / Num(sh.cp)) * Num(s.d_model) * a / Num(sh.token_div()));
     return;
   }
   const bool sel = on && ac.mode == AcMode::Selective;
@@ -342,7 +342,7 @@ double sharded_layer_bytes_all(const ModelSpec& s, int64_t layer, double B, doub
 
 void sharded_outside_terms(const ModelSpec& s, double B, double S, double a, double g, const ActShard& sh,
                            bool fused_loss, bool first, bool last, TermFn fn, void* ctx) {
-  const double T = B * S / double(sh.cp), q = double(sh.sp ? sh.tp : 1), d = double(s.d_model);
+  const double T = B * S / double(sh.cp), q = double(sh.token_div()), d = double(s.d_model);
   if (first) fn(ctx, "embed.ids", T * 4 / q);
   if (!last) return;
   fn(ctx, "final_norm.x", T * d * a / q);

@@ -38,7 +38,7 @@ GemmCost gemm(const Ctx& x, double m, double n, double k) {
   g.flops = 2 * m * n * k;
   const double eb = x.fp8 ? 1.0 : 2.0;
   const double bytes = eb * (m * k + k * n) + 2.0 * m * n;
-  const double bw = x.h.hbm_bw * x.h.hbm_efficiency;
+  const double bw = x.h.stream_bw();
   g.t = std::max({g.flops / x.h.gemm_rate(m, n, k, x.fp8), bytes / bw, x.h.kernel_overhead});
   if (x.fp8) {
     // Quantizing both inputs: read bf16, write fp8 (3 bytes an element); tensorwise adds an amax pass (2 more);
@@ -51,7 +51,7 @@ GemmCost gemm(const Ctx& x, double m, double n, double k) {
 }
 
 double membound(const Ctx& x, double bytes) {
-  return bytes <= 0 ? 0.0 : std::max(bytes / (x.h.hbm_bw * x.h.hbm_efficiency), x.h.kernel_overhead);
+  return bytes <= 0 ? 0.0 : std::max(bytes / x.h.stream_bw(), x.h.kernel_overhead);
 }
 
 // Ranks of a group inside one scale-up domain, for a group of `size` ranks laid out with `stride` between
@@ -193,8 +193,8 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                                    const StagePlan& sp) {
   const ModelSpec& s = c.model;
-  const Ctx x{c, l, h, c.quantize.recipe != Fp8Recipe::None,
-              double(l.mbs) * double(c.training.seq_len) / double(l.cp), double(l.sp && l.tp > 1 ? l.tp : 1)};
+  const Ctx x{c, l, h, c.quantize.recipe != Fp8Recipe::None, l.tokens_per_rank(c.training.seq_len),
+              double(l.shard().token_div())};
   const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
   // Layers of one kind cost the same unless recompute applies to some of them: cache by (moe, recompute).
   LayerCost cache[2][2];
@@ -239,8 +239,7 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;
   tp.stages = stage_times(c, l, h, o, sp);
-  const double T = double(l.mbs) * double(c.training.seq_len) / double(l.cp);
-  const double q = double(l.sp && l.tp > 1 ? l.tp : 1);
+  const double T = l.tokens_per_rank(c.training.seq_len), q = double(l.shard().token_div());
   const bool pp_cross = l.world() / l.pp >= h.scale_up.domain;
   tp.p2p = l.pp > 1 ? p2p(h, T / q * double(s.d_model) * 2, pp_cross) : 0.0;
 
@@ -327,15 +326,14 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     }
     if (exposed > tp.dp_exposed) tp.dp_exposed = exposed, tp.dp_total = total;
     // Optimizer: read and write parameters, main parameters and moments, read gradients (its shard).
-    const double shard_d = l.zero >= 1 ? double(l.dp * l.cp) : 1.0, shard_e = l.zero >= 1 ? double(l.edp()) : 1.0;
     const Recipe& rc = po.recipe;
     const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
     // The engine then refreshes every local weight's compute copy (read the master, write the copy) and packs the
     // experts (read the copy, write the packed layouts); a bf16 GPU recipe has none of this.
     const double refresh = (rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) : 0.0) +
                            Pe * (rc.expert_packed > 0 ? rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param) : 0.0);
-    tp.optimizer = std::max(tp.optimizer, ((Pd / shard_d + Pe / shard_e) * per_elem + refresh) /
-                                              (h.hbm_bw * h.hbm_efficiency));
+    tp.optimizer = std::max(tp.optimizer, (rm.optimizer_elements * per_elem + refresh) /
+                                              h.stream_bw());
   }
   tp.step_time = tp.pipeline_time + tp.dp_exposed + tp.optimizer;
 

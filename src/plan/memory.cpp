@@ -101,7 +101,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;
   const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
-  const ActShard sh{l.tp, l.sp && l.tp > 1, l.cp, l.etp};
+  const ActShard sh = l.shard();
   const double B = double(l.mbs), S = double(c.training.seq_len);
   const double a = o.recipe.act_bytes > 0 ? o.recipe.act_bytes : 2.0;
   const double g = o.recipe.gemm_bytes > 0 ? o.recipe.gemm_bytes : c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
@@ -159,7 +159,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
 
   const double dense_dp = double(l.dp * l.cp);  // the distributed optimizer's group for dense parameters
   const double edp = double(l.edp());
-  const double T = B * S / double(l.cp), q = double(sh.sp ? l.tp : 1), d = double(s.d_model);
+  const double T = l.tokens_per_rank(c.training.seq_len), q = double(sh.token_div()), d = double(s.d_model);
 
   ParamSplit split_cache[2];
   bool split_have[2] = {false, false};
@@ -198,16 +198,17 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     if (l.zero == 3) {
       const double dsh = double(l.dp_shard > 0 ? l.dp_shard : l.dp);
       const double esh = std::max(1.0, edp * dsh / double(l.dp));
-      rm.params = (Pd / (dsh * double(l.cp)) + Pe / esh) * (rc.param + rc.compute_copy);
+      const double shard = Pd / (dsh * double(l.cp)) + Pe / esh;
       if (rc.engine_buffers) {
         // The engine keeps the fp32 shard alone and gathers one unit at a time (two with tied embeddings) into a
         // full-precision slot with its compute copy and the unit's packed experts, plus its gradient slot; both
         // count as parameters and gradients.
         const double slots = s.tie_embeddings ? 2.0 : 1.0;
-        rm.params = (Pd / (dsh * double(l.cp)) + Pe / esh) * rc.param;
-        rm.params += slots * (largest_unit * (rc.param + rc.compute_copy) + largest_unit_experts * rc.expert_packed);
+        rm.params = shard * rc.param +
+                    slots * (largest_unit * (rc.param + rc.compute_copy) + largest_unit_experts * rc.expert_packed);
         fsdp_grad_slot = slots * largest_unit * rc.grad;
       } else {
+        rm.params = shard * (rc.param + rc.compute_copy);
         rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
       }
     } else {
@@ -216,18 +217,19 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     const double shard_d = l.zero >= 1 ? dense_dp : 1.0, shard_e = l.zero >= 1 ? edp : 1.0;
     const double gshard_d = l.zero >= 2 ? dense_dp : 1.0, gshard_e = l.zero >= 2 ? edp : 1.0;
     rm.grads = Pd * rc.grad / gshard_d + Pe * rc.grad / gshard_e + fsdp_grad_slot;
-    rm.main_params = Pd * rc.main / shard_d + Pe * rc.main / shard_e;
-    rm.optimizer = 2.0 * rc.moment * (Pd / shard_d + Pe / shard_e);
+    rm.optimizer_elements = Pd / shard_d + Pe / shard_e;
+    rm.main_params = rm.optimizer_elements * rc.main;
+    rm.optimizer = 2.0 * rc.moment * rm.optimizer_elements;
 
     // Activations: the simulator's peak of held sets, by module in the proportions of one micro-batch.
     rm.inflight_sets = inf.peak_sets[size_t(r)];
-    rm.activations = inf.peak_bytes[size_t(r)] + engine_shared;
     if (o.recipe.engine_buffers) {
       // The engine allocates each stage's activation slots once, as many as that stage ever holds: the sum of
-      // the per-stage peaks (a GPU allocator holds the peak of the sum, above).
-      double slots = engine_shared;
-      for (int st : sp.rank_stages[size_t(r)]) slots += double(inf.stage_peak.at(size_t(st))) * stage_bytes[size_t(st)];
-      rm.activations = slots;
+      // the per-stage peaks, plus its shared re-materialization sets (a GPU allocator holds the peak of the sum).
+      rm.activations = engine_shared;
+      for (int st : rm.stages) rm.activations += double(inf.stage_peak.at(size_t(st))) * stage_bytes[size_t(st)];
+    } else {
+      rm.activations = inf.peak_bytes[size_t(r)];
     }
     std::map<std::string, double> mods;
     for (int st : rm.stages) {

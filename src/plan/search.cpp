@@ -38,6 +38,31 @@ struct Ac {
   std::vector<std::string> modules;
 };
 
+// The schedule generator's own preconditions for this layout's pipeline (micro-batches per pp, group sizes).
+bool schedule_accepts(const Layout& l) {
+  if (l.pp <= 1) return true;
+  sched::GenSpec g;
+  g.schedule = l.schedule, g.pp = int(l.pp), g.vpp = int(l.vpp), g.microbatches = int(l.microbatches);
+  g.ep_overlap = l.ep_overlap;
+  try {
+    sched::check_spec(g);
+  } catch (const Error&) {
+    return false;
+  }
+  return true;
+}
+
+// A layout projected in full: memory with the module breakdown, the simulated step.
+Candidate project(const JobConfig& c, const Layout& l, const Hardware& h, const SearchOptions& o) {
+  Candidate cd;
+  cd.layout = l;
+  cd.memory = plan_memory(c, l, h, o.time.memory);
+  cd.memory_total = cd.memory.max_total;
+  cd.verdict = cd.memory.verdict;
+  cd.time = plan_time(c, l, h, o.time, &cd.memory);
+  return cd;
+}
+
 std::string explain(const Candidate& w, const std::vector<Candidate>& top) {
   std::ostringstream os;
   const auto& b = w.time.breakdown;
@@ -131,15 +156,7 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                       if (gbs % (mbs * dp) != 0 || (tp * cp * dp) % ep != 0) { ++res.invalid; continue; }
                       if (!layout_error(c, l, gbs).empty()) { ++res.invalid; continue; }
                       l.microbatches = gbs / (mbs * dp);
-                      sched::GenSpec g;
-                      g.schedule = sched, g.pp = int(pp), g.vpp = int(vpp), g.microbatches = int(l.microbatches);
-                      g.ep_overlap = ov;
-                      try {
-                        if (pp > 1) sched::check_spec(g);
-                      } catch (const Error&) {
-                        ++res.invalid;
-                        continue;
-                      }
+                      if (!schedule_accepts(l)) { ++res.invalid; continue; }
                       // The stage plan depends on (pp, vpp, schedule, micro-batches, overlap): kept per shape here.
                       auto& spp = plans[{l.microbatches, ov}];
                       MemoryPlan mp;
@@ -167,12 +184,8 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   const size_t n = std::min(ok.size(), size_t(2 * o.top_k));
   std::vector<Candidate> best(n);
   for (size_t i = 0; i < n; ++i) {
-    best[i].layout = ok[i].layout;
+    best[i] = project(c, ok[i].layout, h, o);
     best[i].analytic_tokens_per_s_per_gpu = ok[i].score;
-    best[i].memory = plan_memory(c, ok[i].layout, h, o.time.memory);  // with the module breakdown
-    best[i].memory_total = best[i].memory.max_total;
-    best[i].verdict = best[i].memory.verdict;
-    best[i].time = plan_time(c, ok[i].layout, h, o.time, &best[i].memory);
   }
   std::sort(best.begin(), best.end(), [](const Candidate& a, const Candidate& b) {
     return a.time.tokens_per_s_per_gpu > b.time.tokens_per_s_per_gpu;
@@ -191,17 +204,14 @@ std::vector<ScalePoint> scale(const JobConfig& c_in, const Hardware& h, const st
   c.parallelism.pp_microbatches = 0;
   // The replica: the best layout at the largest world (the replica must still have micro-batches to pipeline
   // when the global batch is spread over the most replicas).
-  bool have_replica = false;
-  Layout replica;
-  {
-    const int64_t wmax = *std::max_element(worlds.begin(), worlds.end());
-    const SearchResult r = search(c_in, h, wmax, gbt, o);
-    if (!r.top.empty()) have_replica = true, replica = r.top[0].layout;
-  }
+  const int64_t wmax = *std::max_element(worlds.begin(), worlds.end());
+  const SearchResult at_max = search(c_in, h, wmax, gbt, o);
+  const bool have_replica = !at_max.top.empty();
+  const Layout replica = have_replica ? at_max.top[0].layout : Layout{};
   for (int64_t w : worlds) {
     ScalePoint p;
     p.world = w;
-    const SearchResult r = search(c_in, h, w, gbt, o);
+    const SearchResult r = w == wmax ? at_max : search(c_in, h, w, gbt, o);  // the largest world: searched once
     if (!r.top.empty()) p.searched_ok = true, p.searched = r.top[0];
     if (have_replica && w % (replica.tp * replica.cp * replica.pp) == 0) {
       Layout l = replica;
@@ -209,25 +219,9 @@ std::vector<ScalePoint> scale(const JobConfig& c_in, const Hardware& h, const st
       const int64_t gbs = c.training.global_batch_size;
       if (layout_error(c, l, gbs).empty()) {
         l.microbatches = gbs / (l.mbs * l.dp);
-        sched::GenSpec g;
-        g.schedule = l.schedule, g.pp = int(l.pp), g.vpp = int(l.vpp), g.microbatches = int(l.microbatches);
-        g.ep_overlap = l.ep_overlap;
-        bool runs = true;
-        try {
-          if (l.pp > 1) sched::check_spec(g);
-        } catch (const Error&) {
-          runs = false;
-        }
-        if (runs) {
-          Candidate cd;
-          cd.layout = l;
-          cd.memory = plan_memory(c, l, h, o.time.memory);
-          cd.memory_total = cd.memory.max_total;
-          cd.verdict = cd.memory.verdict;
-          if (cd.verdict == "FITS") {
-            cd.time = plan_time(c, l, h, o.time, &cd.memory);
-            p.replica_ok = true, p.replica = std::move(cd);
-          }
+        if (schedule_accepts(l)) {
+          Candidate cd = project(c, l, h, o);
+          if (cd.verdict == "FITS") p.replica_ok = true, p.replica = std::move(cd);
         }
       }
     }

@@ -45,6 +45,7 @@ struct Hardware {
   double hbm_bytes = 0;     // usable device memory
   double hbm_bw = 0;        // peak HBM bytes/s
   double hbm_efficiency = 1;  // achievable fraction of hbm_bw for streaming (memory-bound) kernels
+  double stream_bw() const { return hbm_bw * hbm_efficiency; }  // bytes/s a memory-bound kernel reaches
   double peak_bf16 = 0;     // dense FLOP/s, datasheet
   double peak_fp8 = 0;      // dense FLOP/s, datasheet
   double achievable_bf16 = 0;  // FLOP/s measured on large GEMMs (not the datasheet peak)

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "moetron/accounting.h"
 #include "moetron/config.h"
 
 namespace moetron::plan {
@@ -28,6 +29,11 @@ struct Layout {
   int64_t microbatches = 1;             // per optimizer step per pipeline
   int64_t world() const { return tp * cp * pp * dp; }
   int64_t edp() const { return tp * cp * dp / (ep * etp); }  // expert data parallel
+  // How the layout divides a layer's activations (accounting.h): tp, sequence parallelism (only with tp > 1),
+  // cp, expert tp.
+  ActShard shard() const { return {tp, sp && tp > 1, cp, etp}; }
+  // Tokens of one micro-batch on one rank before the sequence-parallel split (cp divides the sequence).
+  double tokens_per_rank(int64_t seq_len) const { return double(mbs) * double(seq_len) / double(cp); }
   std::string describe() const;         // "tp1 cp2 pp24 vpp1 ep8 etp1 dp16 zero1 1f1b mbs1 ac=none"
 };
 

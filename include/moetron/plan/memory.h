@@ -56,6 +56,7 @@ struct RankMemory {
   int64_t layers = 0;
   // Parameter elements on one GPU of this pipeline rank, by divisor.
   double params_tp_sharded = 0, params_replicated = 0, params_experts = 0;
+  double optimizer_elements = 0;     // the parameter elements this GPU's optimizer updates (its ZeRO shard)
   double params = 0, grads = 0, main_params = 0, optimizer = 0, activations = 0, buffers = 0, workspace = 0;
   double total() const { return params + grads + main_params + optimizer + activations + buffers + workspace; }
   int inflight_sets = 0;             // peak (stage, micro-batch) activation sets held
