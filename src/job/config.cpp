@@ -20,6 +20,7 @@
 
 #include "moetron/check.h"
 #include "moetron/memcheck.h"
+#include "moetron/parallel_rules.h"
 
 namespace moetron {
 
@@ -836,30 +837,15 @@ void JobConfig::validate() const {
   if (!(l.min_lr_ratio >= 0 && l.min_lr_ratio <= 1))
     invalid_config("lr_scheduler.min_lr_ratio", l.min_lr_ratio, "must be in [0, 1]");
 
-  if (p.ep < 1) invalid_config("parallelism.ep", p.ep, "must be >= 1");
   if (p.pp < 1) invalid_config("parallelism.pp", p.pp, "must be >= 1");
-  if (p.ep > 1 && !model.is_moe()) invalid_config("parallelism.ep", p.ep, "expert parallelism needs a MoE model");
-  if (p.ep > 1 && model.moe.n_routed_experts % p.ep != 0)
-    invalid_config("parallelism.ep", p.ep, "must divide model.n_routed_experts (", model.moe.n_routed_experts, ")");
-  if (p.tp < 1) invalid_config("parallelism.tp", p.tp, "must be >= 1");
-  if (p.cp < 1) invalid_config("parallelism.cp", p.cp, "must be >= 1");
-  if (p.expert_tp < 1) invalid_config("parallelism.expert_tp", p.expert_tp, "must be >= 1");
-  if (p.tp > 1 && model.attn.n_heads % p.tp != 0)
-    invalid_config("parallelism.tp", p.tp, "must divide model.n_heads (", model.attn.n_heads, ")");
-  if (p.tp > 1 && model.attn.type == AttnType::GQA && model.attn.n_kv_heads % p.tp != 0)
-    invalid_config("parallelism.tp", p.tp, "must divide model.n_kv_heads (", model.attn.n_kv_heads, ")");
-  if (p.cp > 1 && training.seq_len % (2 * p.cp) != 0)
-    invalid_config("parallelism.cp", p.cp, "2 * cp must divide training.seq_len (", training.seq_len,
-        "): the causal load balance gives each rank two chunks");
-  if (p.expert_tp > 1 && model.is_moe() && model.moe.moe_inter_size % p.expert_tp != 0)
-    invalid_config("parallelism.expert_tp", p.expert_tp, "must divide model.moe_inter_size (", model.moe.moe_inter_size, ")");
   // With dp_replicate = dp_shard = 1 the data-parallel size is left to the world (the planner's --world; the
-  // engine's mesh then checks the same rule against the launched ranks).
-  if (p.dp() > 1 && (p.tp * p.cp * p.dp()) % (p.ep * p.expert_tp) != 0)
-    invalid_config("parallelism.ep", p.ep, "ep x expert_tp (", p.ep * p.expert_tp, ") must divide tp x cp x dp (",
-        p.tp * p.cp * p.dp(), "): expert groups are carved out of the tensor, context and data-parallel ranks");
+  // engine's mesh then checks the same rules against the launched ranks).
+  if (std::string e = parallel_degree_error(model, training.seq_len,
+          {.tp = p.tp, .cp = p.cp, .ep = p.ep, .etp = p.expert_tp, .dp = p.dp() > 1 ? p.dp() : 0,
+           .sp = p.sequence_parallel, .zero = p.zero});
+      !e.empty())
+    throw Error("invalid config: " + e);
   if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
-  if (p.zero < 0 || p.zero > 3) invalid_config("parallelism.zero", p.zero, "must be 0, 1, 2 or 3");
 
   const auto& c = checkpoint;
   if (c.enable && c.interval <= 0) invalid_config("checkpoint.interval", c.interval, "must be > 0 when checkpoints are enabled");
