@@ -84,6 +84,7 @@
       el('span', {}, fmt(hi)), el('span', { class: 'note' }, ' ' + text)));
   }
   // cells: [{x: column, y: row, v}] over nx columns (labels xl) and ny rows (labels yl).
+  const cell = size => Math.max(1, size > 8 ? size - 1 : size + 0.5);
   function heatmap(canvas, cells, nx, ny, xl, yl, xTitle, yTitle, lo, hi, tip) {
     // One tick per row or column (at most about 20 of them), labelled with its step, layer or expert.
     const axis = (n, labels, title, reverse) => ({
@@ -101,8 +102,9 @@
       data: { datasets: [{
         label: tip, data: cells,
         backgroundColor: ctx => colour(ctx.raw.v, lo, hi),
-        width: ({ chart }) => Math.max(1, (chart.chartArea || {}).width / nx - 1),
-        height: ({ chart }) => Math.max(1, (chart.chartArea || {}).height / ny - 1)
+        // A 1-pixel gap between wide cells; narrow ones overlap by half a pixel (no seams between them).
+        width: ({ chart }) => cell((chart.chartArea || {}).width / nx),
+        height: ({ chart }) => cell((chart.chartArea || {}).height / ny)
       }] },
       options: {
         scales: { x: axis(nx, xl, xTitle, false), y: axis(ny, yl, yTitle, true) },
@@ -170,8 +172,8 @@
     section('Expert load', 'no expert_counts in metrics.jsonl (a dense model, or a run written before they were logged)');
   } else {
     const s = section('Expert load', 'tokens routed to each expert at each logged step over the balanced share ' +
-      '(1 = balanced), rank 0\'s MoE layers' + (ex.bin > 1 ? '; experts summed in bins of ' + ex.bin + ' (metrics.jsonl cap)' : '') +
-      (ex.stride > 1 ? '; every ' + ex.stride + 'th of ' + ex.records + ' logged steps' : ''));
+      '(1 = balanced), every MoE layer of the model' + (ex.bin > 1 ? '; experts summed in bins of ' + ex.bin + ' (metrics.jsonl cap)' : '') +
+      (ex.stride > 1 ? '; one logged step in ' + ex.stride + ' of ' + ex.records : ''));
     const g = el('div', { class: 'grid wide' });
     s.append(g);
     const xl = ex.steps.map(String), yl = ex.layers.map(String);

@@ -135,7 +135,9 @@ json read_metrics(const std::string& path) {
     try {
       r = json::parse(text);
     } catch (const json::parse_error& e) {
-      MT_FAIL("report", w, "not a JSON record (", e.what(), ")");
+      const std::string why = e.what();  // "... parse error at line 1, column C: ...": the line is ours
+      const size_t at = why.find("column ");
+      MT_FAIL("report", w, "not a JSON record (", at == std::string::npos ? why : why.substr(at), ")");
     }
     MT_CHECK(r.is_object(), "report", w, "a record is a JSON object, this line holds ", r.type_name());
     check_number(r, "step", w, true);
