@@ -173,8 +173,6 @@ if (log_now) {
     std::printf("\r\033[Kstep %5lld/%lld  loss %.4f", (long long)step, (long long)tr.steps, rec.loss);
     std::fflush(stdout);
   }
-  if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps))
-    save(step);
 }
 
 void TrainSession::finish() {

@@ -17,7 +17,7 @@ using namespace moetron;
 namespace fs = std::filesystem;
 
 namespace {
-const fs::path kRoot = fs::path(__FILE__).parent_path().parent_path().parent_path();
+const fs::path kRoot = MOETRON_SOURCE_DIR;  // the source tree (not __FILE__, which a compiler cache may make relative)
 JobConfig preset(const std::string& name, std::vector<std::string> overrides = {}) {
   return load_config((kRoot / "configs" / (name + ".toml")).string(), overrides);
 }

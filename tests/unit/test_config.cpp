@@ -21,7 +21,7 @@ using namespace moetron;
 namespace fs = std::filesystem;
 
 namespace {
-const fs::path kRoot = fs::path(__FILE__).parent_path().parent_path().parent_path();
+const fs::path kRoot = MOETRON_SOURCE_DIR;  // the source tree (not __FILE__, which a compiler cache may make relative)
 std::string preset(const std::string& name) { return (kRoot / "configs" / (name + ".toml")).string(); }
 std::string hf_fixture(const std::string& name) { return (kRoot / "tests/data/hf" / (name + ".json")).string(); }
 
