@@ -202,6 +202,8 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("model", "first_k_dense", model.first_k_dense));
     t.push_back(MT_F("model", "dense_layers", model.dense_layers));
     t.push_back(MT_F("model", "inter_size", model.inter_size));
+    t.push_back(MT_E("model", "ffn", model.ffn, {"swiglu", "gelu"}));
+    t.push_back(MT_F("model", "dropout", model.dropout));
     t.push_back(MT_F("model", "norm_eps", model.norm_eps));
     t.push_back(MT_F("model", "tie_embeddings", model.tie_embeddings));
     t.push_back(MT_F("model", "init_std", model.init_std));

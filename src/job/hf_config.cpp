@@ -288,6 +288,18 @@ ModelSpec load_hf_config(const std::string& path) {
 
 std::string to_hf_config_json(const ModelSpec& s) {
   s.validate();
+  // The GPT-style description (a GELU MLP, dropout) has no field in the model types written here.
+  if (s.ffn != FfnKind::SwiGLU)
+    throw Error(std::string("to_hf_config_json: model.ffn = ") + std::string(to_string(s.ffn)) +
+                " cannot be written: every supported HF model_type (deepseek, deepseek_v2, deepseek_v3, mixtral, "
+                "qwen3_moe) has SwiGLU MLPs");
+  if (s.dropout > 0) {
+    std::ostringstream p;
+    p << s.dropout;
+    throw Error("to_hf_config_json: model.dropout = " + p.str() +
+                " cannot be written: the supported HF model types carry no dropout of the hidden states "
+                "(their attention_dropout covers the attention probabilities only)");
+  }
   const auto& a = s.attn;
   const auto& m = s.moe;
   const bool mla = a.type == AttnType::MLA;

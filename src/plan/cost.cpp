@@ -108,8 +108,12 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   // attention output. On the SP shard (T / q rows) where sequence parallel.
   double mem = (2 * 2 * d * 2 + 2 * 3 * d * 2) * T / x.q + 2 * 2 * H * double(at.qk_head_dim()) * T;
   const bool moe = s.is_moe_layer(layer);
-  double act_bytes = 0;  // SwiGLU passes (what moe_act recompute redoes)
-  if (!moe) {
+  double act_bytes = 0;  // SwiGLU / GELU passes (what moe_act recompute redoes)
+  if (!moe && s.ffn == FfnKind::GELU) {  // GPT: up (d -> I), GELU (read I, write I), down (I -> d)
+    const double I = double(s.inter_size) / tp;
+    G(T, I, d), G(T, d, I);
+    act_bytes = 2 * I * 2 * T;
+  } else if (!moe) {
     const double I = double(s.inter_size) / tp;
     G(T, 2 * I, d), G(T, d, I);
     act_bytes = 3 * I * 2 * T;
@@ -156,6 +160,9 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     }
   }
   mem += act_bytes;
+  // Dropout (GPT) on the attention and FFN outputs, fused with the residual add: a 1-byte mask written per
+  // element (on the SP shard); the backward reads it back (the memory-bound passes count twice there).
+  if (s.dropout > 0) mem += 2 * d * 1 * T / x.q;
   lc.f_gemm = gemm_f, lc.f_attn = attn_fwd, lc.f_mem = membound(x, mem), lc.f_quant = quant, lc.flops_f = flops;
   lc.w_gemm = gemm_f;  // weight gradients: the same FLOPs as the forward GEMMs
   // TP: with SP two all-gathers and two reduce-scatters of the layer's [T, d] activations per pass; without SP
