@@ -40,8 +40,9 @@ tracefile::Limits hardware_limits(const std::string& name) {
   l.bytes_per_s = h.stream_bw();
   l.dtype = "bf16";
   l.source = "hardware file " + h.name;
-  MT_CHECK(l.known(), "trace analyze", "--hw ", name, ": achievable_bf16 = ", h.achievable_bf16,
-           " and the streaming bandwidth = ", h.stream_bw(), " must both be > 0 for a roofline");
+  if (!l.known())
+    MT_FAIL("trace analyze", "--hw ", name, ": achievable_bf16 = ", h.achievable_bf16,
+            " and the streaming bandwidth = ", h.stream_bw(), " must both be > 0 for a roofline");
   return l;
 }
 
@@ -71,12 +72,12 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   an->add_option("--rank", aa->rank, "rank whose hierarchy the text report prints (default 0)");
   an->callback([aa] {
     const tracefile::Analysis a = run_analysis(aa->dir, aa->hw);
-    MT_CHECK(aa->rank >= 0 && aa->rank < a.world, "trace analyze", "--rank ", aa->rank, " is not a rank of world ",
-             a.world);
+    if (aa->rank < 0 || aa->rank >= a.world)
+      MT_FAIL("trace analyze", "--rank ", aa->rank, " is not a rank of this trace (world ", a.world, ")");
     if (!aa->csv.empty()) tracefile::write_csv(a, aa->csv);
     if (!aa->html.empty()) {
       std::ofstream out(aa->html, std::ios::binary);
-      MT_CHECK(out.good(), "trace analyze", "--html ", aa->html, ": cannot write");
+      if (!out.good()) MT_FAIL("trace analyze", "--html ", aa->html, ": cannot write");
       out << tracefile::render_html(a, std::max(aa->top, 30));
     }
     if (aa->json) std::printf("%s\n", tracefile::to_json(a, aa->top).dump(2).c_str());

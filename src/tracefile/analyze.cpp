@@ -26,6 +26,14 @@ struct Window {
   double a = 0, b = 0;
 };
 
+// Nesting order on one track: by start; at one start, zero-length events (a send issued as the previous action
+// ended) first, so they sit beside the events that start there rather than inside them; then longer first.
+bool nest_order(const Event& x, const Event& y) {
+  if (x.ts != y.ts) return x.ts < y.ts;
+  if ((x.dur == 0) != (y.dur == 0)) return x.dur == 0;
+  return x.dur > y.dur;
+}
+
 // A piece of one track's timeline labelled by its innermost kernel or comm event (-1: neither).
 struct Seg {
   double a = 0, b = 0;
@@ -36,9 +44,7 @@ struct Seg {
 // starts within kTouchUs of the open event's end follows it; one that overruns its parent is cut at the
 // parent's end. The timeline never overlaps itself.
 std::vector<Seg> innermost(const std::vector<Event>& evs, std::vector<int> idx) {
-  std::sort(idx.begin(), idx.end(), [&](int x, int y) {
-    return std::tie(evs[size_t(x)].ts, evs[size_t(y)].dur) < std::tie(evs[size_t(y)].ts, evs[size_t(x)].dur);
-  });
+  std::sort(idx.begin(), idx.end(), [&](int x, int y) { return nest_order(evs[size_t(x)], evs[size_t(y)]); });
   std::vector<Seg> out;
   std::vector<std::pair<int, double>> stack;  // event, effective end
   double cur = -std::numeric_limits<double>::infinity();
@@ -174,9 +180,7 @@ std::vector<HierNode> hierarchy(const RankWork& w, int steps) {
   for (size_t k = 0; k < evs.size(); ++k)
     if (evs[k].cat != Cat::Other) by_tid[evs[k].tid].push_back(int(k));
   for (auto& [tid, idx] : by_tid) {
-    std::sort(idx.begin(), idx.end(), [&](int x, int y) {
-      return std::tie(evs[size_t(x)].ts, evs[size_t(y)].dur) < std::tie(evs[size_t(y)].ts, evs[size_t(x)].dur);
-    });
+    std::sort(idx.begin(), idx.end(), [&](int x, int y) { return nest_order(evs[size_t(x)], evs[size_t(y)]); });
     std::vector<int> stack;
     for (int k : idx) {
       while (!stack.empty() && evs[size_t(stack.back())].end() <= evs[size_t(k)].ts + kTouchUs) stack.pop_back();
@@ -197,9 +201,7 @@ std::vector<HierNode> hierarchy(const RankWork& w, int steps) {
   // over events sorted by start.
   std::vector<int> order(evs.size());
   for (size_t k = 0; k < evs.size(); ++k) order[k] = int(k);
-  std::sort(order.begin(), order.end(), [&](int x, int y) {
-    return std::tie(evs[size_t(x)].ts, evs[size_t(y)].dur) < std::tie(evs[size_t(y)].ts, evs[size_t(x)].dur);
-  });
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return nest_order(evs[size_t(x)], evs[size_t(y)]); });
   std::vector<int> depth(evs.size(), -1);
   for (int k : order) {
     const Event& e = evs[size_t(k)];

@@ -36,7 +36,7 @@ struct RankBreakdown {
   std::map<std::string, double> compute_by_kernel;     // partition of compute_s by innermost kernel name
   std::map<std::string, double> exposed_comm_by_kind;  // partition of exposed_comm_s by collective kind
   std::map<std::string, double> action_s;              // time inside actions per action name (F, B, I, W, FB)
-  std::map<std::string, double> peak_memory_bytes;     // largest memory counter value per category
+  std::map<std::string, double> peak_memory_bytes;     // largest memory / memory_peak counter value per category
 };
 
 // One kernel name over every rank and profiled step. Time is self time: the kernel's duration minus the

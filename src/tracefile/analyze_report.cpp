@@ -24,7 +24,10 @@ std::string fmt(const char* f, double v) {
 std::string pct(double part, double whole) { return whole > 0 ? fmt("%5.1f%%", 100 * part / whole) : "    -"; }
 std::string ranks_text(const std::vector<int>& r) {
   std::string s;
-  for (size_t k = 0; k < r.size(); ++k) s += (k ? "," : "") + std::to_string(r[k]);
+  for (size_t k = 0; k < r.size(); ++k) {
+    if (k) s += ',';
+    s += std::to_string(r[k]);
+  }
   return s;
 }
 std::string limits_text(const Limits& l) {

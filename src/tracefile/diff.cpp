@@ -48,7 +48,7 @@ std::map<std::string, Op> ops_of(const Analysis& a, const Side& s) {
     o.kind = "kernel";
     o.time = k.total_s / s.rank_steps, o.count = double(k.count) / s.rank_steps;
     o.rate = k.flops > 0 ? k.flops_per_s : k.bytes_per_s;
-    o.unit = k.flops > 0 ? "FLOP/s" : "B/s";
+    o.unit = k.flops > 0 ? "FLOP/s" : k.bytes > 0 ? "B/s" : "-";  // "-": the trace carries neither
   }
   // Collective kinds over every group: member time per rank and step; the bus rate over all their bytes.
   std::map<std::string, double> bus_bytes, transfer;

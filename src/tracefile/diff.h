@@ -26,7 +26,7 @@ struct OpDelta {
   double time_a = 0, time_b = 0;    // seconds per rank and step
   double count_a = 0, count_b = 0;  // calls per rank and step
   double rate_a = 0, rate_b = 0;    // achieved FLOP/s (kernels with FLOPs), bytes/s (other kernels), bus bytes/s (comm)
-  std::string rate_unit;            // "FLOP/s", "B/s" or "busB/s"
+  std::string rate_unit;            // "FLOP/s", "B/s", "busB/s" or "-" (no FLOPs or bytes recorded)
 };
 
 struct TraceDiff {

@@ -187,8 +187,10 @@ RankTrace parse_rank(const std::string& body, const std::string& src) {
       continue;
     }
     if (ph == "C") {
-      if (text(e, "name", w, true) != "memory") continue;
+      const std::string cname = text(e, "name", w, true);
+      if (cname != "memory" && cname != "memory_peak") continue;
       Counter c;
+      c.name = cname;
       c.ts = num(e, "ts", w, true, false);
       if (e.contains("args")) {
         if (!e.at("args").is_object()) fail(src, ": ", w.what, ": args is not an object");
@@ -321,7 +323,7 @@ json to_json(const RankTrace& t) {
                    {"name", e.name}, {"pid", m.rank}, {"tid", e.tid}, {"ts", e.ts}, {"dur", e.dur}, {"args", args}});
   }
   for (const Counter& c : t.memory)
-    evs.push_back({{"ph", "C"}, {"name", "memory"}, {"pid", m.rank}, {"tid", 0}, {"ts", c.ts}, {"args", c.values}});
+    evs.push_back({{"ph", "C"}, {"name", c.name}, {"pid", m.rank}, {"tid", 0}, {"ts", c.ts}, {"args", c.values}});
   json groups = json::object();
   for (const auto& [id, g] : m.groups) groups[id] = {{"name", g.name}, {"ranks", g.ranks}};
   json meta = {{"format", "moetron-trace"}, {"version", 1}, {"rank", m.rank}, {"world", m.world},

@@ -39,8 +39,9 @@ struct Event {
   std::vector<double> send_bytes, recv_bytes;  // all-to-all: per member of the group, in group order
 };
 
-// A memory counter ("C" event named "memory"): bytes per category at time ts.
+// A memory counter ("C" event named "memory" or "memory_peak"): bytes per category at time ts.
 struct Counter {
+  std::string name = "memory";
   double ts = 0;
   std::map<std::string, double> values;
 };

@@ -60,7 +60,9 @@ TEST(TraceDiff, RecomputeLandsInCompute) {
   EXPECT_NEAR(d.ops[0].rate_b, 1e6 / 20e-6, 1e-3);
   EXPECT_EQ(d.ops[0].rate_unit, "FLOP/s");
   for (const OpDelta& o : d.ops) {
-    if (o.name == "gemm") EXPECT_NEAR(o.time_b - o.time_a, 0, 1e-15);
+    if (o.name == "gemm") {
+      EXPECT_NEAR(o.time_b - o.time_a, 0, 1e-15);
+    }
   }
   EXPECT_NEAR(d.actions[0].delta(), 20 * us, 1e-15);  // the B action grew by the recompute
   // Swapped: the op is missing in B, the step shrinks by the same compute.
@@ -87,7 +89,7 @@ TEST(TraceReader, WrittenTraceReadsBackToTheSameAnalysis) {
   auto rs = run(100, 20, 10);
   rs[0].limits(1e11, 1e10);
   rs[1].limits(1e11, 1e10);
-  rs[0].t.memory.push_back({5, {{"params", 100}, {"activations", 40}}});
+  rs[0].t.memory.push_back({"memory", 5, {{"params", 100}, {"activations", 40}}});
   const std::string dir = tmpdir("roundtrip");
   for (const auto& r : rs) write_rank_file(r.t, dir);
   const Trace t = read_dir(dir);

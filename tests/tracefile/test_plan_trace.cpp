@@ -93,7 +93,9 @@ TEST(PlanTrace, PipelineWithExpertsReadsBackThroughAnalyze) {
   double gemm = 0;
   for (const auto& st : tp.stages) gemm += st.gemm;
   for (const auto& k : a.kernels) {
-    if (k.name == "plan.gemm") EXPECT_NEAR(k.total_s, gemm * double(l.microbatches) * double(l.dp), 1e-9 * gemm);
+    if (k.name == "plan.gemm") {
+      EXPECT_NEAR(k.total_s, gemm * double(l.microbatches) * double(l.dp), 1e-9 * gemm);
+    }
   }
 }
 
