@@ -122,31 +122,31 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
      << " profiled step(s); limits " << limits_text(a.limits) << "\n";
   for (const std::string& w : a.warnings) os << "warning: " << w << "\n";
 
-  os << "\nbreakdown per rank (seconds per step; compute + exposed comm + idle = step)\n";
-  os << "rank     step_s    compute          exposed comm     idle             comm wait  caused wait\n";
+  os << "\nbreakdown per rank (ms per step; compute + exposed comm + idle = step)\n";
+  os << "rank    step ms    compute           exposed comm      idle              comm wait  caused wait\n";
   for (const RankBreakdown& r : a.ranks) {
     char b[256];
-    std::snprintf(b, sizeof b, "%-5d %9.4f  %9.4f %s  %9.4f %s  %9.4f %s  %9.4f  %11.4f\n", r.rank, r.step_time_s,
-                  r.compute_s, pct(r.compute_s, r.step_time_s).c_str(), r.exposed_comm_s,
-                  pct(r.exposed_comm_s, r.step_time_s).c_str(), r.idle_s, pct(r.idle_s, r.step_time_s).c_str(),
-                  r.comm_wait_s, r.wait_caused_s);
+    std::snprintf(b, sizeof b, "%-5d %10.3f  %10.3f %s  %10.3f %s  %10.3f %s  %9.3f  %11.3f\n", r.rank,
+                  1e3 * r.step_time_s, 1e3 * r.compute_s, pct(r.compute_s, r.step_time_s).c_str(),
+                  1e3 * r.exposed_comm_s, pct(r.exposed_comm_s, r.step_time_s).c_str(), 1e3 * r.idle_s,
+                  pct(r.idle_s, r.step_time_s).c_str(), 1e3 * r.comm_wait_s, 1e3 * r.wait_caused_s);
     os << b;
   }
   if (a.straggler_rank >= 0)
     os << "straggler: rank " << a.straggler_rank << " (the others waited "
-       << fmt("%.4f", a.ranks[size_t(a.straggler_rank)].wait_caused_s) << " s per step for it in collectives)\n";
+       << fmt("%.3f", 1e3 * a.ranks[size_t(a.straggler_rank)].wait_caused_s) << " ms per step for it in collectives)\n";
   else
     os << "straggler: none (no wait in matched collectives)\n";
 
   os << "\ntop kernels (self time, summed over ranks and steps; roofline against the limits above)\n";
-  os << "kernel                          count    total_s  per rank-step    GFLOP/s      GB/s   FLOP/B  bound    of limit\n";
+  os << "kernel                          count   total ms  ms/rank/step    GFLOP/s      GB/s   FLOP/B  bound    of limit\n";
   double ktotal = 0;
   for (const KernelStat& k : a.kernels) ktotal += k.total_s;
   for (size_t i = 0; i < a.kernels.size() && int(i) < top; ++i) {
     const KernelStat& k = a.kernels[i];
     char b[320];
-    std::snprintf(b, sizeof b, "%-30s %6lld %10.4f  %13.5f %10.2f %9.2f %8.2f  %-7s %8s\n", k.name.c_str(),
-                  static_cast<long long>(k.count), k.total_s, k.per_rank_step_s, k.flops_per_s / 1e9,
+    std::snprintf(b, sizeof b, "%-30s %6lld %10.3f  %12.4f %10.2f %9.2f %8.2f  %-7s %8s\n", k.name.c_str(),
+                  static_cast<long long>(k.count), 1e3 * k.total_s, 1e3 * k.per_rank_step_s, k.flops_per_s / 1e9,
                   k.bytes_per_s / 1e9, k.intensity, k.bound.c_str(),
                   k.bound == "unknown" ? "-" : fmt("%.1f%%", 100 * k.limit_share).c_str());
     os << b;
@@ -155,12 +155,12 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
 
   os << "\ncollectives (matched by group and seq: transfer = shortest member, the rest is wait; " << a.matched_collectives
      << " matched, " << a.unmatched_collectives << " unmatched)\n";
-  os << "kind            group   n   count        MB   transfer_s     wait_s  algbw GB/s  busbw GB/s (factor)\n";
+  os << "kind            group   n   count        MB  transfer ms    wait ms  algbw GB/s  busbw GB/s (factor)\n";
   for (const CollectiveStat& c : a.collectives) {
     char b[320];
-    std::snprintf(b, sizeof b, "%-15s %-6s %2d %7lld %9.3f %12.5f %10.5f %11.3f %11.3f (%.3f)\n", c.kind.c_str(),
-                  c.group_name.c_str(), c.group_size, static_cast<long long>(c.count), c.bytes / 1e6, c.transfer_s,
-                  c.wait_s, c.algbw / 1e9, c.busbw / 1e9, c.busbw_factor);
+    std::snprintf(b, sizeof b, "%-15s %-6s %2d %7lld %9.3f %12.3f %10.3f %11.3f %11.3f (%.3f)\n", c.kind.c_str(),
+                  c.group_name.c_str(), c.group_size, static_cast<long long>(c.count), c.bytes / 1e6,
+                  1e3 * c.transfer_s, 1e3 * c.wait_s, c.algbw / 1e9, c.busbw / 1e9, c.busbw_factor);
     os << b;
   }
 
@@ -188,13 +188,13 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
       os << "  group " << (g.group.empty() ? std::string("(none)") : "'" + g.group + "'") << ": bubble "
          << fmt("%.2f%%", 100 * g.bubble) << "\n";
       for (const PipelineRank& p : g.ranks)
-        os << "    rank " << p.rank << " (pp " << p.pp_index << "): busy " << fmt("%.4f", p.busy_s) << " s of "
-           << fmt("%.4f", p.span_s) << " s, bubble " << fmt("%.2f%%", 100 * p.bubble) << "\n";
+        os << "    rank " << p.rank << " (pp " << p.pp_index << "): busy " << fmt("%.3f", 1e3 * p.busy_s) << " ms of "
+           << fmt("%.3f", 1e3 * p.span_s) << " ms, bubble " << fmt("%.2f%%", 100 * p.bubble) << "\n";
     }
   }
 
   if (hier_rank >= 0 && size_t(hier_rank) < a.hierarchy.size()) {
-    os << "\nhierarchy of rank " << hier_rank << " (seconds per step: total, self; calls per step; " << top
+    os << "\nhierarchy of rank " << hier_rank << " (ms per step: total, self; calls per step; " << top
        << " largest children per node)\n";
     const auto& nodes = a.hierarchy[size_t(hier_rank)];
     std::map<std::string, int> shown;  // parent path -> children printed
@@ -211,8 +211,9 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
       hidden[k] = hide;
       if (hide) continue;
       char b[320];
-      std::snprintf(b, sizeof b, "%*s%-*s %10.5f %10.5f %8.1f  %s\n", 2 * n.depth + 2, "",
-                    std::max(1, 44 - 2 * n.depth), n.name.c_str(), n.total_s, n.self_s, double(n.count) / steps,
+      std::snprintf(b, sizeof b, "%*s%-*s %10.3f %10.3f %8.1f  %s\n", 2 * n.depth + 2, "",
+                    std::max(1, 44 - 2 * n.depth), n.name.c_str(), 1e3 * n.total_s, 1e3 * n.self_s,
+                    double(n.count) / steps,
                     cat_name(n.cat));
       os << b;
     }

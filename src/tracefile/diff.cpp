@@ -79,7 +79,7 @@ std::vector<Delta> deltas(const std::map<std::string, double>& a, const std::map
   return out;
 }
 
-std::string sgn(double v, const char* f = "%+.5f") {
+std::string sgn(double v, const char* f = "%+.3f") {
   char b[64];
   std::snprintf(b, sizeof b, f, v);
   return b;
@@ -153,12 +153,12 @@ std::string format_text(const TraceDiff& d, int top) {
   std::ostringstream os;
   char b[320];
   os << "A: " << d.a_dir << " (" << d.a_source << ")\nB: " << d.b_dir << " (" << d.b_source << ")\n";
-  os << "seconds per rank and step (mean over ranks); delta = B - A\n\n";
+  os << "ms per rank and step (mean over ranks); delta = B - A\n\n";
   std::snprintf(b, sizeof b, "%-22s %11s %11s %11s %8s\n", "category", "A", "B", "delta", "");
   os << b;
   auto row = [&](const Delta& x, const char* indent) {
-    std::snprintf(b, sizeof b, "%s%-*s %11.5f %11.5f %11s %8s\n", indent, int(22 - std::string(indent).size()),
-                  x.name.c_str(), x.a, x.b, sgn(x.delta()).c_str(),
+    std::snprintf(b, sizeof b, "%s%-*s %11.3f %11.3f %11s %8s\n", indent, int(22 - std::string(indent).size()),
+                  x.name.c_str(), 1e3 * x.a, 1e3 * x.b, sgn(1e3 * x.delta()).c_str(),
                   x.a > 0 ? sgn(100 * x.delta() / x.a, "%+.1f%%").c_str() : "");
     os << b;
   };
@@ -168,8 +168,8 @@ std::string format_text(const TraceDiff& d, int top) {
     if (c.name == "exposed_comm")
       for (const Delta& k : d.exposed_comm_by_kind) row(k, "    ");
   }
-  os << "step-time change " << sgn(d.step.delta()) << " s = compute " << sgn(d.categories[0].delta())
-     << " + exposed comm " << sgn(d.categories[1].delta()) << " + idle " << sgn(d.categories[2].delta())
+  os << "step-time change " << sgn(1e3 * d.step.delta()) << " ms = compute " << sgn(1e3 * d.categories[0].delta())
+     << " + exposed comm " << sgn(1e3 * d.categories[1].delta()) << " + idle " << sgn(1e3 * d.categories[2].delta())
      << "; largest: " << d.largest << "\n";
   if (!d.actions.empty()) {
     os << "\ntime in schedule actions\n";
@@ -180,13 +180,13 @@ std::string format_text(const TraceDiff& d, int top) {
     for (const Delta& x : d.ranks) row(x, "  ");
   }
   os << "\nops by |time delta| (time and calls per rank and step; achieved rate)\n";
-  std::snprintf(b, sizeof b, "%-30s %-7s %10s %10s %11s %7s %7s %10s %10s %s\n", "op", "status", "A s", "B s", "delta s",
+  std::snprintf(b, sizeof b, "%-30s %-7s %10s %10s %11s %7s %7s %10s %10s %s\n", "op", "status", "A ms", "B ms", "delta ms",
                 "A n", "B n", "A rate", "B rate", "unit");
   os << b;
   for (size_t k = 0; k < d.ops.size() && int(k) < top; ++k) {
     const OpDelta& o = d.ops[k];
-    std::snprintf(b, sizeof b, "%-30s %-7s %10.5f %10.5f %11s %7.1f %7.1f %10.3g %10.3g %s\n", o.name.c_str(),
-                  o.status.c_str(), o.time_a, o.time_b, sgn(o.time_b - o.time_a).c_str(), o.count_a, o.count_b,
+    std::snprintf(b, sizeof b, "%-30s %-7s %10.3f %10.3f %11s %7.1f %7.1f %10.3g %10.3g %s\n", o.name.c_str(),
+                  o.status.c_str(), 1e3 * o.time_a, 1e3 * o.time_b, sgn(1e3 * (o.time_b - o.time_a)).c_str(), o.count_a, o.count_b,
                   o.rate_a, o.rate_b, o.rate_unit.c_str());
     os << b;
   }
