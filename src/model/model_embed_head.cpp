@@ -13,9 +13,11 @@
 namespace moetron {
 
 void Model::Impl::embed_forward(const int32_t* tokens, float* xcur, bool head_grads) {
+  MT_TRACE_MODULE("embed");
   const bool tied = head == emb;
   fs_acquire(0, true, head_grads && tied);
   const float* E0 = P(emb);
+  MT_TRACE_K("fwd.embed", 0, 8.0 * double(N * d));  // a row gather
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tokens[t]) * d, size_t(d) * 4);
   if (!tied) fs_release(0);
@@ -23,10 +25,14 @@ void Model::Impl::embed_forward(const int32_t* tokens, float* xcur, bool head_gr
 
 void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool backward, float ce_scale, float* g,
                             ForwardStats& st) {
+  MT_TRACE_MODULE("head");
   const bool tied = head == emb;
   const int last_u = head_unit();
   fs_acquire(last_u, true, backward);
-  norm_fwd_c(hfc, rstdf.data<float>(), xcur, P(final_norm), N, d);
+  {
+    MT_TRACE("fwd.norm");
+    norm_fwd_c(hfc, rstdf.data<float>(), xcur, P(final_norm), N, d);
+  }
   std::memcpy(xf.data<float>(), xcur, size_t(N * d) * 4);
   for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
   const int64_t chunk = linear_xent_default_chunk(V);
@@ -56,8 +62,9 @@ void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool back
 }
 
 void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
+  MT_TRACE_MODULE("embed");
   if (head != emb) fs_acquire(0, false, true);
-  MT_TRACE("bwd.embed");
+  MT_TRACE_K("bwd.embed", double(N * d), 12.0 * double(N * d));  // a row scatter-add
   float* gE = G(emb);
   for (int64_t t = 0; t < N; ++t) {
     float* dst = gE + int64_t(tokens[t]) * d;
