@@ -449,7 +449,8 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
     if (caused[r] > most) most = caused[r], an.straggler_rank = int(r);
   }
 
-  // Pipeline: one group per distinct "pp" group; ranks in none stand alone.
+  // Pipeline: one group per distinct "pp" group; ranks in none stand alone. The span of a step is that of the
+  // schedule's ops (actions, sends and receives) over the group's ranks, as in a pipeline record.
   std::map<std::string, std::vector<int>> ppg;
   std::vector<char> placed(work.size(), 0);
   for (const RankTrace& r : t.ranks)
@@ -478,12 +479,12 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
           all = false;
           break;
         }
-        lo = std::min(lo, it->a);
-        for (const Event& e : w.t->events)
-          if (e.cat == Cat::Action && e.ts >= it->a && e.ts < it->b) {
-            acts[i].push_back({e.ts, e.end()});
-            hi = std::max(hi, e.end());
-          }
+        for (const Event& e : w.t->events) {
+          if (e.ts < it->a || e.ts >= it->b) continue;
+          const bool act = e.cat == Cat::Action, p2p = e.cat == Cat::Comm && is_p2p(e.name);
+          if (act) acts[i].push_back({e.ts, e.end()});
+          if (act || p2p) lo = std::min(lo, e.ts), hi = std::max(hi, e.end());
+        }
       }
       if (!all || !(hi > lo)) continue;
       ++n_steps;

@@ -89,9 +89,9 @@ struct AllToAllStat {
   double imbalance_mean = 0, imbalance_max = 0;  // per instance max/mean, averaged and worst
 };
 
-// The pipeline of one PP group, pp_vis's measure: per step the span runs from the earliest step start of the
-// group's ranks to the latest action end among them; a rank's busy time is the union of its actions in it;
-// bubble = 1 - busy / span, averaged over steps.
+// The pipeline of one PP group, pp_vis's measure (a measured pipeline record's, pipeline_record.h): per step the
+// span runs from the first to the last moment any of the group's ranks runs a schedule op (an action, a send or
+// a receive); a rank's busy time is the union of its actions; bubble = 1 - busy / span, averaged over steps.
 struct PipelineRank {
   int rank = 0, pp_index = 0;
   double busy_s = 0, span_s = 0, bubble = 0;

@@ -183,7 +183,7 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
   }
 
   if (!a.pipeline.empty()) {
-    os << "\npipeline bubble (pp_vis: 1 - busy / span; span = earliest step start to latest action end in the group)\n";
+    os << "\npipeline bubble (pp_vis: 1 - busy / span; span = first to last schedule op of the group's ranks)\n";
     for (const PipelineGroup& g : a.pipeline) {
       os << "  group " << (g.group.empty() ? std::string("(none)") : "'" + g.group + "'") << ": bubble "
          << fmt("%.2f%%", 100 * g.bubble) << "\n";

@@ -50,6 +50,16 @@ std::map<std::string, Op> ops_of(const Analysis& a, const Side& s) {
     o.rate = k.flops > 0 ? k.flops_per_s : k.bytes_per_s;
     o.unit = k.flops > 0 ? "FLOP/s" : k.bytes > 0 ? "B/s" : "-";  // "-": the trace carries neither
   }
+  // Modules by name (e.g. layer1.recompute): time inside them per rank and step (the hierarchy is per step).
+  const double ranks = a.ranks.empty() ? 1 : double(a.ranks.size());
+  for (const auto& nodes : a.hierarchy)
+    for (const HierNode& n : nodes) {
+      if (n.cat != Cat::Module) continue;
+      Op& o = m["module:" + n.name];
+      o.kind = "module", o.unit = "-";
+      o.time += n.total_s / ranks;
+      o.count += double(n.count) / ranks / s.steps;
+    }
   // Collective kinds over every group: member time per rank and step; the bus rate over all their bytes.
   std::map<std::string, double> bus_bytes, transfer;
   for (const CollectiveStat& c : a.collectives) {

@@ -1,7 +1,7 @@
 // tracefile/diff.h: `moetron trace diff A B`: two analyzed runs side by side (B against A): the step-time
 // change split over compute, exposed communication and idle (the three deltas add up to it), exposed
-// communication per collective kind, time per schedule action, and per op (kernels and collective kinds) the
-// time, count and achieved rate, with the ops only one side has. Every time is seconds per rank and step (the
+// communication per collective kind, time per schedule action, and per op (kernels, modules and collective
+// kinds) the time, count and achieved rate, with the ops only one side has. Every time is seconds per rank and step (the
 // mean over ranks of the per-step figures), so runs with different step counts or a measured run and the
 // planner's projected step compare directly. docs/profiling.md ("trace diff"). Not the analysis (analyze.h).
 #pragma once
@@ -21,7 +21,7 @@ struct Delta {
 
 struct OpDelta {
   std::string name;
-  std::string kind;    // "kernel" or "comm" (a collective kind: all_reduce, all_to_all, ...)
+  std::string kind;    // "kernel", "module" (named "module:<name>") or "comm" ("comm:<collective kind>")
   std::string status;  // "both", "new" (only in B) or "missing" (only in A)
   double time_a = 0, time_b = 0;    // seconds per rank and step
   double count_a = 0, count_b = 0;  // calls per rank and step

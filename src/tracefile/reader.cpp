@@ -83,6 +83,9 @@ Cat cat_of(const std::string& s) {
 }
 
 bool is_p2p(const std::string& name) { return name == "send" || name == "recv"; }
+// Communication events that are not collectives: point-to-point calls and the wait that completes non-blocking
+// requests. They carry no sequence number.
+bool unsequenced(const std::string& name) { return is_p2p(name) || name == "wait"; }
 
 Meta parse_meta(const json& m, const std::string& src) {
   const Where w{src, "moetron"};
@@ -114,9 +117,10 @@ Meta parse_meta(const json& m, const std::string& src) {
   }
   if (m.contains("steps")) {
     const json& s = m.at("steps");
-    if (!s.is_array() || s.size() != 2 || !s[0].is_number_integer() || !s[1].is_number_integer())
-      fail(src, ": moetron.steps = ", s.dump(), ": expected [first, last]");
-    meta.first_step = s[0].get<int64_t>(), meta.last_step = s[1].get<int64_t>();
+    const bool none = s.is_array() && s.empty();  // no profiled step
+    if (!none && (!s.is_array() || s.size() != 2 || !s[0].is_number_integer() || !s[1].is_number_integer()))
+      fail(src, ": moetron.steps = ", s.dump(), ": expected [first, last] or []");
+    if (!none) meta.first_step = s[0].get<int64_t>(), meta.last_step = s[1].get<int64_t>();
   }
   if (m.contains("groups")) {
     const json& g = m.at("groups");
@@ -229,8 +233,8 @@ RankTrace parse_rank(const std::string& body, const std::string& src) {
         break;
       case Cat::Comm: {
         const bool p2p = is_p2p(ev.name);
-        ev.group = text(args, "group", wa, !p2p);
-        ev.seq = integer(args, "seq", wa, !p2p);
+        ev.group = text(args, "group", wa, !unsequenced(ev.name));
+        ev.seq = integer(args, "seq", wa, !unsequenced(ev.name));
         ev.bytes_in = num(args, "bytes_in", wa, false), ev.bytes_out = num(args, "bytes_out", wa, false);
         ev.peer = int(integer(args, "peer", wa, p2p));
         if (p2p && (ev.peer < 0 || ev.peer >= t.meta.world))

@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <cmath>
 #include <fstream>
+#include <map>
 
 #include "trace_builder.h"
 #include "tracefile/analyze.h"
@@ -23,7 +25,7 @@ std::vector<RankBuilder> run(double step, double recompute, double comm) {
   for (int r = 0; r < 2; ++r) {
     RankBuilder b(r, 2);
     b.group("dp", "dp", {0, 1}).step(0, 0, step).action("B", 0, 40 + recompute).kernel("gemm", 0, 40, 4e6, 1e5);
-    if (recompute > 0) b.kernel("recompute.layer", 40, recompute, 1e6, 1e5);
+    if (recompute > 0) b.module("layer0.recompute", 40, recompute, 0).kernel("recompute.layer", 40, recompute, 1e6, 1e5);
     b.comm("all_reduce", "dp", 0, 40 + recompute, comm, 1e6);
     rs.push_back(b);
   }
@@ -51,14 +53,20 @@ TEST(TraceDiff, RecomputeLandsInCompute) {
   EXPECT_NEAR(d.categories[2].delta(), 0, 1e-15);
   EXPECT_NEAR(d.categories[0].delta() + d.categories[1].delta() + d.categories[2].delta(), d.step.delta(), 1e-18);
   EXPECT_EQ(d.largest, "compute");
-  EXPECT_EQ(d.new_ops, std::vector<std::string>{"recompute.layer"});
+  EXPECT_EQ(d.new_ops, (std::vector<std::string>{"module:layer0.recompute", "recompute.layer"}));
   EXPECT_TRUE(d.missing_ops.empty());
   ASSERT_FALSE(d.ops.empty());
-  EXPECT_EQ(d.ops[0].name, "recompute.layer");  // the largest time change
-  EXPECT_EQ(d.ops[0].status, "new");
-  EXPECT_NEAR(d.ops[0].time_b, 20 * us, 1e-15);
-  EXPECT_NEAR(d.ops[0].rate_b, 1e6 / 20e-6, 1e-3);
-  EXPECT_EQ(d.ops[0].rate_unit, "FLOP/s");
+  std::map<std::string, OpDelta> ops;
+  for (const OpDelta& o : d.ops) ops[o.name] = o;
+  EXPECT_EQ(ops["recompute.layer"].status, "new");
+  EXPECT_NEAR(ops["recompute.layer"].time_b, 20 * us, 1e-15);
+  EXPECT_NEAR(ops["recompute.layer"].time_b - ops["recompute.layer"].time_a, 20 * us, 1e-15);
+  EXPECT_NEAR(ops["recompute.layer"].rate_b, 1e6 / 20e-6, 1e-3);
+  EXPECT_EQ(ops["recompute.layer"].rate_unit, "FLOP/s");
+  EXPECT_EQ(ops["module:layer0.recompute"].kind, "module");
+  EXPECT_NEAR(ops["module:layer0.recompute"].time_b, 20 * us, 1e-15);
+  EXPECT_NEAR(ops["module:layer0.recompute"].count_b, 1, 1e-12);
+  EXPECT_NEAR(std::fabs(d.ops[0].time_b - d.ops[0].time_a), 20 * us, 1e-15);  // largest change first
   for (const OpDelta& o : d.ops) {
     if (o.name == "gemm") {
       EXPECT_NEAR(o.time_b - o.time_a, 0, 1e-15);
@@ -67,7 +75,7 @@ TEST(TraceDiff, RecomputeLandsInCompute) {
   EXPECT_NEAR(d.actions[0].delta(), 20 * us, 1e-15);  // the B action grew by the recompute
   // Swapped: the op is missing in B, the step shrinks by the same compute.
   const TraceDiff back = diff(b, a);
-  EXPECT_EQ(back.missing_ops, std::vector<std::string>{"recompute.layer"});
+  EXPECT_EQ(back.missing_ops, (std::vector<std::string>{"module:layer0.recompute", "recompute.layer"}));
   EXPECT_NEAR(back.categories[0].delta(), -20 * us, 1e-15);
 }
 
