@@ -4,6 +4,7 @@
 // all-to-all matrices and the pipeline bubble. Not the report forms (analyze_report.cpp).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <set>
@@ -165,7 +166,7 @@ void sweep(const RankWork& w, const Window& win, RankBreakdown& rb) {
   rb.step_time_s += step * kUs;
   rb.compute_s += compute * kUs;
   rb.exposed_comm_s += exposed * kUs;
-  rb.idle_s += (step - compute - exposed) * kUs;
+  rb.idle_s += std::max(0.0, step - compute - exposed) * kUs;  // (max: rounding when the pieces fill the step)
   rb.comm_s += comm * kUs;
   for (const Event& e : evs)
     if (e.cat == Cat::Action && e.ts >= win.a && e.ts < win.b)
@@ -279,14 +280,26 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
   an.world = t.world();
   if (t.ranks.empty()) return an;
   an.source = t.ranks[0].meta.source;
+  // Every rank measured the same kind of machine at start-up, some while others competed for its cores: the
+  // roofline takes the largest figure over the ranks.
   an.limits = o.limits ? *o.limits : t.ranks[0].meta.limits;
-  if (!o.limits)
-    for (const RankTrace& r : t.ranks)
-      if (r.meta.limits.flops_per_s != an.limits.flops_per_s || r.meta.limits.bytes_per_s != an.limits.bytes_per_s) {
-        an.warnings.push_back("rank " + std::to_string(r.meta.rank) +
-                              "'s moetron.limits differ from rank 0's; the roofline uses rank 0's");
-        break;
-      }
+  if (!o.limits) {
+    double f_lo = an.limits.flops_per_s, b_lo = an.limits.bytes_per_s;
+    for (const RankTrace& r : t.ranks) {
+      const Limits& l = r.meta.limits;
+      an.limits.flops_per_s = std::max(an.limits.flops_per_s, l.flops_per_s);
+      an.limits.bytes_per_s = std::max(an.limits.bytes_per_s, l.bytes_per_s);
+      f_lo = std::min(f_lo, l.flops_per_s), b_lo = std::min(b_lo, l.bytes_per_s);
+    }
+    if (f_lo < 0.9 * an.limits.flops_per_s || b_lo < 0.9 * an.limits.bytes_per_s) {
+      char b[256];
+      std::snprintf(b, sizeof b,
+                    "the ranks' moetron.limits differ by more than 10%% (%.3g..%.3g FLOP/s, %.3g..%.3g B/s): the "
+                    "roofline uses the largest",
+                    f_lo, an.limits.flops_per_s, b_lo, an.limits.bytes_per_s);
+      an.warnings.push_back(b);
+    }
+  }
 
   std::vector<RankWork> work;
   work.reserve(t.ranks.size());

@@ -18,7 +18,9 @@
 namespace moetron::tracefile {
 
 struct AnalyzeOptions {
-  std::optional<Limits> limits;  // overrides the traces' moetron.limits (e.g. a planner hardware file)
+  // Overrides the traces' moetron.limits (e.g. a planner hardware file). Without it the roofline uses the largest
+  // FLOP/s and bytes/s over the ranks' limits (each rank measures at start-up, some while others share its cores).
+  std::optional<Limits> limits;
 };
 
 // One rank, seconds per profiled step (the mean over the steps the rank's trace holds).

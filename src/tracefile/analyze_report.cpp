@@ -182,9 +182,12 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
     }
   }
 
-  if (!a.pipeline.empty()) {
+  bool staged = false;  // any pipeline of more than one rank (pp > 1)
+  for (const PipelineGroup& g : a.pipeline) staged |= g.ranks.size() > 1;
+  if (staged) {
     os << "\npipeline bubble (pp_vis: 1 - busy / span; span = first to last schedule op of the group's ranks)\n";
     for (const PipelineGroup& g : a.pipeline) {
+      if (g.ranks.size() < 2) continue;
       os << "  group " << (g.group.empty() ? std::string("(none)") : "'" + g.group + "'") << ": bubble "
          << fmt("%.2f%%", 100 * g.bubble) << "\n";
       for (const PipelineRank& p : g.ranks)

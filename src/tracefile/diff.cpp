@@ -15,7 +15,7 @@ using json = nlohmann::json;
 namespace {
 
 struct Side {
-  double step = 0, compute = 0, exposed = 0, idle = 0;
+  double step = 0, compute = 0, exposed = 0, idle = 0, flops = 0;
   std::map<std::string, double> by_kind, actions;
   double rank_steps = 0, steps = 0;
 };
@@ -32,6 +32,7 @@ Side summarize(const Analysis& a) {
   }
   s.steps = std::max(1.0, s.rank_steps / n);
   s.rank_steps = std::max(1.0, s.rank_steps);
+  for (const KernelStat& k : a.kernels) s.flops += k.flops / s.rank_steps;
   return s;
 }
 
@@ -105,6 +106,7 @@ TraceDiff diff(const Analysis& a, const Analysis& b) {
   const Side sa = summarize(a), sb = summarize(b);
   d.step = {"step", sa.step, sb.step};
   d.categories = {{"compute", sa.compute, sb.compute}, {"exposed_comm", sa.exposed, sb.exposed}, {"idle", sa.idle, sb.idle}};
+  d.flops = {"flops", sa.flops, sb.flops};
   d.exposed_comm_by_kind = deltas(sa.by_kind, sb.by_kind);
   d.actions = deltas(sa.actions, sb.actions);
   if (a.ranks.size() == b.ranks.size())
@@ -143,6 +145,7 @@ json to_json(const TraceDiff& d) {
   j["a"] = {{"dir", d.a_dir}, {"source", d.a_source}};
   j["b"] = {{"dir", d.b_dir}, {"source", d.b_source}};
   j["step"] = delta_json(d.step);
+  j["flops"] = delta_json(d.flops);
   for (const char* key : {"categories", "exposed_comm_by_kind", "actions", "ranks"}) j[key] = json::array();
   for (const Delta& x : d.categories) j["categories"].push_back(delta_json(x));
   for (const Delta& x : d.exposed_comm_by_kind) j["exposed_comm_by_kind"].push_back(delta_json(x));
@@ -181,6 +184,9 @@ std::string format_text(const TraceDiff& d, int top) {
   os << "step-time change " << sgn(1e3 * d.step.delta()) << " ms = compute " << sgn(1e3 * d.categories[0].delta())
      << " + exposed comm " << sgn(1e3 * d.categories[1].delta()) << " + idle " << sgn(1e3 * d.categories[2].delta())
      << "; largest: " << d.largest << "\n";
+  std::snprintf(b, sizeof b, "kernel work %.4g -> %.4g FLOP per rank and step (%s)\n", d.flops.a, d.flops.b,
+                d.flops.a > 0 ? sgn(100 * d.flops.delta() / d.flops.a, "%+.1f%%").c_str() : "-");
+  os << b;
   if (!d.actions.empty()) {
     os << "\ntime in schedule actions\n";
     for (const Delta& x : d.actions) row(x, "  ");

@@ -33,6 +33,7 @@ struct TraceDiff {
   std::string a_dir, b_dir, a_source, b_source;
   Delta step;                              // mean step time over ranks
   std::vector<Delta> categories;           // compute, exposed_comm, idle: deltas sum to step.delta()
+  Delta flops;                             // kernel FLOPs per rank and step: the work, free of timing noise
   std::vector<Delta> exposed_comm_by_kind; // splits the exposed_comm delta
   std::vector<Delta> actions;              // time inside actions per name (F, B, I, W, FB)
   std::vector<Delta> ranks;                // step time per rank (when both have the same world)

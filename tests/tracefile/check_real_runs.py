@@ -124,11 +124,16 @@ def check_recompute(args):
     off = train(args, "recompute_off", 1, size + ["--activation_checkpoint.mode=none"])
     on = train(args, "recompute_on", 1, size + ["--activation_checkpoint.mode=full"])
     d = json.loads(run([args.moetron, "trace", "diff", os.path.join(off, "trace"), os.path.join(on, "trace"), "--json"]))
+    # Times on a shared machine swing by tens of percent between two runs: what the check holds is the category
+    # the change lands in (the largest), the work (kernel FLOPs: the recomputed forward adds a third to a half)
+    # and the recompute modules; the compute time delta is reported.
     cat = {c["name"]: c["delta"] for c in d["categories"]}
-    base = {c["name"]: c["a"] for c in d["categories"]}
-    check(cat["compute"] > 0.05 * base["compute"] and cat["compute"] >= abs(cat["exposed_comm"]),
-          "recompute on / off: compute %+.4f s per step of %.4f (exposed comm %+.4f, idle %+.4f)" %
-          (cat["compute"], base["compute"], cat["exposed_comm"], cat["idle"]))
+    check(d["largest_category"] == "compute",
+          "recompute on / off: the step changes most in compute: compute %+.4f s per step (exposed comm %+.4f, idle "
+          "%+.4f)" % (cat["compute"], cat["exposed_comm"], cat["idle"]))
+    f = d["flops"]
+    check(1.2 * f["a"] < f["b"] < 1.7 * f["a"], "recompute on / off: kernel FLOPs per step %.4g -> %.4g (%+.1f %%)"
+          % (f["a"], f["b"], 100 * f["delta"] / f["a"]))
     check(any(o.startswith("module:") and o.endswith(".recompute") for o in d["new_ops"]),
           "recompute on / off: new ops %s" % d["new_ops"])
 

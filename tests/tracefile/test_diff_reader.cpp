@@ -53,6 +53,8 @@ TEST(TraceDiff, RecomputeLandsInCompute) {
   EXPECT_NEAR(d.categories[2].delta(), 0, 1e-15);
   EXPECT_NEAR(d.categories[0].delta() + d.categories[1].delta() + d.categories[2].delta(), d.step.delta(), 1e-18);
   EXPECT_EQ(d.largest, "compute");
+  EXPECT_NEAR(d.flops.a, 4e6, 1e-6);  // per rank and step: gemm 4e6, plus 1e6 recomputed
+  EXPECT_NEAR(d.flops.b, 5e6, 1e-6);
   EXPECT_EQ(d.new_ops, (std::vector<std::string>{"module:layer0.recompute", "recompute.layer"}));
   EXPECT_TRUE(d.missing_ops.empty());
   ASSERT_FALSE(d.ops.empty());
