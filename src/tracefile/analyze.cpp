@@ -479,7 +479,7 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
     PipelineGroup pg;
     pg.group = id;
     for (size_t i = 0; i < members.size(); ++i) pg.ranks.push_back({members[i], int(i)});
-    double busy_sum = 0, span_sum = 0;
+    double group_bubble = 0;  // summed over steps
     int n_steps = 0;
     for (const Window& w0 : work[size_t(members[0])].windows) {
       double lo = std::numeric_limits<double>::infinity(), hi = -lo;
@@ -502,17 +502,18 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
       if (!all || !(hi > lo)) continue;
       ++n_steps;
       const double span = hi - lo;
+      double busy_sum = 0;
       for (size_t i = 0; i < members.size(); ++i) {
         const double busy = union_length(acts[i], lo, hi);
         pg.ranks[i].busy_s += busy * kUs, pg.ranks[i].span_s += span * kUs;
         pg.ranks[i].bubble += 1 - busy / span;
         busy_sum += busy;
       }
-      span_sum += span * double(members.size());
+      group_bubble += 1 - busy_sum / (span * double(members.size()));
     }
     if (n_steps == 0) continue;
     for (PipelineRank& pr : pg.ranks) pr.busy_s /= n_steps, pr.span_s /= n_steps, pr.bubble /= n_steps;
-    pg.bubble = 1 - busy_sum / span_sum;
+    pg.bubble = group_bubble / n_steps;
     an.pipeline.push_back(pg);
   }
   return an;

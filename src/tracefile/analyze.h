@@ -101,7 +101,7 @@ struct PipelineRank {
 struct PipelineGroup {
   std::string group;  // group id ("" for a rank without a pp group)
   std::vector<PipelineRank> ranks;
-  double bubble = 0;  // 1 - sum busy / (pp * span)
+  double bubble = 0;  // 1 - sum busy / (pp * span), averaged over steps
 };
 
 struct Analysis {

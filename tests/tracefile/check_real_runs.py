@@ -4,9 +4,10 @@
   * a 4-rank EP run and a 4-rank PP run: on every rank compute + exposed comm + idle = the step (exactly), and
     rank 0's mean step over the profiled steps matches the trainer's own step times in metrics.jsonl within 2 %;
     the EP run's all-to-alls are matched on every rank with a 4 x 4 byte matrix; the PP run has one pipeline
-    group of 4 ranks with a bubble in (0, 1);
-  * recompute on / off (one rank, same steps): `trace diff` puts the change in compute, with the recompute
-    kernel new in B.
+    group of 4 ranks whose per-rank bubbles are pp_vis's for the same run (`schedule compare --run`, within 5
+    points: the traces' clocks are aligned by a barrier, the record's are not);
+  * recompute on / off (one rank, same steps): `trace diff` puts the change in compute, the kernels' FLOPs per
+    step rise by the recomputed forward, and the layers' recompute modules are new in B.
 
 Usage: check_real_runs.py --moetron BIN --config ds_tiny.toml --workdir DIR [--mpiexec mpirun] [--only ep|pp|recompute]
 Prints PASS lines; exits non-zero on the first failed check.
@@ -116,6 +117,12 @@ def check_pp(args):
     groups = [g for g in a["pipeline"] if len(g["ranks"]) == 4]
     check(len(groups) == 1 and 0 < groups[0]["bubble"] < 1,
           "PP run: one pipeline group of 4 ranks, bubble %.2f %%" % (100 * groups[0]["bubble"] if groups else -1))
+    # pp_vis's measured bubble of the same run (its pipeline record): the busy times are the same actions; the
+    # spans differ by how far the traces' barrier-aligned clocks are from the record's shared one (a few ms).
+    rec = json.loads(run([args.moetron, "schedule", "compare", "--run", pp, "--json"]))
+    for r, m in zip(groups[0]["ranks"], rec["ranks"]):
+        check(abs(r["bubble"] - m["measured"]) < 0.05, "PP run rank %d: bubble %.2f %%, pp_vis (schedule compare "
+              "--run) %.2f %%" % (r["rank"], 100 * r["bubble"], 100 * m["measured"]))
 
 
 def check_recompute(args):
