@@ -153,8 +153,9 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
   }
   if (int(a.kernels.size()) > top) os << "(" << a.kernels.size() - size_t(top) << " more kernels)\n";
 
-  os << "\ncollectives (matched by group and seq: transfer = shortest member, the rest is wait; " << a.matched_collectives
-     << " matched, " << a.unmatched_collectives << " unmatched)\n";
+  os << "\ncollectives (totals over the profiled steps; matched by group and seq: transfer = shortest member, the "
+        "rest is wait; "
+     << a.matched_collectives << " matched, " << a.unmatched_collectives << " unmatched)\n";
   os << "kind            group   n   count        MB  transfer ms    wait ms  algbw GB/s  busbw GB/s (factor)\n";
   for (const CollectiveStat& c : a.collectives) {
     char b[320];
@@ -340,12 +341,15 @@ std::string render_html(const Analysis& a, int top) {
     }
     os << "</table>\n";
   }
-  if (!a.pipeline.empty()) {
+  bool staged = false;
+  for (const PipelineGroup& g : a.pipeline) staged |= g.ranks.size() > 1;
+  if (staged) {
     os << "<h2>Pipeline bubble</h2><table><tr><th class=\"l\">group</th><th>rank</th><th>pp index</th><th>busy s</th>"
           "<th>span s</th><th>bubble</th></tr>\n";
     for (const PipelineGroup& g : a.pipeline)
       for (const PipelineRank& p : g.ranks)
-        os << "<tr><td class=\"l\">" << html_escape(g.group) << "</td><td>" << p.rank << "</td><td>" << p.pp_index
+        if (g.ranks.size() > 1)
+          os << "<tr><td class=\"l\">" << html_escape(g.group) << "</td><td>" << p.rank << "</td><td>" << p.pp_index
            << "</td><td>" << fmt("%.4f", p.busy_s) << "</td><td>" << fmt("%.4f", p.span_s) << "</td><td>"
            << fmt("%.2f%%", 100 * p.bubble) << "</td></tr>\n";
     os << "</table>\n";

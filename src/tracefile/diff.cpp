@@ -184,9 +184,13 @@ std::string format_text(const TraceDiff& d, int top) {
   os << "step-time change " << sgn(1e3 * d.step.delta()) << " ms = compute " << sgn(1e3 * d.categories[0].delta())
      << " + exposed comm " << sgn(1e3 * d.categories[1].delta()) << " + idle " << sgn(1e3 * d.categories[2].delta())
      << "; largest: " << d.largest << "\n";
-  std::snprintf(b, sizeof b, "kernel work %.4g -> %.4g FLOP per rank and step (%s)\n", d.flops.a, d.flops.b,
-                d.flops.a > 0 ? sgn(100 * d.flops.delta() / d.flops.a, "%+.1f%%").c_str() : "-");
-  os << b;
+  if (d.flops.a > 0 && d.flops.b > 0) {
+    std::snprintf(b, sizeof b, "kernel work %.4g -> %.4g FLOP per rank and step (%s)\n", d.flops.a, d.flops.b,
+                  sgn(100 * d.flops.delta() / d.flops.a, "%+.1f%%").c_str());
+    os << b;
+  } else if (d.flops.a > 0 || d.flops.b > 0) {
+    os << "kernel work: " << (d.flops.a > 0 ? "B" : "A") << "'s kernels carry no FLOPs\n";
+  }
   if (!d.actions.empty()) {
     os << "\ntime in schedule actions\n";
     for (const Delta& x : d.actions) row(x, "  ");
