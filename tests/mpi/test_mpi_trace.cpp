@@ -1,6 +1,7 @@
 // test_mpi_trace.cpp: per-rank traces of multi-rank runs (docs/profiling.md), run by CTest under
-// `mpirun --oversubscribe -np 4`: ds_tiny with expert parallelism (dp 4, ep 2: the dp, ep and edp groups) and
-// with pipeline parallelism (pp 2 x dp 2, 1f1b), 3 steps each, profiled into one shared folder. Rank 0 then
+// `mpirun --oversubscribe -np 4`: ds_tiny with expert parallelism (dp 4, ep 2: the dp, ep and edp groups), with
+// pipeline parallelism (pp 2 x dp 2, 1f1b) and with FSDP (dp 4, zero 3: gathers and reduce-scatters inside the
+// modules), 3 steps each, each profiled into one shared folder. Rank 0 then
 // checks: every rank's file exists and nests; the groups agree across their members; every collective's
 // sequence number is seen by every member of its group with the same operation (and all-to-all byte counts
 // agree between sender and receiver); and `trace merge` pairs every send with its receive and writes valid JSON
@@ -132,5 +133,12 @@ TEST(MpiTrace, PipelineRun) {
   if (mt_test::world().size() != 4) GTEST_SKIP() << "needs 4 ranks";
   const std::string dir = traced_run("pp", {"--parallelism.pp=2", "--parallelism.dp_shard=2"});
   if (mt_test::world().rank() == 0) check_folder(dir, true);
+  mt_test::world().barrier();
+}
+
+TEST(MpiTrace, FsdpRun) {
+  if (mt_test::world().size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const std::string dir = traced_run("fsdp", {"--parallelism.dp_shard=4", "--parallelism.zero=3"});
+  if (mt_test::world().rank() == 0) check_folder(dir, false);
   mt_test::world().barrier();
 }
