@@ -90,10 +90,12 @@ double union_length(std::vector<std::pair<double, double>> iv, double lo, double
   return total;
 }
 
+// The window (sorted by start, not overlapping) holding ts, or -1.
 int window_of(const std::vector<Window>& w, double ts) {
-  for (size_t k = 0; k < w.size(); ++k)
-    if (ts >= w[k].a && ts < w[k].b) return int(k);
-  return -1;
+  auto it = std::upper_bound(w.begin(), w.end(), ts, [](double t, const Window& x) { return t < x.a; });
+  if (it == w.begin()) return -1;
+  --it;
+  return ts < it->b ? int(it - w.begin()) : -1;
 }
 
 // Per-rank working state.
@@ -102,6 +104,8 @@ struct RankWork {
   std::vector<Window> windows;
   std::map<int, std::vector<Seg>> tracks;  // tid -> innermost kernel/comm segments
   std::vector<double> self_us;             // per event: self time from the segments (kernels and comm)
+  std::vector<int> win;                    // per event: the window it starts in (-1: none)
+  std::vector<std::vector<int>> in_window;  // per window: its events
 };
 
 RankWork prepare(const RankTrace& t) {
@@ -110,6 +114,10 @@ RankWork prepare(const RankTrace& t) {
   for (const Event& e : t.events)
     if (e.cat == Cat::Step) w.windows.push_back({e.step, e.ts, e.end()});
   std::sort(w.windows.begin(), w.windows.end(), [](const Window& x, const Window& y) { return x.a < y.a; });
+  w.win.assign(t.events.size(), -1);
+  w.in_window.resize(w.windows.size());
+  for (size_t k = 0; k < t.events.size(); ++k)
+    if ((w.win[k] = window_of(w.windows, t.events[k].ts)) >= 0) w.in_window[size_t(w.win[k])].push_back(int(k));
   std::map<int, std::vector<int>> by_tid;
   for (size_t k = 0; k < t.events.size(); ++k)
     if (t.events[k].cat == Cat::Kernel || t.events[k].cat == Cat::Comm) by_tid[t.events[k].tid].push_back(int(k));
@@ -122,22 +130,21 @@ RankWork prepare(const RankTrace& t) {
 }
 
 // compute / exposed comm / idle of one window, with the partitions by kernel and by comm kind (microseconds).
-void sweep(const RankWork& w, const Window& win, RankBreakdown& rb) {
+void sweep(const RankWork& w, size_t wi, RankBreakdown& rb) {
   const auto& evs = w.t->events;
+  const Window& win = w.windows[wi];
   std::vector<double> cuts{win.a, win.b};
-  for (const auto& [tid, segs] : w.tracks)
-    for (const Seg& s : segs) {
-      if (s.b <= win.a || s.a >= win.b) continue;
-      cuts.push_back(std::max(s.a, win.a)), cuts.push_back(std::min(s.b, win.b));
-    }
-  std::sort(cuts.begin(), cuts.end());
-  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
   std::map<int, size_t> pos;  // per track: first segment that may cover the current piece
   for (const auto& [tid, segs] : w.tracks) {
-    size_t p = 0;
-    while (p < segs.size() && segs[p].b <= win.a) ++p;
-    pos[tid] = p;
+    // Segments are ordered and do not overlap: the first one ending after the window's start opens it.
+    const size_t first = size_t(std::partition_point(segs.begin(), segs.end(), [&](const Seg& x) { return x.b <= win.a; }) -
+                                segs.begin());
+    pos[tid] = first;
+    for (size_t k = first; k < segs.size() && segs[k].a < win.b; ++k)
+      cuts.push_back(std::max(segs[k].a, win.a)), cuts.push_back(std::min(segs[k].b, win.b));
   }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
   double compute = 0, exposed = 0, comm = 0;
   for (size_t k = 0; k + 1 < cuts.size(); ++k) {
     const double a = cuts[k], b = cuts[k + 1], mid = 0.5 * (a + b), len = b - a;
@@ -168,9 +175,10 @@ void sweep(const RankWork& w, const Window& win, RankBreakdown& rb) {
   rb.exposed_comm_s += exposed * kUs;
   rb.idle_s += std::max(0.0, step - compute - exposed) * kUs;  // (max: rounding when the pieces fill the step)
   rb.comm_s += comm * kUs;
-  for (const Event& e : evs)
-    if (e.cat == Cat::Action && e.ts >= win.a && e.ts < win.b)
-      rb.action_s[e.name] += (std::min(e.end(), win.b) - e.ts) * kUs;
+  for (int k : w.in_window[wi]) {
+    const Event& e = evs[size_t(k)];
+    if (e.cat == Cat::Action) rb.action_s[e.name] += (std::min(e.end(), win.b) - e.ts) * kUs;
+  }
 }
 
 // Hierarchy of one rank: parents by nesting on each track, then aggregation by path.
@@ -215,7 +223,7 @@ std::vector<HierNode> hierarchy(const RankWork& w, int steps) {
     } else if (e.cat == Cat::Step) {
       path[size_t(k)] = "step", depth[size_t(k)] = 0;
     } else {
-      if (window_of(w.windows, e.ts) < 0) continue;
+      if (w.win[size_t(k)] < 0) continue;
       path[size_t(k)] = "step/track" + std::to_string(e.tid) + "/" + e.name;  // another track's root event
       depth[size_t(k)] = 1;
     }
@@ -318,7 +326,7 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
     if (rb.steps != an.steps)
       an.warnings.push_back("rank " + std::to_string(r) + " holds " + std::to_string(rb.steps) +
                             " step events, rank 0 holds " + std::to_string(an.steps));
-    for (const Window& win : w.windows) sweep(w, win, rb);
+    for (size_t wi = 0; wi < w.windows.size(); ++wi) sweep(w, wi, rb);
     if (rb.steps > 0) {
       const double d = rb.steps;
       rb.step_time_s /= d, rb.compute_s /= d, rb.exposed_comm_s /= d, rb.idle_s /= d, rb.comm_s /= d;
@@ -334,7 +342,7 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
     const auto& evs = w.t->events;
     for (size_t k = 0; k < evs.size(); ++k) {
       const Event& e = evs[k];
-      if (e.cat != Cat::Kernel || window_of(w.windows, e.ts) < 0) continue;
+      if (e.cat != Cat::Kernel || w.win[k] < 0) continue;
       KernelStat& ks = kstats[e.name];
       ks.name = e.name;
       ++ks.count;
@@ -492,8 +500,8 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
           all = false;
           break;
         }
-        for (const Event& e : w.t->events) {
-          if (e.ts < it->a || e.ts >= it->b) continue;
+        for (int k : w.in_window[size_t(it - w.windows.begin())]) {
+          const Event& e = w.t->events[size_t(k)];
           const bool act = e.cat == Cat::Action, p2p = e.cat == Cat::Comm && is_p2p(e.name);
           if (act) acts[i].push_back({e.ts, e.end()});
           if (act || p2p) lo = std::min(lo, e.ts), hi = std::max(hi, e.end());
