@@ -298,6 +298,12 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
     t.push_back(MT_F("metrics", "peak_tflops", metrics.peak_tflops));
     t.push_back(MT_F("metrics", "jsonl", metrics.jsonl));
+    // [profiling]
+    t.push_back(MT_F("profiling", "enable", profiling.enable));
+    t.push_back(MT_F("profiling", "start_step", profiling.start_step));
+    t.push_back(MT_F("profiling", "end_step", profiling.end_step));
+    t.push_back(MT_F("profiling", "folder", profiling.folder));
+    t.push_back(MT_F("profiling", "max_events", profiling.max_events));
     // [hardware] (reserved for the planner)
     t.push_back(MT_F("hardware", "name", hardware.name));
     t.push_back(MT_F("hardware", "num_nodes", hardware.num_nodes));
@@ -848,6 +854,14 @@ void JobConfig::validate() const {
       !e.empty())
     throw Error("invalid config: " + e);
   if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
+
+  const auto& pr = profiling;
+  if (pr.start_step < 0) invalid_config("profiling.start_step", pr.start_step, "must be >= 0 (0 = this run's second step)");
+  if (pr.end_step < 0) invalid_config("profiling.end_step", pr.end_step, "must be >= 0 (0 = the last step)");
+  if (pr.end_step > 0 && pr.end_step < pr.start_step)
+    invalid_config("profiling.end_step", pr.end_step, "is before profiling.start_step = ", pr.start_step);
+  if (pr.max_events < 1) invalid_config("profiling.max_events", pr.max_events, "must be >= 1");
+  if (pr.enable && pr.folder.empty()) invalid_config("profiling.folder", "\"\"", "must be set when profiling is enabled");
 
   const auto& c = checkpoint;
   if (c.enable && c.interval <= 0) invalid_config("checkpoint.interval", c.interval, "must be > 0 when checkpoints are enabled");

@@ -14,7 +14,6 @@
 #include "moetron/memory.h"
 #include "moetron/router.h"
 #include "moetron/runtime.h"
-#include "moetron/trace.h"
 #include "train/train_session.h"
 
 using json = nlohmann::json;
@@ -233,21 +232,7 @@ void TrainSession::finish() {
   res.grads_peak_bytes = mt.peak(MemCategory::Grads);
   res.optimizer_peak_bytes = mt.peak(MemCategory::Optimizer);
   res.recompute_seconds = model->recompute_seconds();
-  if (profiling) {
-    double tot = 0;
-    for (auto& t : trace::totals()) {
-      res.op_seconds.push_back({t.name, t.seconds});
-      if (t.name != "recompute.layer") tot += t.seconds;
-    }
-    if (!opt.trace_path.empty() && root) trace::write_chrome_trace(opt.trace_path, 0);
-    if (say) {
-      std::printf("\nper-op time over steps %lld..%lld (first step excluded; recompute.layer contains fwd.*):\n",
-                  (long long)res.start_step + 2, (long long)res.end_step);
-      for (auto& [n, sec] : res.op_seconds)
-        std::printf("  %-22s %8.3f s  %5.1f%%\n", n.c_str(), sec, tot > 0 ? 100 * sec / tot : 0.0);
-      if (!opt.trace_path.empty()) std::printf("chrome trace: %s\n", opt.trace_path.c_str());
-    }
-  }
+  end_profiling();  // the per-op breakdown and this rank's trace file (train_profile.cpp)
   if (root && !record.steps.empty()) {
     record.schedule_name = plan.lowered.name, record.lowered = plan.lowered;
     res.pipeline_record_path = (std::filesystem::path(res.dump_folder) / "pipeline_record.json").string();
