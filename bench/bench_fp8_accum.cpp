@@ -6,7 +6,12 @@
 //          forward, dgrad and wgrad GEMM outputs (fp8_gemm) against the exact fp64 products, on synthetic
 //          activations (outlier channels), weights and gradients (per-token magnitudes over 10 octaves).
 // Not a speed benchmark: on a CPU the FP8 GEMM decodes to fp32 and is no faster than gemm_f32.
-// Usage: bench_fp8_accum [accum|sqnr|all] [--k 4096] [--bits 14] [--nc 128]
+//   speed  fp8_gemm (decode + gemm_f32) against gemm_f32, same run, 1024^3.
+// Usage: bench_fp8_accum [accum|sqnr|speed|all] [--k 4096] [--bits 14] [--nc 128]
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -194,6 +199,41 @@ void study_sqnr() {
     }
 }
 
+// Same-run timing of fp8_gemm (dequantize + gemm_f32) against gemm_f32 on the dequantized operands: the
+// emulation's cost, not an FP8 speed-up (there is none on a CPU).
+void study_speed(int64_t n) {
+  auto X = normal(n * n, 7, 1.0f), W = normal(n * n, 8, 0.02f);
+  std::vector<float> Y(static_cast<size_t>(n * n)), xd(X.size()), wd(W.size());
+  std::printf("speed, %lld^3, %d threads, best of 5 (ms):\n", (long long)n, omp_get_max_threads());
+  auto best = [](auto&& f) {
+    double b = 1e30;
+    for (int r = 0; r < 6; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      f();
+      const double s = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (r > 0) b = std::min(b, s);
+    }
+    return b;
+  };
+  for (Fp8Recipe r : {Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise, Fp8Recipe::MXFP8}) {
+    Fp8Tensor Xq = fp8_quantize_operand(X.data(), n, n, Fp8Format::E4M3, r, Fp8Role::Activation);
+    Fp8Tensor Wq = fp8_quantize_operand(W.data(), n, n, Fp8Format::E4M3, r, Fp8Role::Weight);
+    fp8_dequantize_operand(xd.data(), Xq);
+    fp8_dequantize_operand(wd.data(), Wq);
+    const double q = best([&] {
+      Fp8Tensor a = fp8_quantize_operand(X.data(), n, n, Fp8Format::E4M3, r, Fp8Role::Activation);
+      (void)a;
+    });
+    const double d = best([&] { fp8_dequantize_operand(xd.data(), Xq); });
+    const double g8 = best([&] { fp8_gemm(Y.data(), n, Xq, Wq); });
+    const double g32 = best([&] {
+      gemm_f32(Trans::N, Trans::T, n, n, n, 1.0f, xd.data(), n, wd.data(), n, 0.0f, Y.data(), n);
+    });
+    std::printf("%-11s quantize %.2f  dequantize %.2f  fp8_gemm %.2f  gemm_f32 %.2f  ratio %.2f\n",
+                std::string(to_string(r)).c_str(), q, d, g8, g32, g8 / g32);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -212,9 +252,9 @@ int main(int argc, char** argv) {
     if (a == "--k") K = std::atoll(next());
     else if (a == "--bits") bits = std::atoi(next());
     else if (a == "--nc") nc = std::atoll(next());
-    else if (a == "accum" || a == "sqnr" || a == "all") what = a;
+    else if (a == "accum" || a == "sqnr" || a == "speed" || a == "all") what = a;
     else {
-      std::fprintf(stderr, "bench_fp8_accum: unknown argument '%s' (usage: [accum|sqnr|all] [--k N] [--bits B] [--nc N])\n",
+      std::fprintf(stderr, "bench_fp8_accum: unknown argument '%s' (usage: [accum|sqnr|speed|all] [--k N] [--bits B] [--nc N])\n",
                    a.c_str());
       return 2;
     }
@@ -222,6 +262,10 @@ int main(int argc, char** argv) {
   if (K < 1 || bits < 2 || bits > 52 || nc < 1) {
     std::fprintf(stderr, "bench_fp8_accum: need --k >= 1, 2 <= --bits <= 52, --nc >= 1\n");
     return 2;
+  }
+  if (what == "speed") {
+    study_speed(1024);
+    return 0;
   }
   if (what != "sqnr") study_accum(K, bits, nc);
   if (what == "all") std::printf("\n");

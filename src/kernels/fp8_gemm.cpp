@@ -57,10 +57,15 @@ std::vector<double> dequantize64(const Fp8Tensor& a) {
   return out;
 }
 
-std::vector<float> dequantize32(const Fp8Tensor& a) {
-  std::vector<float> out(static_cast<size_t>(a.rows * a.cols));
-  fp8_dequantize_operand(out.data(), a);
-  return out;
+// The decoded operands live in per-thread scratch that only grows (slot 0: A, slot 1: B), so a call in a
+// training step neither allocates nor page-faults once the largest GEMM has run.
+float* dequantize32(const Fp8Tensor& a, int slot) {
+  thread_local std::vector<float> scratch[2];
+  std::vector<float>& s = scratch[slot];
+  const size_t n = static_cast<size_t>(a.rows * a.cols);
+  if (s.size() < n) s.resize(n);
+  fp8_dequantize_operand(s.data(), a);
+  return s.data();
 }
 
 }  // namespace
@@ -154,9 +159,9 @@ void fp8_gemm(float* C, int64_t ldc, const Fp8Tensor& A, const Fp8Tensor& B, flo
   const int64_t M = A.rows, N = B.rows, K = A.cols;
   if (M == 0 || N == 0) return;
   // The packing step: decode both operands to fp32 (exact with power-of-two scales), then the fp32 tile kernels.
-  const std::vector<float> a = dequantize32(A), b = dequantize32(B);
-  gemm_f32(Trans::N, Trans::T, M, N, K, 1.0f, a.data(), std::max<int64_t>(K, 1), b.data(), std::max<int64_t>(K, 1),
-           beta, C, ldc);
+  const float* a = dequantize32(A, 0);
+  const float* b = dequantize32(B, 1);
+  gemm_f32(Trans::N, Trans::T, M, N, K, 1.0f, a, std::max<int64_t>(K, 1), b, std::max<int64_t>(K, 1), beta, C, ldc);
 }
 
 void fp8_grouped_gemm_m(float* C, const Fp8Tensor& A, const std::vector<Fp8Tensor>& B, const int32_t* counts) {
@@ -172,14 +177,13 @@ void fp8_grouped_gemm_m(float* C, const Fp8Tensor& A, const std::vector<Fp8Tenso
              B[size_t(e)].rows, " x ", B[size_t(e)].cols, ", expected ", N, " x ", K);
   }
   if (A.rows == 0 || N == 0) return;
-  const std::vector<float> a = dequantize32(A);
-  std::vector<float> b(static_cast<size_t>(N * K));
+  const float* a = dequantize32(A, 0);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t m = off[e + 1] - off[e];
     if (m == 0) continue;
-    fp8_dequantize_operand(b.data(), B[size_t(e)]);
-    gemm_f32(Trans::N, Trans::T, m, N, K, 1.0f, a.data() + off[e] * K, std::max<int64_t>(K, 1), b.data(),
-             std::max<int64_t>(K, 1), 0.0f, C + off[e] * N, N);
+    const float* b = dequantize32(B[size_t(e)], 1);
+    gemm_f32(Trans::N, Trans::T, m, N, K, 1.0f, a + off[e] * K, std::max<int64_t>(K, 1), b, std::max<int64_t>(K, 1),
+             0.0f, C + off[e] * N, N);
   }
 }
 
