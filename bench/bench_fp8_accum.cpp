@@ -180,7 +180,8 @@ void study_sqnr(int octaves, float outlier) {
 
   std::printf("SQNR (dB), synthetic tensors: X [%lld, %lld] with every 23rd channel x%g, W [%lld, %lld] t(4)-tailed, "
               "dY [%lld, %lld] over %d octaves per token\n",
-              (long long)T, (long long)D, double(outlier), (long long)F, (long long)D, (long long)T, (long long)F, octaves);
+              (long long)T, (long long)D, double(outlier), (long long)F, (long long)D, (long long)T, (long long)F,
+              octaves);
   std::printf("%-11s %-7s %7s %7s %7s %9s | %8s %8s %8s\n", "recipe", "dY fmt", "q(X)", "q(W)", "q(dY)",
               "dY rowp10", "Y fwd", "dX dgrad", "dW wgrad");
   const Fp8Format e4 = Fp8Format::E4M3;
@@ -267,13 +268,16 @@ int main(int argc, char** argv) {
     else if (a == "--outlier") outlier = float(std::atof(next()));
     else if (a == "accum" || a == "sqnr" || a == "speed" || a == "all") what = a;
     else {
-      std::fprintf(stderr, "bench_fp8_accum: unknown argument '%s' (usage: [accum|sqnr|speed|all] [--k N] [--bits B] [--nc N] [--octaves N] [--outlier F])\n",
+      std::fprintf(stderr,
+                   "bench_fp8_accum: unknown argument '%s' (usage: [accum|sqnr|speed|all] [--k N] [--bits B] "
+                   "[--nc N] [--octaves N] [--outlier F])\n",
                    a.c_str());
       return 2;
     }
   }
   if (K < 1 || bits < 2 || bits > 52 || nc < 1 || octaves < 1 || octaves > 60 || !(outlier > 0)) {
-    std::fprintf(stderr, "bench_fp8_accum: need --k >= 1, 2 <= --bits <= 52, --nc >= 1, 1 <= --octaves <= 60, --outlier > 0\n");
+    std::fprintf(stderr, "bench_fp8_accum: need --k >= 1, 2 <= --bits <= 52, --nc >= 1, 1 <= --octaves <= 60, "
+                         "--outlier > 0\n");
     return 2;
   }
   if (what == "speed") {

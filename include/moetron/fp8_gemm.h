@@ -33,8 +33,9 @@
 // step) and run the batch-invariant fp32 GEMM (gemm_f32). An FP8 value has at most 4 significant bits, so
 //   * with a power-of-two scale (mxfp8 always, other recipes with pow2_scales) decode(q) * scale is exact in
 //     fp32 (barring underflow below 2^-149), and so is the product of two such values (<= 8 significant
-//     bits; barring products that underflow below 2^-126): the only rounding is the fp32 accumulation, |C - C_exact| <= gamma_K * sum_k |a_k b_k| with
-//     gamma_K = K u / (1 - K u), u = 2^-24; such values are also exact in bf16 (8 significant bits);
+//     bits; barring products that underflow below 2^-126): the only rounding is the fp32 accumulation,
+//     |C - C_exact| <= gamma_K * sum_k |a_k b_k| with gamma_K = K u / (1 - K u), u = 2^-24; such values are
+//     also exact in bf16 (8 significant bits);
 //   * with an arbitrary fp32 scale (amax / fmt_max) the dequantized value is rounded once (u) and the product
 //     once more (u): the bound is gamma_(K+2).
 // The result is bitwise equal to gemm_f32 (Trans::N, Trans::T) of the dequantized operands, whose order of

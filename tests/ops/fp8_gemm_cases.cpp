@@ -159,7 +159,8 @@ struct GemmCase : OpCase {
         fp8_dequantize_operand(b.data(), Wt);
         bool ok = true;
         for (int64_t i = 0; i < N; ++i)
-          for (int64_t k = 0; k < K; ++k) ok &= std::bit_cast<uint32_t>(a[i * K + k]) == std::bit_cast<uint32_t>(b[k * N + i]);
+          for (int64_t k = 0; k < K; ++k)
+            ok &= std::bit_cast<uint32_t>(a[i * K + k]) == std::bit_cast<uint32_t>(b[k * N + i]);
         r->check(ok, "dequantize(fp8_transpose(W)) == dequantize(W)^T (bits)");
       } else {
         r->expect_throw("fp8_transpose of non-square tiles", [&] { fp8_transpose(Xq); });
@@ -383,7 +384,8 @@ struct DelayedCase : OpCase {
       seen.push_back(a);
       bool codes = true;
       for (int64_t i = 0; i < R * C; ++i)
-        codes &= q.q[i] == (fmt == Fp8Format::E4M3 ? float_to_e4m3_bits(x[i] / want_s) : float_to_e5m2_bits(x[i] / want_s));
+        codes &= q.q[i] == (fmt == Fp8Format::E4M3 ? float_to_e4m3_bits(x[i] / want_s)
+                                                   : float_to_e5m2_bits(x[i] / want_s));
       std::ostringstream os;
       os << "step " << step << ": scale " << s << " want " << want_s << " (max of the last 3 amaxes)";
       r.check(s == want_s && q.scales.size() == 1 && q.scales[0] == want_s && codes, "delayed scale and codes",
