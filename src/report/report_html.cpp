@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "moetron/check.h"
+#include "moetron/html_text.h"
 #include "report/run_report.h"
 
 namespace fs = std::filesystem;
@@ -44,17 +45,6 @@ std::string script_safe(std::string s) {
   return s;
 }
 
-std::string html_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else if (c == '"') o += "&quot;";
-    else o += c;
-  }
-  return o;
-}
 
 }  // namespace
 

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "moetron/check.h"
+#include "moetron/html_text.h"
 #include "tracefile/analyze.h"
 
 namespace moetron::tracefile {
@@ -34,17 +35,6 @@ std::string limits_text(const Limits& l) {
   if (!l.known()) return "none (no moetron.limits and no --hw: roofline verdicts are 'unknown')";
   return fmt("%.1f GFLOP/s", l.flops_per_s / 1e9) + ", " + fmt("%.1f GB/s", l.bytes_per_s / 1e9) + " (" +
          (l.dtype.empty() ? "" : l.dtype + ", ") + (l.source.empty() ? "source not given" : l.source) + ")";
-}
-std::string html_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else if (c == '"') o += "&quot;";
-    else o += c;
-  }
-  return o;
 }
 std::string csv_field(const std::string& s) {
   if (s.find_first_of(",\"\n") == std::string::npos) return s;
