@@ -246,9 +246,11 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;
   tp.stages = stage_times(c, l, h, o, sp);
-  const double T = l.tokens_per_rank(c.training.seq_len), q = double(l.shard().token_div());
+  const double T = l.tokens_per_rank(c.training.seq_len);
   const bool pp_cross = l.world() / l.pp >= h.scale_up.domain;
-  tp.p2p = l.pp > 1 ? p2p(h, T / q * double(s.d_model) * 2, pp_cross) : 0.0;
+  // Each tp rank sends 1/tp of the boundary activation: its sequence shard under sequence parallelism, else
+  // Megatron's scatter / gather split of the replicated tensor (Narayanan et al. 2021, section 4.1).
+  tp.p2p = l.pp > 1 ? p2p(h, T / double(l.tp) * double(s.d_model) * 2, pp_cross) : 0.0;
 
   sched::Durations d;
   d.p2p = tp.p2p;
