@@ -3,28 +3,12 @@
 // "MTTOK" shard file (written to a scratch file, since Shard::open maps a path). A finding is anything but a
 // clean moetron::Error: a crash, an out-of-bounds read past the mapping, a hang, or a token read back that is not
 // below the header's vocab size.
-// MOETRON_FUZZ_SEED_OUT=<file>: first write a small real shard there with write_shard (the seed).
-#include <cstdlib>
-#include <vector>
-
 #include "fuzz_common.h"
 #include "moetron/check.h"
 #include "moetron/data/shard.h"
 
-namespace {
-bool write_seed() {
-  if (const char* out = std::getenv("MOETRON_FUZZ_SEED_OUT")) {
-    const std::vector<int32_t> ids = {5, 17, 260, 3, 2, 9, 9, 1, 2};  // two documents ending in eos = 2
-    moetron::data::write_shard(out, ids.data(), ids.size(), 300, 2);
-  }
-  return true;
-}
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace moetron;
-  static const bool seeded = write_seed();
-  (void)seeded;
   try {
     (void)data::decode_shard_header(data, size, "fuzz header");
   } catch (const Error&) {
