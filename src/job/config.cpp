@@ -727,7 +727,9 @@ JobConfig config_from_json(const nlohmann::json& j) {
   if (!j.is_object()) throw Error("config JSON: expected an object of sections");
   for (const auto& [sec, body] : j.items()) {
     if (!body.is_object()) unknown_key("config JSON", 0, sec);
-    for (const auto& [key, v] : body.items()) {
+    for (const auto& item : body.items()) {
+      const std::string& key = item.key();
+      const nlohmann::json& v = item.value();  // a named reference, not a binding: clang 14 cannot capture those
       const Field* f = find_field(sec, key);
       // A stored config (a checkpoint's) may carry keys retired since it was written: they are skipped, so an
       // old checkpoint still loads. Only keys that never existed are errors.

@@ -250,7 +250,7 @@ ModelSpec model_spec_from_hf_json(std::string_view text, std::string_view source
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number that overflows (1e999)
     throw Error(std::string(source) + ": invalid JSON: " + e.what());
   }
   if (!j.is_object()) throw Error(std::string(source) + ": expected a JSON object");
