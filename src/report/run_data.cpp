@@ -138,6 +138,8 @@ json read_metrics(const std::string& path) {
       const std::string why = e.what();  // "... parse error at line 1, column C: ...": the line is ours
       const size_t at = why.find("column ");
       MT_FAIL("report", w, "not a JSON record (", at == std::string::npos ? why : why.substr(at), ")");
+    } catch (const json::exception& e) {  // e.g. a number beyond double's range
+      MT_FAIL("report", w, "not a JSON record (", e.what(), ")");
     }
     MT_CHECK(r.is_object(), "report", w, "a record is a JSON object, this line holds ", r.type_name());
     check_number(r, "step", w, true);
@@ -168,6 +170,8 @@ json read_analysis(const std::string& path) {
   try {
     a = json::parse(read_text(path));
   } catch (const json::parse_error& e) {
+    MT_FAIL("report", path, ": not JSON (", e.what(), ")");
+  } catch (const json::exception& e) {
     MT_FAIL("report", path, ": not JSON (", e.what(), ")");
   }
   MT_CHECK(a.is_object(), "report", path, ": a trace analysis is a JSON object");

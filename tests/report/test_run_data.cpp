@@ -67,6 +67,13 @@ TEST(ReportMetrics, CorruptLineIsNamedWithItsNumber) {
   EXPECT_NE(e.find(path + ":3: not a JSON record"), std::string::npos) << e;
 }
 
+TEST(ReportMetrics, NumberBeyondDoubleIsNamedWithItsLine) {
+  TempDir d;  // nlohmann reports this as out_of_range, not as a parse error
+  const std::string path = d.write("metrics.jsonl", rec(1, 5.0) + "{\"step\": 2, \"loss\": 1e999}\n");
+  const std::string e = error_of([&] { rep::read_metrics(path); });
+  EXPECT_NE(e.find(path + ":2: not a JSON record"), std::string::npos) << e;
+}
+
 TEST(ReportMetrics, RecordWithoutLossOrWithTextStepIsNamed) {
   TempDir d;
   std::string path = d.write("a.jsonl", rec(1, 5.0) + "{\"step\": 2, \"lr\": 0.1}\n");
