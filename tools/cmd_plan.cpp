@@ -28,6 +28,7 @@ struct PlanArgs {
   int64_t world = 0;
   double gbt = 0;  // global batch tokens (0 = the config's)
   double margin = 0.10;
+  double ep_imbalance = 1.0;
   bool unfused_loss = false, json = false, no_dist_opt = false;
   int64_t top_k = 5;
   std::string worlds;
@@ -41,6 +42,8 @@ void common(CLI::App* a, PlanArgs& p, bool need_world) {
   a->add_option("--global-batch-tokens", p.gbt, "global batch in tokens (default: training.global_batch_size x seq_len)");
   a->add_option("--recipe", p.recipe, "precision recipe: megatron (bf16 params, fp32 grads/main/moments) or engine");
   a->add_option("--margin", p.margin, "AT-RISK band below HBM (fraction, default 0.10)");
+  a->add_option("--ep-imbalance", p.ep_imbalance,
+                "routing imbalance under EP: the busiest rank's routed rows over the balanced count (>= 1, default 1)");
   a->add_flag("--unfused-loss", p.unfused_loss, "the loss keeps logits and softmax (no loss fusion)");
   a->add_flag("--json", p.json, "print one JSON object");
   a->add_flag("--no-distributed-optimizer", p.no_dist_opt,
@@ -66,6 +69,9 @@ plan::PlanOptions options(const PlanArgs& p, const JobConfig& c) {
   o.fused_loss = !p.unfused_loss;
   MT_CHECK(p.margin >= 0 && p.margin < 1, "plan", "--margin = ", p.margin, " must lie in [0, 1)");
   o.margin = p.margin;
+  MT_CHECK(p.ep_imbalance >= 1, "plan", "--ep-imbalance = ", p.ep_imbalance,
+           " must be >= 1 (the busiest rank's routed rows over the balanced count)");
+  o.ep_imbalance = p.ep_imbalance;
   return o;
 }
 

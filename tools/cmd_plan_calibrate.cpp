@@ -1,13 +1,16 @@
 // cmd_plan_calibrate.cpp: `moetron plan calibrate [--out FILE]`: measures this machine into a planner hardware
-// TOML (docs/hardware.md): GEMM rates by size in the compute dtype, the grouped-GEMM rate by tokens per expert is
-// read through the same size curve, attention's rate, streaming memory bandwidth, and, under mpirun, the MPI
-// alpha-beta of point-to-point messages (all-reduce and all-to-all are timed too and printed against the model).
-// Every rank measures at once, so an oversubscribed launch measures each rank's share of the cores. The command
-// line links the engine's kernels; the planner library does not. Not a benchmark suite (bench/).
+// TOML (docs/hardware.md): GEMM rates by size in the compute dtype, the experts' grouped GEMM forward and backward
+// by tokens per expert, attention's rate, the fused head + loss, the memory-bound layer kernels (norm, SwiGLU,
+// permute, router) at activation sizes, AdamW and the experts' re-packing per parameter, streaming memory
+// bandwidth, and, under mpirun, the MPI alpha-beta of point-to-point messages (all-reduce and all-to-all are timed
+// too and printed against the model). Each op is the engine's own kernel measured in isolation. Every rank
+// measures at once, so an oversubscribed launch measures each rank's share of the cores. The command line links
+// the engine's kernels; the planner library does not. Not a benchmark suite (bench/).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -21,7 +24,13 @@
 #include "moetron/comm.h"
 #include "moetron/gemm.h"
 #include "moetron/grouped_gemm.h"
+#include "moetron/loss.h"
 #include "moetron/model.h"
+#include "moetron/norm.h"
+#include "moetron/optim.h"
+#include "moetron/permute.h"
+#include "moetron/router.h"
+#include "moetron/swiglu.h"
 #include "moetron/plan/comm_model.h"
 #include "moetron/plan/hardware.h"
 #include "moetron/runtime.h"
@@ -62,12 +71,85 @@ double gemm_rate(const Comm& w, ComputeDtype dt, int64_t m, int64_t n, int64_t k
   return 2.0 * double(m) * double(n) * double(k) / t;
 }
 
+// 64-byte aligned scratch (the grouped GEMMs' packed weights and workspaces need it).
+struct Aligned {
+  std::vector<char> v;
+  explicit Aligned(size_t bytes) : v(bytes + 64) {}
+  void* get() { return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63)); }
+};
+
+// The routed experts' grouped GEMMs as the engine runs them (model_moe.cpp experts_forward / experts_backward):
+// gate_up d -> 2F and down F -> d over El experts with te tokens each. Seconds of the forward (both GEMMs) and of
+// the backward (dgrad + wgrad of both), each sustained on every rank at once.
+struct GroupedTimes {
+  double fwd = 0, bwd = 0, flops_fwd = 0;
+};
+GroupedTimes grouped_times(const Comm& w, GemmPrec prec, int64_t El, int64_t d, int64_t F, int64_t te, int reps) {
+  const int64_t M = te * El;
+  struct Mat {
+    int64_t K = 0, N = 0;
+    std::vector<float> W, dW, X, Y, dX, dY;
+    std::vector<bf16> Xb, dYb;
+    std::unique_ptr<Aligned> pf, pd;
+    GroupedPackedWeights wf, wd;
+  };
+  Mat mats[2];
+  mats[0].K = d, mats[0].N = 2 * F, mats[1].K = F, mats[1].N = d;
+  size_t wsb = 0;
+  for (Mat& x : mats) {
+    x.W.assign(static_cast<size_t>(El * x.K * x.N), 0.01f), x.dW.resize(x.W.size());
+    x.X.assign(static_cast<size_t>(M * x.K), 0.1f), x.dX.resize(x.X.size());
+    x.Y.resize(static_cast<size_t>(M * x.N)), x.dY.assign(x.Y.size(), 0.1f);
+    x.Xb.resize(x.X.size()), x.dYb.resize(x.dY.size());
+    f32_to_bf16(x.Xb.data(), x.X.data(), int64_t(x.X.size()));
+    f32_to_bf16(x.dYb.data(), x.dY.data(), int64_t(x.dY.size()));
+    x.pf = std::make_unique<Aligned>(grouped_packed_bytes(GroupedPackKind::Fwd, prec, El, x.K, x.N));
+    x.pd = std::make_unique<Aligned>(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, El, x.K, x.N));
+    x.wf = grouped_pack_weights(x.pf->get(), x.W.data(), El, x.K, x.N, prec, GroupedPackKind::Fwd);
+    x.wd = grouped_pack_weights(x.pd->get(), x.W.data(), El, x.K, x.N, prec, GroupedPackKind::Dgrad);
+    for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
+      wsb = std::max(wsb, grouped_gemm_workspace_bytes(op, prec, El, M, x.K, x.N));
+  }
+  Aligned wsv(wsb);
+  void* ws = wsv.get();
+  std::vector<int32_t> counts(static_cast<size_t>(El), int32_t(te));
+  const bool b16 = prec == GemmPrec::BF16;
+  GroupedTimes g;
+  g.fwd = best_of(w, reps, [&] {
+    for (Mat& x : mats) {
+      if (b16) grouped_gemm_fwd(x.Y.data(), nullptr, x.Xb.data(), x.wf, counts.data(), El, M, x.K, x.N, ws, wsb);
+      else grouped_gemm_fwd(x.Y.data(), x.X.data(), x.wf, counts.data(), El, M, x.K, x.N, ws, wsb);
+    }
+  });
+  g.bwd = best_of(w, reps, [&] {
+    for (Mat& x : mats) {
+      if (b16) {
+        grouped_gemm_wgrad(x.dW.data(), x.Xb.data(), x.dYb.data(), counts.data(), El, M, x.K, x.N, true, ws, wsb);
+        grouped_gemm_dgrad(x.dX.data(), nullptr, x.dYb.data(), x.wd, counts.data(), El, M, x.K, x.N, ws, wsb);
+      } else {
+        grouped_gemm_wgrad(x.dW.data(), x.X.data(), x.dY.data(), counts.data(), El, M, x.K, x.N, true, ws, wsb);
+        grouped_gemm_dgrad(x.dX.data(), x.dY.data(), x.wd, counts.data(), El, M, x.K, x.N, ws, wsb);
+      }
+    }
+  });
+  for (const Mat& x : mats) g.flops_fwd += 2.0 * double(M) * double(x.K) * double(x.N);
+  return g;
+}
+
 }  // namespace
 
 namespace moetron::cli {
 plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_out) {
     const ComputeDtype dt = resolve_compute_dtype(ComputeDtype::Auto);
     const int reps = quick ? 2 : 5;
+    // The engine's thread count (train_session.cpp): the cores over the ranks sharing this machine, unless
+    // MOETRON_NUM_THREADS / OMP_NUM_THREADS say otherwise. Measuring with more threads than the engine runs would
+    // price an oversubscription the engine does not have.
+    {
+      int local = w.size();
+      if (const char* e = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); e && std::atoi(e) > 0) local = std::atoi(e);
+      init_threads(0, local);
+    }
     plan::Hardware h;
     h.name = "this_machine";
     char cpu[256] = "";
@@ -108,42 +190,15 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       h.gemm_efficiency.push_back({double(m), std::min(1.0, r / top)});
     }
     h.gemm_efficiency.push_back({double(big), 1.0});
-    // Grouped GEMMs (the routed experts): forward + dgrad + wgrad of 8 experts with d = 512 in, 384 out, by
-    // tokens per expert, against the achievable rate.
+    // Grouped GEMMs (the routed experts), forward and backward apart, by tokens per expert: 16 experts of a
+    // d = 512, F = 192 SwiGLU pair, against the achievable rate.
     {
-      const int64_t El = 8, K = 512, N = 384;
       const GemmPrec prec = dt == ComputeDtype::BF16 ? GemmPrec::BF16 : GemmPrec::F32;
-      std::vector<float> W(static_cast<size_t>(El * K * N), 0.01f), dW(W.size());
-      std::vector<char> pf(grouped_packed_bytes(GroupedPackKind::Fwd, prec, El, K, N) + 64),
-          pd(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, El, K, N) + 64);
-      auto align = [](std::vector<char>& v) { return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63)); };
-      const GroupedPackedWeights wf = grouped_pack_weights(align(pf), W.data(), El, K, N, prec, GroupedPackKind::Fwd);
-      const GroupedPackedWeights wd = grouped_pack_weights(align(pd), W.data(), El, K, N, prec, GroupedPackKind::Dgrad);
       for (int64_t te : {int64_t(4), int64_t(16), int64_t(64), int64_t(256)}) {
-        const int64_t M = te * El;
-        std::vector<int32_t> counts(static_cast<size_t>(El), int32_t(te));
-        std::vector<float> X(static_cast<size_t>(M * K), 0.1f), Y(static_cast<size_t>(M * N)), dX(X.size()), dY(Y.size(), 0.1f);
-        std::vector<bf16> Xb(X.size()), dYb(Y.size());
-        f32_to_bf16(Xb.data(), X.data(), int64_t(X.size()));
-        f32_to_bf16(dYb.data(), dY.data(), int64_t(dY.size()));
-        size_t wsb = 0;
-        for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
-          wsb = std::max(wsb, grouped_gemm_workspace_bytes(op, prec, El, M, K, N));
-        std::vector<char> wsv(wsb + 64);
-        void* ws = align(wsv);
-        const double t = best_of(w, te < 64 ? reps * 8 : reps, [&] {
-          if (prec == GemmPrec::BF16) {
-            grouped_gemm_fwd(Y.data(), nullptr, Xb.data(), wf, counts.data(), El, M, K, N, ws, wsb);
-            grouped_gemm_dgrad(dX.data(), nullptr, dYb.data(), wd, counts.data(), El, M, K, N, ws, wsb);
-            grouped_gemm_wgrad(dW.data(), Xb.data(), dYb.data(), counts.data(), El, M, K, N, false, ws, wsb);
-          } else {
-            grouped_gemm_fwd(Y.data(), X.data(), wf, counts.data(), El, M, K, N, ws, wsb);
-            grouped_gemm_dgrad(dX.data(), dY.data(), wd, counts.data(), El, M, K, N, ws, wsb);
-            grouped_gemm_wgrad(dW.data(), X.data(), dY.data(), counts.data(), El, M, K, N, false, ws, wsb);
-          }
-        });
-        const double rate = 3 * 2.0 * double(M) * double(K) * double(N) / t;
-        h.grouped_gemm_efficiency.push_back({double(te), std::clamp(rate / top, 0.001, 1.0)});
+        if (quick && te == 256) continue;
+        const GroupedTimes g = grouped_times(w, prec, 16, 512, 192, te, te < 64 ? reps * 4 : reps);
+        h.grouped_fwd_efficiency.push_back({double(te), std::clamp(g.flops_fwd / g.fwd / top, 0.001, 1.0)});
+        h.grouped_bwd_efficiency.push_back({double(te), std::clamp(2 * g.flops_fwd / g.bwd / top, 0.001, 1.0)});
       }
     }
     // The smallest GEMM's time: the floor under every op.
@@ -153,19 +208,142 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
         gemm_f32(Trans::N, Trans::N, 8, 8, 8, 1.f, a.data(), 8, b.data(), 8, 0.f, c.data(), 8);
       });
     }
-    // Attention: causal, forward + backward, against the GEMM rate.
-    {
-      const int64_t B = 1, T = quick ? 256 : 512, H = 8, D = 64;
+    // Attention: causal, forward + backward, 8 heads of 64 over 512 tokens per call, by sequence length, against the
+    // GEMM rate. The rate is the cost model's: three times the forward's FLOPs (backward priced at twice the
+    // forward) over the time of both. The longest sequence gives the scalar attention_efficiency.
+    for (int64_t T : {int64_t(128), quick ? int64_t(256) : int64_t(512)}) {
+      const int64_t B = std::max<int64_t>(1, 512 / T), H = 8, D = 64;
       AttnDims d{B, T, H, H, D, D, H * D, H * D, H * D, H * D, D, D, D, D, 0.125f};
       std::vector<float> q(size_t(B * T * H * D), 0.1f), k = q, v = q, o = q, dq = q, dk = q, dv = q, dout = q;
       std::vector<float> lse(size_t(B * H * T));
+      Aligned ws(attention_workspace_bytes(d, num_threads()));
       const double t = best_of(w, reps, [&] {
-        attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), d);
+        attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), d, ws.get());
         attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), o.data(), lse.data(), q.data(), k.data(),
-                           v.data(), d);
+                           v.data(), d, ws.get());
       });
-      const double rate = (attention_forward_flops(d) + attention_backward_flops(d)) / t;
-      h.attention_efficiency = std::clamp(rate / top, 0.01, 1.0);
+      const double eff = std::clamp(3 * attention_forward_flops(d) / t / top, 0.01, 1.0);
+      h.attention_seq_efficiency.push_back({double(T), eff});
+      h.attention_efficiency = eff;
+    }
+    // The fused head + cross-entropy, forward and backward (loss.h), as the engine calls it: 256 tokens, d = 512, a
+    // vocabulary of 8192, its default chunk; 6 N V d FLOPs against the achievable rate.
+    std::string detail;
+    {
+      const int64_t N = 256, C = 512, V = 8192, chunk = linear_xent_default_chunk(V);
+      std::vector<float> hf(static_cast<size_t>(N * C), 0.01f), Wf(static_cast<size_t>(V * C), 0.01f), dh(hf.size()),
+          dW(Wf.size());
+      std::vector<bf16> hb(hf.size()), Wb(Wf.size());
+      f32_to_bf16(hb.data(), hf.data(), int64_t(hf.size()));
+      f32_to_bf16(Wb.data(), Wf.data(), int64_t(Wf.size()));
+      std::vector<int32_t> tg(static_cast<size_t>(N));
+      for (int64_t i = 0; i < N; ++i) tg[size_t(i)] = int32_t((i * 131) % V);
+      Aligned ws(linear_xent_workspace_bytes(N, V, chunk));
+      const double t = best_of(w, reps, [&] {
+        if (dt == ComputeDtype::BF16)
+          linear_xent_fwd_bwd_bf16(dh.data(), dW.data(), hb.data(), Wb.data(), tg.data(), N, C, V, 1.f, chunk, ws.get());
+        else
+          linear_xent_fwd_bwd_f32(dh.data(), dW.data(), hf.data(), Wf.data(), tg.data(), N, C, V, 1.f, chunk, ws.get());
+      });
+      h.loss_efficiency = std::clamp(6.0 * double(N) * double(V) * double(C) / t / top, 0.001, 1.0);
+    }
+    // The memory-bound layer kernels at activation sizes (one micro-batch of 256 tokens, d = 512, fp32 activations):
+    // two RMSNorms, a SwiGLU of width 704 (two shared experts of 352), a top-6 permute / unpermute over 64 experts,
+    // the router's softmax / top-k; forward and backward. The rate is the bytes the cost model counts for them
+    // (plan/cost.cpp: a norm reads and writes [N, d], a SwiGLU reads [N, 2F] and writes [N, F], a permute and an
+    // unpermute read and write [R, d] each, the router reads, writes and re-reads [N, E] fp32 scores; backward
+    // twice the forward) over the time taken.
+    {
+      const int64_t N = 256, d = 512, F = 704, E = 64, K = 6, R = N * K;
+      const double ab = 4;  // fp32 activations
+      std::vector<float> x(static_cast<size_t>(N * d), 0.5f), y(x.size()), dy(x.size(), 0.1f), dx(x.size()),
+          nw(static_cast<size_t>(d), 1.f), dnw(nw.size()), rstd(static_cast<size_t>(N));
+      std::vector<float> gu(static_cast<size_t>(N * 2 * F), 0.3f), hh(static_cast<size_t>(N * F)), dgu(gu.size());
+      std::vector<float> logits(static_cast<size_t>(N * E)), scores(logits.size()), dlog(logits.size());
+      for (size_t i = 0; i < logits.size(); ++i) logits[i] = float((i * 2654435761u) % 1000) * 1e-3f;
+      std::vector<int32_t> idx(static_cast<size_t>(N * K)), cnt(static_cast<size_t>(E)), off(static_cast<size_t>(E + 1)),
+          row_of(idx.size()), token_of(idx.size()), slot_of(idx.size());
+      std::vector<float> tw(idx.size()), dtw(idx.size()), xp(static_cast<size_t>(R * d)), dxp(xp.size());
+      RouterConfig rc;
+      rc.E = int(E), rc.topk = int(K), rc.norm_topk = false, rc.aux = AuxMode::SeqWise, rc.aux_coef = 1e-3f,
+      rc.seq_len = 128;
+      Aligned rws(router_workspace_bytes(rc, N)), nws(rmsnorm_backward_workspace_bytes(N, d));
+      auto route = [&] {
+        RouterLosses rl;
+        router_forward(idx.data(), tw.data(), cnt.data(), scores.data(), &rl, logits.data(), nullptr, rc, N, rws.get());
+        moe_permute_plan(off.data(), row_of.data(), token_of.data(), slot_of.data(), idx.data(), cnt.data(), N,
+                         int(K), int(E), 0.0);
+      };
+      route();
+      struct Fam {
+        const char* name;
+        double bytes;  // forward, as the cost model counts them
+        double t;
+      };
+      Fam fam[4] = {
+          {"norm", 2 * 2.0 * double(N * d) * ab, best_of(w, reps * 8, [&] {
+             for (int i = 0; i < 2; ++i) {
+               rmsnorm_forward(y.data(), nullptr, rstd.data(), x.data(), nw.data(), N, d, 1e-6f);
+               rmsnorm_backward(dx.data(), dnw.data(), dy.data(), x.data(), nw.data(), rstd.data(), N, d, nws.get());
+             }
+           })},
+          {"swiglu", 3.0 * double(N * F) * ab, best_of(w, reps * 8, [&] {
+             swiglu_forward(hh.data(), nullptr, gu.data(), N, F);
+             swiglu_backward(dgu.data(), hh.data(), gu.data(), N, F);
+           })},
+          {"permute", 2 * 2.0 * double(R * d) * ab, best_of(w, reps * 8, [&] {
+             moe_permute(xp.data(), x.data(), token_of.data(), R, N, d);
+             moe_unpermute(y.data(), xp.data(), row_of.data(), tw.data(), N, int(K), R, d);
+             moe_unpermute_backward(dxp.data(), dtw.data(), dy.data(), xp.data(), row_of.data(), token_of.data(),
+                                    slot_of.data(), tw.data(), N, int(K), R, d);
+             moe_permute_backward(dx.data(), dxp.data(), row_of.data(), N, int(K), R, d);
+           })},
+          {"router", 3.0 * double(N * E) * 4, best_of(w, reps * 8, [&] {
+             route();
+             router_backward(dlog.data(), dtw.data(), scores.data(), idx.data(), nullptr, rc, N, rws.get());
+           })},
+      };
+      double bytes = 0, t = 0;
+      detail += "# memory-bound kernels (forward + backward, the cost model's bytes over the time):";
+      for (const Fam& f : fam) {
+        bytes += 3 * f.bytes, t += f.t;
+        char b[96];
+        std::snprintf(b, sizeof b, " %s %.2f GB/s (%.0f us);", f.name, 3 * f.bytes / f.t / 1e9, f.t * 1e6);
+        detail += b;
+      }
+      detail += "\n";
+      h.elementwise_bw = bytes / t;
+    }
+    // AdamW per parameter element (optim.h, fp32 masters and moments), and re-packing the experts' grouped-GEMM
+    // layouts (forward and dgrad) per expert parameter, as after every optimizer step (Model::sync_weights).
+    {
+      const int64_t n = quick ? (int64_t(1) << 21) : (int64_t(1) << 23);
+      std::vector<float> p(static_cast<size_t>(n), 0.1f), m1(p.size()), v1(p.size()), g(p.size(), 0.01f);
+      AdamWConfig ac;
+      int64_t step = 0;
+      const double t = best_of(w, reps, [&] { adamw_step(p.data(), m1.data(), v1.data(), g.data(), n, ac, ++step, 1.f, true); });
+      h.optimizer_per_param = t / double(n);
+      const double tn = best_of(w, reps, [&] { volatile double s2 = grad_norm_sq(g.data(), n); (void)s2; });
+      h.grad_norm_per_param = tn / double(n);
+      const double tz = best_of(w, reps, [&] { std::memset(g.data(), 0, size_t(n) * 4); });
+      const GemmPrec prec = dt == ComputeDtype::BF16 ? GemmPrec::BF16 : GemmPrec::F32;
+      const int64_t El = 16, d = 512, F = 192;
+      std::vector<float> w13(static_cast<size_t>(El * d * 2 * F), 0.01f), w2(static_cast<size_t>(El * F * d), 0.01f);
+      Aligned a(grouped_packed_bytes(GroupedPackKind::Fwd, prec, El, d, 2 * F)),
+          b(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, El, d, 2 * F)),
+          c2(grouped_packed_bytes(GroupedPackKind::Fwd, prec, El, F, d)),
+          e(grouped_packed_bytes(GroupedPackKind::Dgrad, prec, El, F, d));
+      const double tp = best_of(w, reps, [&] {
+        grouped_pack_weights(a.get(), w13.data(), El, d, 2 * F, prec, GroupedPackKind::Fwd);
+        grouped_pack_weights(b.get(), w13.data(), El, d, 2 * F, prec, GroupedPackKind::Dgrad);
+        grouped_pack_weights(c2.get(), w2.data(), El, F, d, prec, GroupedPackKind::Fwd);
+        grouped_pack_weights(e.get(), w2.data(), El, F, d, prec, GroupedPackKind::Dgrad);
+      });
+      h.expert_pack_per_param = tp / double(w13.size() + w2.size());
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "# AdamW %.2f ns/param; gradient norm %.2f GB/s, zeroing %.2f GB/s (read / write 4 B "
+                    "a parameter)\n", 1e9 * h.optimizer_per_param, 4.0 * double(n) / tn / 1e9, 4.0 * double(n) / tz / 1e9);
+      detail += buf;
     }
     // Streaming bandwidth: a copy of 64 MiB (read + write).
     {
@@ -196,8 +374,10 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     h.scale_out = h.scale_up;
     h.scale_out.domain = 1 << 20;
     for (const char* k : {"hbm_gb", "hbm_bw_gbps", "hbm_efficiency", "peak_bf16_tflops", "achievable_bf16_tflops",
-                          "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "grouped_gemm_efficiency",
-                          "scale_up.domain",
+                          "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "grouped_gemm_fwd_efficiency",
+                          "grouped_gemm_bwd_efficiency", "loss_efficiency", "elementwise_bw_gbps",
+                          "optimizer_ns_per_param", "grad_norm_ns_per_param", "expert_pack_ns_per_param",
+                          "attention_seq_efficiency", "scale_up.domain",
                           "scale_up.bw_gbps", "scale_up.alpha_us", "scale_up.topology"})
       h.sources[k] = when;
     h.sources["hbm_gb"] = "MemTotal of /proc/meminfo over the ranks on this node";
@@ -235,7 +415,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       check = buf;
     }
   plan::validate_hardware(h, "calibrate");
-  if (check_out) *check_out = "# " + when + "\n" + check;
+  if (check_out) *check_out = "# " + when + "\n" + detail + check;
   return h;
 }
 

@@ -2,8 +2,10 @@
 // (DP, ZeRO-1, FSDP, EP with each dispatcher, PP with two schedules, recompute) and compares what it measured
 // (peak bytes per memory category on every rank, step time) with the planner's projection of the same job on
 // this machine's hardware (a calibrated TOML, or a quick calibration first) under the engine's own precision
-// convention. Prints the error of every figure; --json for programs. Run it under mpirun (4 ranks covers every
-// layout; fewer ranks skip what does not fit). Not a test by itself: tests/CMakeLists.txt holds it to its
+// convention. Prints the error of every figure; --json for programs; --ops adds the step time by op group, the
+// engine's trace scopes against the projection's op groups (plan/cost.h PlanOp). Under EP the projection takes the
+// routing imbalance the engine measured (TrainResult::ep_rows_peak_ratio). Run it under mpirun (4 ranks covers
+// every layout; fewer ranks skip what does not fit). Not a test by itself: tests/CMakeLists.txt holds it to its
 // tolerances.
 #include <algorithm>
 #include <cmath>
@@ -61,6 +63,84 @@ std::string subst(std::string s, int w) {
 
 double err(double projected, double measured) { return measured != 0 ? projected / measured - 1 : 0; }
 
+// The step time by op group, seconds per step: the compute groups of plan/cost.h (forward, backward) and the
+// step-level parts.
+enum StepPart : int { kRecompute = 0, kOptimizer, kRefresh, kEp, kDp, kFsdp, kOther, kNumStepParts };
+const char* const kStepPartNames[kNumStepParts] = {"recompute", "optimizer", "weight_refresh", "ep_comm",
+                                                   "dp_comm",   "fsdp",      "other"};
+struct OpTimes {
+  double f[plan::kNumPlanOps] = {}, b[plan::kNumPlanOps] = {};
+  double part[kNumStepParts] = {};
+};
+
+// The engine's trace scopes grouped like the projection (src/model/*.cpp MT_TRACE names). Nested scopes are left
+// out (fwd.router.gate_gemm lies inside fwd.router, dp.all_gather_params inside optimizer and is moved to dp_comm);
+// what no scope covers (residual adds, the attention norm's backward, embedding, zeroing the gradients) is `other`:
+// the step time less the top-level scopes. recompute.layer holds the forward scopes it re-runs.
+OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, double steps, double step_s) {
+  OpTimes o;
+  auto group = [](const std::string& n) -> int {
+    auto is = [&](std::initializer_list<const char*> names) {
+      for (const char* x : names)
+        if (n == x) return true;
+      return false;
+    };
+    if (is({"fwd.attn.proj", "fwd.attn.out_proj", "bwd.attn.proj", "bwd.attn.out_proj"})) return plan::kOpAttnProj;
+    if (is({"fwd.attn.core", "bwd.attn.core"})) return plan::kOpAttnCore;
+    if (is({"fwd.norm", "bwd.norm"})) return plan::kOpNorm;
+    if (is({"fwd.mlp", "fwd.shared", "bwd.mlp"})) return plan::kOpFfn;
+    if (is({"fwd.router", "bwd.router"})) return plan::kOpRouter;
+    if (is({"fwd.permute", "fwd.combine", "bwd.permute", "bwd.combine"})) return plan::kOpPermute;
+    if (is({"fwd.experts", "bwd.experts"})) return plan::kOpExperts;
+    if (is({"loss.fused_linear_xent"})) return plan::kOpLoss;
+    return -1;
+  };
+  double top = 0, gather_params = 0;
+  for (const auto& [name, sec] : ops) {
+    const double t = sec / steps;
+    if (name == "fwd.router.gate_gemm") continue;  // nested
+    if (name == "dp.all_gather_params") {          // nested in optimizer
+      gather_params = t, o.part[kDp] += t;
+      continue;
+    }
+    top += t;
+    const int g = group(name);
+    if (g >= 0) {
+      (name.rfind("bwd.", 0) == 0 ? o.b : o.f)[g] += t;
+      continue;
+    }
+    int p = kOther;
+    if (name == "recompute.layer") p = kRecompute;
+    else if (name == "optimizer") p = kOptimizer;
+    else if (name == "sync_weights") p = kRefresh;
+    else if (name.rfind("fwd.ep.", 0) == 0 || name.rfind("bwd.ep.", 0) == 0) p = kEp;
+    else if (name.rfind("dp.", 0) == 0) p = kDp;
+    else if (name.rfind("fsdp.", 0) == 0) p = kFsdp;
+    o.part[p] += t;
+  }
+  o.part[kOptimizer] -= gather_params;
+  o.part[kOther] += std::max(0.0, step_s - top);
+  return o;
+}
+
+// The projection's figures in the same groups.
+OpTimes projected_ops(const plan::TimePlan& t) {
+  OpTimes o;
+  for (int k = 0; k < plan::kNumPlanOps; ++k) o.f[k] = t.ops_f[size_t(k)], o.b[k] = t.ops_b[size_t(k)];
+  auto at = [&](const char* k) {
+    const auto it = t.breakdown.find(k);
+    return it == t.breakdown.end() ? 0.0 : it->second;
+  };
+  o.part[kRecompute] = at("compute.recompute");
+  o.part[kOptimizer] = t.optimizer;
+  o.part[kEp] = at("comm.ep");
+  // The engine re-packs an FSDP unit inside its gather (the fsdp scopes): the refresh counts there.
+  if (t.layout.zero == 3) o.part[kFsdp] = t.dp_exposed + t.weight_refresh;
+  else o.part[kDp] = t.dp_exposed, o.part[kRefresh] = t.weight_refresh;
+  o.part[kOther] = at("bubble_and_p2p") + at("comm.tp") + at("comm.cp");
+  return o;
+}
+
 }  // namespace
 
 namespace moetron::cli {
@@ -70,8 +150,9 @@ void add_plan_validate(CLI::App* plan) {
   struct Args {
     std::string config, hw, only;
     int64_t steps = 4;
-    bool json = false, quick = false;
+    bool json = false, quick = false, ops = false;
     double max_mem = 0, max_ep_act = 0.30, max_time = 0;
+    std::string ep_imbalance = "measured";
   };
   auto a = std::make_shared<Args>();
   val->add_option("--config", a->config, "the job (default configs/ds_mini.toml)");
@@ -80,6 +161,10 @@ void add_plan_validate(CLI::App* plan) {
   val->add_option("--only", a->only, "run the layouts whose name contains one of these comma-separated texts");
   val->add_flag("--quick", a->quick, "a quick calibration when --hw is not given");
   val->add_flag("--json", a->json, "print one JSON object");
+  val->add_flag("--ops", a->ops, "also print the step time by op group (engine trace scopes against the projection)");
+  val->add_option("--ep-imbalance", a->ep_imbalance,
+                  "routing imbalance the EP layouts are projected with: 'measured' (default: the engine's most rows "
+                  "one dispatch brought over tokens x topk) or a number >= 1");
   val->add_option("--max-memory-error", a->max_mem,
                   "fail when a memory figure's |error| exceeds this fraction (0 = report only); EP activations "
                   "use --max-ep-activation-error");
@@ -123,6 +208,7 @@ void add_plan_validate(CLI::App* plan) {
       const bool alone = c.parallelism.world_size() == 1;
       TrainOptions to;
       to.quiet = true;
+      to.profile = true;  // the per-op breakdown (trace scopes: a branch and a clock read each)
       to.comm = alone ? &self : &w;
       const TrainResult r = train(c, to);
       // Measured: the largest rank's figure per category, then its step time.
@@ -141,6 +227,20 @@ void add_plan_validate(CLI::App* plan) {
       // Projected: the same job on this machine, the engine's precision convention.
       plan::PlanOptions po;
       po.recipe = plan::recipe_named("engine", c);
+      const double measured_imb = max_over_ranks(w, r.ep_rows_peak_ratio);
+      const double held_imb = max_over_ranks(w, r.ep_rows_held_ratio);
+      if (c.parallelism.ep > 1) {
+        if (a->ep_imbalance == "measured") {
+          po.ep_imbalance = std::max(1.0, measured_imb);
+        } else {
+          try {
+            po.ep_imbalance = std::stod(a->ep_imbalance);
+          } catch (const std::logic_error&) {
+            MT_FAIL("plan validate", "--ep-imbalance = '", a->ep_imbalance, "': expected 'measured' or a number >= 1");
+          }
+          MT_CHECK(po.ep_imbalance >= 1, "plan validate", "--ep-imbalance = ", po.ep_imbalance, " must be >= 1");
+        }
+      }
       const plan::Layout l = plan::layout_from_config(c, alone ? 1 : w.size(), /*distributed_optimizer=*/false);
       const plan::MemoryPlan mp = plan::plan_memory(c, l, h, po);
       plan::TimeOptions tpo;
@@ -156,6 +256,8 @@ void add_plan_validate(CLI::App* plan) {
       }
       const char* names[5] = {"params", "grads", "optimizer", "activations", "step_s"};
       nlohmann::json j{{"layout", cs.name}, {"planner_layout", l.describe()}};
+      if (c.parallelism.ep > 1)
+        j["ep_imbalance"] = {{"measured", measured_imb}, {"held", held_imb}, {"projected_with", po.ep_imbalance}};
       for (int i = 0; i < 5; ++i) {
         j[names[i]] = {{"measured", meas[i]}, {"projected", proj[i]}, {"error", err(proj[i], meas[i])}};
         const bool ep_act = i == 3 && cs.name.rfind("ep_", 0) == 0;
@@ -166,6 +268,30 @@ void add_plan_validate(CLI::App* plan) {
           std::printf("%-16s %-10s %12.4g %12.4g %+7.1f%%\n", cs.name.c_str(), names[i], meas[i], proj[i],
                       100 * err(proj[i], meas[i]));
       }
+      // By op group: the engine's scopes over the profiled steps (all but the first) on the slowest rank per group.
+      {
+        const double steps = double(std::max<size_t>(1, r.history.size() > 1 ? r.history.size() - 1 : 1));
+        OpTimes me = engine_ops(r.op_seconds, steps, meas[4]);
+        const OpTimes pr = projected_ops(tp);
+        for (int k = 0; k < plan::kNumPlanOps; ++k) me.f[k] = max_over_ranks(w, me.f[k]), me.b[k] = max_over_ranks(w, me.b[k]);
+        for (double& x : me.part) x = max_over_ranks(w, x);
+        nlohmann::json jo;
+        auto row = [&](const std::string& name, double m_s, double p_s) {
+          jo[name] = {{"measured_s", m_s}, {"projected_s", p_s}};
+          if (root && !a->json && a->ops)
+            std::printf("%-16s   %-18s %10.4f %12.4f %+7.1f%%\n", cs.name.c_str(), name.c_str(), m_s, p_s,
+                        100 * err(p_s, m_s));
+        };
+        for (int k = 0; k < plan::kNumPlanOps; ++k) {
+          row(std::string(plan::plan_op_name(k)) + ".fwd", me.f[k], pr.f[k]);
+          row(std::string(plan::plan_op_name(k)) + ".bwd", me.b[k], pr.b[k]);
+        }
+        for (int p = 0; p < kNumStepParts; ++p) row(kStepPartNames[p], me.part[p], pr.part[p]);
+        j["ops"] = jo;
+      }
+      if (root && !a->json && c.parallelism.ep > 1)
+        std::printf("%-16s ep rows: the most one dispatch brought %.3f x balanced (projected with %.3f); the buffers "
+                    "hold %.3f x\n", cs.name.c_str(), measured_imb, po.ep_imbalance, held_imb);
       out.push_back(j);
     }
     if (root && !over.empty()) {

@@ -214,6 +214,13 @@ class Model {
   // combine and the backward's row moves (zeros without EP), and the bytes of the dispatchers' buffers.
   EpTraffic ep_traffic() const;
   int64_t ep_buffer_bytes() const;
+  // Routing skew under EP, over this rank's MoE layers (the largest over a layer's activation slots): the most
+  // rows one dispatch brought (peak) and the rows the layer's buffers hold (held), summed, against the balanced
+  // tokens x topk per layer (balanced). Zeros without EP.
+  struct EpRows {
+    int64_t peak = 0, held = 0, balanced = 0;
+  };
+  EpRows ep_rows() const;
 
   // Time spent in recompute and bytes saved by activation checkpointing (0 when off).
   double recompute_seconds() const { return recompute_s_; }

@@ -90,6 +90,9 @@ struct TrainResult {
   double ep_bytes_intra_per_step = 0;
   double ep_seconds = 0;                // time in EP dispatch / combine (forward and backward)
   int64_t ep_buffer_bytes = 0;          // the dispatchers' buffers on this rank
+  // Routing skew under EP (Model::ep_rows): over this rank's MoE layers, the most routed rows one dispatch
+  // brought, and the rows the buffers hold, each over the balanced tokens x topk (1 = balanced; 0 without EP).
+  double ep_rows_peak_ratio = 0, ep_rows_held_ratio = 0;
   std::vector<SeqRecord> data;          // record_data
   std::vector<float> final_params;      // keep_params
   std::vector<float> first_grads;       // keep_first_grads: the reduced gradient of the first step run (global

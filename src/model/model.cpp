@@ -276,6 +276,19 @@ EpTraffic Model::ep_traffic() const {
   return t;
 }
 
+Model::EpRows Model::ep_rows() const {
+  EpRows r;
+  const auto& I = *impl_;
+  if (I.ep <= 1) return r;
+  for (const auto& L : I.layers) {
+    if (!L.moe || !L.held) continue;
+    int64_t peak = 0, held = 0;
+    for (const LayerBufs* b : L.slot_bufs) peak = std::max(peak, b->rows_peak), held = std::max(held, b->rows_cap);
+    r.peak += peak, r.held += held, r.balanced += I.N * I.K;
+  }
+  return r;
+}
+
 int64_t Model::ep_buffer_bytes() const {
   int64_t b = 0;
   for (auto& dp : impl_->owned_disp) b += dp->buffer_bytes();

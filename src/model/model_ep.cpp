@@ -87,6 +87,7 @@ void Model::Impl::ep_ffn_backward(Layer& L, LayerBufs& b, const float* dy, float
 // growth is the only allocation a step can make, and the memory tracker sees it.
 void Model::Impl::ensure_rows(Layer& L, int64_t R) {
   LayerBufs& b = *L.bufs;
+  b.rows_peak = std::max(b.rows_peak, R);
   if (R > b.rows_cap) {
     const int64_t cap = std::max(R, b.rows_cap + b.rows_cap / 4);
     b.xpc = cbuf(cap * d), b.egu = f32buf(cap * 2 * Fe), b.ez = f32buf(cap * d);

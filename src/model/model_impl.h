@@ -61,6 +61,7 @@ struct LayerBufs {
   Tensor logits, scores, topk_idx, topk_w, counts, kept, offsets, row_of, token_of, slot_of, xpc, egu, eactc, ez;
   int64_t R = 0;         // routed rows of the last forward (received rows under EP)
   int64_t rows_cap = 0;  // rows xpc / egu / eactc / ez hold (grows under EP when routing is skewed)
+  int64_t rows_peak = 0; // the most rows one dispatch brought (EP)
 };
 
 // The split backward's deferred weight gradients (one arena per stage and slot): each task is one

@@ -25,6 +25,9 @@ struct Ctx {
   bool fp8;
   double T;   // tokens per rank per micro-batch (after CP)
   double q;   // sequence-parallel divisor
+  double ab;  // activation element bytes of the memory-bound passes and GEMM outputs (2: bf16; the engine's fp32: 4)
+  double gb;  // GEMM input element bytes (2: bf16, 1: FP8, the engine's compute dtype)
+  double imb; // the busiest EP rank's routed rows over the balanced count (PlanOptions::ep_imbalance)
 };
 
 // Time of a GEMM m x n x k on the hardware (flop-bound or byte-bound, floored by the launch overhead), and the
@@ -36,8 +39,7 @@ GemmCost gemm(const Ctx& x, double m, double n, double k) {
   GemmCost g;
   if (m <= 0 || n <= 0 || k <= 0) return g;
   g.flops = 2 * m * n * k;
-  const double eb = x.fp8 ? 1.0 : 2.0;
-  const double bytes = eb * (m * k + k * n) + 2.0 * m * n;
+  const double bytes = x.gb * (m * k + k * n) + x.ab * m * n;
   const double bw = x.h.stream_bw();
   g.t = std::max({g.flops / x.h.gemm_rate(m, n, k, x.fp8), bytes / bw, x.h.kernel_overhead});
   if (x.fp8) {
@@ -50,8 +52,9 @@ GemmCost gemm(const Ctx& x, double m, double n, double k) {
   return g;
 }
 
+// A memory-bound kernel over `bytes` (what it reads and writes) at the layer kernels' rate.
 double membound(const Ctx& x, double bytes) {
-  return bytes <= 0 ? 0.0 : std::max(bytes / x.h.stream_bw(), x.h.kernel_overhead);
+  return bytes <= 0 ? 0.0 : std::max(bytes / x.h.elementwise_rate(), x.h.kernel_overhead);
 }
 
 // Ranks of a group inside one scale-up domain, for a group of `size` ranks laid out with `stride` between
@@ -65,27 +68,41 @@ Group place(const Hardware& h, int64_t size, int64_t stride) {
   return g;
 }
 
+// Seconds of one part of a layer: forward (F), the backward's input half (I) and weight half (W).
+struct Part {
+  double f = 0, i = 0, w = 0;
+};
+
 struct LayerCost {
-  double f_gemm = 0, f_attn = 0, f_mem = 0, f_quant = 0, flops_f = 0;
-  double w_gemm = 0;            // weight-gradient GEMMs (backward)
-  double tp_f = 0, tp_b = 0;    // exposed TP collectives
-  double cp_f = 0, cp_b = 0;    // exposed CP exchange
-  double a2a = 0;               // one dispatch + one combine
-  double recompute = 0;         // forward work redone in backward
+  Part op[kNumPlanOps];           // compute by op group
+  Part gemm, attn, mem, quant;    // the same compute by kind (the breakdown)
+  double flops_f = 0;             // forward FLOPs
+  double tp_f = 0, tp_b = 0;      // exposed TP collectives
+  double cp_f = 0, cp_b = 0;      // exposed CP exchange
+  double a2a = 0;                 // one dispatch + one combine
+  double recompute = 0;           // forward work redone in backward
+  double sum_f() const { double t = 0; for (const Part& p : op) t += p.f; return t; }
+  double sum_i() const { double t = 0; for (const Part& p : op) t += p.i; return t; }
+  double sum_w() const { double t = 0; for (const Part& p : op) t += p.w; return t; }
+  // A GEMM: dgrad (I) and wgrad (W) repeat its FLOPs; FP8 quantizes the inputs in F and again in I.
+  void add_gemm(int o, const GemmCost& g) {
+    op[o].f += g.t + g.quant, op[o].i += g.t + g.quant, op[o].w += g.t;
+    gemm.f += g.t, gemm.i += g.t, gemm.w += g.t, quant.f += g.quant, quant.i += g.quant;
+    flops_f += g.flops;
+  }
+  // A memory-bound pass: its backward reads and writes about twice the bytes.
+  void add_mem(int o, double t) { op[o].f += t, op[o].i += 2 * t, mem.f += t, mem.i += 2 * t; }
 };
 
 LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec& ac) {
   const ModelSpec& s = x.c.model;
   const Layout& l = x.l;
-  const double T = x.T, d = double(s.d_model), tp = double(l.tp);
+  const double T = x.T, d = double(s.d_model), tp = double(l.tp), ab = x.ab;
   const auto& at = s.attn;
   const double H = double(at.n_heads) / tp;
   LayerCost lc;
-  double attn_fwd = 0, gemm_f = 0, quant = 0, flops = 0;
-  auto G = [&](double m, double n, double k) {
-    const GemmCost g = gemm(x, m, n, k);
-    gemm_f += g.t, quant += g.quant, flops += g.flops;
-  };
+  int cur = kOpAttnProj;  // the op group the GEMMs below belong to
+  auto G = [&](double m, double n, double k) { lc.add_gemm(cur, gemm(x, m, n, k)); };
   // Attention projections (rows: the full sequence of this cp rank, after the SP all-gather).
   if (at.type == AttnType::MLA) {
     const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dqk = double(at.qk_head_dim());
@@ -99,16 +116,23 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     G(T, (H + 2 * Hkv) * hd, d);
     G(T, d, H * hd);
   }
+  lc.add_mem(kOpAttnProj, membound(x, 2 * 2 * H * double(at.qk_head_dim()) * T * ab));  // RoPE on q and k
   // Core attention: causal, each cp rank's queries see on average (seq + 1) / 2 keys (load-balanced chunks).
   const double ctx = (double(x.c.training.seq_len) + 1) / 2;
   const double attn_flops = 2.0 * H * double(at.qk_head_dim() + at.v_dim()) * T * ctx;
-  attn_fwd = std::max(attn_flops / (x.h.achievable_bf16 * x.h.attention_efficiency), x.h.kernel_overhead);
-  flops += attn_flops;
-  // Memory-bound passes per token (bytes): two norms (read + write), rope on q/k, residual adds, and the
-  // attention output. On the SP shard (T / q rows) where sequence parallel.
-  double mem = (2 * 2 * d * 2 + 2 * 3 * d * 2) * T / x.q + 2 * 2 * H * double(at.qk_head_dim()) * T;
+  const double attn_rate = x.h.achievable_bf16 * x.h.attention_eff(double(x.c.training.seq_len));
+  const double attn_fwd = std::max(attn_flops / attn_rate, x.h.kernel_overhead);
+  lc.op[kOpAttnCore].f += attn_fwd, lc.op[kOpAttnCore].i += 2 * attn_fwd;
+  lc.attn.f += attn_fwd, lc.attn.i += 2 * attn_fwd;
+  lc.flops_f += attn_flops;
+  // Two norms (read + write) and two residual adds (read two, write one), on the SP shard (T / q rows).
+  const double norm_bytes = 2 * 2 * d * ab * T / x.q;
+  lc.add_mem(kOpNorm, membound(x, norm_bytes));
+  lc.add_mem(kOpOther, membound(x, 2 * 3 * d * ab * T / x.q));
   const bool moe = s.is_moe_layer(layer);
-  double act_bytes = 0;  // SwiGLU / GELU passes (what moe_act recompute redoes)
+  double act_bytes = 0;      // SwiGLU / GELU passes of the FFN op, counted in bf16 bytes (what moe_act recompute redoes)
+  double exp_act_bytes = 0;  // the routed experts' SwiGLU, likewise
+  cur = kOpFfn;
   if (!moe && s.ffn == FfnKind::GELU) {  // GPT: up (d -> I), GELU (read I, write I), down (I -> d)
     const double I = double(s.inter_size) / tp;
     G(T, I, d), G(T, d, I);
@@ -121,50 +145,63 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     const auto& m = s.moe;
     const double E = double(m.n_routed_experts), k = double(m.topk), Im = double(m.moe_inter_size) / double(l.etp);
     // Rows per rank (balanced): T / q tokens x topk copies (capacity-capped when a capacity factor is set),
-    // gathered over expert_tp.
+    // gathered over expert_tp; the busiest rank gets imb times as many.
     const double per_tok = m.capacity_factor > 0 ? double(routed_rows(s, int64_t(T / x.q))) / (T / x.q) : k;
-    const double R = per_tok * T / x.q * double(l.etp);
+    const double R = per_tok * T / x.q * double(l.etp) * x.imb;
     const double local = E / double(l.ep);
     const double te = R / local;  // tokens per local expert
+    cur = kOpRouter;
     G(T / x.q, E, d);             // router
+    lc.add_mem(kOpRouter, membound(x, T / x.q * E * 4 * 3));  // softmax / top-k over fp32 scores
+    double ef = 0, eb = 0;
+    const bool curves = x.h.grouped_split_eff(te, &ef, &eb);
     for (int part = 0; part < 2; ++part) {  // gate_up, then down, one GEMM per local expert
       const GemmCost g = part == 0 ? gemm(x, te, 2 * Im, d) : gemm(x, te, d, Im);
-      double t = local * g.t;
-      // A measured grouped-GEMM curve (by tokens per expert) replaces the per-expert GEMM estimate.
-      if (!x.h.grouped_gemm_efficiency.empty())
-        t = std::max(local * g.flops / ((x.fp8 ? x.h.achievable_fp8 : x.h.achievable_bf16) * x.h.grouped_eff(te)),
-                     x.h.kernel_overhead);
-      gemm_f += t, quant += local * g.quant, flops += local * g.flops;
+      GemmCost all{local * g.t, local * g.quant, local * g.flops};
+      if (!curves) {
+        lc.add_gemm(kOpExperts, all);
+        continue;
+      }
+      // Measured grouped-GEMM curves (by tokens per expert) replace the per-expert GEMM estimate: the forward at
+      // its own efficiency, dgrad + wgrad (twice the FLOPs) at the backward's, split evenly between I and W.
+      const double rate = x.fp8 ? x.h.achievable_fp8 : x.h.achievable_bf16;
+      const double tf = std::max(all.flops / (rate * ef), x.h.kernel_overhead);
+      const double tb = std::max(2 * all.flops / (rate * eb), 2 * x.h.kernel_overhead);
+      Part& p = lc.op[kOpExperts];
+      p.f += tf + all.quant, p.i += tb / 2 + all.quant, p.w += tb / 2;
+      lc.gemm.f += tf, lc.gemm.i += tb / 2, lc.gemm.w += tb / 2, lc.quant.f += all.quant, lc.quant.i += all.quant;
+      lc.flops_f += all.flops;
     }
-    act_bytes = 3 * Im * 2 * R;
-    mem += T / x.q * E * 4 * 3 + 2 * 2 * R * d * 2;  // router softmax / top-k; permute and unpermute
+    exp_act_bytes = 3 * Im * 2 * R;
+    lc.add_mem(kOpPermute, membound(x, 2 * 2 * R * d * ab));  // permute and unpermute (read + write each)
     if (m.n_shared_experts > 0) {
+      cur = kOpFfn;
       const double Is = double(m.n_shared_experts * m.moe_inter_size) / tp;
       G(T, 2 * Is, d), G(T, d, Is);
       act_bytes += 3 * Is * 2 * T;
     }
-    // EP dispatch + combine of this rank's rows (before the expert-TP gather).
+    // EP dispatch + combine of this rank's rows (before the expert-TP gather); the busiest rank receives imb times
+    // the balanced rows. Dispatched rows are GEMM inputs (FP8 with its scales under fp8_dispatch), combined rows
+    // are outputs (the recipe's element sizes: bf16 both on a GPU recipe, the engine's compute dtype / fp32).
     if (l.ep > 1) {
-      const double row = x.c.parallelism.fp8_dispatch ? d + d / 128 * 4 : d * 2;
-      const double bytes = T / x.q * k * row;
+      const double row_in = x.c.parallelism.fp8_dispatch ? d + d / 128 * 4 : d * std::max(x.gb, 2.0);
       const Group g = place(x.h, l.ep, l.etp);
-      double t1;
-      if (x.c.parallelism.ep_dispatcher == EpDispatcher::AllToAll || g.nodes() == 1) {
-        t1 = all_to_all(x.h, bytes, g);
-      } else {
+      auto a2a = [&](double row) {
+        const double bytes = T / x.q * k * row * x.imb;
+        if (x.c.parallelism.ep_dispatcher == EpDispatcher::AllToAll || g.nodes() == 1) return all_to_all(x.h, bytes, g);
         const int64_t max_nodes = m.n_group > 1 ? m.topk_group : 0;
         const double npt = expected_nodes_per_token(m.n_routed_experts, m.topk, g.nodes(), max_nodes);
-        t1 = all_to_all_hierarchical(x.h, bytes, m.topk, npt, g);
-      }
-      lc.a2a = 2 * t1;
+        return all_to_all_hierarchical(x.h, bytes, m.topk, npt, g);
+      };
+      lc.a2a = a2a(row_in) + a2a(d * ab);
     }
   }
-  mem += act_bytes;
+  // The branches count SwiGLU bytes at 2 per element; the recipe's activations may be wider.
+  lc.add_mem(kOpFfn, membound(x, act_bytes * ab / 2));
+  lc.add_mem(kOpExperts, membound(x, exp_act_bytes * ab / 2));
   // Dropout (GPT) on the attention and FFN outputs, fused with the residual add: a 1-byte mask written per
-  // element (on the SP shard); the backward reads it back (the memory-bound passes count twice there).
-  if (s.dropout > 0) mem += 2 * d * 1 * T / x.q;
-  lc.f_gemm = gemm_f, lc.f_attn = attn_fwd, lc.f_mem = membound(x, mem), lc.f_quant = quant, lc.flops_f = flops;
-  lc.w_gemm = gemm_f;  // weight gradients: the same FLOPs as the forward GEMMs
+  // element (on the SP shard); the backward reads it back.
+  if (s.dropout > 0) lc.add_mem(kOpOther, membound(x, 2 * d * 1 * T / x.q));
   // TP: with SP two all-gathers and two reduce-scatters of the layer's [T, d] activations per pass; without SP
   // two all-reduces. Not overlapped (no TP comm overlap is modelled).
   if (l.tp > 1) {
@@ -185,11 +222,11 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   }
   // Recompute in backward.
   if (ac.applies_to(layer)) {
-    if (ac.mode == AcMode::Full) lc.recompute = gemm_f + attn_fwd + lc.f_mem + quant + lc.tp_f;
+    if (ac.mode == AcMode::Full) lc.recompute = lc.sum_f() + lc.tp_f;
     else if (ac.mode == AcMode::Selective) {
       if (ac.has_module("attention_core")) lc.recompute += attn_fwd;
-      if (ac.has_module("moe_act")) lc.recompute += membound(x, act_bytes);
-      if (ac.has_module("norm")) lc.recompute += membound(x, 2 * 2 * d * 2 * T / x.q);
+      if (ac.has_module("moe_act")) lc.recompute += membound(x, (act_bytes + exp_act_bytes) * ab / 2);
+      if (ac.has_module("norm")) lc.recompute += membound(x, norm_bytes / 2);
     }
   }
   return lc;
@@ -197,11 +234,26 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
 
 }  // namespace
 
+const char* plan_op_name(int op) {
+  static const char* const names[kNumPlanOps] = {"attn_proj", "attn_core", "norm",  "ffn",  "router",
+                                                 "permute",   "experts",   "loss",  "other"};
+  return op >= 0 && op < kNumPlanOps ? names[op] : "?";
+}
+
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                                    const StagePlan& sp) {
   const ModelSpec& s = c.model;
-  const Ctx x{c, l, h, c.quantize.recipe != Fp8Recipe::None, l.tokens_per_rank(c.training.seq_len),
-              double(l.shard().token_div())};
+  const bool fp8 = c.quantize.recipe != Fp8Recipe::None;
+  const Recipe& rc = o.memory.recipe;
+  const Ctx x{c,
+              l,
+              h,
+              fp8,
+              l.tokens_per_rank(c.training.seq_len),
+              double(l.shard().token_div()),
+              rc.act_bytes > 0 ? rc.act_bytes : 2.0,
+              rc.gemm_bytes > 0 ? rc.gemm_bytes : fp8 ? 1.0 : 2.0,
+              l.ep > 1 ? std::max(1.0, o.memory.ep_imbalance) : 1.0};  // without EP every rank holds every expert
   const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
   // Layers of one kind cost the same unless recompute applies to some of them: cache by (moe, recompute).
   LayerCost cache[2][2];
@@ -215,23 +267,38 @@ std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Ha
       if (!have[km][kr]) cache[km][kr] = layer_cost(x, layer, ac), have[km][kr] = true;
       const LayerCost& lc = cache[km][kr];
       const double n = count;
-      t.f += n * (lc.f_gemm + lc.f_attn + lc.f_mem + lc.f_quant + lc.tp_f + lc.cp_f);
       // Backward: input gradients = the forward GEMMs again (dgrad), attention backward at twice the forward,
-      // the memory-bound passes twice; weight gradients = the forward GEMMs' FLOPs again.
-      t.i += n * (lc.f_gemm + 2 * lc.f_attn + 2 * lc.f_mem + lc.f_quant + lc.tp_b + lc.cp_b + lc.recompute);
-      t.w += n * lc.w_gemm;
+      // the memory-bound passes twice; weight gradients = the forward GEMMs' FLOPs again (LayerCost's parts).
+      t.f += n * (lc.sum_f() + lc.tp_f + lc.cp_f);
+      t.i += n * (lc.sum_i() + lc.tp_b + lc.cp_b + lc.recompute);
+      t.w += n * lc.sum_w();
+      for (int k = 0; k < kNumPlanOps; ++k)
+        t.op_f[size_t(k)] += n * lc.op[k].f, t.op_b[size_t(k)] += n * (lc.op[k].i + lc.op[k].w);
       t.a2a_f += n * lc.a2a, t.a2a_b += n * lc.a2a;
-      t.gemm += n * 3 * lc.f_gemm, t.attention += n * 3 * lc.f_attn, t.memory_bound += n * 3 * lc.f_mem;
-      t.quantize += n * 2 * lc.f_quant, t.recompute += n * lc.recompute;
+      t.gemm += n * (lc.gemm.f + lc.gemm.i + lc.gemm.w), t.attention += n * (lc.attn.f + lc.attn.i);
+      t.memory_bound += n * (lc.mem.f + lc.mem.i), t.quantize += n * (lc.quant.f + lc.quant.i);
+      t.recompute += n * lc.recompute;
       t.tp_comm += n * (lc.tp_f + lc.tp_b), t.cp_comm += n * (lc.cp_f + lc.cp_b);
       t.flops += n * 3 * lc.flops_f;
     });
     if (sp.last[size_t(st)]) {  // the head GEMM and the loss (fused: one pass over the logits chunks)
       const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
       const GemmCost g = gemm(x, x.T, V, d);
-      const double loss = membound(x, x.T * V * (o.memory.fused_loss ? 4.0 : 12.0));
-      t.f += g.t + g.quant + loss, t.i += g.t + g.quant + loss, t.w += g.t;
-      t.gemm += 3 * g.t, t.memory_bound += 2 * loss, t.flops += 3 * g.flops;
+      double f = g.t + g.quant, i = g.t + g.quant, w = g.t;
+      if (h.loss_efficiency > 0) {
+        // Measured: the fused head + loss, forward and backward (three GEMMs' FLOPs and the passes over the
+        // logits chunks), split evenly over F, I and W.
+        const double all = std::max(3 * g.flops / (h.achievable_bf16 * h.loss_efficiency), 3 * h.kernel_overhead);
+        f = all / 3 + g.quant, i = all / 3 + g.quant, w = all / 3;
+        t.gemm += all;
+      } else {
+        const double loss = membound(x, x.T * V * (o.memory.fused_loss ? 4.0 : 12.0));
+        f += loss, i += loss;
+        t.gemm += 3 * g.t, t.memory_bound += 2 * loss;
+      }
+      t.f += f, t.i += i, t.w += w;
+      t.op_f[kOpLoss] += f, t.op_b[kOpLoss] += i + w;
+      t.quantize += 2 * g.quant, t.flops += 3 * g.flops;
     }
   }
   return out;
@@ -317,9 +384,10 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     for (int st : sp.rank_stages[size_t(r)]) f1 += tp.stages[size_t(st)].f, b1 += tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
     const double gb = po.recipe.grad, pb = po.recipe.param;
     double red = 0, gather = 0;
-    auto red_fn = [&](double bytes, Group g) {
-      return l.zero >= 1 ? reduce_scatter(h, bytes, g) : all_reduce(h, bytes, g);
-    };
+    // The engine all-reduces the gradients with ZeRO-1 too (each rank then updates its shard and the parameters
+    // are all-gathered); a distributed optimizer reduce-scatters them.
+    const bool scatter = l.zero >= 1 && !(po.recipe.engine_buffers && l.zero < 3);
+    auto red_fn = [&](double bytes, Group g) { return scatter ? reduce_scatter(h, bytes, g) : all_reduce(h, bytes, g); };
     red = red_fn(Pd * gb, gd) + (Pe > 0 ? red_fn(Pe * gb, ge) : 0.0);
     if (l.zero >= 1) gather = all_gather(h, Pd * pb, gd) + (Pe > 0 ? all_gather(h, Pe * pb, ge) : 0.0);
     double exposed, total;
@@ -334,17 +402,30 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
       exposed = std::max(0.0, red - hide_b) + std::max(0.0, gather - hide_f);
     }
     if (exposed > tp.dp_exposed) tp.dp_exposed = exposed, tp.dp_total = total;
-    // Optimizer: read and write parameters, main parameters and moments, read gradients (its shard).
+    // Optimizer: zero the gradient buffer once per step (write what the rank holds); the gradient norm (read the
+    // gradients: the shard under a distributed optimizer or FSDP, every local one in the engine without FSDP);
+    // AdamW over the shard (read and write parameters, main parameters and moments, read gradients), at the
+    // measured per-element rate when the hardware file has one.
     const Recipe& rc = po.recipe;
+    const double bw = h.stream_bw();
     const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
-    // The engine then refreshes every local weight's compute copy (read the master, write the copy) and packs the
-    // experts (read the copy, write the packed layouts); a bf16 GPU recipe has none of this.
-    const double refresh = (rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) : 0.0) +
-                           Pe * (rc.expert_packed > 0 ? rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param) : 0.0);
-    tp.optimizer = std::max(tp.optimizer, (rm.optimizer_elements * per_elem + refresh) /
-                                              h.stream_bw());
+    const double adamw = h.optimizer_per_param > 0 ? rm.optimizer_elements * h.optimizer_per_param
+                                                   : rm.optimizer_elements * per_elem / bw;
+    const double norm_elems = rc.engine_buffers && l.zero < 3 ? Pd + Pe : rm.optimizer_elements;
+    const double norm = h.grad_norm_per_param > 0 ? norm_elems * h.grad_norm_per_param : norm_elems * rc.grad / bw;
+    tp.optimizer = std::max(tp.optimizer, rm.grads / bw + norm + adamw);
+    // Weight refresh (the engine's convention; a bf16 GPU recipe has none): every local weight's compute copy
+    // (read the master, write the copy) and the routed experts' packed GEMM layouts, once per step; under FSDP
+    // each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward).
+    const double copy = rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) / bw : 0.0;
+    const double pack = rc.expert_packed <= 0 ? 0.0
+                        : h.expert_pack_per_param > 0
+                            ? Pe * h.expert_pack_per_param
+                            : Pe * (rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param)) / bw;
+    const double refreshes = l.zero == 3 ? 2.0 * double(m) : 1.0;
+    tp.weight_refresh = std::max(tp.weight_refresh, refreshes * (copy + pack));
   }
-  tp.step_time = tp.pipeline_time + tp.dp_exposed + tp.optimizer;
+  tp.step_time = tp.pipeline_time + tp.dp_exposed + tp.optimizer + tp.weight_refresh;
 
   const double world = double(l.world());
   tp.tokens_per_step = double(c.training.global_batch_size) * double(c.training.seq_len);
@@ -366,6 +447,8 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     StageTime sum;
     for (int st : sp.rank_stages[size_t(worst)]) {
       const auto& x = tp.stages[size_t(st)];
+      for (int k = 0; k < kNumPlanOps; ++k)
+        tp.ops_f[size_t(k)] += x.op_f[size_t(k)] * double(m), tp.ops_b[size_t(k)] += x.op_b[size_t(k)] * double(m);
       sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
       sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
       // Under ep_overlap a steady-state FB hides the exchange behind the other micro-batch's compute: what stays
@@ -388,6 +471,7 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     b["bubble_and_p2p"] = std::max(0.0, tp.pipeline_time - accounted);
     b["comm.dp_exposed"] = tp.dp_exposed;
     b["optimizer"] = tp.optimizer;
+    b["weight_refresh"] = tp.weight_refresh;
     b.erase("comm.pp_p2p");
   }
   return tp;
@@ -406,6 +490,10 @@ nlohmann::json to_json(const TimePlan& t) {
   j["dp_exposed_s"] = t.dp_exposed;
   j["dp_total_s"] = t.dp_total;
   j["optimizer_s"] = t.optimizer;
+  j["weight_refresh_s"] = t.weight_refresh;
+  if (t.simulated)
+    for (int k = 0; k < kNumPlanOps; ++k)
+      j["ops"][plan_op_name(k)] = {{"fwd_s", t.ops_f[size_t(k)]}, {"bwd_s", t.ops_b[size_t(k)]}};
   j["tokens_per_step"] = t.tokens_per_step;
   j["simulated"] = t.simulated;
   j["simulated_microbatches"] = t.simulated_microbatches;

@@ -33,7 +33,7 @@ struct Key {
   const char* what;  // one line for messages and docs
 };
 
-constexpr double kGB = 1e9, kT = 1e12, kUs = 1e-6;
+constexpr double kGB = 1e9, kT = 1e12, kUs = 1e-6, kNs = 1e-9;
 
 constexpr Key kTop[] = {
     {"name", Kind::String, 1, false, "entry name (defaults to the file name)"},
@@ -50,6 +50,19 @@ constexpr Key kTop[] = {
     {"gemm_efficiency", Kind::Curve, 1, false, "[[min_dim, eff], ...] fraction of the achievable rate"},
     {"grouped_gemm_efficiency", Kind::Curve, 1, false,
      "[[tokens_per_expert, eff], ...] the experts' grouped GEMMs (forward + backward) against the achievable rate"},
+    {"grouped_gemm_fwd_efficiency", Kind::Curve, 1, false,
+     "[[tokens_per_expert, eff], ...] the experts' grouped GEMM forward against the achievable rate"},
+    {"grouped_gemm_bwd_efficiency", Kind::Curve, 1, false,
+     "[[tokens_per_expert, eff], ...] the experts' grouped GEMM backward (dgrad + wgrad) against the achievable rate"},
+    {"loss_efficiency", Kind::Number, 1, false,
+     "fused head + cross-entropy, forward and backward, as a fraction of the achievable rate"},
+    {"elementwise_bw_gbps", Kind::Number, kGB, false, "memory-bound layer kernels at activation sizes, GB/s"},
+    {"attention_seq_efficiency", Kind::Curve, 1, false,
+     "[[seq_len, eff], ...] attention's rate by sequence length (replaces attention_efficiency)"},
+    {"optimizer_ns_per_param", Kind::Number, kNs, false, "AdamW update per parameter element, nanoseconds"},
+    {"grad_norm_ns_per_param", Kind::Number, kNs, false, "the gradient-norm pass per gradient element, nanoseconds"},
+    {"expert_pack_ns_per_param", Kind::Number, kNs, false,
+     "re-packing the routed experts' GEMM layouts per expert parameter, nanoseconds"},
 };
 constexpr Key kTier[] = {
     {"domain", Kind::Integer, 1, true, "GPUs reachable at this tier"},
@@ -61,6 +74,8 @@ constexpr Key kTier[] = {
     {"link_efficiency", Kind::Number, 1, false, "full_mesh: achievable fraction of a link"},
 };
 constexpr const char* kTiers[] = {"scale_up", "scale_out"};
+constexpr const char* kCurveKeys[] = {"gemm_efficiency", "grouped_gemm_efficiency", "grouped_gemm_fwd_efficiency",
+                                      "grouped_gemm_bwd_efficiency", "attention_seq_efficiency"};
 
 std::vector<std::string> all_keys() {
   std::vector<std::string> out;
@@ -161,6 +176,20 @@ double* number_field(Hardware& h, std::string_view key) {
   if (key == "achievable_fp8_tflops") return &h.achievable_fp8;
   if (key == "kernel_overhead_us") return &h.kernel_overhead;
   if (key == "attention_efficiency") return &h.attention_efficiency;
+  if (key == "loss_efficiency") return &h.loss_efficiency;
+  if (key == "elementwise_bw_gbps") return &h.elementwise_bw;
+  if (key == "optimizer_ns_per_param") return &h.optimizer_per_param;
+  if (key == "grad_norm_ns_per_param") return &h.grad_norm_per_param;
+  if (key == "expert_pack_ns_per_param") return &h.expert_pack_per_param;
+  return nullptr;
+}
+template <class H>  // Hardware or const Hardware
+auto curve_field(H& h, std::string_view key) -> decltype(&h.gemm_efficiency) {
+  if (key == "gemm_efficiency") return &h.gemm_efficiency;
+  if (key == "grouped_gemm_efficiency") return &h.grouped_gemm_efficiency;
+  if (key == "grouped_gemm_fwd_efficiency") return &h.grouped_fwd_efficiency;
+  if (key == "grouped_gemm_bwd_efficiency") return &h.grouped_bwd_efficiency;
+  if (key == "attention_seq_efficiency") return &h.attention_seq_efficiency;
   return nullptr;
 }
 double* number_field(Tier& t, std::string_view key) {
@@ -316,8 +345,19 @@ double curve_at(const std::vector<EffPoint>& t, double min_dim) {
 }  // namespace
 
 double Hardware::gemm_eff(double min_dim) const { return curve_at(gemm_efficiency, min_dim); }
+double Hardware::attention_eff(double seq_len) const {
+  return attention_seq_efficiency.empty() ? attention_efficiency : curve_at(attention_seq_efficiency, seq_len);
+}
 double Hardware::grouped_eff(double tokens_per_expert) const {
   return curve_at(grouped_gemm_efficiency, tokens_per_expert);
+}
+bool Hardware::grouped_split_eff(double tokens_per_expert, double* fwd, double* bwd) const {
+  if (grouped_fwd_efficiency.empty() && grouped_bwd_efficiency.empty() && grouped_gemm_efficiency.empty())
+    return false;
+  const double both = curve_at(grouped_gemm_efficiency, tokens_per_expert);
+  *fwd = grouped_fwd_efficiency.empty() ? both : curve_at(grouped_fwd_efficiency, tokens_per_expert);
+  *bwd = grouped_bwd_efficiency.empty() ? both : curve_at(grouped_bwd_efficiency, tokens_per_expert);
+  return true;
 }
 
 double Hardware::gemm_rate(double m, double n, double k, bool fp8) const {
@@ -368,7 +408,7 @@ Hardware hardware_from_toml(std::string_view toml_text, std::string_view source)
         (key == "name" ? h.name : h.description) = as_string(source, v, key);
         break;
       case Kind::Curve:
-        (key == "gemm_efficiency" ? h.gemm_efficiency : h.grouped_gemm_efficiency) = as_curve(source, v, key);
+        *curve_field(h, key) = as_curve(source, v, key);
         break;
       case Kind::Number: *number_field(h, key) = as_number(source, v, key) * spec.scale; break;
       case Kind::Integer: break;  // no top-level integers
@@ -413,12 +453,18 @@ std::string hardware_to_toml(const Hardware& h) {
   num("achievable_fp8_tflops", h.achievable_fp8, kT);
   num("kernel_overhead_us", h.kernel_overhead, kUs);
   num("attention_efficiency", h.attention_efficiency, 1);
-  for (const auto* cv : {&h.gemm_efficiency, &h.grouped_gemm_efficiency}) {
-    if (cv == &h.grouped_gemm_efficiency && cv->empty()) continue;
-    os << (cv == &h.gemm_efficiency ? "gemm_efficiency" : "grouped_gemm_efficiency") << " = [";
-    for (size_t i = 0; i < cv->size(); ++i)
-      os << (i ? ", " : "") << "[" << toml_float(shortest((*cv)[i].dim)) << ", " << toml_float(shortest((*cv)[i].eff))
-         << "]";
+  // The measured per-op figures only when set (0 means "not measured": the cost model's generic pricing).
+  if (h.loss_efficiency > 0) num("loss_efficiency", h.loss_efficiency, 1);
+  if (h.elementwise_bw > 0) num("elementwise_bw_gbps", h.elementwise_bw, kGB);
+  if (h.optimizer_per_param > 0) num("optimizer_ns_per_param", h.optimizer_per_param, kNs);
+  if (h.grad_norm_per_param > 0) num("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
+  if (h.expert_pack_per_param > 0) num("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
+  for (const char* key : kCurveKeys) {
+    const std::vector<EffPoint>& cv = *curve_field(h, key);
+    if (cv.empty() && std::string_view(key) != "gemm_efficiency") continue;
+    os << key << " = [";
+    for (size_t i = 0; i < cv.size(); ++i)
+      os << (i ? ", " : "") << "[" << toml_float(shortest(cv[i].dim)) << ", " << toml_float(shortest(cv[i].eff)) << "]";
     os << "]\n";
   }
   for (int ti = 0; ti < 2; ++ti) {
@@ -460,16 +506,23 @@ void validate_hardware(const Hardware& h, std::string_view source) {
   c.non_negative("kernel_overhead_us", h.kernel_overhead, kUs);
   if (!(h.attention_efficiency > 0 && h.attention_efficiency <= 1))
     c.fail("attention_efficiency", h.attention_efficiency, "must lie in (0, 1]");
-  for (const auto* cv : {&h.gemm_efficiency, &h.grouped_gemm_efficiency})
+  if (!(h.loss_efficiency >= 0 && h.loss_efficiency <= 1))
+    c.fail("loss_efficiency", h.loss_efficiency, "must lie in [0, 1] (0 = not measured)");
+  c.non_negative("elementwise_bw_gbps", h.elementwise_bw, kGB);
+  c.non_negative("optimizer_ns_per_param", h.optimizer_per_param, kNs);
+  c.non_negative("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
+  c.non_negative("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
+  for (const char* key : kCurveKeys) {
+    const std::vector<EffPoint>* cv = curve_field(h, key);
     for (size_t i = 0; i < cv->size(); ++i) {
       const auto& p = (*cv)[i];
-      const std::string at = std::string(cv == &h.gemm_efficiency ? "gemm_efficiency" : "grouped_gemm_efficiency") +
-                             "[" + std::to_string(i) + "]";
+      const std::string at = std::string(key) + "[" + std::to_string(i) + "]";
       if (!(p.dim > 0)) c.fail(at + ".dim", p.dim, "must be > 0");
       if (i > 0 && !(p.dim > (*cv)[i - 1].dim))
         c.fail(at + ".dim", p.dim, "must be > the previous point's dim (ascending)");
       c.fraction(at + ".eff", p.eff);
     }
+  }
   validate_tier(c, h.scale_up, "scale_up");
   validate_tier(c, h.scale_out, "scale_out");
 }

@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string_view>
 
 #include "moetron/accounting.h"
 #include "moetron/check.h"
@@ -82,6 +83,25 @@ struct ModuleSum {
   static void add(void* ctx, const char* name, double b) { static_cast<ModuleSum*>(ctx)->by[module_of(name)] += b; }
 };
 
+// The terms that hold one entry per routed row a rank computes (accounting.h layer_terms_all): they follow the
+// routing imbalance under EP.
+struct RoutedRows {
+  double bytes = 0;
+  static void add(void* ctx, const char* name, double b) {
+    const std::string_view t(name);
+    if (t == "moe.x" || t == "moe.gate_up" || t == "moe.act" || t == "moe.y") static_cast<RoutedRows*>(ctx)->bytes += b;
+  }
+};
+
+// The routed rows a rank holds over the balanced count. A GPU framework sizes them by the busiest rank's rows
+// (PlanOptions::ep_imbalance); the engine starts its buffers at the balanced count and grows them by at least a
+// quarter when a dispatch brings more (src/model/model_ep.cpp ensure_rows), so any excess holds at least 1.25.
+double held_rows_factor(const Layout& l, const PlanOptions& o) {
+  const double imb = l.ep > 1 ? std::max(1.0, o.ep_imbalance) : 1.0;
+  if (imb <= 1.0) return 1.0;
+  return o.recipe.engine_buffers ? std::max(imb, 1.25) : imb;
+}
+
 constexpr double kGemmWorkspace = 32.0 * 1024 * 1024;  // cuBLAS: 32 MiB recommended workspace on Hopper (cuBLAS docs, cublasSetWorkspace)
 
 }  // namespace
@@ -106,6 +126,9 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   const double a = o.recipe.act_bytes > 0 ? o.recipe.act_bytes : 2.0;
   const double g = o.recipe.gemm_bytes > 0 ? o.recipe.gemm_bytes : c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
   const Recipe& rc = o.recipe;
+  MT_CHECK(o.ep_imbalance >= 1.0, "plan", "ep_imbalance = ", o.ep_imbalance,
+           " must be >= 1 (the busiest rank's routed rows over the balanced count)");
+  const double held = held_rows_factor(l, o);
 
   const int n_stages = sp.layout.n_stages;
   std::vector<double> stage_bytes(static_cast<size_t>(n_stages), 0.0);
@@ -130,6 +153,12 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
           for (const auto& [name, v] : k.mods.by) k.bytes += v;
         } else {
           k.bytes = sharded_layer_bytes(s, layer, B, S, a, g, ac, sh);
+        }
+        if (moe && held > 1.0) {  // the routed-row terms the layer keeps, scaled to the held rows
+          RoutedRows rr;
+          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &RoutedRows::add, &rr);
+          k.bytes += (held - 1.0) * rr.bytes;
+          if (o.detail) k.mods.by["routed_experts"] += (held - 1.0) * rr.bytes;
         }
         if (ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, B, S, a, g, sh);
         if (o.recipe.engine_buffers) {  // the engine's own (one rank holds the whole layer: no tp / cp here)
@@ -242,7 +271,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     // Communication buffers.
     if (moe_here && l.ep > 1) {
       const double row = c.parallelism.fp8_dispatch ? d + d / 128.0 * 4.0 : d * 2.0;
-      double rows = T / q * double(s.moe.topk) * double(l.etp);
+      double rows = T / q * double(s.moe.topk) * double(l.etp) * held;
       if (c.parallelism.ep_dispatcher == EpDispatcher::SyncFree)  // worst case: every source sends all its copies here
         rows = T / q * double(l.ep) * double(std::min<int64_t>(s.moe.topk, s.moe.n_routed_experts / l.ep)) * double(l.etp);
       rm.buffers_by_kind.push_back({"ep_dispatch", 2.0 * rows * row});

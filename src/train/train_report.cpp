@@ -197,6 +197,9 @@ void TrainSession::finish() {
     res.ep_bytes_intra_per_step = double(t.bytes_intra - ep_run0.bytes_intra) / st_;
     res.ep_seconds = t.seconds - ep_run0.seconds;
     res.ep_buffer_bytes = model->ep_buffer_bytes();
+    const Model::EpRows er = model->ep_rows();
+    if (er.balanced > 0)
+      res.ep_rows_peak_ratio = double(er.peak) / double(er.balanced), res.ep_rows_held_ratio = double(er.held) / double(er.balanced);
   }
   if (opt.keep_params) {
     res.final_params = state->global_params_values();

@@ -146,3 +146,140 @@ TEST(PlanCost, GroupedGemmCurvePricesTheExperts) {
   ASSERT_EQ(rt.grouped_gemm_efficiency.size(), 2u);
   EXPECT_DOUBLE_EQ(rt.grouped_eff(16), 0.25 + 0.5 * (0.8 - 0.25));  // log-linear: 16 is half-way from 4 to 64
 }
+
+namespace {
+plan::TimePlan time_with(const JobConfig& c, int64_t world, const plan::Hardware& h, const plan::TimeOptions& o) {
+  return plan::plan_time(c, plan::layout_from_config(c, world), h, o);
+}
+double op_total(const plan::TimePlan& t, int op) { return t.ops_f[size_t(op)] + t.ops_b[size_t(op)]; }
+}  // namespace
+
+TEST(PlanCost, OpGroupsSumToTheCompute) {
+  // Every compute second sits in exactly one op group: the groups add up to gemm + attention + memory-bound + FP8
+  // quantization of the breakdown (recompute apart), with and without the measured per-op figures.
+  auto h = plantest::round_gpu();
+  h.kernel_overhead = 4e-6;
+  for (bool measured : {false, true}) {
+    if (measured) {
+      h.grouped_fwd_efficiency = {{4, 0.2}, {256, 0.9}}, h.grouped_bwd_efficiency = {{4, 0.1}, {256, 0.7}};
+      h.loss_efficiency = 0.6, h.elementwise_bw = 300e9;
+    }
+    for (const char* q : {"none", "blockwise"}) {
+      const auto c = cfg("ds_mini", {"--parallelism.ep=4", "--training.global_batch_size=32",
+                                     std::string("--quantize.recipe=") + q});
+      const auto t = timeof(c, 4, h);
+      double ops = 0;
+      for (int k = 0; k < plan::kNumPlanOps; ++k) ops += op_total(t, k);
+      const auto& b = t.breakdown;
+      const double kinds = b.at("compute.gemm") + b.at("compute.attention") + b.at("compute.memory_bound") +
+                           b.at("compute.fp8_quantize");
+      EXPECT_NEAR(ops, kinds, 1e-9 * kinds) << measured << " " << q;
+      EXPECT_GT(op_total(t, plan::kOpExperts), 0);
+      EXPECT_GT(op_total(t, plan::kOpLoss), 0);
+    }
+  }
+  EXPECT_STREQ(plan::plan_op_name(plan::kOpExperts), "experts");
+}
+
+TEST(PlanCost, SplitGroupedCurvesPriceForwardAndBackwardApart) {
+  // ds_mini on one GPU: the experts' forward at achievable x fwd(tokens per expert), their backward (twice the
+  // FLOPs) at achievable x bwd(tokens per expert). Halving the backward curve adds the backward FLOPs' time once
+  // more and leaves the forward alone.
+  const auto c = cfg("ds_mini");
+  auto h = plantest::round_gpu();
+  h.grouped_fwd_efficiency = {{1, 1.0}, {1e6, 1.0}};
+  h.grouped_bwd_efficiency = {{1, 1.0}, {1e6, 1.0}};
+  const auto full = timeof(c, 1, h);
+  h.grouped_bwd_efficiency = {{1, 0.5}, {1e6, 0.5}};
+  const auto half = timeof(c, 1, h);
+  const auto& m = c.model.moe;
+  const double tokens = double(c.training.global_batch_size * c.training.seq_len);
+  const double fwd_flops = 2 * tokens * double(m.topk) * 3.0 * double(m.moe_inter_size) * double(c.model.d_model) *
+                           double(c.model.n_moe_layers());
+  EXPECT_DOUBLE_EQ(half.ops_f[plan::kOpExperts], full.ops_f[plan::kOpExperts]);
+  EXPECT_NEAR(half.ops_b[plan::kOpExperts] - full.ops_b[plan::kOpExperts], 2 * fwd_flops / h.achievable_bf16,
+              1e-6 * fwd_flops / h.achievable_bf16);
+  // The forward itself: its FLOPs at the achievable rate plus the experts' SwiGLU pass (3 Im bf16 elements a row).
+  const double swiglu = tokens * double(m.topk) * 3 * double(m.moe_inter_size) * 2 * double(c.model.n_moe_layers());
+  EXPECT_NEAR(full.ops_f[plan::kOpExperts], fwd_flops / h.achievable_bf16 + swiglu / h.stream_bw(),
+              1e-6 * full.ops_f[plan::kOpExperts]);
+}
+
+TEST(PlanCost, MeasuredLossOptimizerAndRefreshFigures) {
+  // The engine's recipe in fp32 on one GPU: hand-counted from the measured per-op figures.
+  const auto c = cfg("ds_mini", {"--training.compute_dtype=fp32"});
+  auto h = plantest::round_gpu();
+  plan::TimeOptions o;
+  o.memory.recipe = plan::recipe_named("engine", c);
+  o.overlap_dp = false;
+  const auto base = time_with(c, 1, h, o);
+  h.loss_efficiency = 0.25;
+  h.optimizer_per_param = 2e-9, h.grad_norm_per_param = 1e-9, h.expert_pack_per_param = 3e-9;
+  const auto t = time_with(c, 1, h, o);
+  // The fused head + loss: 6 N V d FLOPs per step at a quarter of the achievable rate.
+  const double tokens = double(c.training.global_batch_size * c.training.seq_len);
+  const double loss_flops = 6 * tokens * double(c.model.vocab_size) * double(c.model.d_model);
+  EXPECT_NEAR(op_total(t, plan::kOpLoss), loss_flops / (0.25 * h.achievable_bf16), 1e-9 * op_total(t, plan::kOpLoss));
+  // Optimizer: zero the fp32 gradients (write 4 B each), the norm pass and AdamW over every parameter (no sharding).
+  const auto m = plan::plan_memory(c, t.layout, h, o.memory);
+  const auto& r = m.per_rank.at(0);
+  const double P = r.params_tp_sharded + r.params_replicated + r.params_experts;
+  EXPECT_NEAR(t.optimizer, r.grads / h.stream_bw() + P * 1e-9 + P * 2e-9, 1e-9 * t.optimizer);
+  EXPECT_GT(t.optimizer, base.optimizer);  // the round GPU streams faster than 3 ns a parameter
+  // Refresh: fp32 compute keeps no copy; the experts are re-packed once per step.
+  EXPECT_NEAR(t.weight_refresh, r.params_experts * 3e-9, 1e-9 * t.weight_refresh);
+  EXPECT_DOUBLE_EQ(t.breakdown.at("weight_refresh"), t.weight_refresh);
+  EXPECT_NEAR(t.step_time, t.pipeline_time + t.dp_exposed + t.optimizer + t.weight_refresh, 1e-12);
+  // FSDP re-packs each gathered unit, twice per micro-batch.
+  auto cf = cfg("ds_mini", {"--training.compute_dtype=fp32", "--parallelism.dp_shard=2", "--parallelism.zero=3"});
+  plan::TimeOptions of = o;
+  of.memory.recipe = plan::recipe_named("engine", cf);
+  const auto tf = time_with(cf, 2, h, of);
+  const auto rf = plan::plan_memory(cf, tf.layout, h, of.memory).per_rank.at(0);
+  EXPECT_NEAR(tf.weight_refresh, 2.0 * double(tf.layout.microbatches) * rf.params_experts * 3e-9, 1e-9 * tf.weight_refresh);
+}
+
+TEST(PlanCost, EngineAllReducesGradientsUnderZero1) {
+  // moetron's ZeRO-1 all-reduces the gradients and all-gathers the updated parameters; a distributed optimizer
+  // (the GPU recipe) reduce-scatters them instead.
+  const auto c = cfg("ds_mini", {"--training.compute_dtype=fp32", "--parallelism.dp_replicate=2", "--parallelism.zero=1"});
+  const auto h = plantest::round_gpu();
+  const plan::Group g{2, 2};
+  for (const char* rn : {"engine", "megatron"}) {
+    plan::TimeOptions o;
+    o.memory.recipe = plan::recipe_named(rn, c);
+    o.overlap_dp = false;
+    const auto t = time_with(c, 2, h, o);
+    const auto r = plan::plan_memory(c, t.layout, h, o.memory).per_rank.at(0);
+    const double gb = o.memory.recipe.grad, pb = o.memory.recipe.param;
+    // dense and expert buckets over the same 2 ranks (edp = dp = 2)
+    const double Pd = r.params_tp_sharded + r.params_replicated, Pe = r.params_experts;
+    const bool engine = std::string(rn) == "engine";
+    const double red = engine ? plan::all_reduce(h, Pd * gb, g) + plan::all_reduce(h, Pe * gb, g)
+                              : plan::reduce_scatter(h, Pd * gb, g) + plan::reduce_scatter(h, Pe * gb, g);
+    const double gather = plan::all_gather(h, Pd * pb, g) + plan::all_gather(h, Pe * pb, g);
+    EXPECT_NEAR(t.dp_total, red + gather, 1e-9 * (red + gather)) << rn;
+  }
+}
+
+TEST(PlanCost, EpImbalanceSlowsTheBusiestRank) {
+  // The busiest EP rank computes imb times the balanced routed rows and receives imb times the bytes: with flat
+  // curves and no latency, its experts' compute, permute passes and all-to-all grow by that factor; the rest stays.
+  // Without EP every rank holds every expert: no effect.
+  auto h = plantest::round_gpu();
+  h.grouped_fwd_efficiency = {{1, 1.0}}, h.grouped_bwd_efficiency = {{1, 1.0}};
+  const auto c = cfg("ds_mini", {"--parallelism.ep=8", "--training.global_batch_size=64"});
+  plan::TimeOptions o;
+  const auto one = time_with(c, 8, h, o);
+  o.memory.ep_imbalance = 1.5;
+  const auto skew = time_with(c, 8, h, o);
+  EXPECT_NEAR(op_total(skew, plan::kOpExperts), 1.5 * op_total(one, plan::kOpExperts), 1e-9);
+  EXPECT_NEAR(op_total(skew, plan::kOpPermute), 1.5 * op_total(one, plan::kOpPermute), 1e-9);
+  EXPECT_NEAR(skew.breakdown.at("comm.ep"), 1.5 * one.breakdown.at("comm.ep"), 1e-9 * one.breakdown.at("comm.ep"));
+  EXPECT_DOUBLE_EQ(op_total(skew, plan::kOpAttnProj), op_total(one, plan::kOpAttnProj));
+  const auto c1 = cfg("ds_mini");
+  plan::TimeOptions o1;
+  const auto a = time_with(c1, 1, h, o1);
+  o1.memory.ep_imbalance = 1.5;
+  EXPECT_DOUBLE_EQ(time_with(c1, 1, h, o1).step_time, a.step_time);
+}

@@ -84,6 +84,20 @@ void expect_same(const Hardware& a, const Hardware& b) {
     EXPECT_DOUBLE_EQ(x.link_bw, y.link_bw);
     EXPECT_DOUBLE_EQ(x.link_efficiency, y.link_efficiency);
   }
+  EXPECT_DOUBLE_EQ(a.attention_efficiency, b.attention_efficiency);
+  EXPECT_DOUBLE_EQ(a.loss_efficiency, b.loss_efficiency);
+  EXPECT_DOUBLE_EQ(a.elementwise_bw, b.elementwise_bw);
+  EXPECT_DOUBLE_EQ(a.optimizer_per_param, b.optimizer_per_param);
+  EXPECT_DOUBLE_EQ(a.grad_norm_per_param, b.grad_norm_per_param);
+  EXPECT_DOUBLE_EQ(a.expert_pack_per_param, b.expert_pack_per_param);
+  for (auto cv : {&Hardware::grouped_gemm_efficiency, &Hardware::grouped_fwd_efficiency,
+                  &Hardware::grouped_bwd_efficiency, &Hardware::attention_seq_efficiency}) {
+    ASSERT_EQ((a.*cv).size(), (b.*cv).size());
+    for (size_t i = 0; i < (a.*cv).size(); ++i) {
+      EXPECT_DOUBLE_EQ((a.*cv)[i].dim, (b.*cv)[i].dim);
+      EXPECT_DOUBLE_EQ((a.*cv)[i].eff, (b.*cv)[i].eff);
+    }
+  }
   EXPECT_EQ(a.sources, b.sources);
 }
 
@@ -237,6 +251,41 @@ TEST(HardwareToml, AwkwardValuesRoundTrip) {
   expect_same(h, back);
 }
 
+TEST(HardwareToml, MeasuredPerOpFiguresRoundTrip) {
+  // The figures `plan calibrate` measures per op: written only when set, read back exactly, in their TOML units.
+  Hardware h = hardware_from_toml(kUserToml, "lab.toml");
+  EXPECT_EQ(hardware_to_toml(h).find("loss_efficiency"), std::string::npos);  // unset: not written
+  h.grouped_fwd_efficiency = {{4, 0.1}, {64, 0.9}};
+  h.grouped_bwd_efficiency = {{4, 0.08}, {64, 0.7}};
+  h.attention_seq_efficiency = {{128, 0.4}, {512, 0.6}};
+  h.loss_efficiency = 0.85;
+  h.elementwise_bw = 13.5e9;
+  h.optimizer_per_param = 2.6e-9;
+  h.grad_norm_per_param = 1.6e-9;
+  h.expert_pack_per_param = 4.3e-9;
+  const std::string text = hardware_to_toml(h);
+  EXPECT_NE(text.find("elementwise_bw_gbps = 13.5\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("optimizer_ns_per_param = 2.6\n"), std::string::npos) << text;
+  const Hardware back = hardware_from_toml(text, "lab.toml");
+  expect_same(h, back);
+  validate_hardware(back, "lab.toml");
+  // The split curves fall back to the combined one, which falls back to "not measured".
+  double f = 0, b = 0;
+  EXPECT_TRUE(back.grouped_split_eff(16, &f, &b));
+  EXPECT_DOUBLE_EQ(f, 0.1 + 0.5 * (0.9 - 0.1));  // 16 is half-way from 4 to 64 in log space
+  EXPECT_DOUBLE_EQ(b, 0.08 + 0.5 * (0.7 - 0.08));
+  Hardware only_both = hardware_from_toml(kUserToml, "lab.toml");
+  EXPECT_FALSE(only_both.grouped_split_eff(16, &f, &b));
+  only_both.grouped_gemm_efficiency = {{1, 0.3}};
+  EXPECT_TRUE(only_both.grouped_split_eff(16, &f, &b));
+  EXPECT_DOUBLE_EQ(f, 0.3);
+  EXPECT_DOUBLE_EQ(b, 0.3);
+  // Attention: the curve by sequence length when set, else the scalar.
+  EXPECT_DOUBLE_EQ(back.attention_eff(128), 0.4);
+  EXPECT_DOUBLE_EQ(back.attention_eff(4096), 0.6);
+  EXPECT_DOUBLE_EQ(only_both.attention_eff(4096), only_both.attention_efficiency);
+}
+
 // ---- refusals ---------------------------------------------------------------------------------------------
 TEST(HardwareToml, UserFileParses) {
   const Hardware h = hardware_from_toml(kUserToml, "lab.toml");
@@ -316,6 +365,14 @@ TEST(HardwareToml, OutOfRangeFiguresAreRefused) {
   refuse("kernel_overhead_us = 5", "kernel_overhead_us = -1", "kernel_overhead_us = -1: must be >= 0");
   refuse("[[128, 0.4], [1024, 0.9]]", "[[1024, 0.9], [128, 0.4]]", "gemm_efficiency[1].dim = 128: must be >");
   refuse("[[128, 0.4], [1024, 0.9]]", "[[128, 1.5]]", "gemm_efficiency[0].eff = 1.5: must be in (0, 1]");
+  refuse("kernel_overhead_us = 5", "kernel_overhead_us = 5\nloss_efficiency = 1.2",
+         "loss_efficiency = 1.2: must lie in [0, 1]");
+  refuse("kernel_overhead_us = 5", "kernel_overhead_us = 5\noptimizer_ns_per_param = -2",
+         "optimizer_ns_per_param = -2: must be >= 0");
+  refuse("kernel_overhead_us = 5", "kernel_overhead_us = 5\nelementwise_bw_gbps = -1",
+         "elementwise_bw_gbps = -1: must be >= 0");
+  refuse("kernel_overhead_us = 5", "kernel_overhead_us = 5\ngrouped_gemm_bwd_efficiency = [[64, 0.5], [16, 0.2]]",
+         "grouped_gemm_bwd_efficiency[1].dim = 16: must be >");
 }
 
 TEST(HardwareToml, FullMeshWithoutAggregateUsesTheLinks) {

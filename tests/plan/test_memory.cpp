@@ -193,3 +193,38 @@ TEST(PlanMemorySeeds, TwoTrillionWithCp2AndEp8FitsMi355xNotMi300x) {
   EXPECT_EQ(m300.verdict, "OOM");
   EXPECT_NE(m355.verdict, "OOM");
 }
+
+TEST(PlanMemory, EpImbalanceScalesTheRoutedRows) {
+  // ds_mini on 8 GPUs with ep 8: the busiest rank holds imb x (tokens x topk) routed rows. The terms with one entry
+  // per routed row (moe.x, moe.gate_up, moe.act, moe.y) grow by (imb - 1) of their balanced bytes, hand-counted
+  // here, and so do the EP dispatch buffers; nothing else moves.
+  const auto c = cfg("ds_mini", {"--parallelism.ep=8", "--training.global_batch_size=64"});
+  const auto& m = c.model.moe;
+  const double R = double(c.training.micro_batch_size * c.training.seq_len * m.topk), d = double(c.model.d_model),
+               Im = double(m.moe_inter_size);
+  auto routed = [&](double a, double g) { return R * d * g + R * 2 * Im * a + R * Im * g + R * d * a; };
+  plan::PlanOptions o;
+  const auto one = mem(c, 8, o).per_rank.at(0);
+  o.ep_imbalance = 1.5;
+  const auto skew = mem(c, 8, o).per_rank.at(0);
+  const double n_moe = double(c.model.n_moe_layers());
+  EXPECT_NEAR(skew.act_per_microbatch - one.act_per_microbatch, 0.5 * n_moe * routed(2, 2), 1e-6);
+  EXPECT_NEAR(skew.buffers, 1.5 * one.buffers, 1e-6);  // ep_dispatch only (pp 1)
+  EXPECT_DOUBLE_EQ(skew.params, one.params);
+  // The engine's buffers start at the balanced rows and grow by at least a quarter: an imbalance of 1.1 holds 1.25.
+  const auto ce = cfg("ds_mini", {"--parallelism.ep=8", "--training.global_batch_size=64", "--training.compute_dtype=fp32"});
+  plan::PlanOptions oe;
+  oe.recipe = plan::recipe_named("engine", ce);
+  const auto e1 = mem(ce, 8, oe).per_rank.at(0);
+  oe.ep_imbalance = 1.1;
+  const auto e2 = mem(ce, 8, oe).per_rank.at(0);
+  EXPECT_NEAR(e2.act_per_microbatch - e1.act_per_microbatch, 0.25 * n_moe * routed(4, 4), 1e-6);
+  // Without EP a rank holds every expert: its rows are the balanced count whatever the routing.
+  const auto c1 = cfg("ds_mini");
+  plan::PlanOptions o1;
+  const double a1 = mem(c1, 1, o1).per_rank.at(0).activations;
+  o1.ep_imbalance = 2;
+  EXPECT_DOUBLE_EQ(mem(c1, 1, o1).per_rank.at(0).activations, a1);
+  o1.ep_imbalance = 0.9;
+  EXPECT_THROW(mem(c1, 1, o1), Error);
+}

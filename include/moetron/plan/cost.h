@@ -6,6 +6,7 @@
 // gradient / parameter collectives with the overlap each layout allows, and the optimizer step.
 // Not a memory model (plan/memory.h) and not a search (plan/search.h).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <map>
 #include <nlohmann/json_fwd.hpp>
@@ -21,6 +22,17 @@
 
 namespace moetron::plan {
 
+// The projection's compute by op group, each named after the engine's trace scopes it lines up with (`plan validate
+// --ops` prints them side by side): attn_proj (q/k/v and output projections, RoPE: fwd/bwd.attn.proj, .out_proj),
+// attn_core (fwd/bwd.attn.core), norm (fwd/bwd.norm), ffn (the dense FFN and the shared experts: fwd.mlp,
+// fwd.shared, bwd.mlp), router (fwd/bwd.router), permute (fwd/bwd.permute, .combine), experts (the routed
+// experts' grouped GEMMs and SwiGLU: fwd/bwd.experts), loss (the head and the loss: loss.fused_linear_xent),
+// other (residual adds: untraced in the engine).
+enum PlanOp : int { kOpAttnProj, kOpAttnCore, kOpNorm, kOpFfn, kOpRouter, kOpPermute, kOpExperts, kOpLoss, kOpOther,
+                    kNumPlanOps };
+const char* plan_op_name(int op);
+using OpSeconds = std::array<double, kNumPlanOps>;
+
 // One micro-batch of one stage, seconds.
 struct StageTime {
   double f = 0, i = 0, w = 0;     // compute (F; backward input and weight halves), incl. exposed TP/CP comm
@@ -28,6 +40,7 @@ struct StageTime {
   double gemm = 0, attention = 0, memory_bound = 0, quantize = 0, recompute = 0;  // compute parts (f+i+w)
   double tp_comm = 0, cp_comm = 0;  // exposed, included in f / i
   double flops = 0;               // hardware FLOPs of F+B (incl. recompute)
+  OpSeconds op_f{}, op_b{};       // compute by op group: forward, backward (I + W); recompute apart
 };
 
 struct TimePlan {
@@ -39,13 +52,15 @@ struct TimePlan {
   double bubble_ratio = 0;
   double dp_exposed = 0;          // gradient reduce-scatter / all-reduce and parameter all-gather not hidden
   double dp_total = 0;            // the same before overlap
-  double optimizer = 0;
+  double optimizer = 0;           // gradient zeroing, norm and AdamW over the rank's shard
+  double weight_refresh = 0;      // rebuilding the weights' compute copies / packed layouts (engine recipe)
   double step_time = 0;
   double tokens_per_step = 0;
   double tokens_per_s_per_gpu = 0;
   double tflops_per_gpu = 0;      // model FLOPs (3 x forward, accounting.h) per second per GPU
   double mfu = 0;                 // against the bf16 dense peak
   std::map<std::string, double> breakdown;  // seconds per step, per kind (sums to step_time)
+  OpSeconds ops_f{}, ops_b{};     // per step, the slowest pipeline rank: compute by op group (forward, backward)
   bool simulated = true;          // false: the analytic estimate (search's first pass)
   int64_t simulated_microbatches = 0;
 };

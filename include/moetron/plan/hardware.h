@@ -56,6 +56,17 @@ struct Hardware {
   std::vector<EffPoint> grouped_gemm_efficiency;
   double kernel_overhead = 0;  // seconds per kernel launch (a floor under every op)
   double attention_efficiency = 1;  // fused (flash) attention's FLOP rate as a fraction of achievable_bf16
+  // Measured per-op figures (`plan calibrate` writes them for this machine; the catalog has none). Each one, when
+  // set, replaces the generic pricing of its op; unset (empty / 0), the op is priced from the rates above.
+  std::vector<EffPoint> grouped_fwd_efficiency;  // the experts' grouped GEMM forward, by tokens per expert
+  std::vector<EffPoint> grouped_bwd_efficiency;  // its backward (dgrad + wgrad), by tokens per expert
+  double loss_efficiency = 0;      // fused head + cross-entropy, forward + backward (6 N V d FLOPs), of achievable
+  double elementwise_bw = 0;       // bytes/s of the layers' memory-bound kernels at activation sizes (0: stream_bw)
+  std::vector<EffPoint> attention_seq_efficiency;  // attention_efficiency by sequence length (empty: the scalar)
+  double optimizer_per_param = 0;  // seconds per AdamW element update (0: its bytes at stream_bw)
+  double grad_norm_per_param = 0;  // seconds per gradient element of the global-norm pass (0: 4 B at stream_bw)
+  double expert_pack_per_param = 0;  // seconds per routed-expert parameter to rebuild its packed GEMM layouts
+  double elementwise_rate() const { return elementwise_bw > 0 ? elementwise_bw : stream_bw(); }
   Tier scale_up;
   Tier scale_out;
   // Public source of each figure, by TOML key ("hbm_gb", "peak_bf16_tflops", "scale_up.bw_gbps", ...).
@@ -65,6 +76,10 @@ struct Hardware {
   double gemm_rate(double m, double n, double k, bool fp8) const;
   double gemm_eff(double min_dim) const;
   double grouped_eff(double tokens_per_expert) const;  // grouped_gemm_efficiency (1.0 when empty)
+  // The grouped GEMM's forward / backward efficiency by tokens per expert: the split curves when measured, else
+  // grouped_gemm_efficiency; false when neither is set (the experts are then priced one GEMM each).
+  bool grouped_split_eff(double tokens_per_expert, double* fwd, double* bwd) const;
+  double attention_eff(double seq_len) const;  // attention_seq_efficiency at seq_len, else attention_efficiency
 };
 
 const std::vector<std::string>& catalog_names();

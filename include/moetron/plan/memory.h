@@ -45,6 +45,9 @@ struct PlanOptions {
   bool fused_loss = true;  // the fused head + cross-entropy (no logits kept)
   double margin = 0.10;    // AT-RISK above (1 - margin) x HBM: allocator fragmentation, runtime context
   bool detail = true;      // activations by module (the search's first pass leaves them out)
+  // Routing imbalance: the routed rows of the busiest expert-parallel rank over the balanced count (tokens x topk),
+  // >= 1. The routed-expert activations, the EP dispatch buffers and the experts' time scale by it (1 = balanced).
+  double ep_imbalance = 1.0;
 };
 // The [activation_checkpoint] section a layout plans with: the config's layer / stage choices, the layout's mode
 // and modules (resolve_checkpointing when stages are named).
