@@ -18,6 +18,8 @@ import re
 import shutil
 import subprocess
 import sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from chromium_finder import find_chromium  # noqa: E402
 
 SKIP = 77
 MAX_PAGE_BYTES = 400 * 1024
@@ -27,15 +29,6 @@ def in_ci():
     return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
-def find_chromium():
-    env = os.environ.get("MOETRON_CHROMIUM")
-    if env:
-        return env
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
 
 
 def render(chromium, page, workdir):
