@@ -4,13 +4,20 @@
 // moetron::Error naming the op and the MPI error string (MPI_ERRORS_RETURN on every communicator).
 // Not a reduction: Comm folds in a fixed order itself; MPI_Allreduce is never used. Non-blocking sends and
 // receives (isend / irecv) keep their MPI_Request in a table of reusable slots until wait_all completes them.
+// Waiting: every call is non-blocking underneath and completes in wait_requests(), which tests the requests
+// and, once a wait has lasted a little, sleeps between tests (MOETRON_MPI_WAIT=poll, the default) instead of
+// spinning inside MPI (MOETRON_MPI_WAIT=spin). A rank that waits then leaves its core to the ranks and threads
+// that compute, which matters whenever ranks share cores (oversubscribed runs, the EP overlap's second lane).
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm_backend.h"
@@ -56,6 +63,38 @@ int common_unit(std::initializer_list<std::pair<const int64_t*, int>> arrays, in
   return j;
 }
 
+// How a rank waits for its requests: sleeping between tests (default) or spinning inside MPI_Waitall.
+bool wait_by_polling() {
+  static const bool poll = [] {
+    const char* v = std::getenv("MOETRON_MPI_WAIT");
+    if (!v || std::string(v) == "poll") return true;
+    MT_CHECK(std::string(v) == "spin", "comm.init", "MOETRON_MPI_WAIT must be 'poll' or 'spin', not '", v, "'");
+    return false;
+  }();
+  return poll;
+}
+
+// Completes n requests; returns MPI's code (MPI_ERR_IN_STATUS with per-request errors in st, as MPI_Waitall).
+// Polling: tests back to back for the first 50 us (short messages finish at MPI's own latency), then sleeps
+// between tests, 20 us at first and doubling up to 200 us, so a long wait costs its core almost nothing while
+// each test still moves the transfers on (TCP's socket buffers hold far more than 200 us of any link here).
+int wait_requests(int n, MPI_Request* reqs, MPI_Status* st) {
+  if (!wait_by_polling()) return MPI_Waitall(n, reqs, st);
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  auto nap = std::chrono::microseconds(20);
+  for (;;) {
+    int done = 0;
+    const int rc = MPI_Testall(n, reqs, &done, st);
+    if (rc != MPI_SUCCESS || done) return rc;
+    if (clock::now() - start < std::chrono::microseconds(50)) continue;
+    std::this_thread::sleep_for(nap);
+    nap = std::min(nap * 2, std::chrono::microseconds(200));
+  }
+}
+
+void wait_ok(int n, MPI_Request* reqs, const char* op) { mpi_ok(wait_requests(n, reqs, MPI_STATUSES_IGNORE), op); }
+
 int to_int(int64_t v, int log2u, const char* op) {
   int64_t u = v >> log2u;
   MT_CHECK(u <= INT_MAX, op, "size ", v, " bytes is too large for one MPI call (", INT_MAX, " units of ",
@@ -95,7 +134,9 @@ class MpiBackend final : public CommBackend {
     MPI_Datatype t = unit_type(j);
     // MPI wants valid pointers even when nothing moves.
     static char dummy[64];
-    mpi_ok(MPI_Alltoallv(send ? send : dummy, isc, isd, t, recv ? recv : dummy, irc, ird, t, comm_), op);
+    MPI_Request r;
+    mpi_ok(MPI_Ialltoallv(send ? send : dummy, isc, isd, t, recv ? recv : dummy, irc, ird, t, comm_, &r), op);
+    wait_ok(1, &r, op);
   }
 
   void all_gather_v(void* out, const int64_t* counts, const int64_t* displs, const void* in) override {
@@ -109,7 +150,9 @@ class MpiBackend final : public CommBackend {
     }
     MPI_Datatype t = unit_type(j);
     static char dummy[64];
-    mpi_ok(MPI_Allgatherv(in ? in : dummy, ic[rank_], t, out, ic, id, t, comm_), op);
+    MPI_Request r;
+    mpi_ok(MPI_Iallgatherv(in ? in : dummy, ic[rank_], t, out, ic, id, t, comm_, &r), op);
+    wait_ok(1, &r, op);
   }
 
   void exchange(void* recv, int64_t capacity, const void* send, const int64_t* sc, const int64_t* sd) override {
@@ -127,13 +170,15 @@ class MpiBackend final : public CommBackend {
       if (q != rank_)
         mpi_ok(MPI_Isend(sb + sd[q], to_int(sc[q], j, op), t, q, kExchangeTag, comm_, &reqs_[size_t(p + q)]), op);
     if (sc[rank_] > 0) std::memmove(rb + rank_ * capacity, sb + sd[rank_], size_t(sc[rank_]));
-    mpi_ok(MPI_Waitall(2 * p, reqs_.data(), MPI_STATUSES_IGNORE), op);
+    wait_ok(2 * p, reqs_.data(), op);
   }
 
   void send(const void* buf, int64_t bytes, int dst, int tag) override {
     const int j = common_unit({}, bytes);
     static char dummy[64];
-    mpi_ok(MPI_Send(buf ? buf : dummy, to_int(bytes, j, "comm.send"), unit_type(j), dst, tag, comm_), "comm.send");
+    MPI_Request r;
+    mpi_ok(MPI_Isend(buf ? buf : dummy, to_int(bytes, j, "comm.send"), unit_type(j), dst, tag, comm_, &r), "comm.send");
+    wait_ok(1, &r, "comm.send");
   }
 
   void recv(void* buf, int64_t bytes, int src, int tag) override {
@@ -142,7 +187,9 @@ class MpiBackend final : public CommBackend {
     static char dummy[64];
     // Received as bytes so that the size check below is exact.
     MT_CHECK(bytes <= INT_MAX, op, "recv of ", bytes, " bytes is too large for one MPI call");
-    mpi_ok(MPI_Recv(buf ? buf : dummy, int(bytes), MPI_BYTE, src, tag, comm_, &st), op);
+    MPI_Request r;
+    mpi_ok(MPI_Irecv(buf ? buf : dummy, int(bytes), MPI_BYTE, src, tag, comm_, &r), op);
+    mpi_ok(wait_requests(1, &r, &st), op);
     int got = 0;
     MPI_Get_count(&st, MPI_BYTE, &got);
     MT_CHECK(got == bytes, op, "message of ", got, " bytes from rank ", src, ", expected ", bytes, " (tag ", tag, ")");
@@ -172,7 +219,7 @@ class MpiBackend final : public CommBackend {
     reqs_.resize(size_t(n));
     stats_.resize(size_t(n));
     for (int k = 0; k < n; ++k) reqs_[size_t(k)] = preq_[size_t(ids[k])].req;
-    const int rc = MPI_Waitall(n, reqs_.data(), stats_.data());
+    const int rc = wait_requests(n, reqs_.data(), stats_.data());
     for (int k = 0; k < n; ++k) free_.push_back(ids[k]);
     auto describe = [&](const Req& r) {
       return std::string(r.is_recv ? "irecv of " : "isend of ") + std::to_string(r.bytes) + " bytes " +
@@ -204,7 +251,11 @@ class MpiBackend final : public CommBackend {
     return {};
   }
 
-  void barrier() override { mpi_ok(MPI_Barrier(comm_), "comm.barrier"); }
+  void barrier() override {
+    MPI_Request r;
+    mpi_ok(MPI_Ibarrier(comm_, &r), "comm.barrier");
+    wait_ok(1, &r, "comm.barrier");
+  }
 
   std::shared_ptr<CommBackend> split(int color, int key) override {
     MPI_Comm c;
