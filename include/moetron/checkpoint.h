@@ -44,6 +44,10 @@ struct CheckpointWriteRequest {
   nlohmann::json state = nlohmann::json::object();
 };
 
+// The directory name of a step ("step-<step>") and its path under folder (what save_checkpoint returns).
+std::string step_dir_name(int64_t step);
+std::string checkpoint_path(const std::string& folder, int64_t step);
+
 // Writes <folder>/step-<step>/ atomically, replacing an existing checkpoint of the same step atomically.
 // Then prunes: complete checkpoints beyond the newest keep_latest_k (by step; keep_latest_k <= 0 keeps
 // all) and stale temporary directories (*.tmp-<pid> whose process is not alive). Returns the path.

@@ -124,6 +124,9 @@ struct CheckpointSpec {
   int64_t interval = 500;
   int64_t keep_latest_k = 2;  // 0 = keep all
   std::string folder = "checkpoint";
+  // Write in the background: the state is gathered and copied at the step boundary, then a thread writes the
+  // files while training goes on. The checkpoint counts only once its state.json is in place (as always).
+  bool async = false;
   bool operator==(const CheckpointSpec&) const = default;
 };
 

@@ -287,6 +287,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("checkpoint", "interval", checkpoint.interval));
     t.push_back(MT_F("checkpoint", "keep_latest_k", checkpoint.keep_latest_k));
     t.push_back(MT_F("checkpoint", "folder", checkpoint.folder));
+    t.push_back(MT_F("checkpoint", "async", checkpoint.async));
     // [activation_checkpoint]
     t.push_back(MT_E("activation_checkpoint", "mode", activation_checkpoint.mode, {"none", "selective", "full"}));
     t.push_back(MT_F("activation_checkpoint", "layer_ids", activation_checkpoint.layer_ids));

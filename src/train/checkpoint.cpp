@@ -41,8 +41,6 @@ void hook(std::string_view stage) {
 
 std::string errno_str(int e) { return std::string(std::strerror(e)); }
 
-std::string step_dir_name(int64_t step) { return "step-" + std::to_string(step); }
-
 // Parses "step-<digits>" exactly; false otherwise.
 bool parse_step_dir(const std::string& name, int64_t* step) {
   if (name.size() <= 5 || name.compare(0, 5, "step-") != 0) return false;
@@ -218,6 +216,12 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoint_dirs(const std::str
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+std::string step_dir_name(int64_t step) { return "step-" + std::to_string(step); }
+
+std::string checkpoint_path(const std::string& folder, int64_t step) {
+  return (fs::path(folder) / step_dir_name(step)).string();
 }
 
 std::string save_checkpoint(const std::string& folder, const CheckpointWriteRequest& req, int keep_latest_k) {

@@ -180,23 +180,34 @@ void TrainSession::resume() {
   if (say) std::printf("resumed from %s (step %lld)\n", latest->c_str(), (long long)step);
 }
 
-// Collective (parameters, moments and biases are gathered to the global layout); rank 0 writes.
+// Collective (parameters, moments and biases are gathered to the global layout); rank 0 writes. The request's
+// tensors point into `Snapshot`'s vectors, which the background writer owns until its write ends.
 std::string TrainSession::save(int64_t s) {
-  const std::vector<float> p = state->global_params_values(), m = state->global_moment(0), v = state->global_moment(1);
-  const std::vector<float> bias = state->global_biases();
+  struct Snapshot {
+    std::vector<float> p, m, v, bias;
+    CheckpointWriteRequest req;
+  };
+  auto snap = std::make_shared<Snapshot>();
+  snap->p = state->global_params_values(), snap->m = state->global_moment(0), snap->v = state->global_moment(1);
+  snap->bias = state->global_biases();
   if (!root) return std::string();
-  CheckpointWriteRequest req;
+  CheckpointWriteRequest& req = snap->req;
   req.step = s;
-  req.model = global_tensors(*state, p, "");
-  add_biases(req.model, bias, cfg.model.is_moe() ? cfg.model.moe.n_routed_experts : 0);
+  req.model = global_tensors(*state, snap->p, "");
+  add_biases(req.model, snap->bias, cfg.model.is_moe() ? cfg.model.moe.n_routed_experts : 0);
   for (const char* pre : {"m.", "v."}) {
-    auto t = global_tensors(*state, pre[0] == 'm' ? m : v, pre);
+    auto t = global_tensors(*state, pre[0] == 'm' ? snap->m : snap->v, pre);
     req.optimizer.insert(req.optimizer.end(), t.begin(), t.end());
   }
   req.state = json{{"data", data.train->state()}, {"config", to_json(cfg)}, {"config_toml", to_toml(cfg)},
                    {"rng", {{"seed", cfg.training.seed}}}};
-  return save_checkpoint(ckdir, req, int(cfg.checkpoint.keep_latest_k));
+  const int keep = int(cfg.checkpoint.keep_latest_k);
+  if (!cfg.checkpoint.async) return save_checkpoint(ckdir, req, keep);
+  ckwriter.submit([snap, dir = ckdir, keep] { save_checkpoint(dir, snap->req, keep); });
+  return checkpoint_path(ckdir, s);
 }
+
+void TrainSession::wait_for_checkpoint() { ckwriter.wait(); }
 
 // Validation batches 0..nb-1 (batch i = sequences [i*B, i*B + B) of the validation stream); under DP rank r
 // computes the contiguous range [nb*r/D, nb*(r+1)/D) through its pipeline and the per-batch sums are folded in

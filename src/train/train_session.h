@@ -22,6 +22,7 @@
 #include "moetron/model.h"
 #include "moetron/optim.h"
 #include "moetron/trainer.h"
+#include "train/checkpoint_writer.h"
 #include "train/model_stages.h"
 #include "train/param_state.h"
 #include "train/pipeline_executor.h"
@@ -45,7 +46,8 @@ struct TrainSession {
   ~TrainSession();
 
   void resume();                  // from the latest complete checkpoint, if any
-  std::string save(int64_t step);  // collective; rank 0 writes, returns the path there
+  std::string save(int64_t step);  // collective; rank 0 writes (in the background with async), returns the path there
+  void wait_for_checkpoint();      // the background write in flight, if any, done (its error rethrown)
   double validate();              // mean validation loss (collective)
   void run_step();                // one optimizer step, its record, its log line, its checkpoint
   void finish();                  // the result's totals and the summary
@@ -87,6 +89,7 @@ struct TrainSession {
   FlopsPerToken fpt;
   AdamWConfig adam;
   std::string ckdir;
+  CheckpointWriter ckwriter;  // [checkpoint] async: rank 0's background write
   std::ofstream metrics;
   int64_t step = 0;
   double time_total = 0, window_t = 0;
