@@ -7,6 +7,7 @@
 // nt-column tile) with the whole reduction over the expert's tokens inside the item. Each output element is
 // computed by exactly one item in a fixed summation order, so results do not depend on the thread count, on
 // the tiling or on which thread runs which item. Items are handed out dynamically, largest experts first.
+// fp32 on AVX2: an item first copies its A operand into 6-row micro-panels (a per-thread scratch buffer).
 #include "moetron/grouped_gemm.h"
 
 #include <omp.h>

@@ -4,7 +4,8 @@
 // partial sums go through C, so every element is the plain sequential sum over the steps whatever the tiling.
 // 64-column B panels are copied into contiguous 16-column strips first (see run_tile). bf16 pairs are widened
 // to fp32 with a shift (even element) and a mask (odd element): two FMAs per pair, the even element first (the
-// same order as the scalar kernel); the A block is widened once per tile. Also: the fp32 GEMM epilogue, the
+// same order as the scalar kernel); the A block is widened once per tile. fp32 strips made of whole 6 x 16
+// blocks run in one call (strip_f32). Also: the fp32 GEMM epilogue, the
 // fp32 packers of the dense GEMM (B^T panels, 6-row A micro-panels) and the bf16 row-pair interleave. Not a
 // scheduler (grouped_gemm.cpp, gemm_f32.cpp decide the work items). Everything but the entry points is
 // file-local.
