@@ -13,8 +13,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -171,19 +174,84 @@ void gflops(benchmark::State& st, double flops_per_iter) {
         benchmark::Counter(flops_per_iter * 1e-9 * double(st.iterations()), benchmark::Counter::kIsRate);
 }
 
+// Wall time, or with MOETRON_BENCH_CPUTIME=1 the process's CPU time: with OMP_NUM_THREADS=1 on a loaded machine
+// that is the time the work itself took, without the time other processes had the core (with more threads it
+// would also count spin-waiting).
 template <class F>
 double seconds(F&& f) {
+  static const bool cpu = [] {
+    const char* v = std::getenv("MOETRON_BENCH_CPUTIME");
+    return v && *v == '1';
+  }();
+  if (cpu) {
+    timespec a, b;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+    f();
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+    return double(b.tv_sec - a.tv_sec) + 1e-9 * double(b.tv_nsec - a.tv_nsec);
+  }
   auto t0 = std::chrono::steady_clock::now();
   f();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Tuning experiments without a rebuild: MOETRON_BENCH_GG_MT sets the M-grouped rows per work item
-// (gg::tuning().mt and .mt_avx2) for this process only.
+// Tuning experiments without a rebuild, for this process only:
+//   MOETRON_BENCH_GG_MT=96          the M-grouped rows per work item (gg::tuning().mt and .mt_avx2);
+//   MOETRON_BENCH_GG_SET="k=v,..."  other gg::Tuning fields (the names in tuning_field below);
+//   MOETRON_BENCH_GG_AB="k=v,..."   a variant timed in the same alternating rounds as the grouped op:
+//                                   BM_grouped* then also report ab = t(variant) / t(grouped) (> 1: the
+//                                   variant is slower).
+int64_t* tuning_i64(const std::string& k) {
+  gg::Tuning& t = gg::tuning();
+  if (k == "mt") return &t.mt;
+  if (k == "mt_avx2") return &t.mt_avx2;
+  if (k == "nt") return &t.nt;
+  if (k == "wmt") return &t.wmt;
+  if (k == "wnt") return &t.wnt;
+  if (k == "wmc_f32") return &t.wmc_f32;
+  if (k == "kc_f32_avx2") return &t.kc_f32_avx2;
+  return nullptr;
+}
+bool* tuning_bool(const std::string& k) {
+  gg::Tuning& t = gg::tuning();
+  if (k == "stream") return &t.stream;
+  if (k == "fpack_avx2") return &t.fpack_avx2;
+  if (k == "wpack_avx2") return &t.wpack_avx2;
+  if (k == "strip_copy_avx2") return &t.strip_copy_avx2;
+  if (k == "strip_pf_avx2") return &t.strip_pf_avx2;
+  if (k == "strip_f32_avx2") return &t.strip_f32_avx2;
+  return nullptr;
+}
+// Applies "k=v,k=v"; returns the previous values in the same form (to undo it).
+std::string apply_tuning(const std::string& spec) {
+  std::string undo;
+  size_t p = 0;
+  while (p < spec.size()) {
+    size_t q = spec.find(',', p);
+    if (q == std::string::npos) q = spec.size();
+    const std::string kv = spec.substr(p, q - p);
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos) throw std::runtime_error("MOETRON_BENCH_GG_*: '" + kv + "' is not key=value");
+    const std::string k = kv.substr(0, eq);
+    const long long v = std::atoll(kv.c_str() + eq + 1);
+    if (!undo.empty()) undo += ',';
+    if (int64_t* f = tuning_i64(k)) {
+      undo += k + "=" + std::to_string(*f), *f = v;
+    } else if (bool* b = tuning_bool(k)) {
+      undo += k + "=" + std::to_string(int(*b)), *b = v != 0;
+    } else {
+      throw std::runtime_error("MOETRON_BENCH_GG_*: unknown gg::Tuning field '" + k + "'");
+    }
+    p = q + 1;
+  }
+  return undo;
+}
 const bool kTuningFromEnv = [] {
   if (const char* v = std::getenv("MOETRON_BENCH_GG_MT")) gg::tuning().mt = gg::tuning().mt_avx2 = std::atoll(v);
+  if (const char* v = std::getenv("MOETRON_BENCH_GG_SET")) apply_tuning(v);
   return true;
 }();
+const char* ab_spec() { return std::getenv("MOETRON_BENCH_GG_AB"); }
 
 // Grouped op, timed by the framework. Before that, kRounds alternating rounds of (dense, loop, grouped) calls:
 // the best of each gives same-moment ratios vs_dense = t(dense) / t(grouped) and vs_loop = t(loop) / t(grouped),
@@ -194,11 +262,17 @@ void run_grouped(benchmark::State& st) {
   const int which = int(st.range(0)), op = int(st.range(1));
   Problem<BF>& p = problem<BF>(which);
   p.dense(op), p.loop(op), p.grouped(op);  // warm-up (oneDNN primitive creation, page faults)
-  double td = 1e30, tl = 1e30, tg = 1e30;
+  const char* ab = ab_spec();
+  double td = 1e30, tl = 1e30, tg = 1e30, tv = 1e30;
   for (int r = 0; r < kRounds; ++r) {
     td = std::min(td, seconds([&] { p.dense(op); }));
     tl = std::min(tl, seconds([&] { p.loop(op); }));
     tg = std::min(tg, seconds([&] { p.grouped(op); }));
+    if (ab) {
+      const std::string undo = apply_tuning(ab);
+      tv = std::min(tv, seconds([&] { p.grouped(op); }));
+      apply_tuning(undo);
+    }
   }
   for (auto _ : st) p.grouped(op);
   gflops<BF>(st, p.flops());
@@ -207,6 +281,7 @@ void run_grouped(benchmark::State& st) {
   st.counters["loop_best_ms"] = tl * 1e3;
   st.counters["vs_dense"] = td / tg;  // the target: >= 0.85
   st.counters["vs_loop"] = tl / tg;
+  if (ab) st.counters["ab"] = tv / tg;
 }
 void BM_grouped(benchmark::State& st) { run_grouped<true>(st); }
 void BM_grouped_f32(benchmark::State& st) { run_grouped<false>(st); }
@@ -256,6 +331,7 @@ void run_tile(benchmark::State& st) {
   std::vector<float> C(rows * cols);
   gg::Tile t;
   t.A = A.data(), t.a_bs = gg::kMR * e * steps, t.a_rs = e * steps, t.a_ss = e;
+  if (!BF && st.range(3)) t.a_rs = 1, t.a_ss = gg::kMR;  // fp32 A as 6-row micro-panels (fpack_avx2's layout)
   t.B = B.data(), t.b_ps = steps * gg::kPanel * e, t.b_ss = gg::kPanel * e;
   t.C = C.data(), t.ldc = cols, t.rows = rows, t.cols = cols, t.steps = steps;
   const gg::TileFn fn = gg::tile_fn(BF);
@@ -274,11 +350,13 @@ BENCHMARK(BM_tile_bf16)
     ->Args({6, 64, 1024})
     ->UseRealTime();
 BENCHMARK(BM_tile_f32)
-    ->ArgNames({"rows", "cols", "steps"})
-    ->Args({96, 192, 512})
-    ->Args({96, 512, 176})
-    ->Args({96, 64, 512})
-    ->Args({6, 64, 512})
+    ->ArgNames({"rows", "cols", "steps", "packed_a"})
+    ->Args({96, 192, 512, 0})
+    ->Args({96, 512, 176, 0})
+    ->Args({96, 512, 176, 1})
+    ->Args({192, 512, 176, 1})
+    ->Args({96, 64, 512, 0})
+    ->Args({6, 64, 512, 0})
     ->UseRealTime();
 
 // Args: {projection (0 up: K=512 N=176, 1 down: K=176 N=512), op (0 fwd, 1 dgrad, 2 wgrad)}

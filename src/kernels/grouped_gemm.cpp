@@ -7,6 +7,7 @@
 // nt-column tile) with the whole reduction over the expert's tokens inside the item. Each output element is
 // computed by exactly one item in a fixed summation order, so results do not depend on the thread count, on
 // the tiling or on which thread runs which item. Items are handed out dynamically, largest experts first.
+// fp32 on AVX2: an item first copies its A operand into 6-row micro-panels (a per-thread scratch buffer).
 #include "moetron/grouped_gemm.h"
 
 #include <omp.h>
@@ -193,6 +194,23 @@ void check_packed(const char* op, const GroupedPackedWeights& W, GroupedPackKind
   MT_CHECK(W.data || E * K * N == 0, op, "packed weights data is null");
 }
 
+// Grow-only 64-byte aligned fp32 scratch, one per thread: the fp32 A micro-panels of the AVX2 path.
+float* thread_scratch(size_t floats) {
+  struct Buf {
+    float* p = nullptr;
+    size_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  static thread_local Buf b;
+  if (floats > b.n) {
+    std::free(b.p);
+    b.p = static_cast<float*>(std::aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64));
+    MT_CHECK(b.p, "grouped_gemm", "cannot allocate ", floats * sizeof(float), " bytes of scratch");
+    b.n = floats;
+  }
+  return b.p;
+}
+
 // M-grouped: Out[M, Nc] = In[M, Kc] · B_e (packed). Forward: (Kc, Nc) = (K, N); dgrad: (N, K).
 void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, const void* in,
                   const GroupedPackedWeights& W, GroupedPackKind kind, const int32_t* counts, int64_t E, int64_t M,
@@ -217,6 +235,7 @@ void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, con
   const int64_t esz = prec == GemmPrec::BF16 ? 2 : 4;
   const char* inb = static_cast<const char*>(in);
   const char* wb = static_cast<const char*>(W.data);
+  const bool fpack = prec == GemmPrec::F32 && active_isa() == Isa::Avx2 && gg::tuning().fpack_avx2;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < nitems; ++item) {
     int64_t j, local;
@@ -241,6 +260,14 @@ void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, con
     t.a_odd_tail = prec == GemmPrec::BF16 && (g.Kc % 2 == 1);
     t.accumulate = false;
     t.stream = gg::tuning().stream && out_bf16 == nullptr;
+    if (fpack) {  // the item's rows as 6-row micro-panels: one contiguous stream per microkernel call
+      float* ab = thread_scratch(size_t(round_up(t.rows, gg::kMR) * g.Kc + 2));
+      gg::pack_a_rows_f32_avx2(ab, static_cast<const float*>(in) + r0 * g.Kc, g.Kc, t.rows, g.Kc);
+      t.A = ab;
+      t.a_bs = gg::kMR * g.Kc;
+      t.a_rs = 1;
+      t.a_ss = gg::kMR;
+    }
     fn(t);
   }
 }
@@ -275,6 +302,8 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
   const int64_t nslots =
       bf ? std::min<int64_t>(num_threads(), int64_t((ws_bytes - l.fixed) / l.slot_bytes)) : num_threads();
   const int64_t mc = plan.mc;
+  const bool wpack = !bf && active_isa() == Isa::Avx2 && gg::tuning().wpack_avx2;
+  const int64_t wmc = std::max<int64_t>(1, gg::tuning().wmc_f32);
   char* w = static_cast<char*>(ws);
 #pragma omp parallel num_threads(int(std::max <int64_t>(1, std::min <int64_t>(nslots, nitems))))
   {
@@ -293,6 +322,26 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
       t.cols = std::min(plan.nt, N - n0);
       t.C = dW + e * K * N + k0 * N + n0;
       t.ldc = N;
+      if (wpack) {  // chunks of wmc tokens: X_e^T packed into 6-row micro-panels, the sum carried through C
+        float* ab = thread_scratch(size_t(round_up(t.rows, gg::kMR) * std::min(wmc, std::max<int64_t>(m, 1))));
+        int64_t r = 0;
+        do {  // an empty expert runs once with 0 steps (writes zeros)
+          const int64_t nr = std::min(wmc, m - r);
+          if (nr > 0) gg::pack_at_f32_avx2(ab, static_cast<const float*>(X) + (row0 + r) * K + k0, K, t.rows, K - k0, nr);
+          t.A = ab;
+          t.a_bs = gg::kMR * nr;
+          t.a_rs = 1;
+          t.a_ss = gg::kMR;
+          t.B = static_cast<const float*>(dY) + (row0 + r) * N + n0;
+          t.b_ps = kPanel;
+          t.b_ss = N;
+          t.steps = nr;
+          t.accumulate = accumulate || r > 0;
+          fn(t);
+          r += nr;
+        } while (r < m);
+        continue;
+      }
       if (!bf) {
         t.A = static_cast<const float*>(X) + row0 * K + k0;
         t.a_bs = gg::kMR;

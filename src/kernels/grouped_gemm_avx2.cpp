@@ -4,7 +4,8 @@
 // partial sums go through C, so every element is the plain sequential sum over the steps whatever the tiling.
 // 64-column B panels are copied into contiguous 16-column strips first (see run_tile). bf16 pairs are widened
 // to fp32 with a shift (even element) and a mask (odd element): two FMAs per pair, the even element first (the
-// same order as the scalar kernel); the A block is widened once per tile. Also: the fp32 GEMM epilogue, the
+// same order as the scalar kernel); the A block is widened once per tile. fp32 strips made of whole 6 x 16
+// blocks run in one call (strip_f32). Also: the fp32 GEMM epilogue, the
 // fp32 packers of the dense GEMM (B^T panels, 6-row A micro-panels) and the bf16 row-pair interleave. Not a
 // scheduler (grouped_gemm.cpp, gemm_f32.cpp decide the work items). Everything but the entry points is
 // file-local.
@@ -115,6 +116,46 @@ void ukr_f32(const void* Av, int64_t rs, int64_t ss, const void* Bv, int64_t bss
     B += bss;
   }
   acc.store(C, ldc, Cb, m, nlast, stream);
+}
+
+// Lines to prefetch while the row blocks of one strip compute (the next B panel): `per` lines before each
+// block, line i at base + (i / 4) * stride + 64 * (i % 4), up to `total`.
+struct PanelPf {
+  const char* base = nullptr;
+  int64_t stride = 0, done = 0, total = 0, per = 0;
+};
+
+// fp32, whole 6 x 16 blocks: nblk row blocks of one 16-column strip in one call, block q's A at A + q*abs and
+// its C at C + 6q*ldc (the same products in the same order as ukr_f32<6, 2, false>, without its per-call
+// set-up). The C lines of the next block are prefetched while a block computes.
+void strip_f32(const float* A, int64_t abs, int64_t rs, int64_t ss, const float* B, int64_t bss, int64_t steps,
+               int64_t nblk, float* C, int64_t ldc, bool from_c, bool stream, bool cpf, PanelPf& pf) {
+  const __m256i m = _mm256_set1_epi32(-1);
+  for (int64_t q = 0; q < nblk; ++q, A += abs, C += kMR * ldc) {
+    for (int64_t i = 0; i < pf.per && pf.done < pf.total; ++i, ++pf.done)
+      _mm_prefetch(pf.base + (pf.done / 4) * pf.stride + 64 * (pf.done % 4), _MM_HINT_T1);
+    if (cpf && q + 1 < nblk)
+      for (int64_t i = 0; i < kMR; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(C + (kMR + i) * ldc), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(C + (kMR + i) * ldc + 15), _MM_HINT_T0);
+      }
+    Acc<kMR, 2, false> acc;
+    acc.load(C, ldc, from_c, m);
+    const float* a = A;
+    const float* b = B;
+    for (int64_t s = 0; s < steps; ++s) {
+      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < kMR; ++r) {
+        const __m256 av = _mm256_broadcast_ss(a + r * rs);
+        acc.v[r][0] = _mm256_fmadd_ps(av, b0, acc.v[r][0]);
+        acc.v[r][1] = _mm256_fmadd_ps(av, b1, acc.v[r][1]);
+      }
+      a += ss;
+      b += bss;
+    }
+    acc.store(C, ldc, nullptr, m, 8, stream);
+  }
 }
 
 inline int32_t load_pair(const uint16_t* p) {
@@ -395,6 +436,7 @@ void run_tile(const Tile& t, int64_t kc_max) {
       return B + ((c / t.b_pw) * t.b_ps + s0 * t.b_ss + (c % t.b_pw) * pair) * esz;
     };
     if (wide) widen_a(abuf, t, s0, ns, tail);
+    const bool fast = !BF && t.a_rb == kMR && !t.Cb && pf_lines == 0 && tuning().strip_f32_avx2;
     if (order == 0) {
       const char* pf_panel = nullptr;
       int64_t pf_lines_p = 0, pf_per = 0, pf_done = 0;
@@ -412,7 +454,19 @@ void run_tile(const Tile& t, int64_t kc_max) {
           pf_lines_p = pf_panel ? ns * 4 : 0, pf_per = pf_panel ? (pf_lines_p + np * nrb - 1) / (np * nrb) : 0;
           pf_done = 0;
         }
-        for (int64_t g0 = 0; g0 < t.rows; g0 += t.a_rb) {
+        int64_t g_start = 0;
+        // fp32 whole 6 x 16 blocks (rows in groups of 6, a full strip, no bf16 copy of C, no prefetch hints of
+        // the caller): one strip_f32 call for all of them; the rest, if any, block by block below.
+        if (!BF && fast && 16 * st + 16 <= t.cols) {
+          const int64_t nblk = t.rows / kMR;
+          PanelPf ppf{pf_panel, t.b_ss * esz, pf_done, pf_lines_p, pf_per};
+          strip_f32(reinterpret_cast<const float*>(A) + s0 * t.a_ss, t.a_bs, t.a_rs, t.a_ss,
+                    reinterpret_cast<const float*>(Bp), bss, ns, nblk, t.C + 16 * st, t.ldc, from_c,
+                    last && t.stream, t.cprefetch, ppf);
+          pf_done = ppf.done;
+          g_start = nblk * kMR;
+        }
+        for (int64_t g0 = g_start; g0 < t.rows; g0 += t.a_rb) {
           const int64_t ge = std::min(g0 + t.a_rb, t.rows);
           for (int64_t r0 = g0; r0 < ge; r0 += kMR) {
             for (int64_t i = 0; i < pf_per && pf_done < pf_lines_p; ++i, ++pf_done)

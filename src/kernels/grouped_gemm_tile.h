@@ -36,7 +36,8 @@ struct Tuning {
   int order_avx2 = 0;          // AVX2 tile loop: 0 16-column strip outer, 1 row-block outer
   bool strip_copy_avx2 = true; // AVX2, order 0: copy 64-column panels of B into contiguous 16-column strips
   bool strip_pf_avx2 = true;   // ... and prefetch the next panel while the current one computes
-  bool widen_a_avx2 = true;    // AVX2 bf16: widen each K block of A to fp32 once per tile (not per strip)
+  bool widen_a_avx2 = true;
+  bool strip_f32_avx2 = true;  // AVX2 fp32, order 0: all whole 6 x 16 blocks of a strip in one kernel call    // AVX2 bf16: widen each K block of A to fp32 once per tile (not per strip)
   int64_t mt = 96;        // M-grouped: rows per work item
   int64_t mt_avx2 = 192;  // the same for the AVX2 kernel (each item reads its expert's weights: fewer reads)
   int64_t nt = 512;       // M-grouped: max columns per work item (multiple of 64)
@@ -46,6 +47,12 @@ struct Tuning {
   int order = 1;          // tile loop: 0 panel-outer, 1 row-block-outer
   bool stream = false;    // non-temporal stores for write-only fp32 outputs (forward / dgrad)
   bool prefetch = true;   // wgrad bf16: prefetch the next chunk's X / dY rows during the current chunk
+  // fp32 on AVX2: copy the A operand into 6-row micro-panels (contiguous per microkernel call) before the tile
+  // runs: forward / dgrad the item's rows of the input (fpack_avx2), wgrad each chunk of wmc_f32 tokens of
+  // X_e^T (wpack_avx2; read in place a step touches one cache line per 6 floats).
+  bool fpack_avx2 = true;
+  bool wpack_avx2 = true;
+  int64_t wmc_f32 = 256;
   // Dense fp32 GEMM (gemm_f32.cpp): rows / columns per work item, columns per column block, bytes of packed
   // op(B) per K phase, packed op(B) panel width for the AVX2 / scalar kernels (16 or 64), whether op(A) = A
   // is packed too (A^T always is), and whether packed op(A) is shared by all items of a phase (packed once
