@@ -40,7 +40,8 @@ struct Recorder {
   std::mutex mu;
   std::vector<FlightEntry> ring;
   int64_t head = 0, count = 0;  // next slot; entries held
-  std::map<const CommInfo*, std::string> ids;  // group id per communicator seen (names may change: rechecked)
+  // Group id per communicator seen, with the name it was made from (a communicator may be renamed).
+  std::map<const CommInfo*, std::pair<std::string, std::string>> ids;
 
   FlightEntry& at(int64_t k) { return ring[size_t((head - count + k + int64_t(ring.size())) % int64_t(ring.size()))]; }
 
@@ -60,9 +61,8 @@ struct Recorder {
   void on_event(const CommEvent& e) {
     if (!e.comm) return;
     std::lock_guard<std::mutex> lk(mu);
-    std::string& id = ids[e.comm];
-    const std::string want = comm_group_id(*e.comm);
-    if (id != want) id = want;
+    auto& [name, id] = ids[e.comm];
+    if (id.empty() || name != e.comm->name) name = e.comm->name, id = comm_group_id(*e.comm);
     if (e.state != CommEvent::State::Scheduled) {
       if (FlightEntry* f = find_open(id, e)) {
         if (e.state == CommEvent::State::Started) f->t_started = e.t_begin;

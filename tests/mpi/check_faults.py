@@ -71,8 +71,9 @@ def check_kill(args, layout):
         fail(f"{layout}: the run with a killed rank exited 0:\n{out}")
     if dt > 60:
         fail(f"{layout}: the job took {dt:.1f} s to end after the kill (limit 60 s)")
-    if "rank 2" not in out:
-        fail(f"{layout}: no message names the lost rank 2:\n{out}")
+    # mpirun's own report (OpenMPI 4): "mpirun noticed that process rank 2 with PID ... exited on signal 9 (Killed)."
+    if "process rank 2" not in out or "signal 9" not in out:
+        fail(f"{layout}: no message names the lost rank 2 and its signal:\n{out}")
     print(f"PASS {layout}: rank 2 killed at step 5: the job ended in {dt:.1f} s (exit {rc}), rank 2 named")
     ck = sorted(os.listdir(os.path.join(b, "checkpoint")))
     if "step-3" not in ck or "step-6" in ck:
