@@ -2,8 +2,9 @@
 // MOETRON_FAULT environment variable lists faults, separated by ';', each `kind:key=value:...`:
 //   kill:rank=2:step=7:phase=backward            the rank raises SIGKILL on itself
 //   delay:rank=1:step=3:phase=forward:ms=2000    the rank sleeps ms milliseconds
-//   nan:rank=1:step=3:phase=backward             the rank poisons its first gradient element (backward) or its
-//                                                loss sum (forward) with a quiet NaN
+//   nan:rank=1:step=3:phase=backward             the rank poisons its first gradient element (backward), its
+//                                                loss sum (forward) or its first parameter element before a
+//                                                checkpoint save (checkpoint) with a quiet NaN
 //   mismatch:rank=1:step=2:phase=optimizer       the rank enters a barrier on the world communicator where the
 //                                                others enter an all_reduce: a collective that never matches
 // rank is the MPI_COMM_WORLD rank, step the 1-based optimizer step, phase one of forward (start of the step's
@@ -35,7 +36,7 @@ struct FaultSpec {
 
 // Parses a MOETRON_FAULT value ("" = no faults). Throws moetron::Error naming the spec and the problem
 // (unknown kind or key, missing rank / step / phase, a value that is not a number, ms without delay, a nan
-// fault at a phase other than forward or backward).
+// fault at the optimizer phase).
 std::vector<FaultSpec> parse_faults(std::string_view text);
 
 // The faults of one rank, consumed as they fire: those naming it, plus every mismatch fault (the ranks a

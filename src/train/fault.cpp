@@ -102,9 +102,9 @@ FaultSpec parse_one(std::string_view spec) {
   if (!has_phase) bad(spec, "phase=P is missing");
   if (f.kind == FaultKind::Delay && !has_ms) bad(spec, "a delay needs ms=M (milliseconds)");
   if (f.kind != FaultKind::Delay && has_ms) bad(spec, "ms applies to delay only");
-  if (f.kind == FaultKind::Nan && f.phase != FaultPhase::Forward && f.phase != FaultPhase::Backward)
-    bad(spec, "a nan fault poisons the loss (phase=forward) or a gradient (phase=backward), not phase=" +
-                  std::string(to_string(f.phase)));
+  if (f.kind == FaultKind::Nan && f.phase == FaultPhase::Optimizer)
+    bad(spec, "a nan fault poisons the loss (phase=forward), a gradient (phase=backward) or a parameter before a "
+              "checkpoint (phase=checkpoint), not phase=optimizer");
   return f;
 }
 

@@ -158,6 +158,11 @@ void ParamState::poison_grad() {
   if (g) g[0] = std::numeric_limits<float>::quiet_NaN();
 }
 
+void ParamState::poison_param() {
+  float* p = zero3_ ? fsdp_->params() : m_.param_data();
+  if (p) p[0] = std::numeric_limits<float>::quiet_NaN();
+}
+
 const float* ParamState::local_params() {
   if (!zero3_) return m_.param_data();
   flat_.resize(size_t(np_));

@@ -206,8 +206,8 @@ std::string TrainSession::save(int64_t s) {
     for (size_t i = 0; bad.empty() && i < bias.size(); ++i)
       if (!std::isfinite(bias[i])) bad = "expert_bias element " + std::to_string(i);
     if (!bad.empty()) {
-      MT_CHECK(cfg.training.nonfinite == "skip", "train", "checkpoint at step ", s, " refused: ", bad,
-               " is not finite (training.nonfinite = halt)");
+      if (cfg.training.nonfinite != "skip")
+        MT_FAIL("train", "checkpoint at step ", s, " refused: ", bad, " is not finite (training.nonfinite = halt)");
       if (say) std::printf("checkpoint at step %lld not written: %s is not finite\n", (long long)s, bad.c_str());
       return std::string();
     }

@@ -124,7 +124,7 @@ void TrainSession::run_step() {
   res.history.push_back(rec);
   log_step(rec, t, do_val);
   if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps)) {
-    fault_point(FaultPhase::Checkpoint);
+    if (fault_point(FaultPhase::Checkpoint)) state->poison_param();
     save(step);
   }
 }

@@ -94,6 +94,7 @@ TEST(Fault, BadSpecsAreRefusedByName) {
   EXPECT_NE(error_of("delay:rank=1:step=1:phase=forward").find("needs ms=M"), std::string::npos);
   EXPECT_NE(error_of("kill:rank=1:step=1:phase=forward:ms=5").find("ms applies to delay only"), std::string::npos);
   EXPECT_NE(error_of("nan:rank=1:step=1:phase=optimizer").find("not phase=optimizer"), std::string::npos);
+  EXPECT_TRUE(error_of("nan:rank=1:step=1:phase=checkpoint").empty());
   EXPECT_NE(error_of("kill:rank=1:step=1:phase").find("is not key=value"), std::string::npos);
   EXPECT_NE(error_of("kill:rank=1:step=99999999999999999999:phase=forward").find("too large"), std::string::npos);
   // the message names the spec
@@ -204,6 +205,33 @@ TEST(Fault, HaltOnALossNamesNoParameter) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("every gradient is finite"), std::string::npos) << e.what();
   }
+}
+
+TEST(Fault, ACheckpointWithANonFiniteParameterIsNotWritten) {
+  // A parameter poisoned just before the save of step 2: under halt the save refuses with the tensor's name ...
+  {
+    const std::string d = fresh("ck_halt");
+    FaultEnv env("nan:rank=0:step=2:phase=checkpoint");
+    try {
+      train(tiny(d, {"--checkpoint.enable=true", "--checkpoint.interval=1", "--training.steps=3"}), quiet());
+      ADD_FAILURE() << "a non-finite parameter was saved";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("checkpoint at step 2 refused: embed element 0"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(fs::exists(fs::path(d) / "checkpoint" / "step-1"));
+    EXPECT_FALSE(fs::exists(fs::path(d) / "checkpoint" / "step-2"));
+  }
+  // ... under skip it is not written and the run goes on; the NaN stays in the parameter (AdamW keeps it), so the
+  // checkpoint of step 3 is not written either
+  const std::string d = fresh("ck_skip");
+  FaultEnv env("nan:rank=0:step=2:phase=checkpoint");
+  TrainResult r = train(tiny(d, {"--checkpoint.enable=true", "--checkpoint.interval=1", "--training.steps=3",
+                                 "--training.nonfinite=skip"}),
+                        quiet());
+  ASSERT_EQ(r.history.size(), 3u);
+  EXPECT_TRUE(fs::exists(fs::path(d) / "checkpoint" / "step-1"));
+  EXPECT_FALSE(fs::exists(fs::path(d) / "checkpoint" / "step-2"));
+  EXPECT_FALSE(fs::exists(fs::path(d) / "checkpoint" / "step-3"));
 }
 
 TEST(Fault, BadFaultSpecStopsTrainingAtStartUp) {
