@@ -62,6 +62,13 @@ FlightAnalysis analyze_flight(const std::vector<json>& dumps) {
   std::map<std::string, std::vector<int>> members;
   std::map<std::string, std::map<int, std::map<int64_t, Rec>>> recs;
   std::vector<std::pair<int, std::string>> order;
+  struct P2p {
+    std::string group, kind, state;
+    int peer, tag;
+    int64_t msg, bytes;
+  };
+  std::map<int, std::vector<P2p>> p2p;  // world rank -> its point-to-point entries
+  std::map<int, bool> busy;             // world rank -> inside an unfinished call
   for (const json& d : dumps) {
     const int rank = field<int>(d, "rank", "dump");
     const std::string where = "rank " + std::to_string(rank) + "'s dump";
@@ -81,7 +88,14 @@ FlightAnalysis analyze_flight(const std::vector<json>& dumps) {
       const int64_t seq = field<int64_t>(e, "seq", w);
       const std::string g = field<std::string>(e, "group", w);
       recs[g][rank];  // the rank took part in the group, even if only in point-to-point
-      if (seq < 0) continue;
+      const std::string state = field<std::string>(e, "state", w);
+      busy[rank] = busy[rank] || state == "started";
+      if (seq < 0) {
+        if (e.contains("peer"))
+          p2p[rank].push_back({g, field<std::string>(e, "kind", w), state, field<int>(e, "peer", w),
+                               field<int>(e, "tag", w), field<int64_t>(e, "msg", w), field<int64_t>(e, "bytes", w)});
+        continue;
+      }
       recs[g][rank][seq] = {field<std::string>(e, "kind", w), field<std::string>(e, "state", w),
                             field<int64_t>(e, "bytes", w), field<double>(e, "t_started", w)};
     }
@@ -132,6 +146,23 @@ FlightAnalysis analyze_flight(const std::vector<json>& dumps) {
       }
     }
   }
+  // point-to-point: a waiting receive against the sender's sends to it on the same group, tag and index
+  for (auto& [r, list] : p2p)
+    for (const P2p& e : list) {
+      if (e.kind != "recv" || e.state != "started") continue;
+      const std::vector<int>& mem = members[e.group];
+      if (e.peer < 0 || e.peer >= int(mem.size())) continue;
+      const int sender = mem[size_t(e.peer)];
+      const auto me = std::find(mem.begin(), mem.end(), r);
+      const int my_index = int(me - mem.begin());
+      FlightUnsent u{e.group, r, sender, e.tag, e.msg, e.bytes, have.count(sender) > 0};
+      bool posted = false;
+      for (const P2p& x : p2p[sender])
+        posted = posted || (x.kind == "send" && x.group == e.group && x.peer == my_index && x.tag == e.tag && x.msg == e.msg);
+      if (!posted) a.unsent.push_back(u);
+    }
+  for (int r : a.ranks)
+    if (!busy[r]) a.idle.push_back(r);
   std::sort(a.missing.begin(), a.missing.end(),
             [](const FlightMissing& x, const FlightMissing& y) { return x.t_started < y.t_started; });
   return a;
@@ -174,8 +205,16 @@ std::string FlightAnalysis::text() const {
     if (!m.no_dump.empty()) os << "; no dump from member rank(s) " << list(m.no_dump);
     os << "\n";
   }
-  if (missing.empty() && mismatches.empty())
-    os << "no collective that some ranks started and others never scheduled, and no disagreement on kind or size\n";
+  for (const FlightUnsent& u : unsent) {
+    os << "NOT SENT: rank " << u.receiver << " waits for message #" << u.msg << " (tag " << u.tag << ", " << u.bytes
+       << " bytes) from rank " << u.sender << " on " << u.group << "; ";
+    os << (u.sender_dumped ? "rank " + std::to_string(u.sender) + " never posted it" : "that rank wrote no dump") << "\n";
+  }
+  if (!idle.empty() && (!missing.empty() || !unsent.empty()))
+    os << "rank(s) " << list(idle) << " were inside no communication call (computing, or delayed): start there\n";
+  if (missing.empty() && mismatches.empty() && unsent.empty())
+    os << "no collective that some ranks started and others never scheduled, no disagreement on kind or size, and "
+          "no receive waiting for a message never sent\n";
   return os.str();
 }
 

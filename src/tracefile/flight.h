@@ -3,7 +3,9 @@
 //   - who did not join: for a communicator, the lowest sequence number some members started and other members
 //     never scheduled (their last call on it has a lower number), with the members that wrote no dump;
 //   - who disagrees: two members recorded different kinds, or different sizes where the size must agree
-//     (all_reduce, reduce_scatter, all_gather, barrier), for the same (group, sequence number).
+//     (all_reduce, reduce_scatter, all_gather, barrier), for the same (group, sequence number);
+//   - point-to-point: a receive still waiting whose message (same group, tag and message index) the sender
+//     never posted, and the ranks that were inside no call at all (the likely culprits of a chain of waits).
 // Only nlohmann_json: no engine. docs/reliability.md ("Watchdog"). Not the recorder itself.
 #pragma once
 #include <nlohmann/json.hpp>
@@ -33,12 +35,23 @@ struct FlightMismatch {
   std::vector<Side> sides;
 };
 
+// A receive that was waiting when the dumps were written, whose message the sender never posted.
+struct FlightUnsent {
+  std::string group;
+  int receiver = -1, sender = -1;  // world ranks
+  int tag = -1;
+  int64_t msg = -1, bytes = 0;
+  bool sender_dumped = true;  // false: the sender wrote no dump (so whether it posted is unknown)
+};
+
 struct FlightAnalysis {
   int world_size = 0;
   std::vector<int> ranks;            // ranks with a dump
   std::vector<std::string> reasons;  // per dump, in `ranks` order
   std::vector<FlightMissing> missing;    // one per group with a finding, earliest first
   std::vector<FlightMismatch> mismatches;
+  std::vector<FlightUnsent> unsent;  // point-to-point: waits whose send was never posted
+  std::vector<int> idle;             // ranks with a dump that were in no unfinished call (e.g. computing, delayed)
   std::string text() const;  // the report `moetron trace flight` prints
 };
 

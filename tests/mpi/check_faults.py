@@ -8,6 +8,8 @@
   * watchdog-delay: [comm] timeout_s = 2 and rank 1 sleeps 30 s before step 3's forward. The others wait in
     the step's first collective; their watchdogs dump and end the job within 20 s; rank 1 dumps on seeing
     theirs; `moetron trace flight` names rank 1 as the one that never scheduled that collective.
+  * watchdog-delay-pp: the same delay under pp = 4: the others wait in point-to-point receives; `trace flight`
+    reports the receive whose send rank 1 never posted and rank 1 as the rank inside no call.
   * watchdog-mismatch: rank 1 enters a barrier where the others enter an all_reduce (mismatch fault); the
     watchdog ends the job and `moetron trace flight` reports the disagreement on kind at that sequence number.
 
@@ -99,9 +101,9 @@ def flight_report(args, folder):
 def check_watchdog(args, part):
     dump = os.path.join(args.workdir, part)
     shutil.rmtree(dump, ignore_errors=True)
-    extra = LAYOUTS["dp"] + ["--training.steps=6", "--comm.timeout_s=2"]
-    fault = ("delay:rank=1:step=3:phase=forward:ms=30000" if part == "watchdog-delay"
-             else "mismatch:rank=1:step=2:phase=optimizer")
+    extra = LAYOUTS["pp" if part == "watchdog-delay-pp" else "dp"] + ["--training.steps=6", "--comm.timeout_s=2"]
+    fault = ("mismatch:rank=1:step=2:phase=optimizer" if part == "watchdog-mismatch"
+             else "delay:rank=1:step=3:phase=forward:ms=30000")
     rc, out, dt = train(args, dump, extra, fault=fault, timeout=60)
     if rc == 0:
         fail(f"{part}: the run exited 0:\n{out}")
@@ -119,6 +121,11 @@ def check_watchdog(args, part):
         line = [l for l in rep.splitlines() if l.startswith("NOT JOINED:")]
         if not line or "never scheduled by rank(s) 1\n" not in line[0] + "\n" or "started by rank(s) 0, 2, 3" not in line[0]:
             fail(f"{part}: trace flight did not name rank 1:\n{rep}")
+    elif part == "watchdog-delay-pp":
+        line = [l for l in rep.splitlines() if l.startswith("NOT SENT: rank 0 waits")]
+        if not line or "from rank 1 on pp@0; rank 1 never posted it" not in line[0] or \
+                "rank(s) 1 were inside no communication call" not in rep:
+            fail(f"{part}: trace flight did not name rank 1's missing send:\n{rep}")
     else:
         line = [l for l in rep.splitlines() if l.startswith("DISAGREE:")]
         if not line or "rank 1 barrier" not in line[0] or "rank 0 all_reduce" not in line[0] or "world@0" not in line[0]:
@@ -133,7 +140,7 @@ def main():
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--mpiexec", default="mpirun")
     ap.add_argument("--only", required=True,
-                    choices=[f"kill-{k}" for k in LAYOUTS] + ["watchdog-delay", "watchdog-mismatch"])
+                    choices=[f"kill-{k}" for k in LAYOUTS] + ["watchdog-delay", "watchdog-delay-pp", "watchdog-mismatch"])
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     if args.only.startswith("kill-"):

@@ -74,6 +74,30 @@ TEST(Flight, KindAndSizeDisagreementsAreReported) {
   EXPECT_TRUE(analyze_flight(d).mismatches.empty());
 }
 
+TEST(Flight, AWaitingReceiveWhoseSendWasNeverPostedIsNamed) {
+  // pp@0 = world ranks {0, 1, 2}: rank 0 waits for message 4 from group rank 1; rank 2 waits for message 4 from
+  // rank 1 too, but rank 1 has posted that one; rank 1 is in no call.
+  auto p2p = [](const std::string& kind, const std::string& state, int peer, int64_t msg) {
+    json e = entry("pp@0", -1, kind, 64, state);
+    e["peer"] = peer, e["tag"] = 29000, e["msg"] = msg;
+    return e;
+  };
+  std::vector<json> d = {dump(0, 3, {p2p("recv", "completed", 1, 3), p2p("recv", "started", 1, 4)}),
+                         dump(1, 3, {p2p("send", "completed", 0, 3), p2p("send", "scheduled", 2, 4)}),
+                         dump(2, 3, {p2p("recv", "started", 1, 4)})};
+  const FlightAnalysis a = analyze_flight(d);
+  ASSERT_EQ(a.unsent.size(), 1u);
+  EXPECT_EQ(a.unsent[0].receiver, 0);
+  EXPECT_EQ(a.unsent[0].sender, 1);
+  EXPECT_EQ(a.unsent[0].msg, 4);
+  EXPECT_EQ(a.idle, (std::vector<int>{1}));
+  EXPECT_NE(a.text().find("NOT SENT: rank 0 waits for message #4 (tag 29000, 64 bytes) from rank 1 on pp@0; rank 1 never "
+                          "posted it"),
+            std::string::npos)
+      << a.text();
+  EXPECT_NE(a.text().find("rank(s) 1 were inside no communication call"), std::string::npos) << a.text();
+}
+
 TEST(Flight, ACleanSetReportsNothing) {
   std::vector<json> d = {dump(0, 2, {entry("dp@0", 1, "all_reduce", 8, "completed")}),
                          dump(1, 2, {entry("dp@0", 1, "all_reduce", 8, "completed")})};
