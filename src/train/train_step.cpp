@@ -1,6 +1,8 @@
 // train_step.cpp: one optimizer step of TrainSession: the schedule (PipelineExecutor), the step-wide
 // quantities folded over micro-batches, pipeline stages and data-parallel ranks, the gradient norm and
-// clipping, AdamW, the aux-free bias update, the step record, its log line and its checkpoint.
+// clipping, AdamW, the aux-free bias update, the step record, its log line and its checkpoint; the non-finite
+// decision (training.nonfinite, one answer on every rank) and the MOETRON_FAULT hook points (fault.h:
+// forward, backward, optimizer, checkpoint).
 //
 // Step-wide quantities under pipeline parallelism (each rank holds some stages):
 //   - losses: a micro-batch's cross-entropy comes from the head stage, its router aux / z losses from the
