@@ -107,11 +107,22 @@ struct CommEvent {
   double t_post_end = 0, t_wait_begin = 0;
   int wait_index = 0, wait_count = 0;
   const CommInfo* comm = nullptr;  // the communicator (always set)
+  // The flight recorder's sink (set_comm_flight_sink) also sees calls before they finish: Scheduled when a
+  // non-blocking request is posted, Started when a blocking call (or the wait of a request) begins (t_end = 0),
+  // Completed at the end. The trace hooks see Completed events only.
+  enum class State : uint8_t { Scheduled, Started, Completed };
+  State state = State::Completed;
 };
 using CommTraceHook = std::function<void(const CommEvent&)>;
+// "<name>@<first member's MPI_COMM_WORLD rank>": how flight-recorder dumps name a communicator.
+std::string comm_group_id(const CommInfo& info);
 // A hook every communicator reports to (besides its own set_trace_hook), e.g. the profiler's; empty = none.
 // Set it while no communication runs on any thread.
 void set_comm_trace_sink(CommTraceHook hook);
+// The flight recorder's sink (src/parallel/flight_recorder.cpp): every call's Scheduled / Started / Completed
+// events with the same sequence numbers the traces use. Set it while no communication runs; empty = none.
+// Called from whichever thread communicates: it must be thread-safe.
+void set_comm_flight_sink(CommTraceHook hook);
 
 namespace detail {
 class CommBackend;

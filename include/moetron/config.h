@@ -63,6 +63,10 @@ struct TrainSpec {
   ComputeDtype compute_dtype = ComputeDtype::Auto;  // replaces the retired `dtype` key
   int64_t threads = 0;  // 0 = all hardware threads
   bool memory_check = true;  // reject at start-up a job that needs more memory than the node has (memcheck.h)
+  // A step whose loss or global gradient norm is not finite: "halt" (stop with an error naming the first
+  // parameter whose gradient is not finite) or "skip" (no optimizer step; counted in metrics.jsonl as
+  // skipped_steps). Every rank takes the same decision (docs/reliability.md).
+  std::string nonfinite = "halt";
   bool operator==(const TrainSpec&) const = default;
 };
 
@@ -164,6 +168,14 @@ struct ProfilingSpec {
   bool operator==(const ProfilingSpec&) const = default;
 };
 
+// [comm]: the communication watchdog (docs/reliability.md). A collective or point-to-point call running longer
+// than timeout_s seconds makes every rank dump its flight recorder (its last collectives and messages) to
+// <dump_folder>/flight/rank<r>.json and abort the job. 0 = no watchdog (the flight recorder still runs).
+struct CommSpec {
+  double timeout_s = 0;
+  bool operator==(const CommSpec&) const = default;
+};
+
 struct QuantizeSpec {
   Fp8Recipe recipe = Fp8Recipe::None;
   bool operator==(const QuantizeSpec&) const = default;
@@ -186,6 +198,7 @@ struct JobConfig {
   CheckpointSpec checkpoint;
   ActivationCheckpointSpec activation_checkpoint;
   QuantizeSpec quantize;
+  CommSpec comm;
   MetricsSpec metrics;
   ProfilingSpec profiling;
   HardwareSpec hardware;

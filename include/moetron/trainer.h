@@ -60,6 +60,7 @@ struct StepRecord {
   double val_loss = -1;  // -1 when not computed this step
   double seconds = 0;    // wall time of the step on this rank (forward, backward, optimizer, weight refresh)
   uint64_t param_hash = 0;  // FNV-1a of all parameters and expert biases after the step (record_param_hash)
+  bool skipped = false;     // not finite: the optimizer step was skipped (training.nonfinite = "skip")
 };
 
 struct TrainResult {

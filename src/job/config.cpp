@@ -248,6 +248,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_E("training", "compute_dtype", training.compute_dtype, {"auto", "bf16", "fp32"}));
     t.push_back(MT_F("training", "threads", training.threads));
     t.push_back(MT_F("training", "memory_check", training.memory_check));
+    t.push_back(MT_E("training", "nonfinite", training.nonfinite, {"halt", "skip"}));
     // [optimizer]
     t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw"}));
     t.push_back(MT_F("optimizer", "lr", optimizer.lr));
@@ -295,6 +296,8 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("activation_checkpoint", "modules", activation_checkpoint.modules));
     // [quantize]
     t.push_back(MT_E("quantize", "recipe", quantize.recipe, {"none", "tensorwise", "rowwise", "blockwise", "mxfp8"}));
+    // [comm]
+    t.push_back(MT_F("comm", "timeout_s", comm.timeout_s));
     // [metrics]
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
     t.push_back(MT_F("metrics", "peak_tflops", metrics.peak_tflops));
@@ -888,6 +891,8 @@ void JobConfig::validate() const {
     invalid_config("activation_checkpoint.modules", a.modules.size(), " module(s) listed but mode is ", to_string(a.mode),
         " (modules apply to selective mode only)");
 
+  if (!(comm.timeout_s >= 0 && comm.timeout_s <= 1e7))
+    invalid_config("comm.timeout_s", comm.timeout_s, "must be in [0, 1e7] seconds (0 = no watchdog)");
   if (metrics.log_interval < 1) invalid_config("metrics.log_interval", metrics.log_interval, "must be >= 1");
   if (!(metrics.peak_tflops >= 0)) invalid_config("metrics.peak_tflops", metrics.peak_tflops, "must be >= 0 (0 = measure)");
   if (hardware.num_nodes < 0) invalid_config("hardware.num_nodes", hardware.num_nodes, "must be >= 0");

@@ -250,12 +250,27 @@ double now_s() {
 // The process-wide trace sink (set_comm_trace_sink): read on every call, set only while nothing communicates.
 std::atomic<bool> g_sink_on{false};
 CommTraceHook g_sink;
+// The flight recorder's sink (set_comm_flight_sink): the same events plus Scheduled / Started ones.
+std::atomic<bool> g_flight_on{false};
+CommTraceHook g_flight;
 
-bool hooked(const CommState& s) { return s.hook || g_sink_on.load(std::memory_order_relaxed); }
+bool flight_on() { return g_flight_on.load(std::memory_order_relaxed); }
+bool hooked(const CommState& s) { return s.hook || g_sink_on.load(std::memory_order_relaxed) || flight_on(); }
 void emit(CommState& s, CommEvent& e) {
   e.comm = &s.get_info();
-  if (s.hook) s.hook(e);
-  if (g_sink_on.load(std::memory_order_relaxed)) g_sink(e);
+  if (e.state == CommEvent::State::Completed) {
+    if (s.hook) s.hook(e);
+    if (g_sink_on.load(std::memory_order_relaxed)) g_sink(e);
+  }
+  if (flight_on()) g_flight(e);
+}
+// A call that has not finished yet, for the flight recorder only.
+void emit_open(CommState& s, CommEvent::State st, CommOp op, int64_t bytes, double t0, int64_t seq, int peer = -1,
+               int tag = -1, int64_t msg = -1) {
+  if (!flight_on()) return;
+  CommEvent e{op, bytes, 0, t0, 0, s.be->size()};
+  e.seq = seq, e.peer = peer, e.tag = tag, e.msg = msg, e.state = st;
+  emit(s, e);
 }
 
 // Times one call and records it (also when the call throws: then nothing is recorded). Collectives take the
@@ -265,8 +280,11 @@ struct OpTimer {
   CommOp op;
   double t0;
   int64_t seq = -1;
-  OpTimer(CommState& s_, CommOp op_) : s(s_), op(op_), t0(now_s()) {
+  // bytes: what the flight recorder compares between ranks (see flight_recorder.h), known before the call.
+  OpTimer(CommState& s_, CommOp op_, int64_t bytes = 0, int peer = -1, int tag = -1, int64_t msg = -1)
+      : s(s_), op(op_), t0(now_s()) {
     if (op != CommOp::Send && op != CommOp::Recv) seq = s.coll_seq++;
+    emit_open(s, CommEvent::State::Started, op, bytes, t0, seq, peer, tag, msg);
   }
   // in / out: CommEvent::bytes_in / bytes_out; the rest as CommEvent says (point-to-point and per-peer counts).
   void done(int64_t bytes, int64_t wire, int64_t in = 0, int64_t out = 0, int peer = -1, int tag = -1,
@@ -354,7 +372,7 @@ void Comm::all_reduce(void* x, int64_t n, ReduceType t) const {
   const char* op = "comm.all_reduce";
   MT_CHECK(n >= 0, op, "negative element count ", n);
   MT_CHECK(x != nullptr || n == 0, op, "null buffer for ", n, " elements");
-  OpTimer tm(*s_, CommOp::AllReduce);
+  OpTimer tm(*s_, CommOp::AllReduce, n * int64_t(reduce_type_size(t)));
   const int64_t es = int64_t(reduce_type_size(t));
   const int p = size(), me = rank();
   int64_t wire = 0;
@@ -398,7 +416,7 @@ void Comm::reduce_scatter(void* out, const void* in, int64_t n, ReduceType t) co
   const char* op = "comm.reduce_scatter";
   MT_CHECK(n >= 0, op, "negative element count ", n);
   MT_CHECK((out && in) || n == 0, op, "null buffer for ", n, " elements per rank");
-  OpTimer tm(*s_, CommOp::ReduceScatter);
+  OpTimer tm(*s_, CommOp::ReduceScatter, n * int64_t(reduce_type_size(t)));
   const int64_t es = int64_t(reduce_type_size(t));
   const int p = size(), me = rank();
   int64_t wire = 0;
@@ -432,7 +450,7 @@ void ordered_impl(CommState& s, T* out, const T* parts, int64_t m_local, int64_t
   MT_CHECK(out != nullptr || n == 0, op, "null out");
   MT_CHECK(parts != nullptr || n == 0 || m_local == 0, op, "null parts");
   MT_CHECK(n == 0 || m_local == 0 || (out + n <= parts || parts + m_local * n <= out), op, "out aliases parts");
-  OpTimer tm(s, CommOp::AllReduce);
+  OpTimer tm(s, CommOp::AllReduce, n * int64_t(sizeof(T)));
   const int p = s.be->size();
   // Everyone learns every rank's part count.
   std::vector<int64_t> m(static_cast<size_t>(p)), cnt(static_cast<size_t>(p)), dsp(static_cast<size_t>(p));
@@ -491,7 +509,7 @@ void Comm::all_gather(void* out, const void* in, int64_t bytes) const {
   MT_CHECK(bytes == 0 || static_cast<const char*>(in) + bytes <= static_cast<char*>(out) ||
                static_cast<char*>(out) + p * bytes <= static_cast<const char*>(in),
            op, "out aliases in");
-  OpTimer tm(*s_, CommOp::AllGather);
+  OpTimer tm(*s_, CommOp::AllGather, bytes * p);
   auto& c = s_->c1;
   auto& d = s_->d1;
   for (int q = 0; q < p; ++q) {
@@ -508,10 +526,10 @@ void Comm::all_gather_v(void* out, const int64_t* counts, const int64_t* displs,
   check_counts(op, counts, displs, p, "gather");
   MT_CHECK(out != nullptr, op, "null out");
   MT_CHECK(in != nullptr || counts[me] == 0, op, "null in with ", counts[me], " bytes");
-  OpTimer tm(*s_, CommOp::AllGather);
-  s_->be->all_gather_v(out, counts, displs, in);
   int64_t all = 0;
   for (int q = 0; q < p; ++q) all += counts[q];
+  OpTimer tm(*s_, CommOp::AllGather, all);
+  s_->be->all_gather_v(out, counts, displs, in);
   tm.done(counts[me], counts[me] * (p - 1), all, counts[me]);
 }
 
@@ -530,7 +548,7 @@ void Comm::all_to_all_v(void* recv, const int64_t* recv_counts, const int64_t* r
   MT_CHECK(recv != nullptr || recvd == 0, op, "null recv buffer with ", recvd, " bytes to receive");
   MT_CHECK(send_counts[me] == recv_counts[me], op, "self block: sending ", send_counts[me], " bytes but receiving ",
            recv_counts[me]);
-  OpTimer tm(*s_, CommOp::AllToAllV);
+  OpTimer tm(*s_, CommOp::AllToAllV, sent);
   s_->be->all_to_all_v(recv, recv_counts, recv_displs, send, send_counts, send_displs);
   tm.done(sent, sent - send_counts[me], recvd, sent, -1, -1, -1, send_counts, recv_counts);
 }
@@ -557,7 +575,7 @@ void Comm::exchange(void* recv, int64_t capacity, const void* send, const int64_
   }
   MT_CHECK(send != nullptr || sent == 0, op, "null send buffer");
   MT_CHECK(recv != nullptr || capacity == 0, op, "null recv buffer");
-  OpTimer tm(*s_, CommOp::Exchange);
+  OpTimer tm(*s_, CommOp::Exchange, sent);
   s_->be->exchange(recv, capacity, send, send_counts, send_displs);
   tm.done(sent, sent - send_counts[me], 0, sent, -1, -1, -1, send_counts, nullptr);
 }
@@ -567,8 +585,8 @@ void Comm::send(const void* buf, int64_t bytes, int dst, int tag) const {
   MT_CHECK(dst >= 0 && dst < size(), op, "destination rank ", dst, " outside [0, ", size(), ")");
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
-  OpTimer tm(*s_, CommOp::Send);
   const int64_t msg = s_->next_msg(true, dst, tag);
+  OpTimer tm(*s_, CommOp::Send, bytes, dst, tag, msg);
   s_->be->send(buf, bytes, dst, tag);
   tm.done(bytes, dst == rank() ? 0 : bytes, 0, bytes, dst, tag, msg);
 }
@@ -578,8 +596,8 @@ void Comm::recv(void* buf, int64_t bytes, int src, int tag) const {
   MT_CHECK(src >= 0 && src < size(), op, "source rank ", src, " outside [0, ", size(), ")");
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
-  OpTimer tm(*s_, CommOp::Recv);
   const int64_t msg = s_->next_msg(false, src, tag);
+  OpTimer tm(*s_, CommOp::Recv, bytes, src, tag, msg);
   s_->be->recv(buf, bytes, src, tag);
   tm.done(bytes, 0, bytes, 0, src, tag, msg);
 }
@@ -591,6 +609,7 @@ CommRequest Comm::isend(const void* buf, int64_t bytes, int dst, int tag) const 
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
   const double t0 = now_s();
   const int64_t msg = s_->next_msg(true, dst, tag);
+  emit_open(*s_, CommEvent::State::Scheduled, CommOp::Send, bytes, t0, -1, dst, tag, msg);
   const int64_t id = s_->be->isend(buf, bytes, dst, tag);
   return s_->post(CommOp::Send, bytes, dst == rank() ? 0 : bytes, t0, now_s(), id, dst, tag, msg);
 }
@@ -602,6 +621,7 @@ CommRequest Comm::irecv(void* buf, int64_t bytes, int src, int tag) const {
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
   const double t0 = now_s();
   const int64_t msg = s_->next_msg(false, src, tag);
+  emit_open(*s_, CommEvent::State::Scheduled, CommOp::Recv, bytes, t0, -1, src, tag, msg);
   const int64_t id = s_->be->irecv(buf, bytes, src, tag);
   return s_->post(CommOp::Recv, bytes, 0, t0, now_s(), id, src, tag, msg);
 }
@@ -619,6 +639,11 @@ void Comm::wait_all(CommRequest* reqs, size_t n) const {
   }
   if (n == 0) return;
   const double t0 = now_s();
+  if (flight_on())
+    for (size_t k = 0; k < n; ++k) {
+      const CommState::Pending& p = s.pending[size_t(reqs[k].id_)];
+      emit_open(s, CommEvent::State::Started, p.op, p.bytes, t0, -1, p.peer, p.tag, p.msg);
+    }
   s.wait_ids.resize(n);
   for (size_t k = 0; k < n; ++k) s.wait_ids[k] = s.pending[size_t(reqs[k].id_)].backend_id;
   const std::string problem = s.be->wait_all(s.wait_ids.data(), int(n));
@@ -663,6 +688,16 @@ Comm Comm::split(int color, int key) const {
 
 void Comm::set_name(std::string name) const { s_->info.name = std::move(name); }
 const CommInfo& Comm::info() const { return s_->get_info(); }
+
+void set_comm_flight_sink(CommTraceHook hook) {
+  g_flight_on.store(false);
+  g_flight = std::move(hook);
+  g_flight_on.store(bool(g_flight));
+}
+
+std::string comm_group_id(const CommInfo& info) {
+  return info.name + "@" + std::to_string(info.world_ranks.empty() ? 0 : info.world_ranks.front());
+}
 
 void set_comm_trace_sink(CommTraceHook hook) {
   g_sink_on.store(false);

@@ -144,7 +144,8 @@ json read_metrics(const std::string& path) {
     MT_CHECK(r.is_object(), "report", w, "a record is a JSON object, this line holds ", r.type_name());
     check_number(r, "step", w, true);
     MT_CHECK(r["step"].is_number_integer(), "report", w, "\"step\" is ", r["step"].dump(), ", not an integer");
-    check_number(r, "loss", w, true);
+    // A step skipped for a non-finite loss (training.nonfinite = "skip") logs "loss": null and "skipped": true.
+    check_number(r, "loss", w, !(r.contains("skipped") && r["skipped"] == true));
     for (const char* k : {"aux_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "mem_peak_bytes",
                           "time_s"})
       check_number(r, k, w, false);

@@ -7,6 +7,8 @@
 // the layout of the parameter shard (fsdp->segments()); the runs are not used.
 #include "train/param_state.h"
 
+#include <limits>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -150,6 +152,16 @@ void ParamState::adamw(const AdamWConfig& ac, int64_t step, float clip) {
 
 // ---------------------------------------------------------------------------------------------------
 // local flat layout <-> state buffers, and the global layout
+
+void ParamState::poison_grad() {
+  float* g = zero3_ ? fsdp_->grads() : m_.grad_data();
+  if (g) g[0] = std::numeric_limits<float>::quiet_NaN();
+}
+
+void ParamState::poison_param() {
+  float* p = zero3_ ? fsdp_->params() : m_.param_data();
+  if (p) p[0] = std::numeric_limits<float>::quiet_NaN();
+}
 
 const float* ParamState::local_params() {
   if (!zero3_) return m_.param_data();

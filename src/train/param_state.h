@@ -47,6 +47,10 @@ class ParamState {
   // zero = 3: the FSDP shard norms, then summed over the pipeline ranks in rank order.
   double grad_norm();
   void adamw(const AdamWConfig& ac, int64_t step, float clip);  // + the ZeRO-1 parameter all-gather
+  // Fault injection (fault.h): this rank's first gradient element (model or FSDP shard) becomes a quiet NaN.
+  void poison_grad();
+  // ... or its first parameter element (the master copy: model or FSDP shard).
+  void poison_param();
 
   // ---- the global layout (collective over EP and PP; zero = 3 also over DP)
   int64_t global_numel() const { return gnp_; }

@@ -105,7 +105,8 @@ void TrainSession::print_start() const {
 
 void TrainSession::log_step(const StepRecord& rec, const StepTotals& t, bool do_val) {
 const auto& tr = cfg.training;
-const bool log_now = step % std::max<int64_t>(1, cfg.metrics.log_interval) == 0 || step == tr.steps || do_val;
+const bool log_now =
+    step % std::max<int64_t>(1, cfg.metrics.log_interval) == 0 || step == tr.steps || do_val || rec.skipped;
 auto& mt = MemoryTracker::global();
 const auto& counts = t.counts;
 const double gn = t.grad_norm;
@@ -135,6 +136,8 @@ if (log_now) {
     for (int c = 0; c < kNumMemCategories; ++c) cat[std::string(mem_category_name(MemCategory(c)))] = snap.peak[c];
     j["mem_peak_by_category"] = cat;
     if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
+    j["skipped_steps"] = skipped_steps;  // training.nonfinite = "skip": steps without an update so far
+    if (rec.skipped) j["skipped"] = true;
     if (model->n_moe_layers_total() > 0) {  // every pipeline rank takes part in the gather
       std::vector<int> ids = model->local_moe_layers();
       std::vector<std::vector<int64_t>> all = counts;

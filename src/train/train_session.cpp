@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -130,12 +131,19 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   res.checkpoint_dir = ckdir;
   adam.beta1 = float(cfg.optimizer.beta1), adam.beta2 = float(cfg.optimizer.beta2), adam.eps = float(cfg.optimizer.eps);
   adam.weight_decay = float(cfg.optimizer.weight_decay);
+  faults = FaultInjector::from_env(world.rank());
+  // The flight recorder runs in every training run; the watchdog only with [comm] timeout_s.
+  flight_recorder_start();
+  watchdog = std::make_unique<FlightWatchdog>(cfg.comm.timeout_s, (fs::path(res.dump_folder) / "flight").string(),
+                                              world.rank(), world.size());
   vin.resize(size_t(B * T)), vtg.resize(size_t(B * T));
 }
 
 TrainSession::~TrainSession() {
   trace::enable(false);  // a run that threw mid-step: stop recording and drop the trace session
   trace::cancel_session();
+  watchdog.reset();  // before the recorder it reads
+  flight_recorder_stop();
 }
 
 namespace {
@@ -190,6 +198,26 @@ std::string TrainSession::save(int64_t s) {
   auto snap = std::make_shared<Snapshot>();
   snap->p = state->global_params_values(), snap->m = state->global_moment(0), snap->v = state->global_moment(1);
   snap->bias = state->global_biases();
+  // Nothing non-finite reaches a checkpoint. Every rank holds the same gathered vectors, so every rank takes
+  // the same decision without communicating.
+  {
+    std::string bad;
+    auto scan = [&](const std::vector<float>& g, const char* pre) {
+      for (const auto& e : state->global_params())
+        for (int64_t i = 0; bad.empty() && i < e.numel; ++i)
+          if (!std::isfinite(g[size_t(e.offset + i)]))
+            bad = std::string(pre) + e.name + " element " + std::to_string(i) + " = " + std::to_string(g[size_t(e.offset + i)]);
+    };
+    scan(snap->p, ""), scan(snap->m, "m."), scan(snap->v, "v.");
+    for (size_t i = 0; bad.empty() && i < snap->bias.size(); ++i)
+      if (!std::isfinite(snap->bias[i])) bad = "expert_bias element " + std::to_string(i);
+    if (!bad.empty()) {
+      if (cfg.training.nonfinite != "skip")
+        MT_FAIL("train", "checkpoint at step ", s, " refused: ", bad, " is not finite (training.nonfinite = halt)");
+      if (say) std::printf("checkpoint at step %lld not written: %s is not finite\n", (long long)s, bad.c_str());
+      return std::string();
+    }
+  }
   if (!root) return std::string();
   CheckpointWriteRequest& req = snap->req;
   req.step = s;

@@ -18,6 +18,8 @@
 #include "moetron/accounting.h"
 #include "moetron/config.h"
 #include "moetron/ep_dispatch.h"
+#include "moetron/fault.h"
+#include "moetron/flight_recorder.h"
 #include "moetron/mesh.h"
 #include "moetron/model.h"
 #include "moetron/optim.h"
@@ -91,6 +93,9 @@ struct TrainSession {
   std::string ckdir;
   CheckpointWriter ckwriter;  // [checkpoint] async: rank 0's background write
   std::ofstream metrics;
+  FaultInjector faults;        // MOETRON_FAULT's faults of this rank (fault.h)
+  std::unique_ptr<FlightWatchdog> watchdog;  // [comm] timeout_s > 0 (flight_recorder.h)
+  int64_t skipped_steps = 0;   // steps whose optimizer update was skipped (training.nonfinite = "skip")
   int64_t step = 0;
   double time_total = 0, window_t = 0;
   int64_t tokens_total = 0, window_tok = 0, window_steps = 0;
@@ -103,6 +108,11 @@ struct TrainSession {
 
  private:
   StepTotals forward_backward();  // the executor and the step-wide sums (train_step.cpp)
+  // The faults due at this point of the current step (fault.h); true if one of them is a nan fault.
+  bool fault_point(FaultPhase phase);
+  // training.nonfinite (train_step.cpp): true when the step must not update (collective: every rank gets the
+  // same answer). Under "halt" it throws, naming the first parameter whose gradient is not finite.
+  bool nonfinite_step(double loss, double grad_norm);
 };
 
 std::string human_bytes(int64_t b);

@@ -1,6 +1,8 @@
 // train_step.cpp: one optimizer step of TrainSession: the schedule (PipelineExecutor), the step-wide
 // quantities folded over micro-batches, pipeline stages and data-parallel ranks, the gradient norm and
-// clipping, AdamW, the aux-free bias update, the step record, its log line and its checkpoint.
+// clipping, AdamW, the aux-free bias update, the step record, its log line and its checkpoint; the non-finite
+// decision (training.nonfinite, one answer on every rank) and the MOETRON_FAULT hook points (fault.h:
+// forward, backward, optimizer, checkpoint).
 //
 // Step-wide quantities under pipeline parallelism (each rank holds some stages):
 //   - losses: a micro-batch's cross-entropy comes from the head stage, its router aux / z losses from the
@@ -28,7 +30,9 @@ StepTotals TrainSession::forward_backward() {
   const bool record_seqs = opt.record_data && pp_rank == plan.first_stage_rank;
   std::vector<uint64_t> seqs;
   const bool rec = trace::enabled() && record.steps.size() < kMaxRecordedSteps;  // a profiled step
+  const bool nan_loss = fault_point(FaultPhase::Forward);
   StepOutcome o = exec->run(*data.train, B, T, rec, record_seqs ? &seqs : nullptr);
+  if (fault_point(FaultPhase::Backward)) state->poison_grad();
   t.runtime = o.runtime;
   if (rec) record.steps.push_back(exec->gather_record(step, o, mcs.pp));
   for (size_t k = 0; k < seqs.size(); ++k)
@@ -42,7 +46,7 @@ StepTotals TrainSession::forward_backward() {
   int64_t ce_n = 0;
   for (int64_t mb = 0; mb < micro_local; ++mb) {
     const MicroStats& s = o.micro[size_t(mb)];
-    per[size_t(mb) * w] = s.ce_sum;
+    per[size_t(mb) * w] = mb == 0 && nan_loss ? std::nan("") : s.ce_sum;
     for (size_t l = 0; l < s.aux_by_layer.size() && l < size_t(n_moe); ++l) per[size_t(mb) * w + 1 + l] = s.aux_by_layer[l];
     ce_n += s.ce_count;
   }
@@ -92,11 +96,14 @@ void TrainSession::run_step() {
     t.grad_norm = state->grad_norm();
   }
   if (opt.keep_first_grads && step == res.start_step + 1) res.first_grads = state->global_grads();
-  const float clip = tr.max_norm > 0 ? clip_coefficient(t.grad_norm, tr.max_norm) : 1.0f;
+  const double loss = t.ce_n ? t.ce / double(t.ce_n) : 0;
+  fault_point(FaultPhase::Optimizer);
+  const bool skip = nonfinite_step(loss, t.grad_norm);
   adam.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
-  state->adamw(adam, step, clip);
-  model->update_expert_bias(t.counts);
-  {
+  if (!skip) {
+    const float clip = tr.max_norm > 0 ? clip_coefficient(t.grad_norm, tr.max_norm) : 1.0f;
+    state->adamw(adam, step, clip);
+    model->update_expert_bias(t.counts);
     MT_TRACE("sync_weights");
     model->sync_weights();
   }
@@ -107,20 +114,66 @@ void TrainSession::run_step() {
   time_total += dt, tokens_total += G * T, window_t += dt, window_tok += G * T, ++window_steps;
 
   StepRecord rec;
-  rec.step = step, rec.loss = t.ce_n ? t.ce / double(t.ce_n) : 0, rec.aux_loss = t.aux, rec.lr = adam.lr;
+  rec.step = step, rec.loss = loss, rec.skipped = skip, rec.aux_loss = t.aux, rec.lr = adam.lr;
   rec.grad_norm = t.grad_norm;
   rec.seconds = dt;
   if (opt.record_param_hash) {
     const std::vector<float> p = state->global_params_values(), b = state->global_biases();
     rec.param_hash = fnv1a(b.data(), b.size() * 4, fnv1a(p.data(), p.size() * 4));
   }
-  MT_CHECK(std::isfinite(rec.loss), "train", "loss became ", rec.loss, " at step ", step);
   const bool do_val = tr.val_interval > 0 && (step % tr.val_interval == 0 || step == tr.steps);
   if (do_val) rec.val_loss = validate();
   res.history.push_back(rec);
   log_step(rec, t, do_val);
-  if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps))
+  if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps)) {
+    if (fault_point(FaultPhase::Checkpoint)) state->poison_param();
     save(step);
+  }
+}
+
+bool TrainSession::fault_point(FaultPhase phase) {
+  if (faults.empty()) return false;
+  bool nan = false;
+  for (const FaultSpec& f : faults.take(phase, step)) {
+    if (f.rank == world.rank()) FaultInjector::act(f);  // message; kill and delay act here
+    if (f.kind == FaultKind::Nan) nan = true;
+    // A mismatch fault is known to every rank (FaultInjector keeps it): the others run the other side.
+    if (f.kind == FaultKind::Mismatch) {
+      // The faulty rank enters a barrier; the others, at the same point, an all_reduce: a collective that never
+      // matches (the watchdog's test, docs/reliability.md).
+      int64_t x[4] = {0, 0, 0, 0};
+      if (world.rank() == f.rank) world.barrier();
+      else world.all_reduce(x, 4);
+    }
+  }
+  return nan;
+}
+
+bool TrainSession::nonfinite_step(double loss, double grad_norm) {
+  int32_t bad = std::isfinite(loss) && std::isfinite(grad_norm) ? 0 : 1;
+  if (world.size() > 1) world.all_reduce(&bad, 1);  // one decision for all ranks
+  if (bad == 0) return false;
+  if (cfg.training.nonfinite == "skip") {
+    ++skipped_steps;
+    if (say)
+      std::printf("step %lld: loss %g, gradient norm %g: not finite, optimizer step skipped (%lld skipped so far; "
+                  "training.nonfinite = skip)\n", (long long)step, loss, grad_norm, (long long)skipped_steps);
+    return true;
+  }
+  // halt: find the first non-finite gradient in global parameter order (collective: the global gather).
+  const std::vector<float> g = state->global_grads();
+  std::string where = "every gradient is finite (the loss is not: the forward produced it)";
+  for (const auto& e : state->global_params()) {
+    int64_t i = 0;
+    while (i < e.numel && std::isfinite(g[size_t(e.offset + i)])) ++i;
+    if (i == e.numel) continue;
+    where = "the first non-finite gradient in parameter order is " + e.name +
+            (e.layer >= 0 ? " (layer " + std::to_string(e.layer) + ")" : std::string(" (not in a layer)")) +
+            ", element " + std::to_string(i) + " = " + std::to_string(g[size_t(e.offset + i)]);
+    break;
+  }
+  MT_FAIL("train", "step ", step, ": loss ", loss, ", gradient norm ", grad_norm, " not finite; ", where,
+          " (training.nonfinite = halt; \"skip\" skips such steps)");
 }
 
 }  // namespace moetron

@@ -137,8 +137,8 @@ TEST(Config, ConfigKeysAreUniqueAndCoverEverySection) {
   std::set<std::string> secs;
   for (const auto& k : keys) secs.insert(k.substr(0, k.find('.')));
   EXPECT_EQ(secs, (std::set<std::string>{"job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
-                                         "checkpoint", "activation_checkpoint", "quantize", "metrics", "profiling",
-                                         "hardware"}));
+                                         "checkpoint", "activation_checkpoint", "quantize", "comm", "metrics",
+                                         "profiling", "hardware"}));
   for (const char* k : {"model.q_lora_rank", "model.dense_layers", "model.drop_policy", "parallelism.fp8_dispatch",
                         "parallelism.pp_layout", "activation_checkpoint.modules", "metrics.peak_tflops"})
     EXPECT_TRUE(uniq.count(k)) << k;
