@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "moetron/check.h"
+#include "tracefile/fail.h"
 
 namespace moetron::tracefile {
 
@@ -21,10 +22,7 @@ namespace {
 
 template <class... A>
 [[noreturn]] void fail(const A&... parts) {
-  std::ostringstream os;
-  os << "[trace flight] ";
-  (os << ... << parts);
-  throw moetron::Error(os.str());
+  fail_tagged("[trace flight] ", parts...);
 }
 
 struct Rec {

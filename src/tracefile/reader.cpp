@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "moetron/check.h"
+#include "tracefile/fail.h"
 
 namespace moetron::tracefile {
 
@@ -17,10 +18,7 @@ namespace {
 
 template <class... A>
 [[noreturn]] void fail(const A&... parts) {
-  std::ostringstream os;
-  os << "[trace] ";
-  (os << ... << parts);
-  throw moetron::Error(os.str());
+  fail_tagged("[trace] ", parts...);
 }
 
 struct Where {
