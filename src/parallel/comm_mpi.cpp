@@ -4,8 +4,8 @@
 // moetron::Error naming the op and the MPI error string (MPI_ERRORS_RETURN on every communicator).
 // Not a reduction: Comm folds in a fixed order itself; MPI_Allreduce is never used. Non-blocking sends and
 // receives (isend / irecv) keep their MPI_Request in a table of reusable slots until wait_all completes them.
-// Waiting: every call is non-blocking underneath and completes in wait_requests(), which tests the requests
-// and, once a wait has lasted a little, sleeps between tests (MOETRON_MPI_WAIT=poll, the default) instead of
+// Waiting: every call but the barrier is non-blocking underneath and completes in wait_requests(), which tests
+// the requests and, once a wait has lasted a little, sleeps between tests (MOETRON_MPI_WAIT=poll, the default) instead of
 // spinning inside MPI (MOETRON_MPI_WAIT=spin). A rank that waits then leaves its core to the ranks and threads
 // that compute, which matters whenever ranks share cores (oversubscribed runs, the EP overlap's second lane).
 #include <mpi.h>
@@ -251,11 +251,10 @@ class MpiBackend final : public CommBackend {
     return {};
   }
 
-  void barrier() override {
-    MPI_Request r;
-    mpi_ok(MPI_Ibarrier(comm_, &r), "comm.barrier");
-    wait_ok(1, &r, "comm.barrier");
-  }
+  // Blocking: barriers are rare (start-up, folders shared between ranks), and a barrier must never pair with
+  // another rank's non-blocking collective (libnbc numbers its operations per communicator, so an Ibarrier
+  // facing a mismatched Ialltoallv could match its messages instead of hanging where the watchdog sees it).
+  void barrier() override { mpi_ok(MPI_Barrier(comm_), "comm.barrier"); }
 
   std::shared_ptr<CommBackend> split(int color, int key) override {
     MPI_Comm c;
