@@ -135,6 +135,17 @@ if (log_now) {
     for (int c = 0; c < kNumMemCategories; ++c) cat[std::string(mem_category_name(MemCategory(c)))] = snap.peak[c];
     j["mem_peak_by_category"] = cat;
     if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
+    if (!t.fp8.empty()) {  // [quantize]: per module and operand, the step's amax and the range of scales used
+      json f;
+      for (const auto& m : t.fp8) {
+        json mj;
+        const char* ops[3] = {"x", "w", "dy"};
+        for (int op = 0; op < 3; ++op)
+          mj[ops[op]] = {{"amax", m.amax[op]}, {"scale_min", m.scale_min[op]}, {"scale_max", m.scale_max[op]}};
+        f[m.module] = mj;
+      }
+      j["fp8"] = f;
+    }
     if (model->n_moe_layers_total() > 0) {  // every pipeline rank takes part in the gather
       std::vector<int> ids = model->local_moe_layers();
       std::vector<std::vector<int64_t>> all = counts;
