@@ -246,6 +246,16 @@ class Model {
   std::vector<float> fp8_history() const;
   void set_fp8_history(const std::vector<float>& h);
 
+  // Tools (bench/bench_fp8_real.cpp): the fp32 operands of the dense linear `param` (a 2-D weight of the
+  // attention, dense MLP or shared experts) in the following passes: X [rows, in] and W [in, out] from its
+  // forward, dY [rows, out] from its dgrad (the last micro-batch's). "" stops capturing.
+  struct LinearOperands {
+    std::vector<float> x, w, dy;
+    int64_t rows = 0, in = 0, out = 0;
+  };
+  void capture_linear(const std::string& param);
+  const LinearOperands& captured_linear() const;
+
   // Time spent in recompute and bytes saved by activation checkpointing (0 when off).
   double recompute_seconds() const { return recompute_s_; }
 

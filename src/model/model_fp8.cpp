@@ -148,6 +148,25 @@ void Model::set_fp8_history(const std::vector<float>& h) {
 
 int64_t Model::fp8_sites() const { return impl_->fp8 ? int64_t(impl_->fp8->sites.size()) : 0; }
 
+void Model::capture_linear(const std::string& param) {
+  impl_->cap_p = -1, impl_->cap = {};
+  if (param.empty()) return;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].name == param) impl_->cap_p = int(i);
+  MT_CHECK(impl_->cap_p >= 0 && params_[size_t(impl_->cap_p)].shape.size() == 2, "Model::capture_linear", "'", param,
+           "' is not a dense linear weight of this model");
+}
+
+const Model::LinearOperands& Model::captured_linear() const { return impl_->cap; }
+
+void Model::Impl::capture_operand(int which, const void* t, int64_t rows, int64_t in, int64_t out) {
+  cap.rows = rows, cap.in = in, cap.out = out;
+  const int64_t n = rows * (which == 0 ? in : out);
+  const float* f = fp8_f32(0, t, n);
+  (which == 0 ? cap.x : cap.dy).assign(f, f + n);
+  if (which == 0) cap.w.assign(P(cap_p), P(cap_p) + in * out);
+}
+
 // ---- Impl: operands and GEMMs ----
 
 Fp8Tensor Model::Impl::fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role) {

@@ -241,11 +241,13 @@ struct Model::Impl {
   }
   // y[N,out] (+)= x[N,in] · W[in,out] with W = parameter p (FP8 when [quantize] selects it)
   void lin_fwd(float* y, const void* x, int p, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    if (p == cap_p) capture_operand(0, x, rows, in, out);
     if (const int s = fp8_site(p); s >= 0) return fp8_lin_fwd(s, y, x, p, rows, in, out, acc);
     gemm_c(Trans::N, Trans::N, rows, out, in, x, in, W(p), out, acc ? 1.0f : 0.0f, y, out);
   }
   // dx[N,in] (+)= dy[N,out] · W[in,out]^T
   void lin_dgrad(float* dx, const void* dy, int p, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    if (p == cap_p) capture_operand(2, dy, rows, in, out);
     if (const int s = fp8_site(p); s >= 0) return fp8_lin_dgrad(s, dx, dy, p, rows, in, out, acc);
     gemm_c(Trans::N, Trans::T, rows, in, out, dy, out, W(p), out, acc ? 1.0f : 0.0f, dx, in);
   }
@@ -310,6 +312,9 @@ struct Model::Impl {
   std::shared_ptr<Fp8State> fp8;  // null = no FP8 (shared by the lanes)
   std::vector<float> fp8_tmp[2];  // this lane's fp32 copies of bf16 operands
   int fp8_site(int p) const { return fp8 ? fp8->site_of[size_t(p)] : -1; }
+  int cap_p = -1;  // Model::capture_linear: the parameter whose operands the next pass copies out
+  Model::LinearOperands cap;
+  void capture_operand(int which /* 0: X and W, 2: dY */, const void* t, int64_t rows, int64_t in, int64_t out);
   // Operand `op` of site s, x [R, C] (fp32), quantized along C, or transposed: x^T [C, R] along R.
   Fp8Tensor fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role);
   // The FP8 GEMM C (+)= A · B^T, or in twin mode gemm_f32 of the dequantized operands.
