@@ -83,10 +83,10 @@ int main(int argc, char** argv) {
         load_into(ck.model, p.name, DType::F32, p.global_shape, m.param_data() + p.offset);
       m.sync_weights();
     }
-    LoaderOptions lo;
+    data::LoaderOptions lo;
     lo.seq_len = T, lo.micro_batch = B, lo.seed = uint64_t(c.training.seed);
-    DataLoader loader({(fs::path(data) / "train_000.bin").string()}, lo);
-    Batch batch;
+    data::DataLoader loader({(fs::path(data) / "train_000.bin").string()}, lo);
+    data::Batch batch;
     loader.next(batch);
     std::vector<int32_t> tok(size_t(B * T)), tgt(size_t(B * T));
     batch.split(tok.data(), tgt.data());
