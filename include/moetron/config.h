@@ -30,7 +30,7 @@ enum class DecayType : uint8_t { Cosine, Linear, None };
 enum class EpDispatcher : uint8_t { AllToAll, SyncFree, Hierarchical };
 enum class AcMode : uint8_t { None, Selective, Full };
 // [quantize] recipe: the FP8 training recipe (how GEMM operands are scaled). The planner prices its GEMMs at
-// the FP8 rate plus the quantization passes; the engine refuses anything but none until it trains in FP8.
+// the FP8 rate plus the quantization passes; the engine emulates the recipe exactly (QuantizeSpec below).
 enum class Fp8Recipe : uint8_t { None, Tensorwise, Rowwise, Blockwise, MXFP8 };
 
 std::string_view to_string(Precision v);
@@ -176,8 +176,25 @@ struct CommSpec {
   bool operator==(const CommSpec&) const = default;
 };
 
+// [quantize]: FP8 training of the chosen linears (docs/fp8.md). The engine emulates FP8 exactly on the CPU
+// (numerics and memory, no speed); the embedding, the output head and the router stay in high precision.
+//   recipe      none | tensorwise | rowwise | blockwise | mxfp8 (how GEMM operands are scaled)
+//   format      e4m3 (every operand E4M3) | hybrid (E4M3 forward operands, E5M2 gradients)
+//   scaling     current (scales from this tensor's amax) | delayed (tensorwise only: the scale of a step comes
+//               from the max of the last amax_history_len steps' amaxes, Transformer Engine's recipe)
+//   modules     which linears are FP8: any of attention, dense_mlp, shared_experts, routed_experts
+//   cache_fp8_activations  keep the activations saved for wgrad as FP8 (recipes with exact transposes)
 struct QuantizeSpec {
   Fp8Recipe recipe = Fp8Recipe::None;
+  std::string format = "e4m3";
+  std::string scaling = "current";
+  int64_t amax_history_len = 16;
+  std::vector<std::string> modules = {"attention", "dense_mlp", "shared_experts", "routed_experts"};
+  bool cache_fp8_activations = false;
+  bool on() const { return recipe != Fp8Recipe::None; }
+  bool hybrid() const { return format == "hybrid"; }
+  bool delayed() const { return scaling == "delayed"; }
+  bool has_module(std::string_view m) const;  // FP8 is on and m is listed
   bool operator==(const QuantizeSpec&) const = default;
 };
 // Reserved for the planner (GPU catalog entry and cluster size); the engine ignores it.

@@ -129,8 +129,11 @@ struct Fp8AmaxHistory {
   float scale(Fp8Format f, bool pow2_scales = false) const { return fp8_scale_from_amax(amax(), f, pow2_scales); }
   void push(float amax);
 };
-// Tensorwise quantization with a given scale (values beyond fmt_max * scale saturate); records the tensor's own
-// amax into hist. Returns the operand.
+// Tensorwise quantization of x [R, C] with a given scale (> 0; values beyond fmt_max * scale saturate); the
+// tensor's own amax goes to *amax_out when given. What delayed scaling quantizes with.
+Fp8Tensor fp8_quantize_scaled(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Role role, float scale,
+                              float* amax_out = nullptr, bool pow2_scales = false);
+// fp8_quantize_scaled with the history's scale, then the tensor's own amax pushed into hist. Returns the operand.
 Fp8Tensor fp8_quantize_delayed(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Role role, Fp8AmaxHistory& hist,
                                bool pow2_scales = false);
 

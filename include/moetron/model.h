@@ -222,6 +222,40 @@ class Model {
   };
   EpRows ep_rows() const;
 
+  // ---- FP8 training ([quantize]; docs/fp8.md; src/model/model_fp8.cpp) ----
+  // The chosen linears (attention projections, dense MLP, shared experts, routed experts) run forward, dgrad and
+  // wgrad as FP8 GEMMs with q's recipe; recipe none (the default) is the plain compute-dtype path, unchanged.
+  // Call after construction, before the first pass.
+  void set_quantize(const QuantizeSpec& q);
+  const QuantizeSpec& quantize() const;
+  int64_t fp8_sites() const;  // quantized parameters of the whole model
+  // Tests: every FP8 GEMM replaced by gemm_f32 of its dequantized operands (the twin the FP8 GEMM equals).
+  void set_fp8_twin(bool on);
+  // Per module (attention, dense_mlp, shared_experts, routed_experts, those present): the step's largest amax
+  // and the smallest / largest scale used, per operand (0 = X, 1 = W, 2 = dY); 0 where nothing was quantized.
+  struct Fp8Stat {
+    std::string module;
+    float amax[3], scale_min[3], scale_max[3];
+  };
+  // After every optimizer step (collective over `world`, every rank of the job): the step's amaxes gathered over
+  // the ranks (max) and, with delayed scaling, pushed into the histories the next step's scales come from. The
+  // per-module statistics of the step. Empty without FP8.
+  std::vector<Fp8Stat> fp8_end_step(const Comm& world);
+  // Delayed scaling's state for checkpoints: every site's three histories, oldest first ([sites, 3, len]; empty
+  // with current scaling), and its restore (bitwise: the next scales are the same).
+  std::vector<float> fp8_history() const;
+  void set_fp8_history(const std::vector<float>& h);
+
+  // Tools (bench/bench_fp8_real.cpp): the fp32 operands of the dense linear `param` (a 2-D weight of the
+  // attention, dense MLP or shared experts) in the following passes: X [rows, in] and W [in, out] from its
+  // forward, dY [rows, out] from its dgrad (the last micro-batch's). "" stops capturing.
+  struct LinearOperands {
+    std::vector<float> x, w, dy;
+    int64_t rows = 0, in = 0, out = 0;
+  };
+  void capture_linear(const std::string& param);
+  const LinearOperands& captured_linear() const;
+
   // Time spent in recompute and bytes saved by activation checkpointing (0 when off).
   double recompute_seconds() const { return recompute_s_; }
 

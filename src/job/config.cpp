@@ -84,6 +84,9 @@ bool ActivationCheckpointSpec::applies_to(int64_t layer) const {
 bool ActivationCheckpointSpec::has_module(std::string_view m) const {
   return std::find(modules.begin(), modules.end(), m) != modules.end();
 }
+bool QuantizeSpec::has_module(std::string_view m) const {
+  return on() && std::find(modules.begin(), modules.end(), m) != modules.end();
+}
 
 namespace {
 
@@ -298,6 +301,11 @@ const std::vector<Field>& fields() {
     t.push_back(MT_E("quantize", "recipe", quantize.recipe, {"none", "tensorwise", "rowwise", "blockwise", "mxfp8"}));
     // [comm]
     t.push_back(MT_F("comm", "timeout_s", comm.timeout_s));
+    t.push_back(MT_E("quantize", "format", quantize.format, {"e4m3", "hybrid"}));
+    t.push_back(MT_E("quantize", "scaling", quantize.scaling, {"current", "delayed"}));
+    t.push_back(MT_F("quantize", "amax_history_len", quantize.amax_history_len));
+    t.push_back(MT_F("quantize", "modules", quantize.modules));
+    t.push_back(MT_F("quantize", "cache_fp8_activations", quantize.cache_fp8_activations));
     // [metrics]
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
     t.push_back(MT_F("metrics", "peak_tflops", metrics.peak_tflops));
@@ -808,6 +816,43 @@ void JobConfig::resolve() {
   }
 }
 
+namespace {
+
+// [quantize]: the keys' ranges, and keys that would do nothing named (a recipe of none ignores them all).
+void validate_quantize(const QuantizeSpec& q) {
+  const QuantizeSpec dflt;
+  if (q.amax_history_len < 1 || q.amax_history_len > 1024)
+    invalid_config("quantize.amax_history_len", q.amax_history_len, "must be in [1, 1024]");
+  std::vector<std::string> seen;
+  for (const auto& m : q.modules) {
+    if (m != "attention" && m != "dense_mlp" && m != "shared_experts" && m != "routed_experts")
+      invalid_config("quantize.modules", "\"" + m + "\"", "expected attention, dense_mlp, shared_experts or "
+          "routed_experts (the embedding, the output head and the router always stay in high precision)");
+    if (std::find(seen.begin(), seen.end(), m) != seen.end())
+      invalid_config("quantize.modules", "\"" + m + "\"", "listed twice");
+    seen.push_back(m);
+  }
+  if (!q.on()) {
+    if (q.format != dflt.format) invalid_config("quantize.format", q.format, "has no effect with quantize.recipe = none");
+    if (q.scaling != dflt.scaling) invalid_config("quantize.scaling", q.scaling, "has no effect with quantize.recipe = none");
+    if (q.amax_history_len != dflt.amax_history_len)
+      invalid_config("quantize.amax_history_len", q.amax_history_len, "has no effect with quantize.recipe = none");
+    if (q.cache_fp8_activations)
+      invalid_config("quantize.cache_fp8_activations", "true", "has no effect with quantize.recipe = none");
+    return;
+  }
+  if (q.modules.empty())
+    invalid_config("quantize.modules", "[]", "quantize.recipe = ", to_string(q.recipe), " needs at least one module "
+        "(attention, dense_mlp, shared_experts, routed_experts); use recipe = \"none\" for none");
+  if (q.delayed() && q.recipe != Fp8Recipe::Tensorwise)
+    invalid_config("quantize.scaling", "delayed", "delayed scaling is implemented for recipe = tensorwise only (",
+        to_string(q.recipe), " scales each row or tile from its own current amax); use scaling = \"current\"");
+  if (!q.delayed() && q.amax_history_len != dflt.amax_history_len)
+    invalid_config("quantize.amax_history_len", q.amax_history_len, "applies to scaling = \"delayed\" only");
+}
+
+}  // namespace
+
 void JobConfig::validate() const {
   model.validate();
 
@@ -893,6 +938,8 @@ void JobConfig::validate() const {
 
   if (!(comm.timeout_s >= 0 && comm.timeout_s <= 1e7))
     invalid_config("comm.timeout_s", comm.timeout_s, "must be in [0, 1e7] seconds (0 = no watchdog)");
+  validate_quantize(quantize);
+
   if (metrics.log_interval < 1) invalid_config("metrics.log_interval", metrics.log_interval, "must be >= 1");
   if (!(metrics.peak_tflops >= 0)) invalid_config("metrics.peak_tflops", metrics.peak_tflops, "must be >= 0 (0 = measure)");
   if (hardware.num_nodes < 0) invalid_config("hardware.num_nodes", hardware.num_nodes, "must be >= 0");

@@ -266,13 +266,13 @@ void Fp8AmaxHistory::push(float a) {
   pos = (pos + 1) % int64_t(history.size());
 }
 
-Fp8Tensor fp8_quantize_delayed(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Role role, Fp8AmaxHistory& hist,
-                               bool pow2_scales) {
-  MT_CHECK(R >= 0 && C >= 0, "fp8_quantize_delayed", "negative shape ", R, " x ", C);
+Fp8Tensor fp8_quantize_scaled(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Role role, float scale,
+                              float* amax_out, bool pow2_scales) {
+  MT_CHECK(R >= 0 && C >= 0, "fp8_quantize_scaled", "negative shape ", R, " x ", C);
+  MT_CHECK(scale > 0.0f && std::isfinite(scale), "fp8_quantize_scaled", "scale ", scale, " is not positive and finite");
   Fp8Tensor t;
   t.rows = R, t.cols = C, t.fmt = f, t.recipe = Fp8Recipe::Tensorwise, t.role = role, t.pow2 = pow2_scales;
-  const float s = hist.scale(f, pow2_scales);
-  t.scales.assign(1, s);
+  t.scales.assign(1, scale);
   const int64_t n = R * C;
   t.q.resize(static_cast<size_t>(n));
   std::vector<float> y(static_cast<size_t>(n));
@@ -281,9 +281,18 @@ Fp8Tensor fp8_quantize_delayed(const float* x, int64_t R, int64_t C, Fp8Format f
   for (int64_t i = 0; i < n; ++i) {
     const float a = std::fabs(x[i]);
     if (a < INFINITY && a > amax) amax = a;
-    y[i] = x[i] / s;  // the division of the current-scaling kernels
+    y[i] = x[i] / scale;  // the division of the current-scaling kernels
   }
   fp8_encode(t.q.data(), y.data(), n, f);
+  if (amax_out) *amax_out = amax;
+  return t;
+}
+
+Fp8Tensor fp8_quantize_delayed(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Role role, Fp8AmaxHistory& hist,
+                               bool pow2_scales) {
+  MT_CHECK(R >= 0 && C >= 0, "fp8_quantize_delayed", "negative shape ", R, " x ", C);
+  float amax = 0.0f;
+  Fp8Tensor t = fp8_quantize_scaled(x, R, C, f, role, hist.scale(f, pow2_scales), &amax, pow2_scales);
   hist.push(amax);
   return t;
 }

@@ -38,25 +38,25 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
   const float* sn = rope_sin.data<float>();
   if (s.attn.type != AttnType::MLA) {
     float* qkv = b.qkv.data<float>();
-    lin_fwd(qkv, h, W(L.wqkv), N, d, Wqkv);
+    lin_fwd(qkv, h, L.wqkv, N, d, Wqkv);
     rope_forward(qkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);  // q heads then k heads are adjacent
   } else {
     float* q = b.q.data<float>();
     if (rq > 0) {
-      lin_fwd(b.cq.data<float>(), h, W(L.wdq), N, d, rq);
+      lin_fwd(b.cq.data<float>(), h, L.wdq, N, d, rq);
       norm_fwd_c(b.cqnc, b.rstdq.data<float>(), b.cq.data<float>(), P(L.q_norm), N, rq);
-      lin_fwd(q, b.cqnc.raw(), W(L.wuq), N, rq, H * Dqk);
+      lin_fwd(q, b.cqnc.raw(), L.wuq, N, rq, H * Dqk);
     } else {
-      lin_fwd(q, h, W(L.wq), N, d, H * Dqk);
+      lin_fwd(q, h, L.wq, N, d, H * Dqk);
     }
     rope_forward(q, B, T, H, H * Dqk, Dqk, dn, dr, cs, sn);
-    lin_fwd(b.ckv.data<float>(), h, W(L.wdkv), N, d, rkv);
+    lin_fwd(b.ckv.data<float>(), h, L.wdkv, N, d, rkv);
     norm_fwd_c(b.ckvnc, b.rstdkv.data<float>(), b.ckv.data<float>(), P(L.kv_norm), N, rkv);
     float* kpe = b.kpe.data<float>();
-    lin_fwd(kpe, h, W(L.wkr), N, d, dr);
+    lin_fwd(kpe, h, L.wkr, N, d, dr);
     rope_forward(kpe, B, T, 1, dr, dr, 0, dr, cs, sn);
     float* kv = b.kv.data<float>();
-    lin_fwd(kv, b.ckvnc.raw(), W(L.wukv), N, rkv, H * (dn + Dv));
+    lin_fwd(kv, b.ckvnc.raw(), L.wukv, N, rkv, H * (dn + Dv));
     float* k = b.k.data<float>();
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N; ++t)
@@ -95,7 +95,7 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
   {
     MT_TRACE("bwd.attn.out_proj");
     lin_wgrad(L.wo, b.aoc.raw(), do_c, N, H * Dv, d);
-    lin_dgrad(dao, do_c, W(L.wo), N, H * Dv, d);
+    lin_dgrad(dao, do_c, L.wo, N, H * Dv, d);
   }
   if (s.attn.type != AttnType::MLA) {
     const float* qkv = b.qkv.data<float>();
@@ -109,7 +109,7 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
     rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
     const void* dqkv_c = to_c(s_c1, dqkv, N * Wqkv);
     lin_wgrad(L.wqkv, h, dqkv_c, N, d, Wqkv);
-    lin_dgrad(dhout, dqkv_c, W(L.wqkv), N, d, Wqkv);
+    lin_dgrad(dhout, dqkv_c, L.wqkv, N, d, Wqkv);
     return;
   }
   // MLA
@@ -142,29 +142,29 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
   const void* t = to_c(s_c1, dkv, N * H * (dn + Dv));
   lin_wgrad(L.wukv, b.ckvnc.raw(), t, N, rkv, H * (dn + Dv));
   float* dckvn = s_f2.data<float>();
-  lin_dgrad(dckvn, t, W(L.wukv), N, rkv, H * (dn + Dv));
+  lin_dgrad(dckvn, t, L.wukv, N, rkv, H * (dn + Dv));
   float* dckv = m_dckv.data<float>();
   rmsnorm_backward(dckv, G(L.kv_norm), dckvn, b.ckv.data<float>(), P(L.kv_norm), b.rstdkv.data<float>(), N, rkv, wsp());
   t = to_c(s_c1, dckv, N * rkv);
   lin_wgrad(L.wdkv, h, t, N, d, rkv);
-  lin_dgrad(dhout, t, W(L.wdkv), N, d, rkv);
+  lin_dgrad(dhout, t, L.wdkv, N, d, rkv);
   t = to_c(s_c1, dkpe, N * dr);
   lin_wgrad(L.wkr, h, t, N, d, dr);
-  lin_dgrad(dhout, t, W(L.wkr), N, d, dr, true);
+  lin_dgrad(dhout, t, L.wkr, N, d, dr, true);
   // q path
   t = to_c(s_c1, dq, N * H * Dqk);
   if (rq > 0) {
     lin_wgrad(L.wuq, b.cqnc.raw(), t, N, rq, H * Dqk);
     float* dcqn = s_f2.data<float>();
-    lin_dgrad(dcqn, t, W(L.wuq), N, rq, H * Dqk);
+    lin_dgrad(dcqn, t, L.wuq, N, rq, H * Dqk);
     float* dcq = m_dcq.data<float>();
     rmsnorm_backward(dcq, G(L.q_norm), dcqn, b.cq.data<float>(), P(L.q_norm), b.rstdq.data<float>(), N, rq, wsp());
     t = to_c(s_c1, dcq, N * rq);
     lin_wgrad(L.wdq, h, t, N, d, rq);
-    lin_dgrad(dhout, t, W(L.wdq), N, d, rq, true);
+    lin_dgrad(dhout, t, L.wdq, N, d, rq, true);
   } else {
     lin_wgrad(L.wq, h, t, N, d, H * Dqk);
-    lin_dgrad(dhout, t, W(L.wq), N, d, H * Dqk, true);
+    lin_dgrad(dhout, t, L.wq, N, d, H * Dqk, true);
   }
 }
 

@@ -9,6 +9,7 @@
 //   model_ep.cpp          the routed experts under expert parallelism (dispatch / combine, growing rows)
 //   model_embed_head.cpp  the embedding, the final norm and the fused head + cross-entropy loss
 //   model_fsdp.cpp        FSDP mode: unit slots, gather and release
+//   model_fp8.cpp         [quantize]: the FP8 linears (dense and grouped), their amax histories and statistics
 //   model_stage.cpp       pipeline stages: activation slots, stage forward / backward, the deferred
 //                         weight-gradient arena of the split backward (I / W)
 // Not a public header (only src/model includes it) and not where the kernels live (include/moetron/*.h).
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "moetron/attention.h"
+#include "moetron/fp8_gemm.h"
 #include "moetron/check.h"
 #include "moetron/gemm.h"
 #include "moetron/grouped_gemm.h"
@@ -45,6 +47,27 @@ inline Tensor i32buf(int64_t n, MemCategory c = MemCategory::Activations) {
 }
 
 }  // namespace model_detail
+
+// The FP8 linears of [quantize] (model_fp8.cpp). One site per quantized parameter of the whole model (every rank
+// holds every site, in global parameter order, so a step's amaxes reduce over any layout), with three operands:
+// the input activation X, the weight W and the output gradient dY.
+enum class Fp8Module : uint8_t { Attention, DenseMlp, SharedExperts, RoutedExperts };
+const char* fp8_module_name(Fp8Module m);
+enum Fp8Operand : int { kFp8X = 0, kFp8W = 1, kFp8G = 2 };
+struct Fp8Site {
+  std::string param;
+  Fp8Module module = Fp8Module::Attention;
+  std::vector<Fp8AmaxHistory> hist;  // [3] delayed scaling: the last amax_history_len step amaxes per operand
+  float amax[3] = {0, 0, 0};         // this step: the max over every quantization of the operand
+  float smin[3] = {0, 0, 0}, smax[3] = {0, 0, 0};  // this step: the smallest and largest scale used (0 = none)
+};
+struct Fp8State {
+  QuantizeSpec q;
+  std::vector<Fp8Site> sites;
+  std::vector<int> site_of;  // [local parameter] site index, -1 = high precision
+  bool twin = false;         // tests: gemm_f32 of the dequantized operands in place of the FP8 GEMMs
+  std::mutex mu;             // the lanes record amaxes and scales under it
+};
 
 // Saved activations of one layer (a checkpointed layer shares one set with the others of its kind and
 // keeps only its input).
@@ -216,17 +239,22 @@ struct Model::Impl {
     if (f32) std::memcpy(dst.raw(), src, size_t(n) * 4);
     else f32_to_bf16(dst.data<bf16>(), src, n);
   }
-  // y[N,out] (+)= x[N,in] · W[in,out]
-  void lin_fwd(float* y, const void* x, const void* w, int64_t rows, int64_t in, int64_t out, bool acc = false) {
-    gemm_c(Trans::N, Trans::N, rows, out, in, x, in, w, out, acc ? 1.0f : 0.0f, y, out);
+  // y[N,out] (+)= x[N,in] · W[in,out] with W = parameter p (FP8 when [quantize] selects it)
+  void lin_fwd(float* y, const void* x, int p, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    if (p == cap_p) capture_operand(0, x, rows, in, out);
+    if (const int s = fp8_site(p); s >= 0) return fp8_lin_fwd(s, y, x, p, rows, in, out, acc);
+    gemm_c(Trans::N, Trans::N, rows, out, in, x, in, W(p), out, acc ? 1.0f : 0.0f, y, out);
   }
   // dx[N,in] (+)= dy[N,out] · W[in,out]^T
-  void lin_dgrad(float* dx, const void* dy, const void* w, int64_t rows, int64_t in, int64_t out, bool acc = false) {
-    gemm_c(Trans::N, Trans::T, rows, in, out, dy, out, w, out, acc ? 1.0f : 0.0f, dx, in);
+  void lin_dgrad(float* dx, const void* dy, int p, int64_t rows, int64_t in, int64_t out, bool acc = false) {
+    if (p == cap_p) capture_operand(2, dy, rows, in, out);
+    if (const int s = fp8_site(p); s >= 0) return fp8_lin_dgrad(s, dx, dy, p, rows, in, out, acc);
+    gemm_c(Trans::N, Trans::T, rows, in, out, dy, out, W(p), out, acc ? 1.0f : 0.0f, dx, in);
   }
   // dW[in,out] of parameter p += x[N,in]^T · dy[N,out] (compute dtype; recorded instead inside an I half)
   void lin_wgrad(int p, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
     if (defer) return record_wgrad(WTask::Lin, p, x, dy, nullptr, rows, in, out);
+    if (const int s = fp8_site(p); s >= 0) return fp8_lin_wgrad(s, p, x, dy, rows, in, out);
     gemm_c(Trans::T, Trans::N, in, out, rows, x, in, dy, out, 1.0f, G(p), out);
   }
   // The same on fp32 operands whatever the compute dtype (the router's gate).
@@ -270,6 +298,7 @@ struct Model::Impl {
   }
   void gg_wgrad(int p, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in, int64_t out) {
     if (defer) return record_wgrad(WTask::Grouped, p, X, dY, kept, R, in, out);
+    if (const int s = fp8_site(p); s >= 0) return fp8_gg_wgrad(s, p, X, dY, kept, R, in, out);
     float* dW = G(p);
     if (f32)
       grouped_gemm_wgrad(dW, static_cast<const float*>(X), static_cast<const float*>(dY), kept, El, R, in, out, true,
@@ -278,6 +307,27 @@ struct Model::Impl {
       grouped_gemm_wgrad(dW, static_cast<const bf16*>(X), static_cast<const bf16*>(dY), kept, El, R, in, out, true,
                          wsp(), ws_bytes);
   }
+
+  // ---- FP8 linears (model_fp8.cpp) ----
+  std::shared_ptr<Fp8State> fp8;  // null = no FP8 (shared by the lanes)
+  std::vector<float> fp8_tmp[2];  // this lane's fp32 copies of bf16 operands
+  int fp8_site(int p) const { return fp8 ? fp8->site_of[size_t(p)] : -1; }
+  int cap_p = -1;  // Model::capture_linear: the parameter whose operands the next pass copies out
+  Model::LinearOperands cap;
+  void capture_operand(int which /* 0: X and W, 2: dY */, const void* t, int64_t rows, int64_t in, int64_t out);
+  // Operand `op` of site s, x [R, C] (fp32), quantized along C, or transposed: x^T [C, R] along R.
+  Fp8Tensor fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role);
+  // The FP8 GEMM C (+)= A · B^T, or in twin mode gemm_f32 of the dequantized operands.
+  void fp8_mm(float* C, int64_t ldc, const Fp8Tensor& A, const Fp8Tensor& B, float beta);
+  const float* fp8_f32(int slot, const void* x, int64_t n);  // x as fp32 (x itself in fp32 mode)
+  void fp8_lin_fwd(int s, float* y, const void* x, int p, int64_t rows, int64_t in, int64_t out, bool acc);
+  void fp8_lin_dgrad(int s, float* dx, const void* dy, int p, int64_t rows, int64_t in, int64_t out, bool acc);
+  void fp8_lin_wgrad(int s, int p, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out);
+  // The routed experts' grouped GEMMs (El local experts of parameter p, [El, in, out]; kept rows per expert).
+  void fp8_gg_fwd(int s, float* Y, const void* X, int p, const int32_t* kept, int64_t R, int64_t in, int64_t out);
+  void fp8_gg_dgrad(int s, float* dX, const void* dY, int p, const int32_t* kept, int64_t R, int64_t in, int64_t out);
+  void fp8_gg_wgrad(int s, int p, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in,
+                    int64_t out);
 
   // ---- pipeline stages (model_stage.cpp) ----
   void build_stages();  // from par.stages (or the whole model): which layers / ends are held

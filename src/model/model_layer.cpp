@@ -50,7 +50,7 @@ void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
   float* xm = b.x_mid.data<float>();
   {
     MT_TRACE("fwd.attn.out_proj");
-    lin_fwd(xm, b.aoc.raw(), W(L.wo), N, H * Dv, d);
+    lin_fwd(xm, b.aoc.raw(), L.wo, N, H * Dv, d);
     add_inplace(xm, xin, N * d);
   }
   tm_attn.stop();

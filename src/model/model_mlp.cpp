@@ -7,9 +7,9 @@
 namespace moetron {
 
 void Model::Impl::swiglu_mlp_forward(LayerBufs& b, int w13, int w2, int64_t Fw, float* y, bool acc) {
-  lin_fwd(b.gu.data<float>(), b.h2c.raw(), W(w13), N, d, 2 * Fw);
+  lin_fwd(b.gu.data<float>(), b.h2c.raw(), w13, N, d, 2 * Fw);
   swiglu_c(b.actc, s_f3.data<float>(), b.gu.data<float>(), N, Fw);  // (s_f3 read here: EP may regrow it)
-  lin_fwd(y, b.actc.raw(), W(w2), N, Fw, d, acc);
+  lin_fwd(y, b.actc.raw(), w2, N, Fw, d, acc);
 }
 
 void Model::Impl::swiglu_mlp_backward(LayerBufs& b, int w13, int w2, int64_t Fw, const void* dy_c, float* dh2out,
@@ -17,12 +17,12 @@ void Model::Impl::swiglu_mlp_backward(LayerBufs& b, int w13, int w2, int64_t Fw,
   MT_TRACE("bwd.mlp");
   lin_wgrad(w2, b.actc.raw(), dy_c, N, Fw, d);
   float* dact = s_f1.data<float>();
-  lin_dgrad(dact, dy_c, W(w2), N, Fw, d);
+  lin_dgrad(dact, dy_c, w2, N, Fw, d);
   float* dgu = s_f2.data<float>();
   swiglu_backward(dgu, dact, b.gu.data<float>(), N, Fw);
   const void* dgu_c = to_c(s_c1, dgu, N * 2 * Fw);
   lin_wgrad(w13, b.h2c.raw(), dgu_c, N, d, 2 * Fw);
-  lin_dgrad(dh2out, dgu_c, W(w13), N, d, 2 * Fw, acc);
+  lin_dgrad(dh2out, dgu_c, w13, N, d, 2 * Fw, acc);
 }
 
 }  // namespace moetron

@@ -102,9 +102,11 @@ void Model::Impl::moe_backward(Layer& L, LayerBufs& b, const float* dy, const vo
 void Model::Impl::experts_forward(Layer& L, LayerBufs& b, int64_t R) {
   MT_TRACE("fwd.experts");
   const int32_t* kept = b.kept.data<int32_t>();
-  gg_fwd(b.egu.data<float>(), b.xpc.raw(), L.pk13f, kept, R, d, 2 * Fe);
+  if (const int s = fp8_site(L.we13); s >= 0) fp8_gg_fwd(s, b.egu.data<float>(), b.xpc.raw(), L.we13, kept, R, d, 2 * Fe);
+  else gg_fwd(b.egu.data<float>(), b.xpc.raw(), L.pk13f, kept, R, d, 2 * Fe);
   swiglu_c(b.eactc, s_f1.data<float>(), b.egu.data<float>(), R, Fe);
-  gg_fwd(b.ez.data<float>(), b.eactc.raw(), L.pk2f, kept, R, Fe, d);
+  if (const int s = fp8_site(L.we2); s >= 0) fp8_gg_fwd(s, b.ez.data<float>(), b.eactc.raw(), L.we2, kept, R, Fe, d);
+  else gg_fwd(b.ez.data<float>(), b.eactc.raw(), L.pk2f, kept, R, Fe, d);
 }
 
 float* Model::Impl::experts_backward(Layer& L, LayerBufs& b, const void* dz, int64_t R) {
@@ -112,13 +114,15 @@ float* Model::Impl::experts_backward(Layer& L, LayerBufs& b, const void* dz, int
   const int32_t* kept = b.kept.data<int32_t>();
   gg_wgrad(L.we2, b.eactc.raw(), dz, kept, R, Fe, d);
   float* deact = s_f1.data<float>();
-  gg_dgrad(deact, dz, L.pk2d, kept, R, Fe, d);
+  if (const int s = fp8_site(L.we2); s >= 0) fp8_gg_dgrad(s, deact, dz, L.we2, kept, R, Fe, d);
+  else gg_dgrad(deact, dz, L.pk2d, kept, R, Fe, d);
   float* degu = s_f2.data<float>();
   swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
   const void* degu_c = to_c(s_c1, degu, R * 2 * Fe);
   gg_wgrad(L.we13, b.xpc.raw(), degu_c, kept, R, d, 2 * Fe);
   float* dxp = s_f1.data<float>();
-  gg_dgrad(dxp, degu_c, L.pk13d, kept, R, d, 2 * Fe);
+  if (const int s = fp8_site(L.we13); s >= 0) fp8_gg_dgrad(s, dxp, degu_c, L.we13, kept, R, d, 2 * Fe);
+  else gg_dgrad(dxp, degu_c, L.pk13d, kept, R, d, 2 * Fe);
   return dxp;
 }
 

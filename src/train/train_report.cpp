@@ -138,6 +138,17 @@ if (log_now) {
     if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
     j["skipped_steps"] = skipped_steps;  // training.nonfinite = "skip": steps without an update so far
     if (rec.skipped) j["skipped"] = true;
+    if (!t.fp8.empty()) {  // [quantize]: per module and operand, the step's amax and the range of scales used
+      json f;
+      for (const auto& m : t.fp8) {
+        json mj;
+        const char* ops[3] = {"x", "w", "dy"};
+        for (int op = 0; op < 3; ++op)
+          mj[ops[op]] = {{"amax", m.amax[op]}, {"scale_min", m.scale_min[op]}, {"scale_max", m.scale_max[op]}};
+        f[m.module] = mj;
+      }
+      j["fp8"] = f;
+    }
     if (model->n_moe_layers_total() > 0) {  // every pipeline rank takes part in the gather
       std::vector<int> ids = model->local_moe_layers();
       std::vector<std::vector<int64_t>> all = counts;

@@ -42,8 +42,9 @@ void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
            " is not implemented in the engine (context parallelism is planned only: `moetron plan`); use cp = 1");
   MT_CHECK(p.expert_tp == 1, "train", "parallelism.expert_tp = ", p.expert_tp,
            " is not implemented in the engine (expert tensor parallelism is planned only: `moetron plan`); use 1");
-  MT_CHECK(cfg.quantize.recipe == Fp8Recipe::None, "train", "quantize.recipe = ", to_string(cfg.quantize.recipe),
-           ": FP8 training is not implemented in the engine yet (the planner prices it); use \"none\"");
+  MT_CHECK(!cfg.quantize.cache_fp8_activations, "train",
+           "quantize.cache_fp8_activations = true is not implemented in the engine (the saved activations stay in the "
+           "compute dtype; the planner's fp8 accounting assumes them quantized); use false");
   MT_CHECK(cfg.parallelism.zero == 0 || cfg.parallelism.zero == 1 || cfg.parallelism.zero == 3, "train",
            "parallelism.zero = ", cfg.parallelism.zero,
            " is not implemented in the trainer (use 0; 1 shards the optimizer state; 3 shards parameters, "
@@ -115,6 +116,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   const ActivationCheckpointSpec ac = resolve_checkpointing(cfg);
   model = std::make_unique<Model>(ms, B, T, ac, mpar, compute);
   model->init_params(uint64_t(tr.seed));
+  model->set_quantize(cfg.quantize);
   exec->bind(*model);
 
   std::vector<std::vector<int>> stage_layers;
@@ -182,6 +184,13 @@ void TrainSession::resume() {
   state->set_moment(0, m);
   state->set_moment(1, v);
   state->set_biases(bias);
+  if (cfg.quantize.delayed()) {  // the delayed-scaling amax histories (every rank holds every site)
+    std::vector<float> h = model->fp8_history();
+    MT_CHECK(ck.state.contains("fp8_amax_history_len"), "train", "checkpoint ", *latest,
+             " has no FP8 amax history, but quantize.scaling = \"delayed\" (it was written without delayed scaling)");
+    load_into(ck.model, "fp8.amax_history", DType::F32, {model->fp8_sites(), 3, cfg.quantize.amax_history_len}, h.data());
+    model->set_fp8_history(h);
+  }
   step = ck.step;
   data.train->restore(ck.state.at("data"));
   model->sync_weights();
@@ -192,12 +201,13 @@ void TrainSession::resume() {
 // tensors point into `Snapshot`'s vectors, which the background writer owns until its write ends.
 std::string TrainSession::save(int64_t s) {
   struct Snapshot {
-    std::vector<float> p, m, v, bias;
+    std::vector<float> p, m, v, bias, fp8h;
     CheckpointWriteRequest req;
   };
   auto snap = std::make_shared<Snapshot>();
   snap->p = state->global_params_values(), snap->m = state->global_moment(0), snap->v = state->global_moment(1);
   snap->bias = state->global_biases();
+  snap->fp8h = model->fp8_history();  // delayed scaling only; the same on every rank
   // Nothing non-finite reaches a checkpoint. Every rank holds the same gathered vectors, so every rank takes
   // the same decision without communicating.
   {
@@ -223,12 +233,16 @@ std::string TrainSession::save(int64_t s) {
   req.step = s;
   req.model = global_tensors(*state, snap->p, "");
   add_biases(req.model, snap->bias, cfg.model.is_moe() ? cfg.model.moe.n_routed_experts : 0);
+  if (!snap->fp8h.empty())
+    req.model.push_back({"fp8.amax_history", DType::F32, {model->fp8_sites(), 3, cfg.quantize.amax_history_len},
+                         snap->fp8h.data()});
   for (const char* pre : {"m.", "v."}) {
     auto t = global_tensors(*state, pre[0] == 'm' ? snap->m : snap->v, pre);
     req.optimizer.insert(req.optimizer.end(), t.begin(), t.end());
   }
   req.state = json{{"data", data.train->state()}, {"config", to_json(cfg)}, {"config_toml", to_toml(cfg)},
                    {"rng", {{"seed", cfg.training.seed}}}};
+  if (!snap->fp8h.empty()) req.state["fp8_amax_history_len"] = cfg.quantize.amax_history_len;
   const int keep = int(cfg.checkpoint.keep_latest_k);
   if (!cfg.checkpoint.async) return save_checkpoint(ckdir, req, keep);
   ckwriter.submit([snap, dir = ckdir, keep] { save_checkpoint(dir, snap->req, keep); });

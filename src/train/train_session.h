@@ -41,6 +41,7 @@ struct StepTotals {
   double grad_norm = 0;
   std::vector<std::vector<int64_t>> counts;  // tokens per expert of this rank's MoE layers, summed over DP
   pipeline::StepStats runtime;
+  std::vector<Model::Fp8Stat> fp8;  // [quantize]: the step's amax and scales per module (every rank)
 };
 
 struct TrainSession {

@@ -107,6 +107,7 @@ void TrainSession::run_step() {
     MT_TRACE("sync_weights");
     model->sync_weights();
   }
+  t.fp8 = model->fp8_end_step(world);  // collective: the step's amaxes over every rank (delayed: the histories)
   tr_opt.stop();
   if (prof) trace_step_end(step);
   trace::enable(false);

@@ -86,14 +86,14 @@ JobConfig tiny(const std::string& dump, const std::vector<std::string>& extra = 
 
 std::string shared_dir(const std::string& name) { return mt_test::shared_dir("moetron_mpi_layout_", name); }
 
-// The single-process run of the same model: the layout's --model.* overrides (e.g. a capacity factor)
-// apply to it too. Trained once per model per process, on this rank alone.
+// The single-process run of the same model: the layout's --model.* and --quantize.* overrides (e.g. a capacity
+// factor, an FP8 recipe) apply to it too. Trained once per model per process, on this rank alone.
 const TrainResult& reference(const std::vector<std::string>& layout_args) {
   static std::map<std::string, TrainResult> cache;
   std::vector<std::string> model_args;
   std::string key;
   for (auto& a : layout_args)
-    if (a.rfind("--model.", 0) == 0) model_args.push_back(a), key += a + " ";
+    if (a.rfind("--model.", 0) == 0 || a.rfind("--quantize.", 0) == 0) model_args.push_back(a), key += a + " ";
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   static Comm local = comm_local();
@@ -192,6 +192,19 @@ std::vector<Layout> layouts() {
                 "--parallelism.ranks_per_node=2", sch + "interleaved_1f1b", lay + "Et|t|t|L"},
                Bar::Hier});
   v.push_back({"pp4_dp2_zbv", 8, {six, pp + "4", dp + "2", sch + "zbv", lay + "E|t|t|t|t|t|t|L"}, Bar::Exact});
+  // FP8 training ([quantize]) against one process with the same recipe. Data and pipeline parallelism keep each
+  // micro-batch's GEMMs as they are on one process (the expert rows are quantized per expert, the dense rows per
+  // micro-batch; delayed scaling reduces its amaxes over every rank): DP is Exact, PP Bitwise. Under EP an expert
+  // computes the rows of all EP ranks' micro-batches at once, so the wgrad operands' token tiles (and a tensorwise
+  // expert scale) span other rows than on one process: the FP8 bar.
+  const std::string rec = "--quantize.recipe=", fmt = "--quantize.format=hybrid";
+  v.push_back({"dp2_fp8_rowwise", 2, {dp + "2", rec + "rowwise", fmt}, Bar::Exact});
+  v.push_back({"ep2_np2_fp8_blockwise", 2, {dp + "2", "--parallelism.ep=2", rec + "blockwise", fmt}, Bar::Fp8});
+  v.push_back({"ep2_np2_fp8_delayed", 2,
+               {dp + "2", "--parallelism.ep=2", rec + "tensorwise", "--quantize.scaling=delayed"}, Bar::Fp8});
+  v.push_back({"pp2_fp8_mxfp8", 2, {pp + "2", lay + "Ett|tL", rec + "mxfp8", fmt}, Bar::Bitwise});
+  v.push_back({"pp2_fp8_delayed", 2,
+               {pp + "2", lay + "Ett|tL", rec + "tensorwise", "--quantize.scaling=delayed"}, Bar::Bitwise});
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
                Bar::Exact});
