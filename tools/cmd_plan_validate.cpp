@@ -14,6 +14,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cli.h"
@@ -23,6 +24,7 @@
 #include "moetron/plan/cost.h"
 #include "moetron/plan/layout.h"
 #include "moetron/plan/memory.h"
+#include "moetron/runtime.h"
 #include "moetron/trainer.h"
 #include "plan_cmds.h"
 
@@ -76,7 +78,7 @@ struct OpTimes {
 // The engine's trace scopes grouped like the projection (src/model/*.cpp MT_TRACE names). Nested scopes are left
 // out (fwd.router.gate_gemm lies inside fwd.router, dp.all_gather_params inside optimizer and is moved to dp_comm);
 // what no scope covers (residual adds, the attention norm's backward, embedding, zeroing the gradients) is `other`:
-// the step time less the top-level scopes. recompute.layer holds the forward scopes it re-runs.
+// the mean profiled step less the top-level scopes. recompute.layer holds the forward scopes it re-runs.
 OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, double steps, double step_s) {
   OpTimes o;
   auto group = [](const std::string& n) -> int {
@@ -151,7 +153,7 @@ void add_plan_validate(CLI::App* plan) {
     std::string config, hw, only;
     int64_t steps = 4;
     bool json = false, quick = false, ops = false;
-    double max_mem = 0, max_ep_act = 0.30, max_time = 0;
+    double max_mem = 0, max_ep_act = 0.10, max_time = 0;
     std::string ep_imbalance = "measured";
   };
   auto a = std::make_shared<Args>();
@@ -169,8 +171,8 @@ void add_plan_validate(CLI::App* plan) {
                   "fail when a memory figure's |error| exceeds this fraction (0 = report only); EP activations "
                   "use --max-ep-activation-error");
   val->add_option("--max-ep-activation-error", a->max_ep_act,
-                  "the bound for EP layouts' activations (the engine sizes routed rows by the most a rank has "
-                  "received: routing skew the projection's balanced rows do not see; default 0.30)");
+                  "the bound for EP layouts' activations (projected with the measured routing imbalance; the engine's "
+                  "buffers also keep the slack of their growth history; default 0.10)");
   val->add_option("--max-time-error", a->max_time, "fail when a step time's |error| exceeds this (0 = report only)");
   val->callback([a] {
     const Comm w = comm_world();
@@ -210,7 +212,9 @@ void add_plan_validate(CLI::App* plan) {
       to.quiet = true;
       to.profile = true;  // the per-op breakdown (trace scopes: a branch and a clock read each)
       to.comm = alone ? &self : &w;
+      const CpuShare cpu_share(1);
       const TrainResult r = train(c, to);
+      const double share = min_over_ranks(w, cpu_share.share() / double(std::max(1, num_threads())));
       // Measured: the largest rank's figure per category, then its step time.
       double meas[5] = {double(r.params_peak_bytes), double(r.grads_peak_bytes), double(r.optimizer_peak_bytes),
                         double(r.act_peak_bytes), 0};
@@ -268,13 +272,28 @@ void add_plan_validate(CLI::App* plan) {
           std::printf("%-16s %-10s %12.4g %12.4g %+7.1f%%\n", cs.name.c_str(), names[i], meas[i], proj[i],
                       100 * err(proj[i], meas[i]));
       }
-      // By op group: the engine's scopes over the profiled steps (all but the first) on the slowest rank per group.
+      // By op group: the engine's scopes over the profiled steps (all but the first) on the rank that computes the
+      // most (the projection's groups are those of its slowest pipeline rank; a rank that computes less waits
+      // inside its communication, which a per-group maximum over ranks would count twice).
       {
+        // The profiled steps (all but the first) and their mean, which the scope totals add up to.
+        double prof_s = 0;
+        for (size_t i = 1; i < r.history.size(); ++i) prof_s += r.history[i].seconds;
         const double steps = double(std::max<size_t>(1, r.history.size() > 1 ? r.history.size() - 1 : 1));
-        OpTimes me = engine_ops(r.op_seconds, steps, meas[4]);
+        OpTimes me = engine_ops(r.op_seconds, steps, prof_s / steps);
         const OpTimes pr = projected_ops(tp);
-        for (int k = 0; k < plan::kNumPlanOps; ++k) me.f[k] = max_over_ranks(w, me.f[k]), me.b[k] = max_over_ranks(w, me.b[k]);
-        for (double& x : me.part) x = max_over_ranks(w, x);
+        {
+          static_assert(std::is_trivially_copyable_v<OpTimes>);
+          std::vector<OpTimes> all(static_cast<size_t>(w.size()));
+          w.all_gather(all.data(), &me, sizeof(OpTimes));
+          auto compute = [](const OpTimes& o) {
+            double t = 0;
+            for (int k = 0; k < plan::kNumPlanOps; ++k) t += o.f[k] + o.b[k];
+            return t;
+          };
+          me = *std::max_element(all.begin(), all.end(),
+                                 [&](const OpTimes& x, const OpTimes& y) { return compute(x) < compute(y); });
+        }
         nlohmann::json jo;
         auto row = [&](const std::string& name, double m_s, double p_s) {
           jo[name] = {{"measured_s", m_s}, {"projected_s", p_s}};
@@ -289,6 +308,10 @@ void add_plan_validate(CLI::App* plan) {
         for (int p = 0; p < kNumStepParts; ++p) row(kStepPartNames[p], me.part[p], pr.part[p]);
         j["ops"] = jo;
       }
+      j["cpu_share"] = share;
+      if (root && !a->json)
+        std::printf("%-16s CPU share during the run %.2f (the smallest over ranks; 1 = no other process took these "
+                    "cores)\n", cs.name.c_str(), share);
       if (root && !a->json && c.parallelism.ep > 1)
         std::printf("%-16s ep rows: the most one dispatch brought %.3f x balanced (projected with %.3f); the buffers "
                     "hold %.3f x\n", cs.name.c_str(), measured_imb, po.ep_imbalance, held_imb);
