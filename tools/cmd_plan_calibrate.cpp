@@ -41,16 +41,19 @@ using clk = std::chrono::steady_clock;
 
 double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
 
-// Seconds per call of f() as every rank sustains it: one warm-up call, then `reps` calls back to back on every
-// rank at once, timed from a common start to the LAST rank's end. When ranks share cores this is each rank's
-// real share (a per-call best or median would count the moments a rank happened to run alone).
+// Seconds per call of f() as every rank sustains it when it has its cores: one warm-up call, then `reps` calls
+// back to back on every rank at once, timed from a common start to the LAST rank's end (ranks of this job sharing
+// cores count: that is their real share), times the smallest share of its cores a rank received meanwhile (other
+// processes on the machine do not count: the figure is the machine's, not the moment's load; see CpuShare).
 template <class F>
 double best_of(const Comm& w, int reps, F&& f) {
   f();
   w.barrier();
+  const moetron::cli::CpuShare share(moetron::num_threads());
   const auto t0 = clk::now();
   for (int r = 0; r < reps; ++r) f();
-  return moetron::cli::max_over_ranks(w, secs(t0)) / reps;
+  const double wall = moetron::cli::max_over_ranks(w, secs(t0));
+  return wall * std::min(1.0, moetron::cli::min_over_ranks(w, share.share())) / reps;
 }
 
 // FLOP/s of an m x n x k GEMM in the compute dtype.
@@ -180,26 +183,25 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     }
     // GEMM: the largest size is the achievable rate; the curve over the smallest dimension.
     const int64_t big = quick ? 512 : 1024;
-    // Other processes may take a varying share of the cores while the calibration runs. Each family of figures is
-    // measured right after the reference GEMM (the big cube): fractions of the achievable rate are taken against
-    // that adjacent reference, and figures in absolute units are scaled from it to the median reference at the
-    // end, so that every figure describes the same share of the machine (the median one).
+    // The achievable rate: the median of the reference GEMM (the big cube) measured before each family of figures
+    // (every measurement is already scaled to a full share of the cores: best_of).
     std::vector<double> refs;
     auto ref = [&] {
       refs.push_back(gemm_rate(w, dt, big, big, big, reps));
       return refs.back();
     };
-    double r_ref = ref();
+    ref();
+    double r_ref = refs.front();
     h.peak_fp8 = h.achievable_fp8 = 0;
     // The curve over the smallest dimension from skinny GEMMs (m rows against a big / 2 square weight): the
     // shape of the routed experts' GEMMs, whose row count is the tokens each expert gets.
     for (int64_t m : {int64_t(8), int64_t(16), int64_t(32), int64_t(64), int64_t(128), int64_t(256), big / 2}) {
       if (m > big / 2 || (m == 256 && big / 2 == 256)) continue;  // ascending, no repeats (--quick: big = 512)
       const double r = gemm_rate(w, dt, m, big / 2, big / 2, m < 128 ? reps * 8 : reps);
-      h.gemm_efficiency.push_back({double(m), std::min(1.0, r / r_ref)});
+      h.gemm_efficiency.push_back({double(m), r / r_ref});
     }
     h.gemm_efficiency.push_back({double(big), 1.0});
-    r_ref = ref();
+    ref();
     // Grouped GEMMs (the routed experts), forward and backward apart, by tokens per expert: a d = 512, F = 192
     // SwiGLU pair, against the achievable rate, at 4, 8, 16, 32, 64 and 256 tokens per expert (the curve is steep
     // below 64). 64 experts (their weights, 75 MB in fp32, do not stay in a cache between passes, as a layer's
@@ -209,12 +211,11 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       for (int64_t te : {int64_t(4), int64_t(8), int64_t(16), int64_t(32), int64_t(64), int64_t(256)}) {
         if (quick && (te == 256 || te == 8)) continue;
         const GroupedTimes g = grouped_times(w, prec, te <= 64 ? 64 : 16, 512, 192, te, te < 64 ? reps * 2 : reps);
-        h.grouped_fwd_efficiency.push_back({double(te), std::clamp(g.flops_fwd / g.fwd / r_ref, 0.001, 1.0)});
-        h.grouped_bwd_efficiency.push_back({double(te), std::clamp(2 * g.flops_fwd / g.bwd / r_ref, 0.001, 1.0)});
+        h.grouped_fwd_efficiency.push_back({double(te), g.flops_fwd / g.fwd / r_ref});
+        h.grouped_bwd_efficiency.push_back({double(te), 2 * g.flops_fwd / g.bwd / r_ref});
       }
     }
     // The smallest GEMM's time: the floor under every op.
-    const double r_overhead = r_ref;
     {
       std::vector<float> a(64), b(64), c(64);
       h.kernel_overhead = best_of(w, reps * 4, [&] {
@@ -224,7 +225,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     // Attention: causal, forward + backward, 8 heads of 64 over 512 tokens per call, by sequence length, against the
     // GEMM rate. The rate is the cost model's: three times the forward's FLOPs (backward priced at twice the
     // forward) over the time of both. The longest sequence gives the scalar attention_efficiency.
-    r_ref = ref();
+    ref();
     for (int64_t T : {int64_t(128), quick ? int64_t(256) : int64_t(512)}) {
       const int64_t B = std::max<int64_t>(1, 512 / T), H = 8, D = 64;
       AttnDims d{B, T, H, H, D, D, H * D, H * D, H * D, H * D, D, D, D, D, 0.125f};
@@ -236,14 +237,14 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
         attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), o.data(), lse.data(), q.data(), k.data(),
                            v.data(), d, ws.get());
       });
-      const double eff = std::clamp(3 * attention_forward_flops(d) / t / r_ref, 0.01, 1.0);
+      const double eff = 3 * attention_forward_flops(d) / t / r_ref;
       h.attention_seq_efficiency.push_back({double(T), eff});
       h.attention_efficiency = eff;
     }
     // The fused head + cross-entropy, forward and backward (loss.h), as the engine calls it: 256 tokens, d = 512, a
     // vocabulary of 8192, its default chunk; 6 N V d FLOPs against the achievable rate.
     std::string detail;
-    r_ref = ref();
+    ref();
     {
       const int64_t N = 256, C = 512, V = 8192, chunk = linear_xent_default_chunk(V);
       std::vector<float> hf(static_cast<size_t>(N * C), 0.01f), Wf(static_cast<size_t>(V * C), 0.01f), dh(hf.size()),
@@ -260,7 +261,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
         else
           linear_xent_fwd_bwd_f32(dh.data(), dW.data(), hf.data(), Wf.data(), tg.data(), N, C, V, 1.f, chunk, ws.get());
       });
-      h.loss_efficiency = std::clamp(6.0 * double(N) * double(V) * double(C) / t / r_ref, 0.001, 1.0);
+      h.loss_efficiency = 6.0 * double(N) * double(V) * double(C) / t / r_ref;
     }
     // The memory-bound layer kernels at activation sizes (one micro-batch of 256 tokens, d = 512, fp32 activations):
     // two RMSNorms, a SwiGLU of width 704 (two shared experts of 352), a top-6 permute / unpermute over 64 experts,
@@ -268,7 +269,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     // (plan/cost.cpp: a norm reads and writes [N, d], a SwiGLU reads [N, 2F] and writes [N, F], a permute and an
     // unpermute read and write [R, d] each, the router reads, writes and re-reads [N, E] fp32 scores; backward
     // twice the forward) over the time taken.
-    const double r_elementwise = ref();
+    ref();
     {
       const int64_t N = 256, d = 512, F = 704, E = 64, K = 6, R = N * K;
       const double ab = 4;  // fp32 activations
@@ -332,7 +333,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     }
     // AdamW per parameter element (optim.h, fp32 masters and moments), and re-packing the experts' grouped-GEMM
     // layouts (forward and dgrad) per expert parameter, as after every optimizer step (Model::sync_weights).
-    const double r_optimizer = ref();
+    ref();
     {
       const int64_t n = quick ? (int64_t(1) << 21) : (int64_t(1) << 23);
       std::vector<float> p(static_cast<size_t>(n), 0.1f), m1(p.size()), v1(p.size()), g(p.size(), 0.01f);
@@ -363,7 +364,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       detail += buf;
     }
     // Streaming bandwidth: a copy of 64 MiB (read + write).
-    const double r_stream = ref();
+    ref();
     {
       const size_t n = (quick ? 16u : 64u) << 20;
       std::vector<char> src(n, 1), dst(n);
@@ -371,20 +372,22 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       h.hbm_bw = 2.0 * double(n) / t;
       h.hbm_efficiency = 1.0;
     }
-    // Every figure at the median reference (see `ref` above).
+    // The fractions of the achievable rate above were taken against the first reference; re-base them on the
+    // median of all of them (the achievable rate written).
     {
       std::vector<double> sorted = refs;
       std::sort(sorted.begin(), sorted.end());
-      const double med = sorted[sorted.size() / 2];
+      const double med = sorted[sorted.size() / 2], k = r_ref / med;
       h.peak_bf16 = h.achievable_bf16 = med;
-      h.kernel_overhead *= r_overhead / med;
-      h.elementwise_bw *= med / r_elementwise;
-      h.optimizer_per_param *= r_optimizer / med, h.grad_norm_per_param *= r_optimizer / med;
-      h.expert_pack_per_param *= r_optimizer / med;
-      h.hbm_bw *= med / r_stream;
+      for (auto* cv : {&h.gemm_efficiency, &h.grouped_fwd_efficiency, &h.grouped_bwd_efficiency,
+                       &h.attention_seq_efficiency})
+        for (auto& p : *cv) p.eff = std::clamp(p.eff * k, 0.001, 1.0);
+      h.attention_efficiency = std::clamp(h.attention_efficiency * k, 0.001, 1.0);
+      h.loss_efficiency = std::clamp(h.loss_efficiency * k, 0.001, 1.0);
+      h.gemm_efficiency.back().eff = 1.0;  // the big cube: the achievable rate itself
       char buf[200];
-      std::snprintf(buf, sizeof buf, "# reference GEMM (%lld cube) over the calibration: %zu samples, %.1f to %.1f GFLOPS, "
-                    "median %.1f (every figure scaled to it)\n", (long long)big, sorted.size(), sorted.front() / 1e9,
+      std::snprintf(buf, sizeof buf, "# reference GEMM (%lld cube) over the calibration: %zu samples, %.1f to %.1f GFLOPS "
+                    "(at a full share of the cores), median %.1f\n", (long long)big, sorted.size(), sorted.front() / 1e9,
                     sorted.back() / 1e9, med / 1e9);
       detail = buf + detail;
     }
@@ -455,7 +458,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
   {
     char buf[160];
     std::snprintf(buf, sizeof buf, "# CPU share during the calibration: %.2f (the smallest over ranks; 1 = no other "
-                  "process took these cores)\n", min_over_ranks(w, cpu_share.share()));
+                  "process took these cores; every figure is scaled to a full share)\n", min_over_ranks(w, cpu_share.share()));
     detail = buf + detail;
   }
   if (check_out) *check_out = "# " + when + "\n" + detail + check;

@@ -251,7 +251,10 @@ void add_plan_validate(CLI::App* plan) {
       tpo.memory = po;
       tpo.overlap_dp = false;  // the engine reduces gradients after the backward
       const plan::TimePlan tp = plan::plan_time(c, l, h, tpo, &mp);
-      double proj[5] = {0, 0, 0, 0, tp.step_time};
+      // The projection is for ranks that own their cores (the calibration's figures are scaled to a full share);
+      // this run got `share` of them (other processes on the machine): compare at that share.
+      const double at_share = 1.0 / std::max(0.05, std::min(1.0, share));
+      double proj[5] = {0, 0, 0, 0, tp.step_time * at_share};
       for (const auto& rm : mp.per_rank) {
         proj[0] = std::max(proj[0], rm.params);
         proj[1] = std::max(proj[1], rm.grads);
@@ -281,7 +284,9 @@ void add_plan_validate(CLI::App* plan) {
         for (size_t i = 1; i < r.history.size(); ++i) prof_s += r.history[i].seconds;
         const double steps = double(std::max<size_t>(1, r.history.size() > 1 ? r.history.size() - 1 : 1));
         OpTimes me = engine_ops(r.op_seconds, steps, prof_s / steps);
-        const OpTimes pr = projected_ops(tp);
+        OpTimes pr = projected_ops(tp);
+        for (int k = 0; k < plan::kNumPlanOps; ++k) pr.f[k] *= at_share, pr.b[k] *= at_share;
+        for (double& x : pr.part) x *= at_share;
         {
           static_assert(std::is_trivially_copyable_v<OpTimes>);
           std::vector<OpTimes> all(static_cast<size_t>(w.size()));
@@ -309,9 +314,11 @@ void add_plan_validate(CLI::App* plan) {
         j["ops"] = jo;
       }
       j["cpu_share"] = share;
+      j["step_s"]["projected_full_share"] = tp.step_time;
       if (root && !a->json)
         std::printf("%-16s CPU share during the run %.2f (the smallest over ranks; 1 = no other process took these "
-                    "cores)\n", cs.name.c_str(), share);
+                    "cores): step projected %.4g s at a full share, %.4g s at this one\n", cs.name.c_str(), share,
+                    tp.step_time, proj[4]);
       if (root && !a->json && c.parallelism.ep > 1)
         std::printf("%-16s ep rows: the most one dispatch brought %.3f x balanced (projected with %.3f); the buffers "
                     "hold %.3f x\n", cs.name.c_str(), measured_imb, po.ep_imbalance, held_imb);
