@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# setup.sh: install moetron's Debian build dependencies (idempotent, quiet) and build it (Release).
+# setup.sh: install moetron's Debian build dependencies and the report page's npm package (idempotent, quiet)
+# and build it (Release).
 # Usage: scripts/setup.sh            -> build/ with tests and benchmarks
-# Env:   BUILD_DIR (default build), MOETRON_SKIP_APT=1 to skip the package step.
+# Env:   BUILD_DIR (default build), MOETRON_SKIP_APT=1 to skip the package step, MOETRON_SKIP_NPM=1 to skip
+#        the npm step (web/: the plotting library of `moetron report`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
@@ -23,6 +25,19 @@ if [[ "${MOETRON_SKIP_APT:-0}" != 1 ]]; then
     $SUDO apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
+fi
+# web/: the plotting library that `moetron report` inlines, pinned with its integrity hash in web/package-lock.json.
+# `npm ci` runs only when web/node_modules was not installed from this very lock file; a failure (no registry
+# access) is reported and leaves the rest of the set-up alone: only `moetron report` needs it.
+if [[ "${MOETRON_SKIP_NPM:-0}" != 1 ]] && ! cmp -s web/package-lock.json web/node_modules/.moetron-lock 2>/dev/null; then
+  npm_log=$(mktemp)
+  if npm ci --prefix web --no-audit --no-fund --loglevel=error >"$npm_log" 2>&1; then
+    cp web/package-lock.json web/node_modules/.moetron-lock
+  else
+    echo "setup: warning: npm ci in web/ failed (moetron report needs it; rerun: npm ci --prefix web):"
+    tail -n 15 "$npm_log"
+  fi
+  rm -f "$npm_log"
 fi
 BUILD_DIR=${BUILD_DIR:-build}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null

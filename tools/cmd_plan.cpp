@@ -18,6 +18,7 @@
 #include "moetron/plan/layout.h"
 #include "moetron/plan/memory.h"
 #include "moetron/plan/search.h"
+#include "moetron/plan/trace_export.h"
 
 namespace {
 using namespace moetron;
@@ -31,11 +32,12 @@ struct PlanArgs {
   bool unfused_loss = false, json = false, no_dist_opt = false;
   int64_t top_k = 5;
   std::string worlds;
+  std::string trace;  // plan time --trace DIR
 };
 
 void common(CLI::App* a, PlanArgs& p, bool need_world) {
   a->add_option("config", p.config, "TOML job config (e.g. configs/deepseek_v3.toml)")->required();
-  a->add_option("--hw", p.hw, "hardware: mi300x, mi325x, mi355x, h100, h200, b200, gb200, or a TOML file")->required();
+  a->add_option("--hw", p.hw, "hardware: mi300x, mi325x, mi355x, a100, h100, h200, b200, gb200, or a TOML file")->required();
   if (need_world) a->add_option("--world", p.world, "number of GPUs")->required();
   a->add_option("--global-batch-tokens", p.gbt, "global batch in tokens (default: training.global_batch_size x seq_len)");
   a->add_option("--recipe", p.recipe, "precision recipe: megatron (bf16 params, fp32 grads/main/moments) or engine");
@@ -112,6 +114,8 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   auto pt = std::make_shared<PlanArgs>();
   auto* tim = plan->add_subcommand("time", "Step time, tokens/s/GPU, TFLOPS/GPU, MFU and a breakdown");
   common(tim, *pt, true);
+  tim->add_option("--trace", pt->trace, "also write the simulated step as per-rank trace files (source = planner) "
+                                        "into this directory, for `moetron trace analyze | diff`");
   tim->callback([tim, pt] {
     const JobConfig c = load(*pt, tim);
     const plan::Hardware h = plan::resolve_hardware(pt->hw);
@@ -121,6 +125,11 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
     const plan::TimePlan t = plan::plan_time(c, l, h, o);
     if (pt->json) std::printf("%s\n", plan::to_json(t).dump(2).c_str());
     else std::printf("%s", plan::format_time(t).c_str());
+    if (!pt->trace.empty()) {
+      const plan::TraceExport x = plan::write_plan_trace(c, l, h, o, pt->trace);
+      std::fprintf(pt->json ? stderr : stdout, "trace: %d files, %lld events, step %.6f s -> %s\n", x.files,
+                   static_cast<long long>(x.events), x.step_time, pt->trace.c_str());
+    }
   });
 
   auto ps = std::make_shared<PlanArgs>();

@@ -17,7 +17,11 @@
 //                       number of keys a query sees: (seq_len + 1) / 2 with causal masking (the default),
 //                       seq_len without. Recompute is NOT in model FLOPs (see hw_train).
 //   saved activations - per layer per micro-batch, a list of named terms (tensor name, bytes) that the
-//             layer's forward keeps for its backward, given precision and activation checkpointing.
+//             layer's forward keeps for its backward, given precision and activation checkpointing. The
+//             dense MLP keeps its first GEMM's output (SwiGLU: gate and up, "mlp.gate_up"; GELU: "mlp.up")
+//             and the activation; with model.dropout > 0 each dropout keeps a 1-byte mask per element
+//             ("*.dropout_mask": embedding, attention output, FFN output; the attention probabilities'
+//             dropout keeps none, the fused attention regenerates it).
 //   memory  - per rank, by the MemoryTracker's categories (memory.h): what the trainer allocates for a
 //             JobConfig under its parallel layout (dp, ep, zero), in double arithmetic (no overflow).
 #pragma once
@@ -59,7 +63,7 @@ struct ParamCounts {
   int64_t routed_experts = 0;   // sum over layers of all routed experts (sharded under EP)
 };
 
-// Parameters of one expert (SwiGLU: gate, up, down).
+// Parameters of one expert (always SwiGLU: gate, up, down; model.ffn is the dense MLP's kind).
 int64_t expert_params(const ModelSpec& s);
 LayerParams layer_params(const ModelSpec& s, int64_t layer);
 ParamCounts count_params(const ModelSpec& s);

@@ -43,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace moetron {
 
@@ -70,14 +71,47 @@ struct CommStats {
   std::string summary() const;  // one line per op kind that was called
 };
 
-// One call, for traces. Times are seconds on std::chrono::steady_clock since its epoch.
+// Who a communicator is, for traces: its name (see Comm::set_name) and its members' ranks in MPI_COMM_WORLD,
+// in the communicator's rank order (single process: {0}).
+struct CommInfo {
+  std::string name;
+  std::vector<int> world_ranks;
+};
+
+// One call, for traces. Times are seconds on std::chrono::steady_clock since its epoch. Pointers are valid
+// during the hook call only.
 struct CommEvent {
   CommOp op;
   int64_t bytes = 0, wire_bytes = 0;
   double t_begin = 0, t_end = 0;
   int comm_size = 1;
+  // What this rank put in and got out: all_reduce n*elem both; reduce_scatter its p*n*elem input, n*elem out;
+  // all_gather its part, p parts; all_to_all_v / exchange the sums of its send / receive counts (exchange:
+  // receive sizes are not known to the call: 0); send its bytes out; recv its bytes in.
+  int64_t bytes_in = 0, bytes_out = 0;
+  // Collectives (every op but send / recv): the communicator's sequence number of this collective, counted from
+  // 0 since the communicator was made; every member numbers the same collective alike. -1 for send / recv.
+  int64_t seq = -1;
+  // send / recv: the peer's rank in the communicator, the tag, and the message's index among this
+  // communicator's messages from the sender to the receiver with that tag (both ends count alike, in posting
+  // order, so the k-th send pairs with the k-th receive: MPI's non-overtaking order). -1 otherwise.
+  int peer = -1, tag = -1;
+  int64_t msg = -1;
+  // all_to_all_v: bytes to / from each member [comm_size]; exchange: send_counts only. Null otherwise.
+  const int64_t* send_counts = nullptr;
+  const int64_t* recv_counts = nullptr;
+  // Non-blocking requests (isend / irecv), reported when completed: t_begin is the posting, t_post_end the end
+  // of the posting call, t_wait_begin the start of the wait that completed it (t_end its end); the request is
+  // wait_index of the wait_count requests that wait completed.
+  bool nonblocking = false;
+  double t_post_end = 0, t_wait_begin = 0;
+  int wait_index = 0, wait_count = 0;
+  const CommInfo* comm = nullptr;  // the communicator (always set)
 };
 using CommTraceHook = std::function<void(const CommEvent&)>;
+// A hook every communicator reports to (besides its own set_trace_hook), e.g. the profiler's; empty = none.
+// Set it while no communication runs on any thread.
+void set_comm_trace_sink(CommTraceHook hook);
 
 namespace detail {
 class CommBackend;
@@ -177,6 +211,11 @@ class Comm {
   CommStats stats() const;
   void reset_stats() const;
   void set_trace_hook(CommTraceHook hook) const;
+  // The name traces use for this communicator. comm_world() is "world", comm_local() and Comm() "local"; a
+  // communicator made by split() is "<parent name>.<k>" for the parent's k-th split (k counts from 0 and is
+  // the same on every member, split being collective) until it is named otherwise.
+  void set_name(std::string name) const;
+  const CommInfo& info() const;  // name and MPI_COMM_WORLD ranks of the members (computed on first use)
 
  private:
   std::shared_ptr<detail::CommState> s_;

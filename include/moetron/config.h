@@ -3,7 +3,7 @@
 // Not the trainer and not the planner: both read a JobConfig and nothing else.
 //
 // Sections: [job] [model] [training] [optimizer] [lr_scheduler] [parallelism] [checkpoint]
-// [activation_checkpoint] [quantize] [metrics] [hardware]. Every key has a default (below); [model] sizes default
+// [activation_checkpoint] [quantize] [metrics] [profiling] [hardware]. Every key has a default (below); [model] sizes default
 // to 0 and must be given. Unknown sections or keys are errors with a "did you mean" suggestion.
 // Presets are flat files: there is no `inherit`/include mechanism. docs/model.md lists every key.
 #pragma once
@@ -147,6 +147,20 @@ struct MetricsSpec {
   bool operator==(const MetricsSpec&) const = default;
 };
 
+// [profiling]: per-rank traces (docs/profiling.md). Steps start_step..end_step (1-based, as the progress line
+// counts them) are profiled: their kernels, modules, schedule actions, communication and memory counters go to
+// <folder>/rank<r>.trace.json (folder relative to job.dump_folder unless absolute); `moetron train --trace DIR`
+// is enable = true with folder = DIR. start_step = 0: from this run's second step (the first warms caches);
+// end_step = 0: to the last step. The window also bounds `moetron train --profile`'s per-op breakdown.
+struct ProfilingSpec {
+  bool enable = false;
+  int64_t start_step = 0;
+  int64_t end_step = 0;
+  std::string folder = "profile";
+  int64_t max_events = 200000;  // per rank; later events are dropped and counted (moetron.dropped_events)
+  bool operator==(const ProfilingSpec&) const = default;
+};
+
 struct QuantizeSpec {
   Fp8Recipe recipe = Fp8Recipe::None;
   bool operator==(const QuantizeSpec&) const = default;
@@ -170,6 +184,7 @@ struct JobConfig {
   ActivationCheckpointSpec activation_checkpoint;
   QuantizeSpec quantize;
   MetricsSpec metrics;
+  ProfilingSpec profiling;
   HardwareSpec hardware;
 
   void resolve();         // derived defaults (model dims, global_batch_size 0 -> micro * dp)

@@ -1,7 +1,8 @@
 // fp8.h: FP8 (E4M3 / E5M2) quantize and dequantize of fp32 matrices with per-tensor, per-row or
 // per-block fp32 scales, the "fake quant" (quantize then dequantize) helper with its straight-through
 // backward, and vector codecs that match the scalar codecs of dtype.h bit for bit.
-// Not an FP8 GEMM: the FP8 recipes compose these with the fp32/bf16 GEMMs of gemm.h.
+// Not an FP8 GEMM: the recipes' operands (quantized along the contraction dimension) and the FP8 GEMM and
+// grouped GEMM built on these kernels are in fp8_gemm.h.
 //
 // Scales. A matrix x [R, C] (row-major, contiguous) is cut into blocks of br x bc (the last block row /
 // column may be partial). Tensor scaling is one block (br = R, bc = C); Row is br = 1, bc = C; Block takes

@@ -3,9 +3,14 @@
 // Not a layer implementation and not a config loader (see config.h for TOML + overrides).
 //
 // Conventions (docs/model.md has the long form):
-//   - layer l is dense (SwiGLU MLP with inter_size) when n_routed_experts == 0, when l < first_k_dense,
+//   - layer l is dense (an MLP of width inter_size) when n_routed_experts == 0, when l < first_k_dense,
 //     or when l is listed in dense_layers; otherwise it is an MoE layer;
-//   - every FFN is SwiGLU (gate, up, down; three matrices), no biases anywhere;
+//   - the dense MLP is SwiGLU (gate, up, down; three matrices) or, for GPT-style dense models (ffn = gelu),
+//     GELU (up d -> inter_size, down inter_size -> d; two matrices, no gate); experts are always SwiGLU;
+//     no biases anywhere;
+//   - dropout (GPT-style, probability `dropout`) after the embedding, the attention block and the FFN, and on
+//     the attention probabilities; 0 = none (DeepSeek). The engine runs neither gelu nor dropout: they are
+//     described so that the accounting and the planner can project dense GPT runs (docs/planner.md);
 //   - attention mha / gqa: q [d -> H*hd], k,v [d -> Hkv*hd], o [H*hd -> d], RoPE on the full head_dim;
 //     mla (DeepSeek-V2/V3): q via q_lora_rank (0 = plain q projection), kv via kv_lora_rank, decoupled
 //     RoPE part of width qk_rope_head_dim shared by all heads.
@@ -21,11 +26,13 @@ enum class AttnType : uint8_t { MHA, GQA, MLA };
 enum class ScoreFunc : uint8_t { Softmax, Sigmoid };
 enum class LoadBalance : uint8_t { None, AuxLoss, AuxFree };
 enum class DropPolicy : uint8_t { Probs, Position };
+enum class FfnKind : uint8_t { SwiGLU, GELU };
 
 std::string_view to_string(AttnType v);
 std::string_view to_string(ScoreFunc v);
 std::string_view to_string(LoadBalance v);
 std::string_view to_string(DropPolicy v);
+std::string_view to_string(FfnKind v);
 
 struct AttentionSpec {
   AttnType type = AttnType::MHA;
@@ -73,7 +80,9 @@ struct ModelSpec {
   int64_t n_layers = 0;
   int64_t first_k_dense = 0;          // the first k layers are dense ...
   std::vector<int> dense_layers;      // ... or an explicit list of dense layer ids (not both)
-  int64_t inter_size = 0;             // dense SwiGLU ffn width
+  int64_t inter_size = 0;             // dense ffn width
+  FfnKind ffn = FfnKind::SwiGLU;      // the dense MLP: swiglu (gate, up, down) or gelu (up, down)
+  double dropout = 0.0;               // dropout probability (embedding, attention, FFN outputs, attention probs)
   double norm_eps = 1e-6;
   bool tie_embeddings = false;
   double init_std = 0.02;

@@ -28,13 +28,15 @@ double lr_at(const OptimizerSpec& o, const LRSchedulerSpec& s, int64_t step, int
 // at start-up (2048, 6) and again briefly at every log step (1024, 3), keeping the best figure, so MFU is
 // against the best peak seen in the same run.
 double measure_peak_gflops(ComputeDtype dt, int64_t n = 2048, int reps = 6);
+// Memory bandwidth of this machine right now (GB/s): the best of `reps` copies of `bytes` split over the OpenMP
+// threads, counting bytes read and written. Profiled runs measure it at start-up for the traces' roofline limits.
+double measure_memcpy_gbps(int64_t bytes = int64_t(64) << 20, int reps = 3);
 
 struct TrainOptions {
   bool progress = true;     // progress line on a terminal; plain lines otherwise
   bool quiet = false;       // no output at all (tests)
   std::string data_root = "data";  // where named datasets (brown) are prepared
-  bool profile = false;            // per-op time breakdown at the end (MT_TRACE scopes)
-  std::string trace_path;          // also write a Chrome trace JSON there (implies profile)
+  bool profile = false;            // per-op time breakdown at the end (MT_TRACE scopes), over [profiling]'s steps
   // The world communicator (its size must match [parallelism]); nullptr = comm_world(), which is the
   // single-process communicator unless the process was started by mpirun.
   const Comm* comm = nullptr;

@@ -130,7 +130,12 @@ Tokenizer Tokenizer::load(const std::string& path) {
 Tokenizer Tokenizer::from_serialized(const std::string& model_proto) {
   Tokenizer t;
   t.impl_ = std::make_unique<Impl>();
-  auto st = t.impl_->sp.LoadFromSerializedProto(model_proto);
+  sentencepiece::util::Status st;
+  try {
+    st = t.impl_->sp.LoadFromSerializedProto(model_proto);
+  } catch (const std::exception& e) {  // sentencepiece's trie builder throws on some malformed models
+    MT_FAIL("tokenizer", "not a valid sentencepiece model (", model_proto.size(), " bytes): ", e.what());
+  }
   MT_CHECK(st.ok(), "tokenizer", "not a valid sentencepiece model (", model_proto.size(), " bytes): ",
            status_text(st));
   t.impl_->proto = model_proto;

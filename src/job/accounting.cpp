@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <type_traits>
 #include <utility>
 
@@ -54,7 +55,7 @@ LayerParams layer_params(const ModelSpec& s, int64_t layer) {
   p.moe = s.is_moe_layer(layer);
   int64_t mm = attn_mm;
   if (!p.moe) {
-    p.dense_mlp = 3 * d * s.inter_size;
+    p.dense_mlp = (s.ffn == FfnKind::GELU ? 2 : 3) * d * s.inter_size;  // up, down (+ gate for SwiGLU)
     mm += p.dense_mlp;
   } else {
     const auto& m = s.moe;
@@ -185,6 +186,11 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
   }
   emit("attn.out", T * H * Num(at.v_dim()) * g / w, core);
   emit("attn.lse", B * H * S * f32 / w, core);
+  // Dropout (GPT): a 1-byte mask per element of the attention block's output and of the FFN's output, in the
+  // token-parallel region. The attention probabilities' dropout keeps no mask: the fused attention regenerates it
+  // from the RNG state in the backward, as it recomputes the probabilities.
+  const bool drop = s.dropout > 0;
+  if (drop) emit("attn.dropout_mask", T * d / q, nullptr);
 
   // FFN block.
   emit("ffn_norm.x", T * d * a / q, nullptr);
@@ -192,8 +198,10 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
   emit("ffn_norm.out", T * d * g / q, norm);
   if (!moe) {
     const Num I = Num(s.inter_size);
-    emit("mlp.gate_up", T * 2 * I * a / w, nullptr);
+    if (s.ffn == FfnKind::GELU) emit("mlp.up", T * I * a / w, nullptr);  // the GELU's input
+    else emit("mlp.gate_up", T * 2 * I * a / w, nullptr);
     emit("mlp.act", T * I * g / w, nullptr);  // kept: moe_act covers the experts only
+    if (drop) emit("mlp.dropout_mask", T * d / q, nullptr);
     return;
   }
   const auto& m = s.moe;
@@ -213,6 +221,7 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
     emit("shared.gate_up", T * 2 * Is * a / w, nullptr);
     emit("shared.act", T * Is * g / w, act);
   }
+  if (drop) emit("moe.dropout_mask", T * d / q, nullptr);
 }
 
 // The terms a layer keeps under `ac` (`on`: the mode applies to this layer), as emit(name, bytes).
@@ -234,6 +243,7 @@ template <class Num, class Emit>
 void outside_terms(const ModelSpec& s, Num B, Num S, Num a, Num g, Emit&& emit) {
   const Num T = B * S, d = Num(s.d_model);
   emit("embed.ids", T * 4);
+  if (s.dropout > 0) emit("embed.dropout_mask", T * d);  // 1 byte per element
   emit("final_norm.x", T * d * a);
   emit("final_norm.rstd", T * 4);
   emit("final_norm.out", T * d * g);
@@ -344,6 +354,7 @@ void sharded_outside_terms(const ModelSpec& s, double B, double S, double a, dou
                            bool fused_loss, bool first, bool last, TermFn fn, void* ctx) {
   const double T = B * S / double(sh.cp), q = double(sh.token_div()), d = double(s.d_model);
   if (first) fn(ctx, "embed.ids", T * 4 / q);
+  if (first && s.dropout > 0) fn(ctx, "embed.dropout_mask", T * d / q);  // 1 byte per element
   if (!last) return;
   fn(ctx, "final_norm.x", T * d * a / q);
   fn(ctx, "final_norm.rstd", T * 4 / q);
@@ -384,6 +395,11 @@ std::string activation_term_keys(const ModelSpec& s, const std::string& term) {
   const auto& at = s.attn;
   const auto& m = s.moe;
   if (starts("loss.")) return kv("model.d_model", s.d_model);
+  if (term.size() >= 12 && term.compare(term.size() - 12, 12, "dropout_mask") == 0) {
+    std::ostringstream p;
+    p << s.dropout;
+    return "model.dropout = " + p.str() + ", " + kv("model.d_model", s.d_model);
+  }
   if (starts("router.")) return kv("model.n_routed_experts", m.n_routed_experts);
   if (starts("mlp.")) return kv("model.inter_size", s.inter_size);
   if (starts("shared."))
@@ -633,9 +649,10 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   const double dqk = double(at.qk_head_dim()), dv = double(at.v_dim()), dn = double(at.qk_nope_head_dim);
   const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dr = double(at.qk_rope_head_dim);
   const double F = double(s.inter_size), Fs = double(m.n_shared_experts) * Fe;
+  const double Fw = (s.ffn == FfnKind::GELU ? 1 : 2) * F;  // the dense MLP's first GEMM output width
   const double attn_w = mla ? std::max({H * dqk, H * (dn + dv), rq, rkv})
                             : double(at.n_heads + 2 * at.n_kv_heads) * double(at.head_dim);
-  const double big = std::max({attn_w, 2 * F, 2 * Fs, H * dv, d});
+  const double big = std::max({attn_w, Fw, 2 * Fs, H * dv, d});
   const double big_rows = std::max(N * big, rows * std::max(2 * Fe, d));
   double ws = 4 * N * d * 4;                                               // x, dx, dh, dh2
   ws += big_rows * (2 * 4 + double(cb));                                   // s_f1, s_f2, s_c2

@@ -20,6 +20,7 @@
 
 #include "moetron/check.h"
 #include "moetron/memcheck.h"
+#include "moetron/parallel_rules.h"
 
 namespace moetron {
 
@@ -201,6 +202,8 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("model", "first_k_dense", model.first_k_dense));
     t.push_back(MT_F("model", "dense_layers", model.dense_layers));
     t.push_back(MT_F("model", "inter_size", model.inter_size));
+    t.push_back(MT_E("model", "ffn", model.ffn, {"swiglu", "gelu"}));
+    t.push_back(MT_F("model", "dropout", model.dropout));
     t.push_back(MT_F("model", "norm_eps", model.norm_eps));
     t.push_back(MT_F("model", "tie_embeddings", model.tie_embeddings));
     t.push_back(MT_F("model", "init_std", model.init_std));
@@ -295,6 +298,12 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
     t.push_back(MT_F("metrics", "peak_tflops", metrics.peak_tflops));
     t.push_back(MT_F("metrics", "jsonl", metrics.jsonl));
+    // [profiling]
+    t.push_back(MT_F("profiling", "enable", profiling.enable));
+    t.push_back(MT_F("profiling", "start_step", profiling.start_step));
+    t.push_back(MT_F("profiling", "end_step", profiling.end_step));
+    t.push_back(MT_F("profiling", "folder", profiling.folder));
+    t.push_back(MT_F("profiling", "max_events", profiling.max_events));
     // [hardware] (reserved for the planner)
     t.push_back(MT_F("hardware", "name", hardware.name));
     t.push_back(MT_F("hardware", "num_nodes", hardware.num_nodes));
@@ -718,7 +727,9 @@ JobConfig config_from_json(const nlohmann::json& j) {
   if (!j.is_object()) throw Error("config JSON: expected an object of sections");
   for (const auto& [sec, body] : j.items()) {
     if (!body.is_object()) unknown_key("config JSON", 0, sec);
-    for (const auto& [key, v] : body.items()) {
+    for (const auto& item : body.items()) {
+      const std::string& key = item.key();
+      const nlohmann::json& v = item.value();  // a named reference, not a binding: clang 14 cannot capture those
       const Field* f = find_field(sec, key);
       // A stored config (a checkpoint's) may carry keys retired since it was written: they are skipped, so an
       // old checkpoint still loads. Only keys that never existed are errors.
@@ -836,30 +847,23 @@ void JobConfig::validate() const {
   if (!(l.min_lr_ratio >= 0 && l.min_lr_ratio <= 1))
     invalid_config("lr_scheduler.min_lr_ratio", l.min_lr_ratio, "must be in [0, 1]");
 
-  if (p.ep < 1) invalid_config("parallelism.ep", p.ep, "must be >= 1");
   if (p.pp < 1) invalid_config("parallelism.pp", p.pp, "must be >= 1");
-  if (p.ep > 1 && !model.is_moe()) invalid_config("parallelism.ep", p.ep, "expert parallelism needs a MoE model");
-  if (p.ep > 1 && model.moe.n_routed_experts % p.ep != 0)
-    invalid_config("parallelism.ep", p.ep, "must divide model.n_routed_experts (", model.moe.n_routed_experts, ")");
-  if (p.tp < 1) invalid_config("parallelism.tp", p.tp, "must be >= 1");
-  if (p.cp < 1) invalid_config("parallelism.cp", p.cp, "must be >= 1");
-  if (p.expert_tp < 1) invalid_config("parallelism.expert_tp", p.expert_tp, "must be >= 1");
-  if (p.tp > 1 && model.attn.n_heads % p.tp != 0)
-    invalid_config("parallelism.tp", p.tp, "must divide model.n_heads (", model.attn.n_heads, ")");
-  if (p.tp > 1 && model.attn.type == AttnType::GQA && model.attn.n_kv_heads % p.tp != 0)
-    invalid_config("parallelism.tp", p.tp, "must divide model.n_kv_heads (", model.attn.n_kv_heads, ")");
-  if (p.cp > 1 && training.seq_len % (2 * p.cp) != 0)
-    invalid_config("parallelism.cp", p.cp, "2 * cp must divide training.seq_len (", training.seq_len,
-        "): the causal load balance gives each rank two chunks");
-  if (p.expert_tp > 1 && model.is_moe() && model.moe.moe_inter_size % p.expert_tp != 0)
-    invalid_config("parallelism.expert_tp", p.expert_tp, "must divide model.moe_inter_size (", model.moe.moe_inter_size, ")");
   // With dp_replicate = dp_shard = 1 the data-parallel size is left to the world (the planner's --world; the
-  // engine's mesh then checks the same rule against the launched ranks).
-  if (p.dp() > 1 && (p.tp * p.cp * p.dp()) % (p.ep * p.expert_tp) != 0)
-    invalid_config("parallelism.ep", p.ep, "ep x expert_tp (", p.ep * p.expert_tp, ") must divide tp x cp x dp (",
-        p.tp * p.cp * p.dp(), "): expert groups are carved out of the tensor, context and data-parallel ranks");
+  // engine's mesh then checks the same rules against the launched ranks).
+  if (std::string e = parallel_degree_error(model, training.seq_len,
+          {.tp = p.tp, .cp = p.cp, .ep = p.ep, .etp = p.expert_tp, .dp = p.dp() > 1 ? p.dp() : 0,
+           .sp = p.sequence_parallel, .zero = p.zero});
+      !e.empty())
+    throw Error("invalid config: " + e);
   if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
-  if (p.zero < 0 || p.zero > 3) invalid_config("parallelism.zero", p.zero, "must be 0, 1, 2 or 3");
+
+  const auto& pr = profiling;
+  if (pr.start_step < 0) invalid_config("profiling.start_step", pr.start_step, "must be >= 0 (0 = this run's second step)");
+  if (pr.end_step < 0) invalid_config("profiling.end_step", pr.end_step, "must be >= 0 (0 = the last step)");
+  if (pr.end_step > 0 && pr.end_step < pr.start_step)
+    invalid_config("profiling.end_step", pr.end_step, "is before profiling.start_step = ", pr.start_step);
+  if (pr.max_events < 1) invalid_config("profiling.max_events", pr.max_events, "must be >= 1");
+  if (pr.enable && pr.folder.empty()) invalid_config("profiling.folder", "\"\"", "must be set when profiling is enabled");
 
   const auto& c = checkpoint;
   if (c.enable && c.interval <= 0) invalid_config("checkpoint.interval", c.interval, "must be > 0 when checkpoints are enabled");

@@ -250,7 +250,7 @@ ModelSpec model_spec_from_hf_json(std::string_view text, std::string_view source
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number that overflows (1e999)
     throw Error(std::string(source) + ": invalid JSON: " + e.what());
   }
   if (!j.is_object()) throw Error(std::string(source) + ": expected a JSON object");
@@ -288,6 +288,18 @@ ModelSpec load_hf_config(const std::string& path) {
 
 std::string to_hf_config_json(const ModelSpec& s) {
   s.validate();
+  // The GPT-style description (a GELU MLP, dropout) has no field in the model types written here.
+  if (s.ffn != FfnKind::SwiGLU)
+    throw Error(std::string("to_hf_config_json: model.ffn = ") + std::string(to_string(s.ffn)) +
+                " cannot be written: every supported HF model_type (deepseek, deepseek_v2, deepseek_v3, mixtral, "
+                "qwen3_moe) has SwiGLU MLPs");
+  if (s.dropout > 0) {
+    std::ostringstream p;
+    p << s.dropout;
+    throw Error("to_hf_config_json: model.dropout = " + p.str() +
+                " cannot be written: the supported HF model types carry no dropout of the hidden states "
+                "(their attention_dropout covers the attention probabilities only)");
+  }
   const auto& a = s.attn;
   const auto& m = s.moe;
   const bool mla = a.type == AttnType::MLA;

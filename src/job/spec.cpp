@@ -31,6 +31,7 @@ std::string_view to_string(LoadBalance v) {
   return "?";
 }
 std::string_view to_string(DropPolicy v) { return v == DropPolicy::Probs ? "probs" : "position"; }
+std::string_view to_string(FfnKind v) { return v == FfnKind::SwiGLU ? "swiglu" : "gelu"; }
 
 bool ModelSpec::is_moe_layer(int64_t layer) const {
   if (!is_moe() || layer < first_k_dense) return false;
@@ -144,7 +145,7 @@ void check_param_total(const ModelSpec& s, int64_t n_moe_layers) {
   const std::vector<Part> parts = {
       {V * d * (s.tie_embeddings ? 1 : 2), kv("vocab_size", s.vocab_size) + ", " + kv("d_model", s.d_model)},
       {L * attn, kv("n_layers", s.n_layers) + ", " + kv("d_model", s.d_model) + ", " + kv("n_heads", a.n_heads)},
-      {n_dense * 3 * d * double(s.inter_size),
+      {n_dense * (s.ffn == FfnKind::GELU ? 2 : 3) * d * double(s.inter_size),
        kv("n_layers", s.n_layers) + ", " + kv("d_model", s.d_model) + ", " + kv("inter_size", s.inter_size)},
       {n_moe * (double(m.n_routed_experts + m.n_shared_experts) * 3 * d * double(m.moe_inter_size) +
                 double(m.n_routed_experts) * (d + 1)),
@@ -194,6 +195,9 @@ void ModelSpec::validate() const {
   if (n_dense > 0 && inter_size <= 0)
     bad("inter_size", inter_size, "must be > 0: the model has ", n_dense, " dense layer(s)");
   if (inter_size < 0) bad("inter_size", inter_size, "must be >= 0");
+  if (!(dropout >= 0 && dropout < 1)) bad("dropout", dropout, "must be in [0, 1) (0 = no dropout)");
+  if (ffn == FfnKind::GELU && is_moe())
+    bad("ffn", to_string(ffn), "the gelu FFN is for dense models (n_routed_experts = 0); experts are SwiGLU");
 
   // Attention.
   const auto& a = attn;

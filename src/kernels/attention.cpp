@@ -11,6 +11,7 @@
 #include "moetron/attention.h"
 #include "moetron/check.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -125,6 +126,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   attention_check(d, "attention_forward");
   if (d.B * d.T == 0) return;
   MT_CHECK(out && lse && q && k && v, "attention_forward", "null pointer");
+  MT_TRACE_COST(attention_forward_flops(d), 4.0 * double(d.B * d.T) *
+                                                double(d.Hq * d.Dqk + d.Hkv * (d.Dqk + d.Dv) + d.Hq * (d.Dv + 1)));
   const int nt = num_threads();
   std::unique_ptr<char[]> own;
   if (!ws) {
@@ -143,6 +146,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   attention_check(d, "attention_backward");
   if (d.B * d.T == 0) return;
   MT_CHECK(dq && dk && dv && dout && out && lse && q && k && v, "attention_backward", "null pointer");
+  // The kernel's own work (it recomputes the scores: 3 Dqk + 2 Dv per pair, not the accounting's 2 x forward).
+  MT_TRACE_COST(attention_backward_flops(d), 8.0 * double(d.B * d.T) *
+                                                 double(d.Hq * d.Dqk + d.Hkv * (d.Dqk + d.Dv) + d.Hq * (d.Dv + 1)));
   const int nt = num_threads();
   std::unique_ptr<char[]> own;
   if (!ws) {

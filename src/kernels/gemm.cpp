@@ -15,6 +15,7 @@
 #include "moetron/check.h"
 #include "moetron/gemm.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -81,6 +82,7 @@ CachedMatmul& get_bf16_matmul(const MatmulKey& k) {
 void gemm_f32_onednn(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
                      const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (gemm_detail::prologue("gemm_f32_onednn", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)) return;
+  MT_TRACE_COST(2.0 * double(M) * double(N) * double(K), 4.0 * double(M * K + K * N + M * N * (beta != 0 ? 2 : 1)));
   dnnl_status_t st = dnnl_sgemm(ta == Trans::T ? 'T' : 'N', tb == Trans::T ? 'T' : 'N', M, N, K, alpha, A, lda, B,
                                 ldb, beta, C, ldc);
   MT_CHECK(st == dnnl_success, "gemm_f32_onednn", "dnnl_sgemm failed with status ", int(st));
@@ -126,6 +128,8 @@ void gemm_bf16(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
     for (int64_t i = 0; i < br; ++i) bf16_to_f32_serial(b32.data() + i * bc, B + i * ldb, bc);
     return gemm_f32(ta, tb, M, N, K, alpha, a32.data(), ac, b32.data(), bc, beta, C, ldc);
   }
+  MT_TRACE_COST(2.0 * double(M) * double(N) * double(K),
+                2.0 * double(M * K + K * N) + 4.0 * double(M * N * (beta != 0 ? 2 : 1)));
   auto& eng = cpu_engine();
   dnnl::memory ma(mm.a, eng, const_cast<bf16*>(A));
   dnnl::memory mb(mm.b, eng, const_cast<bf16*>(B));

@@ -28,6 +28,7 @@
 #include "moetron/check.h"
 #include "moetron/gemm.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -241,6 +242,7 @@ void gemm_rows(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha,
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
               const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (gemm_detail::prologue("gemm_f32", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)) return;
+  MT_TRACE_COST(2.0 * double(M) * double(N) * double(K), 4.0 * double(M * K + K * N + M * N * (beta != 0 ? 2 : 1)));
   // Rows are independent: chunks of kRowChunk rows bound the packed op(A) (one K block of 4096 rows is 4 MiB).
   const int64_t chunk = ta == Trans::T || gg::tuning().dpack_a ? kRowChunk : M;
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {

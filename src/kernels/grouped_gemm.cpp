@@ -19,6 +19,7 @@
 #include "kernels/grouped_gemm_tile.h"
 #include "moetron/check.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -201,6 +202,12 @@ void run_mgrouped(const char* op, GemmPrec prec, float* out, bf16* out_bf16, con
   check_packed(op, W, kind, prec, E, K, N);
   const PackGeom g = pack_geom(kind, prec, K, N);
   MT_CHECK((out && in) || M == 0 || g.Nc == 0, op, "null input or output");
+  {  // the [M, K] x [K, N] products of the experts' rows (dgrad: K and N as the caller names them, swapped)
+    const double es = prec == GemmPrec::BF16 ? 2.0 : 4.0, in_w = kind == GroupedPackKind::Fwd ? double(K) : double(N);
+    const double out_w = kind == GroupedPackKind::Fwd ? double(N) : double(K);
+    MT_TRACE_COST(2.0 * double(M) * double(K) * double(N),
+                  es * (double(M) * in_w + double(E) * double(K) * double(N)) + double(M) * out_w * (out_bf16 ? 6.0 : 4.0));
+  }
   const Plan plan = plan_mgrouped(g.Nc);
   const int64_t ntn = ceil_div(g.Nc, plan.nt);
   const Sched s = make_sched(ws, l, counts, E, M, [&](int64_t e) { return ceil_div(counts[e], plan.mt) * ntn; });
@@ -249,6 +256,8 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
   check_common(op, counts, E, M, K, N, ws, ws_bytes, l.fixed + l.slot_bytes);
   MT_CHECK(dW || E * K * N == 0, op, "dW is null");
   MT_CHECK((X && dY) || M == 0 || K * N == 0, op, "null X or dY");
+  MT_TRACE_COST(2.0 * double(M) * double(K) * double(N),
+                (bf ? 2.0 : 4.0) * double(M) * double(K + N) + double(E * K * N) * (accumulate ? 8.0 : 4.0));
   Plan plan = plan_wgrad(prec, K, N);
   // Few experts for many threads: cut dW[e] into more row tiles (at least ~4 items per thread). The slot
   // was sized for plan.mt, and smaller tiles fit; results do not depend on the tiling.

@@ -17,6 +17,7 @@
 #include "moetron/check.h"
 #include "moetron/gemm.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -128,6 +129,9 @@ double run(const char* op, double* row_loss, float* dh, float* dW, const In* h, 
     const int64_t rows = std::min(ch, N - r0);
     // logits [rows, V] = h[r0 : r0 + rows] · W^T
     gemm_in<In>(Trans::N, Trans::T, rows, V, C, h + r0 * C, C, W, C, 0.0f, logits, V);
+    // The row pass over the logits (max, exp-sum, and the gradient): about 5 flops per logit, read and written.
+    // The three GEMMs report their own work.
+    MT_TRACE_COST(5.0 * double(rows * V), 8.0 * double(rows * V));
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; ++i) rl[i] = xent_row(logits + i * V, V, targets[r0 + i], loss_scale, mode, isa);
     for (int64_t i = 0; i < rows; ++i) {

@@ -9,6 +9,7 @@
 #include "moetron/check.h"
 #include "moetron/norm.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -76,6 +77,9 @@ void check_common(const char* op, int64_t N, int64_t C) {
 // then dw[c] += partial[0][c] + partial[1][c] + ... in block order.
 void backward_impl(const char* op, float* dx, float* dw, const float* dy, const float* x, const float* w,
                    const float* rstd, int64_t N, int64_t C, void* ws) {
+  // Per element: about 4 flops for dx, 2 for dw; dy and x read, dx written, dw's partials.
+  MT_TRACE_COST(double(N * C) * ((dx ? 4.0 : 0.0) + (dw ? 2.0 : 0.0)),
+                double(N * C) * (8.0 + (dx ? 4.0 : 0.0)) + (dw ? 4.0 * double(C) : 0.0));
   const bool simd = active_isa() == Isa::Avx512;
   const int64_t nblk = num_blocks(N), rows = (N + nblk - 1) / nblk, ldp = pad16(C);
   std::unique_ptr<float[]> own;
@@ -125,6 +129,8 @@ void rmsnorm_forward(float* y, bf16* y16, float* rstd, const float* x, const flo
   MT_CHECK(eps >= 0.0f, "rmsnorm_forward", "eps=", eps, " is negative");
   if (N == 0) return;
   MT_CHECK(y && rstd && x && w, "rmsnorm_forward", "null pointer (y, rstd, x and w are required)");
+  // Per element: square-add, scale, weight (about 4 flops); x read, y (and its bf16 copy) written.
+  MT_TRACE_COST(4.0 * double(N * C), double(N * C) * (8.0 + (y16 ? 2.0 : 0.0)) + 4.0 * double(C + N));
   const bool simd = active_isa() == Isa::Avx512;
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {

@@ -9,6 +9,7 @@
 
 #include "moetron/check.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -72,6 +73,7 @@ void adamw_step(float* p, float* m, float* v, const float* g, int64_t n, const A
   MT_CHECK(p && m && v && g, "adamw_step", "null pointer (p=", (void*)p, " m=", (void*)m, " v=", (void*)v,
            " g=", (const void*)g, ")");
   MT_CHECK(std::isfinite(grad_scale), "adamw_step", "grad_scale must be finite, got ", grad_scale);
+  MT_TRACE_COST(15.0 * double(n), 28.0 * double(n));  // p, m, v, g read; p, m, v written
   const AdamWScalars s = adamw_scalars(c, step);
   const bool vec = active_isa() == Isa::Avx512;
   auto run = [&](int64_t i0, int64_t i1) {
@@ -91,6 +93,7 @@ double grad_norm_sq(const float* g, int64_t n) {
   MT_CHECK(n >= 0, "grad_norm_sq", "negative size n=", n);
   if (n == 0) return 0.0;
   MT_CHECK(g != nullptr, "grad_norm_sq", "null gradient with n=", n);
+  MT_TRACE_COST(2.0 * double(n), 4.0 * double(n));
   const bool vec = active_isa() == Isa::Avx512;
   const int64_t nblocks = (n + kNormBlock - 1) / kNormBlock;
   const int64_t per_chunk = (nblocks + kNormChunks - 1) / kNormChunks;  // depends on n only

@@ -16,6 +16,7 @@
 #include "moetron/check.h"
 #include "moetron/permute.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -68,6 +69,8 @@ void unpermute_backward_impl(TO* dyp, float* dw, const float* dy, const float* y
   check_slot_of(op, slot_of, R, k);
   if (N == 0) return;
   MT_CHECK(dw && dy && w && (R == 0 || (dyp && yp)), op, "null array argument");
+  // Per kept row: dyp = w * dy and dw = <dy, y>: about 3 flops per element; dy and yp read, dyp written.
+  MT_TRACE_COST(3.0 * double(R * D), double(R * D) * (8.0 + double(sizeof(TO))) + 4.0 * double(N * D));
   if (use_avx512()) {
     if constexpr (std::is_same_v<TO, bf16>)
       moe_unpermute_backward_avx512(nullptr, dyp, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
@@ -171,6 +174,7 @@ void moe_permute(float* xp, const float* x, const int32_t* token_of, int64_t R, 
   check_token_of(op, token_of, R, N);
   if (R == 0 || D == 0) return;
   MT_CHECK(xp && x, op, "null xp or x");
+  MT_TRACE_COST(0, 8.0 * double(R * D));  // a gather: rows read and written
   if (use_avx512()) return moe_permute_f32_avx512(xp, x, token_of, R, D);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) std::memcpy(xp + r * D, x + int64_t(token_of[r]) * D, sizeof(float) * size_t(D));
@@ -182,6 +186,7 @@ void moe_permute(bf16* xp, const float* x, const int32_t* token_of, int64_t R, i
   check_token_of(op, token_of, R, N);
   if (R == 0 || D == 0) return;
   MT_CHECK(xp && x, op, "null xp or x");
+  MT_TRACE_COST(0, 6.0 * double(R * D));
   if (use_avx512()) return moe_permute_bf16_avx512(xp, x, token_of, R, D);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
@@ -198,6 +203,7 @@ void moe_permute_backward(float* dx, const float* dxp, const int32_t* row_of, in
   check_row_of(op, row_of, N, k, R);
   if (N == 0 || D == 0) return;
   MT_CHECK(dx && (R == 0 || dxp), op, "null dx or dxp");
+  MT_TRACE_COST(double(R * D), 4.0 * double(R * D + N * D));  // each kept row added to its token
   if (use_avx512()) return moe_permute_backward_avx512(dx, dxp, row_of, N, k, D);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
@@ -219,6 +225,7 @@ void moe_unpermute(float* y, const float* yp, const int32_t* row_of, const float
   check_row_of(op, row_of, N, k, R);
   if (N == 0 || D == 0) return;
   MT_CHECK(y && w && (R == 0 || yp), op, "null y, w or yp");
+  MT_TRACE_COST(2.0 * double(R * D), 4.0 * double(R * D + N * D));  // weighted sum of each token's rows
   if (use_avx512()) return moe_unpermute_avx512(y, yp, row_of, w, N, k, D);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {

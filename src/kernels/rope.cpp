@@ -6,6 +6,7 @@
 #include "moetron/check.h"
 #include "moetron/rope.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -35,6 +36,7 @@ void apply(const char* op, float* x, int64_t B, int64_t T, int64_t H, int64_t ld
            " < (H-1)*ld_head + offset + R = ", (H - 1) * ld_head + offset + R, " (tokens would overlap)");
   if (B * T * H == 0) return;
   MT_CHECK(x && cos && sin, op, "null pointer");
+  MT_TRACE_COST(3.0 * double(B * T * H * R), 8.0 * double(B * T * H * R));  // 6 flops per rotated pair, in place
   const bool simd = active_isa() == Isa::Avx512;
   const int64_t half = R / 2;
 #pragma omp parallel for schedule(static) if (B * T * H * R >= 32768)

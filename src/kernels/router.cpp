@@ -14,6 +14,7 @@
 #include "moetron/router.h"
 #include "router_topk.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -186,6 +187,9 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   if (losses) *losses = RouterLosses{};
   std::memset(counts, 0, sizeof(int32_t) * size_t(E));
   if (N == 0) return;
+  // Scores (exp and normalization), selection and the loss statistics: about 6 flops per logit; logits read,
+  // scores written, the top-k indices and weights.
+  MT_TRACE_COST(6.0 * double(N * E), 8.0 * double(N * E) + 8.0 * double(N * k));
 
   Ws w = carve(ws, cfg, N);
   const bool want_aux = losses && cfg.aux != AuxMode::None;
@@ -286,6 +290,7 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
   const int E = cfg.E, k = cfg.topk;
   for (int64_t i = 0; i < N * k; ++i)
     MT_CHECK(topk_idx[i] >= 0 && topk_idx[i] < E, op, "topk_idx[", i, "]=", topk_idx[i], " outside [0, E=", E, ")");
+  MT_TRACE_COST(6.0 * double(N * E), 12.0 * double(N * E) + 8.0 * double(N * k));  // scores, logits read; dlogits
   Ws w = carve(ws, cfg, N);
   const bool aux = cfg.aux != AuxMode::None;
   const bool softmax = cfg.score == ScoreFn::Softmax;

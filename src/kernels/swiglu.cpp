@@ -7,6 +7,7 @@
 #include "moetron/check.h"
 #include "moetron/runtime.h"
 #include "moetron/swiglu.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -49,6 +50,8 @@ void check_args(const char* op, const void* a, const void* b, const void* c, int
 }
 
 void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
+  // Per output: silu(g) * u (about 5 flops with the exp as one); g and u read, h (and its bf16 copy) written.
+  MT_TRACE_COST(double(N * F) * (s ? 6.0 : 5.0), double(N * F) * (12.0 + (h16 ? 2.0 : 0.0)) + (s ? 4.0 * double(N) : 0.0));
   const Isa isa = active_isa();
 #pragma omp parallel for schedule(static) if (N * F >= 16384)
   for (int64_t n = 0; n < N; ++n) {
@@ -62,6 +65,7 @@ void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t 
 }
 
 void backward_impl(float* dgu, float* ds, const float* dh, const float* gu, const float* s, int64_t N, int64_t F) {
+  MT_TRACE_COST(10.0 * double(N * F), 20.0 * double(N * F));  // dh, g, u read; dg, du written
   const Isa isa = active_isa();
 #pragma omp parallel for schedule(static) if (N * F >= 16384)
   for (int64_t n = 0; n < N; ++n) {

@@ -60,6 +60,11 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   spec_.validate();
   MT_CHECK(B > 0 && T > 0, "Model", "micro-batch shape B=", B, " T=", T, " must be positive");
   MT_CHECK(!spec_.attn.qk_norm, "Model", "attention.qk_norm (Qwen3) is not implemented by the engine yet");
+  // GPT-style keys the accounting and the planner describe (dense anchors) but the engine does not run.
+  MT_CHECK(spec_.ffn == FfnKind::SwiGLU, "Model", "model.ffn = ", to_string(spec_.ffn),
+           " is not implemented in the engine (the GELU MLP is planned only: `moetron plan`); use \"swiglu\"");
+  MT_CHECK(spec_.dropout == 0, "Model", "model.dropout = ", spec_.dropout,
+           " is not implemented in the engine (dropout is planned only: `moetron plan`); use 0");
   impl_ = std::make_unique<Impl>(*this);
   impl_->f32 = compute_ == ComputeDtype::FP32;
   impl_->par = par;

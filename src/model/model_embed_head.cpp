@@ -13,20 +13,28 @@
 namespace moetron {
 
 void Model::Impl::embed_forward(const int32_t* tokens, float* xcur, bool head_grads) {
+  MT_TRACE_MODULE("embed");
   const bool tied = head == emb;
   fs_acquire(0, true, head_grads && tied);
   const float* E0 = P(emb);
+  {
+    MT_TRACE_K("fwd.embed", 0, 8.0 * double(N * d));  // a row gather
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tokens[t]) * d, size_t(d) * 4);
+    for (int64_t t = 0; t < N; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tokens[t]) * d, size_t(d) * 4);
+  }
   if (!tied) fs_release(0);
 }
 
 void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool backward, float ce_scale, float* g,
                             ForwardStats& st) {
+  MT_TRACE_MODULE("head");
   const bool tied = head == emb;
   const int last_u = head_unit();
   fs_acquire(last_u, true, backward);
-  norm_fwd_c(hfc, rstdf.data<float>(), xcur, P(final_norm), N, d);
+  {
+    MT_TRACE("fwd.norm");
+    norm_fwd_c(hfc, rstdf.data<float>(), xcur, P(final_norm), N, d);
+  }
   std::memcpy(xf.data<float>(), xcur, size_t(N * d) * 4);
   for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
   const int64_t chunk = linear_xent_default_chunk(V);
@@ -35,6 +43,7 @@ void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool back
     st.ce_sum = f32 ? linear_xent_fwd_f32(nullptr, hfc.data<float>(), P(head), targets, N, d, V, 1.0f, chunk, wsp())
                     : linear_xent_fwd_bf16(nullptr, hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N,
                                            d, V, 1.0f, chunk, wsp());
+    tr_loss.stop();
     fs_release(last_u);
     if (tied) fs_release(0);
     return;
@@ -56,8 +65,10 @@ void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool back
 }
 
 void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
+  MT_TRACE_MODULE("embed");
   if (head != emb) fs_acquire(0, false, true);
-  MT_TRACE("bwd.embed");
+  trace::Scope tr_embed("bwd.embed");  // a row scatter-add (the FSDP release below is its own scope)
+  MT_TRACE_COST(double(N * d), 12.0 * double(N * d));
   float* gE = G(emb);
   for (int64_t t = 0; t < N; ++t) {
     float* dst = gE + int64_t(tokens[t]) * d;
@@ -71,6 +82,7 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
     model_detail::add_inplace(gE, tied_hg.data<float>(), V * d);
     tied_hg.zero_();
   }
+  tr_embed.stop();
   fs_release(0);
 }
 

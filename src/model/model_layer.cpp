@@ -28,7 +28,7 @@ void Model::Impl::backward_layer(int64_t l, float* g) {
   fs_acquire(layer_unit(l), true, true);
   if (L.recompute) {
     auto t0 = std::chrono::steady_clock::now();
-    MT_TRACE("recompute.layer");
+    MT_TRACE_MODULE("recompute", int(l));  // the layer's forward again: its kernels, without module scopes
     recomputing = true;
     layer_forward(L, L.x_in.data<float>(), recompute_out.data<float>());
     recomputing = false;
@@ -40,6 +40,8 @@ void Model::Impl::backward_layer(int64_t l, float* g) {
 
 void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
   LayerBufs& b = *L.bufs;
+  const int li = int(&L - layers.data());
+  trace::Module tm_attn("attn", li, !recomputing);
   {
     MT_TRACE("fwd.norm");
     norm_fwd_c(b.h1c, b.rstd1.data<float>(), xin, P(L.attn_norm), N, d);
@@ -51,6 +53,8 @@ void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
     lin_fwd(xm, b.aoc.raw(), W(L.wo), N, H * Dv, d);
     add_inplace(xm, xin, N * d);
   }
+  tm_attn.stop();
+  MT_TRACE_MODULE(L.moe ? "moe" : "mlp", li, !recomputing);
   {
     MT_TRACE("fwd.norm");
     norm_fwd(b.h2.data<float>(), b.h2c, b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d);
@@ -61,6 +65,8 @@ void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
 
 void Model::Impl::layer_backward(Layer& L, float* g) {
   LayerBufs& b = *L.bufs;
+  const int li = int(&L - layers.data());
+  trace::Module tm_ffn(L.moe ? "moe" : "mlp", li);
   // FFN branch: g is the gradient w.r.t. x_out = x_mid + ffn(norm(x_mid)).
   float* dffn = dh.data<float>();
   recompute_selected_ffn(L, b);
@@ -70,10 +76,13 @@ void Model::Impl::layer_backward(Layer& L, float* g) {
   rmsnorm_backward(dxm, G(L.ffn_norm), dffn, b.x_mid.data<float>(), P(L.ffn_norm), b.rstd2.data<float>(), N, d, wsp());
   add_inplace(g, dxm, N * d);  // g is now d x_mid
   tr_norm.stop();
+  tm_ffn.stop();
   // attention branch
+  MT_TRACE_MODULE("attn", li);
   const void* g_c = to_c(dyc, g, N * d);  // g itself in fp32 mode (not written until after attn_backward)
   recompute_selected_attn(L, b);
   attn_backward(L, b, g_c, dffn);
+  MT_TRACE("bwd.norm");
   rmsnorm_backward(dxm, G(L.attn_norm), dffn, L.x_in.data<float>(), P(L.attn_norm), b.rstd1.data<float>(), N, d,
                    wsp());
   add_inplace(g, dxm, N * d);  // g is now d x_in

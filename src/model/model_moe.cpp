@@ -15,11 +15,11 @@ namespace moetron {
 void Model::Impl::moe_forward(Layer& L, LayerBufs& b, float* y) {
   // router (fp32 gate GEMM: routing decisions are sensitive to rounding)
   float* logits = b.logits.data<float>();
-  trace::Scope tr_router("fwd.router");
   {
     MT_TRACE("fwd.router.gate_gemm");
     gemm_f32(Trans::N, Trans::N, N, E, d, 1.0f, b.h2.data<float>(), d, P(L.gate), E, 0.0f, logits, E);
   }
+  trace::Scope tr_router("fwd.router");  // scores, top-k, losses and the permute plan (the gate GEMM is apart)
   RouterLosses rl;
   const float* bias = s.moe.load_balance == LoadBalance::AuxFree ? L.bias.data<float>() : nullptr;
   int32_t* idx = b.topk_idx.data<int32_t>();

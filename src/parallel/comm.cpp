@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <atomic>
 #include <map>
 #include <sstream>
+#include <unordered_map>
 #include <vector>
 
 #include "comm_backend.h"
@@ -127,6 +129,7 @@ class LocalBackend final : public CommBackend {
   }
   void barrier() override {}
   std::shared_ptr<CommBackend> split(int, int) override { return std::make_shared<LocalBackend>(); }
+  std::vector<int> world_ranks() const override { return {0}; }
 
  private:
   struct Req {
@@ -158,17 +161,26 @@ class LocalBackend final : public CommBackend {
 
 std::shared_ptr<CommBackend> make_local_backend() { return std::make_shared<LocalBackend>(); }
 
-// Shared state of a Comm handle: the backend, the statistics, the trace hook, the pending non-blocking
-// requests and a tracked workspace.
+// Shared state of a Comm handle: the backend, the statistics, the trace hook and what traces number (the
+// collective sequence, the point-to-point message counts, the splits), the pending non-blocking requests and a
+// tracked workspace.
 struct CommState {
   std::shared_ptr<CommBackend> be;
   CommStats stats;
   CommTraceHook hook;
+  CommInfo info;             // name at once; world_ranks on first use (info_ready)
+  bool info_ready = false;
+  int64_t coll_seq = 0;      // collectives so far
+  int64_t n_splits = 0;      // split() calls so far (names the children)
+  // Messages so far per (peer, tag), sent and received: key peer * (kCommMaxUserTag + 1) + tag.
+  std::unordered_map<int64_t, int64_t> sent_msgs, recv_msgs;
   struct Pending {
     CommOp op = CommOp::Send;
     int64_t bytes = 0, wire = 0;
     int64_t backend_id = -1;
-    double t_post = 0;
+    double t_post = 0, t_post_end = 0;
+    int peer = -1, tag = -1;
+    int64_t msg = -1;
     bool live = false;
   };
   std::vector<Pending> pending;  // indexed by CommRequest id; slots are reused
@@ -177,7 +189,8 @@ struct CommState {
   std::vector<int64_t> wait_ids;  // scratch of wait_all
 
   // Registers a posted request: counts its call and bytes now, its posting time [t0, t1] in its op's seconds.
-  CommRequest post(CommOp op, int64_t bytes, int64_t wire, double t0, double t1, int64_t backend_id) {
+  CommRequest post(CommOp op, int64_t bytes, int64_t wire, double t0, double t1, int64_t backend_id, int peer, int tag,
+                   int64_t msg) {
     int64_t id;
     if (!pending_free.empty()) {
       id = pending_free.back();
@@ -186,7 +199,7 @@ struct CommState {
       id = int64_t(pending.size());
       pending.emplace_back();
     }
-    pending[size_t(id)] = {op, bytes, wire, backend_id, t0, true};
+    pending[size_t(id)] = {op, bytes, wire, backend_id, t0, t1, peer, tag, msg, true};
     ++n_pending;
     CommOpStats& o = stats.op[size_t(op)];
     o.calls += 1;
@@ -201,6 +214,15 @@ struct CommState {
   char* ws = nullptr;
   size_t ws_bytes = 0;
   std::vector<int64_t> c1, d1, c2, d2;  // count / displacement scratch, [size] each
+
+  const CommInfo& get_info() {
+    if (!info_ready) info.world_ranks = be->world_ranks(), info_ready = true;
+    return info;
+  }
+  // The k-th message (from 0) to / from `peer` with `tag`, counted now.
+  int64_t next_msg(bool sent, int peer, int tag) {
+    return (sent ? sent_msgs : recv_msgs)[int64_t(peer) * (kCommMaxUserTag + 1) + tag]++;
+  }
 
   CommState() { (void)MemoryTracker::global(); }  // constructed first, so it outlives static Comms
   ~CommState() { mt_free(ws, ws_bytes, MemCategory::Comm); }
@@ -225,20 +247,41 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Times one call and records it (also when the call throws: then nothing is recorded).
+// The process-wide trace sink (set_comm_trace_sink): read on every call, set only while nothing communicates.
+std::atomic<bool> g_sink_on{false};
+CommTraceHook g_sink;
+
+bool hooked(const CommState& s) { return s.hook || g_sink_on.load(std::memory_order_relaxed); }
+void emit(CommState& s, CommEvent& e) {
+  e.comm = &s.get_info();
+  if (s.hook) s.hook(e);
+  if (g_sink_on.load(std::memory_order_relaxed)) g_sink(e);
+}
+
+// Times one call and records it (also when the call throws: then nothing is recorded). Collectives take the
+// communicator's next sequence number when they start.
 struct OpTimer {
   CommState& s;
   CommOp op;
   double t0;
-  OpTimer(CommState& s_, CommOp op_) : s(s_), op(op_), t0(now_s()) {}
-  void done(int64_t bytes, int64_t wire) {
+  int64_t seq = -1;
+  OpTimer(CommState& s_, CommOp op_) : s(s_), op(op_), t0(now_s()) {
+    if (op != CommOp::Send && op != CommOp::Recv) seq = s.coll_seq++;
+  }
+  // in / out: CommEvent::bytes_in / bytes_out; the rest as CommEvent says (point-to-point and per-peer counts).
+  void done(int64_t bytes, int64_t wire, int64_t in = 0, int64_t out = 0, int peer = -1, int tag = -1,
+            int64_t msg = -1, const int64_t* sc = nullptr, const int64_t* rc = nullptr) {
     double t1 = now_s();
     CommOpStats& o = s.stats.op[size_t(op)];
     o.calls += 1;
     o.bytes += bytes;
     o.wire_bytes += wire;
     o.seconds += t1 - t0;
-    if (s.hook) s.hook(CommEvent{op, bytes, wire, t0, t1, s.be->size()});
+    if (!hooked(s)) return;
+    CommEvent e{op, bytes, wire, t0, t1, s.be->size()};
+    e.bytes_in = in, e.bytes_out = out, e.seq = seq, e.peer = peer, e.tag = tag, e.msg = msg;
+    e.send_counts = sc, e.recv_counts = rc;
+    emit(s, e);
   }
 };
 
@@ -287,6 +330,7 @@ Comm::Comm() : Comm(detail::make_local_backend()) {}
 Comm::Comm(std::shared_ptr<detail::CommBackend> backend) : s_(std::make_shared<CommState>()) {
   MT_CHECK(backend != nullptr, "comm", "null backend");
   s_->be = std::move(backend);
+  s_->info.name = "local";
   const size_t p = size_t(s_->be->size());
   s_->c1.resize(p);
   s_->d1.resize(p);
@@ -338,7 +382,7 @@ void Comm::all_reduce(void* x, int64_t n, ReduceType t) const {
       wire += len * es * (p - 1);
     }
   }
-  tm.done(n * es, wire);
+  tm.done(n * es, wire, n * es, n * es);
 }
 
 void Comm::reduce_scatter(float* out, const float* in, int64_t n) const { reduce_scatter(out, in, n, ReduceType::F32); }
@@ -377,7 +421,7 @@ void Comm::reduce_scatter(void* out, const void* in, int64_t n, ReduceType t) co
     for (int q = 1; q < p; ++q) accumulate(ws, ws + q * n * es, n, t);
     std::memcpy(out, ws, size_t(n * es));
   }
-  tm.done(p * n * es, wire);
+  tm.done(p * n * es, wire, n * es, p * n * es);
 }
 
 namespace {
@@ -428,7 +472,7 @@ void ordered_impl(CommState& s, T* out, const T* parts, int64_t m_local, int64_t
       for (int64_t j = 0; j < cw; ++j) o[j] += v[j];
     }
   }
-  tm.done(m_local * n * es, wire);
+  tm.done(m_local * n * es, wire, n * es, m_local * n * es);
 }
 }  // namespace
 
@@ -455,7 +499,7 @@ void Comm::all_gather(void* out, const void* in, int64_t bytes) const {
     d[size_t(q)] = q * bytes;
   }
   if (bytes > 0) s_->be->all_gather_v(out, c.data(), d.data(), in);
-  tm.done(bytes, bytes * (p - 1));
+  tm.done(bytes, bytes * (p - 1), bytes * p, bytes);
 }
 
 void Comm::all_gather_v(void* out, const int64_t* counts, const int64_t* displs, const void* in) const {
@@ -466,7 +510,9 @@ void Comm::all_gather_v(void* out, const int64_t* counts, const int64_t* displs,
   MT_CHECK(in != nullptr || counts[me] == 0, op, "null in with ", counts[me], " bytes");
   OpTimer tm(*s_, CommOp::AllGather);
   s_->be->all_gather_v(out, counts, displs, in);
-  tm.done(counts[me], counts[me] * (p - 1));
+  int64_t all = 0;
+  for (int q = 0; q < p; ++q) all += counts[q];
+  tm.done(counts[me], counts[me] * (p - 1), all, counts[me]);
 }
 
 void Comm::all_to_all_v(void* recv, const int64_t* recv_counts, const int64_t* recv_displs, const void* send,
@@ -486,7 +532,7 @@ void Comm::all_to_all_v(void* recv, const int64_t* recv_counts, const int64_t* r
            recv_counts[me]);
   OpTimer tm(*s_, CommOp::AllToAllV);
   s_->be->all_to_all_v(recv, recv_counts, recv_displs, send, send_counts, send_displs);
-  tm.done(sent, sent - send_counts[me]);
+  tm.done(sent, sent - send_counts[me], recvd, sent, -1, -1, -1, send_counts, recv_counts);
 }
 
 void Comm::all_to_all(void* recv, const void* send, int64_t bytes_per_peer) const {
@@ -513,7 +559,7 @@ void Comm::exchange(void* recv, int64_t capacity, const void* send, const int64_
   MT_CHECK(recv != nullptr || capacity == 0, op, "null recv buffer");
   OpTimer tm(*s_, CommOp::Exchange);
   s_->be->exchange(recv, capacity, send, send_counts, send_displs);
-  tm.done(sent, sent - send_counts[me]);
+  tm.done(sent, sent - send_counts[me], 0, sent, -1, -1, -1, send_counts, nullptr);
 }
 
 void Comm::send(const void* buf, int64_t bytes, int dst, int tag) const {
@@ -522,8 +568,9 @@ void Comm::send(const void* buf, int64_t bytes, int dst, int tag) const {
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
   OpTimer tm(*s_, CommOp::Send);
+  const int64_t msg = s_->next_msg(true, dst, tag);
   s_->be->send(buf, bytes, dst, tag);
-  tm.done(bytes, dst == rank() ? 0 : bytes);
+  tm.done(bytes, dst == rank() ? 0 : bytes, 0, bytes, dst, tag, msg);
 }
 
 void Comm::recv(void* buf, int64_t bytes, int src, int tag) const {
@@ -532,8 +579,9 @@ void Comm::recv(void* buf, int64_t bytes, int src, int tag) const {
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
   OpTimer tm(*s_, CommOp::Recv);
+  const int64_t msg = s_->next_msg(false, src, tag);
   s_->be->recv(buf, bytes, src, tag);
-  tm.done(bytes, 0);
+  tm.done(bytes, 0, bytes, 0, src, tag, msg);
 }
 
 CommRequest Comm::isend(const void* buf, int64_t bytes, int dst, int tag) const {
@@ -542,8 +590,9 @@ CommRequest Comm::isend(const void* buf, int64_t bytes, int dst, int tag) const 
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
   const double t0 = now_s();
+  const int64_t msg = s_->next_msg(true, dst, tag);
   const int64_t id = s_->be->isend(buf, bytes, dst, tag);
-  return s_->post(CommOp::Send, bytes, dst == rank() ? 0 : bytes, t0, now_s(), id);
+  return s_->post(CommOp::Send, bytes, dst == rank() ? 0 : bytes, t0, now_s(), id, dst, tag, msg);
 }
 
 CommRequest Comm::irecv(void* buf, int64_t bytes, int src, int tag) const {
@@ -552,8 +601,9 @@ CommRequest Comm::irecv(void* buf, int64_t bytes, int src, int tag) const {
   MT_CHECK(tag >= 0 && tag <= kCommMaxUserTag, op, "tag ", tag, " outside [0, ", kCommMaxUserTag, "]");
   MT_CHECK(bytes >= 0 && (buf || bytes == 0), op, "bad buffer: ", bytes, " bytes");
   const double t0 = now_s();
+  const int64_t msg = s_->next_msg(false, src, tag);
   const int64_t id = s_->be->irecv(buf, bytes, src, tag);
-  return s_->post(CommOp::Recv, bytes, 0, t0, now_s(), id);
+  return s_->post(CommOp::Recv, bytes, 0, t0, now_s(), id, src, tag, msg);
 }
 
 void Comm::wait(CommRequest& r) const { wait_all(&r, 1); }
@@ -577,7 +627,15 @@ void Comm::wait_all(CommRequest* reqs, size_t n) const {
   for (size_t k = 0; k < n; ++k) {
     CommState::Pending& p = s.pending[size_t(reqs[k].id_)];
     s.stats.op[size_t(p.op)].seconds += share;
-    if (s.hook) s.hook(CommEvent{p.op, p.bytes, p.wire, p.t_post, t1, s.be->size()});
+    if (hooked(s)) {
+      CommEvent e{p.op, p.bytes, p.wire, p.t_post, t1, s.be->size()};
+      const bool sent = p.op == CommOp::Send;
+      e.bytes_in = sent ? 0 : p.bytes, e.bytes_out = sent ? p.bytes : 0;
+      e.peer = p.peer, e.tag = p.tag, e.msg = p.msg;
+      e.nonblocking = true, e.t_post_end = p.t_post_end, e.t_wait_begin = t0;
+      e.wait_index = int(k), e.wait_count = int(n);
+      emit(s, e);
+    }
     p.live = false;
     s.pending_free.push_back(reqs[k].id_);
     --s.n_pending;
@@ -598,8 +656,18 @@ Comm Comm::split(int color, int key) const {
   MT_CHECK(color >= 0, "comm.split", "color ", color, " must be >= 0");
   OpTimer tm(*s_, CommOp::Split);
   Comm c(s_->be->split(color, key));
+  c.s_->info.name = s_->info.name + "." + std::to_string(s_->n_splits++);
   tm.done(0, 0);
   return c;
+}
+
+void Comm::set_name(std::string name) const { s_->info.name = std::move(name); }
+const CommInfo& Comm::info() const { return s_->get_info(); }
+
+void set_comm_trace_sink(CommTraceHook hook) {
+  g_sink_on.store(false);
+  g_sink = std::move(hook);
+  g_sink_on.store(bool(g_sink));
 }
 
 Comm comm_local() { return Comm(detail::make_local_backend()); }
@@ -615,11 +683,19 @@ bool comm_mpi_built() {
 Comm comm_world() {
 #if MOETRON_WITH_MPI
   if (detail::mpi_launched()) {
-    static Comm world(detail::mpi_world_backend());  // one handle: every caller shares its stats
+    static Comm world = [] {  // one handle: every caller shares its stats
+      Comm w(detail::mpi_world_backend());
+      w.set_name("world");
+      return w;
+    }();
     return world;
   }
 #endif
-  static Comm local = comm_local();
+  static Comm local = [] {
+    Comm l = comm_local();
+    l.set_name("world");
+    return l;
+  }();
   return local;
 }
 

@@ -51,6 +51,8 @@ class CommBackend {
   virtual std::string wait_all(const int64_t* ids, int n) = 0;
   virtual void barrier() = 0;
   virtual std::shared_ptr<CommBackend> split(int color, int key) = 0;
+  // The members' ranks in MPI_COMM_WORLD, in this communicator's order (single process: {0}). For traces.
+  virtual std::vector<int> world_ranks() const = 0;
 };
 
 std::shared_ptr<CommBackend> make_local_backend();

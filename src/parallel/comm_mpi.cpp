@@ -212,6 +212,18 @@ class MpiBackend final : public CommBackend {
     return std::make_shared<MpiBackend>(c, true);
   }
 
+  std::vector<int> world_ranks() const override {  // local calls only: no communication
+    MPI_Group mine, world;
+    mpi_ok(MPI_Comm_group(comm_, &mine), "comm.world_ranks");
+    mpi_ok(MPI_Comm_group(MPI_COMM_WORLD, &world), "comm.world_ranks");
+    std::vector<int> in(static_cast<size_t>(size_)), out(static_cast<size_t>(size_));
+    for (int r = 0; r < size_; ++r) in[size_t(r)] = r;
+    mpi_ok(MPI_Group_translate_ranks(mine, size_, in.data(), world, out.data()), "comm.world_ranks");
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+    return out;
+  }
+
  private:
   MPI_Comm comm_;
   bool owned_;

@@ -131,6 +131,10 @@ MeshComms make_mesh_comms(const DeviceMesh& mesh, const Comm& world) {
   m.ep = world.split(c.pp * (dp / ep) + c.edp, c.ep);
   m.edp = world.split(c.pp * ep + c.ep, c.edp);
   m.pp = world.split(c.dp, c.pp);
+  // Trace names (Comm::set_name): a group's kind; dispatcher and node / rail communicators split from ep are
+  // then "ep.<k>", "ep.<k>.<j>".
+  m.dp.set_name("dp"), m.dp_shard.set_name("dp_shard"), m.dp_replicate.set_name("dp_replicate");
+  m.ep.set_name("ep"), m.edp.set_name("edp"), m.pp.set_name("pp");
   return m;
 }
 

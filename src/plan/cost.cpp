@@ -130,10 +130,14 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   lc.add_mem(kOpNorm, membound(x, norm_bytes));
   lc.add_mem(kOpOther, membound(x, 2 * 3 * d * ab * T / x.q));
   const bool moe = s.is_moe_layer(layer);
-  double act_bytes = 0;      // SwiGLU passes of the FFN op, counted in bf16 bytes (what moe_act recompute redoes)
+  double act_bytes = 0;      // SwiGLU / GELU passes of the FFN op, counted in bf16 bytes (what moe_act recompute redoes)
   double exp_act_bytes = 0;  // the routed experts' SwiGLU, likewise
   cur = kOpFfn;
-  if (!moe) {
+  if (!moe && s.ffn == FfnKind::GELU) {  // GPT: up (d -> I), GELU (read I, write I), down (I -> d)
+    const double I = double(s.inter_size) / tp;
+    G(T, I, d), G(T, d, I);
+    act_bytes = 2 * I * 2 * T;
+  } else if (!moe) {
     const double I = double(s.inter_size) / tp;
     G(T, 2 * I, d), G(T, d, I);
     act_bytes = 3 * I * 2 * T;
@@ -195,6 +199,9 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   // The branches count SwiGLU bytes at 2 per element; the recipe's activations may be wider.
   lc.add_mem(kOpFfn, membound(x, act_bytes * ab / 2));
   lc.add_mem(kOpExperts, membound(x, exp_act_bytes * ab / 2));
+  // Dropout (GPT) on the attention and FFN outputs, fused with the residual add: a 1-byte mask written per
+  // element (on the SP shard); the backward reads it back.
+  if (s.dropout > 0) lc.add_mem(kOpOther, membound(x, 2 * d * 1 * T / x.q));
   // TP: with SP two all-gathers and two reduce-scatters of the layer's [T, d] activations per pass; without SP
   // two all-reduces. Not overlapped (no TP comm overlap is modelled).
   if (l.tp > 1) {
@@ -306,9 +313,11 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;
   tp.stages = stage_times(c, l, h, o, sp);
-  const double T = l.tokens_per_rank(c.training.seq_len), q = double(l.shard().token_div());
+  const double T = l.tokens_per_rank(c.training.seq_len);
   const bool pp_cross = l.world() / l.pp >= h.scale_up.domain;
-  tp.p2p = l.pp > 1 ? p2p(h, T / q * double(s.d_model) * 2, pp_cross) : 0.0;
+  // Each tp rank sends 1/tp of the boundary activation: its sequence shard under sequence parallelism, else
+  // Megatron's scatter / gather split of the replicated tensor (Narayanan et al. 2021, section 4.1).
+  tp.p2p = l.pp > 1 ? p2p(h, T / double(l.tp) * double(s.d_model) * 2, pp_cross) : 0.0;
 
   sched::Durations d;
   d.p2p = tp.p2p;

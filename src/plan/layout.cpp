@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "moetron/check.h"
+#include "moetron/parallel_rules.h"
 
 namespace moetron::plan {
 
@@ -39,31 +40,13 @@ std::string layout_error(const JobConfig& c, const Layout& l, int64_t gbs) {
   const ModelSpec& m = c.model;
   if (l.tp < 1 || l.cp < 1 || l.pp < 1 || l.vpp < 1 || l.dp < 1 || l.ep < 1 || l.etp < 1 || l.mbs < 1)
     return msg("every parallel degree must be >= 1 (", l.describe(), ")");
-  if (m.attn.n_heads % l.tp != 0) return msg("parallelism.tp = ", l.tp, " must divide model.n_heads (", m.attn.n_heads, ")");
-  if (m.attn.type == AttnType::GQA && m.attn.n_kv_heads % l.tp != 0)
-    return msg("parallelism.tp = ", l.tp, " must divide model.n_kv_heads (", m.attn.n_kv_heads, ")");
-  if (m.vocab_size % l.tp != 0)
-    return msg("parallelism.tp = ", l.tp, " must divide model.vocab_size (", m.vocab_size, "): the vocabulary is split over tp");
-  if (c.training.seq_len % (2 * l.cp) != 0 && l.cp > 1)
-    return msg("parallelism.cp = ", l.cp, ": 2 * cp must divide training.seq_len (", c.training.seq_len, ")");
-  if (l.tp > 1 && l.sp && (c.training.seq_len / l.cp) % l.tp != 0)
-    return msg("parallelism.tp = ", l.tp, " must divide the sequence per cp rank (", c.training.seq_len / l.cp,
-               ") under sequence parallelism");
+  if (std::string e = parallel_degree_error(m, c.training.seq_len,
+          {.tp = l.tp, .cp = l.cp, .ep = l.ep, .etp = l.etp, .dp = l.dp, .sp = l.sp, .zero = l.zero});
+      !e.empty())
+    return e;
   if (l.pp * l.vpp > m.n_layers)
     return msg("parallelism.pp x stages per rank = ", l.pp * l.vpp, " exceeds model.n_layers (", m.n_layers,
                "): every stage needs a layer");
-  if (m.is_moe()) {
-    if (m.moe.n_routed_experts % l.ep != 0)
-      return msg("parallelism.ep = ", l.ep, " must divide model.n_routed_experts (", m.moe.n_routed_experts, ")");
-    if (m.moe.moe_inter_size % l.etp != 0)
-      return msg("parallelism.expert_tp = ", l.etp, " must divide model.moe_inter_size (", m.moe.moe_inter_size, ")");
-  } else if (l.ep > 1 || l.etp > 1) {
-    return msg("parallelism.ep = ", l.ep, ": expert parallelism needs a MoE model");
-  }
-  if ((l.tp * l.cp * l.dp) % (l.ep * l.etp) != 0)
-    return msg("parallelism.ep x expert_tp = ", l.ep * l.etp, " must divide tp x cp x dp = ", l.tp * l.cp * l.dp,
-               " (expert groups are carved out of those ranks)");
-  if (l.zero < 0 || l.zero > 3) return msg("parallelism.zero = ", l.zero, " must be 0, 1, 2 or 3");
   if (l.zero == 3 && l.dp_shard > 0 && l.dp % l.dp_shard != 0)
     return msg("parallelism.dp_shard = ", l.dp_shard, " must divide dp = ", l.dp, " (HSDP replicates the shards)");
   if (gbs % (l.mbs * l.dp) != 0)

@@ -156,6 +156,10 @@ Schedule from_csv(std::string_view text) {
       }
       c = comma + 1;
     }
+    // A row of empty cells would count as a rank here but is written back by to_csv as a blank line, which
+    // does not: refuse it rather than read a different rank count than the text shows.
+    MT_CHECK(!row.empty(), "schedule", "CSV row ", line_no,
+             " has no actions (only empty cells): every non-blank row is a pipeline rank and needs at least one");
     s.actions.push_back(std::move(row));
     if (eol == text.size()) break;
   }

@@ -124,6 +124,7 @@ double ParamState::grad_norm() {
 void ParamState::adamw(const AdamWConfig& ac, int64_t step, float clip) {
   float* mb = mbuf_.data<float>();
   float* vb = vbuf_.data<float>();
+  trace::Scope tr_adamw("optim.adamw");  // this rank's slice; the ZeRO-1 parameter gather is its own kernel scope
   if (zero3_) {  // the shard's pieces of parameters (a piece has one decay flag; padding is not updated)
     for (auto& sg : fsdp_->segments())
       adamw_step(fsdp_->params() + sg.shard_offset, mb + sg.shard_offset, vb + sg.shard_offset,
@@ -137,6 +138,7 @@ void ParamState::adamw(const AdamWConfig& ac, int64_t step, float clip) {
         adamw_step(m_.param_data() + a, mb + r.st + (a - r.s_lo), vb + r.st + (a - r.s_lo), m_.grad_data() + a, b - a,
                    ac, step, clip, p.decay);
     }
+  tr_adamw.stop();
   if (sharded_) {
     MT_TRACE("dp.all_gather_params");
     for (auto& r : runs_) {

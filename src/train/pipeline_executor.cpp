@@ -28,6 +28,7 @@ struct PipelineExecutor::Worker {
     th = std::thread([this, nt] {
       init_threads(nt);
       Model::set_thread_lane(1);
+      trace::set_thread_track(2);  // the EP overlap's second lane (docs/profiling.md)
       std::unique_lock<std::mutex> lk(mu);
       for (;;) {
         cv.wait(lk, [this] { return quit || task != nullptr; });
@@ -124,9 +125,30 @@ StepOutcome PipelineExecutor::run(BatchSource& src, int64_t B, int64_t T, bool r
   }
   for (auto& s : stats_) s = MicroStats{};
   StepOutcome out;
-  out.runtime = rt_->run_step(record ? &out.record : nullptr);
+  const bool tracing = trace::enabled();
+  out.runtime = rt_->run_step(record || tracing ? &out.record : nullptr);
   out.micro = stats_;
+  if (tracing) trace_actions(out.record);
   return out;
+}
+
+// The executed compute actions as trace events (after the step: the runtime timed them), on track 0 where the
+// runtime ran them; an FB action's backward half may have run on the second lane meanwhile.
+void PipelineExecutor::trace_actions(const std::vector<sched::TimedOp>& ops) const {
+  const double base = rt_->step_start() * 1e6;
+  const std::vector<int>& mine = rt_->stage_ids();
+  auto chunk = [&](int stage) { return int(std::find(mine.begin(), mine.end(), stage) - mine.begin()); };
+  for (const sched::TimedOp& op : ops) {
+    const sched::Action& a = op.action;
+    if (!sched::is_compute(a.op)) continue;  // SEND / RECV: their communication events say it
+    trace::ActionEvent e;
+    e.name = a.op == sched::Op::F ? "F" : a.op == sched::Op::B ? "B" : a.op == sched::Op::I ? "I"
+           : a.op == sched::Op::W ? "W" : "FB";
+    e.t0 = base + op.start * 1e6, e.t1 = base + op.end * 1e6;
+    e.mb = a.mb, e.stage = a.stage, e.chunk = chunk(a.stage);
+    if (a.op == sched::Op::FB) e.op2 = a.op2 == sched::Op::I ? "I" : "B", e.mb2 = a.mb2, e.stage2 = a.stage2;
+    trace::record_action(e);
+  }
 }
 
 sched::RecordedStep PipelineExecutor::gather_record(int64_t step, const StepOutcome& o, const Comm& pp) const {

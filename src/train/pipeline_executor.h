@@ -47,6 +47,7 @@ class PipelineExecutor {
   sched::RecordedStep gather_record(int64_t step, const StepOutcome& o, const Comm& pp) const;
 
  private:
+  void trace_actions(const std::vector<sched::TimedOp>& ops) const;
   struct Worker;  // the lane-1 thread of the EP overlap
   std::unique_ptr<Worker> worker_;
   Model* model_ = nullptr;

@@ -1,15 +1,19 @@
-// train_report.cpp: what a training run prints and logs: the start-up lines, one metrics.jsonl record and
-// progress line per log step, and the end summary; plus TrainSession::finish, which fills the result's totals.
-// Not the step (train_step.cpp).
+// train_report.cpp: what a training run prints and logs: the start-up lines and the resolved config.toml in the
+// dump folder, one metrics.jsonl record and progress line per log step, and the end summary; plus
+// TrainSession::finish, which fills the result's totals. Not the step (train_step.cpp); not the HTML run
+// report that reads these files (src/report/).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
+#include "moetron/check.h"
 #include "moetron/memory.h"
 #include "moetron/router.h"
 #include "moetron/runtime.h"
-#include "moetron/trace.h"
 #include "train/train_session.h"
 
 using json = nlohmann::json;
@@ -23,7 +27,58 @@ std::string human_bytes(int64_t b) {
   return buf;
 }
 
+namespace {
+// The per-layer expert load of one log step for metrics.jsonl (the run report's heatmap): tokens routed to each
+// expert of each MoE layer this rank holds, summed over DP. A record keeps at most kMaxExpertCells numbers:
+// beyond that, consecutive experts are summed in bins of `bin` (the last bin may be smaller).
+constexpr int64_t kMaxExpertCells = 1024;
+json expert_counts_json(const ModelSpec& ms, const std::vector<int>& moe_ids,
+                        const std::vector<std::vector<int64_t>>& counts) {
+  const int64_t L = int64_t(counts.size()), E = int64_t(counts[0].size());
+  const int64_t cols = std::clamp<int64_t>(kMaxExpertCells / L, 1, E), bin = (E + cols - 1) / cols;
+  std::vector<int64_t> layer_of;  // model layer of each global MoE index
+  for (int64_t l = 0; l < ms.n_layers; ++l)
+    if (ms.is_moe_layer(l)) layer_of.push_back(l);
+  json layers = json::array(), rows = json::array();
+  for (int64_t k = 0; k < L; ++k) {
+    layers.push_back(layer_of.at(size_t(moe_ids.at(size_t(k)))));
+    std::vector<int64_t> row(size_t((E + bin - 1) / bin), 0);
+    for (int64_t e = 0; e < E; ++e) row[size_t(e / bin)] += counts[size_t(k)][size_t(e)];
+    rows.push_back(row);
+  }
+  return {{"layers", layers}, {"experts", E}, {"bin", bin}, {"counts", rows}};
+}
+
+// Under pipeline parallelism each rank holds its stages' MoE layers: every pipeline rank sends its
+// (MoE index, experts, counts...) rows and gets all of them, in global MoE order.
+void gather_stage_counts(const Comm& pp, std::vector<int>& ids, std::vector<std::vector<int64_t>>& counts) {
+  std::vector<int64_t> mine;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    mine.insert(mine.end(), {int64_t(ids[k]), int64_t(counts[k].size())});
+    mine.insert(mine.end(), counts[k].begin(), counts[k].end());
+  }
+  const int P = pp.size();
+  std::vector<int64_t> bytes(static_cast<size_t>(P)), displs(static_cast<size_t>(P), 0);
+  const int64_t my_bytes = int64_t(mine.size()) * 8;
+  pp.all_gather(bytes.data(), &my_bytes, 8);
+  for (int r = 1; r < P; ++r) displs[size_t(r)] = displs[size_t(r - 1)] + bytes[size_t(r - 1)];
+  std::vector<int64_t> all(size_t((displs[size_t(P - 1)] + bytes[size_t(P - 1)]) / 8));
+  pp.all_gather_v(all.data(), bytes.data(), displs.data(), mine.data());
+  std::map<int, std::vector<int64_t>> by_id;
+  for (size_t i = 0; i + 2 <= all.size(); i += 2 + size_t(all[i + 1]))
+    by_id[int(all[i])].assign(all.begin() + int64_t(i) + 2, all.begin() + int64_t(i) + 2 + all[i + 1]);
+  ids.clear(), counts.clear();
+  for (auto& [id, c] : by_id) ids.push_back(id), counts.push_back(std::move(c));
+}
+}  // namespace
+
 void TrainSession::print_start() const {
+  if (root) {  // the resolved config beside metrics.jsonl, every key (moetron report shows it)
+    const std::string path = (std::filesystem::path(res.dump_folder) / "config.toml").string();
+    std::ofstream f(path);
+    f << to_toml(cfg);
+    MT_CHECK(f.good(), "train", "cannot write ", path);
+  }
   if (!say) return;
   {
     std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS "
@@ -80,6 +135,12 @@ if (log_now) {
     for (int c = 0; c < kNumMemCategories; ++c) cat[std::string(mem_category_name(MemCategory(c)))] = snap.peak[c];
     j["mem_peak_by_category"] = cat;
     if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
+    if (model->n_moe_layers_total() > 0) {  // every pipeline rank takes part in the gather
+      std::vector<int> ids = model->local_moe_layers();
+      std::vector<std::vector<int64_t>> all = counts;
+      if (PP > 1) gather_stage_counts(mcs.pp, ids, all);
+      if (!all.empty()) j["expert_counts"] = expert_counts_json(cfg.model, ids, all);
+    }
     if (PP > 1) {  // this rank's (rank 0: the first stage's) measured step: busy, waiting, bubble
       const auto& r = t.runtime;
       j["pp"] = {{"step_s", r.seconds}, {"compute_s", r.compute_seconds}, {"recv_wait_s", r.recv_seconds},
@@ -111,8 +172,6 @@ if (log_now) {
     std::printf("\r\033[Kstep %5lld/%lld  loss %.4f", (long long)step, (long long)tr.steps, rec.loss);
     std::fflush(stdout);
   }
-  if (cfg.checkpoint.enable && (step % std::max<int64_t>(1, cfg.checkpoint.interval) == 0 || step == tr.steps))
-    save(step);
 }
 
 void TrainSession::finish() {
@@ -176,21 +235,7 @@ void TrainSession::finish() {
   res.grads_peak_bytes = mt.peak(MemCategory::Grads);
   res.optimizer_peak_bytes = mt.peak(MemCategory::Optimizer);
   res.recompute_seconds = model->recompute_seconds();
-  if (profiling) {
-    double tot = 0;
-    for (auto& t : trace::totals()) {
-      res.op_seconds.push_back({t.name, t.seconds});
-      if (t.name != "recompute.layer") tot += t.seconds;
-    }
-    if (!opt.trace_path.empty() && root) trace::write_chrome_trace(opt.trace_path, 0);
-    if (say) {
-      std::printf("\nper-op time over steps %lld..%lld (first step excluded; recompute.layer contains fwd.*):\n",
-                  (long long)res.start_step + 2, (long long)res.end_step);
-      for (auto& [n, sec] : res.op_seconds)
-        std::printf("  %-22s %8.3f s  %5.1f%%\n", n.c_str(), sec, tot > 0 ? 100 * sec / tot : 0.0);
-      if (!opt.trace_path.empty()) std::printf("chrome trace: %s\n", opt.trace_path.c_str());
-    }
-  }
+  end_profiling();  // the per-op breakdown and this rank's trace file (train_profile.cpp)
   if (root && !record.steps.empty()) {
     record.schedule_name = plan.lowered.name, record.lowered = plan.lowered;
     res.pipeline_record_path = (std::filesystem::path(res.dump_folder) / "pipeline_record.json").string();

@@ -18,6 +18,7 @@
 #include "moetron/memcheck.h"
 #include "moetron/memory.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -127,13 +128,15 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   res.peak_gflops = cfg.metrics.peak_tflops > 0 ? cfg.metrics.peak_tflops * 1e3 : measure_peak_gflops(compute);
   ckdir = (fs::path(res.dump_folder) / cfg.checkpoint.folder).string();
   res.checkpoint_dir = ckdir;
-  profiling = opt.profile || !opt.trace_path.empty();
   adam.beta1 = float(cfg.optimizer.beta1), adam.beta2 = float(cfg.optimizer.beta2), adam.eps = float(cfg.optimizer.eps);
   adam.weight_decay = float(cfg.optimizer.weight_decay);
   vin.resize(size_t(B * T)), vtg.resize(size_t(B * T));
 }
 
-TrainSession::~TrainSession() = default;
+TrainSession::~TrainSession() {
+  trace::enable(false);  // a run that threw mid-step: stop recording and drop the trace session
+  trace::cancel_session();
+}
 
 namespace {
 

@@ -49,6 +49,14 @@ struct TrainSession {
   double validate();              // mean validation loss (collective)
   void run_step();                // one optimizer step, its record, its log line, its checkpoint
   void finish();                  // the result's totals and the summary
+  // Profiling (train_profile.cpp): the window of profiled steps from [profiling] / --profile, and with
+  // [profiling] enable the trace session (collective: the start barrier; limits measured first); the step's
+  // trace events around run_step; this rank's trace file at the end.
+  void begin_profiling();
+  bool profiled(int64_t s) const { return profiling && s >= prof_first && s <= prof_last; }
+  void trace_step_begin();
+  void trace_step_end(int64_t s);
+  void end_profiling();
 
   // reports (train_report.cpp)
   void print_start() const;
@@ -64,6 +72,10 @@ struct TrainSession {
   MeshComms mcs;
   int EP = 1, PP = 1, rank = 0, D = 1, pp_rank = 0;
   bool root = true, say = false, tty = false, zero3 = false, profiling = false;
+  bool tracing = false;        // [profiling] enable: per-rank trace files
+  int64_t prof_first = 0, prof_last = 0;
+  double trace_step_t0 = 0;
+  std::string trace_folder, trace_file;  // this rank's trace file, once written
   int64_t B = 0, T = 0, G = 0, micro = 0, micro_local = 0;
   TrainResult res;
   TrainSources data;

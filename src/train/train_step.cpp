@@ -27,7 +27,7 @@ StepTotals TrainSession::forward_backward() {
   model->set_loss_scales(float(1.0 / double(G * T)), float(1.0 / double(micro)));
   const bool record_seqs = opt.record_data && pp_rank == plan.first_stage_rank;
   std::vector<uint64_t> seqs;
-  const bool rec = profiling && step > res.start_step + 1 && record.steps.size() < kMaxRecordedSteps;
+  const bool rec = trace::enabled() && record.steps.size() < kMaxRecordedSteps;  // a profiled step
   StepOutcome o = exec->run(*data.train, B, T, rec, record_seqs ? &seqs : nullptr);
   t.runtime = o.runtime;
   if (rec) record.steps.push_back(exec->gather_record(step, o, mcs.pp));
@@ -58,7 +58,7 @@ StepTotals TrainSession::forward_backward() {
   {
     // DP: loss sums folded in global micro-batch order (= the single-process sum); gradients, token and
     // expert counts summed over the ranks.
-    MT_TRACE("dp.all_reduce");
+    MT_TRACE_MODULE("grad_reduce");
     mcs.dp.all_reduce_ordered(&t.ce, ce_parts.data(), micro_local, 1);
     mcs.dp.all_reduce_ordered(&t.aux, aux_parts.data(), micro_local, 1);
     if (D > 1) {
@@ -78,23 +78,30 @@ StepTotals TrainSession::forward_backward() {
 
 void TrainSession::run_step() {
   const auto& tr = cfg.training;
-  // The first step warms caches and oneDNN primitives: it is not profiled.
-  trace::enable(profiling && step > res.start_step);
+  // Profiled steps ([profiling] start_step .. end_step; by default the first step, which warms caches and oneDNN
+  // primitives, is not).
+  const bool prof = profiled(step + 1);
+  trace::enable(prof);
+  if (prof) trace_step_begin();
   const auto t0 = std::chrono::steady_clock::now();
   ++step;
   StepTotals t = forward_backward();
-  trace::Scope tr_opt("optimizer");
-  t.grad_norm = state->grad_norm();
+  trace::Module tr_opt("optimizer");
+  {
+    MT_TRACE("optim.grad_norm");
+    t.grad_norm = state->grad_norm();
+  }
   if (opt.keep_first_grads && step == res.start_step + 1) res.first_grads = state->global_grads();
   const float clip = tr.max_norm > 0 ? clip_coefficient(t.grad_norm, tr.max_norm) : 1.0f;
   adam.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
   state->adamw(adam, step, clip);
   model->update_expert_bias(t.counts);
-  tr_opt.stop();
   {
     MT_TRACE("sync_weights");
     model->sync_weights();
   }
+  tr_opt.stop();
+  if (prof) trace_step_end(step);
   trace::enable(false);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   time_total += dt, tokens_total += G * T, window_t += dt, window_tok += G * T, ++window_steps;

@@ -5,12 +5,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 
 #include "moetron/check.h"
 #include "moetron/gemm.h"
 #include "moetron/memory.h"
 #include "moetron/rng.h"
+#include "moetron/runtime.h"
 #include "moetron/trace.h"
 #include "train/train_session.h"
 
@@ -49,6 +51,24 @@ double measure_peak_gflops(ComputeDtype dt, int64_t n, int reps) {
   return 2.0 * double(n) * n * n / best * 1e-9;
 }
 
+double measure_memcpy_gbps(int64_t bytes, int reps) {
+  MT_CHECK(bytes > 0 && reps >= 1, "measure_memcpy_gbps", "bytes ", bytes, " and reps ", reps, " must be positive");
+  std::vector<char> src(size_t(bytes), 1), dst(size_t(bytes), 0);
+  const int nt = num_threads();
+  double best = 1e30;
+  for (int r = 0; r <= reps; ++r) {  // the first pass faults the pages in: not timed
+    auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int t = 0; t < nt; ++t) {
+      const int64_t lo = bytes * t / nt, hi = bytes * (t + 1) / nt;
+      std::memcpy(dst.data() + lo, src.data() + lo, size_t(hi - lo));
+    }
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) best = std::min(best, dt);
+  }
+  return 2.0 * double(bytes) / best * 1e-9;
+}
+
 TrainResult train(const JobConfig& cfg, const TrainOptions& opt) {
   TrainSession s(cfg, opt);
   s.resume();
@@ -66,6 +86,7 @@ TrainResult train(const JobConfig& cfg, const TrainOptions& opt) {
   MemoryTracker::global().reset_peaks();
   s.mcs.dp.reset_stats();
   trace::reset();
+  s.begin_profiling();  // the profiled steps' window; with [profiling] enable, the trace session (collective)
   s.ep_window0 = s.model->ep_traffic(), s.ep_run0 = s.ep_window0;
   while (s.step < tr.steps) s.run_step();
   s.res.end_step = s.step;

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "moetron/check.h"
+#include "moetron/html_text.h"
 
 namespace moetron::viz {
 
@@ -214,19 +215,7 @@ bool is_dark(const std::string& hex) {
   return 0.299 * r + 0.587 * g + 0.114 * b < 150;
 }
 
-std::string esc(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    switch (c) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      default: o += c;
-    }
-  }
-  return o;
-}
+std::string esc(const std::string& s) { return html_escape(s); }
 
 std::string num(double v, int prec = 6) {  // short human form
   char buf[64];

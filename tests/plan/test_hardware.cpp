@@ -117,8 +117,8 @@ struct TempDir {
 }  // namespace
 
 // ---- the catalog ------------------------------------------------------------------------------------------
-TEST(HardwareCatalog, HasTheSevenEntries) {
-  const std::vector<std::string> want = {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "gb200"};
+TEST(HardwareCatalog, HasTheEightEntries) {
+  const std::vector<std::string> want = {"mi300x", "mi325x", "mi355x", "a100", "h100", "h200", "b200", "gb200"};
   EXPECT_EQ(catalog_names(), want);
 }
 
@@ -130,10 +130,15 @@ TEST(HardwareCatalog, EveryEntryLoadsAndValidates) {
     EXPECT_EQ(h.name, name);
     EXPECT_FALSE(h.description.empty());
     EXPECT_NO_THROW(validate_hardware(h, name));
-    // Measured rates sit below the datasheet peaks, and FP8 above BF16.
+    // Measured rates sit below the datasheet peaks, and FP8 above BF16 (where the GPU has FP8: not A100).
     EXPECT_LT(h.achievable_bf16, h.peak_bf16);
-    EXPECT_LT(h.achievable_fp8, h.peak_fp8);
-    EXPECT_GT(h.achievable_fp8, h.achievable_bf16);
+    if (name == "a100") {
+      EXPECT_EQ(h.peak_fp8, 0.0);
+      EXPECT_EQ(h.achievable_fp8, 0.0);
+    } else {
+      EXPECT_LT(h.achievable_fp8, h.peak_fp8);
+      EXPECT_GT(h.achievable_fp8, h.achievable_bf16);
+    }
     EXPECT_GE(h.scale_up.domain, 8);
     EXPECT_GT(h.scale_up.bw, h.scale_out.bw);
   }
@@ -162,10 +167,13 @@ TEST(HardwareCatalog, EverySetFigureNamesASource) {
       EXPECT_GE(it->second.size(), 20u) << key << ": '" << it->second << "'";
     }
     for (const auto& [key, text] : h.sources) EXPECT_TRUE(set_keys.count(key)) << "source for unset key " << key;
-    // An achievable rate is a measurement or says how it was derived; never a bare datasheet figure.
+    // An achievable rate is a measurement or says how it was derived; never a bare datasheet figure. A GPU
+    // without the format says "none:" (its rate is 0).
     for (const char* key : {"achievable_bf16_tflops", "achievable_fp8_tflops"}) {
       const std::string& s = h.sources.at(key);
-      EXPECT_TRUE(s.rfind("measured", 0) == 0 || s.rfind("derived:", 0) == 0) << key << ": " << s;
+      const bool none = std::string(key) == "achievable_fp8_tflops" && h.achievable_fp8 == 0;
+      EXPECT_TRUE(none ? s.rfind("none:", 0) == 0 : s.rfind("measured", 0) == 0 || s.rfind("derived:", 0) == 0)
+          << key << ": " << s;
     }
   }
   EXPECT_EQ(catalog_hardware("mi355x").sources.at("achievable_fp8_tflops").rfind("derived:", 0), 0u);
@@ -184,6 +192,14 @@ TEST(HardwareCatalog, DatasheetFigures) {
   EXPECT_DOUBLE_EQ(gb200.scale_up.bw, 900e9);  // NVLink 5: 1.8 TB/s bidirectional
   EXPECT_EQ(gb200.scale_up.domain, 72);
   EXPECT_DOUBLE_EQ(h100.scale_out.bw, 50e9);   // 400 Gb/s per GPU
+  // A100 SXM 80GB in a DGX A100 node (Selene): NVLink 3 600 GB/s bidirectional, one 200 Gb/s HDR NIC per GPU.
+  const Hardware a100 = catalog_hardware("a100");
+  EXPECT_DOUBLE_EQ(a100.hbm_bytes, 80e9);
+  EXPECT_DOUBLE_EQ(a100.hbm_bw, 2039e9);
+  EXPECT_DOUBLE_EQ(a100.peak_bf16, 312e12);
+  EXPECT_DOUBLE_EQ(a100.scale_up.bw, 300e9);
+  EXPECT_EQ(a100.scale_up.domain, 8);
+  EXPECT_DOUBLE_EQ(a100.scale_out.bw, 25e9);
 }
 
 // The whitepaper's all-to-all bandwidths: 448 GB/s (MI300X) and 537.6 GB/s (MI355X).

@@ -17,7 +17,7 @@ using namespace moetron;
 namespace fs = std::filesystem;
 
 namespace {
-const fs::path kRoot = fs::path(__FILE__).parent_path().parent_path().parent_path();
+const fs::path kRoot = MOETRON_SOURCE_DIR;  // the source tree (not __FILE__, which a compiler cache may make relative)
 JobConfig preset(const std::string& name, std::vector<std::string> overrides = {}) {
   return load_config((kRoot / "configs" / (name + ".toml")).string(), overrides);
 }
@@ -341,6 +341,44 @@ TEST(Accounting, ActivationSizeInDoubleAgreesWithTheInt64Figures) {
   EXPECT_TRUE(std::isfinite(huge.total));
   EXPECT_EQ(huge.largest, "moe.x");  // [T * topk, d] rows: the widest term at d = 2^24 (first of moe.x, moe.y)
   EXPECT_EQ(huge.largest_bytes, 2.0 * 4 * std::ldexp(1.0, 48) * std::ldexp(1.0, 24));
+}
+
+// A GPT-style dense layer (model.ffn = gelu, model.dropout > 0): two MLP matrices, the GELU's input and output
+// kept, a 1-byte mask per dropout (attention output, MLP output, embedding); recompute drops them like the rest.
+TEST(Accounting, GeluAndDropoutTermsByHand) {
+  ModelSpec s = preset("ds_tiny", {"--model.n_routed_experts=0", "--model.n_shared_experts=0", "--model.ffn=gelu",
+                                   "--model.dropout=0.1"}).model;
+  const int64_t B = 2, S = 8, T = 16, d = 64, I = 128, attn = 4 * 64 * 64;
+  const ParamCounts p = count_params(s);
+  EXPECT_EQ(p.layers[0].dense_mlp, 2 * d * I);
+  EXPECT_EQ(p.total, 2 * 512 * 64 + 64 + 3 * (attn + 2 * d + 2 * d * I));
+  const FlopsPerToken f = flops_per_token(s, S);
+  EXPECT_DOUBLE_EQ(f.fwd_matmul, 2.0 * (3 * (attn + 2 * d * I) + 512 * 64));
+  auto dense = terms(layer_activation_terms(s, 0, B, S, Precision::BF16, {}));
+  EXPECT_EQ(dense.count("mlp.gate_up"), 0u);
+  EXPECT_EQ(dense.at("mlp.up"), T * I * 2);
+  EXPECT_EQ(dense.at("mlp.act"), T * I * 2);
+  EXPECT_EQ(dense.at("attn.dropout_mask"), T * d);
+  EXPECT_EQ(dense.at("mlp.dropout_mask"), T * d);
+  const ActivationBytes all = activation_bytes(s, B, S, Precision::BF16);
+  EXPECT_EQ(terms(all.outside).at("embed.dropout_mask"), T * d);
+  // Selective recompute of the attention core keeps the masks; full recompute keeps the layer input only.
+  ActivationCheckpointSpec sel;
+  sel.mode = AcMode::Selective;
+  sel.modules = {"attention_core"};
+  auto kept = terms(layer_activation_terms(s, 0, B, S, Precision::BF16, sel));
+  EXPECT_EQ(kept.at("attn.dropout_mask"), T * d);
+  EXPECT_EQ(kept.count("attn.out"), 0u);
+  ActivationCheckpointSpec full;
+  full.mode = AcMode::Full;
+  EXPECT_EQ(terms(layer_activation_terms(s, 0, B, S, Precision::BF16, full)).size(), 1u);
+  // Sharded (the planner): sequence parallelism splits the masks over tp with the residual region.
+  ActShard sh;
+  sh.tp = 2, sh.sp = true;
+  const double whole = sharded_layer_bytes(s, 0, B, S, 2, 2, {}, {}), split = sharded_layer_bytes(s, 0, B, S, 2, 2, {}, sh);
+  EXPECT_DOUBLE_EQ(split, whole / 2);
+  EXPECT_EQ(activation_term_keys(s, "mlp.dropout_mask"), "model.dropout = 0.1, model.d_model = 64");
+  EXPECT_EQ(activation_term_keys(s, "mlp.up"), "model.inter_size = 128");
 }
 
 TEST(Accounting, ActivationTermKeysNameTheWidths) {

@@ -21,7 +21,7 @@ using namespace moetron;
 namespace fs = std::filesystem;
 
 namespace {
-const fs::path kRoot = fs::path(__FILE__).parent_path().parent_path().parent_path();
+const fs::path kRoot = MOETRON_SOURCE_DIR;  // the source tree (not __FILE__, which a compiler cache may make relative)
 std::string preset(const std::string& name) { return (kRoot / "configs" / (name + ".toml")).string(); }
 std::string hf_fixture(const std::string& name) { return (kRoot / "tests/data/hf" / (name + ".json")).string(); }
 
@@ -137,7 +137,8 @@ TEST(Config, ConfigKeysAreUniqueAndCoverEverySection) {
   std::set<std::string> secs;
   for (const auto& k : keys) secs.insert(k.substr(0, k.find('.')));
   EXPECT_EQ(secs, (std::set<std::string>{"job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
-                                         "checkpoint", "activation_checkpoint", "quantize", "metrics", "hardware"}));
+                                         "checkpoint", "activation_checkpoint", "quantize", "metrics", "profiling",
+                                         "hardware"}));
   for (const char* k : {"model.q_lora_rank", "model.dense_layers", "model.drop_policy", "parallelism.fp8_dispatch",
                         "parallelism.pp_layout", "activation_checkpoint.modules", "metrics.peak_tflops"})
     EXPECT_TRUE(uniq.count(k)) << k;
@@ -192,6 +193,8 @@ TEST(Config, OverrideErrors) {
   EXPECT_HAS(m, "metrics.jsonl: expected boolean, got 'maybe'");
   m = load_error(kTiny, {"--model.attn_type=mlx"});
   EXPECT_HAS(m, "model.attn_type: expected one of mha|gqa|mla, got 'mlx'");
+  m = load_error(kTiny, {"--model.ffn=relu"});
+  EXPECT_HAS(m, "model.ffn: expected one of swiglu|gelu, got 'relu'");
   m = load_error(kTiny, {"--model.dense_layers=[1,x]"});
   EXPECT_HAS(m, "model.dense_layers: expected array of integers");
   m = load_error(kTiny, {"--model.dense_layers=[1"});
@@ -307,6 +310,9 @@ TEST(Config, ImpossibleValuesNameTheKey) {
       {{"--model.n_group=2", "--model.topk_group=3"}, "model.topk_group = 3: must be in [1, n_group = 2]"},
       {{"--model.n_group=4", "--model.topk_group=1"}, "model.topk = 2: more than the 1 experts"},
       {{"--model.route_scale=0"}, "model.route_scale = 0: must be > 0"},
+      {{"--model.dropout=1"}, "model.dropout = 1: must be in [0, 1)"},
+      {{"--model.dropout=-0.1"}, "model.dropout = -0.1: must be in [0, 1)"},
+      {{"--model.ffn=gelu"}, "model.ffn = gelu: the gelu FFN is for dense models (n_routed_experts = 0)"},
       {{"--model.capacity_factor=-1"}, "model.capacity_factor = -1"},
       {{"--model.head_dim=7", "--model.attn_type=gqa"}, "model.head_dim = 7: must be even"},
       {{"--model.attn_type=gqa", "--model.n_kv_heads=3"}, "model.n_kv_heads = 3: must divide n_heads (4)"},
@@ -745,6 +751,25 @@ TEST(HfConfig, ExportRoundTripsEveryExpressiblePreset) {
   auto j = nlohmann::json::parse(to_hf_config_json(load_config(preset("deepseek_v2_lite")).model));
   EXPECT_TRUE(j["q_lora_rank"].is_null());
   EXPECT_EQ(j["topk_method"], "greedy");
+}
+
+// The GPT-style keys (a GELU MLP, dropout) have no field in the HF types written here: export refuses them by name.
+TEST(HfConfig, ExportRefusesGptKeys) {
+  const JobConfig dense = load_config_string(kTiny, {"--model.n_routed_experts=0", "--model.first_k_dense=0"});
+  EXPECT_NO_THROW(to_hf_config_json(dense.model));
+  ModelSpec gelu = dense.model;
+  gelu.ffn = FfnKind::GELU;
+  EXPECT_HAS(error_of([&] { to_hf_config_json(gelu); }), "model.ffn = gelu cannot be written");
+  ModelSpec drop = dense.model;
+  drop.dropout = 0.1;
+  EXPECT_HAS(error_of([&] { to_hf_config_json(drop); }), "model.dropout = 0.1 cannot be written");
+  // Both keys load, round-trip through TOML and default to the DeepSeek shape.
+  EXPECT_EQ(dense.model.ffn, FfnKind::SwiGLU);
+  EXPECT_EQ(dense.model.dropout, 0.0);
+  const JobConfig gpt = load_config_string(kTiny, {"--model.n_routed_experts=0", "--model.first_k_dense=0",
+                                                   "--model.ffn=gelu", "--model.dropout=0.1"});
+  EXPECT_EQ(gpt.model.ffn, FfnKind::GELU);
+  EXPECT_EQ(load_config_string(to_toml(gpt)), gpt);
 }
 
 TEST(HfConfig, DenseLayerPatternsImport) {

@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path fixtures() { return fs::path(__FILE__).parent_path().parent_path() / "data" / "text"; }
+fs::path fixtures() { return fs::path(MOETRON_SOURCE_DIR) / "tests" / "data" / "text"; }
 
 // A fresh, empty directory for one test, removed at the end.
 struct TempDir {

@@ -42,7 +42,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kRoot = fs::path(__FILE__).parent_path().parent_path().parent_path();
+const fs::path kRoot = MOETRON_SOURCE_DIR;  // the source tree (not __FILE__, which a compiler cache may make relative)
 const char* kStale = "reference file is stale: run tools/torch_ref/gen_refs.sh";
 
 std::vector<float> read_f32(const SafetensorsFile& f, const std::string& name, int64_t n) {

@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
 
 #include "moetron/check.h"
 #include "moetron/config.h"
@@ -212,16 +214,22 @@ TEST(ComputeDtype, AutoPicksNativeBf16OrFp32AndBf16ElsewhereNamesFeatureAndKey) 
 
 // Keys the planner reads and the engine does not implement yet are refused by name, not ignored.
 TEST(Trainer, RefusesPlannerOnlyKeys) {
+  const std::string dense = "--model.n_routed_experts=0 --model.n_shared_experts=0";  // gelu is for dense models
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--parallelism.tp=2", "parallelism.tp = 2 is not implemented in the engine"},
       {"--parallelism.cp=2", "parallelism.cp = 2 is not implemented in the engine"},
       {"--parallelism.expert_tp=2", "parallelism.expert_tp = 2 is not implemented in the engine"},
       {"--quantize.recipe=blockwise", "quantize.recipe = blockwise: FP8 training is not implemented"},
       {"--parallelism.zero=2", "parallelism.zero = 2 is not implemented in the trainer"},
+      {dense + " --model.ffn=gelu", "model.ffn = gelu is not implemented in the engine"},
+      {"--model.dropout=0.1", "model.dropout = 0.1 is not implemented in the engine"},
   };
   for (const auto& [ov, expect] : cases) {
+    std::vector<std::string> extra = {"--training.steps=1"};
+    std::istringstream words(ov);
+    for (std::string w; words >> w;) extra.push_back(w);
     try {
-      train(tiny(fresh_dir("planner_keys"), {ov, "--training.steps=1"}), quiet());
+      train(tiny(fresh_dir("planner_keys"), extra), quiet());
       ADD_FAILURE() << ov << " accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << ov << ": " << e.what();

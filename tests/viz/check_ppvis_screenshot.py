@@ -10,24 +10,16 @@
 import argparse
 import os
 import re
-import shutil
 import struct
 import subprocess
 import sys
 import zlib
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from chromium_finder import find_chromium  # noqa: E402
 
 SKIP = 77
 
 
-def find_chromium():
-    env = os.environ.get("MOETRON_CHROMIUM")
-    if env:
-        return env
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
 
 
 def read_png(path):

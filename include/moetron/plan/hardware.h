@@ -1,7 +1,7 @@
 // plan/hardware.h: what the planner knows of a GPU cluster: one GPU's memory and compute rates, the
 // scale-up domain (NVLink switch or xGMI full mesh) and the scale-out network, each figure with the public
-// source it came from. A catalog of named entries (lower case: mi300x, mi325x, mi355x, h100, h200, b200,
-// gb200) and user TOML files share one loader. Not a cost model (plan/comm_model.h, plan/cost.h) and
+// source it came from. A catalog of named entries (lower case: mi300x, mi325x, mi355x, a100, h100, h200,
+// b200, gb200) and user TOML files share one loader. Not a cost model (plan/comm_model.h, plan/cost.h) and
 // nothing the engine reads.
 //
 // Units inside the struct are SI: bytes, bytes/s, FLOP/s, seconds. The TOML form uses GB, GB/s, TFLOPS and

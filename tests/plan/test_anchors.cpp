@@ -1,0 +1,194 @@
+// test_anchors.cpp: the planner against the public dense anchors (docs/planner.md, "Public dense anchors"): GPT
+// models of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models": Table 3
+// layouts, Table 5 iteration times, the Table 2 activation formulas behind its memory figures) and of Narayanan
+// et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM": Table 2 PTD-P
+// throughput), all on A100 80GB (catalog entry a100) with the configs in configs/anchors/. Each row prints the
+// published figure, the projection and the error ("[anchor]" lines). The targets are 10 % on memory and
+// 15 % on step time; each assertion is the bound this model meets, and docs/planner.md explains the rows that
+// miss the target. Nothing in the planner is fitted to these figures.
+// Not a test of the engine (which refuses ffn = "gelu" and dropout > 0).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "moetron/accounting.h"
+#include "moetron/plan/cost.h"
+#include "moetron/plan/hardware.h"
+#include "moetron/plan/layout.h"
+#include "moetron/plan/memory.h"
+
+using namespace moetron;
+
+namespace {
+
+JobConfig anchor(const std::string& name, std::vector<std::string> ov = {}) {
+  return load_config(std::string(MOETRON_SOURCE_DIR) + "/configs/anchors/" + name + ".toml", ov);
+}
+
+// Korthikanti's "full recompute" baseline: tensor parallel without sequence parallelism, every layer recomputed.
+const std::vector<std::string> kFullRecompute = {"--parallelism.sequence_parallel=false",
+                                                 "--activation_checkpoint.mode=full",
+                                                 "--activation_checkpoint.modules=[]"};
+
+// Megatron-LM in 2021-2022: no loss fusion (the vocabulary-parallel cross entropy keeps its softmax) and, for
+// Narayanan's runs, no distributed optimizer (it came later).
+plan::PlanOptions megatron_2022() {
+  plan::PlanOptions o;
+  o.fused_loss = false;
+  return o;
+}
+
+double err(double projected, double published) { return projected / published - 1; }
+
+void report(const char* what, const std::string& row, double published, double projected, const char* unit,
+            double scale) {
+  std::printf("[anchor] %-8s %-34s published %9.2f %s  projected %9.2f %s  error %+6.1f %%\n", what, row.c_str(),
+              published / scale, unit, projected / scale, unit, 100 * err(projected, published));
+}
+
+// The first pipeline stage's activation bytes by the paper's formulas (Korthikanti et al. 2022, Table 2, as
+// Megatron-LM codes them for the first stage in megatron/training/theoretical_memory_usage.py): per layer
+// 34 sbh / t with sequence parallelism and selective recompute, 2 sbh with full recompute (no sequence
+// parallelism); L layers held (p micro-batches of L / p layers, 1F1B), times 1 + (p - 1) / (p v) under the
+// interleaved schedule; the first stage also keeps the input ids (8 sbp) and the embedding dropout mask (sbhp),
+// and with p = 1 the final layer norm, the head input and the loss (4 sbh (1 + V / h)). Without sequence
+// parallelism nothing of the residual region splits over t, the loss's vocabulary does.
+double korthikanti_activations(const JobConfig& c, bool selective) {
+  const double s = double(c.training.seq_len), b = double(c.training.micro_batch_size);
+  const double h = double(c.model.d_model), L = double(c.model.n_layers), V = double(c.model.vocab_size);
+  const double t = double(c.parallelism.tp), p = double(c.parallelism.pp);
+  const double v = c.parallelism.pp_virtual_stages > 1 ? double(c.parallelism.pp_virtual_stages) : 0;
+  const double sbh = s * b * h;
+  double a = (selective ? 34 * sbh / t : 2 * sbh) * L;
+  a += (8 * s * b * p + sbh * p) / (selective ? t : 1);
+  if (v > 0) a *= 1 + (p - 1) / (p * v);
+  if (p == 1) a += selective ? 4 * sbh * (1 + V / h) / t : 4 * sbh + 4 * s * b * V / t;
+  return a;
+}
+
+// Narayanan et al. 2021, Eq. 3: FLOPs of one iteration with activation recomputation,
+// 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)); the published TFLOP/s per GPU are these over time and GPUs.
+double narayanan_iteration_flops(const JobConfig& c) {
+  const double B = double(c.training.global_batch_size), s = double(c.training.seq_len);
+  const double l = double(c.model.n_layers), h = double(c.model.d_model), V = double(c.model.vocab_size);
+  return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
+}
+
+plan::TimePlan project_time(const JobConfig& c, int64_t world, bool distributed_optimizer) {
+  const plan::Layout l = plan::layout_from_config(c, world, distributed_optimizer);
+  plan::TimeOptions o;
+  o.memory = megatron_2022();
+  return plan::plan_time(c, l, plan::catalog_hardware("a100"), o);
+}
+
+}  // namespace
+
+// The model description follows the GELU kind: two matrices per MLP, so the 175B model counts what Narayanan's
+// Eq. 2 gives (P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)) = 174.6e9, biases, LayerNorm and position
+// embedding included; moetron has none of those, under 0.03 % here), and the FLOPs are 3 x forward of it.
+TEST(PlanAnchors, GeluModelCountsAsGpt) {
+  const JobConfig c = anchor("gpt_175b");
+  const double l = 96, h = 12288, V = 51200, s = 2048;
+  const double eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h));
+  const ParamCounts pc = count_params(c.model);
+  EXPECT_NEAR(double(pc.total) / eq2, 1.0, 3e-4) << pc.total << " vs " << eq2;
+  EXPECT_EQ(pc.layers[0].dense_mlp, 2 * 12288 * 4 * 12288);  // up and down, no gate
+  // Forward matmul FLOPs per token: 2 x (12 h^2 per layer + the tied head V h).
+  const FlopsPerToken f = flops_per_token(c.model, 2048);
+  EXPECT_DOUBLE_EQ(f.fwd_matmul, 2 * (12 * l * h * h + V * h));
+  // The same model as SwiGLU has a gate: 3 matrices.
+  JobConfig sw = c;
+  sw.model.ffn = FfnKind::SwiGLU;
+  EXPECT_EQ(count_params(sw.model).layers[0].dense_mlp, 3 * 12288 * 4 * 12288);
+}
+
+// The step-time model prices the GELU MLP as two GEMMs (up, down) and its elementwise pass as read I, write I; the
+// dropout masks as one more byte written per residual element (attention and MLP outputs). Hand counts on the
+// 22B layout (tp 8 with SP, one micro-batch of 4 x 2048 tokens, 48 layers).
+TEST(PlanAnchors, GeluFfnAndDropoutPricing) {
+  const JobConfig gelu = anchor("gpt_22b");
+  JobConfig swiglu = gelu, nodrop = gelu;
+  swiglu.model.ffn = FfnKind::SwiGLU;
+  nodrop.model.dropout = 0;
+  const plan::Hardware a100 = plan::catalog_hardware("a100");
+  auto stage = [&](const JobConfig& c) { return project_time(c, 8, true).stages.at(0); };
+  const double L = 48, T = 4 * 2048, d = 6144, I = 4 * 6144 / 8.0, q = 8;
+  // SwiGLU has one more T x I x d GEMM per layer, in the forward, the input gradient and the weight gradient.
+  EXPECT_DOUBLE_EQ(stage(swiglu).flops - stage(gelu).flops, L * 3 * 2 * T * I * d);
+  // The activation pass: SwiGLU reads 2 I and writes I, GELU reads I and writes I (bf16), F + 2 x backward.
+  EXPECT_NEAR(stage(swiglu).memory_bound - stage(gelu).memory_bound, L * 3 * (I * 2 * T) / a100.stream_bw(), 1e-9);
+  // Dropout: two 1-byte masks of T / q x d per layer.
+  EXPECT_NEAR(stage(gelu).memory_bound - stage(nodrop).memory_bound, L * 3 * (2 * d * T / q) / a100.stream_bw(),
+              1e-9);
+}
+
+// Korthikanti et al. 2022: the first stage's activation memory per GPU, sequence parallel + selective recompute
+// ("present work") and full recompute, against the paper's formulas on its Table 3 layouts.
+TEST(PlanAnchors, KorthikantiActivationMemory) {
+  const plan::Hardware a100 = plan::catalog_hardware("a100");
+  struct Row {
+    const char* config;
+    int64_t world;
+  };
+  for (const Row& r : {Row{"gpt_22b", 8}, Row{"gpt_175b", 64}, Row{"gpt_530b", 280}, Row{"gpt_1t", 512}}) {
+    for (bool selective : {true, false}) {
+      const JobConfig c = selective ? anchor(r.config) : anchor(r.config, kFullRecompute);
+      const double published = korthikanti_activations(c, selective);
+      const plan::MemoryPlan m = plan::plan_memory(c, plan::layout_from_config(c, r.world), a100, megatron_2022());
+      const double projected = m.per_rank.at(0).activations;
+      report("memory", std::string(r.config) + (selective ? " SP+selective" : " full recompute"), published,
+             projected, "GB", 1e9);
+      EXPECT_LT(std::fabs(err(projected, published)), 0.10) << r.config;  // the target, met
+    }
+  }
+}
+
+// Korthikanti et al. 2022, Table 5: iteration time with full recompute and with sequence parallelism + selective
+// recompute.
+TEST(PlanAnchors, KorthikantiIterationTime) {
+  struct Row {
+    const char* config;
+    int64_t world;
+    double full_s, present_s;  // Table 5
+  };
+  const Row rows[] = {{"gpt_22b", 8, 1.42, 1.10},
+                      {"gpt_175b", 64, 18.13, 13.75},
+                      {"gpt_530b", 280, 49.05, 37.83},
+                      {"gpt_1t", 512, 94.42, 71.49}};
+  for (const Row& r : rows) {
+    for (bool selective : {true, false}) {
+      const JobConfig c = selective ? anchor(r.config) : anchor(r.config, kFullRecompute);
+      const double published = selective ? r.present_s : r.full_s;
+      const plan::TimePlan t = project_time(c, r.world, true);
+      report("time", std::string(r.config) + (selective ? " SP+selective" : " full recompute"), published,
+             t.step_time, "s ", 1);
+      // The bound this model meets (docs/planner.md: the GEMM rate and the unfused attention of 2022 are not
+      // priced, so every row is short; the 15 % is not met).
+      EXPECT_LT(err(t.step_time, published), 0.0) << r.config;
+      EXPECT_GT(err(t.step_time, published), -0.35) << r.config;
+    }
+  }
+}
+
+// Narayanan et al. 2021, Table 2 (PTD-P rows): achieved TFLOP/s per GPU (Eq. 3 FLOPs) at a fixed global batch on
+// three world sizes; the published iteration time is Eq. 3 / (GPUs x TFLOP/s).
+TEST(PlanAnchors, NarayananThroughput) {
+  struct Row {
+    const char* config;
+    int64_t world;
+    double tflops;  // Table 2
+  };
+  const Row rows[] = {{"narayanan_175b", 384, 153}, {"narayanan_175b", 768, 149}, {"narayanan_175b", 1536, 141},
+                      {"narayanan_530b", 560, 171}, {"narayanan_530b", 1120, 167}, {"narayanan_530b", 2240, 159}};
+  for (const Row& r : rows) {
+    const JobConfig c = anchor(r.config);
+    const double published = narayanan_iteration_flops(c) / (double(r.world) * r.tflops * 1e12);
+    const plan::TimePlan t = project_time(c, r.world, false);
+    report("time", std::string(r.config) + " on " + std::to_string(r.world), published, t.step_time, "s ", 1);
+    EXPECT_LT(err(t.step_time, published), 0.0) << r.config << " " << r.world;
+    EXPECT_GT(err(t.step_time, published), -0.25) << r.config << " " << r.world;
+  }
+}

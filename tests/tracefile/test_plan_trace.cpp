@@ -1,0 +1,127 @@
+// test_plan_trace.cpp: the planner's projected step written as per-rank traces (plan/trace_export.h) reads
+// back through `trace analyze`: one file per rank, every rank's step equals the written step, the breakdown
+// adds up, the pipeline bubble is the simulator's, the EP exchange matches across ranks without wait, and a
+// world above the cap is refused by name.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "moetron/config.h"
+#include "moetron/plan/cost.h"
+#include "moetron/plan/hardware.h"
+#include "moetron/plan/layout.h"
+#include "moetron/plan/trace_export.h"
+#include "tracefile/analyze.h"
+#include "tracefile/reader.h"
+
+using namespace moetron;
+
+namespace {
+
+JobConfig tiny(std::vector<std::string> ov) {
+  return load_config(std::string(MOETRON_SOURCE_DIR) + "/configs/ds_tiny.toml", ov);
+}
+
+// Round figures: 100 TFLOP/s, 1 TB/s, one 8-GPU switch at 100 GB/s.
+plan::Hardware gpu() {
+  plan::Hardware h;
+  h.name = "round";
+  h.hbm_bytes = 100e9;
+  h.hbm_bw = 1e12;
+  h.peak_bf16 = h.achievable_bf16 = 100e12;
+  h.peak_fp8 = h.achievable_fp8 = 200e12;
+  h.kernel_overhead = 1e-6;
+  h.scale_up.domain = 8;
+  h.scale_up.bw = 100e9;
+  h.scale_up.alpha = 1e-6;
+  h.scale_out.domain = 1 << 20;
+  h.scale_out.bw = 10e9;
+  h.scale_out.alpha = 5e-6;
+  return h;
+}
+
+std::string tmpdir(const std::string& name) {
+  const auto p = std::filesystem::temp_directory_path() / ("moetron_plantrace_" + name);
+  std::filesystem::remove_all(p);
+  return p.string();
+}
+
+}  // namespace
+
+TEST(PlanTrace, PipelineWithExpertsReadsBackThroughAnalyze) {
+  const JobConfig c = tiny({"--parallelism.pp=2", "--parallelism.ep=2", "--parallelism.dp_shard=2",
+                            "--training.global_batch_size=32"});
+  const plan::Hardware h = gpu();
+  const plan::Layout l = plan::layout_from_config(c, 4);
+  ASSERT_EQ(l.pp, 2);
+  ASSERT_EQ(l.ep, 2);
+  plan::TimeOptions o;
+  const plan::TimePlan tp = plan::plan_time(c, l, h, o);
+  const std::string dir = tmpdir("pp2_ep2");
+  const plan::TraceExport x = plan::write_plan_trace(c, l, h, o, dir);
+  EXPECT_EQ(x.files, 4);
+  // Few micro-batches: plan_time simulated all of them, so the written step is plan_time's.
+  EXPECT_NEAR(x.step_time, tp.step_time, 1e-12 * tp.step_time);
+
+  const tracefile::Trace t = tracefile::read_dir(dir);
+  ASSERT_EQ(t.world(), 4);
+  EXPECT_EQ(t.ranks[0].meta.source, "planner");
+  EXPECT_EQ(t.ranks[0].meta.limits.flops_per_s, 100e12);
+  const tracefile::Analysis a = tracefile::analyze(t);
+  EXPECT_EQ(a.steps, 1);
+  for (const auto& r : a.ranks) {
+    EXPECT_NEAR(r.step_time_s, tp.step_time, 1e-9 * tp.step_time) << "rank " << r.rank;
+    EXPECT_NEAR(r.compute_s + r.exposed_comm_s + r.idle_s, r.step_time_s, 1e-12 * tp.step_time);
+    EXPECT_GT(r.compute_s, 0);
+    EXPECT_GT(r.exposed_comm_s, 0);  // the EP exchange is not overlapped without ep_overlap
+    EXPECT_NEAR(r.comm_wait_s, 0, 1e-15);  // members of a group run the same timeline
+  }
+  EXPECT_EQ(a.straggler_rank, -1);
+  EXPECT_EQ(a.unmatched_collectives, 0);
+  EXPECT_GT(a.matched_collectives, 0);
+  bool a2a = false;
+  for (const auto& cs : a.collectives) a2a |= cs.kind == "all_to_all" && cs.group_name == "ep" && cs.group_size == 2;
+  EXPECT_TRUE(a2a);
+  // Two pipeline groups (one per DP slice of the pp ranks), each with the simulator's bubble.
+  ASSERT_EQ(a.pipeline.size(), 2u);
+  for (const auto& g : a.pipeline) {
+    ASSERT_EQ(g.ranks.size(), 2u);
+    EXPECT_NEAR(g.bubble, tp.bubble_ratio, 1e-9);
+  }
+  // The compute is what the stages cost: per rank, busy = its stages' (f + i + w) x micro-batches, plus exposed
+  // EP; the GEMM kernel's time over all ranks is the stages' GEMM time (3 passes) x micro-batches x dp.
+  double gemm = 0;
+  for (const auto& st : tp.stages) gemm += st.gemm;
+  for (const auto& k : a.kernels) {
+    if (k.name == "plan.gemm") {
+      EXPECT_NEAR(k.total_s, gemm * double(l.microbatches) * double(l.dp), 1e-9 * gemm);
+    }
+  }
+}
+
+TEST(PlanTrace, EpOverlapPutsTheExchangeBesideCompute) {
+  const JobConfig c = tiny({"--parallelism.pp=2", "--parallelism.ep=2", "--parallelism.dp_shard=2",
+                            "--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
+                            "--parallelism.ep_overlap=true", "--model.n_layers=4", "--training.global_batch_size=64"});
+  const plan::Layout l = plan::layout_from_config(c, 4);
+  ASSERT_TRUE(l.ep_overlap);
+  const std::string dir = tmpdir("overlap");
+  plan::write_plan_trace(c, l, gpu(), {}, dir);
+  const tracefile::Analysis a = tracefile::analyze(tracefile::read_dir(dir));
+  for (const auto& r : a.ranks) {
+    EXPECT_NEAR(r.compute_s + r.exposed_comm_s + r.idle_s, r.step_time_s, 1e-12);
+    EXPECT_GT(r.comm_s, r.exposed_comm_s);  // some of the exchange hides behind the other half's compute
+  }
+}
+
+TEST(PlanTrace, TooLargeAWorldIsRefused) {
+  const JobConfig c = tiny({"--model.n_routed_experts=512", "--parallelism.ep=512", "--parallelism.dp_shard=512",
+                           "--training.global_batch_size=2048"});
+  const plan::Layout l = plan::layout_from_config(c, 512);
+  try {
+    plan::write_plan_trace(c, l, gpu(), {}, tmpdir("big"));
+    FAIL() << "world 512 was written";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--world 512 exceeds 256"), std::string::npos) << e.what();
+  }
+}
