@@ -41,35 +41,50 @@ using clk = std::chrono::steady_clock;
 
 double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
 
-// Seconds per call of f() as every rank sustains it when it has its cores: one warm-up call, then `reps` calls
-// back to back on every rank at once, timed from a common start to the LAST rank's end (ranks of this job sharing
-// cores count: that is their real share), times the smallest share of its cores a rank received meanwhile (other
-// processes on the machine do not count: the figure is the machine's, not the moment's load; see CpuShare).
+// Seconds per call of f() as every rank sustains it when it has its cores: one warm-up call, then at least `reps`
+// calls back to back on every rank at once, timed from a common start to the LAST rank's end (ranks of this job
+// sharing cores count: that is their real share), times the smallest share of its cores a rank received meanwhile
+// (other processes on the machine do not count: the figure is the machine's, not the moment's load; see CpuShare).
+// The share is only meaningful over many scheduler time slices (a few ms each): the calls repeat until the window
+// lasts g_min_window, the count agreed over ranks from a timed pilot call (collectives need the same count everywhere).
+double g_min_window = 0.25;  // seconds; --quick: 0.1 (set by calibrate_machine)
 template <class F>
 double best_of(const Comm& w, int reps, F&& f) {
   f();
   w.barrier();
+  auto t0 = clk::now();
+  f();
+  const double pilot = moetron::cli::max_over_ranks(w, secs(t0));
+  const int n = int(std::clamp(std::ceil(g_min_window / std::max(pilot, 1e-7)), double(reps), 100.0 * reps));
+  w.barrier();
   const moetron::cli::CpuShare share(moetron::num_threads());
-  const auto t0 = clk::now();
-  for (int r = 0; r < reps; ++r) f();
+  t0 = clk::now();
+  for (int r = 0; r < n; ++r) f();
   const double wall = moetron::cli::max_over_ranks(w, secs(t0));
-  return wall * std::min(1.0, moetron::cli::min_over_ranks(w, share.share())) / reps;
+  return wall * std::min(1.0, moetron::cli::min_over_ranks(w, share.share())) / n;
 }
 
-// FLOP/s of an m x n x k GEMM in the compute dtype.
-double gemm_rate(const Comm& w, ComputeDtype dt, int64_t m, int64_t n, int64_t k, int reps) {
-  std::vector<float> a(size_t(m * k), 0.5f), b(size_t(k * n), 0.25f), c(size_t(m * n));
+// FLOP/s of an m x n x k GEMM in the compute dtype. `cold`: each call reads the next of enough weight (B) copies to
+// span twice the last-level cache (64 MiB), as the engine's layers do: between two uses of a weight the other layers'
+// and experts' weights pass through the caches, while the input (A) was just written by the kernel before.
+double gemm_rate(const Comm& w, ComputeDtype dt, int64_t m, int64_t n, int64_t k, int reps, bool cold = false) {
+  const bool b16 = dt == ComputeDtype::BF16;
+  const size_t nb = size_t(k * n), wbytes = nb * (b16 ? 2 : 4);
+  const size_t copies = cold ? std::max<size_t>(1, (size_t(64) << 20) / wbytes) : 1;
+  std::vector<float> a(size_t(m * k), 0.5f), b(cold && !b16 ? nb * copies : nb, 0.25f), c(size_t(m * n));
   std::vector<bf16> ab, bb;
-  if (dt == ComputeDtype::BF16) {
-    ab.resize(a.size()), bb.resize(b.size());
+  if (b16) {
+    ab.resize(a.size()), bb.resize(nb * copies);
     f32_to_bf16(ab.data(), a.data(), int64_t(a.size()));
-    f32_to_bf16(bb.data(), b.data(), int64_t(b.size()));
+    for (size_t i = 0; i < copies; ++i) f32_to_bf16(bb.data() + i * nb, b.data(), int64_t(nb));
   }
+  size_t next = 0;
   const double t = best_of(w, reps, [&] {
-    if (dt == ComputeDtype::BF16)
-      gemm_bf16(Trans::N, Trans::N, m, n, k, 1.f, ab.data(), k, bb.data(), n, 0.f, c.data(), n);
+    const size_t off = nb * (next++ % copies);
+    if (b16)
+      gemm_bf16(Trans::N, Trans::N, m, n, k, 1.f, ab.data(), k, bb.data() + off, n, 0.f, c.data(), n);
     else
-      gemm_f32(Trans::N, Trans::N, m, n, k, 1.f, a.data(), k, b.data(), n, 0.f, c.data(), n);
+      gemm_f32(Trans::N, Trans::N, m, n, k, 1.f, a.data(), k, b.data() + off, n, 0.f, c.data(), n);
   });
   return 2.0 * double(m) * double(n) * double(k) / t;
 }
@@ -145,6 +160,7 @@ namespace moetron::cli {
 plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_out) {
     const ComputeDtype dt = resolve_compute_dtype(ComputeDtype::Auto);
     const int reps = quick ? 2 : 5;
+    g_min_window = quick ? 0.1 : 0.25;
     // The engine's thread count (train_session.cpp): the cores over the ranks sharing this machine, unless
     // MOETRON_NUM_THREADS / OMP_NUM_THREADS say otherwise. Measuring with more threads than the engine runs would
     // price an oversubscription the engine does not have.
@@ -195,13 +211,24 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     double r_ref = refs.front();
     h.peak_fp8 = h.achievable_fp8 = 0;
     // The curve over the smallest dimension from skinny GEMMs (m rows against a big / 2 square weight): the
-    // shape of the routed experts' GEMMs, whose row count is the tokens each expert gets.
+    // shape of the routed experts' GEMMs, whose row count is the tokens each expert gets; the weight read cold, as
+    // in training (gemm_rate).
     for (int64_t m : {int64_t(8), int64_t(16), int64_t(32), int64_t(64), int64_t(128), int64_t(256), big / 2}) {
       if (m > big / 2 || (m == 256 && big / 2 == 256)) continue;  // ascending, no repeats (--quick: big = 512)
-      const double r = gemm_rate(w, dt, m, big / 2, big / 2, m < 128 ? reps * 8 : reps);
+      const double r = gemm_rate(w, dt, m, big / 2, big / 2, m < 128 ? reps * 8 : reps, /*cold=*/true);
       h.gemm_efficiency.push_back({double(m), r / r_ref});
     }
     h.gemm_efficiency.push_back({double(big), 1.0});
+    // The same 256-row GEMM with its weight hot in the caches, printed beside the cold figure the curve keeps: how much
+    // a weight-resident benchmark would overstate the engine's dense GEMMs on this machine.
+    char gemm_check[200];
+    {
+      const int64_t m = std::min<int64_t>(256, big / 2);
+      const double cold = gemm_rate(w, dt, m, big / 2, big / 2, reps, true), hot = gemm_rate(w, dt, m, big / 2, big / 2, reps);
+      std::snprintf(gemm_check, sizeof gemm_check, "# dense GEMM %lld x %lld x %lld: weight read cold %.1f GFLOPS (the "
+                    "curve's convention), hot in the caches %.1f\n", (long long)m, (long long)big / 2,
+                    (long long)big / 2, cold / 1e9, hot / 1e9);
+    }
     ref();
     // Grouped GEMMs (the routed experts), forward and backward apart, by tokens per expert: a d = 512, F = 192
     // SwiGLU pair, against the achievable rate, at 4, 8, 16, 32, 64 and 256 tokens per expert (the curve is steep
@@ -244,7 +271,7 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     }
     // The fused head + cross-entropy, forward and backward (loss.h), as the engine calls it: 256 tokens, d = 512, a
     // vocabulary of 8192, its default chunk; 6 N V d FLOPs against the achievable rate.
-    std::string detail;
+    std::string detail = gemm_check;
     ref();
     {
       const int64_t N = 256, C = 512, V = 8192, chunk = linear_xent_default_chunk(V);

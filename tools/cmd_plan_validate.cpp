@@ -67,7 +67,7 @@ double err(double projected, double measured) { return measured != 0 ? projected
 
 // The step time by op group, seconds per step: the compute groups of plan/cost.h (forward, backward) and the
 // step-level parts.
-enum StepPart : int { kRecompute = 0, kOptimizer, kRefresh, kEp, kDp, kFsdp, kOther, kNumStepParts };
+enum StepPart : int { kRecompute = 0, kOptimizer, kRefresh, kEp, kDp, kFsdp, kOther, kNumStepParts };  // recompute: inside the forward groups
 const char* const kStepPartNames[kNumStepParts] = {"recompute", "optimizer", "weight_refresh", "ep_comm",
                                                    "dp_comm",   "fsdp",      "other"};
 struct OpTimes {
@@ -75,11 +75,14 @@ struct OpTimes {
   double part[kNumStepParts] = {};
 };
 
-// The engine's trace scopes grouped like the projection (src/model/*.cpp MT_TRACE names). Nested scopes are left
-// out (fwd.router.gate_gemm lies inside fwd.router, dp.all_gather_params inside optimizer and is moved to dp_comm);
-// what no scope covers (residual adds, the attention norm's backward, embedding, zeroing the gradients) is `other`:
-// the mean profiled step less the top-level scopes. recompute.layer holds the forward scopes it re-runs.
-OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, double steps, double step_s) {
+// The engine's kernel scopes (trace::totals(): by name, none nested) grouped like the projection (src/model/*.cpp,
+// src/train/*.cpp MT_TRACE names). A recomputed layer's kernels keep their forward names (inside a "recompute"
+// module scope, which totals() does not split out): under recompute the forward groups hold them, and the recompute
+// row is the model's own clock (TrainResult::recompute_seconds). What no scope covers (residual adds, the loss
+// scale, the schedule's bookkeeping) and the untraced-by-the-projection scopes (embedding, data, bwd.weight) are
+// `other`: the mean profiled step less the scopes it groups.
+OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, double steps, double step_s,
+                   double recompute_s) {
   OpTimes o;
   auto group = [](const std::string& n) -> int {
     auto is = [&](std::initializer_list<const char*> names) {
@@ -91,37 +94,33 @@ OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, doubl
     if (is({"fwd.attn.core", "bwd.attn.core"})) return plan::kOpAttnCore;
     if (is({"fwd.norm", "bwd.norm"})) return plan::kOpNorm;
     if (is({"fwd.mlp", "fwd.shared", "bwd.mlp"})) return plan::kOpFfn;
-    if (is({"fwd.router", "bwd.router"})) return plan::kOpRouter;
+    if (is({"fwd.router", "fwd.router.gate_gemm", "bwd.router"})) return plan::kOpRouter;
     if (is({"fwd.permute", "fwd.combine", "bwd.permute", "bwd.combine"})) return plan::kOpPermute;
     if (is({"fwd.experts", "bwd.experts"})) return plan::kOpExperts;
     if (is({"loss.fused_linear_xent"})) return plan::kOpLoss;
     return -1;
   };
-  double top = 0, gather_params = 0;
+  double grouped = 0;
   for (const auto& [name, sec] : ops) {
     const double t = sec / steps;
-    if (name == "fwd.router.gate_gemm") continue;  // nested
-    if (name == "dp.all_gather_params") {          // nested in optimizer
-      gather_params = t, o.part[kDp] += t;
-      continue;
-    }
-    top += t;
     const int g = group(name);
     if (g >= 0) {
       (name.rfind("bwd.", 0) == 0 ? o.b : o.f)[g] += t;
+      grouped += t;
       continue;
     }
-    int p = kOther;
-    if (name == "recompute.layer") p = kRecompute;
-    else if (name == "optimizer") p = kOptimizer;
+    int p = -1;
+    if (name.rfind("optim.", 0) == 0) p = kOptimizer;
     else if (name == "sync_weights") p = kRefresh;
     else if (name.rfind("fwd.ep.", 0) == 0 || name.rfind("bwd.ep.", 0) == 0) p = kEp;
     else if (name.rfind("dp.", 0) == 0) p = kDp;
     else if (name.rfind("fsdp.", 0) == 0) p = kFsdp;
+    if (p < 0) continue;  // other
     o.part[p] += t;
+    grouped += t;
   }
-  o.part[kOptimizer] -= gather_params;
-  o.part[kOther] += std::max(0.0, step_s - top);
+  o.part[kRecompute] = recompute_s;
+  o.part[kOther] = std::max(0.0, step_s - grouped);
   return o;
 }
 
@@ -133,7 +132,15 @@ OpTimes projected_ops(const plan::TimePlan& t) {
     const auto it = t.breakdown.find(k);
     return it == t.breakdown.end() ? 0.0 : it->second;
   };
+  // The engine's recomputed kernels are counted under their forward names: the projection's recompute goes into
+  // the forward groups too, in proportion to them (full recompute is the layer's forward again), and stays in its
+  // row as a figure of its own.
   o.part[kRecompute] = at("compute.recompute");
+  double fwd = 0;
+  for (int k = 0; k < plan::kNumPlanOps; ++k) fwd += k == plan::kOpLoss ? 0.0 : o.f[k];
+  if (fwd > 0)
+    for (int k = 0; k < plan::kNumPlanOps; ++k)
+      if (k != plan::kOpLoss) o.f[k] += o.part[kRecompute] * o.f[k] / fwd;
   o.part[kOptimizer] = t.optimizer;
   o.part[kEp] = at("comm.ep");
   // The engine re-packs an FSDP unit inside its gather (the fsdp scopes): the refresh counts there.
@@ -283,7 +290,8 @@ void add_plan_validate(CLI::App* plan) {
         double prof_s = 0;
         for (size_t i = 1; i < r.history.size(); ++i) prof_s += r.history[i].seconds;
         const double steps = double(std::max<size_t>(1, r.history.size() > 1 ? r.history.size() - 1 : 1));
-        OpTimes me = engine_ops(r.op_seconds, steps, prof_s / steps);
+        OpTimes me = engine_ops(r.op_seconds, steps, prof_s / steps,
+                                 r.recompute_seconds / double(std::max<size_t>(1, r.history.size())));
         OpTimes pr = projected_ops(tp);
         for (int k = 0; k < plan::kNumPlanOps; ++k) pr.f[k] *= at_share, pr.b[k] *= at_share;
         for (double& x : pr.part) x *= at_share;
