@@ -14,6 +14,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cli.h"
@@ -23,6 +24,7 @@
 #include "moetron/plan/cost.h"
 #include "moetron/plan/layout.h"
 #include "moetron/plan/memory.h"
+#include "moetron/runtime.h"
 #include "moetron/trainer.h"
 #include "plan_cmds.h"
 
@@ -65,7 +67,7 @@ double err(double projected, double measured) { return measured != 0 ? projected
 
 // The step time by op group, seconds per step: the compute groups of plan/cost.h (forward, backward) and the
 // step-level parts.
-enum StepPart : int { kRecompute = 0, kOptimizer, kRefresh, kEp, kDp, kFsdp, kOther, kNumStepParts };
+enum StepPart : int { kRecompute = 0, kOptimizer, kRefresh, kEp, kDp, kFsdp, kOther, kNumStepParts };  // recompute: inside the forward groups
 const char* const kStepPartNames[kNumStepParts] = {"recompute", "optimizer", "weight_refresh", "ep_comm",
                                                    "dp_comm",   "fsdp",      "other"};
 struct OpTimes {
@@ -73,11 +75,14 @@ struct OpTimes {
   double part[kNumStepParts] = {};
 };
 
-// The engine's trace scopes grouped like the projection (src/model/*.cpp MT_TRACE names). Nested scopes are left
-// out (fwd.router.gate_gemm lies inside fwd.router, dp.all_gather_params inside optimizer and is moved to dp_comm);
-// what no scope covers (residual adds, the attention norm's backward, embedding, zeroing the gradients) is `other`:
-// the step time less the top-level scopes. recompute.layer holds the forward scopes it re-runs.
-OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, double steps, double step_s) {
+// The engine's kernel scopes (trace::totals(): by name, none nested) grouped like the projection (src/model/*.cpp,
+// src/train/*.cpp MT_TRACE names). A recomputed layer's kernels keep their forward names (inside a "recompute"
+// module scope, which totals() does not split out): under recompute the forward groups hold them, and the recompute
+// row is the model's own clock (TrainResult::recompute_seconds). What no scope covers (residual adds, the loss
+// scale, the schedule's bookkeeping) and the untraced-by-the-projection scopes (embedding, data, bwd.weight) are
+// `other`: the mean profiled step less the scopes it groups.
+OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, double steps, double step_s,
+                   double recompute_s) {
   OpTimes o;
   auto group = [](const std::string& n) -> int {
     auto is = [&](std::initializer_list<const char*> names) {
@@ -89,37 +94,33 @@ OpTimes engine_ops(const std::vector<std::pair<std::string, double>>& ops, doubl
     if (is({"fwd.attn.core", "bwd.attn.core"})) return plan::kOpAttnCore;
     if (is({"fwd.norm", "bwd.norm"})) return plan::kOpNorm;
     if (is({"fwd.mlp", "fwd.shared", "bwd.mlp"})) return plan::kOpFfn;
-    if (is({"fwd.router", "bwd.router"})) return plan::kOpRouter;
+    if (is({"fwd.router", "fwd.router.gate_gemm", "bwd.router"})) return plan::kOpRouter;
     if (is({"fwd.permute", "fwd.combine", "bwd.permute", "bwd.combine"})) return plan::kOpPermute;
     if (is({"fwd.experts", "bwd.experts"})) return plan::kOpExperts;
     if (is({"loss.fused_linear_xent"})) return plan::kOpLoss;
     return -1;
   };
-  double top = 0, gather_params = 0;
+  double grouped = 0;
   for (const auto& [name, sec] : ops) {
     const double t = sec / steps;
-    if (name == "fwd.router.gate_gemm") continue;  // nested
-    if (name == "dp.all_gather_params") {          // nested in optimizer
-      gather_params = t, o.part[kDp] += t;
-      continue;
-    }
-    top += t;
     const int g = group(name);
     if (g >= 0) {
       (name.rfind("bwd.", 0) == 0 ? o.b : o.f)[g] += t;
+      grouped += t;
       continue;
     }
-    int p = kOther;
-    if (name == "recompute.layer") p = kRecompute;
-    else if (name == "optimizer") p = kOptimizer;
+    int p = -1;
+    if (name.rfind("optim.", 0) == 0) p = kOptimizer;
     else if (name == "sync_weights") p = kRefresh;
     else if (name.rfind("fwd.ep.", 0) == 0 || name.rfind("bwd.ep.", 0) == 0) p = kEp;
     else if (name.rfind("dp.", 0) == 0) p = kDp;
     else if (name.rfind("fsdp.", 0) == 0) p = kFsdp;
+    if (p < 0) continue;  // other
     o.part[p] += t;
+    grouped += t;
   }
-  o.part[kOptimizer] -= gather_params;
-  o.part[kOther] += std::max(0.0, step_s - top);
+  o.part[kRecompute] = recompute_s;
+  o.part[kOther] = std::max(0.0, step_s - grouped);
   return o;
 }
 
@@ -131,7 +132,15 @@ OpTimes projected_ops(const plan::TimePlan& t) {
     const auto it = t.breakdown.find(k);
     return it == t.breakdown.end() ? 0.0 : it->second;
   };
+  // The engine's recomputed kernels are counted under their forward names: the projection's recompute goes into
+  // the forward groups too, in proportion to them (full recompute is the layer's forward again), and stays in its
+  // row as a figure of its own.
   o.part[kRecompute] = at("compute.recompute");
+  double fwd = 0;
+  for (int k = 0; k < plan::kNumPlanOps; ++k) fwd += k == plan::kOpLoss ? 0.0 : o.f[k];
+  if (fwd > 0)
+    for (int k = 0; k < plan::kNumPlanOps; ++k)
+      if (k != plan::kOpLoss) o.f[k] += o.part[kRecompute] * o.f[k] / fwd;
   o.part[kOptimizer] = t.optimizer;
   o.part[kEp] = at("comm.ep");
   // The engine re-packs an FSDP unit inside its gather (the fsdp scopes): the refresh counts there.
@@ -151,7 +160,7 @@ void add_plan_validate(CLI::App* plan) {
     std::string config, hw, only;
     int64_t steps = 4;
     bool json = false, quick = false, ops = false;
-    double max_mem = 0, max_ep_act = 0.30, max_time = 0;
+    double max_mem = 0, max_ep_act = 0.10, max_time = 0;
     std::string ep_imbalance = "measured";
   };
   auto a = std::make_shared<Args>();
@@ -169,8 +178,8 @@ void add_plan_validate(CLI::App* plan) {
                   "fail when a memory figure's |error| exceeds this fraction (0 = report only); EP activations "
                   "use --max-ep-activation-error");
   val->add_option("--max-ep-activation-error", a->max_ep_act,
-                  "the bound for EP layouts' activations (the engine sizes routed rows by the most a rank has "
-                  "received: routing skew the projection's balanced rows do not see; default 0.30)");
+                  "the bound for EP layouts' activations (projected with the measured routing imbalance; the engine's "
+                  "buffers also keep the slack of their growth history; default 0.10)");
   val->add_option("--max-time-error", a->max_time, "fail when a step time's |error| exceeds this (0 = report only)");
   val->callback([a] {
     const Comm w = comm_world();
@@ -210,7 +219,9 @@ void add_plan_validate(CLI::App* plan) {
       to.quiet = true;
       to.profile = true;  // the per-op breakdown (trace scopes: a branch and a clock read each)
       to.comm = alone ? &self : &w;
+      const CpuShare cpu_share(1);
       const TrainResult r = train(c, to);
+      const double share = min_over_ranks(w, cpu_share.share() / double(std::max(1, num_threads())));
       // Measured: the largest rank's figure per category, then its step time.
       double meas[5] = {double(r.params_peak_bytes), double(r.grads_peak_bytes), double(r.optimizer_peak_bytes),
                         double(r.act_peak_bytes), 0};
@@ -247,7 +258,10 @@ void add_plan_validate(CLI::App* plan) {
       tpo.memory = po;
       tpo.overlap_dp = false;  // the engine reduces gradients after the backward
       const plan::TimePlan tp = plan::plan_time(c, l, h, tpo, &mp);
-      double proj[5] = {0, 0, 0, 0, tp.step_time};
+      // The projection is for ranks that own their cores (the calibration's figures are scaled to a full share);
+      // this run got `share` of them (other processes on the machine): compare at that share.
+      const double at_share = 1.0 / std::max(0.05, std::min(1.0, share));
+      double proj[5] = {0, 0, 0, 0, tp.step_time * at_share};
       for (const auto& rm : mp.per_rank) {
         proj[0] = std::max(proj[0], rm.params);
         proj[1] = std::max(proj[1], rm.grads);
@@ -268,13 +282,31 @@ void add_plan_validate(CLI::App* plan) {
           std::printf("%-16s %-10s %12.4g %12.4g %+7.1f%%\n", cs.name.c_str(), names[i], meas[i], proj[i],
                       100 * err(proj[i], meas[i]));
       }
-      // By op group: the engine's scopes over the profiled steps (all but the first) on the slowest rank per group.
+      // By op group: the engine's scopes over the profiled steps (all but the first) on the rank that computes the
+      // most (the projection's groups are those of its slowest pipeline rank; a rank that computes less waits
+      // inside its communication, which a per-group maximum over ranks would count twice).
       {
+        // The profiled steps (all but the first) and their mean, which the scope totals add up to.
+        double prof_s = 0;
+        for (size_t i = 1; i < r.history.size(); ++i) prof_s += r.history[i].seconds;
         const double steps = double(std::max<size_t>(1, r.history.size() > 1 ? r.history.size() - 1 : 1));
-        OpTimes me = engine_ops(r.op_seconds, steps, meas[4]);
-        const OpTimes pr = projected_ops(tp);
-        for (int k = 0; k < plan::kNumPlanOps; ++k) me.f[k] = max_over_ranks(w, me.f[k]), me.b[k] = max_over_ranks(w, me.b[k]);
-        for (double& x : me.part) x = max_over_ranks(w, x);
+        OpTimes me = engine_ops(r.op_seconds, steps, prof_s / steps,
+                                 r.recompute_seconds / double(std::max<size_t>(1, r.history.size())));
+        OpTimes pr = projected_ops(tp);
+        for (int k = 0; k < plan::kNumPlanOps; ++k) pr.f[k] *= at_share, pr.b[k] *= at_share;
+        for (double& x : pr.part) x *= at_share;
+        {
+          static_assert(std::is_trivially_copyable_v<OpTimes>);
+          std::vector<OpTimes> all(static_cast<size_t>(w.size()));
+          w.all_gather(all.data(), &me, sizeof(OpTimes));
+          auto compute = [](const OpTimes& o) {
+            double t = 0;
+            for (int k = 0; k < plan::kNumPlanOps; ++k) t += o.f[k] + o.b[k];
+            return t;
+          };
+          me = *std::max_element(all.begin(), all.end(),
+                                 [&](const OpTimes& x, const OpTimes& y) { return compute(x) < compute(y); });
+        }
         nlohmann::json jo;
         auto row = [&](const std::string& name, double m_s, double p_s) {
           jo[name] = {{"measured_s", m_s}, {"projected_s", p_s}};
@@ -289,6 +321,12 @@ void add_plan_validate(CLI::App* plan) {
         for (int p = 0; p < kNumStepParts; ++p) row(kStepPartNames[p], me.part[p], pr.part[p]);
         j["ops"] = jo;
       }
+      j["cpu_share"] = share;
+      j["step_s"]["projected_full_share"] = tp.step_time;
+      if (root && !a->json)
+        std::printf("%-16s CPU share during the run %.2f (the smallest over ranks; 1 = no other process took these "
+                    "cores): step projected %.4g s at a full share, %.4g s at this one\n", cs.name.c_str(), share,
+                    tp.step_time, proj[4]);
       if (root && !a->json && c.parallelism.ep > 1)
         std::printf("%-16s ep rows: the most one dispatch brought %.3f x balanced (projected with %.3f); the buffers "
                     "hold %.3f x\n", cs.name.c_str(), measured_imb, po.ep_imbalance, held_imb);

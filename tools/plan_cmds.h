@@ -2,6 +2,8 @@
 // and MPI; validate runs the engine), added to the `plan` command by tools/cmd_plan.cpp.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <time.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -16,6 +18,30 @@ inline double max_over_ranks(const Comm& w, double x) {
   w.all_gather(all.data(), &x, sizeof(double));
   return *std::max_element(all.begin(), all.end());
 }
+
+// The smallest of every rank's x (a collective over w).
+inline double min_over_ranks(const Comm& w, double x) { return -max_over_ranks(w, -x); }
+
+// The share of its cores this process received since construction: CPU time (all threads) over wall time x
+// threads. 1 = it never waited for a core; other processes on the machine lower it. (MPI's busy polling counts as
+// CPU time, so a rank waiting for a preempted peer keeps its share: take the minimum over ranks.)
+class CpuShare {
+ public:
+  explicit CpuShare(int threads) : threads_(std::max(1, threads)), wall0_(now(CLOCK_MONOTONIC)), cpu0_(now(CLOCK_PROCESS_CPUTIME_ID)) {}
+  double share() const {
+    const double wall = now(CLOCK_MONOTONIC) - wall0_;
+    return wall > 0 ? (now(CLOCK_PROCESS_CPUTIME_ID) - cpu0_) / (wall * threads_) : 1.0;
+  }
+
+ private:
+  static double now(clockid_t c) {
+    timespec t{};
+    clock_gettime(c, &t);
+    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+  }
+  int threads_;
+  double wall0_, cpu0_;
+};
 
 void add_plan_calibrate(CLI::App* plan);
 void add_plan_validate(CLI::App* plan);
