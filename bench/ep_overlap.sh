@@ -4,19 +4,22 @@
 # every EP exchange and pipeline message crosses a link of RATE), interleaved_1f1b, 4 steps, without and then
 # with parallelism.ep_overlap. Prints per step the wall time, this rank's EP seconds (time inside dispatch /
 # combine calls, both lanes) and the loss (bitwise equal in both runs), then the mean of steps 2..4.
-# Usage: sudo bench/ep_overlap.sh [RATE]   (default 300mbit; MOETRON=path/to/moetron, OUT=folder)
+# Usage: sudo bench/ep_overlap.sh [RATE]   (default 300mbit; MOETRON=path/to/moetron, OUT=folder, GBS=global batch
+# in sequences (default 16: 4 micro-batches per pipeline), STEPS (default 4))
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 moetron=${MOETRON:-$root/build/moetron}
 rate=${1:-300mbit}
 out=${OUT:-/tmp/moetron_ep_overlap}
+gbs=${GBS:-16}
+steps=${STEPS:-4}
 mkdir -p "$out"
 for ov in false true; do
   dir="$out/overlap_${ov}_$rate"
   rm -rf "$dir"
   HOSTS=4 NP_PER_HOST=1 RATE=$rate "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
-    --job.dump_folder="$dir" --training.steps=4 --training.dataset=synthetic --training.val_interval=0 \
-    --training.micro_batch_size=2 --training.global_batch_size=16 --training.threads=1 \
+    --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
+    --training.micro_batch_size=2 --training.global_batch_size=$gbs --training.threads=1 \
     --parallelism.pp=2 --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.ranks_per_node=1 \
     --parallelism.pp_schedule=interleaved_1f1b --parallelism.ep_overlap=$ov --metrics.log_interval=1 \
     --metrics.peak_tflops=1 --checkpoint.enable=false --quiet >"$dir.log" 2>&1 || { cat "$dir.log"; exit 1; }
@@ -39,6 +42,6 @@ mean = lambda v: sum(v) / len(v)
 tp, to = mean([s[1] for s in res["false"][1:]]), mean([s[1] for s in res["true"][1:]])
 ep = mean([s[2] for s in res["false"][1:]])
 same = all(a[3] == b[3] for a, b in zip(res["false"], res["true"]))
-print(f"steps 2..4: plain {tp:.2f} s/step (EP {ep:.2f} s, all exposed: blocking), overlap {to:.2f} s/step; "
+print(f"steps 2..: plain {tp:.2f} s/step (EP {ep:.2f} s, all exposed: blocking), overlap {to:.2f} s/step; "
       f"hidden = (plain - overlap) / EP = {(tp - to) / ep:+.2f}; losses bitwise equal: {same}")
 PY
