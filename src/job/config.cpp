@@ -299,13 +299,13 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("activation_checkpoint", "modules", activation_checkpoint.modules));
     // [quantize]
     t.push_back(MT_E("quantize", "recipe", quantize.recipe, {"none", "tensorwise", "rowwise", "blockwise", "mxfp8"}));
-    // [comm]
-    t.push_back(MT_F("comm", "timeout_s", comm.timeout_s));
     t.push_back(MT_E("quantize", "format", quantize.format, {"e4m3", "hybrid"}));
     t.push_back(MT_E("quantize", "scaling", quantize.scaling, {"current", "delayed"}));
     t.push_back(MT_F("quantize", "amax_history_len", quantize.amax_history_len));
     t.push_back(MT_F("quantize", "modules", quantize.modules));
     t.push_back(MT_F("quantize", "cache_fp8_activations", quantize.cache_fp8_activations));
+    // [comm]
+    t.push_back(MT_F("comm", "timeout_s", comm.timeout_s));
     // [metrics]
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
     t.push_back(MT_F("metrics", "peak_tflops", metrics.peak_tflops));
@@ -320,6 +320,11 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("hardware", "name", hardware.name));
     t.push_back(MT_F("hardware", "num_nodes", hardware.num_nodes));
     t.push_back(MT_F("hardware", "gpus_per_node", hardware.gpus_per_node));
+    // to_toml writes a section header where the section changes: each section's keys must be one run.
+    for (size_t k = 1; k < t.size(); ++k)
+      for (size_t j = 0; j + 1 < k && t[k].section != t[k - 1].section; ++j)
+        MT_CHECK(t[j].section != t[k].section, "config", "field table: section [", t[k].section,
+                 "] is split (key '", t[k].key, "' is not next to the section's other keys)");
     return t;
   }();
   return table;
