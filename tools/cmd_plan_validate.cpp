@@ -219,9 +219,9 @@ void add_plan_validate(CLI::App* plan) {
       to.quiet = true;
       to.profile = true;  // the per-op breakdown (trace scopes: a branch and a clock read each)
       to.comm = alone ? &self : &w;
-      const CpuShare cpu_share(1);
+      const CpuShare cpu_share(num_threads());
       const TrainResult r = train(c, to);
-      const double share = min_over_ranks(w, cpu_share.share() / double(std::max(1, num_threads())));
+      const double share = min_over_ranks(w, cpu_share.share());
       // Measured: the largest rank's figure per category, then its step time.
       double meas[5] = {double(r.params_peak_bytes), double(r.grads_peak_bytes), double(r.optimizer_peak_bytes),
                         double(r.act_peak_bytes), 0};

@@ -1,12 +1,12 @@
 // plan_cmds.h: the `moetron plan` subcommands that need the engine (calibrate measures this machine's kernels
 // and MPI; validate runs the engine), added to the `plan` command by tools/cmd_plan.cpp.
 #pragma once
-#include <filesystem>
-#include <fstream>
 #include <CLI/CLI.hpp>
 #include <time.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
