@@ -1,6 +1,6 @@
 // fp8.cpp: FP8 quantize / dequantize / fake quant with tensor-, row- and block-wise scales: argument
 // checks, the block plan, the OpenMP structure, the scalar row kernels (dtype.h codecs) and the dispatch
-// to fp8_avx512.cpp, plus the reference twins. Not an FP8 GEMM (see fp8.h).
+// to fp8_avx512.cpp / fp8_avx2.cpp, plus the reference twins. Not an FP8 GEMM (see fp8.h).
 //
 // Threading. With enough blocks (>= 2 per thread) every block is one work item: amax, scale, then
 // encode while the block is still in cache (1 x 128 and 128 x 128 blocks, row scaling). With fewer
@@ -31,6 +31,14 @@ void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt);
 void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake);
 float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld);
 }  // namespace fp8_avx512
+namespace fp8_avx2 {  // the same six kernels with 8 lanes (fp8_avx2.cpp)
+float amax(const float* x, int64_t n);
+void encode_scaled(uint8_t* q, const float* x, int64_t n, float scale, int fmt);
+void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt);
+void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt);
+void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake);
+float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld);
+}  // namespace fp8_avx2
 
 float fp8_max(Fp8Format f) { return f == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max; }
 int fp8_mantissa_bits(Fp8Format f) { return f == Fp8Format::E4M3 ? 3 : 2; }
@@ -138,6 +146,9 @@ RowKernels kernels() {
   if (active_isa() == Isa::Avx512)
     return {fp8_avx512::amax, fp8_avx512::encode_scaled, fp8_avx512::decode_scaled, fp8_avx512::fake_scaled,
             fp8_avx512::row_blocks, fp8_avx512::amax_rows};
+  if (active_isa() == Isa::Avx2)
+    return {fp8_avx2::amax, fp8_avx2::encode_scaled, fp8_avx2::decode_scaled, fp8_avx2::fake_scaled,
+            fp8_avx2::row_blocks, fp8_avx2::amax_rows};
   return {amax_scalar, encode_scalar, decode_scalar, fake_scalar, row_blocks_scalar, amax_rows_scalar};
 }
 
@@ -258,13 +269,11 @@ void fp8_fake_quant_backward(float* dx, const float* dy, int64_t n) {
 
 void fp8_encode(uint8_t* out, const float* in, int64_t n, Fp8Format f) {
   MT_CHECK(n >= 0, "fp8_encode", "negative size n=", n);
-  if (active_isa() == Isa::Avx512) fp8_avx512::encode_scaled(out, in, n, 1.0f, int(f));
-  else encode_scalar(out, in, n, 1.0f, int(f));
+  kernels().encode(out, in, n, 1.0f, int(f));
 }
 void fp8_decode(float* out, const uint8_t* in, int64_t n, Fp8Format f) {
   MT_CHECK(n >= 0, "fp8_decode", "negative size n=", n);
-  if (active_isa() == Isa::Avx512) fp8_avx512::decode_scaled(out, in, n, 1.0f, int(f));
-  else decode_scalar(out, in, n, 1.0f, int(f));
+  kernels().decode(out, in, n, 1.0f, int(f));
 }
 
 // ---- reference twins: block by block, written for clarity ----
