@@ -69,9 +69,32 @@ struct Fp8State {
   std::mutex mu;             // the lanes record amaxes and scales under it
 };
 
+// [quantize] cache_fp8_activations: a linear's input kept for its weight gradient as the FP8 operand its forward
+// GEMM consumed (codes and scales; mxfp8 scales as E8M0 bytes), sized once for the most rows (fp8_cached_bytes).
+// The routed experts' entry holds each expert's rows one after the other (expert e's tensorwise scale at e).
+enum Fp8CacheSlot : int {
+  kF8AttnIn = 0,  // the normed attention input into wqkv (MHA / GQA), or MLA's wq / wdq
+  kF8AttnKv,      // MLA: the normed input into wdkv
+  kF8AttnKr,      // MLA: the normed input into wkr
+  kF8AttnUq,      // MLA: the normed q latent into wuq
+  kF8AttnUkv,     // MLA: the normed kv latent into wukv
+  kF8Mlp13, kF8Mlp2,  // dense layer: the ffn norm output into w13, the SwiGLU output into w2
+  kF8Shared2,         // MoE layer: the shared experts' SwiGLU output into ws2
+  kF8Exp13, kF8Exp2,  // MoE layer: the permuted rows into we13, the experts' SwiGLU output into we2
+  kF8Slots
+};
+struct Fp8Saved {
+  Tensor q, sc;              // codes (U8) and scales (F32; U8 E8M0 for mxfp8), allocated for the most rows
+  int64_t rows = 0, cols = 0;  // of the last forward
+  Fp8Format fmt = Fp8Format::E4M3;
+  bool pow2 = false;
+  bool defined() const { return q.defined(); }
+};
+
 // Saved activations of one layer (a checkpointed layer shares one set with the others of its kind and
 // keeps only its input).
 struct LayerBufs {
+  Fp8Saved f8[kF8Slots];  // cache_fp8_activations: the FP8-cached linear inputs (undefined = not cached)
   Tensor rstd1, h1c, x_mid, rstd2, h2, h2c;
   // attention (mha/gqa)
   Tensor qkv;
@@ -328,6 +351,24 @@ struct Model::Impl {
   void fp8_gg_dgrad(int s, float* dX, const void* dY, int p, const int32_t* kept, int64_t R, int64_t in, int64_t out);
   void fp8_gg_wgrad(int s, int p, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in,
                     int64_t out);
+  // cache_fp8_activations (model_fp8.cpp): per parameter its cache slot (-1 = not cached); the layer whose
+  // buffers the current forward / backward uses; the shared scratch that replaces the dropped inputs.
+  std::vector<int8_t> f8_slot;
+  LayerBufs* f8_bufs = nullptr;
+  LayerBufs f8_scratch;
+  bool f8_on = false;
+  void fp8_cache_setup(bool on);  // allocate the caches and share the dropped buffers, or undo it
+  Fp8Saved* fp8_cached(int p) {
+    const int k = f8_on && size_t(p) < f8_slot.size() ? f8_slot[size_t(p)] : -1;
+    return k >= 0 && f8_bufs && f8_bufs->f8[k].defined() ? &f8_bufs->f8[k] : nullptr;
+  }
+  // Stores operand A (rows [r0, r0 + A.rows) of the slot, its scales from scale index s0) into the cache.
+  void fp8_cache_store(Fp8Saved& c, const Fp8Tensor& A, int64_t r0, int64_t s0);
+  // The cached rows [r0, r0 + rows) as an Fp8Tensor [rows, cols] along cols (scales from index s0).
+  Fp8Tensor fp8_cache_load(const Fp8Saved& c, int64_t r0, int64_t rows, int64_t s0, int64_t n_scales);
+  // The wgrad operand X^T [cols, rows] along the tokens from a cached X: the exact transpose (tensorwise), else
+  // dequantized and quantized again along the tokens (double quantization).
+  Fp8Tensor fp8_cached_xt(int s, const Fp8Tensor& x);
 
   // ---- pipeline stages (model_stage.cpp) ----
   void build_stages();  // from par.stages (or the whole model): which layers / ends are held
