@@ -177,13 +177,15 @@ struct ActShard {
 };
 using TermFn = void (*)(void* ctx, const char* name, double bytes);
 // One layer's kept terms per micro-batch of B sequences of S tokens under `ac` (applies_to(layer) decides).
+// f8: the inputs kept as FP8 operands (the engine's cache_fp8_activations; {} = none).
 void sharded_layer_terms(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx);
+                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx,
+                         const Fp8CachePlan& f8 = {});
 double sharded_layer_bytes(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                           const ActivationCheckpointSpec& ac, const ActShard& sh);
+                           const ActivationCheckpointSpec& ac, const ActShard& sh, const Fp8CachePlan& f8 = {});
 // Every term of the layer (what a full recompute re-materializes at once during its backward).
 double sharded_layer_bytes_all(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                               const ActShard& sh);
+                               const ActShard& sh, const Fp8CachePlan& f8 = {});
 // The last stage's terms (final norm, head input, loss). fused_loss = false adds the logits (g bytes) and the
 // fp32 softmax the unfused vocab-parallel cross-entropy keeps, T x V / tp each. The first stage's embedding
 // ids: "embed.ids".

@@ -394,24 +394,26 @@ ActivationBytes activation_bytes_sized(const ModelSpec& s, int64_t B, int64_t S,
 }
 
 void sharded_layer_terms(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx) {
+                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx,
+                         const Fp8CachePlan& f8) {
   MT_CHECK(layer >= 0 && layer < s.n_layers, "sharded_layer_terms", "layer ", layer, " of ", s.n_layers);
   layer_terms_kept<double>(s, s.is_moe_layer(layer), ac.applies_to(layer), B, S, a, g, ac,
-                           [&](const char* name, double b) { fn(ctx, name, b); }, sh);
+                           [&](const char* name, double b) { fn(ctx, name, b); }, sh, f8);
 }
 
 double sharded_layer_bytes(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                           const ActivationCheckpointSpec& ac, const ActShard& sh) {
+                           const ActivationCheckpointSpec& ac, const ActShard& sh, const Fp8CachePlan& f8) {
   double t = 0;
   layer_terms_kept<double>(s, s.is_moe_layer(layer), ac.applies_to(layer), B, S, a, g, ac,
-                           [&](const char*, double b) { t += b; }, sh);
+                           [&](const char*, double b) { t += b; }, sh, f8);
   return t;
 }
 
 double sharded_layer_bytes_all(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                               const ActShard& sh) {
+                               const ActShard& sh, const Fp8CachePlan& f8) {
   double t = 0;
-  layer_terms_all<double>(s, s.is_moe_layer(layer), B, S, a, g, [&](const char*, double b, const char*) { t += b; }, sh);
+  layer_terms_all<double>(s, s.is_moe_layer(layer), B, S, a, g, [&](const char*, double b, const char*) { t += b; }, sh,
+                          f8);
   return t;
 }
 
