@@ -179,19 +179,21 @@ void Model::Impl::capture_operand(int which, const void* t, int64_t rows, int64_
 
 // ---- Impl: operands and GEMMs ----
 
-Fp8Tensor Model::Impl::fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role) {
+const Fp8Tensor& Model::Impl::fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed,
+                                        Fp8Role role, Fp8Tensor& t) {
   MT_TRACE("fp8.quantize");
   Fp8State& st = *fp8;
   const QuantizeSpec& q = st.q;
   Fp8Site& site = st.sites[size_t(s)];
   const Fp8Format f = op == kFp8G && q.hybrid() ? Fp8Format::E5M2 : Fp8Format::E4M3;
-  Fp8Tensor t;
   float amax = 0;
   if (q.delayed()) {  // tensorwise with the step's frozen scale (the histories move at the end of the step)
-    t = fp8_quantize_scaled(x, R, C, f, role, site.hist[size_t(op)].scale(f), &amax);
-    if (transposed) t = fp8_transpose(t);
+    Fp8Tensor d = fp8_quantize_scaled(x, R, C, f, role, site.hist[size_t(op)].scale(f), &amax);
+    if (transposed) fp8_transpose_into(t, d);
+    else t = std::move(d);
   } else {
-    t = transposed ? fp8_quantize_operand_t(x, R, C, f, q.recipe, role) : fp8_quantize_operand(x, R, C, f, q.recipe, role);
+    if (transposed) fp8_quantize_operand_t_into(t, fp8_xt, x, R, C, f, q.recipe, role);
+    else fp8_quantize_operand_into(t, x, R, C, f, q.recipe, role);
     amax = amax_of(x, R * C);
   }
   if (R * C > 0) {
@@ -227,29 +229,27 @@ const float* Model::Impl::fp8_f32(int slot, const void* x, int64_t n) {
 }
 
 void Model::Impl::fp8_lin_fwd(int s, float* y, const void* x, int p, int64_t rows, int64_t in, int64_t out, bool acc) {
-  const Fp8Tensor A = fp8_quant(s, kFp8X, fp8_f32(0, x, rows * in), rows, in, false, Fp8Role::Activation);
+  const Fp8Tensor& A = fp8_quant(s, kFp8X, fp8_f32(0, x, rows * in), rows, in, false, Fp8Role::Activation, fp8_op[0]);
   if (Fp8Saved* c = fp8_cached(p)) fp8_cache_store(*c, A, 0, 0), c->rows = rows;
-  const Fp8Tensor B = fp8_quant(s, kFp8W, P(p), in, out, true, Fp8Role::Weight);
+  const Fp8Tensor& B = fp8_quant(s, kFp8W, P(p), in, out, true, Fp8Role::Weight, fp8_op[1]);
   fp8_mm(y, out, A, B, acc ? 1.0f : 0.0f);
 }
 
 void Model::Impl::fp8_lin_dgrad(int s, float* dx, const void* dy, int p, int64_t rows, int64_t in, int64_t out,
                                 bool acc) {
-  const Fp8Tensor A = fp8_quant(s, kFp8G, fp8_f32(0, dy, rows * out), rows, out, false, Fp8Role::Activation);
-  const Fp8Tensor B = fp8_quant(s, kFp8W, P(p), in, out, false, Fp8Role::Weight);
+  const Fp8Tensor& A = fp8_quant(s, kFp8G, fp8_f32(0, dy, rows * out), rows, out, false, Fp8Role::Activation, fp8_op[0]);
+  const Fp8Tensor& B = fp8_quant(s, kFp8W, P(p), in, out, false, Fp8Role::Weight, fp8_op[1]);
   fp8_mm(dx, in, A, B, acc ? 1.0f : 0.0f);
 }
 
 void Model::Impl::fp8_lin_wgrad(int s, int p, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
-  Fp8Tensor A;
-  if (const Fp8Saved* c = fp8_cached(p)) {  // x is shared scratch here: the cached operand is the input
-    MT_CHECK(c->rows == rows && c->cols == in, "fp8 cache", m.params_[size_t(p)].name, ": cached ", c->rows, " x ", c->cols,
-             ", the weight gradient needs ", rows, " x ", in);
-    A = fp8_cached_xt(s, fp8_cache_load(*c, 0, rows, 0, fp8_cached_scales(fp8->q.recipe, rows, in, 1)));
-  } else {
-    A = fp8_quant(s, kFp8X, fp8_f32(0, x, rows * in), rows, in, true, Fp8Role::Activation);
-  }
-  const Fp8Tensor B = fp8_quant(s, kFp8G, fp8_f32(1, dy, rows * out), rows, out, true, Fp8Role::Activation);
+  const Fp8Saved* c = fp8_cached(p);  // x is shared scratch then: the cached operand is the input
+  MT_CHECK(!c || (c->rows == rows && c->cols == in), "fp8 cache", m.params_[size_t(p)].name, ": cached ",
+           c ? c->rows : 0, " x ", c ? c->cols : 0, ", the weight gradient needs ", rows, " x ", in);
+  if (c) fp8_cache_load(*c, 0, rows, 0, fp8_cached_scales(fp8->q.recipe, rows, in, 1), fp8_op[2]);
+  const Fp8Tensor& A = c ? fp8_cached_xt(s, fp8_op[2], fp8_op[0])
+                         : fp8_quant(s, kFp8X, fp8_f32(0, x, rows * in), rows, in, true, Fp8Role::Activation, fp8_op[0]);
+  const Fp8Tensor& B = fp8_quant(s, kFp8G, fp8_f32(1, dy, rows * out), rows, out, true, Fp8Role::Activation, fp8_op[1]);
   fp8_mm(G(p), out, A, B, 1.0f);
 }
 
@@ -264,9 +264,9 @@ void Model::Impl::fp8_gg_fwd(int s, float* Y, const void* X, int p, const int32_
   for (int64_t e = 0; e < El; ++e) {
     const int64_t m = kept[e];
     if (m > 0) {
-      const Fp8Tensor A = fp8_quant(s, kFp8X, x + o * in, m, in, false, Fp8Role::Activation);
+      const Fp8Tensor& A = fp8_quant(s, kFp8X, x + o * in, m, in, false, Fp8Role::Activation, fp8_op[0]);
       if (c) fp8_cache_store(*c, A, o, tw ? e : fp8_cached_scales(fp8->q.recipe, o, in, 1));
-      const Fp8Tensor B = fp8_quant(s, kFp8W, w + e * in * out, in, out, true, Fp8Role::Weight);
+      const Fp8Tensor& B = fp8_quant(s, kFp8W, w + e * in * out, in, out, true, Fp8Role::Weight, fp8_op[1]);
       fp8_mm(Y + o * out, out, A, B, 0.0f);
     }
     o += m;
@@ -282,8 +282,8 @@ void Model::Impl::fp8_gg_dgrad(int s, float* dX, const void* dY, int p, const in
   for (int64_t e = 0; e < El; ++e) {
     const int64_t m = kept[e];
     if (m > 0) {
-      const Fp8Tensor A = fp8_quant(s, kFp8G, dy + o * out, m, out, false, Fp8Role::Activation);
-      const Fp8Tensor B = fp8_quant(s, kFp8W, w + e * in * out, in, out, false, Fp8Role::Weight);
+      const Fp8Tensor& A = fp8_quant(s, kFp8G, dy + o * out, m, out, false, Fp8Role::Activation, fp8_op[0]);
+      const Fp8Tensor& B = fp8_quant(s, kFp8W, w + e * in * out, in, out, false, Fp8Role::Weight, fp8_op[1]);
       fp8_mm(dX + o * in, in, A, B, 0.0f);
     }
     o += m;
@@ -303,11 +303,12 @@ void Model::Impl::fp8_gg_wgrad(int s, int p, const void* X, const void* dY, cons
   for (int64_t e = 0; e < El; ++e) {
     const int64_t m = kept[e];
     if (m > 0) {  // an expert without rows keeps its gradient
-      const Fp8Tensor A =
-          c ? fp8_cached_xt(s, fp8_cache_load(*c, o, m, r == Fp8Recipe::Tensorwise ? e : fp8_cached_scales(r, o, in, 1),
-                                              fp8_cached_scales(r, m, in, 1)))
-            : fp8_quant(s, kFp8X, x + o * in, m, in, true, Fp8Role::Activation);
-      const Fp8Tensor B = fp8_quant(s, kFp8G, dy + o * out, m, out, true, Fp8Role::Activation);
+      if (c)
+        fp8_cache_load(*c, o, m, r == Fp8Recipe::Tensorwise ? e : fp8_cached_scales(r, o, in, 1),
+                       fp8_cached_scales(r, m, in, 1), fp8_op[2]);
+      const Fp8Tensor& A = c ? fp8_cached_xt(s, fp8_op[2], fp8_op[0])
+                             : fp8_quant(s, kFp8X, x + o * in, m, in, true, Fp8Role::Activation, fp8_op[0]);
+      const Fp8Tensor& B = fp8_quant(s, kFp8G, dy + o * out, m, out, true, Fp8Role::Activation, fp8_op[1]);
       fp8_mm(dW + e * in * out, out, A, B, 1.0f);
     }
     o += m;
@@ -329,8 +330,7 @@ void Model::Impl::fp8_cache_store(Fp8Saved& c, const Fp8Tensor& A, int64_t r0, i
   c.cols = A.cols, c.fmt = A.fmt, c.pow2 = A.pow2;
 }
 
-Fp8Tensor Model::Impl::fp8_cache_load(const Fp8Saved& c, int64_t r0, int64_t rows, int64_t s0, int64_t ns) {
-  Fp8Tensor t;
+void Model::Impl::fp8_cache_load(const Fp8Saved& c, int64_t r0, int64_t rows, int64_t s0, int64_t ns, Fp8Tensor& t) {
   t.rows = rows, t.cols = c.cols, t.fmt = c.fmt, t.recipe = fp8->q.recipe, t.role = Fp8Role::Activation, t.pow2 = c.pow2;
   const uint8_t* q = c.q.data<uint8_t>() + r0 * c.cols;
   t.q.assign(q, q + rows * c.cols);
@@ -339,18 +339,17 @@ Fp8Tensor Model::Impl::fp8_cache_load(const Fp8Saved& c, int64_t r0, int64_t row
     for (int64_t i = 0; i < ns; ++i) t.scales[size_t(i)] = fp8_e8m0_decode(c.sc.data<uint8_t>()[s0 + i]);
   else
     std::memcpy(t.scales.data(), c.sc.data<float>() + s0, size_t(ns) * 4);
-  return t;
 }
 
-Fp8Tensor Model::Impl::fp8_cached_xt(int s, const Fp8Tensor& x) {
+const Fp8Tensor& Model::Impl::fp8_cached_xt(int s, const Fp8Tensor& x, Fp8Tensor& out) {
   MT_TRACE("fp8.cache_transpose");
-  if (x.recipe == Fp8Recipe::Tensorwise) return fp8_transpose(x);  // the same codes and scale: exact
+  if (x.recipe == Fp8Recipe::Tensorwise) return fp8_transpose_into(out, x), out;  // the same codes and scale: exact
   // Rowwise, 1 x 128 and 1 x 32 scales run along the features; the weight gradient needs them along the tokens:
   // the cached values are dequantized and quantized again (the second quantization's rounding is the extra error).
   std::vector<float>& t = fp8_tmp[0];
   if (int64_t(t.size()) < x.rows * x.cols) t.resize(size_t(x.rows * x.cols));
   fp8_dequantize_operand(t.data(), x);
-  return fp8_quant(s, kFp8X, t.data(), x.rows, x.cols, true, Fp8Role::Activation);
+  return fp8_quant(s, kFp8X, t.data(), x.rows, x.cols, true, Fp8Role::Activation, out);
 }
 
 void Model::Impl::fp8_cache_setup(bool on) {

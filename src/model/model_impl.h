@@ -334,12 +334,18 @@ struct Model::Impl {
   // ---- FP8 linears (model_fp8.cpp) ----
   std::shared_ptr<Fp8State> fp8;  // null = no FP8 (shared by the lanes)
   std::vector<float> fp8_tmp[2];  // this lane's fp32 copies of bf16 operands
+  // This lane's operand buffers, reused by every FP8 GEMM (they only grow): A, B, and a cached operand being read;
+  // fp8_xt: the transposed fp32 copy a transposed quantization makes.
+  Fp8Tensor fp8_op[3];
+  std::vector<float> fp8_xt;
   int fp8_site(int p) const { return fp8 ? fp8->site_of[size_t(p)] : -1; }
   int cap_p = -1;  // Model::capture_linear: the parameter whose operands the next pass copies out
   Model::LinearOperands cap;
   void capture_operand(int which /* 0: X and W, 2: dY */, const void* t, int64_t rows, int64_t in, int64_t out);
-  // Operand `op` of site s, x [R, C] (fp32), quantized along C, or transposed: x^T [C, R] along R.
-  Fp8Tensor fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role);
+  // Operand `op` of site s, x [R, C] (fp32), quantized along C, or transposed: x^T [C, R] along R; into t
+  // (one of fp8_op, reused), which it returns.
+  const Fp8Tensor& fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role,
+                             Fp8Tensor& t);
   // The FP8 GEMM C (+)= A · B^T, or in twin mode gemm_f32 of the dequantized operands.
   void fp8_mm(float* C, int64_t ldc, const Fp8Tensor& A, const Fp8Tensor& B, float beta);
   const float* fp8_f32(int slot, const void* x, int64_t n);  // x as fp32 (x itself in fp32 mode)
@@ -364,11 +370,11 @@ struct Model::Impl {
   }
   // Stores operand A (rows [r0, r0 + A.rows) of the slot, its scales from scale index s0) into the cache.
   void fp8_cache_store(Fp8Saved& c, const Fp8Tensor& A, int64_t r0, int64_t s0);
-  // The cached rows [r0, r0 + rows) as an Fp8Tensor [rows, cols] along cols (scales from index s0).
-  Fp8Tensor fp8_cache_load(const Fp8Saved& c, int64_t r0, int64_t rows, int64_t s0, int64_t n_scales);
-  // The wgrad operand X^T [cols, rows] along the tokens from a cached X: the exact transpose (tensorwise), else
-  // dequantized and quantized again along the tokens (double quantization).
-  Fp8Tensor fp8_cached_xt(int s, const Fp8Tensor& x);
+  // The cached rows [r0, r0 + rows) as an Fp8Tensor [rows, cols] along cols (scales from index s0), into t.
+  void fp8_cache_load(const Fp8Saved& c, int64_t r0, int64_t rows, int64_t s0, int64_t n_scales, Fp8Tensor& t);
+  // The wgrad operand X^T [cols, rows] along the tokens from a cached X, into t: the exact transpose (tensorwise),
+  // else dequantized and quantized again along the tokens (double quantization).
+  const Fp8Tensor& fp8_cached_xt(int s, const Fp8Tensor& x, Fp8Tensor& t);
 
   // ---- pipeline stages (model_stage.cpp) ----
   void build_stages();  // from par.stages (or the whole model): which layers / ends are held
