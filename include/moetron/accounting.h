@@ -98,6 +98,29 @@ struct ActivationBytes {
   // (0 without full checkpointing): it adds to the peak during that layer's backward.
   int64_t recompute_transient = 0;
 };
+// ---- cached FP8 activations ([quantize] cache_fp8_activations; docs/fp8.md "Cached FP8 activations") ----------
+// An activation [rows, cols] kept for its weight gradient as the FP8 operand of its forward GEMM (quantized along
+// cols): 1 byte per code plus the recipe's scales. tensorwise: one fp32 per group (the routed experts quantize
+// each expert's rows on their own: groups = experts; a dense linear: 1); rowwise: one fp32 per row; blockwise:
+// one fp32 per 1 x 128 tile; mxfp8: one E8M0 byte per 1 x 32 tile. THE sizes: the engine allocates its caches
+// with them (src/model/model_fp8.cpp).
+int64_t fp8_cached_scales(Fp8Recipe r, int64_t rows, int64_t cols, int64_t groups);
+int64_t fp8_cached_scale_bytes(Fp8Recipe r);  // 1 (mxfp8, E8M0) or 4 (fp32)
+int64_t fp8_cached_bytes(Fp8Recipe r, int64_t rows, int64_t cols, int64_t groups);
+// Which linears' inputs the engine keeps as FP8 for `q` (false for all when cache_fp8_activations is off). Only
+// inputs whose high-precision buffer has no other reader in the backward are cached: the attention projections
+// that read the normed input (wqkv; MLA wq / wdq, wdkv, wkr) and MLA's normed latents (wuq, wukv); a dense layer's
+// w13 (the ffn norm output) and w2 (the SwiGLU output); the shared experts' w2; the routed experts' w13 (the
+// permuted rows) and w2. Not cached: the output projection wo (its input is the attention output, which the
+// attention backward reads) and the shared experts' w13 (its input is the ffn norm output, which the router's
+// weight gradient reads).
+struct Fp8CachePlan {
+  Fp8Recipe recipe = Fp8Recipe::None;
+  bool attention = false, dense_mlp = false, shared_experts = false, routed_experts = false;
+  bool any() const { return attention || dense_mlp || shared_experts || routed_experts; }
+};
+Fp8CachePlan fp8_cache_plan(const QuantizeSpec& q);
+
 // Bytes per micro-batch (micro_batch_size sequences of seq_len tokens) on one rank holding all layers.
 // With expert parallelism the routed-expert rows a rank holds are the same on average (T*topk).
 ActivationBytes activation_bytes(const ModelSpec& s, int64_t micro_batch, int64_t seq_len, Precision p,
@@ -109,14 +132,15 @@ LayerActivations layer_activation_terms(const ModelSpec& s, int64_t layer, int64
 // activations are fp32 (the residual stream, norm inputs and GEMM outputs) whatever the compute dtype, its GEMM
 // inputs are `compute_bytes` (2 = bf16, 4 = fp32).
 ActivationBytes activation_bytes_sized(const ModelSpec& s, int64_t micro_batch, int64_t seq_len, int64_t a, int64_t g,
-                                       const ActivationCheckpointSpec& ac = {});
+                                       const ActivationCheckpointSpec& ac = {}, const Fp8CachePlan& f8 = {});
 ActivationBytes engine_activation_bytes(const ModelSpec& s, int64_t micro_batch, int64_t seq_len,
-                                        int64_t compute_bytes, const ActivationCheckpointSpec& ac = {});
+                                        int64_t compute_bytes, const ActivationCheckpointSpec& ac = {},
+                                        const Fp8CachePlan& f8 = {});
 // The engine's buffers per layer and micro-batch of `tokens` that the term list does not have (with bf16 compute
 // the fp32 ffn_norm and attention outputs beside their bf16 copies, MLA's k_nope, the router logits, row maps
 // and counters), as estimate_memory counts them; 0 for a fully recomputed layer.
 double engine_activation_extras(const ModelSpec& s, int64_t layer, double tokens, const ActivationCheckpointSpec& ac,
-                                int64_t compute_bytes);
+                                int64_t compute_bytes, const Fp8CachePlan& f8 = {});
 // Convenience: everything from a JobConfig (training.micro_batch_size, seq_len, dtype and the
 // [activation_checkpoint] section).
 ActivationBytes activation_bytes(const JobConfig& c);
@@ -153,13 +177,15 @@ struct ActShard {
 };
 using TermFn = void (*)(void* ctx, const char* name, double bytes);
 // One layer's kept terms per micro-batch of B sequences of S tokens under `ac` (applies_to(layer) decides).
+// f8: the inputs kept as FP8 operands (the engine's cache_fp8_activations; {} = none).
 void sharded_layer_terms(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx);
+                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx,
+                         const Fp8CachePlan& f8 = {});
 double sharded_layer_bytes(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                           const ActivationCheckpointSpec& ac, const ActShard& sh);
+                           const ActivationCheckpointSpec& ac, const ActShard& sh, const Fp8CachePlan& f8 = {});
 // Every term of the layer (what a full recompute re-materializes at once during its backward).
 double sharded_layer_bytes_all(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                               const ActShard& sh);
+                               const ActShard& sh, const Fp8CachePlan& f8 = {});
 // The last stage's terms (final norm, head input, loss). fused_loss = false adds the logits (g bytes) and the
 // fp32 softmax the unfused vocab-parallel cross-entropy keeps, T x V / tp each. The first stage's embedding
 // ids: "embed.ids".

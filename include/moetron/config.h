@@ -183,7 +183,7 @@ struct CommSpec {
 //   scaling     current (scales from this tensor's amax) | delayed (tensorwise only: the scale of a step comes
 //               from the max of the last amax_history_len steps' amaxes, Transformer Engine's recipe)
 //   modules     which linears are FP8: any of attention, dense_mlp, shared_experts, routed_experts
-//   cache_fp8_activations  keep the activations saved for wgrad as FP8 (recipes with exact transposes)
+//   cache_fp8_activations  keep the wgrad inputs as their forward FP8 operands (docs/fp8.md "Cached FP8 activations")
 struct QuantizeSpec {
   Fp8Recipe recipe = Fp8Recipe::None;
   std::string format = "e4m3";

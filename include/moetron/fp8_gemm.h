@@ -86,6 +86,13 @@ Fp8Tensor fp8_quantize_operand_t(const float* x, int64_t R, int64_t C, Fp8Format
 // The exact transpose of quantized data: tensorwise, and blockwise with square blocks (weights). Other
 // recipes throw (quantize the transpose again with fp8_quantize_operand_t).
 Fp8Tensor fp8_transpose(const Fp8Tensor& a);
+// The three above into an existing operand, reusing its storage (and xt's, the transposed copy of x): once `t` and
+// `xt` have held an operand as large, nothing is allocated. Bitwise the by-value forms, which call these.
+void fp8_quantize_operand_into(Fp8Tensor& t, const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Recipe r,
+                               Fp8Role role, bool pow2_scales = false);
+void fp8_quantize_operand_t_into(Fp8Tensor& t, std::vector<float>& xt, const float* x, int64_t R, int64_t C,
+                                 Fp8Format f, Fp8Recipe r, Fp8Role role, bool pow2_scales = false);
+void fp8_transpose_into(Fp8Tensor& t, const Fp8Tensor& a);  // t must not be a
 // out [rows, cols] = decode(q) * scale.
 void fp8_dequantize_operand(float* out, const Fp8Tensor& a);
 

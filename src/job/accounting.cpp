@@ -139,12 +139,38 @@ Num rows_for(const ModelSpec& s, Num tokens) {
   }
 }
 
+template <class Num>
+Num ceil_div(Num a, int64_t b) {
+  if constexpr (std::is_floating_point_v<Num>) return std::ceil(a / Num(b));
+  else return (a + Num(b) - 1) / Num(b);
+}
+
+// The scales of an FP8-cached activation [rows, cols] (fp8_cached_scales, in the arithmetic Num), and its bytes.
+template <class Num>
+Num fp8_cache_scales(Fp8Recipe r, Num rows, Num cols, Num groups) {
+  switch (r) {
+    case Fp8Recipe::None: return 0;
+    case Fp8Recipe::Tensorwise: return groups;
+    case Fp8Recipe::Rowwise: return rows;
+    case Fp8Recipe::Blockwise: return rows * ceil_div(cols, 128);
+    case Fp8Recipe::MXFP8: return rows * ceil_div(cols, 32);
+  }
+  return 0;
+}
+template <class Num>
+Num fp8_cache_size(Fp8Recipe r, Num rows, Num cols, Num groups) {
+  if (r == Fp8Recipe::None) return 0;
+  return rows * cols + fp8_cache_scales<Num>(r, rows, cols, groups) * Num(r == Fp8Recipe::MXFP8 ? 1 : 4);
+}
+
 // Every term one un-checkpointed layer saves, as emit(name, bytes, module): `module` is the selective
 // recompute module that drops the term ("norm", "attention_core", "moe_act") or nullptr. In the arithmetic
-// Num; a: activation element bytes, g: GEMM-input element bytes. THE list of terms (docs/model.md).
+// Num; a: activation element bytes, g: GEMM-input element bytes. THE list of terms (docs/model.md). With
+// cached FP8 activations (f8) the inputs fp8_cache_plan names are terms "<linear>.x_fp8" in place of their
+// g-byte copies.
 template <class Num, class Emit>
 void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, Emit&& emit,
-                     const ActShard& sh = {}) {
+                     const ActShard& sh = {}, const Fp8CachePlan& f8p = {}) {
   // Sharding (all 1 on the engine): S is the sequence per cp rank; `q` divides the token-parallel regions
   // (norms, residual, router, dispatch: sequence parallelism over tp), `w` the head / width-split tensors (tp),
   // `e` the routed experts' width (expert_tp), whose rows are gathered over expert_tp.
@@ -158,9 +184,19 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
   // Attention block.
   const auto& at = s.attn;
   const Num H = Num(at.n_heads);
+  // An FP8-cached input [T or R rows, cols] (g-byte copy dropped); `div` as the copy's sharding.
+  auto f8 = [&](Num rows, Num cols, Num groups) { return fp8_cache_size<Num>(f8p.recipe, rows, cols, groups); };
+  const bool c_attn = f8p.attention, c_mlp = f8p.dense_mlp && !moe, c_sh = f8p.shared_experts && moe;
+  const bool c_exp = f8p.routed_experts && moe;
   emit("attn_norm.x", T * d * a / q, nullptr);
   emit("attn_norm.rstd", T * f32 / q, nullptr);
-  emit("attn_norm.out", T * d * g / q, norm);
+  if (!c_attn) emit("attn_norm.out", T * d * g / q, norm);
+  else if (at.type != AttnType::MLA) emit("attn.wqkv.x_fp8", f8(T, d, 1) / q, norm);
+  else {  // MLA: three projections read the normed input, each with its own FP8 operand
+    emit(at.q_lora_rank > 0 ? "attn.wdq.x_fp8" : "attn.wq.x_fp8", f8(T, d, 1) / q, norm);
+    emit("attn.wdkv.x_fp8", f8(T, d, 1) / q, norm);
+    emit("attn.wkr.x_fp8", f8(T, d, 1) / q, norm);
+  }
   if (at.type != AttnType::MLA) {
     const Num hd = Num(at.head_dim), Hkv = Num(at.n_kv_heads);
     if (at.qk_norm) {
@@ -175,11 +211,13 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
     if (at.q_lora_rank > 0) {
       emit("attn.q_a", T * rq * a / q, nullptr);
       emit("attn.q_a.rstd", T * f32 / q, nullptr);
-      emit("attn.q_a_norm.out", T * rq * g / q, norm);
+      if (c_attn) emit("attn.wuq.x_fp8", f8(T, rq, 1) / q, norm);
+      else emit("attn.q_a_norm.out", T * rq * g / q, norm);
     }
     emit("attn.kv_a", T * (rkv + Num(at.qk_rope_head_dim)) * a / q, nullptr);
     emit("attn.kv_a.rstd", T * f32 / q, nullptr);
-    emit("attn.kv_a_norm.out", T * rkv * g / q, norm);
+    if (c_attn) emit("attn.wukv.x_fp8", f8(T, rkv, 1) / q, norm);
+    else emit("attn.kv_a_norm.out", T * rkv * g / q, norm);
     emit("attn.q", T * H * dqk * a / w, nullptr);
     emit("attn.k", T * H * dqk * a / w, nullptr);
     emit("attn.v", T * H * Num(at.v_head_dim) * a / w, nullptr);
@@ -195,12 +233,14 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
   // FFN block.
   emit("ffn_norm.x", T * d * a / q, nullptr);
   emit("ffn_norm.rstd", T * f32 / q, nullptr);
-  emit("ffn_norm.out", T * d * g / q, norm);
+  if (c_mlp) emit("mlp.w13.x_fp8", f8(T, d, 1) / q, norm);
+  else emit("ffn_norm.out", T * d * g / q, norm);
   if (!moe) {
     const Num I = Num(s.inter_size);
     if (s.ffn == FfnKind::GELU) emit("mlp.up", T * I * a / w, nullptr);  // the GELU's input
     else emit("mlp.gate_up", T * 2 * I * a / w, nullptr);
-    emit("mlp.act", T * I * g / w, nullptr);  // kept: moe_act covers the experts only
+    if (c_mlp) emit("mlp.w2.x_fp8", f8(T, I, 1) / w, nullptr);
+    else emit("mlp.act", T * I * g / w, nullptr);  // kept: moe_act covers the experts only
     if (drop) emit("mlp.dropout_mask", T * d / q, nullptr);
     return;
   }
@@ -212,14 +252,17 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
   emit("router.topk_idx", T * k * i32 / q, nullptr);
   emit("router.topk_w", T * k * f32 / q, nullptr);
   emit("moe.row_map", R * i32, nullptr);
-  emit("moe.x", R * d * g, nullptr);
+  if (c_exp) emit("moe.w13.x_fp8", f8(R, d, E), nullptr);
+  else emit("moe.x", R * d * g, nullptr);
   emit("moe.gate_up", R * 2 * Im * a / e, nullptr);
-  emit("moe.act", R * Im * g / e, act);
+  if (c_exp) emit("moe.w2.x_fp8", f8(R, Im, E) / e, act);
+  else emit("moe.act", R * Im * g / e, act);
   emit("moe.y", R * d * a, nullptr);
   if (m.n_shared_experts > 0) {
     const Num Is = Num(m.n_shared_experts) * Im;
     emit("shared.gate_up", T * 2 * Is * a / w, nullptr);
-    emit("shared.act", T * Is * g / w, act);
+    if (c_sh) emit("shared.w2.x_fp8", f8(T, Is, 1) / w, act);
+    else emit("shared.act", T * Is * g / w, act);
   }
   if (drop) emit("moe.dropout_mask", T * d / q, nullptr);
 }
@@ -227,7 +270,8 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
 // The terms a layer keeps under `ac` (`on`: the mode applies to this layer), as emit(name, bytes).
 template <class Num, class Emit>
 void layer_terms_kept(const ModelSpec& s, bool moe, bool on, Num B, Num S, Num a, Num g,
-                      const ActivationCheckpointSpec& ac, Emit&& emit, const ActShard& sh = {}) {
+                      const ActivationCheckpointSpec& ac, Emit&& emit, const ActShard& sh = {},
+                      const Fp8CachePlan& f8 = {}) {
   if (on && ac.mode == AcMode::Full) {
     emit("layer.input", B * (S / Num(sh.cp)) * Num(s.d_model) * a / Num(sh.token_div()));
     return;
@@ -235,7 +279,7 @@ void layer_terms_kept(const ModelSpec& s, bool moe, bool on, Num B, Num S, Num a
   const bool sel = on && ac.mode == AcMode::Selective;
   layer_terms_all(s, moe, B, S, a, g, [&](const char* name, Num bytes, const char* module) {
     if (!(sel && module && ac.has_module(module))) emit(name, bytes);
-  }, sh);
+  }, sh, f8);
 }
 
 // The model-level terms (embedding ids, final norm, loss), as emit(name, bytes).
@@ -281,6 +325,26 @@ std::pair<int64_t, int64_t> elem_bytes(Precision p) {
 
 int64_t routed_rows(const ModelSpec& s, int64_t tokens) { return rows_for<int64_t>(s, tokens); }
 
+int64_t fp8_cached_scale_bytes(Fp8Recipe r) { return r == Fp8Recipe::MXFP8 ? 1 : 4; }
+
+int64_t fp8_cached_scales(Fp8Recipe r, int64_t rows, int64_t cols, int64_t groups) {
+  MT_CHECK(r != Fp8Recipe::None, "fp8_cached_scales", "recipe none has no FP8 operands");
+  return fp8_cache_scales<int64_t>(r, rows, cols, groups);
+}
+
+int64_t fp8_cached_bytes(Fp8Recipe r, int64_t rows, int64_t cols, int64_t groups) {
+  return fp8_cache_size<int64_t>(r, rows, cols, groups);
+}
+
+Fp8CachePlan fp8_cache_plan(const QuantizeSpec& q) {
+  Fp8CachePlan p;
+  if (!q.on() || !q.cache_fp8_activations) return p;
+  p.recipe = q.recipe;
+  p.attention = q.has_module("attention"), p.dense_mlp = q.has_module("dense_mlp");
+  p.shared_experts = q.has_module("shared_experts"), p.routed_experts = q.has_module("routed_experts");
+  return p;
+}
+
 LayerActivations layer_activation_terms(const ModelSpec& s, int64_t layer, int64_t B, int64_t S, Precision p,
                                         const ActivationCheckpointSpec& ac) {
   MT_CHECK(layer >= 0 && layer < s.n_layers, "layer_activation_terms", "layer ", layer, " of ", s.n_layers);
@@ -300,12 +364,12 @@ ActivationBytes activation_bytes(const ModelSpec& s, int64_t B, int64_t S, Preci
 }
 
 ActivationBytes engine_activation_bytes(const ModelSpec& s, int64_t B, int64_t S, int64_t compute_bytes,
-                                        const ActivationCheckpointSpec& ac) {
-  return activation_bytes_sized(s, B, S, 4, compute_bytes, ac);
+                                        const ActivationCheckpointSpec& ac, const Fp8CachePlan& f8) {
+  return activation_bytes_sized(s, B, S, 4, compute_bytes, ac, f8);
 }
 
 ActivationBytes activation_bytes_sized(const ModelSpec& s, int64_t B, int64_t S, int64_t a, int64_t g,
-                                       const ActivationCheckpointSpec& ac) {
+                                       const ActivationCheckpointSpec& ac, const Fp8CachePlan& f8) {
   MT_CHECK(B > 0 && S > 0, "activation_bytes", "micro_batch ", B, " seq_len ", S);
   ActivationBytes r;
   const std::vector<char> moe = moe_map(s), on = ac_map(ac, s.n_layers);
@@ -313,12 +377,13 @@ ActivationBytes activation_bytes_sized(const ModelSpec& s, int64_t B, int64_t S,
     LayerActivations la;
     la.layer = l;
     layer_terms_kept<int64_t>(s, moe[size_t(l)], on[size_t(l)], B, S, a, g, ac,
-                              [&](const char* name, int64_t bytes) { la.terms.push_back({name, bytes}); });
+                              [&](const char* name, int64_t bytes) { la.terms.push_back({name, bytes}); }, {}, f8);
     r.total += la.total();
     r.layers.push_back(std::move(la));
     if (ac.mode == AcMode::Full && on[size_t(l)]) {
       int64_t full = 0;
-      layer_terms_all<int64_t>(s, moe[size_t(l)], B, S, a, g, [&](const char*, int64_t b, const char*) { full += b; });
+      layer_terms_all<int64_t>(s, moe[size_t(l)], B, S, a, g, [&](const char*, int64_t b, const char*) { full += b; },
+                               {}, f8);
       r.recompute_transient = std::max(r.recompute_transient, full);
     }
   }
@@ -329,24 +394,26 @@ ActivationBytes activation_bytes_sized(const ModelSpec& s, int64_t B, int64_t S,
 }
 
 void sharded_layer_terms(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx) {
+                         const ActivationCheckpointSpec& ac, const ActShard& sh, TermFn fn, void* ctx,
+                         const Fp8CachePlan& f8) {
   MT_CHECK(layer >= 0 && layer < s.n_layers, "sharded_layer_terms", "layer ", layer, " of ", s.n_layers);
   layer_terms_kept<double>(s, s.is_moe_layer(layer), ac.applies_to(layer), B, S, a, g, ac,
-                           [&](const char* name, double b) { fn(ctx, name, b); }, sh);
+                           [&](const char* name, double b) { fn(ctx, name, b); }, sh, f8);
 }
 
 double sharded_layer_bytes(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                           const ActivationCheckpointSpec& ac, const ActShard& sh) {
+                           const ActivationCheckpointSpec& ac, const ActShard& sh, const Fp8CachePlan& f8) {
   double t = 0;
   layer_terms_kept<double>(s, s.is_moe_layer(layer), ac.applies_to(layer), B, S, a, g, ac,
-                           [&](const char*, double b) { t += b; }, sh);
+                           [&](const char*, double b) { t += b; }, sh, f8);
   return t;
 }
 
 double sharded_layer_bytes_all(const ModelSpec& s, int64_t layer, double B, double S, double a, double g,
-                               const ActShard& sh) {
+                               const ActShard& sh, const Fp8CachePlan& f8) {
   double t = 0;
-  layer_terms_all<double>(s, s.is_moe_layer(layer), B, S, a, g, [&](const char*, double b, const char*) { t += b; }, sh);
+  layer_terms_all<double>(s, s.is_moe_layer(layer), B, S, a, g, [&](const char*, double b, const char*) { t += b; }, sh,
+                          f8);
   return t;
 }
 
@@ -424,12 +491,14 @@ namespace {
 // with bf16 compute the fp32 ffn_norm and attention outputs next to their bf16 copies (with fp32 compute
 // the copies are those tensors), MLA's k_nope half of kv, the router logits (kept even without z-loss),
 // two more row maps and the per-expert counters. `sel_*`: the module's buffers are shared (selective
-// recompute), not the layer's. cb: compute element bytes.
-double engine_extras(const ModelSpec& s, bool moe, double N, bool sel_norm, bool sel_attn, int64_t cb) {
+// recompute), not the layer's. cb: compute element bytes. With the dense MLP's input FP8-cached (f8) a dense
+// layer's h2 is shared scratch too (nothing in its backward reads it).
+double engine_extras(const ModelSpec& s, bool moe, double N, bool sel_norm, bool sel_attn, int64_t cb,
+                     const Fp8CachePlan& f8 = {}) {
   const auto& at = s.attn;
   const double d = double(s.d_model), H = double(at.n_heads);
   double x = 0;
-  if (!sel_norm && cb != 4) x += N * d * 4;                       // h2 (fp32 ffn_norm output)
+  if (!sel_norm && cb != 4 && !(f8.dense_mlp && !moe)) x += N * d * 4;  // h2 (fp32 ffn_norm output)
   if (!sel_attn && cb != 4) x += N * H * double(at.v_dim()) * 4;  // ao (fp32 attention output)
   if (at.type == AttnType::MLA) {
     x += N * H * double(at.qk_nope_head_dim) * 4;  // kv holds k_nope next to v
@@ -445,10 +514,10 @@ double engine_extras(const ModelSpec& s, bool moe, double N, bool sel_norm, bool
 }
 
 // Bytes of one layer's full (un-checkpointed) buffer set with the engine's element sizes.
-double full_layer_bytes(const ModelSpec& s, bool moe, double B, double S, int64_t cb) {
+double full_layer_bytes(const ModelSpec& s, bool moe, double B, double S, int64_t cb, const Fp8CachePlan& f8 = {}) {
   double t = 0;
-  layer_terms_all<double>(s, moe, B, S, 4.0, double(cb), [&](const char*, double b, const char*) { t += b; });
-  return t + engine_extras(s, moe, B * S, false, false, cb);
+  layer_terms_all<double>(s, moe, B, S, 4.0, double(cb), [&](const char*, double b, const char*) { t += b; }, {}, f8);
+  return t + engine_extras(s, moe, B * S, false, false, cb, f8);
 }
 
 // Per-layer parameter counts, split as the trainer shards them (the 16-element padding of each tensor in
@@ -524,6 +593,7 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   const ModelSpec& s = c.model;
   const auto& par = c.parallelism;
   const ActivationCheckpointSpec ac = resolve_checkpointing(c);
+  const Fp8CachePlan f8 = fp8_cache_plan(c.quantize);
   MemoryEstimate r;
   const double D = double(par.dp()), EP = double(par.ep), B = double(c.training.micro_batch_size);
   const double S = double(c.training.seq_len), N = B * S;
@@ -620,11 +690,11 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
     layer_terms_kept<double>(s, is_moe, here, B, S, 4.0, double(cb), ac, [&](const char* name, double b) {
       r.activations += b;
       if (b > largest) largest = b, largest_term = name;
-    });
-    r.activations += engine_extras(s, is_moe, N, sn, sa, cb);
+    }, {}, f8);
+    r.activations += engine_extras(s, is_moe, N, sn, sa, cb, f8);
   }
   for (int64_t l : full_rep)
-    if (l >= 0) r.activations += full_layer_bytes(s, moe[size_t(l)], B, S, cb) - N * d * 4;  // shared set, no x_in
+    if (l >= 0) r.activations += full_layer_bytes(s, moe[size_t(l)], B, S, cb, f8) - N * d * 4;  // shared set, no x_in
   // The shared sets of selective recompute (with fp32 compute the copies of h2 and ao are those tensors).
   const double norm_set = N * d * (double(cb) + 4 + copy);                             // h1c, h2, h2c
   const double attn_set = N * H * (double(s.attn.v_dim()) * (4 + copy) + 4);          // ao, aoc, lse
@@ -663,6 +733,13 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   if (s.is_moe()) ws += N * (K + E) * 4;                                   // dtopk_w, dlogits
   if (EP > 1) ws += N * K * 4 + rows * 3 * 4;                              // send_idx, dwr, iota_r, zero_r
   if (full) ws += N * d * 4;                                               // recompute_out
+  if (f8.any()) {  // cached FP8 activations: the shared scratch that replaces the cached inputs' copies
+    const bool any_dense = n_moe < double(s.n_layers), any_moe = n_moe > 0;
+    if (f8.attention) ws += N * (d + (mla ? rq + rkv : 0)) * double(cb);     // h1c (MLA: + the normed latents)
+    if (f8.dense_mlp && any_dense) ws += N * d * (4 + (cb != 4 ? double(cb) : 0));  // h2 (+ its bf16 copy)
+    ws += N * std::max(f8.dense_mlp && any_dense ? F : 0, f8.shared_experts && any_moe ? Fs : 0) * double(cb);  // actc
+    if (f8.routed_experts && any_moe) ws += rows * (d + Fe) * double(cb);   // xpc, eactc
+  }
   // Kernel workspace, one buffer for the largest need: the chunked fused loss (chunk rows: at least 256,
   // about 8 MiB of logits), attention tiles per thread, the router, the grouped GEMMs (a packing slot per
   // thread for the bf16 weight gradient).
@@ -691,12 +768,12 @@ MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
 }
 
 double engine_activation_extras(const ModelSpec& s, int64_t layer, double tokens, const ActivationCheckpointSpec& ac,
-                                int64_t compute_bytes) {
+                                int64_t compute_bytes, const Fp8CachePlan& f8) {
   const bool here = ac.applies_to(layer);
   if (here && ac.mode == AcMode::Full) return 0;  // the layer keeps its input only
   const bool sel = here && ac.mode == AcMode::Selective;
   return engine_extras(s, s.is_moe_layer(layer), tokens, sel && ac.has_module("norm"),
-                       sel && ac.has_module("attention_core"), compute_bytes);
+                       sel && ac.has_module("attention_core"), compute_bytes, f8);
 }
 
 }  // namespace moetron

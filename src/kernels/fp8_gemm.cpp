@@ -89,37 +89,53 @@ int64_t Fp8Tensor::storage_bytes() const {
   return int64_t(q.size()) + int64_t(scales.size()) * (recipe == Fp8Recipe::MXFP8 ? 1 : 4);
 }
 
-Fp8Tensor fp8_quantize_operand(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Recipe r, Fp8Role role,
-                               bool pow2_scales) {
-  Fp8Tensor t;
+void fp8_quantize_operand_into(Fp8Tensor& t, const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Recipe r,
+                               Fp8Role role, bool pow2_scales) {
   t.rows = R, t.cols = C, t.fmt = f, t.recipe = r, t.role = role;
   const Fp8Layout l = fp8_recipe_layout(r, role, pow2_scales);
   t.pow2 = l.pow2;
   MT_CHECK(R >= 0 && C >= 0, "fp8_quantize_operand", "negative shape ", R, " x ", C);
-  t.q.resize(static_cast<size_t>(R * C));
+  t.q.resize(static_cast<size_t>(R * C));  // within the capacity: no allocation; every code and scale is written
   t.scales.resize(static_cast<size_t>(fp8_num_scales(R, C, l.scaling, l.block_r, l.block_c)));
   if (R * C > 0) fp8_quantize(t.q.data(), t.scales.data(), x, R, C, f, l.scaling, l.block_r, l.block_c, l.pow2);
+}
+
+Fp8Tensor fp8_quantize_operand(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Recipe r, Fp8Role role,
+                               bool pow2_scales) {
+  Fp8Tensor t;
+  fp8_quantize_operand_into(t, x, R, C, f, r, role, pow2_scales);
   return t;
+}
+
+void fp8_quantize_operand_t_into(Fp8Tensor& t, std::vector<float>& xt, const float* x, int64_t R, int64_t C,
+                                 Fp8Format f, Fp8Recipe r, Fp8Role role, bool pow2_scales) {
+  MT_CHECK(R >= 0 && C >= 0, "fp8_quantize_operand_t", "negative shape ", R, " x ", C);
+  xt.resize(static_cast<size_t>(R * C));
+  transpose_f32(xt.data(), x, R, C);
+  fp8_quantize_operand_into(t, xt.data(), C, R, f, r, role, pow2_scales);
 }
 
 Fp8Tensor fp8_quantize_operand_t(const float* x, int64_t R, int64_t C, Fp8Format f, Fp8Recipe r, Fp8Role role,
                                  bool pow2_scales) {
-  MT_CHECK(R >= 0 && C >= 0, "fp8_quantize_operand_t", "negative shape ", R, " x ", C);
-  std::vector<float> xt(static_cast<size_t>(R * C));
-  transpose_f32(xt.data(), x, R, C);
-  return fp8_quantize_operand(xt.data(), C, R, f, r, role, pow2_scales);
+  std::vector<float> xt;
+  Fp8Tensor t;
+  fp8_quantize_operand_t_into(t, xt, x, R, C, f, r, role, pow2_scales);
+  return t;
 }
 
-Fp8Tensor fp8_transpose(const Fp8Tensor& a) {
+void fp8_transpose_into(Fp8Tensor& t, const Fp8Tensor& a) {
   check_operand("fp8_transpose", a);
+  MT_CHECK(&t != &a, "fp8_transpose_into", "the output is the input");
   const Fp8Layout l = a.layout();
   const bool square = l.scaling == Fp8Scaling::Block && l.block_r == l.block_c;
   MT_CHECK(l.scaling == Fp8Scaling::Tensor || square, "fp8_transpose",
            "the quantized data of recipe '", to_string(a.recipe), "' (", fp8_role_name(a.role),
            ") cannot be transposed exactly: its scale tiles are not square; quantize the transpose again "
            "(fp8_quantize_operand_t)");
-  Fp8Tensor t = a;
+  t.fmt = a.fmt, t.recipe = a.recipe, t.role = a.role, t.pow2 = a.pow2;
   t.rows = a.cols, t.cols = a.rows;
+  t.q.resize(a.q.size());
+  t.scales.assign(a.scales.begin(), a.scales.end());
   for (int64_t r = 0; r < a.rows; ++r)
     for (int64_t c = 0; c < a.cols; ++c) t.q[c * a.rows + r] = a.q[r * a.cols + c];
   if (square) {
@@ -127,6 +143,11 @@ Fp8Tensor fp8_transpose(const Fp8Tensor& a) {
     for (int64_t i = 0; i < nbr; ++i)
       for (int64_t j = 0; j < nbc; ++j) t.scales[j * nbr + i] = a.scales[i * nbc + j];
   }
+}
+
+Fp8Tensor fp8_transpose(const Fp8Tensor& a) {
+  Fp8Tensor t;
+  fp8_transpose_into(t, a);
   return t;
 }
 

@@ -69,9 +69,32 @@ struct Fp8State {
   std::mutex mu;             // the lanes record amaxes and scales under it
 };
 
+// [quantize] cache_fp8_activations: a linear's input kept for its weight gradient as the FP8 operand its forward
+// GEMM consumed (codes and scales; mxfp8 scales as E8M0 bytes), sized once for the most rows (fp8_cached_bytes).
+// The routed experts' entry holds each expert's rows one after the other (expert e's tensorwise scale at e).
+enum Fp8CacheSlot : int {
+  kF8AttnIn = 0,  // the normed attention input into wqkv (MHA / GQA), or MLA's wq / wdq
+  kF8AttnKv,      // MLA: the normed input into wdkv
+  kF8AttnKr,      // MLA: the normed input into wkr
+  kF8AttnUq,      // MLA: the normed q latent into wuq
+  kF8AttnUkv,     // MLA: the normed kv latent into wukv
+  kF8Mlp13, kF8Mlp2,  // dense layer: the ffn norm output into w13, the SwiGLU output into w2
+  kF8Shared2,         // MoE layer: the shared experts' SwiGLU output into ws2
+  kF8Exp13, kF8Exp2,  // MoE layer: the permuted rows into we13, the experts' SwiGLU output into we2
+  kF8Slots
+};
+struct Fp8Saved {
+  Tensor q, sc;              // codes (U8) and scales (F32; U8 E8M0 for mxfp8), allocated for the most rows
+  int64_t rows = 0, cols = 0;  // of the last forward
+  Fp8Format fmt = Fp8Format::E4M3;
+  bool pow2 = false;
+  bool defined() const { return q.defined(); }
+};
+
 // Saved activations of one layer (a checkpointed layer shares one set with the others of its kind and
 // keeps only its input).
 struct LayerBufs {
+  Fp8Saved f8[kF8Slots];  // cache_fp8_activations: the FP8-cached linear inputs (undefined = not cached)
   Tensor rstd1, h1c, x_mid, rstd2, h2, h2c;
   // attention (mha/gqa)
   Tensor qkv;
@@ -311,12 +334,18 @@ struct Model::Impl {
   // ---- FP8 linears (model_fp8.cpp) ----
   std::shared_ptr<Fp8State> fp8;  // null = no FP8 (shared by the lanes)
   std::vector<float> fp8_tmp[2];  // this lane's fp32 copies of bf16 operands
+  // This lane's operand buffers, reused by every FP8 GEMM (they only grow): A, B, and a cached operand being read;
+  // fp8_xt: the transposed fp32 copy a transposed quantization makes.
+  Fp8Tensor fp8_op[3];
+  std::vector<float> fp8_xt;
   int fp8_site(int p) const { return fp8 ? fp8->site_of[size_t(p)] : -1; }
   int cap_p = -1;  // Model::capture_linear: the parameter whose operands the next pass copies out
   Model::LinearOperands cap;
   void capture_operand(int which /* 0: X and W, 2: dY */, const void* t, int64_t rows, int64_t in, int64_t out);
-  // Operand `op` of site s, x [R, C] (fp32), quantized along C, or transposed: x^T [C, R] along R.
-  Fp8Tensor fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role);
+  // Operand `op` of site s, x [R, C] (fp32), quantized along C, or transposed: x^T [C, R] along R; into t
+  // (one of fp8_op, reused), which it returns.
+  const Fp8Tensor& fp8_quant(int s, int op, const float* x, int64_t R, int64_t C, bool transposed, Fp8Role role,
+                             Fp8Tensor& t);
   // The FP8 GEMM C (+)= A · B^T, or in twin mode gemm_f32 of the dequantized operands.
   void fp8_mm(float* C, int64_t ldc, const Fp8Tensor& A, const Fp8Tensor& B, float beta);
   const float* fp8_f32(int slot, const void* x, int64_t n);  // x as fp32 (x itself in fp32 mode)
@@ -328,6 +357,24 @@ struct Model::Impl {
   void fp8_gg_dgrad(int s, float* dX, const void* dY, int p, const int32_t* kept, int64_t R, int64_t in, int64_t out);
   void fp8_gg_wgrad(int s, int p, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in,
                     int64_t out);
+  // cache_fp8_activations (model_fp8.cpp): per parameter its cache slot (-1 = not cached); the layer whose
+  // buffers the current forward / backward uses; the shared scratch that replaces the dropped inputs.
+  std::vector<int8_t> f8_slot;
+  LayerBufs* f8_bufs = nullptr;
+  LayerBufs f8_scratch;
+  bool f8_on = false;
+  void fp8_cache_setup(bool on);  // allocate the caches and share the dropped buffers, or undo it
+  Fp8Saved* fp8_cached(int p) {
+    const int k = f8_on && size_t(p) < f8_slot.size() ? f8_slot[size_t(p)] : -1;
+    return k >= 0 && f8_bufs && f8_bufs->f8[k].defined() ? &f8_bufs->f8[k] : nullptr;
+  }
+  // Stores operand A (rows [r0, r0 + A.rows) of the slot, its scales from scale index s0) into the cache.
+  void fp8_cache_store(Fp8Saved& c, const Fp8Tensor& A, int64_t r0, int64_t s0);
+  // The cached rows [r0, r0 + rows) as an Fp8Tensor [rows, cols] along cols (scales from index s0), into t.
+  void fp8_cache_load(const Fp8Saved& c, int64_t r0, int64_t rows, int64_t s0, int64_t n_scales, Fp8Tensor& t);
+  // The wgrad operand X^T [cols, rows] along the tokens from a cached X, into t: the exact transpose (tensorwise),
+  // else dequantized and quantized again along the tokens (double quantization).
+  const Fp8Tensor& fp8_cached_xt(int s, const Fp8Tensor& x, Fp8Tensor& t);
 
   // ---- pipeline stages (model_stage.cpp) ----
   void build_stages();  // from par.stages (or the whole model): which layers / ends are held

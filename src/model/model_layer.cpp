@@ -40,6 +40,7 @@ void Model::Impl::backward_layer(int64_t l, float* g) {
 
 void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
   LayerBufs& b = *L.bufs;
+  f8_bufs = &b;  // cache_fp8_activations: where this layer's FP8 linears keep their inputs
   const int li = int(&L - layers.data());
   trace::Module tm_attn("attn", li, !recomputing);
   {
@@ -65,6 +66,7 @@ void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
 
 void Model::Impl::layer_backward(Layer& L, float* g) {
   LayerBufs& b = *L.bufs;
+  f8_bufs = &b;
   const int li = int(&L - layers.data());
   trace::Module tm_ffn(L.moe ? "moe" : "mlp", li);
   // FFN branch: g is the gradient w.r.t. x_out = x_mid + ffn(norm(x_mid)).

@@ -146,6 +146,9 @@ void Model::Impl::end_pass(ForwardStats& st) {
 
 void Model::Impl::record_wgrad(WTask::Kind k, int p, const void* x, const void* dy, const int32_t* kept,
                                int64_t rows, int64_t in, int64_t out) {
+  MT_CHECK(!fp8_cached(p), "Model (split backward)", "quantize.cache_fp8_activations = true is not implemented with "
+           "a split backward (pp_schedule zb1p, zbv, dualpipev, or a schedule CSV with I / W): the deferred weight "
+           "gradient would need the cached FP8 operands; use false, or a schedule with B");
   WArena& a = *defer;
   const size_t esz = k == WTask::LinF32 || f32 ? 4 : 2;
   auto al = [](size_t b) { return (b + 63) / 64 * 64; };

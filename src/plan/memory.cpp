@@ -89,7 +89,9 @@ struct RoutedRows {
   double bytes = 0;
   static void add(void* ctx, const char* name, double b) {
     const std::string_view t(name);
-    if (t == "moe.x" || t == "moe.gate_up" || t == "moe.act" || t == "moe.y") static_cast<RoutedRows*>(ctx)->bytes += b;
+    if (t == "moe.x" || t == "moe.gate_up" || t == "moe.act" || t == "moe.y" || t == "moe.w13.x_fp8" ||
+        t == "moe.w2.x_fp8")
+      static_cast<RoutedRows*>(ctx)->bytes += b;
   }
 };
 
@@ -126,6 +128,9 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   const double a = o.recipe.act_bytes > 0 ? o.recipe.act_bytes : 2.0;
   const double g = o.recipe.gemm_bytes > 0 ? o.recipe.gemm_bytes : c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
   const Recipe& rc = o.recipe;
+  // The engine's cached FP8 activations (quantize.cache_fp8_activations) replace their copies in its terms; the GPU
+  // convention already counts every GEMM input at g = 1 byte under an FP8 recipe.
+  const Fp8CachePlan f8 = rc.engine_buffers ? fp8_cache_plan(c.quantize) : Fp8CachePlan{};
   MT_CHECK(o.ep_imbalance >= 1.0, "plan", "ep_imbalance = ", o.ep_imbalance,
            " must be >= 1 (the busiest rank's routed rows over the balanced count)");
   const double held = held_rows_factor(l, o);
@@ -149,20 +154,20 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
       if (!k.have) {
         k.have = true;
         if (o.detail) {
-          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &ModuleSum::add, &k.mods);
+          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &ModuleSum::add, &k.mods, f8);
           for (const auto& [name, v] : k.mods.by) k.bytes += v;
         } else {
-          k.bytes = sharded_layer_bytes(s, layer, B, S, a, g, ac, sh);
+          k.bytes = sharded_layer_bytes(s, layer, B, S, a, g, ac, sh, f8);
         }
         if (moe && held > 1.0) {  // the routed-row terms the layer keeps, scaled to the held rows
           RoutedRows rr;
-          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &RoutedRows::add, &rr);
+          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &RoutedRows::add, &rr, f8);
           k.bytes += (held - 1.0) * rr.bytes;
           if (o.detail) k.mods.by["routed_experts"] += (held - 1.0) * rr.bytes;
         }
-        if (ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, B, S, a, g, sh);
+        if (ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, B, S, a, g, sh, f8);
         if (o.recipe.engine_buffers) {  // the engine's own (one rank holds the whole layer: no tp / cp here)
-          const double extra = engine_activation_extras(s, layer, B * S, ac, int64_t(g));
+          const double extra = engine_activation_extras(s, layer, B * S, ac, int64_t(g), f8);
           k.bytes += extra;
           if (o.detail) k.mods.by["engine_buffers"] += extra;
         }
@@ -173,7 +178,7 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
         // activations (held), not as a transient.
         k.shared_counted = true;
         const ActivationCheckpointSpec none;
-        engine_shared += k.all + engine_activation_extras(s, layer, B * S, none, int64_t(g)) - B * S * d_model * a;
+        engine_shared += k.all + engine_activation_extras(s, layer, B * S, none, int64_t(g), f8) - B * S * d_model * a;
       }
       if (o.detail)
         for (const auto& [name, v] : k.mods.by) stage_mods[size_t(st)].by[name] += count * v;

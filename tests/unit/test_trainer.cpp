@@ -219,8 +219,9 @@ TEST(Trainer, RefusesPlannerOnlyKeys) {
       {"--parallelism.tp=2", "parallelism.tp = 2 is not implemented in the engine"},
       {"--parallelism.cp=2", "parallelism.cp = 2 is not implemented in the engine"},
       {"--parallelism.expert_tp=2", "parallelism.expert_tp = 2 is not implemented in the engine"},
-      {"--quantize.recipe=blockwise --quantize.cache_fp8_activations=true",
-       "quantize.cache_fp8_activations = true is not implemented in the engine"},
+      {"--quantize.recipe=blockwise --quantize.cache_fp8_activations=true --activation_checkpoint.mode=selective "
+       "--activation_checkpoint.modules=[\"norm\"]",
+       "quantize.cache_fp8_activations = true is not implemented with activation_checkpoint.mode = \"selective\""},
       {"--parallelism.zero=2", "parallelism.zero = 2 is not implemented in the trainer"},
       {dense + " --model.ffn=gelu", "model.ffn = gelu is not implemented in the engine"},
       {"--model.dropout=0.1", "model.dropout = 0.1 is not implemented in the engine"},
