@@ -217,8 +217,9 @@ TEST(PlanAnchors, KorthikantiIterationTime) {
       const plan::TimePlan t = project_time(c, r.world, true);
       report("time", std::string(r.config) + (selective ? " SP+selective" : " full recompute"), published,
              t.step_time, "s ", 1);
-      // The bound this model meets (docs/planner.md: the GEMM rate and the unfused attention of 2022 are not
-      // priced, so every row is short; the 15 % is not met).
+      // The bound this model meets (docs/planner.md: with the unfused attention priced, 7 of these 8 rows are
+      // within the 15 %; the GEMM rate of 2022 and TP at a measured NCCL bandwidth are not priced, so
+      // every row is still short).
       EXPECT_LT(err(t.step_time, published), 0.0) << r.config;
       EXPECT_GT(err(t.step_time, published), -0.17) << r.config;
     }
