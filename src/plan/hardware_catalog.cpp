@@ -1,6 +1,7 @@
 // plan/hardware_catalog.cpp: the planner's named hardware entries (mi300x, mi325x, mi355x, a100, a100_nccl,
 // h100, h200, b200, gb200), each an embedded TOML text read by the one loader in hardware.cpp, with a public
-// source (or an explicit "derived:" / "assumption:" note) for every figure it sets. Not the loader and not a cost model.
+// source (or an explicit "derived:" / "assumption:" note) for every figure it sets. Not the loader and not a
+// cost model.
 //
 // Conventions shared by every entry (docs/hardware.md has the full table):
 //  - peaks are dense (no 2:4 sparsity); NVIDIA datasheets quote sparse figures, halved here;
