@@ -27,12 +27,14 @@ enum class ScoreFunc : uint8_t { Softmax, Sigmoid };
 enum class LoadBalance : uint8_t { None, AuxLoss, AuxFree };
 enum class DropPolicy : uint8_t { Probs, Position };
 enum class FfnKind : uint8_t { SwiGLU, GELU };
+enum class AttnImpl : uint8_t { Flash, Unfused };
 
 std::string_view to_string(AttnType v);
 std::string_view to_string(ScoreFunc v);
 std::string_view to_string(LoadBalance v);
 std::string_view to_string(DropPolicy v);
 std::string_view to_string(FfnKind v);
+std::string_view to_string(AttnImpl v);
 
 struct AttentionSpec {
   AttnType type = AttnType::MHA;
@@ -83,6 +85,10 @@ struct ModelSpec {
   int64_t inter_size = 0;             // dense ffn width
   FfnKind ffn = FfnKind::SwiGLU;      // the dense MLP: swiglu (gate, up, down) or gelu (up, down)
   double dropout = 0.0;               // dropout probability (embedding, attention, FFN outputs, attention probs)
+  // The core attention's implementation: flash (fused, tiled; the engine's) or unfused (Megatron-LM 2021-22:
+  // batched score GEMMs, a fused scale-mask-softmax and a dropout over the materialized [b, a, s, s] scores).
+  // Planned only: the engine refuses unfused.
+  AttnImpl attention_impl = AttnImpl::Flash;
   double norm_eps = 1e-6;
   bool tie_embeddings = false;
   double init_std = 0.02;

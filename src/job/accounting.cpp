@@ -223,7 +223,15 @@ void layer_terms_all(const ModelSpec& s, bool moe, Num B, Num S, Num a, Num g, E
     emit("attn.v", T * H * Num(at.v_head_dim) * a / w, nullptr);
   }
   emit("attn.out", T * H * Num(at.v_dim()) * g / w, core);
-  emit("attn.lse", B * H * S * f32 / w, core);
+  if (s.attention_impl == AttnImpl::Flash) {
+    emit("attn.lse", B * H * S * f32 / w, core);
+  } else {
+    // Unfused (Megatron-LM 2021-22; Korthikanti et al. 2022, section 4.1, the 5 a s^2 b term): the softmax output
+    // over the materialized scores [B, H, S, keys] and, with dropout, its 1-byte mask and the dropped output.
+    const Num P = B * H * S * (S * Num(sh.cp)) / w;
+    emit("attn.probs", P * a, core);
+    if (s.dropout > 0) emit("attn.probs_mask", P, core), emit("attn.probs_dropped", P * a, core);
+  }
   // Dropout (GPT): a 1-byte mask per element of the attention block's output and of the FFN's output, in the
   // token-parallel region. The attention probabilities' dropout keeps no mask: the fused attention regenerates it
   // from the RNG state in the backward, as it recomputes the probabilities.

@@ -207,6 +207,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("model", "inter_size", model.inter_size));
     t.push_back(MT_E("model", "ffn", model.ffn, {"swiglu", "gelu"}));
     t.push_back(MT_F("model", "dropout", model.dropout));
+    t.push_back(MT_E("model", "attention_impl", model.attention_impl, {"flash", "unfused"}));
     t.push_back(MT_F("model", "norm_eps", model.norm_eps));
     t.push_back(MT_F("model", "tie_embeddings", model.tie_embeddings));
     t.push_back(MT_F("model", "init_std", model.init_std));

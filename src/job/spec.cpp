@@ -32,6 +32,7 @@ std::string_view to_string(LoadBalance v) {
 }
 std::string_view to_string(DropPolicy v) { return v == DropPolicy::Probs ? "probs" : "position"; }
 std::string_view to_string(FfnKind v) { return v == FfnKind::SwiGLU ? "swiglu" : "gelu"; }
+std::string_view to_string(AttnImpl v) { return v == AttnImpl::Flash ? "flash" : "unfused"; }
 
 bool ModelSpec::is_moe_layer(int64_t layer) const {
   if (!is_moe() || layer < first_k_dense) return false;

@@ -69,6 +69,39 @@ Group place(const Hardware& h, int64_t size, int64_t stride) {
 }
 
 // Seconds of one part of a layer: forward (F), the backward's input half (I) and weight half (W).
+// The unfused core attention of Megatron-LM 2021-22 (Korthikanti et al. 2022, section 4.1; Megatron-LM's
+// CoreAttention with its fused scale-mask-softmax kernels): per micro-batch row b and local head, two batched
+// GEMMs over the full (masked, not skipped) score matrix, QK^T [S, dqk] x [dqk, S] and PV [S, S] x [S, dv],
+// priced at the hardware's GEMM curve for that shape; the dgrad / wgrad pairs of each repeat its FLOPs. Then
+// memory-bound passes over the materialized scores [b, H, S, S], a elements bytes each (bf16 / fp16: 2):
+//   forward:  softmax (scale, mask fused) reads a, writes a; dropout reads a, writes a and a 1-byte mask
+//   backward: dropout reads the gradient (a) and the mask (1), writes a; softmax reads the gradient and its
+//             output (2 a), writes a
+// so 2a + (dropout ? 2a + 1 : 0) bytes an element forward and 3a + (dropout ? 2a + 1 : 0) backward.
+struct UnfusedAttnCost {
+  GemmCost gemm;          // both score GEMMs, the forward (dgrad + wgrad repeat it)
+  double mem_f = 0;       // the forward's softmax / dropout passes
+  double mem_b = 0;       // the backward's
+  double elements = 0;    // score elements per rank per micro-batch
+};
+UnfusedAttnCost unfused_attention(const Ctx& x) {
+  const ModelSpec& s = x.c.model;
+  const auto& at = s.attn;
+  const double S = double(x.c.training.seq_len), H = double(at.n_heads) / double(x.l.tp);
+  const double n = H * x.T / (S / double(x.l.cp));  // batched GEMMs: local heads x micro-batch rows
+  const GemmCost qk = gemm(x, S / double(x.l.cp), S, double(at.qk_head_dim()));
+  const GemmCost pv = gemm(x, S / double(x.l.cp), double(at.v_dim()), S);
+  UnfusedAttnCost u;
+  u.gemm.t = std::max(n * (qk.t + pv.t), x.h.kernel_overhead);
+  u.gemm.quant = n * (qk.quant + pv.quant);
+  u.gemm.flops = n * (qk.flops + pv.flops);
+  u.elements = H * x.T * S;
+  const double drop = s.dropout > 0 ? 2 * x.ab + 1 : 0;
+  u.mem_f = membound(x, u.elements * (2 * x.ab + drop));
+  u.mem_b = membound(x, u.elements * (3 * x.ab + drop));
+  return u;
+}
+
 struct Part {
   double f = 0, i = 0, w = 0;
 };
@@ -118,13 +151,22 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   }
   lc.add_mem(kOpAttnProj, membound(x, 2 * 2 * H * double(at.qk_head_dim()) * T * ab));  // RoPE on q and k
   // Core attention: causal, each cp rank's queries see on average (seq + 1) / 2 keys (load-balanced chunks).
-  const double ctx = (double(x.c.training.seq_len) + 1) / 2;
-  const double attn_flops = 2.0 * H * double(at.qk_head_dim() + at.v_dim()) * T * ctx;
-  const double attn_rate = x.h.achievable_bf16 * x.h.attention_eff(double(x.c.training.seq_len));
-  const double attn_fwd = std::max(attn_flops / attn_rate, x.h.kernel_overhead);
-  lc.op[kOpAttnCore].f += attn_fwd, lc.op[kOpAttnCore].i += 2 * attn_fwd;
-  lc.attn.f += attn_fwd, lc.attn.i += 2 * attn_fwd;
-  lc.flops_f += attn_flops;
+  double attn_fwd = 0;  // the core attention's forward (what selective recompute of attention_core redoes)
+  if (s.attention_impl == AttnImpl::Flash) {
+    const double ctx = (double(x.c.training.seq_len) + 1) / 2;
+    const double attn_flops = 2.0 * H * double(at.qk_head_dim() + at.v_dim()) * T * ctx;
+    const double attn_rate = x.h.achievable_bf16 * x.h.attention_eff(double(x.c.training.seq_len));
+    attn_fwd = std::max(attn_flops / attn_rate, x.h.kernel_overhead);
+    lc.op[kOpAttnCore].f += attn_fwd, lc.op[kOpAttnCore].i += 2 * attn_fwd;
+    lc.attn.f += attn_fwd, lc.attn.i += 2 * attn_fwd;
+    lc.flops_f += attn_flops;
+  } else {
+    const UnfusedAttnCost u = unfused_attention(x);
+    lc.add_gemm(kOpAttnCore, u.gemm);
+    lc.op[kOpAttnCore].f += u.mem_f, lc.op[kOpAttnCore].i += u.mem_b;
+    lc.mem.f += u.mem_f, lc.mem.i += u.mem_b;
+    attn_fwd = u.gemm.t + u.mem_f;
+  }
   // Two norms (read + write) and two residual adds (read two, write one), on the SP shard (T / q rows).
   const double norm_bytes = 2 * 2 * d * ab * T / x.q;
   lc.add_mem(kOpNorm, membound(x, norm_bytes));

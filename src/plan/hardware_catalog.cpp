@@ -1,6 +1,7 @@
-// plan/hardware_catalog.cpp: the planner's named hardware entries (mi300x, mi325x, mi355x, a100, h100, h200,
-// b200, gb200), each an embedded TOML text read by the one loader in hardware.cpp, with a public source (or an
-// explicit "derived:" / "assumption:" note) for every figure it sets. Not the loader and not a cost model.
+// plan/hardware_catalog.cpp: the planner's named hardware entries (mi300x, mi325x, mi355x, a100, a100_nccl,
+// h100, h200, b200, gb200), each an embedded TOML text read by the one loader in hardware.cpp, with a public
+// source (or an explicit "derived:" / "assumption:" note) for every figure it sets. Not the loader and not a
+// cost model.
 //
 // Conventions shared by every entry (docs/hardware.md has the full table):
 //  - peaks are dense (no 2:4 sparsity); NVIDIA datasheets quote sparse figures, halved here;
@@ -78,11 +79,45 @@ bw_gbps = 50.0
 alpha_us = 10.0
 )toml";
 
+// A100: the catalog entries `a100` (NVLink at line rate) and `a100_nccl` (the same GPU and node with the
+// scale-up bandwidth at a measured NCCL all-reduce bus bandwidth) share every other figure and its source.
+const char* const kA100Figures = R"toml(hbm_gb = 80.0
+hbm_bw_gbps = 2039.0
+peak_bf16_tflops = 312.0
+peak_fp8_tflops = 0.0
+achievable_bf16_tflops = 271.2
+achievable_fp8_tflops = 0.0
+)toml";
+const char* const kA100Tiers = R"toml(domain = 8
+topology = "switch"
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 25.0
+alpha_us = 10.0
+)toml";
+const char* const kA100Sources = R"toml(hbm_gb = "NVIDIA A100 Tensor Core GPU datasheet (2021), A100 80GB SXM: 80 GB HBM2e"
+hbm_bw_gbps = "NVIDIA A100 Tensor Core GPU datasheet (2021), A100 80GB SXM: 2,039 GB/s ({MAMF} lists 2.00 TB/s)"
+peak_bf16_tflops = "NVIDIA A100 Tensor Core GPU datasheet (2021): 624 TFLOPS BF16 Tensor Core with sparsity, 312 dense"
+peak_fp8_tflops = "NVIDIA A100 Tensor Core GPU datasheet (2021): no FP8 Tensor Core format on Ampere (0 = no FP8; an FP8 recipe is refused)"
+achievable_bf16_tflops = "measured: 271.2 TFLOPS BF16 (torch 2.6.0, CUDA 12.6, best shape 1024x10240x5120), {MAMF}"
+achievable_fp8_tflops = "none: Ampere has no FP8 GEMM"
+"scale_up.domain" = "NVIDIA DGX A100 datasheet (2020): 8 A100 GPUs per node on six NVSwitches; Selene is built of DGX A100 nodes (Narayanan et al. 2021, section 5)"
+"scale_up.topology" = "NVIDIA A100 Tensor Core GPU architecture whitepaper (2020): second-generation NVSwitch, any GPU pair at the full 600 GB/s"
+"scale_out.bw_gbps" = "NVIDIA DGX A100 datasheet (2020): 8 single-port ConnectX-6 VPI 200 Gb/s HDR InfiniBand, one per GPU = 25 GB/s per direction; Selene's nodes likewise have eight 200 Gb/s HDR InfiniBand HCAs for application traffic on a fat tree (Narayanan et al. 2021, section 5; Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B', section 3)"
+)toml";
+
 struct Entry {
   const char* name;
   const char* head;     // top-level figures
   const char* tiers;    // [scale_up] and [scale_out]
   const char* sources;  // this entry's [sources] lines
+  // Text shared with another entry, appended to head, tiers and sources (A100 variants).
+  const char* shared_head = "";
+  const char* shared_tiers = "";
+  const char* shared_sources = "";
 };
 
 const Entry kEntries[] = {
@@ -181,37 +216,19 @@ achievable_fp8_tflops = "derived: no public FP8 GEMM maximum found for MI355X; 1
     {"a100",
      R"toml(name = "a100"
 description = "NVIDIA A100 SXM4 80GB (400 W), DGX A100 node as in Selene: 8 GPUs on NVSwitch, 8 HDR 200 Gb/s InfiniBand NICs"
-hbm_gb = 80.0
-hbm_bw_gbps = 2039.0
-peak_bf16_tflops = 312.0
-peak_fp8_tflops = 0.0
-achievable_bf16_tflops = 271.2
-achievable_fp8_tflops = 0.0
 )toml",
-     R"toml(
-[scale_up]
-domain = 8
-topology = "switch"
-bw_gbps = 300.0
-alpha_us = 3.0
-
-[scale_out]
-domain = 65536
-topology = "switch"
-bw_gbps = 25.0
-alpha_us = 10.0
+     "\n[scale_up]\nbw_gbps = 300.0\n",
+     R"toml("scale_up.bw_gbps" = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM: third-generation NVLink 600 GB/s bidirectional = 300 GB/s per direction"
 )toml",
-     R"toml(hbm_gb = "NVIDIA A100 Tensor Core GPU datasheet (2021), A100 80GB SXM: 80 GB HBM2e"
-hbm_bw_gbps = "NVIDIA A100 Tensor Core GPU datasheet (2021), A100 80GB SXM: 2,039 GB/s ({MAMF} lists 2.00 TB/s)"
-peak_bf16_tflops = "NVIDIA A100 Tensor Core GPU datasheet (2021): 624 TFLOPS BF16 Tensor Core with sparsity, 312 dense"
-peak_fp8_tflops = "NVIDIA A100 Tensor Core GPU datasheet (2021): no FP8 Tensor Core format on Ampere (0 = no FP8; an FP8 recipe is refused)"
-achievable_bf16_tflops = "measured: 271.2 TFLOPS BF16 (torch 2.6.0, CUDA 12.6, best shape 1024x10240x5120), {MAMF}"
-achievable_fp8_tflops = "none: Ampere has no FP8 GEMM"
-"scale_up.domain" = "NVIDIA DGX A100 datasheet (2020): 8 A100 GPUs per node on six NVSwitches; Selene is built of DGX A100 nodes (Narayanan et al. 2021, section 5)"
-"scale_up.topology" = "NVIDIA A100 Tensor Core GPU architecture whitepaper (2020): second-generation NVSwitch, any GPU pair at the full 600 GB/s"
-"scale_up.bw_gbps" = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM: third-generation NVLink 600 GB/s bidirectional = 300 GB/s per direction"
-"scale_out.bw_gbps" = "NVIDIA DGX A100 datasheet (2020): 8 single-port ConnectX-6 VPI 200 Gb/s HDR InfiniBand, one per GPU = 25 GB/s per direction; Selene's nodes likewise have eight 200 Gb/s HDR InfiniBand HCAs for application traffic on a fat tree (Narayanan et al. 2021, section 5; Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B', section 3)"
-)toml"},
+     kA100Figures, kA100Tiers, kA100Sources},
+    {"a100_nccl",
+     R"toml(name = "a100_nccl"
+description = "NVIDIA A100 SXM4 80GB in a DGX A100 node (as a100), with TP / scale-up collectives at a measured NCCL all-reduce bus bandwidth (200 GB/s) instead of the NVLink line rate"
+)toml",
+     "\n[scale_up]\nbw_gbps = 200.0\n",
+     R"toml("scale_up.bw_gbps" = "measured: NCCL all-reduce bus bandwidth of about 200 GB/s on eight A100-SXM4-80GB on NVSwitch (nccl-tests all_reduce_perf up to 1 GiB, NCCL 2.18; NVIDIA/nccl-tests issue 149, 2023), against 300 GB/s NVLink line rate per direction; NCCL's maintainer puts its protocol overhead on NVLink at about 20 % of line rate (NVIDIA/nccl-tests issue 212). nccl-tests' bus bandwidth is defined so that a ring all-reduce of S bytes over n GPUs takes 2 (n - 1) / n x S / busbw, the cost model's ring formula"
+)toml",
+     kA100Figures, kA100Tiers, kA100Sources},
     {"h100",
      R"toml(name = "h100"
 description = "NVIDIA H100 SXM5 80GB (700 W), HGX/DGX H100 8-GPU NVSwitch node"
@@ -340,7 +357,8 @@ const std::map<std::string, std::string, std::less<>>& texts() {
     auto* out = new std::map<std::string, std::string, std::less<>>;
     for (const auto& e : kEntries)
       (*out)[e.name] =
-          std::string(e.head) + kSharedTop + e.tiers + "\n[sources]\n" + expand(e.sources) + kSharedSources;
+          std::string(e.head) + e.shared_head + kSharedTop + e.tiers + e.shared_tiers + "\n[sources]\n" +
+          expand(std::string(e.sources) + e.shared_sources) + kSharedSources;
     return out;
   }();
   return *m;

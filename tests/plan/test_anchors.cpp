@@ -2,11 +2,12 @@
 // models of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models": Table 3
 // layouts, Table 5 iteration times, the Table 2 activation formulas behind its memory figures) and of Narayanan
 // et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM": Table 2 PTD-P
-// throughput), all on A100 80GB (catalog entry a100) with the configs in configs/anchors/. Each row prints the
-// published figure, the projection and the error ("[anchor]" lines). The targets are 10 % on memory and
-// 15 % on step time; each assertion is the bound this model meets, and docs/planner.md explains the rows that
-// miss the target. Nothing in the planner is fitted to these figures.
-// Not a test of the engine (which refuses ffn = "gelu" and dropout > 0).
+// throughput), all on A100 80GB (catalog entry a100_nccl: a100 with TP at a measured NCCL bus bandwidth) with
+// the configs in configs/anchors/. Each row prints the published figure, the projection and the error
+// ("[anchor]" lines). The targets are 10 % on memory and
+// 15 % on step time, both asserted (met on every row); docs/planner.md explains the remaining errors. Nothing in
+// the planner is fitted to these figures.
+// Not a test of the engine (which refuses ffn = "gelu", dropout > 0 and attention_impl = "unfused").
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -81,7 +82,8 @@ plan::TimePlan project_time(const JobConfig& c, int64_t world, bool distributed_
   const plan::Layout l = plan::layout_from_config(c, world, distributed_optimizer);
   plan::TimeOptions o;
   o.memory = megatron_2022();
-  return plan::plan_time(c, l, plan::catalog_hardware("a100"), o);
+  // TP at the measured NCCL all-reduce bus bandwidth (catalog entry a100_nccl, docs/hardware.md).
+  return plan::plan_time(c, l, plan::catalog_hardware("a100_nccl"), o);
 }
 
 }  // namespace
@@ -109,7 +111,8 @@ TEST(PlanAnchors, GeluModelCountsAsGpt) {
 // dropout masks as one more byte written per residual element (attention and MLP outputs). Hand counts on the
 // 22B layout (tp 8 with SP, one micro-batch of 4 x 2048 tokens, 48 layers).
 TEST(PlanAnchors, GeluFfnAndDropoutPricing) {
-  const JobConfig gelu = anchor("gpt_22b");
+  JobConfig gelu = anchor("gpt_22b");
+  gelu.model.attention_impl = AttnImpl::Flash;  // the unfused attention's own dropout: UnfusedAttentionPricing
   JobConfig swiglu = gelu, nodrop = gelu;
   swiglu.model.ffn = FfnKind::SwiGLU;
   nodrop.model.dropout = 0;
@@ -123,6 +126,57 @@ TEST(PlanAnchors, GeluFfnAndDropoutPricing) {
   // Dropout: two 1-byte masks of T / q x d per layer.
   EXPECT_NEAR(stage(gelu).memory_bound - stage(nodrop).memory_bound, L * 3 * (2 * d * T / q) / a100.stream_bw(),
               1e-9);
+}
+
+// The unfused core attention (attention_impl = "unfused", the anchors' Megatron-LM of 2021-22), hand-counted on
+// the 22B layout: tp 8 (8 of 64 heads, head dim 96 per rank), one micro-batch of 4 x 2048 tokens, 48 layers,
+// selective recompute of attention_core, dropout 0.1.
+TEST(PlanAnchors, UnfusedAttentionPricing) {
+  const JobConfig unf = anchor("gpt_22b");
+  ASSERT_EQ(unf.model.attention_impl, AttnImpl::Unfused);
+  JobConfig flash = unf, nodrop = unf;
+  flash.model.attention_impl = AttnImpl::Flash;
+  nodrop.model.dropout = 0;
+  const plan::Hardware a100 = plan::catalog_hardware("a100");
+  auto stage = [&](const JobConfig& c) { return project_time(c, 8, true).stages.at(0); };
+  const plan::StageTime u = stage(unf), f = stage(flash), n = stage(nodrop);
+  const double L = 48, T = 4 * 2048, S = 2048, H = 8, hd = 96;
+  const double elems = H * T * S;  // the score matrix [4, 8, 2048, 2048] per rank per layer
+  // Score passes: forward softmax 2 + 2 bytes, dropout 2 + 2 + 1 (mask); backward dropout 2 + 1 + 2, softmax
+  // 2 + 2 + 2: 9 + 11 bytes an element; flash has none. The selective recompute redoes the forward's 9.
+  const double rate = a100.elementwise_rate();
+  EXPECT_NEAR(u.memory_bound - f.memory_bound, L * elems * 20 / rate, 1e-9);
+  // Without dropout: softmax only, 4 forward + 6 backward.
+  JobConfig nodrop_flash = nodrop;
+  nodrop_flash.model.attention_impl = AttnImpl::Flash;
+  EXPECT_NEAR(n.memory_bound - stage(nodrop_flash).memory_bound, L * elems * 10 / rate, 1e-9);
+  // FLOPs: QK^T and PV over the full (masked) matrix, where flash does the causal half ((S + 1) / 2 keys); F+B = 3x.
+  EXPECT_DOUBLE_EQ(u.flops - f.flops, L * 3 * 2 * H * T * 2 * hd * (S - (S + 1) / 2));
+  // The score GEMMs are GEMMs, not attention: no attention time left; their time at least the FLOPs at the
+  // achievable rate (three passes: F, dgrad, wgrad).
+  EXPECT_DOUBLE_EQ(u.attention, 0.0);
+  const double g_unf = (u.gemm - f.gemm) / 3 / L;  // one layer's score GEMMs, forward
+  EXPECT_GE(g_unf, 2 * H * T * S * 2 * hd / a100.achievable_bf16);
+  // Selective recompute of attention_core redoes the score GEMMs and the forward passes instead of flash's kernel.
+  const double flash_fwd = f.attention / 3 / L;
+  EXPECT_NEAR(u.recompute - f.recompute, L * (g_unf + elems * 9 / rate - flash_fwd), 1e-9);
+}
+
+// The unfused attention's activations (Korthikanti's 5 a s^2 b per layer): the softmax output (2 bytes), the
+// dropout mask (1) and the dropped probabilities (2) per score element, in place of flash's fp32 log-sum-exp;
+// all dropped by selective recompute of attention_core.
+TEST(PlanAnchors, UnfusedAttentionActivations) {
+  const JobConfig unf = anchor("gpt_22b");
+  JobConfig flash = unf;
+  flash.model.attention_impl = AttnImpl::Flash;
+  const ActivationCheckpointSpec none{}, sel = unf.activation_checkpoint;
+  const ActShard sh{8, true, 1, 1};
+  const double B = 4, S = 2048, H = 8;
+  auto bytes = [&](const JobConfig& c, const ActivationCheckpointSpec& ac) {
+    return sharded_layer_bytes(c.model, 0, B, S, 2, 2, ac, sh);
+  };
+  EXPECT_DOUBLE_EQ(bytes(unf, none) - bytes(flash, none), B * H * S * S * 5 - B * H * S * 4);
+  EXPECT_DOUBLE_EQ(bytes(unf, sel), bytes(flash, sel));
 }
 
 // Korthikanti et al. 2022: the first stage's activation memory per GPU, sequence parallel + selective recompute
@@ -165,10 +219,9 @@ TEST(PlanAnchors, KorthikantiIterationTime) {
       const plan::TimePlan t = project_time(c, r.world, true);
       report("time", std::string(r.config) + (selective ? " SP+selective" : " full recompute"), published,
              t.step_time, "s ", 1);
-      // The bound this model meets (docs/planner.md: the GEMM rate and the unfused attention of 2022 are not
-      // priced, so every row is short; the 15 % is not met).
-      EXPECT_LT(err(t.step_time, published), 0.0) << r.config;
-      EXPECT_GT(err(t.step_time, published), -0.35) << r.config;
+      // The target, met (docs/planner.md: the unfused attention and TP at the measured NCCL bus
+      // bandwidth priced; every row is still short, the GEMM rate of 2022 is not priced).
+      EXPECT_LT(std::fabs(err(t.step_time, published)), 0.15) << r.config;
     }
   }
 }
@@ -188,7 +241,6 @@ TEST(PlanAnchors, NarayananThroughput) {
     const double published = narayanan_iteration_flops(c) / (double(r.world) * r.tflops * 1e12);
     const plan::TimePlan t = project_time(c, r.world, false);
     report("time", std::string(r.config) + " on " + std::to_string(r.world), published, t.step_time, "s ", 1);
-    EXPECT_LT(err(t.step_time, published), 0.0) << r.config << " " << r.world;
-    EXPECT_GT(err(t.step_time, published), -0.25) << r.config << " " << r.world;
+    EXPECT_LT(std::fabs(err(t.step_time, published)), 0.15) << r.config << " " << r.world;  // the target, met
   }
 }

@@ -118,7 +118,7 @@ struct TempDir {
 
 // ---- the catalog ------------------------------------------------------------------------------------------
 TEST(HardwareCatalog, HasTheEightEntries) {
-  const std::vector<std::string> want = {"mi300x", "mi325x", "mi355x", "a100", "h100", "h200", "b200", "gb200"};
+  const std::vector<std::string> want = {"mi300x", "mi325x", "mi355x", "a100", "a100_nccl", "h100", "h200", "b200", "gb200"};
   EXPECT_EQ(catalog_names(), want);
 }
 
@@ -132,7 +132,7 @@ TEST(HardwareCatalog, EveryEntryLoadsAndValidates) {
     EXPECT_NO_THROW(validate_hardware(h, name));
     // Measured rates sit below the datasheet peaks, and FP8 above BF16 (where the GPU has FP8: not A100).
     EXPECT_LT(h.achievable_bf16, h.peak_bf16);
-    if (name == "a100") {
+    if (name == "a100" || name == "a100_nccl") {
       EXPECT_EQ(h.peak_fp8, 0.0);
       EXPECT_EQ(h.achievable_fp8, 0.0);
     } else {
@@ -200,6 +200,14 @@ TEST(HardwareCatalog, DatasheetFigures) {
   EXPECT_DOUBLE_EQ(a100.scale_up.bw, 300e9);
   EXPECT_EQ(a100.scale_up.domain, 8);
   EXPECT_DOUBLE_EQ(a100.scale_out.bw, 25e9);
+  // a100_nccl: the same GPU and node, scale-up collectives at the measured NCCL all-reduce bus bandwidth.
+  const Hardware nccl = catalog_hardware("a100_nccl");
+  EXPECT_DOUBLE_EQ(nccl.scale_up.bw, 200e9);
+  EXPECT_NE(nccl.sources.at("scale_up.bw_gbps").find("nccl-tests issue 149"), std::string::npos);
+  Hardware same = nccl;
+  same.name = a100.name, same.description = a100.description, same.scale_up.bw = a100.scale_up.bw;
+  same.sources = a100.sources;
+  EXPECT_EQ(hardware_to_toml(same), hardware_to_toml(a100));
 }
 
 // The whitepaper's all-to-all bandwidths: 448 GB/s (MI300X) and 537.6 GB/s (MI355X).

@@ -766,9 +766,12 @@ TEST(HfConfig, ExportRefusesGptKeys) {
   // Both keys load, round-trip through TOML and default to the DeepSeek shape.
   EXPECT_EQ(dense.model.ffn, FfnKind::SwiGLU);
   EXPECT_EQ(dense.model.dropout, 0.0);
+  EXPECT_EQ(dense.model.attention_impl, AttnImpl::Flash);
   const JobConfig gpt = load_config_string(kTiny, {"--model.n_routed_experts=0", "--model.first_k_dense=0",
-                                                   "--model.ffn=gelu", "--model.dropout=0.1"});
+                                                   "--model.ffn=gelu", "--model.dropout=0.1",
+                                                   "--model.attention_impl=unfused"});
   EXPECT_EQ(gpt.model.ffn, FfnKind::GELU);
+  EXPECT_EQ(gpt.model.attention_impl, AttnImpl::Unfused);
   EXPECT_EQ(load_config_string(to_toml(gpt)), gpt);
 }
 

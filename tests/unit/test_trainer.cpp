@@ -225,6 +225,7 @@ TEST(Trainer, RefusesPlannerOnlyKeys) {
       {"--parallelism.zero=2", "parallelism.zero = 2 is not implemented in the trainer"},
       {dense + " --model.ffn=gelu", "model.ffn = gelu is not implemented in the engine"},
       {"--model.dropout=0.1", "model.dropout = 0.1 is not implemented in the engine"},
+      {"--model.attention_impl=unfused", "model.attention_impl = unfused is not implemented in the engine"},
   };
   for (const auto& [ov, expect] : cases) {
     std::vector<std::string> extra = {"--training.steps=1"};
