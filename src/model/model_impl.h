@@ -21,6 +21,7 @@
 #include <mutex>
 #include <vector>
 
+#include "model/ep_exposure.h"
 #include "moetron/attention.h"
 #include "moetron/fp8_gemm.h"
 #include "moetron/check.h"
@@ -371,22 +372,42 @@ struct Model::Impl {
   };
   std::shared_ptr<Baton> baton;
   int lane_id = 0;
+  // The exposed EP time (ep_exposure.h): shared by the lanes when ep > 1 (else null). busy_since: when this
+  // lane's current compute span began (< 0: none open).
+  std::shared_ptr<EpExposure> exposure;
+  double busy_since = -1;
+  void busy_open() {
+    if (exposure) busy_since = EpExposure::now();
+  }
+  double busy_close() {  // closes the open compute span; returns now
+    if (!exposure) return 0;
+    const double t = EpExposure::now();
+    if (busy_since >= 0) exposure->busy(busy_since, t);
+    busy_since = -1;
+    return t;
+  }
   struct StageTurn {  // scope of a stage call on a lane
     Impl& i;
     explicit StageTurn(Impl& x) : i(x) {
       if (i.baton) i.baton->acquire(i.lane_id);
+      i.busy_open();
     }
     ~StageTurn() {
+      i.busy_close();
       if (i.baton) i.baton->finish(i.lane_id);
     }
   };
   struct EpYield {  // scope of one EP exchange: the other lane computes meanwhile
     Impl& i;
+    double t0 = 0;
     explicit EpYield(Impl& x) : i(x) {
+      t0 = i.busy_close();
       if (i.baton) i.baton->pass(i.lane_id);
     }
     ~EpYield() {
+      if (i.exposure) i.exposure->wait(t0, EpExposure::now());
       if (i.baton) i.baton->acquire(i.lane_id);
+      i.busy_open();
     }
   };
   StageRt& stage_rt(int local, const char* op) {

@@ -225,6 +225,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
   o.alloc_scratch();
   o.baton = baton;
+  o.exposure = exposure;
   o.lane_id = 1;
   return p;
 }
@@ -264,8 +265,9 @@ void Model::Impl::Baton::finish(int lane) {
 void Model::begin_overlap_pair() {
   if (impl_->baton) impl_->baton->begin_pair();
 }
-void Model::end_overlap_pair() {
+void Model::end_overlap_pair() {  // both halves have returned: no span is open on either lane
   if (impl_->baton) impl_->baton->end_pair();
+  if (impl_->exposure) impl_->exposure->fold();
 }
 
 // ---------------------------------------------------------------------------------------------------
