@@ -358,11 +358,16 @@ struct Model::Impl {
   // So one lane's exchange runs while the other computes, the lanes never compete for the cores, and the
   // order of compute segments is the same on every EP rank (they run the same pairs), which keeps the two
   // lanes' exchanges meeting their peers in step. Outside a pair it is inactive (no waits).
+  // MOETRON_EP_BATON=free (an experiment; default turn): no fixed turns, the compute goes to whichever lane is
+  // ready, so a lane whose exchange has finished computes while the other still waits (each dispatcher has its
+  // own communicator, so the lanes' exchanges match their peers in any interleaving).
   struct Baton {
+    Baton();
     std::mutex mu;
     std::condition_variable cv;
     bool active = false;
-    int turn = 0;
+    bool free_order = false;  // MOETRON_EP_BATON=free
+    int turn = 0;             // turn order: whose turn; free order: the lane computing, -1 none
     bool done[2] = {false, false};
     void begin_pair();
     void end_pair();

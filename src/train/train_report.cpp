@@ -215,6 +215,9 @@ void TrainSession::finish() {
     res.ep_bytes_inter_per_step = double(t.bytes_inter - ep_run0.bytes_inter) / st_;
     res.ep_bytes_intra_per_step = double(t.bytes_intra - ep_run0.bytes_intra) / st_;
     res.ep_seconds = t.seconds - ep_run0.seconds;
+    const Model::EpExposed ex = model->ep_exposed();
+    res.ep_wait_seconds = ex.wait_seconds - ep_run0_exposed.wait_seconds;
+    res.ep_exposed_seconds = ex.exposed_seconds - ep_run0_exposed.exposed_seconds;
     res.ep_buffer_bytes = model->ep_buffer_bytes();
     const Model::EpRows er = model->ep_rows();
     if (er.balanced > 0)
