@@ -214,6 +214,13 @@ class Model {
   // combine and the backward's row moves (zeros without EP), and the bytes of the dispatchers' buffers.
   EpTraffic ep_traffic() const;
   int64_t ep_buffer_bytes() const;
+  // This rank's measured EP waiting since construction (zeros without EP): wait_seconds = the union of the wall
+  // intervals some lane spent inside an exchange; exposed_seconds = the part of it during which no lane
+  // computed (without the all-to-all overlap, all of it). Call between passes, not while one runs.
+  struct EpExposed {
+    double wait_seconds = 0, exposed_seconds = 0;
+  };
+  EpExposed ep_exposed() const;
   // Routing skew under EP, over this rank's MoE layers (the largest over a layer's activation slots): the most
   // rows one dispatch brought (peak) and the rows the layer's buffers hold (held), summed, against the balanced
   // tokens x topk per layer (balanced). Zeros without EP.

@@ -90,6 +90,8 @@ struct TrainResult {
   double ep_bytes_inter_per_step = 0;   // EP bytes this rank sent per step to other nodes / inside its node
   double ep_bytes_intra_per_step = 0;
   double ep_seconds = 0;                // time in EP dispatch / combine (forward and backward)
+  double ep_wait_seconds = 0;           // union of the lanes' exchange waits (Model::ep_exposed)
+  double ep_exposed_seconds = 0;        // of which no lane computed: the EP time not hidden
   int64_t ep_buffer_bytes = 0;          // the dispatchers' buffers on this rank
   // Routing skew under EP (Model::ep_rows): over this rank's MoE layers, the most routed rows one dispatch
   // brought, and the rows the buffers hold, each over the balanced tokens x topk (1 = balanced; 0 without EP).

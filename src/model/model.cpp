@@ -80,6 +80,7 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
            "(activation_checkpoint.mode) yet");
   impl_->build();
   impl_->fs_opts = nullptr;
+  if (impl_->ep > 1) impl_->exposure = std::make_shared<EpExposure>();
   if (par.ep_overlap) {
     impl_->baton = std::make_shared<Impl::Baton>();
     lane1_ = impl_->make_lane();
@@ -276,6 +277,14 @@ EpTraffic Model::ep_traffic() const {
     t.add(s.dispatch), t.add(s.combine), t.add(s.backward);
   }
   return t;
+}
+
+Model::EpExposed Model::ep_exposed() const {
+  EpExposed e;
+  if (!impl_->exposure) return e;
+  e.wait_seconds = impl_->exposure->wait_total();
+  e.exposed_seconds = impl_->exposure->exposed_total();
+  return e;
 }
 
 Model::EpRows Model::ep_rows() const {

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <vector>
 
+#include "model/ep_exposure.h"
 #include "moetron/attention.h"
 #include "moetron/fp8_gemm.h"
 #include "moetron/check.h"
@@ -404,11 +405,16 @@ struct Model::Impl {
   // So one lane's exchange runs while the other computes, the lanes never compete for the cores, and the
   // order of compute segments is the same on every EP rank (they run the same pairs), which keeps the two
   // lanes' exchanges meeting their peers in step. Outside a pair it is inactive (no waits).
+  // MOETRON_EP_BATON=free (an experiment; default turn): no fixed turns, the compute goes to whichever lane is
+  // ready, so a lane whose exchange has finished computes while the other still waits (each dispatcher has its
+  // own communicator, so the lanes' exchanges match their peers in any interleaving).
   struct Baton {
+    Baton();
     std::mutex mu;
     std::condition_variable cv;
     bool active = false;
-    int turn = 0;
+    bool free_order = false;  // MOETRON_EP_BATON=free
+    int turn = 0;             // turn order: whose turn; free order: the lane computing, -1 none
     bool done[2] = {false, false};
     void begin_pair();
     void end_pair();
@@ -418,22 +424,42 @@ struct Model::Impl {
   };
   std::shared_ptr<Baton> baton;
   int lane_id = 0;
+  // The exposed EP time (ep_exposure.h): shared by the lanes when ep > 1 (else null). busy_since: when this
+  // lane's current compute span began (< 0: none open).
+  std::shared_ptr<EpExposure> exposure;
+  double busy_since = -1;
+  void busy_open() {
+    if (exposure) busy_since = EpExposure::now();
+  }
+  double busy_close() {  // closes the open compute span; returns now
+    if (!exposure) return 0;
+    const double t = EpExposure::now();
+    if (busy_since >= 0) exposure->busy(busy_since, t);
+    busy_since = -1;
+    return t;
+  }
   struct StageTurn {  // scope of a stage call on a lane
     Impl& i;
     explicit StageTurn(Impl& x) : i(x) {
       if (i.baton) i.baton->acquire(i.lane_id);
+      i.busy_open();
     }
     ~StageTurn() {
+      i.busy_close();
       if (i.baton) i.baton->finish(i.lane_id);
     }
   };
   struct EpYield {  // scope of one EP exchange: the other lane computes meanwhile
     Impl& i;
+    double t0 = 0;
     explicit EpYield(Impl& x) : i(x) {
+      t0 = i.busy_close();
       if (i.baton) i.baton->pass(i.lane_id);
     }
     ~EpYield() {
+      if (i.exposure) i.exposure->wait(t0, EpExposure::now());
       if (i.baton) i.baton->acquire(i.lane_id);
+      i.busy_open();
     }
   };
   StageRt& stage_rt(int local, const char* op) {

@@ -6,7 +6,9 @@
 // Not the order of stages and micro-batches (the pipeline runtime runs the schedule: src/parallel/) and not
 // the layer math (model_layer.cpp and the blocks).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "model/model_impl.h"
 #include "moetron/trace.h"
@@ -228,6 +230,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
   o.alloc_scratch();
   o.baton = baton;
+  o.exposure = exposure;
   o.lane_id = 1;
   return p;
 }
@@ -241,9 +244,15 @@ void Model::Impl::sync_lane_from(const Impl& o) {
   step_ce_scale = o.step_ce_scale, step_aux_scale = o.step_aux_scale;
 }
 
+Model::Impl::Baton::Baton() {
+  const char* v = std::getenv("MOETRON_EP_BATON");
+  const std::string m = v ? v : "turn";
+  MT_CHECK(m == "turn" || m == "free", "model", "MOETRON_EP_BATON must be 'turn' or 'free', not '", m, "'");
+  free_order = m == "free";
+}
 void Model::Impl::Baton::begin_pair() {
   std::lock_guard<std::mutex> lk(mu);
-  active = true, turn = 0, done[0] = done[1] = false;
+  active = true, turn = free_order ? -1 : 0, done[0] = done[1] = false;
 }
 void Model::Impl::Baton::end_pair() {
   std::lock_guard<std::mutex> lk(mu);
@@ -251,24 +260,30 @@ void Model::Impl::Baton::end_pair() {
 }
 void Model::Impl::Baton::acquire(int lane) {
   std::unique_lock<std::mutex> lk(mu);
+  if (free_order) {
+    cv.wait(lk, [&] { return !active || turn < 0 || turn == lane; });
+    if (active) turn = lane;
+    return;
+  }
   cv.wait(lk, [&] { return !active || turn == lane || done[1 - lane]; });
 }
 void Model::Impl::Baton::pass(int lane) {
   std::lock_guard<std::mutex> lk(mu);
-  if (active && turn == lane) turn = 1 - lane;
+  if (active && turn == lane) turn = free_order ? -1 : 1 - lane;
   cv.notify_all();
 }
 void Model::Impl::Baton::finish(int lane) {
   std::lock_guard<std::mutex> lk(mu);
-  if (active) done[lane] = true, turn = 1 - lane;
+  if (active) done[lane] = true, turn = free_order ? (turn == lane ? -1 : turn) : 1 - lane;
   cv.notify_all();
 }
 
 void Model::begin_overlap_pair() {
   if (impl_->baton) impl_->baton->begin_pair();
 }
-void Model::end_overlap_pair() {
+void Model::end_overlap_pair() {  // both halves have returned: no span is open on either lane
   if (impl_->baton) impl_->baton->end_pair();
+  if (impl_->exposure) impl_->exposure->fold();
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -163,10 +163,15 @@ if (log_now) {
     if (EP > 1) {  // this rank's EP bytes sent and time per step over the window (validation included)
       EpTraffic now = model->ep_traffic();
       const double ws_ = double(std::max<int64_t>(1, window_steps));
+      // wait / exposed: the measured union of the lanes' exchange waits and the part of it no lane's compute
+      // covered (ep_exposure.h); seconds_per_step sums the exchange calls of both lanes.
+      const Model::EpExposed ex = model->ep_exposed();
       j["ep"] = {{"bytes_inter_per_step", double(now.bytes_inter - ep_window0.bytes_inter) / ws_},
                  {"bytes_intra_per_step", double(now.bytes_intra - ep_window0.bytes_intra) / ws_},
-                 {"seconds_per_step", (now.seconds - ep_window0.seconds) / ws_}};
-      ep_window0 = now;
+                 {"seconds_per_step", (now.seconds - ep_window0.seconds) / ws_},
+                 {"wait_seconds_per_step", (ex.wait_seconds - ep_exp_window0.wait_seconds) / ws_},
+                 {"exposed_seconds_per_step", (ex.exposed_seconds - ep_exp_window0.exposed_seconds) / ws_}};
+      ep_window0 = now, ep_exp_window0 = ex;
     }
     if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
     if (say) {
@@ -210,6 +215,9 @@ void TrainSession::finish() {
     res.ep_bytes_inter_per_step = double(t.bytes_inter - ep_run0.bytes_inter) / st_;
     res.ep_bytes_intra_per_step = double(t.bytes_intra - ep_run0.bytes_intra) / st_;
     res.ep_seconds = t.seconds - ep_run0.seconds;
+    const Model::EpExposed ex = model->ep_exposed();
+    res.ep_wait_seconds = ex.wait_seconds - ep_run0_exposed.wait_seconds;
+    res.ep_exposed_seconds = ex.exposed_seconds - ep_run0_exposed.exposed_seconds;
     res.ep_buffer_bytes = model->ep_buffer_bytes();
     const Model::EpRows er = model->ep_rows();
     if (er.balanced > 0)

@@ -101,6 +101,7 @@ struct TrainSession {
   double time_total = 0, window_t = 0;
   int64_t tokens_total = 0, window_tok = 0, window_steps = 0;
   EpTraffic ep_window0, ep_run0;
+  Model::EpExposed ep_exp_window0, ep_run0_exposed;
   std::vector<int32_t> vin, vtg;  // validation batch
   // Profiled steps (every step after the first when profiling): each pipeline rank's executed actions,
   // gathered; rank 0 writes them to <dump_folder>/pipeline_record.json at the end (at most kMaxRecordedSteps).

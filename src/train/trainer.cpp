@@ -88,6 +88,7 @@ TrainResult train(const JobConfig& cfg, const TrainOptions& opt) {
   trace::reset();
   s.begin_profiling();  // the profiled steps' window; with [profiling] enable, the trace session (collective)
   s.ep_window0 = s.model->ep_traffic(), s.ep_run0 = s.ep_window0;
+  s.ep_exp_window0 = s.model->ep_exposed(), s.ep_run0_exposed = s.ep_exp_window0;
   while (s.step < tr.steps) s.run_step();
   s.wait_for_checkpoint();  // [checkpoint] async: the last write is done (or its error raised) before the summary
   s.res.end_step = s.step;
