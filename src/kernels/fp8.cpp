@@ -23,22 +23,21 @@
 
 namespace moetron {
 
+// The row kernels each vector ISA provides (fp8_avx512.cpp: 16 lanes, fp8_avx2.cpp: 8 lanes), declared once.
+#define MT_FP8_ROW_KERNELS                                                                                        \
+  float amax(const float* x, int64_t n);                                                                          \
+  void encode_scaled(uint8_t* q, const float* x, int64_t n, float scale, int fmt);                                \
+  void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt);                                \
+  void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt);                                    \
+  void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake); \
+  float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld);
 namespace fp8_avx512 {
-float amax(const float* x, int64_t n);
-void encode_scaled(uint8_t* q, const float* x, int64_t n, float scale, int fmt);
-void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt);
-void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt);
-void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake);
-float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld);
-}  // namespace fp8_avx512
-namespace fp8_avx2 {  // the same six kernels with 8 lanes (fp8_avx2.cpp)
-float amax(const float* x, int64_t n);
-void encode_scaled(uint8_t* q, const float* x, int64_t n, float scale, int fmt);
-void decode_scaled(float* x, const uint8_t* q, int64_t n, float scale, int fmt);
-void fake_scaled(float* y, const float* x, int64_t n, float scale, int fmt);
-void row_blocks(void* out, float* scales, const float* x, int64_t C, int64_t bc, int fmt, bool pow2, bool fake);
-float amax_rows(const float* x, int64_t rows, int64_t n, int64_t ld);
-}  // namespace fp8_avx2
+MT_FP8_ROW_KERNELS
+}
+namespace fp8_avx2 {
+MT_FP8_ROW_KERNELS
+}
+#undef MT_FP8_ROW_KERNELS
 
 float fp8_max(Fp8Format f) { return f == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max; }
 int fp8_mantissa_bits(Fp8Format f) { return f == Fp8Format::E4M3 ? 3 : 2; }

@@ -18,33 +18,21 @@
 #include "moetron/rng.h"
 #include "moetron/trainer.h"
 #include "test_util.h"
+#include "train_test_util.h"
 
 using namespace moetron;
 using moetron::testing::error_of;
 namespace fs = std::filesystem;
 
 namespace {
-std::string repo(const std::string& rel) { return std::string(MOETRON_SOURCE_DIR) + "/" + rel; }
-
+std::string repo(const std::string& rel) { return moetron::testing::repo_path(rel); }
+// ds_tiny in fp32 (the FP8 path's reference dtype on every CPU), then `extra`.
 JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
-  std::vector<std::string> ov = {"--job.dump_folder=" + dump, "--training.dataset=synthetic",
-                                 "--metrics.peak_tflops=1.0", "--metrics.log_interval=1",
-                                 "--training.compute_dtype=fp32"};
-  for (auto& e : extra) ov.push_back(e);
-  return load_config(repo("configs/ds_tiny.toml"), ov);
+  extra.insert(extra.begin(), "--training.compute_dtype=fp32");
+  return moetron::testing::tiny_job(dump, extra);
 }
-
-std::string fresh_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("moetron_test_fp8_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p.string();
-}
-
-TrainOptions quiet() {
-  TrainOptions o;
-  o.quiet = true;
-  return o;
-}
+std::string fresh_dir(const std::string& name) { return moetron::testing::fresh_test_dir("moetron_test_fp8_", name); }
+TrainOptions quiet() { return moetron::testing::quiet_options(); }
 
 // One forward + backward of ds_tiny (B = 2, T = 32) with the given [quantize]: the loss and every gradient.
 struct Pass {

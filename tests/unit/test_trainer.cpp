@@ -17,31 +17,16 @@
 #include "moetron/model.h"
 #include "moetron/runtime.h"
 #include "moetron/trainer.h"
+#include "train_test_util.h"
 
 using namespace moetron;
 namespace fs = std::filesystem;
 
 namespace {
-std::string repo(const std::string& rel) { return std::string(MOETRON_SOURCE_DIR) + "/" + rel; }
-
-JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
-  std::vector<std::string> ov = {"--job.dump_folder=" + dump, "--training.dataset=synthetic",
-                                 "--metrics.peak_tflops=1.0", "--metrics.log_interval=1"};
-  for (auto& e : extra) ov.push_back(e);
-  return load_config(repo("configs/ds_tiny.toml"), ov);
-}
-
-std::string fresh_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("moetron_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p.string();
-}
-
-TrainOptions quiet() {
-  TrainOptions o;
-  o.quiet = true;
-  return o;
-}
+std::string repo(const std::string& rel) { return moetron::testing::repo_path(rel); }
+JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) { return moetron::testing::tiny_job(dump, extra); }
+std::string fresh_dir(const std::string& name) { return moetron::testing::fresh_test_dir("moetron_test_", name); }
+TrainOptions quiet() { return moetron::testing::quiet_options(); }
 }  // namespace
 
 TEST(LrSchedule, WarmupThenCosineToMin) {
