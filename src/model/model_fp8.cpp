@@ -220,6 +220,13 @@ void Model::Impl::fp8_mm(float* C, int64_t ldc, const Fp8Tensor& A, const Fp8Ten
            beta, C, ldc);
 }
 
+const Fp8Saved* Model::Impl::fp8_cached_for_wgrad(int p, int64_t rows, int64_t in) {
+  const Fp8Saved* c = fp8_cached(p);
+  MT_CHECK(!c || (c->rows == rows && c->cols == in), "fp8 cache", m.params_[size_t(p)].name, ": cached ",
+           c ? c->rows : 0, " x ", c ? c->cols : 0, ", the weight gradient needs ", rows, " x ", in);
+  return c;
+}
+
 const float* Model::Impl::fp8_f32(int slot, const void* x, int64_t n) {
   if (f32) return static_cast<const float*>(x);
   std::vector<float>& t = fp8_tmp[slot];
@@ -243,9 +250,7 @@ void Model::Impl::fp8_lin_dgrad(int s, float* dx, const void* dy, int p, int64_t
 }
 
 void Model::Impl::fp8_lin_wgrad(int s, int p, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
-  const Fp8Saved* c = fp8_cached(p);  // x is shared scratch then: the cached operand is the input
-  MT_CHECK(!c || (c->rows == rows && c->cols == in), "fp8 cache", m.params_[size_t(p)].name, ": cached ",
-           c ? c->rows : 0, " x ", c ? c->cols : 0, ", the weight gradient needs ", rows, " x ", in);
+  const Fp8Saved* c = fp8_cached_for_wgrad(p, rows, in);  // x is shared scratch then: the cached operand is the input
   if (c) fp8_cache_load(*c, 0, rows, 0, fp8_cached_scales(fp8->q.recipe, rows, in, 1), fp8_op[2]);
   const Fp8Tensor& A = c ? fp8_cached_xt(s, fp8_op[2], fp8_op[0])
                          : fp8_quant(s, kFp8X, fp8_f32(0, x, rows * in), rows, in, true, Fp8Role::Activation, fp8_op[0]);
@@ -292,9 +297,7 @@ void Model::Impl::fp8_gg_dgrad(int s, float* dX, const void* dY, int p, const in
 
 void Model::Impl::fp8_gg_wgrad(int s, int p, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in,
                                int64_t out) {
-  const Fp8Saved* c = fp8_cached(p);  // X is shared scratch then: the cached operands are the input
-  MT_CHECK(!c || (c->rows == R && c->cols == in), "fp8 cache", m.params_[size_t(p)].name, ": cached ", c ? c->rows : 0, " x ",
-           c ? c->cols : 0, ", the weight gradient needs ", R, " x ", in);
+  const Fp8Saved* c = fp8_cached_for_wgrad(p, R, in);  // X is shared scratch then: the cached operands are the input
   const float* x = c ? nullptr : fp8_f32(0, X, R * in);
   const float* dy = fp8_f32(1, dY, R * out);
   float* dW = G(p);

@@ -369,6 +369,9 @@ struct Model::Impl {
     const int k = f8_on && size_t(p) < f8_slot.size() ? f8_slot[size_t(p)] : -1;
     return k >= 0 && f8_bufs && f8_bufs->f8[k].defined() ? &f8_bufs->f8[k] : nullptr;
   }
+  // The cache of parameter p for its weight gradient over rows x in (null when not cached); a shape other than the
+  // forward's stored one is an error naming the parameter.
+  const Fp8Saved* fp8_cached_for_wgrad(int p, int64_t rows, int64_t in);
   // Stores operand A (rows [r0, r0 + A.rows) of the slot, its scales from scale index s0) into the cache.
   void fp8_cache_store(Fp8Saved& c, const Fp8Tensor& A, int64_t r0, int64_t s0);
   // The cached rows [r0, r0 + rows) as an Fp8Tensor [rows, cols] along cols (scales from index s0), into t.

@@ -24,10 +24,8 @@ namespace fs = std::filesystem;
 
 namespace {
 std::string repo(const std::string& rel) { return moetron::testing::repo_path(rel); }
-// ds_tiny in fp32 (the FP8 path's reference dtype on every CPU), then `extra`.
 JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
-  extra.insert(extra.begin(), "--training.compute_dtype=fp32");
-  return moetron::testing::tiny_job(dump, extra);
+  return moetron::testing::tiny_fp32_job(dump, std::move(extra));
 }
 std::string fresh_dir(const std::string& name) { return moetron::testing::fresh_test_dir("moetron_test_fp8c_", name); }
 TrainOptions quiet() { return moetron::testing::quiet_options(); }

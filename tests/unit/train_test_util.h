@@ -23,6 +23,12 @@ inline JobConfig tiny_job(const std::string& dump, const std::vector<std::string
   return load_config(repo_path("configs/ds_tiny.toml"), ov);
 }
 
+// tiny_job in fp32 (the FP8 path's reference dtype on every CPU), then `extra`.
+inline JobConfig tiny_fp32_job(const std::string& dump, std::vector<std::string> extra = {}) {
+  extra.insert(extra.begin(), "--training.compute_dtype=fp32");
+  return tiny_job(dump, extra);
+}
+
 // An empty temporary folder named after the test file's prefix, the case and the process.
 inline std::string fresh_test_dir(const std::string& prefix, const std::string& name) {
   const std::filesystem::path p =
