@@ -7,9 +7,12 @@
 # docs/pipeline.md) and the loss (bitwise equal in both runs), then the mean of steps 2.. and two figures of
 # what the overlap hides: from the step times, (plain - overlap) / plain EP, and from the exposed time,
 # 1 - exposed(overlap) / exposed(plain). The metrics are rank 0's. MPIRUN_ARGS is passed to two_hosts.sh.
-# BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default turn.
-# Usage: sudo bench/ep_overlap.sh [RATE]   (default 300mbit; MOETRON=path/to/moetron, OUT=folder, GBS=global batch
-# in sequences (default 16: 4 micro-batches per pipeline), STEPS (default 4))
+# BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default free.
+# BASELINE=1 also runs every side on unshaped links (the same hosts, no rate limit) and prints a third figure, the
+# link's cost hidden: 1 - (overlap(RATE) - overlap(unshaped)) / (plain(RATE) - plain(unshaped)). It leaves out
+# what the second lane gains that is not EP (it fills pipeline bubbles and P2P waits on fast links too).
+# Usage: sudo bench/ep_overlap.sh [RATE]   (default 300mbit; RATE=unshaped: no limit; MOETRON=path/to/moetron,
+# OUT=folder, GBS=global batch in sequences (default 16: 4 micro-batches per pipeline), STEPS (default 4))
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 moetron=${MOETRON:-$root/build/moetron}
@@ -18,17 +21,22 @@ out=${OUT:-/tmp/moetron_ep_overlap}
 gbs=${GBS:-16}
 steps=${STEPS:-4}
 mkdir -p "$out"
-batons=${BATONS:-turn}
+batons=${BATONS:-free}
 runs="plain"
 for b in $batons; do runs="$runs $b"; done
+rates=$rate
+[[ ${BASELINE:-0} == 1 && $rate != unshaped ]] && rates="$rate unshaped"
+for link in $rates; do
 for run in $runs; do
+  shaped=$link
+  [[ $link == unshaped ]] && shaped=""
   ov=true
   [[ $run == plain ]] && ov=false
-  dir="$out/overlap_${run}_$rate"
+  dir="$out/overlap_${run}_$link"
   rm -rf "$dir"
   for attempt in 1 2 3; do  # the emulated hosts sometimes fail to start (docs/multinode.md): retry
   rm -rf "$dir"
-  if HOSTS=4 NP_PER_HOST=1 RATE=$rate MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${run/plain/turn}" \
+  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${run/plain/free}" \
     "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
     --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
     --training.micro_batch_size=2 --training.global_batch_size=$gbs --training.threads=1 \
@@ -39,9 +47,17 @@ for run in $runs; do
   [[ $attempt == 3 ]] && exit 1
   done
 done
-python3 - "$out" "$rate" $runs <<'PY'
+done
+python3 - "$out" "$rate" "${BASELINE:-0}" $runs <<'PY'
 import json, sys
-out, rate, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+out, rate, baseline, runs = sys.argv[1], sys.argv[2], sys.argv[3] == "1" and sys.argv[2] != "unshaped", sys.argv[4:]
+def load(run, link):
+    rows = [json.loads(l) for l in open(f"{out}/overlap_{run}_{link}/metrics.jsonl")]
+    prev, steps = 0.0, []
+    for r in rows:
+        steps.append(r["time_s"] - prev)
+        prev = r["time_s"]
+    return sum(steps[1:]) / len(steps[1:])
 res = {}
 for run in runs:
     rows = [json.loads(l) for l in open(f"{out}/overlap_{run}_{rate}/metrics.jsonl")]
@@ -64,4 +80,12 @@ for run in runs[1:]:
     print(f"  overlap ({run}): {to:.2f} s/step (exposed {xo:.2f} s); losses bitwise equal: {same}; "
           f"hidden (step time) = (plain - overlap) / EP = {(tp - to) / ep:+.2f}; "
           f"hidden (exposed time) = 1 - exposed(overlap) / exposed(plain) = {1 - xo / xp:+.2f}")
+if baseline:
+    up = load("plain", "unshaped")
+    print(f"unshaped links, steps 2..: plain {up:.2f} s/step; the link's cost in the plain run {tp - up:.2f} s")
+    for run in runs[1:]:
+        uo, to = load(run, "unshaped"), tail(run, 1)
+        print(f"  overlap ({run}): {uo:.2f} s/step unshaped, the link's cost {to - uo:.2f} s; "
+              f"hidden (link cost) = 1 - (overlap({rate}) - overlap(unshaped)) / (plain({rate}) - plain(unshaped)) "
+              f"= {1 - (to - uo) / (tp - up):+.2f}")
 PY

@@ -91,6 +91,12 @@ Schedule generate(const GenSpec& spec);  // compute actions only (lowered = fals
 void check_spec(const GenSpec& spec);
 inline constexpr int64_t kMaxComputeActions = int64_t(1) << 24;
 const std::vector<std::string>& schedule_names();
+// Forward actions rank `rank` runs before its first backward, as the generator emits them (gpipe: every
+// micro-batch; 1f1b / zb1p: min(pp - 1 - rank, microbatches); interleaved_1f1b: min(microbatches * vpp,
+// 2 * (pp - 1 - rank) + (vpp - 1) * group_size), plus one under ep_overlap). These are the forwards that no
+// backward pairs with in the warm-up, and as many backwards run unpaired in the cool-down. The V-shaped
+// schedules are refused (their warm-up mixes chunks; see generators_v.cpp).
+int warmup_forwards(const GenSpec& spec, int rank);
 bool uses_split_backward(std::string_view schedule);  // I/W rather than B
 bool is_v_shape(std::string_view schedule);
 
@@ -151,6 +157,7 @@ struct RankStats {
   int rank = 0;
   double busy = 0;          // compute time on this rank
   double bubble_ratio = 0;  // 1 - busy / step_time
+  double a2a_exposed = 0;   // the part of busy that is exposed all-to-all (an action's time beyond its compute)
   int peak_inflight = 0;    // max (stage, mb) activation sets held: F done, backward (B, or W) not yet done
   double peak_inflight_microbatches = 0;  // peak_inflight / stages_per_rank (whole-rank micro-batches)
 };

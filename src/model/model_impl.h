@@ -403,20 +403,20 @@ struct Model::Impl {
   // scratch and per-pass state (alloc_scratch, last_aux, cur_aux_scale, ...). A thread picks its lane with
   // Model::set_thread_lane. Lane 0 is this Impl; forwards (and so the expert counts) run on lane 0.
   std::unique_ptr<Impl> make_lane() const;
-  // The compute baton, shared by the two lanes while an FB pair runs (begin_pair / end_pair): the lanes take
-  // turns, lane 0 first, and a lane hands the turn over at each EP exchange (EpYield) and when its half ends.
-  // So one lane's exchange runs while the other computes, the lanes never compete for the cores, and the
-  // order of compute segments is the same on every EP rank (they run the same pairs), which keeps the two
-  // lanes' exchanges meeting their peers in step. Outside a pair it is inactive (no waits).
-  // MOETRON_EP_BATON=free (an experiment; default turn): no fixed turns, the compute goes to whichever lane is
-  // ready, so a lane whose exchange has finished computes while the other still waits (each dispatcher has its
-  // own communicator, so the lanes' exchanges match their peers in any interleaving).
+  // The compute baton, shared by the two lanes while an FB pair runs (begin_pair / end_pair): one lane computes
+  // at a time, so the lanes never compete for the cores, and a lane gives the baton up at each EP exchange
+  // (EpYield) and when its half ends. Outside a pair it is inactive (no waits). Two orders:
+  //  - free (the default, MOETRON_EP_BATON=free): the compute goes to whichever lane is ready, so a lane whose
+  //    exchange has finished computes while the other still waits (each dispatcher has its own communicator, so
+  //    the lanes' exchanges match their peers in any interleaving);
+  //  - turn (MOETRON_EP_BATON=turn): strict turns, lane 0 first, the same order of compute segments on every EP
+  //    rank. It hides less on the emulated slow link (docs/benchmarks.md) and is kept for comparison.
   struct Baton {
     Baton();
     std::mutex mu;
     std::condition_variable cv;
     bool active = false;
-    bool free_order = false;  // MOETRON_EP_BATON=free
+    bool free_order = true;   // MOETRON_EP_BATON=free (default) | turn
     int turn = 0;             // turn order: whose turn; free order: the lane computing, -1 none
     bool done[2] = {false, false};
     void begin_pair();

@@ -246,7 +246,7 @@ void Model::Impl::sync_lane_from(const Impl& o) {
 
 Model::Impl::Baton::Baton() {
   const char* v = std::getenv("MOETRON_EP_BATON");
-  const std::string m = v ? v : "turn";
+  const std::string m = v ? v : "free";
   MT_CHECK(m == "turn" || m == "free", "model", "MOETRON_EP_BATON must be 'turn' or 'free', not '", m, "'");
   free_order = m == "free";
 }

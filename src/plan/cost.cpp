@@ -274,6 +274,49 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   return lc;
 }
 
+// The data-parallel collectives of one pipeline rank, stage by stage, on one communication stream (Megatron's
+// overlap_grad_reduce / overlap_param_gather issue them per model chunk in this order). A stage's gradients are
+// final during its last backward: their reduction may start when that action starts (buckets stream out as the
+// backward produces them). A stage's parameters must have arrived by the end of its first forward (buckets are
+// waited for layer by layer). Times are the pipeline replay's; `end` is the pipeline's last action.
+struct DpWindow {
+  double last_bwd_start = 0;  // start of the stage's last backward (B, W, or the FB holding it)
+  double first_fwd_end = 0;   // end of the stage's first forward (F, or the FB holding it)
+  double share = 0;           // the stage's fraction of the rank's parameters
+};
+// Seconds the reduction runs past `end`: the stages in the order their gradients become final, each after the
+// previous one on the stream.
+double reduce_overrun(std::vector<DpWindow> w, double total, double end) {
+  std::sort(w.begin(), w.end(), [](const DpWindow& a, const DpWindow& b) { return a.last_bwd_start < b.last_bwd_start; });
+  double t = 0;
+  for (const DpWindow& x : w) t = std::max(t, x.last_bwd_start) + x.share * total;
+  return std::max(0.0, t - end);
+}
+// Seconds the rank's pipeline must wait for its parameters: the gathers issued at the start of the step in the
+// order the stages first run forward; the largest lateness against a first forward's end delays everything after.
+double gather_stall(std::vector<DpWindow> w, double total) {
+  std::sort(w.begin(), w.end(), [](const DpWindow& a, const DpWindow& b) { return a.first_fwd_end < b.first_fwd_end; });
+  double t = 0, stall = 0;
+  for (const DpWindow& x : w) t += x.share * total, stall = std::max(stall, t - x.first_fwd_end);
+  return stall;
+}
+// The windows read off a timed replay: per rank, per stage it owns.
+std::vector<std::vector<DpWindow>> dp_windows(const sched::TimedResult& r, int pp, int n_stages) {
+  std::vector<std::vector<DpWindow>> w(size_t(pp), std::vector<DpWindow>(size_t(n_stages), DpWindow{}));
+  std::vector<std::vector<char>> seen(size_t(pp), std::vector<char>(size_t(n_stages), char(0)));
+  for (const sched::TimedOp& op : r.ops) {
+    const sched::Action& a = op.action;
+    auto& row = w[size_t(op.rank)];
+    int fwd = -1, bwd = -1;
+    if (a.op == sched::Op::F) fwd = a.stage;
+    else if (a.op == sched::Op::B || a.op == sched::Op::W) bwd = a.stage;
+    else if (a.op == sched::Op::FB) fwd = a.stage, bwd = a.op2 == sched::Op::B ? a.stage2 : -1;
+    if (fwd >= 0 && !seen[size_t(op.rank)][size_t(fwd)]) row[size_t(fwd)].first_fwd_end = op.end, seen[size_t(op.rank)][size_t(fwd)] = 1;
+    if (bwd >= 0) row[size_t(bwd)].last_bwd_start = std::max(row[size_t(bwd)].last_bwd_start, op.start);
+  }
+  return w;
+}
+
 }  // namespace
 
 const char* plan_op_name(int op) {
@@ -365,6 +408,11 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   d.p2p = tp.p2p;
   for (const auto& st : tp.stages) d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b});
   const int64_t m = l.microbatches;
+  std::vector<double> a2a_exposed(size_t(l.pp), 0.0);  // per pipeline rank, the simulator's exposed EP seconds
+  // Per pipeline rank and stage, the DP collectives' windows (DpWindow) and the replayed pipeline's end they
+  // refer to; `windows` stays empty for the analytic pass (filled from the schedule's shape below).
+  std::vector<std::vector<DpWindow>> windows;
+  double windows_end = 0;
   if (o.simulate) {
     // Long steps: simulate m1 and 2 m1 micro-batches (multiples of pp) and extend the steady state linearly.
     sched::GenSpec g = sp.spec;
@@ -378,10 +426,22 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     if (sp.from_csv || m <= 2 * m1) {
       const auto r = run(m);
       tp.pipeline_time = r.step_time, tp.bubble_ratio = r.bubble_ratio, tp.simulated_microbatches = m;
+      for (const auto& rs : r.ranks) a2a_exposed[size_t(rs.rank)] = rs.a2a_exposed;
+      windows = dp_windows(r, int(l.pp), int(tp.stages.size())), windows_end = r.step_time;
     } else {
       const auto r1 = run(m1), r2 = run(2 * m1);
       const double slope = (r2.step_time - r1.step_time) / double(m1);
       tp.pipeline_time = r1.step_time + slope * double(m - m1);
+      for (size_t r = 0; r < a2a_exposed.size(); ++r) {
+        const double a1 = r1.ranks[r].a2a_exposed, a2 = r2.ranks[r].a2a_exposed;
+        a2a_exposed[r] = a1 + (a2 - a1) / double(m1) * double(m - m1);
+      }
+      // The first forwards and the last backwards sit in the warm-up and the cool-down, whose shape does not
+      // depend on m: the shorter replay's windows, its last backwards moved to the extended end.
+      windows = dp_windows(r2, int(l.pp), int(tp.stages.size()));
+      for (auto& row : windows)
+        for (DpWindow& x : row) x.last_bwd_start += tp.pipeline_time - r2.step_time;
+      windows_end = tp.pipeline_time;
       double busy = 0;
       for (const auto& rs : r2.ranks) busy = std::max(busy, rs.busy);
       const double per_mb_busy = busy / double(2 * m1);
@@ -390,13 +450,24 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     }
   } else {
     // Analytic: the slowest rank's per-micro-batch time, m of them, plus the warm-up / cool-down of (pp - 1) / vpp
-    // micro-batches' worth (the closed bubble formula's shape).
+    // micro-batches' worth (the closed bubble formula's shape). Under ep_overlap (the fused interleaved schedule)
+    // the rank's warm-up forwards and cool-down backwards run unpaired and show their whole all-to-all; each
+    // fused steady-state pair shows the part beyond the pair's compute (what the timed simulator charges,
+    // averaged over the rank's chunks).
     double worst = 0;
     for (int r = 0; r < l.pp; ++r) {
+      double unpaired = 1.0;  // the share of the rank's chunks whose all-to-all is not overlapped
+      if (l.ep_overlap && !sp.from_csv) {
+        sched::GenSpec g = sp.spec;
+        g.microbatches = int(m);
+        const double chunks = double(m) * double(sp.rank_stages[size_t(r)].size());
+        unpaired = std::min(1.0, double(sched::warmup_forwards(g, r)) / chunks);
+      }
       double t = 0;
       for (int st : sp.rank_stages[size_t(r)]) {
         const auto& x = tp.stages[size_t(st)];
-        t += x.f + x.i + x.w + (l.ep_overlap ? 0.0 : x.a2a_f + x.a2a_b) + 2 * tp.p2p;
+        const double a2a = x.a2a_f + x.a2a_b, compute = x.f + x.i + x.w;
+        t += compute + unpaired * a2a + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
       }
       worst = std::max(worst, t);
     }
@@ -439,9 +510,36 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
       const double per_mb = 2 * gather + red;
       total = per_mb * double(m);
       exposed = double(m) * (std::max(0.0, gather - hide_f) + std::max(0.0, gather + red - hide_b));
+    } else if (!o.overlap_dp) {
+      total = exposed = red + gather;
     } else {
+      // Stage by stage behind the pipeline (DpWindow): each stage's share of the rank's parameters by its layers
+      // (the embedding and the head count as one layer each).
+      const auto& own = sp.rank_stages[size_t(r)];
+      std::vector<DpWindow> w;
+      double layers = 0;
+      for (int st : own) layers += double(sp.n_moe[size_t(st)] + sp.n_dense[size_t(st)] + sp.first[size_t(st)] + sp.last[size_t(st)]);
+      double end = windows_end;
+      for (size_t c = 0; c < own.size(); ++c) {
+        const int st = own[c];
+        DpWindow x;
+        if (!windows.empty()) x = windows[size_t(r)][size_t(st)];
+        else {
+          // Analytic: the rank placed first in the pipeline (the shortest windows): chunk c's first forward ends
+          // after c groups of forwards of the earlier chunks, its last backward starts c groups of backwards
+          // before the end (Megatron's interleaved order; one chunk under 1F1B).
+          const double G = double(sp.spec.group_size > 0 ? sp.spec.group_size : l.pp);
+          const auto& x0 = tp.stages[size_t(st)];
+          end = tp.pipeline_time;
+          x.first_fwd_end = (double(c) * G + 1) * x0.f;
+          x.last_bwd_start = end - (double(c) * G + 1) * (x0.i + x0.w);
+        }
+        x.share = double(sp.n_moe[size_t(st)] + sp.n_dense[size_t(st)] + sp.first[size_t(st)] + sp.last[size_t(st)]) /
+                  std::max(layers, 1.0);
+        w.push_back(x);
+      }
       total = red + gather;
-      exposed = std::max(0.0, red - hide_b) + std::max(0.0, gather - hide_f);
+      exposed = reduce_overrun(w, red, end) + gather_stall(w, gather);
     }
     if (exposed > tp.dp_exposed) tp.dp_exposed = exposed, tp.dp_total = total;
     // Optimizer: zero the gradient buffer once per step (write what the rank holds); the gradient norm (read the
@@ -493,9 +591,6 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
         tp.ops_f[size_t(k)] += x.op_f[size_t(k)] * double(m), tp.ops_b[size_t(k)] += x.op_b[size_t(k)] * double(m);
       sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
       sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
-      // Under ep_overlap a steady-state FB hides the exchange behind the other micro-batch's compute: what stays
-      // exposed is the part longer than that compute (warm-up and cool-down F / B are counted as hidden too).
-      sum.a2a_f += l.ep_overlap ? std::max(0.0, x.a2a_f + x.a2a_b - (x.f + x.i + x.w)) : x.a2a_f + x.a2a_b;
     }
     const double mm = double(m);
     auto& b = tp.breakdown;
@@ -506,7 +601,9 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     b["compute.recompute"] = sum.recompute * mm;
     b["comm.tp"] = sum.tp_comm * mm;
     b["comm.cp"] = sum.cp_comm * mm;
-    b["comm.ep"] = sum.a2a_f * mm;
+    // Exposed EP: what the timed replay charged this rank beyond compute (under ep_overlap the unpaired warm-up
+    // forwards and cool-down backwards, and each fused pair's exchange beyond its compute).
+    b["comm.ep"] = a2a_exposed[size_t(worst)];
     b["comm.pp_p2p"] = 0;
     double accounted = 0;
     for (const auto& [k, v] : b) accounted += v;

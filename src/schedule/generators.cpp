@@ -71,7 +71,7 @@ Schedule gen_1f1b(const GenSpec& g, bool split) {
   const int M = g.microbatches;
   for (int r = 0; r < g.pp; ++r) {
     auto& row = s.actions[size_t(r)];
-    const int warm = std::min(g.pp - 1 - r, M);
+    const int warm = warmup_forwards(g, r);
     const int hold = split ? std::min(r, M) : 0;
     int next_w = 0;
     auto backward = [&](int k) {  // the (k+1)-th backward of this rank, micro-batch k
@@ -115,8 +115,7 @@ Schedule gen_interleaved(const GenSpec& g) {
   const int total = M * v;
   for (int r = 0; r < pp; ++r) {
     auto& row = s.actions[size_t(r)];
-    // ep_overlap: one more warm-up forward, so that both halves of every fused pair have their inputs.
-    const int warm = std::min(total, interleaved_warmup(pp, v, n, r) + (g.ep_overlap ? 1 : 0));
+    const int warm = warmup_forwards(g, r);
     auto fwd = [&](int k) { row.push_back(F(table[size_t(k)].chunk * pp + r, table[size_t(k)].mb)); };
     auto bwd = [&](int k) { row.push_back(B((v - 1 - table[size_t(k)].chunk) * pp + r, table[size_t(k)].mb)); };
     for (int k = 0; k < warm; ++k) fwd(k);
@@ -162,6 +161,19 @@ Schedule empty_schedule(const GenSpec& g, std::vector<int> placement) {
 
 int interleaved_warmup(int pp, int vpp, int group_size, int rank) {
   return 2 * (pp - 1 - rank) + (vpp - 1) * group_size;
+}
+
+int warmup_forwards(const GenSpec& g, int rank) {
+  MT_CHECK(rank >= 0 && rank < g.pp, "schedule", g.schedule, ": warmup_forwards: rank ", rank, " outside pp = ", g.pp);
+  const int M = g.microbatches;
+  if (g.schedule == "gpipe") return M;
+  if (g.schedule == "1f1b" || g.schedule == "zb1p") return std::min(g.pp - 1 - rank, M);
+  if (g.schedule == "interleaved_1f1b") {
+    const int n = g.group_size > 0 ? g.group_size : g.pp;
+    // ep_overlap: one more warm-up forward, so that both halves of every fused pair have their inputs.
+    return std::min(M * g.vpp, interleaved_warmup(g.pp, g.vpp, n, rank) + (g.ep_overlap ? 1 : 0));
+  }
+  MT_FAIL("schedule", g.schedule, ": warmup_forwards is defined for gpipe, 1f1b, zb1p and interleaved_1f1b only");
 }
 
 const std::vector<std::string>& schedule_names() { return kNames; }

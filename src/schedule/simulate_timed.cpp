@@ -14,7 +14,8 @@
 // by an earlier RECV (lowering guarantees it). The replay is event-driven: a rank blocked on a RECV resumes
 // when the matching SEND is issued.
 // Results: step_time = the latest end of any action; per rank busy = the summed durations of its compute
-// actions (their exposed all-to-all included: it is work, not pipeline idle), bubble_ratio = 1 - busy /
+// actions (their exposed all-to-all included: it is work, not pipeline idle; a2a_exposed is that part alone),
+// bubble_ratio = 1 - busy /
 // step_time; whole bubble_ratio = 1 - sum(busy) / (pp * step_time); steps = simulate_lockstep's count for the
 // same lowered schedule. Peak in-flight counts the activation sets (stage, mb) a rank holds: +1 when an F
 // runs, -1 when the set is freed by its B or, with split backward, its W (an I frees nothing). An FB counts
@@ -95,6 +96,16 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
       default: return 0;
     }
   };
+  auto compute = [&](const Action& a) -> double {  // the action's time without its exposed all-to-all
+    switch (a.op) {
+      case Op::F: return cost(a.stage).f;
+      case Op::I: return cost(a.stage).i;
+      case Op::B: return cost(a.stage).i + cost(a.stage).w;
+      case Op::W: return cost(a.stage).w;
+      case Op::FB: return cost(a.stage).f + (a.op2 == Op::B ? cost(a.stage2).i + cost(a.stage2).w : cost(a.stage2).i);
+      default: return 0;
+    }
+  };
 
   TimedResult res;
   res.ranks.resize(size_t(s.pp));
@@ -126,6 +137,7 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
       if (is_compute(a.op)) {
         op.end = t + duration(a);
         res.ranks[size_t(r)].busy += op.end - op.start;
+        res.ranks[size_t(r)].a2a_exposed += std::max(0.0, op.end - op.start - compute(a));
       } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
         const size_t c = cell(detail::msg_of(a));
         issued[c] = t;

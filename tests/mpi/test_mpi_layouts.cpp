@@ -523,7 +523,7 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       return a;
     };
     const TrainResult plain = train(tiny(shared_dir("ovl_plain_" + dt), with(false)), recorded(&world()));
-    // the default turn-taking lanes, then MOETRON_EP_BATON=free (the compute to whichever lane is ready)
+    // the turn-taking lanes, then the default free order (the compute to whichever lane is ready)
     for (const char* order : {"turn", "free"}) {
       SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + order);
       setenv("MOETRON_EP_BATON", order, 1);

@@ -283,3 +283,44 @@ TEST(PlanCost, EpImbalanceSlowsTheBusiestRank) {
   o1.memory.ep_imbalance = 1.5;
   EXPECT_DOUBLE_EQ(time_with(c1, 1, h, o1).step_time, a.step_time);
 }
+
+TEST(PlanCost, DataParallelCollectivesHideBehindTheFirstForwardAndLastBackward) {
+  // One stage (pp 1): the gradient reduction streams out during the last micro-batch's backward and the
+  // parameter gather must land by the end of the first forward, so exposed = max(0, red - (i + w)) +
+  // max(0, gather - f), hand-counted from the stage's own times; the analytic pass reads the same windows.
+  // Slow links make both collectives outlast their windows.
+  auto h = plantest::round_gpu();
+  h.scale_up.bw = 1e9;
+  const auto c = cfg("ds_mini", {"--parallelism.dp_shard=2", "--parallelism.zero=1", "--training.global_batch_size=32"});
+  for (bool simulate : {true, false}) {
+    plan::TimeOptions o;
+    o.simulate = simulate;
+    o.memory.recipe = plan::recipe_named("megatron", c);
+    const auto t = time_with(c, 2, h, o);
+    const auto r = plan::plan_memory(c, t.layout, h, o.memory).per_rank.at(0);
+    const plan::Group g{2, 2};
+    const double Pd = r.params_tp_sharded + r.params_replicated, Pe = r.params_experts;
+    const double red = plan::reduce_scatter(h, Pd * o.memory.recipe.grad, g) + plan::reduce_scatter(h, Pe * o.memory.recipe.grad, g);
+    const double gather = plan::all_gather(h, Pd * o.memory.recipe.param, g) + plan::all_gather(h, Pe * o.memory.recipe.param, g);
+    const auto& st = t.stages.at(0);
+    const double want = std::max(0.0, red - (st.i + st.w)) + std::max(0.0, gather - st.f);
+    ASSERT_GT(want, 0);
+    EXPECT_NEAR(t.dp_exposed, want, 1e-9 * want) << (simulate ? "simulated" : "analytic");
+  }
+}
+
+TEST(PlanCost, InterleavedChunksReduceTheirGradientsDuringTheCoolDown) {
+  // With two chunks per rank, the later chunk's gradients are final a group of backwards before the end and
+  // its parameters are needed a group of forwards after the start: the DP exposure falls against one chunk
+  // per rank (same layers, the same collectives per rank but for where the embedding and head sit).
+  auto h = plantest::round_gpu();
+  h.scale_out.bw = 2e9;
+  auto c = cfg("ds_mini", {"--parallelism.pp=2", "--parallelism.dp_shard=8", "--parallelism.zero=1",
+                           "--training.micro_batch_size=1", "--training.global_batch_size=64"});
+  const auto one = timeof(c, 16, h);
+  c.parallelism.pp_schedule = "interleaved_1f1b", c.parallelism.pp_virtual_stages = 2;
+  const auto two = timeof(c, 16, h);
+  // (dp_total is the most exposed rank's; the two placements put the embedding and the head on different ranks)
+  ASSERT_GT(one.dp_exposed, 0);
+  EXPECT_LT(two.dp_exposed, 0.9 * one.dp_exposed) << one.dp_exposed << " vs " << two.dp_exposed;
+}

@@ -51,6 +51,9 @@ TEST(EpOverlapSchedule, OneMoreWarmupForwardAndFusedPairsOverAGrid) {
           for (const Action& x : b) fb += x.op == Op::FB;
           while (plain_f < int(b.size()) && b[size_t(plain_f)].op == Op::F) ++plain_f;
           EXPECT_EQ(before_first_backward(b), std::min(total, before_first_backward(a) + 1)) << "rank " << r;
+          // warmup_forwards: the forwards that run unpaired, as the generator emits them.
+          EXPECT_EQ(std::min(total, warmup_forwards(spec(pp, vpp, m, false), r) + 1), before_first_backward(a)) << "rank " << r;
+          EXPECT_EQ(warmup_forwards(spec(pp, vpp, m, true), r), plain_f) << "rank " << r;
           EXPECT_EQ(fb, total - plain_f) << "rank " << r;  // every steady-state pair fused
           // Unfused, the overlap schedule runs the same forwards and backwards in the same orders.
           std::vector<Action> fa, fo, ba, bo;
@@ -75,6 +78,19 @@ TEST(EpOverlapSchedule, FusedPairsHideTheAllToAllInTheTimedReplay) {
   const TimedResult plain = simulate_timed(lower(generate(spec(pp, vpp, m, false))), d);
   const TimedResult ov = simulate_timed(lower(generate(spec(pp, vpp, m, true))), d);
   EXPECT_LT(ov.step_time, 0.8 * plain.step_time) << plain.step_time << " vs " << ov.step_time;
+  // Exposed all-to-all, hand-counted: the plain schedule pays 1 per F and per B (2 per chunk, m * vpp chunks);
+  // the fused one only on its unpaired warm-up forwards and cool-down backwards (an FB's 2 hide under its 3).
+  for (int r = 0; r < pp; ++r) {
+    EXPECT_DOUBLE_EQ(plain.ranks[size_t(r)].a2a_exposed, 2.0 * m * vpp) << "rank " << r;
+    EXPECT_DOUBLE_EQ(ov.ranks[size_t(r)].a2a_exposed, 2.0 * warmup_forwards(spec(pp, vpp, m, true), r)) << "rank " << r;
+  }
+  // An all-to-all longer than the pair's compute shows through by the difference: 4 + 4 against 3 per FB.
+  for (auto& c : d.stage) c.a2a_f = 4, c.a2a_b = 4;
+  const TimedResult big = simulate_timed(lower(generate(spec(pp, vpp, m, true))), d);
+  for (int r = 0; r < pp; ++r) {
+    const int warm = warmup_forwards(spec(pp, vpp, m, true), r);
+    EXPECT_DOUBLE_EQ(big.ranks[size_t(r)].a2a_exposed, 8.0 * warm + 5.0 * (m * vpp - warm)) << "rank " << r;
+  }
   // Without all-to-all there is nothing to hide: the fused schedule is no faster.
   const Durations d0 = Durations::uniform(pp * vpp, 1, 2, 0, 0);
   EXPECT_GE(simulate_timed(lower(generate(spec(pp, vpp, m, true))), d0).step_time,

@@ -464,3 +464,29 @@ TEST(ScheduleGenerators, PreconditionsAreRefusedByName) {
   EXPECT_EQ(msg(spec("gpipe", 4, 1, 1)), "");
   EXPECT_EQ(msg(spec("1f1b", 8, 1, int(kMaxComputeActions / 16))), "");
 }
+
+TEST(Generators, WarmupForwardsMatchTheGeneratedLists) {
+  for (const char* name : {"gpipe", "1f1b", "zb1p", "interleaved_1f1b"})
+    for (int pp : {2, 4})
+      for (int m : {pp, 3 * pp}) {
+        GenSpec g;
+        g.schedule = name, g.pp = pp, g.microbatches = m, g.vpp = std::string(name) == "interleaved_1f1b" ? 2 : 1;
+        const Schedule s = generate(g);
+        for (int r = 0; r < pp; ++r) {
+          // Megatron's warm-up counts, and the list agrees: the warm-up forwards, then (when forwards remain) the
+          // steady state's first forward, lead the rank's list.
+          const int total = m * g.vpp;
+          const int want = std::string(name) == "gpipe"              ? m
+                           : std::string(name) == "interleaved_1f1b" ? std::min(total, 2 * (pp - 1 - r) + pp)
+                                                                      : std::min(m, pp - 1 - r);
+          EXPECT_EQ(warmup_forwards(g, r), want) << name << " pp " << pp << " m " << m << " rank " << r;
+          const auto& row = s.actions[size_t(r)];
+          int n = 0;
+          while (n < int(row.size()) && row[size_t(n)].op == Op::F) ++n;
+          EXPECT_EQ(n, std::min(total, want + 1)) << name << " pp " << pp << " m " << m << " rank " << r;
+        }
+      }
+  GenSpec v;
+  v.schedule = "zbv", v.pp = 2, v.vpp = 2, v.microbatches = 4;
+  EXPECT_THROW(warmup_forwards(v, 0), Error);
+}
