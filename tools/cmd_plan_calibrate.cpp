@@ -461,11 +461,16 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
     // Collectives measured against the model (printed, a check of the alpha-beta fit).
     std::string check;
     if (w.size() >= 2) {
-      // The all-reduce at the engine's gradient segment (kCommReduceSegment fp32 elements: 16 MiB, the bulk of the
-      // data-parallel traffic, larger than the caches); the all-to-all at 4 MiB, the order of one EP exchange.
-      const int64_t n = kCommReduceSegment, na = 1 << 20;
-      std::vector<float> x(static_cast<size_t>(n), 1.f);
-      const double ar = best_of(w, reps, [&] { w.all_reduce(x.data(), n); });
+      // The all-reduce as the engine's gradient reduction runs it: back-to-back calls of kCommReduceSegment fp32
+      // elements (16 MiB) over a buffer larger than the caches (8 segments, 4 under --quick), timed as a whole and
+      // fitted per segment; a single call alone took twice as long per byte here (the engine's dp_comm scope ran
+      // at about 2 GB/s against 0.94 GB/s fitted to one call, docs/planner.md). The all-to-all at 4 MiB, the
+      // order of one EP exchange.
+      const int64_t n = kCommReduceSegment, segs = quick ? 4 : 8, na = 1 << 20;
+      std::vector<float> x(static_cast<size_t>(n * segs), 1.f);
+      const double ar = best_of(w, reps, [&] {
+        for (int64_t k = 0; k < segs; ++k) w.all_reduce(x.data() + k * n, n);
+      }) / double(segs);
       std::vector<char> s(static_cast<size_t>(4 * na)), r(static_cast<size_t>(4 * na));
       const double a2a = best_of(w, reps, [&] { w.all_to_all(r.data(), s.data(), 4 * na / w.size()); });
       const plan::Group g{w.size(), w.size()};
@@ -477,11 +482,11 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
       const double p2p_bw = h.scale_up.bw;
       if (ar > lat) h.scale_up.bw = std::min(p2p_bw, ring_bytes / (ar - lat));
       h.scale_out.bw = h.scale_up.bw;
-      h.sources["scale_up.bw_gbps"] = when + "; fitted to a 16 MiB all-reduce with the ring formula";
+      h.sources["scale_up.bw_gbps"] = when + "; fitted to back-to-back 16 MiB all-reduces with the ring formula";
       char buf[600];
       std::snprintf(buf, sizeof buf,
                     "# point-to-point %.2f GB/s (8 MiB ping-pong), alpha %.2f us (8 B); bw_gbps fitted to the all-reduce: "
-                    "%.2f GB/s\n# check: all-reduce 16 MiB measured %.3f ms, model %.3f ms; all-to-all 4 MiB measured "
+                    "%.2f GB/s\n# check: all-reduce 16 MiB (one of a run of segments) measured %.3f ms, model %.3f ms; all-to-all 4 MiB measured "
                     "%.3f ms, model %.3f ms\n",
                     p2p_bw / 1e9, h.scale_up.alpha * 1e6, h.scale_up.bw / 1e9, 1e3 * ar,
                     1e3 * plan::all_reduce(h, 4.0 * n, g), 1e3 * a2a, 1e3 * plan::all_to_all(h, 4.0 * na, g));
