@@ -463,15 +463,18 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
         const double chunks = double(m) * double(sp.rank_stages[size_t(r)].size());
         unpaired = std::min(1.0, double(sched::warmup_forwards(g, r)) / chunks);
       }
-      double t = 0;
+      // The steady per-micro-batch time stretches by the ramp; the unpaired exchanges are paid once per chunk
+      // (they sit in the ramp, where the other ranks idle anyway, so the ramp does not stretch them again).
+      double steady = 0, once = 0;
       for (int st : sp.rank_stages[size_t(r)]) {
         const auto& x = tp.stages[size_t(st)];
         const double a2a = x.a2a_f + x.a2a_b, compute = x.f + x.i + x.w;
-        t += compute + unpaired * a2a + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
+        steady += compute + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
+        once += unpaired * a2a;
       }
-      worst = std::max(worst, t);
+      worst = std::max(worst, steady * (double(m) + double(l.pp - 1) / double(l.vpp)) + once * double(m));
     }
-    tp.pipeline_time = worst * (double(m) + double(l.pp - 1) / double(l.vpp));
+    tp.pipeline_time = worst;
     tp.bubble_ratio = 1.0 - double(m) / (double(m) + double(l.pp - 1) / double(l.vpp));
     tp.simulated = false;
   }
