@@ -430,12 +430,11 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
       windows = dp_windows(r, int(l.pp), int(tp.stages.size())), windows_end = r.step_time;
     } else {
       const auto r1 = run(m1), r2 = run(2 * m1);
-      const double slope = (r2.step_time - r1.step_time) / double(m1);
-      tp.pipeline_time = r1.step_time + slope * double(m - m1);
-      for (size_t r = 0; r < a2a_exposed.size(); ++r) {
-        const double a1 = r1.ranks[r].a2a_exposed, a2 = r2.ranks[r].a2a_exposed;
-        a2a_exposed[r] = a1 + (a2 - a1) / double(m1) * double(m - m1);
-      }
+      // A figure of the m1 and 2 m1 replays, extended linearly to m micro-batches.
+      auto extend = [&](double v1, double v2) { return v1 + (v2 - v1) / double(m1) * double(m - m1); };
+      tp.pipeline_time = extend(r1.step_time, r2.step_time);
+      for (size_t r = 0; r < a2a_exposed.size(); ++r)
+        a2a_exposed[r] = extend(r1.ranks[r].a2a_exposed, r2.ranks[r].a2a_exposed);
       // The first forwards and the last backwards sit in the warm-up and the cool-down, whose shape does not
       // depend on m: the shorter replay's windows, its last backwards moved to the extended end.
       windows = dp_windows(r2, int(l.pp), int(tp.stages.size()));
@@ -519,10 +518,14 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
       // Stage by stage behind the pipeline (DpWindow): each stage's share of the rank's parameters by its layers
       // (the embedding and the head count as one layer each).
       const auto& own = sp.rank_stages[size_t(r)];
-      std::vector<DpWindow> w;
+      auto stage_layers = [&](int st) {
+        const size_t i = size_t(st);
+        return double(sp.n_moe[i] + sp.n_dense[i] + sp.first[i] + sp.last[i]);
+      };
       double layers = 0;
-      for (int st : own) layers += double(sp.n_moe[size_t(st)] + sp.n_dense[size_t(st)] + sp.first[size_t(st)] + sp.last[size_t(st)]);
-      double end = windows_end;
+      for (int st : own) layers += stage_layers(st);
+      const double end = windows.empty() ? tp.pipeline_time : windows_end;
+      std::vector<DpWindow> w;
       for (size_t c = 0; c < own.size(); ++c) {
         const int st = own[c];
         DpWindow x;
@@ -533,12 +536,10 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
           // before the end (Megatron's interleaved order; one chunk under 1F1B).
           const double G = double(sp.spec.group_size > 0 ? sp.spec.group_size : l.pp);
           const auto& x0 = tp.stages[size_t(st)];
-          end = tp.pipeline_time;
           x.first_fwd_end = (double(c) * G + 1) * x0.f;
           x.last_bwd_start = end - (double(c) * G + 1) * (x0.i + x0.w);
         }
-        x.share = double(sp.n_moe[size_t(st)] + sp.n_dense[size_t(st)] + sp.first[size_t(st)] + sp.last[size_t(st)]) /
-                  std::max(layers, 1.0);
+        x.share = stage_layers(st) / std::max(layers, 1.0);
         w.push_back(x);
       }
       total = red + gather;

@@ -81,29 +81,24 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
 
   const StageCost dflt{};
   auto cost = [&](int stage) -> const StageCost& { return d.stage.empty() ? dflt : d.stage[size_t(stage)]; };
-  auto duration = [&](const Action& a) -> double {
-    switch (a.op) {
-      case Op::F: return cost(a.stage).f + cost(a.stage).a2a_f;
-      case Op::I: return cost(a.stage).i + cost(a.stage).a2a_b;
-      case Op::B: return cost(a.stage).i + cost(a.stage).w + cost(a.stage).a2a_b;
-      case Op::W: return cost(a.stage).w;
-      case Op::FB: {
-        const StageCost& cf = cost(a.stage);
-        const StageCost& cb = cost(a.stage2);
-        const double b = a.op2 == Op::B ? cb.i + cb.w : cb.i;
-        return std::max(cf.f + b, cf.a2a_f + cb.a2a_b);
-      }
-      default: return 0;
-    }
+  // An action's compute and its all-to-all: F, I and B pay both in sequence; an FB's compute of one half hides
+  // the other half's exchange, so it lasts the longer of the two.
+  struct Cost {
+    double compute = 0, a2a = 0;
+    double duration(Op op) const { return op == Op::FB ? std::max(compute, a2a) : compute + a2a; }
   };
-  auto compute = [&](const Action& a) -> double {  // the action's time without its exposed all-to-all
+  auto action_cost = [&](const Action& a) -> Cost {
+    const StageCost& c = cost(a.stage);
     switch (a.op) {
-      case Op::F: return cost(a.stage).f;
-      case Op::I: return cost(a.stage).i;
-      case Op::B: return cost(a.stage).i + cost(a.stage).w;
-      case Op::W: return cost(a.stage).w;
-      case Op::FB: return cost(a.stage).f + (a.op2 == Op::B ? cost(a.stage2).i + cost(a.stage2).w : cost(a.stage2).i);
-      default: return 0;
+      case Op::F: return {c.f, c.a2a_f};
+      case Op::I: return {c.i, c.a2a_b};
+      case Op::B: return {c.i + c.w, c.a2a_b};
+      case Op::W: return {c.w, 0};
+      case Op::FB: {
+        const StageCost& cb = cost(a.stage2);
+        return {c.f + (a.op2 == Op::B ? cb.i + cb.w : cb.i), c.a2a_f + cb.a2a_b};
+      }
+      default: return {};
     }
   };
 
@@ -135,9 +130,11 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
       const Action& a = row[idx];
       TimedOp op{r, int(idx), a, t, t};
       if (is_compute(a.op)) {
-        op.end = t + duration(a);
+        const Cost c = action_cost(a);
+        const double dur = c.duration(a.op);
+        op.end = t + dur;
         res.ranks[size_t(r)].busy += op.end - op.start;
-        res.ranks[size_t(r)].a2a_exposed += std::max(0.0, op.end - op.start - compute(a));
+        res.ranks[size_t(r)].a2a_exposed += dur - c.compute;
       } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
         const size_t c = cell(detail::msg_of(a));
         issued[c] = t;

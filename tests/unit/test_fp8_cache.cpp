@@ -16,6 +16,7 @@
 #include "moetron/model.h"
 #include "moetron/trainer.h"
 #include "test_util.h"
+#include "fp8_test_util.h"
 #include "train_test_util.h"
 
 using namespace moetron;
@@ -23,35 +24,16 @@ using moetron::testing::error_of;
 namespace fs = std::filesystem;
 
 namespace {
-std::string repo(const std::string& rel) { return moetron::testing::repo_path(rel); }
 JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
   return moetron::testing::tiny_fp32_job(dump, std::move(extra));
 }
 std::string fresh_dir(const std::string& name) { return moetron::testing::fresh_test_dir("moetron_test_fp8c_", name); }
 TrainOptions quiet() { return moetron::testing::quiet_options(); }
 
-struct Pass {
-  double loss = 0;
-  std::vector<float> grads;
-};
-// One forward + backward of ds_tiny / ds_tiny_mla (B = 2, T = 32): the loss and every gradient.
+using Pass = moetron::testing::Fp8Pass;
+// ds_tiny / ds_tiny_mla, twice on the same model: the second pass runs on caches the first one filled.
 Pass one_pass(const QuantizeSpec& q, const std::string& cfg, const ActivationCheckpointSpec& ac = {}) {
-  const JobConfig c = load_config(repo(cfg), {"--training.compute_dtype=fp32"});
-  const int64_t B = 2, T = 32, V = c.model.vocab_size;
-  Model m(c.model, B, T, ac, {}, ComputeDtype::FP32);
-  m.init_params(7);
-  m.set_quantize(q);
-  std::vector<int32_t> tok(size_t(B * T)), tgt(size_t(B * T));
-  for (int64_t i = 0; i < B * T; ++i) tok[size_t(i)] = int32_t((i * 37 + 11) % V), tgt[size_t(i)] = int32_t((i * 91 + 5) % V);
-  Pass p;
-  for (int rep = 0; rep < 2; ++rep) {  // twice: the second pass runs on caches the first one filled
-    m.zero_grads();
-    ForwardStats st = m.forward_backward(tok.data(), tgt.data(), 1.0f / float(B * T), 1.0f);
-    p.loss = st.ce_sum / double(st.ce_count);
-  }
-  const ParamEntry& last = m.params().back();
-  p.grads.assign(m.grad_data(), m.grad_data() + last.offset + last.numel);
-  return p;
+  return moetron::testing::fp8_pass(q, cfg, ac, false, 2);
 }
 
 QuantizeSpec quant(Fp8Recipe r, bool cache, const std::string& scaling = "current") {

@@ -18,6 +18,7 @@
 #include "moetron/rng.h"
 #include "moetron/trainer.h"
 #include "test_util.h"
+#include "fp8_test_util.h"
 #include "train_test_util.h"
 
 using namespace moetron;
@@ -25,35 +26,16 @@ using moetron::testing::error_of;
 namespace fs = std::filesystem;
 
 namespace {
-std::string repo(const std::string& rel) { return moetron::testing::repo_path(rel); }
 JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
   return moetron::testing::tiny_fp32_job(dump, std::move(extra));
 }
 std::string fresh_dir(const std::string& name) { return moetron::testing::fresh_test_dir("moetron_test_fp8_", name); }
 TrainOptions quiet() { return moetron::testing::quiet_options(); }
 
-// One forward + backward of ds_tiny (B = 2, T = 32) with the given [quantize]: the loss and every gradient.
-struct Pass {
-  double loss = 0;
-  std::vector<float> grads;
-};
+using Pass = moetron::testing::Fp8Pass;
+// One forward + backward of ds_tiny (MHA) or ds_tiny_mla with the given [quantize], with or without the twins.
 Pass one_pass(const QuantizeSpec& q, bool twin, const std::string& attn = "mha") {
-  const JobConfig c = load_config(repo(attn == "mla" ? "configs/ds_tiny_mla.toml" : "configs/ds_tiny.toml"),
-                                  {"--training.compute_dtype=fp32"});
-  const int64_t B = 2, T = 32, V = c.model.vocab_size;
-  Model m(c.model, B, T, {}, {}, ComputeDtype::FP32);
-  m.init_params(7);
-  m.set_quantize(q);
-  if (twin) m.set_fp8_twin(true);
-  std::vector<int32_t> tok(size_t(B * T)), tgt(size_t(B * T));
-  for (int64_t i = 0; i < B * T; ++i) tok[size_t(i)] = int32_t((i * 37 + 11) % V), tgt[size_t(i)] = int32_t((i * 91 + 5) % V);
-  m.zero_grads();
-  ForwardStats st = m.forward_backward(tok.data(), tgt.data(), 1.0f / float(B * T), 1.0f);
-  Pass p;
-  p.loss = st.ce_sum / double(st.ce_count);
-  const ParamEntry& last = m.params().back();
-  p.grads.assign(m.grad_data(), m.grad_data() + last.offset + last.numel);
-  return p;
+  return moetron::testing::fp8_pass(q, attn == "mla" ? "configs/ds_tiny_mla.toml" : "configs/ds_tiny.toml", {}, twin);
 }
 
 QuantizeSpec recipe(Fp8Recipe r, const std::string& format = "e4m3") {

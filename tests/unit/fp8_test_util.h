@@ -1,0 +1,43 @@
+// fp8_test_util.h: one forward + backward of a ds_tiny model in fp32 with a given [quantize], the loss and every
+// gradient: what the FP8 unit tests (test_fp8_train.cpp, test_fp8_cache.cpp) compare between recipes, the float64
+// twin and the cached operands. Not a trainer-level helper (train_test_util.h is).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "moetron/config.h"
+#include "moetron/model.h"
+#include "train_test_util.h"
+
+namespace moetron::testing {
+
+struct Fp8Pass {
+  double loss = 0;
+  std::vector<float> grads;
+};
+
+// `cfg` (a path in the source tree, e.g. configs/ds_tiny.toml) at B = 2, T = 32, seed 7, fixed tokens; `twin` runs
+// the FP8 GEMMs' float64 twins; `reps` passes on the same model (a later pass reads what an earlier one cached),
+// the last one's loss and gradients returned.
+inline Fp8Pass fp8_pass(const QuantizeSpec& q, const std::string& cfg, const ActivationCheckpointSpec& ac = {},
+                        bool twin = false, int reps = 1) {
+  const JobConfig c = load_config(repo_path(cfg), {"--training.compute_dtype=fp32"});
+  const int64_t B = 2, T = 32, V = c.model.vocab_size;
+  Model m(c.model, B, T, ac, {}, ComputeDtype::FP32);
+  m.init_params(7);
+  m.set_quantize(q);
+  if (twin) m.set_fp8_twin(true);
+  std::vector<int32_t> tok(size_t(B * T)), tgt(size_t(B * T));
+  for (int64_t i = 0; i < B * T; ++i) tok[size_t(i)] = int32_t((i * 37 + 11) % V), tgt[size_t(i)] = int32_t((i * 91 + 5) % V);
+  Fp8Pass p;
+  for (int rep = 0; rep < reps; ++rep) {
+    m.zero_grads();
+    const ForwardStats st = m.forward_backward(tok.data(), tgt.data(), 1.0f / float(B * T), 1.0f);
+    p.loss = st.ce_sum / double(st.ce_count);
+  }
+  const ParamEntry& last = m.params().back();
+  p.grads.assign(m.grad_data(), m.grad_data() + last.offset + last.numel);
+  return p;
+}
+
+}  // namespace moetron::testing
