@@ -12,7 +12,8 @@
 # link's cost hidden: 1 - (overlap(RATE) - overlap(unshaped)) / (plain(RATE) - plain(unshaped)). It leaves out
 # what the second lane gains that is not EP (it fills pipeline bubbles and P2P waits on fast links too).
 # Usage: sudo bench/ep_overlap.sh [RATE]   (default 300mbit; RATE=unshaped: no limit; MOETRON=path/to/moetron,
-# OUT=folder, GBS=global batch in sequences (default 16: 4 micro-batches per pipeline), STEPS (default 4))
+# OUT=folder, GBS=global batch in sequences (default 16: 4 micro-batches per pipeline), STEPS (default 4),
+# DISPATCHER=alltoall|sync_free|hierarchical (parallelism.ep_dispatcher, default alltoall))
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 moetron=${MOETRON:-$root/build/moetron}
@@ -20,6 +21,7 @@ rate=${1:-300mbit}
 out=${OUT:-/tmp/moetron_ep_overlap}
 gbs=${GBS:-16}
 steps=${STEPS:-4}
+dispatcher=${DISPATCHER:-alltoall}
 mkdir -p "$out"
 batons=${BATONS:-free}
 runs="plain"
@@ -40,7 +42,7 @@ for run in $runs; do
     "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
     --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
     --training.micro_batch_size=2 --training.global_batch_size=$gbs --training.threads=1 \
-    --parallelism.pp=2 --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.ranks_per_node=1 \
+    --parallelism.pp=2 --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.ep_dispatcher=$dispatcher --parallelism.ranks_per_node=1 \
     --parallelism.pp_schedule=interleaved_1f1b --parallelism.ep_overlap=$ov --metrics.log_interval=1 \
     --metrics.peak_tflops=1 --checkpoint.enable=false --quiet >"$dir.log" 2>&1; then break; fi
   echo "run $run, attempt $attempt failed:" >&2; tail -5 "$dir.log" >&2
@@ -64,20 +66,21 @@ for run in runs:
     prev, steps = 0.0, []
     for r in rows:
         e = r["ep"]
-        steps.append((r["step"], r["time_s"] - prev, e["seconds_per_step"], e["exposed_seconds_per_step"], r["loss"]))
+        steps.append((r["step"], r["time_s"] - prev, e["seconds_per_step"], e["exposed_seconds_per_step"], r["loss"],
+                      e.get("exposed_paired_seconds_per_step", 0.0)))
         prev = r["time_s"]
     res[run] = steps
     print("ep_overlap = false" if run == "plain" else f"ep_overlap = true, MOETRON_EP_BATON={run}", f"({rate}):")
-    for s, t, e, x, l in steps:
-        print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s, loss {l!r}")
+    for s, t, e, x, l, xp in steps:
+        print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s (in F&B pairs {xp:.2f} s), loss {l!r}")
 mean = lambda v: sum(v) / len(v)
 tail = lambda run, k: mean([s[k] for s in res[run][1:]])
 tp, ep, xp = tail("plain", 1), tail("plain", 2), tail("plain", 3)
 print(f"steps 2..: plain {tp:.2f} s/step (EP {ep:.2f} s, exposed {xp:.2f} s)")
 for run in runs[1:]:
-    to, xo = tail(run, 1), tail(run, 3)
+    to, xo, xpo = tail(run, 1), tail(run, 3), tail(run, 5)
     same = all(a[4] == b[4] for a, b in zip(res["plain"], res[run]))
-    print(f"  overlap ({run}): {to:.2f} s/step (exposed {xo:.2f} s); losses bitwise equal: {same}; "
+    print(f"  overlap ({run}): {to:.2f} s/step (exposed {xo:.2f} s, {xpo:.2f} s of it in F&B pairs); losses bitwise equal: {same}; "
           f"hidden (step time) = (plain - overlap) / EP = {(tp - to) / ep:+.2f}; "
           f"hidden (exposed time) = 1 - exposed(overlap) / exposed(plain) = {1 - xo / xp:+.2f}")
 if baseline:

@@ -216,9 +216,10 @@ class Model {
   int64_t ep_buffer_bytes() const;
   // This rank's measured EP waiting since construction (zeros without EP): wait_seconds = the union of the wall
   // intervals some lane spent inside an exchange; exposed_seconds = the part of it during which no lane
-  // computed (without the all-to-all overlap, all of it). Call between passes, not while one runs.
+  // computed (without the all-to-all overlap, all of it); exposed_paired_seconds = the part of that inside
+  // overlapped F&B pairs (the rest: actions that ran alone). Call between passes, not while one runs.
   struct EpExposed {
-    double wait_seconds = 0, exposed_seconds = 0;
+    double wait_seconds = 0, exposed_seconds = 0, exposed_paired_seconds = 0;
   };
   EpExposed ep_exposed() const;
   // Routing skew under EP, over this rank's MoE layers (the largest over a layer's activation slots): the most

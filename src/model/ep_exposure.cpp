@@ -48,18 +48,25 @@ void EpExposure::busy(double t0, double t1) {
   std::lock_guard<std::mutex> lk(mu_);
   busy_.push_back({t0, t1});
 }
-void EpExposure::fold_locked() {
+void EpExposure::fold_locked(bool paired) {
   if (waits_.empty()) {
     busy_.clear();
     return;
   }
   wait_ += length(merged(waits_));
-  exposed_ += exposed_seconds(std::move(waits_), std::move(busy_));
+  const double x = exposed_seconds(std::move(waits_), std::move(busy_));
+  exposed_ += x;
+  if (paired) exposed_paired_ += x;
   waits_.clear(), busy_.clear();
 }
-void EpExposure::fold() {
+void EpExposure::fold(bool paired) {
+  std::lock_guard<std::mutex> lk(mu_);
+  fold_locked(paired);
+}
+double EpExposure::exposed_paired_total() {
   std::lock_guard<std::mutex> lk(mu_);
   fold_locked();
+  return exposed_paired_;
 }
 double EpExposure::exposed_total() {
   std::lock_guard<std::mutex> lk(mu_);

@@ -3,7 +3,9 @@
 // it computes (holds the compute turn). The exposed time is the part of the union of the waits that no lane's
 // compute covers: with the all-to-all overlap, a wait while the other lane computes is hidden; without it,
 // every wait is exposed. A few timestamps per exchange; folded into a running total at points where no lane
-// is inside an interval (the end of an overlapped pair, a metrics line).
+// is inside an interval (the start and end of an overlapped pair, a metrics line). What a pair's fold adds is
+// also kept apart (exposed_paired): the rest is the exposure of actions that ran alone (unpaired warm-up and
+// cool-down chunks, plain runs).
 // Not the exchange itself (ep_dispatch.h) or the compute turn (Model::Impl::Baton).
 #pragma once
 
@@ -28,15 +30,17 @@ class EpExposure {
   void busy(double t0, double t1);
   // Folds the recorded spans into the totals and drops them. Call only when no lane is inside a span that
   // could overlap a recorded one (no exchange or compute turn in flight on another thread).
-  void fold();
-  double exposed_total();  // folds first
-  double wait_total();     // folds first
+  // paired: the spans are one overlapped pair's (the end of a pair).
+  void fold(bool paired = false);
+  double exposed_total();         // folds first
+  double exposed_paired_total();  // of which inside overlapped pairs; folds first
+  double wait_total();            // folds first
 
  private:
-  void fold_locked();
+  void fold_locked(bool paired = false);
   std::mutex mu_;
   std::vector<TimeSpan> waits_, busy_;
-  double exposed_ = 0, wait_ = 0;
+  double exposed_ = 0, exposed_paired_ = 0, wait_ = 0;
 };
 
 }  // namespace moetron

@@ -284,6 +284,7 @@ Model::EpExposed Model::ep_exposed() const {
   if (!impl_->exposure) return e;
   e.wait_seconds = impl_->exposure->wait_total();
   e.exposed_seconds = impl_->exposure->exposed_total();
+  e.exposed_paired_seconds = impl_->exposure->exposed_paired_total();
   return e;
 }
 

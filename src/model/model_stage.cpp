@@ -278,12 +278,13 @@ void Model::Impl::Baton::finish(int lane) {
   cv.notify_all();
 }
 
-void Model::begin_overlap_pair() {
+void Model::begin_overlap_pair() {  // what was recorded before belongs to actions that ran alone
+  if (impl_->exposure) impl_->exposure->fold();
   if (impl_->baton) impl_->baton->begin_pair();
 }
 void Model::end_overlap_pair() {  // both halves have returned: no span is open on either lane
   if (impl_->baton) impl_->baton->end_pair();
-  if (impl_->exposure) impl_->exposure->fold();
+  if (impl_->exposure) impl_->exposure->fold(true);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -170,7 +170,9 @@ if (log_now) {
                  {"bytes_intra_per_step", double(now.bytes_intra - ep_window0.bytes_intra) / ws_},
                  {"seconds_per_step", (now.seconds - ep_window0.seconds) / ws_},
                  {"wait_seconds_per_step", (ex.wait_seconds - ep_exp_window0.wait_seconds) / ws_},
-                 {"exposed_seconds_per_step", (ex.exposed_seconds - ep_exp_window0.exposed_seconds) / ws_}};
+                 {"exposed_seconds_per_step", (ex.exposed_seconds - ep_exp_window0.exposed_seconds) / ws_},
+                 {"exposed_paired_seconds_per_step",
+                  (ex.exposed_paired_seconds - ep_exp_window0.exposed_paired_seconds) / ws_}};
       ep_window0 = now, ep_exp_window0 = ex;
     }
     if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
@@ -218,6 +220,7 @@ void TrainSession::finish() {
     const Model::EpExposed ex = model->ep_exposed();
     res.ep_wait_seconds = ex.wait_seconds - ep_run0_exposed.wait_seconds;
     res.ep_exposed_seconds = ex.exposed_seconds - ep_run0_exposed.exposed_seconds;
+    res.ep_exposed_paired_seconds = ex.exposed_paired_seconds - ep_run0_exposed.exposed_paired_seconds;
     res.ep_buffer_bytes = model->ep_buffer_bytes();
     const Model::EpRows er = model->ep_rows();
     if (er.balanced > 0)

@@ -535,6 +535,9 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       EXPECT_EQ(plain.ep_exposed_seconds, plain.ep_wait_seconds);
       EXPECT_GT(ov.ep_wait_seconds, 0.0);
       EXPECT_LE(ov.ep_exposed_seconds, ov.ep_wait_seconds);
+      // inside pairs: none without the overlap, a part of the exposed time with it
+      EXPECT_EQ(plain.ep_exposed_paired_seconds, 0.0);
+      EXPECT_LE(ov.ep_exposed_paired_seconds, ov.ep_exposed_seconds);
       ASSERT_EQ(ov.history.size(), plain.history.size());
       for (size_t i = 0; i < plain.history.size(); ++i) {
         const StepRecord &a = ov.history[i], &b = plain.history[i];

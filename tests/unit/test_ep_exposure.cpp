@@ -42,3 +42,14 @@ TEST(EpExposure, RecorderFoldsIntoTotals) {
   e.busy(20, 30);  // busy without waits adds nothing
   EXPECT_DOUBLE_EQ(e.exposed_total(), 2.0);
 }
+
+TEST(EpExposure, PairedFoldsAreKeptApart) {
+  EpExposure e;
+  e.wait(0, 2);  // an action alone: 2 s exposed, not paired
+  e.fold();
+  e.wait(5, 8), e.busy(6, 7);  // one overlapped pair: 2 s of 3 exposed
+  e.fold(true);
+  e.wait(9, 10);  // alone again, folded by the total
+  EXPECT_DOUBLE_EQ(e.exposed_total(), 5.0);
+  EXPECT_DOUBLE_EQ(e.exposed_paired_total(), 2.0);
+}
