@@ -118,6 +118,10 @@ struct ParallelSpec {
   // forward / backward pair runs at once on two threads, so one micro-batch's EP dispatch / combine proceeds
   // while the other computes (schedule.h GenSpec::ep_overlap; docs/pipeline.md).
   bool ep_overlap = false;
+  // Planner only (the engine refuses it): under ep_overlap, the warm-up and cool-down chunks that run unpaired
+  // are split into two half micro-batches whose compute and all-to-all alternate (DeepEP-style two-micro-batch
+  // overlap), so half of one chunk's exchange runs under the other half's compute (docs/planner.md, Step time).
+  bool ep_overlap_split = false;
   int64_t dp() const { return dp_replicate * dp_shard; }
   int64_t world_size() const { return tp * cp * dp() * pp; }
   bool operator==(const ParallelSpec&) const = default;

@@ -140,12 +140,25 @@ LockstepResult simulate_lockstep(const Schedule& s);
 struct StageCost {
   double f = 1, i = 1, w = 1;   // compute time of F, I and W; B = i + w
   double a2a_f = 0, a2a_b = 0;  // exposed all-to-all per F and per B/I (MoE dispatch + combine)
+  // The same chunk run as two half micro-batches (Durations::split_unpaired): compute and all-to-all of both
+  // halves summed (half-size GEMMs run less efficiently and each exchange pays its own latency).
+  double f2 = 0, i2 = 0, w2 = 0, a2a_f2 = 0, a2a_b2 = 0;
 };
 struct Durations {
   std::vector<StageCost> stage;  // [n_stages]; empty = uniform(...) defaults
   double p2p = 0;                // latency + transfer of one activation or gradient
+  // The planner's split of unpaired chunks (parallelism.ep_overlap_split): an F, I or B with an all-to-all runs
+  // as two half micro-batches whose compute and exchange alternate, costing split_chunk_time(f2.., a2a_*2).
+  bool split_unpaired = false;
   static Durations uniform(int n_stages, double f, double b, double w, double p2p);  // i = b - w
 };
+// A chunk run as two halves, each compute then all-to-all (x2, a2 = both halves summed), with one compute
+// stream and one communication stream: the second half computes while the first exchanges, so the chunk lasts
+// x2/2 + max(x2/2, a2/2) + a2/2 = max(x2, a2) + min(x2, a2) / 2 (a two-job, two-machine flow shop).
+double split_chunk_time(double x2, double a2);
+// An F, I or B that runs alone (not the half of an FB): compute then its all-to-all, or, split, split_chunk_time
+// of its halves (x2, a2) when it has an all-to-all. The timed replay and the planner's analytic pass both use it.
+double unpaired_time(double compute, double a2a, double x2, double a2, bool split);
 
 struct TimedOp {
   int rank = 0;

@@ -287,6 +287,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("parallelism", "pp_first_stage_less_layers", parallelism.pp_first_stage_less_layers));
     t.push_back(MT_F("parallelism", "pp_last_stage_less_layers", parallelism.pp_last_stage_less_layers));
     t.push_back(MT_F("parallelism", "ep_overlap", parallelism.ep_overlap));
+    t.push_back(MT_F("parallelism", "ep_overlap_split", parallelism.ep_overlap_split));
     // [checkpoint]
     t.push_back(MT_F("checkpoint", "enable", checkpoint.enable));
     t.push_back(MT_F("checkpoint", "interval", checkpoint.interval));

@@ -75,6 +75,10 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
           " places every layer (set it to 0 or drop pp_layout)");
   }
 
+  if (p.ep_overlap_split && !p.ep_overlap)
+    invalid_config("parallelism.ep_overlap_split", "true", "needs parallelism.ep_overlap = true: it splits the "
+                   "warm-up and cool-down chunks that the 1F1B all-to-all overlap leaves unpaired");
+
   // ---- micro-batches per optimizer step ----
   const int64_t per_step = t.micro_batch_size * p.dp();  // validated > 0, and global_batch_size a multiple of it
   const int64_t derived = t.global_batch_size / per_step;

@@ -325,8 +325,12 @@ const char* plan_op_name(int op) {
   return op >= 0 && op < kNumPlanOps ? names[op] : "?";
 }
 
-std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
-                                   const StagePlan& sp) {
+namespace {
+
+// The stages' durations with `token_share` of the micro-batch's tokens on each rank (1: the whole micro-batch;
+// 0.5: one half of a split chunk).
+std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                                      const StagePlan& sp, double token_share) {
   const ModelSpec& s = c.model;
   const bool fp8 = c.quantize.recipe != Fp8Recipe::None;
   const Recipe& rc = o.memory.recipe;
@@ -334,7 +338,7 @@ std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Ha
               l,
               h,
               fp8,
-              l.tokens_per_rank(c.training.seq_len),
+              l.tokens_per_rank(c.training.seq_len) * token_share,
               double(l.shard().token_div()),
               rc.act_bytes > 0 ? rc.act_bytes : 2.0,
               rc.gemm_bytes > 0 ? rc.gemm_bytes : fp8 ? 1.0 : 2.0,
@@ -389,6 +393,31 @@ std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Ha
   return out;
 }
 
+}  // namespace
+
+std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                                   const StagePlan& sp) {
+  std::vector<StageTime> out = stage_times_at(c, l, h, o, sp, 1.0);
+  if (l.ep_overlap_split) {  // each unpaired chunk may run as two halves: both priced at half the tokens
+    const std::vector<StageTime> half = stage_times_at(c, l, h, o, sp, 0.5);
+    for (size_t k = 0; k < out.size(); ++k) {
+      const StageTime& x = half[k];
+      out[k].f2 = 2 * x.f, out[k].i2 = 2 * x.i, out[k].w2 = 2 * x.w;
+      out[k].a2a_f2 = 2 * x.a2a_f, out[k].a2a_b2 = 2 * x.a2a_b;
+    }
+  }
+  return out;
+}
+
+sched::Durations replay_durations(const TimePlan& tp) {
+  sched::Durations d;
+  d.p2p = tp.p2p;
+  for (const auto& st : tp.stages)
+    d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b, st.f2, st.i2, st.w2, st.a2a_f2, st.a2a_b2});
+  d.split_unpaired = tp.layout.ep_overlap_split;
+  return d;
+}
+
 TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                    const MemoryPlan* memory, const StagePlan* stages) {
   const ModelSpec& s = c.model;
@@ -404,9 +433,7 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   // Megatron's scatter / gather split of the replicated tensor (Narayanan et al. 2021, section 4.1).
   tp.p2p = l.pp > 1 ? p2p(h, T / double(l.tp) * double(s.d_model) * 2, pp_cross) : 0.0;
 
-  sched::Durations d;
-  d.p2p = tp.p2p;
-  for (const auto& st : tp.stages) d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b});
+  const sched::Durations d = replay_durations(tp);
   const int64_t m = l.microbatches;
   std::vector<double> a2a_exposed(size_t(l.pp), 0.0);  // per pipeline rank, the simulator's exposed EP seconds
   // Per pipeline rank and stage, the DP collectives' windows (DpWindow) and the replayed pipeline's end they
@@ -452,7 +479,8 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
     // micro-batches' worth (the closed bubble formula's shape). Under ep_overlap (the fused interleaved schedule)
     // the rank's warm-up forwards and cool-down backwards run unpaired and show their whole all-to-all; each
     // fused steady-state pair shows the part beyond the pair's compute (what the timed simulator charges,
-    // averaged over the rank's chunks).
+    // averaged over the rank's chunks). With ep_overlap_split an unpaired chunk shows its split time
+    // (sched::unpaired_time) less its unsplit compute.
     double worst = 0;
     for (int r = 0; r < l.pp; ++r) {
       double unpaired = 1.0;  // the share of the rank's chunks whose all-to-all is not overlapped
@@ -469,7 +497,10 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
         const auto& x = tp.stages[size_t(st)];
         const double a2a = x.a2a_f + x.a2a_b, compute = x.f + x.i + x.w;
         steady += compute + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
-        once += unpaired * a2a;
+        // The unpaired forward and backward (a B: ep_overlap runs interleaved_1f1b) beyond their compute.
+        const bool split = l.ep_overlap_split;
+        once += unpaired * (sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split) - x.f +
+                            sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split) - (x.i + x.w));
       }
       worst = std::max(worst, steady * (double(m) + double(l.pp - 1) / double(l.vpp)) + once * double(m));
     }
@@ -641,8 +672,12 @@ nlohmann::json to_json(const TimePlan& t) {
   j["simulated"] = t.simulated;
   j["simulated_microbatches"] = t.simulated_microbatches;
   j["breakdown"] = t.breakdown;
-  for (const auto& s : t.stages)
-    j["stages"].push_back({{"f_s", s.f}, {"i_s", s.i}, {"w_s", s.w}, {"a2a_f_s", s.a2a_f}, {"a2a_b_s", s.a2a_b}});
+  for (const auto& s : t.stages) {
+    nlohmann::json x = {{"f_s", s.f}, {"i_s", s.i}, {"w_s", s.w}, {"a2a_f_s", s.a2a_f}, {"a2a_b_s", s.a2a_b}};
+    if (t.layout.ep_overlap_split)  // the chunk as two half micro-batches, both halves summed
+      x.update({{"f2_s", s.f2}, {"i2_s", s.i2}, {"w2_s", s.w2}, {"a2a_f2_s", s.a2a_f2}, {"a2a_b2_s", s.a2a_b2}});
+    j["stages"].push_back(x);
+  }
   return j;
 }
 

@@ -16,7 +16,7 @@ std::string Layout::describe() const {
   if (etp > 1) os << " etp" << etp;
   os << " dp" << dp << " zero" << zero;
   if (zero == 3 && dp_shard > 0 && dp_shard < dp) os << "(shard " << dp_shard << ")";
-  os << " " << schedule << (ep_overlap ? "+a2a_overlap" : "") << " mbs" << mbs << " m" << microbatches << " ac="
+  os << " " << schedule << (ep_overlap ? "+a2a_overlap" : "") << (ep_overlap_split ? "+split" : "") << " mbs" << mbs << " m" << microbatches << " ac="
      << to_string(recompute);
   if (recompute == AcMode::Selective) {
     os << "(";
@@ -54,6 +54,7 @@ std::string layout_error(const JobConfig& c, const Layout& l, int64_t gbs) {
                l.mbs, " x ", l.dp, " = ", l.mbs * l.dp);
   if (l.ep_overlap && (l.ep < 2 || l.schedule != "interleaved_1f1b"))
     return "parallelism.ep_overlap needs ep > 1 and pp_schedule = \"interleaved_1f1b\"";
+  if (l.ep_overlap_split && !l.ep_overlap) return "parallelism.ep_overlap_split needs parallelism.ep_overlap = true";
   return "";
 }
 
@@ -61,7 +62,7 @@ Layout layout_from_config(const JobConfig& c, int64_t world, bool distributed_op
   const ParallelSpec& p = c.parallelism;
   Layout l;
   l.tp = p.tp, l.cp = p.cp, l.pp = p.pp, l.ep = p.ep, l.etp = p.expert_tp, l.sp = p.sequence_parallel;
-  l.schedule = p.pp_schedule, l.ep_overlap = p.ep_overlap, l.zero = p.zero;
+  l.schedule = p.pp_schedule, l.ep_overlap = p.ep_overlap, l.ep_overlap_split = p.ep_overlap_split, l.zero = p.zero;
   if (distributed_optimizer && l.zero == 0) l.zero = 1;
   l.mbs = c.training.micro_batch_size;
   l.recompute = c.activation_checkpoint.mode;
@@ -88,7 +89,7 @@ JobConfig apply_layout(const JobConfig& c, const Layout& l) {
   JobConfig a = c;
   ParallelSpec& p = a.parallelism;
   p.tp = l.tp, p.cp = l.cp, p.pp = l.pp, p.ep = l.ep, p.expert_tp = l.etp, p.sequence_parallel = l.sp;
-  p.pp_schedule = l.schedule, p.ep_overlap = l.ep_overlap, p.zero = l.zero;
+  p.pp_schedule = l.schedule, p.ep_overlap = l.ep_overlap, p.ep_overlap_split = l.ep_overlap_split, p.zero = l.zero;
   if (l.zero == 3 && l.dp_shard > 0 && l.dp_shard < l.dp) {
     p.dp_shard = l.dp_shard, p.dp_replicate = l.dp / l.dp_shard;
   } else if (l.zero == 3) {

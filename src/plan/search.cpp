@@ -143,13 +143,14 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
               for (int64_t zero : {int64_t(1), int64_t(3)})
                 for (const Ac& ac : acs)
                   for (int64_t mbs : pow2_upto(o.max_mbs))
-                    for (int ov = 0; ov < 2; ++ov) {
+                    for (int ov = 0; ov < 3; ++ov) {  // no overlap; ep_overlap; ep_overlap with the split
                       if (zero == 3 && !o.allow_fsdp) continue;
                       if (ov && !(o.allow_ep_overlap && ep > 1 && sched == "interleaved_1f1b")) continue;
+                      if (ov == 2 && !o.allow_ep_overlap_split) continue;
                       ++res.enumerated;
                       Layout l;
                       l.tp = tp, l.cp = cp, l.pp = pp, l.vpp = vpp, l.dp = dp, l.ep = ep, l.zero = zero;
-                      l.schedule = sched, l.ep_overlap = ov, l.recompute = ac.mode, l.recompute_modules = ac.modules;
+                      l.schedule = sched, l.ep_overlap = ov > 0, l.ep_overlap_split = ov == 2, l.recompute = ac.mode, l.recompute_modules = ac.modules;
                       l.mbs = mbs;
                       if (pp == 1 && sched != "1f1b") { ++res.invalid; continue; }
                       // The two rules most candidates break, as integer tests before the named check.
@@ -158,7 +159,7 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                       l.microbatches = gbs / (mbs * dp);
                       if (!schedule_accepts(l)) { ++res.invalid; continue; }
                       // The stage plan depends on (pp, vpp, schedule, micro-batches, overlap): kept per shape here.
-                      auto& spp = plans[{l.microbatches, ov}];
+                      auto& spp = plans[{l.microbatches, ov > 0}];
                       MemoryPlan mp;
                       try {
                         if (!spp) spp = stage_plan(c, l);

@@ -115,6 +115,8 @@ TraceExport write_plan_trace(const JobConfig& c, const Layout& l, const Hardware
   const int64_t world = l.world();
   MT_CHECK(world <= kMaxTraceRanks, "plan time", "--trace writes one file per rank; --world ", world, " exceeds ",
            kMaxTraceRanks, " (trace a smaller world: the per-rank timelines of one pipeline slice repeat)");
+  MT_CHECK(!l.ep_overlap_split, "plan time", "--trace does not draw parallelism.ep_overlap_split yet (the two "
+           "halves of a split chunk interleave); trace the layout without it");
   TimeOptions to = o;
   to.simulate = true;
   const TimePlan tp = plan_time(c, l, h, to);
@@ -128,10 +130,7 @@ TraceExport write_plan_trace(const JobConfig& c, const Layout& l, const Hardware
     s = sched::generate(g);
   }
   const sched::Schedule low = sched::lower(s);
-  sched::Durations d;
-  d.p2p = tp.p2p;
-  for (const StageTime& st : tp.stages) d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b});
-  const sched::TimedResult sim = sched::simulate_timed(low, d);
+  const sched::TimedResult sim = sched::simulate_timed(low, replay_durations(tp));
 
   TraceExport out;
   out.pipeline_time = sim.step_time;

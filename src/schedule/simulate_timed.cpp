@@ -8,6 +8,9 @@
 //   FB       max(f + b, a2a_f + a2a_b), f and a2a_f of the forward half's stage, b (i + w for a B half, i for
 //            an I half) and a2a_b of the backward half's stage: the compute of one half hides the other half's
 //            exposed all-to-all.
+//   With Durations::split_unpaired an F, I or B whose all-to-all is not zero runs as two half micro-batches:
+//   split_chunk_time(f2, a2a_f2) (i2 / i2 + w2 and a2a_b2 for I / B). Its exposed all-to-all is that time less
+//   the unsplit compute (f, i or i + w): the half-size GEMMs' loss is paid to hide the exchange.
 //   SEND     takes no time on its rank (non-blocking); the tensor is issued when the rank reaches it.
 //   RECV     starts when the rank reaches it and ends at max(that time, issue time of the SEND + p2p).
 // A compute action starts when its rank reaches it: its inputs were produced earlier on the rank or received
@@ -56,6 +59,16 @@ Durations Durations::uniform(int n_stages, double f, double b, double w, double 
   return d;
 }
 
+double split_chunk_time(double x2, double a2) {
+  // Half 1 computes [0, x2/2] and exchanges [x2/2, x2/2 + a2/2]; half 2 computes [x2/2, x2] and exchanges from
+  // max(x2, x2/2 + a2/2) for a2/2.
+  return std::max(x2, a2) + std::min(x2, a2) / 2;
+}
+
+double unpaired_time(double compute, double a2a, double x2, double a2, bool split) {
+  return split && a2a > 0 ? split_chunk_time(x2, a2) : compute + a2a;
+}
+
 double bubble_formula(int pp, int microbatches, int vpp) {
   MT_CHECK(pp >= 1 && microbatches >= 1 && vpp >= 1, "schedule", "bubble_formula: pp = ", pp,
            ", microbatches = ", microbatches, ", vpp = ", vpp, " must all be >= 1");
@@ -76,6 +89,11 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
     check_cost("simulate_timed", int(k), "w", c.w);
     check_cost("simulate_timed", int(k), "a2a_f", c.a2a_f);
     check_cost("simulate_timed", int(k), "a2a_b", c.a2a_b);
+    check_cost("simulate_timed", int(k), "f2", c.f2);
+    check_cost("simulate_timed", int(k), "i2", c.i2);
+    check_cost("simulate_timed", int(k), "w2", c.w2);
+    check_cost("simulate_timed", int(k), "a2a_f2", c.a2a_f2);
+    check_cost("simulate_timed", int(k), "a2a_b2", c.a2a_b2);
   }
   check_valid(s);
 
@@ -83,16 +101,21 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
   auto cost = [&](int stage) -> const StageCost& { return d.stage.empty() ? dflt : d.stage[size_t(stage)]; };
   // An action's compute and its all-to-all: F, I and B pay both in sequence; an FB's compute of one half hides
   // the other half's exchange, so it lasts the longer of the two.
+  // An unpaired action split in two halves (Durations::split_unpaired) lasts split_chunk_time of its halves.
   struct Cost {
     double compute = 0, a2a = 0;
-    double duration(Op op) const { return op == Op::FB ? std::max(compute, a2a) : compute + a2a; }
+    double compute2 = 0, a2a2 = 0;  // the two halves summed
+    double duration(Op op, bool split) const {
+      if (op == Op::FB) return std::max(compute, a2a);
+      return unpaired_time(compute, a2a, compute2, a2a2, split);
+    }
   };
   auto action_cost = [&](const Action& a) -> Cost {
     const StageCost& c = cost(a.stage);
     switch (a.op) {
-      case Op::F: return {c.f, c.a2a_f};
-      case Op::I: return {c.i, c.a2a_b};
-      case Op::B: return {c.i + c.w, c.a2a_b};
+      case Op::F: return {c.f, c.a2a_f, c.f2, c.a2a_f2};
+      case Op::I: return {c.i, c.a2a_b, c.i2, c.a2a_b2};
+      case Op::B: return {c.i + c.w, c.a2a_b, c.i2 + c.w2, c.a2a_b2};
       case Op::W: return {c.w, 0};
       case Op::FB: {
         const StageCost& cb = cost(a.stage2);
@@ -131,7 +154,7 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
       TimedOp op{r, int(idx), a, t, t};
       if (is_compute(a.op)) {
         const Cost c = action_cost(a);
-        const double dur = c.duration(a.op);
+        const double dur = c.duration(a.op, d.split_unpaired);
         op.end = t + dur;
         res.ranks[size_t(r)].busy += op.end - op.start;
         res.ranks[size_t(r)].a2a_exposed += dur - c.compute;

@@ -29,6 +29,21 @@ namespace moetron {
 
 namespace {
 
+// The keys only the planner implements, refused by name before the mesh is built (a layout the engine cannot
+// run is named, rather than failing on the world size); returns the parallel spec for the mesh.
+const ParallelSpec& engine_parallelism(const JobConfig& cfg) {
+  const ParallelSpec& p = cfg.parallelism;
+  MT_CHECK(p.tp == 1, "train", "parallelism.tp = ", p.tp,
+           " is not implemented in the engine (tensor parallelism is planned only: `moetron plan`); use tp = 1");
+  MT_CHECK(p.cp == 1, "train", "parallelism.cp = ", p.cp,
+           " is not implemented in the engine (context parallelism is planned only: `moetron plan`); use cp = 1");
+  MT_CHECK(p.expert_tp == 1, "train", "parallelism.expert_tp = ", p.expert_tp,
+           " is not implemented in the engine (expert tensor parallelism is planned only: `moetron plan`); use 1");
+  MT_CHECK(!p.ep_overlap_split, "train", "parallelism.ep_overlap_split = true is not implemented in the engine (the "
+           "split of unpaired chunks into two overlapped halves is planned only: `moetron plan`); use false");
+  return p;
+}
+
 // The combinations the trainer cannot run, each named by its rule.
 void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
   MT_CHECK(mesh.ep() > 1 || !cfg.parallelism.fp8_dispatch, "train",
@@ -37,12 +52,6 @@ void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
            "parallelism.ep_dispatcher = ", to_string(cfg.parallelism.ep_dispatcher),
            " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
   const ParallelSpec& p = cfg.parallelism;
-  MT_CHECK(p.tp == 1, "train", "parallelism.tp = ", p.tp,
-           " is not implemented in the engine (tensor parallelism is planned only: `moetron plan`); use tp = 1");
-  MT_CHECK(p.cp == 1, "train", "parallelism.cp = ", p.cp,
-           " is not implemented in the engine (context parallelism is planned only: `moetron plan`); use cp = 1");
-  MT_CHECK(p.expert_tp == 1, "train", "parallelism.expert_tp = ", p.expert_tp,
-           " is not implemented in the engine (expert tensor parallelism is planned only: `moetron plan`); use 1");
   if (cfg.quantize.cache_fp8_activations) {  // the combinations the cached FP8 activations do not cover (docs/fp8.md)
     MT_CHECK(mesh.ep() == 1, "train", "quantize.cache_fp8_activations = true is not implemented with expert "
              "parallelism (parallelism.ep = ", mesh.ep(), "): the routed rows a rank receives vary per step; use false");
@@ -66,7 +75,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
       opt(o),
       compute(resolve_compute_dtype(cfg_in.training.compute_dtype, &compute_why)),  // bf16 refused first
       world(o.comm ? *o.comm : comm_world()),
-      mesh(cfg_in.parallelism, world.size(), cfg_in.model.is_moe() ? cfg_in.model.moe.n_routed_experts : 0) {
+      mesh(engine_parallelism(cfg_in), world.size(), cfg_in.model.is_moe() ? cfg_in.model.moe.n_routed_experts : 0) {
   const auto& tr = cfg.training;
   const ModelSpec& ms = cfg.model;
   check_layout(cfg, mesh);

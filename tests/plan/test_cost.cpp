@@ -105,6 +105,63 @@ TEST(PlanCost, AnalyticEstimateTracksTheSimulator) {
   const auto sim = timeof(c, 768, h2, true), est = timeof(c, 768, h2, false);
   ASSERT_GT(sim.breakdown.at("comm.ep"), 0.05 * sim.step_time);
   EXPECT_NEAR(est.step_time / sim.step_time, 1.0, 0.15) << est.step_time << " vs " << sim.step_time;
+  // With the unpaired chunks split (parallelism.ep_overlap_split) both passes price them by the split rule: the
+  // exposed EP falls in the replay, and the analytic pass follows it.
+  c.parallelism.ep_overlap_split = true;
+  const auto sim2 = timeof(c, 768, h2, true), est2 = timeof(c, 768, h2, false);
+  // Unpaired forward here: f = 8.7 ms, a2a = 21.9 ms whole, 22.3 ms split, f2 = 9.5 ms: exposed 21.9 -> 18.3 ms.
+  EXPECT_LT(sim2.breakdown.at("comm.ep"), 0.9 * sim.breakdown.at("comm.ep"));
+  EXPECT_LT(sim2.step_time, sim.step_time);
+  EXPECT_LT(est2.step_time, est.step_time);
+  EXPECT_NEAR(est2.step_time / sim2.step_time, 1.0, 0.15) << est2.step_time << " vs " << sim2.step_time;
+}
+
+TEST(PlanCost, SplitUnpairedChunkIsHandCounted) {
+  // Two halves, each compute then exchange, on one compute and one communication stream: the chunk lasts
+  // max(x2, a2) + min(x2, a2) / 2 (x2, a2: both halves summed).
+  EXPECT_DOUBLE_EQ(sched::split_chunk_time(4, 1), 4.5);  // half 2 computes [2, 4], exchanges [4, 4.5]
+  EXPECT_DOUBLE_EQ(sched::split_chunk_time(1, 4), 4.5);  // half 1 exchanges [0.5, 2.5], half 2 [2.5, 4.5]
+  EXPECT_DOUBLE_EQ(sched::split_chunk_time(2, 2), 3.0);
+  // 1F1B, pp 2, two micro-batches, free P2P, every action unpaired: rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1.
+  // With F lasting a and B lasting b: rank 1 runs [a, 3a + 2b], rank 0's B0 waits for it until 2a + b and its B1
+  // until 3a + 2b, so the step is 3a + 3b.
+  sched::GenSpec g;
+  g.schedule = "1f1b", g.pp = 2, g.vpp = 1, g.microbatches = 2;
+  const sched::Schedule low = sched::lower(sched::generate(g));
+  sched::Durations d;
+  // f = 2, i = w = 1, a2a 3 per pass; split: f2 = 2.5, i2 = w2 = 1.4, a2a 3.5 per pass (latency paid twice).
+  d.stage.assign(2, sched::StageCost{2, 1, 1, 3, 3, 2.5, 1.4, 1.4, 3.5, 3.5});
+  const auto whole = sched::simulate_timed(low, d);
+  EXPECT_DOUBLE_EQ(whole.step_time, 3 * (2 + 3) + 3 * (2 + 3));  // a = f + a2a = 5, b = i + w + a2a = 5
+  d.split_unpaired = true;
+  const auto split = sched::simulate_timed(low, d);
+  // F: max(2.5, 3.5) + 2.5 / 2 = 4.75; B: max(2.8, 3.5) + 2.8 / 2 = 4.9.
+  EXPECT_DOUBLE_EQ(split.step_time, 3 * 4.75 + 3 * 4.9);
+  for (const auto& r : split.ranks) EXPECT_DOUBLE_EQ(r.a2a_exposed, 2 * (4.75 - 2) + 2 * (4.9 - 2)) << r.rank;
+  // A chunk without an exchange is not split: its compute stays f.
+  d.stage.assign(2, sched::StageCost{2, 1, 1, 0, 0, 2.5, 1.4, 1.4, 0, 0});
+  EXPECT_DOUBLE_EQ(sched::simulate_timed(low, d).step_time, 3 * 2 + 3 * 2);
+}
+
+TEST(PlanCost, SplitHalvesArePricedAtHalfTheTokens) {
+  // The halves' GEMMs run on half the tokens per expert (lower grouped-GEMM efficiency) and every kernel and
+  // exchange pays its launch / latency twice: the split chunk's compute and exchange both exceed the whole's.
+  const auto h = plan::catalog_hardware("mi300x");
+  auto c = cfg("moe_1t", {"--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
+                          "--parallelism.pp=24", "--parallelism.ep=16", "--parallelism.cp=2",
+                          "--parallelism.ep_overlap=true", "--parallelism.ep_overlap_split=true",
+                          "--training.global_batch_size=768"});
+  const auto t = timeof(c, 768, h);
+  ASSERT_TRUE(t.layout.ep_overlap_split);
+  for (const auto& st : t.stages) {
+    EXPECT_GT(st.f2, st.f);
+    EXPECT_LT(st.f2, 1.5 * st.f);
+    EXPECT_GT(st.i2 + st.w2, st.i + st.w);
+    EXPECT_GE(st.a2a_f2, st.a2a_f);
+    EXPECT_GT(st.a2a_f, 0);
+  }
+  c.parallelism.ep_overlap_split = false;
+  for (const auto& st : timeof(c, 768, h).stages) EXPECT_EQ(st.f2, 0);  // not priced without the option
 }
 
 TEST(PlanCostSeeds, BubbleRatios) {

@@ -48,6 +48,10 @@ TEST(PlanLayout, ImpossibleLayoutsNameTheirRule) {
   EXPECT_NE(plan::layout_error(c, l, 64).find("parallelism.cp = 3"), std::string::npos);
   l.cp = 1;
   EXPECT_EQ(plan::layout_error(c, l, 64), "");
+  l.ep_overlap_split = true;  // the split of unpaired chunks needs the overlap it completes
+  EXPECT_NE(plan::layout_error(c, l, 64).find("parallelism.ep_overlap_split needs parallelism.ep_overlap = true"),
+            std::string::npos);
+  l.ep_overlap_split = false;
   EXPECT_NE(plan::layout_error(c, l, 63).find("global_batch_size"), std::string::npos);
   // ep x etp must divide tp x cp x dp
   l.ep = 128, l.dp = 64;

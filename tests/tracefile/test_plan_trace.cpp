@@ -114,6 +114,23 @@ TEST(PlanTrace, EpOverlapPutsTheExchangeBesideCompute) {
   }
 }
 
+// The split of unpaired chunks (parallelism.ep_overlap_split) is refused by name: the trace does not draw halves.
+TEST(PlanTrace, EpOverlapSplitIsRefusedByName) {
+  const JobConfig c = tiny({"--parallelism.pp=2", "--parallelism.ep=2", "--parallelism.dp_shard=2",
+                            "--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
+                            "--parallelism.ep_overlap=true", "--parallelism.ep_overlap_split=true",
+                            "--model.n_layers=4", "--training.global_batch_size=64"});
+  const plan::Layout l = plan::layout_from_config(c, 4);
+  ASSERT_TRUE(l.ep_overlap_split);
+  try {
+    plan::write_plan_trace(c, l, gpu(), {}, tmpdir("split"));
+    FAIL() << "the split layout was traced";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--trace does not draw parallelism.ep_overlap_split"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(PlanTrace, TooLargeAWorldIsRefused) {
   const JobConfig c = tiny({"--model.n_routed_experts=512", "--parallelism.ep=512", "--parallelism.dp_shard=512",
                            "--training.global_batch_size=2048"});

@@ -351,6 +351,8 @@ TEST(Config, ImpossibleValuesNameTheKey) {
       {{"--parallelism.tp=3"}, "parallelism.tp = 3: must divide model.n_heads"},
       {{"--parallelism.cp=3"}, "parallelism.cp = 3: 2 * cp must divide training.seq_len"},
       {{"--parallelism.expert_tp=0"}, "parallelism.expert_tp = 0: must be >= 1"},
+      {{"--parallelism.ep_overlap_split=true"},
+       "parallelism.ep_overlap_split = true: needs parallelism.ep_overlap = true"},
       {{"--parallelism.pp=3", "--training.global_batch_size=6"},
        "parallelism.pp = 3: cannot split model.n_layers = 2 over pp * stages per rank = 3 * 1 = 3 stages: only 2 "
        "layer-equivalents"},

@@ -204,6 +204,9 @@ TEST(Trainer, RefusesPlannerOnlyKeys) {
       {"--parallelism.tp=2", "parallelism.tp = 2 is not implemented in the engine"},
       {"--parallelism.cp=2", "parallelism.cp = 2 is not implemented in the engine"},
       {"--parallelism.expert_tp=2", "parallelism.expert_tp = 2 is not implemented in the engine"},
+      {"--model.n_layers=4 --parallelism.ep=2 --parallelism.pp=2 --parallelism.pp_schedule=interleaved_1f1b "
+       "--parallelism.ep_overlap=true --parallelism.ep_overlap_split=true",
+       "parallelism.ep_overlap_split = true is not implemented in the engine"},
       {"--quantize.recipe=blockwise --quantize.cache_fp8_activations=true --activation_checkpoint.mode=selective "
        "--activation_checkpoint.modules=[\"norm\"]",
        "quantize.cache_fp8_activations = true is not implemented with activation_checkpoint.mode = \"selective\""},

@@ -37,6 +37,9 @@ using OpSeconds = std::array<double, kNumPlanOps>;
 struct StageTime {
   double f = 0, i = 0, w = 0;     // compute (F; backward input and weight halves), incl. exposed TP/CP comm
   double a2a_f = 0, a2a_b = 0;    // EP dispatch + combine per F and per backward
+  // With parallelism.ep_overlap_split: the chunk as two half micro-batches (half the tokens: the grouped GEMMs at
+  // half the tokens per expert, every kernel and exchange with its own launch / latency), both halves summed.
+  double f2 = 0, i2 = 0, w2 = 0, a2a_f2 = 0, a2a_b2 = 0;
   double gemm = 0, attention = 0, memory_bound = 0, quantize = 0, recompute = 0;  // compute parts (f+i+w)
   double tp_comm = 0, cp_comm = 0;  // exposed, included in f / i
   double flops = 0;               // hardware FLOPs of F+B (incl. recompute)
@@ -80,6 +83,9 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
 // The per-stage durations alone (search evaluates these, then the analytic pipeline).
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                                    const StagePlan& sp);
+// The timed replay's durations of a plan: its stages, P2P message and the layout's split of unpaired chunks
+// (filled by plan_time up to its stages and p2p).
+sched::Durations replay_durations(const TimePlan& t);
 nlohmann::json to_json(const TimePlan& t);
 std::string format_time(const TimePlan& t);
 

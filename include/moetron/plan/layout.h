@@ -20,6 +20,7 @@ struct Layout {
   bool sp = true;                       // sequence parallelism with tp (Megatron's --sequence-parallel)
   std::string schedule = "1f1b";
   bool ep_overlap = false;
+  bool ep_overlap_split = false;        // unpaired chunks split in two overlapped halves (needs ep_overlap)
   int64_t zero = 1;                     // 0, 1 (distributed optimizer), 2, 3 (FSDP)
   int64_t dp_shard = 0;                 // zero 3: ranks a parameter is sharded over (0 = all of dp; < dp = HSDP)
   AcMode recompute = AcMode::None;

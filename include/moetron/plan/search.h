@@ -22,6 +22,7 @@ struct SearchOptions {
   int64_t max_mbs = 8;
   std::vector<std::string> schedules = {"1f1b", "interleaved_1f1b", "zb1p", "zbv"};
   bool allow_tp = true, allow_cp = true, allow_fsdp = true, allow_recompute = true, allow_ep_overlap = true;
+  bool allow_ep_overlap_split = true;  // ep_overlap layouts also with parallelism.ep_overlap_split
   int64_t max_pp = 0;  // 0 = n_layers
 };
 
