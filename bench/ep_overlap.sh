@@ -36,6 +36,9 @@ for run in $runs; do
   [[ $run == plain ]] && ov=false
   dir="$out/overlap_${run}_$link"
   rm -rf "$dir"
+  # the machine's CPU counters once a second, for the busy share over the timed steps (printed below)
+  (while :; do echo "$(date +%s.%N) $(head -1 /proc/stat)"; sleep 1; done) >"$dir.cpu" &
+  sampler=$!
   for attempt in 1 2 3; do  # the emulated hosts sometimes fail to start (docs/multinode.md): retry
   rm -rf "$dir"
   if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${run/plain/free}" \
@@ -46,8 +49,9 @@ for run in $runs; do
     --parallelism.pp_schedule=interleaved_1f1b --parallelism.ep_overlap=$ov --metrics.log_interval=1 \
     --metrics.peak_tflops=1 --checkpoint.enable=false --quiet >"$dir.log" 2>&1; then break; fi
   echo "run $run, attempt $attempt failed:" >&2; tail -5 "$dir.log" >&2
-  [[ $attempt == 3 ]] && exit 1
+  [[ $attempt == 3 ]] && { kill $sampler; exit 1; }
   done
+  kill $sampler
 done
 done
 python3 - "$out" "$rate" "${BASELINE:-0}" $runs <<'PY'
@@ -75,12 +79,32 @@ for run in runs:
         print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s (in F&B pairs {xp:.2f} s), loss {l!r}")
 mean = lambda v: sum(v) / len(v)
 tail = lambda run, k: mean([s[k] for s in res[run][1:]])
+def busy(run, link):
+    # The CPU's busy share over steps 2.. (the last sum-of-steps seconds before metrics.jsonl was last written).
+    import os
+    d = f"{out}/overlap_{run}_{link}"
+    end = os.path.getmtime(f"{d}/metrics.jsonl")
+    start = end - sum(s[1] for s in res[run][1:])
+    rows = []
+    for line in open(f"{d}.cpu"):
+        f = line.split()
+        if len(f) < 6 or f[1] != "cpu": continue
+        v = [int(x) for x in f[2:]]
+        rows.append((float(f[0]), sum(v), v[3] + v[4]))  # total, idle + iowait
+    a = [r for r in rows if r[0] <= start][-1:] or rows[:1]
+    b = [r for r in rows if r[0] <= end + 1][-1:] or rows[-1:]
+    tot, idle = b[0][1] - a[0][1], b[0][2] - a[0][2]
+    return 1 - idle / tot if tot > 0 else float("nan")
 tp, ep, xp = tail("plain", 1), tail("plain", 2), tail("plain", 3)
-print(f"steps 2..: plain {tp:.2f} s/step (EP {ep:.2f} s, exposed {xp:.2f} s)")
+ub = busy("plain", rate)
+print(f"steps 2..: plain {tp:.2f} s/step (EP {ep:.2f} s, exposed {xp:.2f} s); CPU busy {ub:.0%}")
+# If the overlap did the plain run's CPU work with no idle core, a step would take ub * plain: the most it could
+# hide on these cores is (1 - ub) * plain / EP.
+print(f"  the cores' bound: at most {(1 - ub) * tp / ep:+.2f} of the EP time can be hidden by step time")
 for run in runs[1:]:
     to, xo, xpo = tail(run, 1), tail(run, 3), tail(run, 5)
     same = all(a[4] == b[4] for a, b in zip(res["plain"], res[run]))
-    print(f"  overlap ({run}): {to:.2f} s/step (exposed {xo:.2f} s, {xpo:.2f} s of it in F&B pairs); losses bitwise equal: {same}; "
+    print(f"  overlap ({run}): {to:.2f} s/step (exposed {xo:.2f} s, {xpo:.2f} s of it in F&B pairs; CPU busy {busy(run, rate):.0%}); losses bitwise equal: {same}; "
           f"hidden (step time) = (plain - overlap) / EP = {(tp - to) / ep:+.2f}; "
           f"hidden (exposed time) = 1 - exposed(overlap) / exposed(plain) = {1 - xo / xp:+.2f}")
 if baseline:

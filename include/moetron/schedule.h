@@ -143,6 +143,9 @@ struct StageCost {
   // The same chunk run as two half micro-batches (Durations::split_unpaired): compute and all-to-all of both
   // halves summed (half-size GEMMs run less efficiently and each exchange pays its own latency).
   double f2 = 0, i2 = 0, w2 = 0, a2a_f2 = 0, a2a_b2 = 0;
+  // Exchanges per chunk and direction (2 per MoE layer: dispatch, combine): the split halves alternate at
+  // each of them (split_chunk_time).
+  int n_a2a = 1;
 };
 struct Durations {
   std::vector<StageCost> stage;  // [n_stages]; empty = uniform(...) defaults
@@ -152,13 +155,17 @@ struct Durations {
   bool split_unpaired = false;
   static Durations uniform(int n_stages, double f, double b, double w, double p2p);  // i = b - w
 };
-// A chunk run as two halves, each compute then all-to-all (x2, a2 = both halves summed), with one compute
-// stream and one communication stream: the second half computes while the first exchanges, so the chunk lasts
-// x2/2 + max(x2/2, a2/2) + a2/2 = max(x2, a2) + min(x2, a2) / 2 (a two-job, two-machine flow shop).
-double split_chunk_time(double x2, double a2);
-// An F, I or B that runs alone (not the half of an FB): compute then its all-to-all, or, split, split_chunk_time
-// of its halves (x2, a2) when it has an all-to-all. The timed replay and the planner's analytic pass both use it.
-double unpaired_time(double compute, double a2a, double x2, double a2, bool split);
+// A chunk run as two halves (x2, a2 = both halves' compute and all-to-all summed) with one compute stream and
+// one communication stream. Each half is n segments of compute then exchange (equal parts: x2 / 2n and
+// a2 / 2n); segment k + 1 of a half starts after its exchange k. The compute stream takes the halves in turn
+// (half 1's segment k, then half 2's), the communication stream in arrival order, so one half exchanges while
+// the other computes. n = 1: x2/2 + max(x2/2, a2/2) + a2/2 = max(x2, a2) + min(x2, a2) / 2 (a two-job,
+// two-machine flow shop); larger n exposes less, down to max(x2, a2) plus one segment's fill and drain.
+double split_chunk_time(double x2, double a2, int n = 1);
+// An F, I or B that runs alone (not the half of an FB): compute then its all-to-all, or, split,
+// split_chunk_time(x2, a2, n) of its halves when it has an all-to-all. The timed replay and the planner's
+// analytic pass both use it.
+double unpaired_time(double compute, double a2a, double x2, double a2, bool split, int n = 1);
 
 struct TimedOp {
   int rank = 0;

@@ -74,14 +74,30 @@ bool wait_by_polling() {
   return poll;
 }
 
+// The longest sleep between two tests of a long wait: MOETRON_MPI_MAX_NAP_US (20 to 5000, default 200).
+std::chrono::microseconds max_nap() {
+  static const std::chrono::microseconds nap = [] {
+    const char* v = std::getenv("MOETRON_MPI_MAX_NAP_US");
+    if (!v) return std::chrono::microseconds(200);
+    char* end = nullptr;
+    const long us = std::strtol(v, &end, 10);
+    MT_CHECK(end != v && *end == 0 && us >= 20 && us <= 5000, "comm.init",
+             "MOETRON_MPI_MAX_NAP_US must be an integer in [20, 5000] (microseconds), not '", v, "'");
+    return std::chrono::microseconds(us);
+  }();
+  return nap;
+}
+
 // Completes n requests; returns MPI's code (MPI_ERR_IN_STATUS with per-request errors in st, as MPI_Waitall).
 // Polling: tests back to back for the first 50 us (short messages finish at MPI's own latency), then sleeps
-// between tests, 20 us at first and doubling up to 200 us, so a long wait costs its core almost nothing while
-// each test still moves the transfers on (TCP's socket buffers hold far more than 200 us of any link here).
+// between tests, 20 us at first and doubling up to max_nap() (200 us), so a long wait costs its core almost
+// nothing while each test still moves the transfers on (TCP's socket buffers hold far more than 200 us of any
+// link here).
 int wait_requests(int n, MPI_Request* reqs, MPI_Status* st) {
   if (!wait_by_polling()) return MPI_Waitall(n, reqs, st);
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
+  const auto top = max_nap();
   auto nap = std::chrono::microseconds(20);
   for (;;) {
     int done = 0;
@@ -89,7 +105,7 @@ int wait_requests(int n, MPI_Request* reqs, MPI_Status* st) {
     if (rc != MPI_SUCCESS || done) return rc;
     if (clock::now() - start < std::chrono::microseconds(50)) continue;
     std::this_thread::sleep_for(nap);
-    nap = std::min(nap * 2, std::chrono::microseconds(200));
+    nap = std::min(nap * 2, top);
   }
 }
 

@@ -492,7 +492,14 @@ StepStats PipelineRuntime::run_step(std::vector<sched::TimedOp>* record) {
           PipelineStage& stg = *m.stages[size_t(h.local)];
           switch (h.op) {
             case Op::F: stg.forward(h.mb, h.slot, m.data(h.in), m.data(h.out)); break;
-            case Op::B: stg.backward(h.mb, h.slot, m.data(h.in), m.data(h.out)); break;
+            case Op::B:
+              if (in.nh == 2 && m.opt.fb_backward_split && stg.supports_split_backward()) {
+                stg.backward_input(h.mb, h.slot, m.data(h.in), m.data(h.out));
+                stg.backward_weight(h.mb, h.slot);
+              } else {
+                stg.backward(h.mb, h.slot, m.data(h.in), m.data(h.out));
+              }
+              break;
             case Op::I: stg.backward_input(h.mb, h.slot, m.data(h.in), m.data(h.out)); break;
             case Op::W: stg.backward_weight(h.mb, h.slot); break;
             default: MT_FAIL(op, "internal error: compute half '", sched::to_string(in.a), "'");

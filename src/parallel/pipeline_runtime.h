@@ -81,6 +81,11 @@ struct RuntimeOptions {
   // half, then the backward half. The trainer's EP overlap runs them at once on two threads. The halves use
   // different stages' or slots' data and different buffers; they may not touch the pipeline communicator.
   std::function<void(const std::function<void()>& fwd_half, const std::function<void()>& bwd_half)> run_fb;
+  // An FB's full-backward half (B) runs as its input half then its weight half (backward_input, backward_weight
+  // of the same micro-batch, when the stage supports it): the EP exchanges all sit in the input half, so the
+  // forward half's compute can cover them and the weight GEMMs, which need no cover, come last. Same result bit
+  // for bit (the weight gradients are the same GEMMs, accumulated in the same order).
+  bool fb_backward_split = false;
 };
 
 struct StepStats {

@@ -351,6 +351,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
   std::vector<StageTime> out(static_cast<size_t>(n_stages));
   for (int st = 0; st < n_stages; ++st) {
     StageTime& t = out[size_t(st)];
+    int moe_a2a_layers = 0;
     for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool on, int count) {
       const int km = moe ? 1 : 0, kr = on ? 1 : 0;
       if (!have[km][kr]) cache[km][kr] = layer_cost(x, layer, ac), have[km][kr] = true;
@@ -364,12 +365,14 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
       for (int k = 0; k < kNumPlanOps; ++k)
         t.op_f[size_t(k)] += n * lc.op[k].f, t.op_b[size_t(k)] += n * (lc.op[k].i + lc.op[k].w);
       t.a2a_f += n * lc.a2a, t.a2a_b += n * lc.a2a;
+      if (moe && lc.a2a > 0) moe_a2a_layers += count;
       t.gemm += n * (lc.gemm.f + lc.gemm.i + lc.gemm.w), t.attention += n * (lc.attn.f + lc.attn.i);
       t.memory_bound += n * (lc.mem.f + lc.mem.i), t.quantize += n * (lc.quant.f + lc.quant.i);
       t.recompute += n * lc.recompute;
       t.tp_comm += n * (lc.tp_f + lc.tp_b), t.cp_comm += n * (lc.cp_f + lc.cp_b);
       t.flops += n * 3 * lc.flops_f;
     });
+    t.n_a2a = std::max(1, 2 * moe_a2a_layers);
     if (sp.last[size_t(st)]) {  // the head GEMM and the loss (fused: one pass over the logits chunks)
       const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
       const GemmCost g = gemm(x, x.T, V, d);
@@ -413,7 +416,7 @@ sched::Durations replay_durations(const TimePlan& tp) {
   sched::Durations d;
   d.p2p = tp.p2p;
   for (const auto& st : tp.stages)
-    d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b, st.f2, st.i2, st.w2, st.a2a_f2, st.a2a_b2});
+    d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b, st.f2, st.i2, st.w2, st.a2a_f2, st.a2a_b2, st.n_a2a});
   d.split_unpaired = tp.layout.ep_overlap_split;
   return d;
 }
@@ -499,8 +502,9 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
         steady += compute + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
         // The unpaired forward and backward (a B: ep_overlap runs interleaved_1f1b) beyond their compute.
         const bool split = l.ep_overlap_split;
-        once += unpaired * (sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split) - x.f +
-                            sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split) - (x.i + x.w));
+        once += unpaired * (sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split, x.n_a2a) - x.f +
+                            sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split, x.n_a2a) -
+                            (x.i + x.w));
       }
       worst = std::max(worst, steady * (double(m) + double(l.pp - 1) / double(l.vpp)) + once * double(m));
     }
@@ -675,7 +679,8 @@ nlohmann::json to_json(const TimePlan& t) {
   for (const auto& s : t.stages) {
     nlohmann::json x = {{"f_s", s.f}, {"i_s", s.i}, {"w_s", s.w}, {"a2a_f_s", s.a2a_f}, {"a2a_b_s", s.a2a_b}};
     if (t.layout.ep_overlap_split)  // the chunk as two half micro-batches, both halves summed
-      x.update({{"f2_s", s.f2}, {"i2_s", s.i2}, {"w2_s", s.w2}, {"a2a_f2_s", s.a2a_f2}, {"a2a_b2_s", s.a2a_b2}});
+      x.update({{"f2_s", s.f2}, {"i2_s", s.i2}, {"w2_s", s.w2}, {"a2a_f2_s", s.a2a_f2}, {"a2a_b2_s", s.a2a_b2},
+                {"n_a2a", s.n_a2a}});
     j["stages"].push_back(x);
   }
   return j;

@@ -59,14 +59,23 @@ Durations Durations::uniform(int n_stages, double f, double b, double w, double 
   return d;
 }
 
-double split_chunk_time(double x2, double a2) {
-  // Half 1 computes [0, x2/2] and exchanges [x2/2, x2/2 + a2/2]; half 2 computes [x2/2, x2] and exchanges from
-  // max(x2, x2/2 + a2/2) for a2/2.
-  return std::max(x2, a2) + std::min(x2, a2) / 2;
+double split_chunk_time(double x2, double a2, int n) {
+  MT_CHECK(n >= 1, "schedule", "split_chunk_time: n = ", n, " exchanges per chunk must be >= 1");
+  // n = 1: half 1 computes [0, x2/2] and exchanges [x2/2, x2/2 + a2/2]; half 2 computes [x2/2, x2] and
+  // exchanges from max(x2, x2/2 + a2/2) for a2/2. Larger n: the same two streams, segment by segment.
+  const double c = x2 / (2.0 * n), e = a2 / (2.0 * n);
+  double compute_free = 0, comm_free = 0, ready[2] = {0, 0};  // ready: when a half's previous exchange ended
+  for (int k = 0; k < n; ++k)
+    for (int h = 0; h < 2; ++h) {
+      compute_free = std::max(compute_free, ready[h]) + c;
+      comm_free = std::max(comm_free, compute_free) + e;
+      ready[h] = comm_free;
+    }
+  return comm_free;
 }
 
-double unpaired_time(double compute, double a2a, double x2, double a2, bool split) {
-  return split && a2a > 0 ? split_chunk_time(x2, a2) : compute + a2a;
+double unpaired_time(double compute, double a2a, double x2, double a2, bool split, int n) {
+  return split && a2a > 0 ? split_chunk_time(x2, a2, n) : compute + a2a;
 }
 
 double bubble_formula(int pp, int microbatches, int vpp) {
@@ -105,17 +114,18 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
   struct Cost {
     double compute = 0, a2a = 0;
     double compute2 = 0, a2a2 = 0;  // the two halves summed
+    int n_a2a = 1;                  // exchanges per chunk: the halves alternate at each
     double duration(Op op, bool split) const {
       if (op == Op::FB) return std::max(compute, a2a);
-      return unpaired_time(compute, a2a, compute2, a2a2, split);
+      return unpaired_time(compute, a2a, compute2, a2a2, split, n_a2a);
     }
   };
   auto action_cost = [&](const Action& a) -> Cost {
     const StageCost& c = cost(a.stage);
     switch (a.op) {
-      case Op::F: return {c.f, c.a2a_f, c.f2, c.a2a_f2};
-      case Op::I: return {c.i, c.a2a_b, c.i2, c.a2a_b2};
-      case Op::B: return {c.i + c.w, c.a2a_b, c.i2 + c.w2, c.a2a_b2};
+      case Op::F: return {c.f, c.a2a_f, c.f2, c.a2a_f2, c.n_a2a};
+      case Op::I: return {c.i, c.a2a_b, c.i2, c.a2a_b2, c.n_a2a};
+      case Op::B: return {c.i + c.w, c.a2a_b, c.i2 + c.w2, c.a2a_b2, c.n_a2a};
       case Op::W: return {c.w, 0};
       case Op::FB: {
         const StageCost& cb = cost(a.stage2);

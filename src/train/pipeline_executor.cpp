@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "moetron/check.h"
@@ -83,6 +85,14 @@ PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t a
   }
   pipeline::RuntimeOptions ro;
   if (ep_overlap) {
+    // MOETRON_EP_PAIR_BACKWARD: how a fused pair's backward half runs: b (the default: one full backward, layer by
+    // layer) or iw (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the
+    // emulated hosts, docs/benchmarks.md).
+    const char* pb = std::getenv("MOETRON_EP_PAIR_BACKWARD");
+    const std::string pair_bwd = pb ? pb : "b";
+    MT_CHECK(pair_bwd == "iw" || pair_bwd == "b", "pipeline", "MOETRON_EP_PAIR_BACKWARD must be 'iw' or 'b', not '",
+             pair_bwd, "'");
+    ro.fb_backward_split = pair_bwd == "iw";
     worker_ = std::make_unique<Worker>();
     ro.run_fb = [this](const std::function<void()>& f, const std::function<void()>& b) {
       model_->begin_overlap_pair();

@@ -523,13 +523,16 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       return a;
     };
     const TrainResult plain = train(tiny(shared_dir("ovl_plain_" + dt), with(false)), recorded(&world()));
-    // the turn-taking lanes, then the default free order (the compute to whichever lane is ready)
-    for (const char* order : {"turn", "free"}) {
-      SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + order);
+    // the turn-taking lanes, then the default free order (the compute to whichever lane is ready); a pair's
+    // backward half as one full backward (b, the default) and as input then weight half (iw)
+    for (auto [order, pair] : {std::pair{"turn", "b"}, std::pair{"free", "b"}, std::pair{"free", "iw"}}) {
+      SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + order + " MOETRON_EP_PAIR_BACKWARD=" + pair);
       setenv("MOETRON_EP_BATON", order, 1);
-      const TrainResult ov =
-          train(tiny(shared_dir(std::string("ovl_on_") + order + "_" + dt), with(true)), recorded(&world()));
+      setenv("MOETRON_EP_PAIR_BACKWARD", pair, 1);
+      const TrainResult ov = train(tiny(shared_dir(std::string("ovl_on_") + order + pair + "_" + dt), with(true)),
+                                   recorded(&world()));
       unsetenv("MOETRON_EP_BATON");
+      unsetenv("MOETRON_EP_PAIR_BACKWARD");
       // the measured exposed EP time: without the overlap all of the wait, with it at most the wait
       EXPECT_GT(plain.ep_wait_seconds, 0.0);
       EXPECT_EQ(plain.ep_exposed_seconds, plain.ep_wait_seconds);

@@ -122,6 +122,17 @@ TEST(PlanCost, SplitUnpairedChunkIsHandCounted) {
   EXPECT_DOUBLE_EQ(sched::split_chunk_time(4, 1), 4.5);  // half 2 computes [2, 4], exchanges [4, 4.5]
   EXPECT_DOUBLE_EQ(sched::split_chunk_time(1, 4), 4.5);  // half 1 exchanges [0.5, 2.5], half 2 [2.5, 4.5]
   EXPECT_DOUBLE_EQ(sched::split_chunk_time(2, 2), 3.0);
+  // Alternating at each of n exchanges (segments x2 / 2n, a2 / 2n), counted segment by segment. n = 2, x2 = 4,
+  // a2 = 2 (c = 1, e = 0.5): computes [0,1] h1, [1,2] h2, [2,3] h1, [3,4] h2; exchanges [1,1.5] h1, [2,2.5] h2,
+  // [3,3.5] h1, [4,4.5] h2 -> 4.5 (n = 1: 5).
+  EXPECT_DOUBLE_EQ(sched::split_chunk_time(4, 2, 1), 5.0);
+  EXPECT_DOUBLE_EQ(sched::split_chunk_time(4, 2, 2), 4.5);
+  // exchange-bound, n = 2, x2 = 1, a2 = 4 (c = 0.25, e = 1): exchanges [0.25,1.25] h1, [1.25,2.25] h2, then h1's
+  // second compute [1.25,1.5] and exchange [2.25,3.25], h2's [2.25,2.5] and [3.25,4.25] -> 4.25 (n = 1: 4.5).
+  EXPECT_DOUBLE_EQ(sched::split_chunk_time(1, 4, 2), 4.25);
+  // many exchanges: tends to max(x2, a2) plus one segment
+  EXPECT_NEAR(sched::split_chunk_time(4, 2, 64), 4.0 + 2.0 / 128, 1e-12);
+  EXPECT_THROW(sched::split_chunk_time(4, 2, 0), std::exception);
   // 1F1B, pp 2, two micro-batches, free P2P, every action unpaired: rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1.
   // With F lasting a and B lasting b: rank 1 runs [a, 3a + 2b], rank 0's B0 waits for it until 2a + b and its B1
   // until 3a + 2b, so the step is 3a + 3b.
@@ -138,6 +149,11 @@ TEST(PlanCost, SplitUnpairedChunkIsHandCounted) {
   // F: max(2.5, 3.5) + 2.5 / 2 = 4.75; B: max(2.8, 3.5) + 2.8 / 2 = 4.9.
   EXPECT_DOUBLE_EQ(split.step_time, 3 * 4.75 + 3 * 4.9);
   for (const auto& r : split.ranks) EXPECT_DOUBLE_EQ(r.a2a_exposed, 2 * (4.75 - 2) + 2 * (4.9 - 2)) << r.rank;
+  // Two exchanges per chunk (n_a2a = 2): F split_chunk_time(2.5, 3.5, 2), B split_chunk_time(2.8, 3.5, 2).
+  d.stage.assign(2, sched::StageCost{2, 1, 1, 3, 3, 2.5, 1.4, 1.4, 3.5, 3.5, 2});
+  const double f2n = sched::split_chunk_time(2.5, 3.5, 2), b2n = sched::split_chunk_time(2.8, 3.5, 2);
+  EXPECT_LT(f2n, 4.75);
+  EXPECT_DOUBLE_EQ(sched::simulate_timed(low, d).step_time, 3 * f2n + 3 * b2n);
   // A chunk without an exchange is not split: its compute stays f.
   d.stage.assign(2, sched::StageCost{2, 1, 1, 0, 0, 2.5, 1.4, 1.4, 0, 0});
   EXPECT_DOUBLE_EQ(sched::simulate_timed(low, d).step_time, 3 * 2 + 3 * 2);
@@ -159,6 +175,7 @@ TEST(PlanCost, SplitHalvesArePricedAtHalfTheTokens) {
     EXPECT_GT(st.i2 + st.w2, st.i + st.w);
     EXPECT_GE(st.a2a_f2, st.a2a_f);
     EXPECT_GT(st.a2a_f, 0);
+    EXPECT_EQ(st.n_a2a, 4);  // 96 layers over 24 x 2 stages: two MoE layers a stage, dispatch and combine each
   }
   c.parallelism.ep_overlap_split = false;
   for (const auto& st : timeof(c, 768, h).stages) EXPECT_EQ(st.f2, 0);  // not priced without the option

@@ -40,6 +40,7 @@ struct StageTime {
   // With parallelism.ep_overlap_split: the chunk as two half micro-batches (half the tokens: the grouped GEMMs at
   // half the tokens per expert, every kernel and exchange with its own launch / latency), both halves summed.
   double f2 = 0, i2 = 0, w2 = 0, a2a_f2 = 0, a2a_b2 = 0;
+  int n_a2a = 1;  // exchanges per chunk and direction: dispatch and combine of each MoE layer (at least 1)
   double gemm = 0, attention = 0, memory_bound = 0, quantize = 0, recompute = 0;  // compute parts (f+i+w)
   double tp_comm = 0, cp_comm = 0;  // exposed, included in f / i
   double flops = 0;               // hardware FLOPs of F+B (incl. recompute)
