@@ -100,7 +100,7 @@ ub = busy("plain", rate)
 print(f"steps 2..: plain {tp:.2f} s/step (EP {ep:.2f} s, exposed {xp:.2f} s); CPU busy {ub:.0%}")
 # If the overlap did the plain run's CPU work with no idle core, a step would take ub * plain: the most it could
 # hide on these cores is (1 - ub) * plain / EP.
-print(f"  the cores' bound: at most {(1 - ub) * tp / ep:+.2f} of the EP time can be hidden by step time")
+print(f"  the cores' bound (an estimate: the plain run's CPU work with no core idle): at most {(1 - ub) * tp / ep:+.2f} of the EP time hidden by step time")
 for run in runs[1:]:
     to, xo, xpo = tail(run, 1), tail(run, 3), tail(run, 5)
     same = all(a[4] == b[4] for a, b in zip(res["plain"], res[run]))
