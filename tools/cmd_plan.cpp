@@ -31,6 +31,7 @@ struct PlanArgs {
   double ep_imbalance = 1.0;
   bool unfused_loss = false, json = false, no_dist_opt = false;
   int64_t top_k = 5;
+  int64_t threads = 0;
   std::string worlds;
   std::string trace;  // plan time --trace DIR
 };
@@ -136,12 +137,15 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   auto* sea = plan->add_subcommand("search", "Search TP, CP, PP, VPP, schedule, EP, ZeRO, recompute and micro-batch");
   common(sea, *ps, true);
   sea->add_option("--top", ps->top_k, "candidates to print (default 5)");
+  sea->add_option("--threads", ps->threads, "workers for the analytic pass (default: the machine's hardware threads)")
+      ->check(CLI::Range(int64_t(1), int64_t(256)));
   sea->callback([sea, ps] {
     const JobConfig c = load(*ps, sea);
     const plan::Hardware h = plan::resolve_hardware(ps->hw);
     plan::SearchOptions o;
     o.time.memory = options(*ps, c);
     o.top_k = ps->top_k;
+    o.threads = ps->threads;
     const double gbt = ps->gbt > 0 ? ps->gbt : double(c.training.global_batch_size * c.training.seq_len);
     const plan::SearchResult r = plan::search(c, h, ps->world, gbt, o);
     if (ps->json) std::printf("%s\n", plan::to_json(r).dump(2).c_str());
@@ -152,11 +156,14 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   auto* sca = plan->add_subcommand("scale", "Strong scaling at a fixed global batch: the best layout per world size");
   common(sca, *pc, false);
   sca->add_option("--worlds", pc->worlds, "comma-separated world sizes, e.g. 768,1024,2048")->required();
+  sca->add_option("--threads", pc->threads, "workers for each search's analytic pass (default: the hardware threads)")
+      ->check(CLI::Range(int64_t(1), int64_t(256)));
   sca->callback([sca, pc] {
     const JobConfig c = load(*pc, sca);
     const plan::Hardware h = plan::resolve_hardware(pc->hw);
     plan::SearchOptions o;
     o.time.memory = options(*pc, c);
+    o.threads = pc->threads;
     const double gbt = pc->gbt > 0 ? pc->gbt : double(c.training.global_batch_size * c.training.seq_len);
     const auto s = plan::scale(c, h, parse_worlds(pc->worlds), gbt, o);
     if (pc->json) std::printf("%s\n", plan::to_json(s).dump(2).c_str());

@@ -325,10 +325,6 @@ const char* plan_op_name(int op) {
   return op >= 0 && op < kNumPlanOps ? names[op] : "?";
 }
 
-namespace {
-
-// The stages' durations with `token_share` of the micro-batch's tokens on each rank (1: the whole micro-batch;
-// 0.5: one half of a split chunk).
 std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                                       const StagePlan& sp, double token_share) {
   const ModelSpec& s = c.model;
@@ -396,19 +392,20 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
   return out;
 }
 
-}  // namespace
+void set_split_halves(std::vector<StageTime>& whole, const std::vector<StageTime>& half) {
+  MT_CHECK(whole.size() == half.size(), "plan time", "split halves for ", half.size(), " stages, not ", whole.size());
+  for (size_t k = 0; k < whole.size(); ++k) {
+    const StageTime& x = half[k];
+    whole[k].f2 = 2 * x.f, whole[k].i2 = 2 * x.i, whole[k].w2 = 2 * x.w;
+    whole[k].a2a_f2 = 2 * x.a2a_f, whole[k].a2a_b2 = 2 * x.a2a_b;
+  }
+}
 
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                                    const StagePlan& sp) {
   std::vector<StageTime> out = stage_times_at(c, l, h, o, sp, 1.0);
-  if (l.ep_overlap_split) {  // each unpaired chunk may run as two halves: both priced at half the tokens
-    const std::vector<StageTime> half = stage_times_at(c, l, h, o, sp, 0.5);
-    for (size_t k = 0; k < out.size(); ++k) {
-      const StageTime& x = half[k];
-      out[k].f2 = 2 * x.f, out[k].i2 = 2 * x.i, out[k].w2 = 2 * x.w;
-      out[k].a2a_f2 = 2 * x.a2a_f, out[k].a2a_b2 = 2 * x.a2a_b;
-    }
-  }
+  // each unpaired chunk may run as two halves: both priced at half the tokens
+  if (l.ep_overlap_split) set_split_halves(out, stage_times_at(c, l, h, o, sp, 0.5));
   return out;
 }
 
@@ -422,14 +419,20 @@ sched::Durations replay_durations(const TimePlan& tp) {
 }
 
 TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
-                   const MemoryPlan* memory, const StagePlan* stages) {
+                   const MemoryPlan* memory, const StagePlan* stages, const std::vector<StageTime>* durations) {
   const ModelSpec& s = c.model;
   TimePlan tp;
   tp.layout = l;
   tp.hardware = h.name;
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;
-  tp.stages = stage_times(c, l, h, o, sp);
+  if (durations) {
+    MT_CHECK(durations->size() == sp.stage_layers.size(), "plan time", "durations for ", durations->size(),
+             " stages, the layout has ", sp.stage_layers.size());
+    tp.stages = *durations;
+  } else {
+    tp.stages = stage_times(c, l, h, o, sp);
+  }
   const double T = l.tokens_per_rank(c.training.seq_len);
   const bool pp_cross = l.world() / l.pp >= h.scale_up.domain;
   // Each tp rank sends 1/tp of the boundary activation: its sequence shard under sequence parallelism, else

@@ -78,6 +78,10 @@ const char* module_of(const std::string& t) {
   return "other";
 }
 
+struct BytesSum {
+  static void add(void* ctx, const char*, double b) { *static_cast<double*>(ctx) += b; }
+};
+
 struct ModuleSum {
   std::map<std::string, double> by;
   static void add(void* ctx, const char* name, double b) { static_cast<ModuleSum*>(ctx)->by[module_of(name)] += b; }
@@ -139,6 +143,8 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   std::vector<double> stage_bytes(static_cast<size_t>(n_stages), 0.0);
   std::vector<ModuleSum> stage_mods(static_cast<size_t>(n_stages));
   double transient = 0;  // the largest full-recompute re-materialization
+  bool outside_known = false;  // !o.detail: a middle stage's outside-layer bytes, once counted
+  double outside_middle = 0;
   // A layer's terms depend on its kind (dense / MoE) and on whether recompute applies: four cases at most.
   double engine_shared = 0;  // engine, full recompute: the shared re-materialization sets
   const double d_model = double(s.d_model);
@@ -184,10 +190,21 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
         for (const auto& [name, v] : k.mods.by) stage_mods[size_t(st)].by[name] += count * v;
       transient = std::max(transient, k.all);
     });
-    ModuleSum outside;
-    sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
-                          &ModuleSum::add, &outside);
-    for (const auto& [name, v] : outside.by) stage_bytes[size_t(st)] += v, stage_mods[size_t(st)].by[name] += v;
+    if (o.detail) {
+      ModuleSum outside;
+      sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
+                            &ModuleSum::add, &outside);
+      for (const auto& [name, v] : outside.by) stage_bytes[size_t(st)] += v, stage_mods[size_t(st)].by[name] += v;
+    } else if (sp.first[size_t(st)] || sp.last[size_t(st)] || !outside_known) {
+      // Without the breakdown: the sum alone (it differs between stages only by the embedding and the head).
+      double sum = 0;
+      sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
+                            &BytesSum::add, &sum);
+      stage_bytes[size_t(st)] += sum;
+      if (!sp.first[size_t(st)] && !sp.last[size_t(st)]) outside_known = true, outside_middle = sum;
+    } else {
+      stage_bytes[size_t(st)] += outside_middle;
+    }
   }
   const Inflight inf = inflight(sp, stage_bytes);
 
@@ -265,13 +282,14 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
     } else {
       rm.activations = inf.peak_bytes[size_t(r)];
     }
-    std::map<std::string, double> mods;
-    for (int st : rm.stages) {
-      rm.act_per_microbatch += stage_bytes[size_t(st)];
-      for (const auto& [k, v] : stage_mods[size_t(st)].by) mods[k] += v;
+    for (int st : rm.stages) rm.act_per_microbatch += stage_bytes[size_t(st)];
+    if (o.detail) {
+      std::map<std::string, double> mods;
+      for (int st : rm.stages)
+        for (const auto& [k, v] : stage_mods[size_t(st)].by) mods[k] += v;
+      const double scale = rm.act_per_microbatch > 0 ? rm.activations / rm.act_per_microbatch : 0.0;
+      for (const auto& [k, v] : mods) rm.act_by_module.push_back({k, v * scale});
     }
-    const double scale = rm.act_per_microbatch > 0 ? rm.activations / rm.act_per_microbatch : 0.0;
-    for (const auto& [k, v] : mods) rm.act_by_module.push_back({k, v * scale});
 
     // Communication buffers.
     if (moe_here && l.ep > 1) {

@@ -150,11 +150,15 @@ std::shared_ptr<const Peaks> cached_peaks(const sched::GenSpec& spec) {
   sched::GenSpec g = spec;
   g.microbatches = int(inflight_microbatches(g));
   const auto key = std::make_tuple(g.schedule, g.pp, g.vpp, int64_t(g.microbatches), g.ep_overlap, g.group_size);
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (auto it = g_cache.find(key); it != g_cache.end()) return it->second;
+  }
+  // Replayed outside the lock (the search's workers miss on different shapes); a shape two workers replayed at
+  // once keeps the first copy stored.
+  auto pk = std::make_shared<const Peaks>(replay(sched::lower(sched::generate(g))));
   std::lock_guard<std::mutex> lk(g_mu);
-  auto it = g_cache.find(key);
-  if (it == g_cache.end())
-    it = g_cache.emplace(key, std::make_shared<const Peaks>(replay(sched::lower(sched::generate(g))))).first;
-  return it->second;
+  return g_cache.emplace(key, std::move(pk)).first->second;
 }
 }  // namespace
 

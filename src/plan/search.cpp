@@ -4,6 +4,7 @@
 #include "moetron/plan/search.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "moetron/accounting.h"
 #include "moetron/check.h"
@@ -31,6 +33,11 @@ std::vector<int64_t> pow2_upto(int64_t cap) {
   std::vector<int64_t> v;
   for (int64_t x = 1; x <= cap; x *= 2) v.push_back(x);
   return v;
+}
+
+int64_t default_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? int64_t(std::min(n, 16u)) : 1;
 }
 
 struct Ac {
@@ -121,71 +128,143 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
     Layout layout;
     double score = 0;  // analytic tokens/s/GPU
   };
-  std::vector<Ranked> ok;
-  ok.reserve(1 << 16);
+  // One work item per (tp, cp, pp): the items run on o.threads workers and their results are joined in the
+  // items' order, so the ranking does not depend on the thread count.
+  struct Item {
+    int64_t tp, cp, pp;
+    std::vector<Ranked> ok;
+    int64_t enumerated = 0, invalid = 0, oom = 0, evaluated = 0;
+  };
+  std::vector<Item> items;
+  for (int64_t tp : pow2_upto(max_tp))
+    for (int64_t cp : pow2_upto(max_cp)) {
+      if (world % (tp * cp) != 0) continue;
+      for (int64_t pp : divisors_upto(world / (tp * cp), max_pp)) items.push_back({tp, cp, pp, {}});
+    }
   TimeOptions analytic = o.time;
   analytic.simulate = false;
   analytic.model_flops_per_token = flops_per_token(s, S).train;
   PlanOptions quick = o.time.memory;
   quick.detail = false;
-  for (int64_t tp : pow2_upto(max_tp))
-    for (int64_t cp : pow2_upto(max_cp)) {
-      if (world % (tp * cp) != 0) continue;
-      for (int64_t pp : divisors_upto(world / (tp * cp), max_pp)) {
-        const int64_t dp = world / (tp * cp * pp);
-        for (const auto& sched : o.schedules) {
-          std::vector<int64_t> vpps = {1};
-          if (sched == "interleaved_1f1b") vpps = {2, 3, 4, 6, 8};
-          if (sched == "zbv") vpps = {2};
-          for (int64_t vpp : vpps) {
-            std::map<std::pair<int64_t, int>, std::shared_ptr<const StagePlan>> plans;
-            for (int64_t ep : divisors_upto(E, E))
-              for (int64_t zero : {int64_t(1), int64_t(3)})
-                for (const Ac& ac : acs)
-                  for (int64_t mbs : pow2_upto(o.max_mbs))
-                    for (int ov = 0; ov < 3; ++ov) {  // no overlap; ep_overlap; ep_overlap with the split
-                      if (zero == 3 && !o.allow_fsdp) continue;
-                      if (ov && !(o.allow_ep_overlap && ep > 1 && sched == "interleaved_1f1b")) continue;
-                      if (ov == 2 && !o.allow_ep_overlap_split) continue;
-                      ++res.enumerated;
-                      Layout l;
-                      l.tp = tp, l.cp = cp, l.pp = pp, l.vpp = vpp, l.dp = dp, l.ep = ep, l.zero = zero;
-                      l.schedule = sched, l.ep_overlap = ov > 0, l.ep_overlap_split = ov == 2, l.recompute = ac.mode, l.recompute_modules = ac.modules;
-                      l.mbs = mbs;
-                      if (pp == 1 && sched != "1f1b") { ++res.invalid; continue; }
-                      // The two rules most candidates break, as integer tests before the named check.
-                      if (gbs % (mbs * dp) != 0 || (tp * cp * dp) % ep != 0) { ++res.invalid; continue; }
-                      if (!layout_error(c, l, gbs).empty()) { ++res.invalid; continue; }
-                      l.microbatches = gbs / (mbs * dp);
-                      if (!schedule_accepts(l)) { ++res.invalid; continue; }
-                      // The stage plan depends on (pp, vpp, schedule, micro-batches, overlap): kept per shape here.
-                      auto& spp = plans[{l.microbatches, ov > 0}];
-                      MemoryPlan mp;
-                      try {
-                        if (!spp) spp = stage_plan(c, l);
-                        mp = plan_memory(c, l, h, quick, spp.get());
-                      } catch (const Error&) {
-                        ++res.invalid;
-                        continue;
-                      }
-                      if (mp.verdict != "FITS") { ++res.oom; continue; }
-                      const double score = plan_time(c, l, h, analytic, &mp, spp.get()).tokens_per_s_per_gpu;
-                      ++res.evaluated;
-                      ok.push_back({std::move(l), score});
-                    }
+  auto run_item = [&](Item& it) {
+    const int64_t tp = it.tp, cp = it.cp, pp = it.pp;
+    const int64_t dp = world / (tp * cp * pp);
+    for (const auto& sched : o.schedules) {
+      std::vector<int64_t> vpps = {1};
+      if (sched == "interleaved_1f1b") vpps = {2, 3, 4, 6, 8};
+      if (sched == "zbv") vpps = {2};
+      for (int64_t vpp : vpps) {
+        std::map<std::pair<int64_t, int>, std::shared_ptr<const StagePlan>> plans;
+        for (int64_t ep : divisors_upto(E, E))
+          for (int64_t zero : {int64_t(1), int64_t(3)}) {
+            // What a rank holds before activations (parameters, gradients, main parameters, optimizer state)
+            // depends on neither recompute, micro-batch nor overlap: once it alone does not fit, no layout of
+            // this (ep, zero) fits, and the rest are counted out of memory without a projection.
+            bool static_oom = false;
+            for (const Ac& ac : acs)
+              for (int64_t mbs : pow2_upto(o.max_mbs)) {
+                // The overlap choices share this shape's stage durations (priced once, and at half the tokens
+                // once for the split) and, with and without the split, the memory projection.
+                std::vector<StageTime> whole, split;
+                MemoryPlan overlap_mp;
+                bool have_overlap_mp = false;
+                for (int ov = 0; ov < 3; ++ov) {  // no overlap; ep_overlap; ep_overlap with the split
+                  if (zero == 3 && !o.allow_fsdp) continue;
+                  if (ov && !(o.allow_ep_overlap && ep > 1 && sched == "interleaved_1f1b")) continue;
+                  if (ov == 2 && !o.allow_ep_overlap_split) continue;
+                  ++it.enumerated;
+                  Layout l;
+                  l.tp = tp, l.cp = cp, l.pp = pp, l.vpp = vpp, l.dp = dp, l.ep = ep, l.zero = zero;
+                  l.schedule = sched, l.ep_overlap = ov > 0, l.ep_overlap_split = ov == 2, l.recompute = ac.mode,
+                  l.recompute_modules = ac.modules;
+                  l.mbs = mbs;
+                  if (pp == 1 && sched != "1f1b") { ++it.invalid; continue; }
+                  // The two rules most candidates break, as integer tests before the named check.
+                  if (gbs % (mbs * dp) != 0 || (tp * cp * dp) % ep != 0) { ++it.invalid; continue; }
+                  if (!layout_error(c, l, gbs).empty()) { ++it.invalid; continue; }
+                  l.microbatches = gbs / (mbs * dp);
+                  if (!schedule_accepts(l)) { ++it.invalid; continue; }
+                  if (static_oom) { ++it.oom; continue; }
+                  // The stage plan depends on (pp, vpp, schedule, micro-batches, overlap): kept per shape here.
+                  auto& spp = plans[{l.microbatches, ov > 0}];
+                  MemoryPlan own;
+                  const MemoryPlan* mp = &own;
+                  try {
+                    if (!spp) spp = stage_plan(c, l);
+                    // The split changes durations, not what a rank holds: its memory is the overlap's.
+                    if (ov == 2 && have_overlap_mp) mp = &overlap_mp;
+                    else own = plan_memory(c, l, h, quick, spp.get());
+                  } catch (const Error&) {
+                    ++it.invalid;
+                    continue;
+                  }
+                  if (ov == 1) overlap_mp = std::move(own), have_overlap_mp = true, mp = &overlap_mp;
+                  if (mp->verdict != "FITS") {
+                    ++it.oom;
+                    for (const RankMemory& rm : mp->per_rank)
+                      if (verdict_for(rm.params + rm.grads + rm.main_params + rm.optimizer, mp->hbm, mp->margin) != "FITS")
+                        static_oom = true;
+                    continue;
+                  }
+                  if (whole.empty()) whole = stage_times_at(c, l, h, analytic, *spp, 1.0);
+                  const std::vector<StageTime>* d = &whole;
+                  if (ov == 2) {
+                    split = whole;
+                    set_split_halves(split, stage_times_at(c, l, h, analytic, *spp, 0.5));
+                    d = &split;
+                  }
+                  const double score = plan_time(c, l, h, analytic, mp, spp.get(), d).tokens_per_s_per_gpu;
+                  ++it.evaluated;
+                  it.ok.push_back({std::move(l), score});
+                }
+              }
           }
-        }
       }
     }
+  };
+  {
+    const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(o.threads > 0 ? o.threads : default_threads(),
+                                                                     int64_t(items.size())));
+    // The items with the most pipeline stages cost the most: they are dealt first so the workers end together.
+    std::vector<size_t> order(items.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].pp > items[b].pp; });
+    std::atomic<size_t> next{0};
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(n_threads));
+    auto worker = [&](size_t k) {
+      try {
+        for (size_t i = next++; i < items.size(); i = next++) run_item(items[order[i]]);
+      } catch (...) {
+        errors[k] = std::current_exception();
+        next = items.size();
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int64_t k = 1; k < n_threads; ++k) pool.emplace_back(worker, size_t(k));
+    worker(0);
+    for (auto& t : pool) t.join();
+    for (const auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+  // Ranked by score, ties in enumeration order (items in order, then each item's own order).
+  struct Ref {
+    double score;
+    const Layout* layout;
+  };
+  std::vector<Ref> ok;
+  for (const Item& it : items) {
+    res.enumerated += it.enumerated, res.invalid += it.invalid, res.oom += it.oom, res.evaluated += it.evaluated;
+    for (const Ranked& r : it.ok) ok.push_back({r.score, &r.layout});
+  }
   const auto t1 = clock::now();
   const double analytic_s = std::chrono::duration<double>(t1 - t0).count();
   res.layouts_per_second = analytic_s > 0 ? double(res.enumerated) / analytic_s : 0;
-  std::sort(ok.begin(), ok.end(), [](const Ranked& a, const Ranked& b) { return a.score > b.score; });
+  std::stable_sort(ok.begin(), ok.end(), [](const Ref& a, const Ref& b) { return a.score > b.score; });
   // The top candidates by the estimate go through the timed simulator (twice top_k, then the best top_k).
   const size_t n = std::min(ok.size(), size_t(2 * o.top_k));
   std::vector<Candidate> best(n);
   for (size_t i = 0; i < n; ++i) {
-    best[i] = project(c, ok[i].layout, h, o);
+    best[i] = project(c, *ok[i].layout, h, o);
     best[i].analytic_tokens_per_s_per_gpu = ok[i].score;
   }
   std::sort(best.begin(), best.end(), [](const Candidate& a, const Candidate& b) {

@@ -31,6 +31,56 @@ TEST(PlanSearch, WinnersObeyTheRulesAndFit) {
   EXPECT_NE(r.why.find(r.top[0].layout.describe()), std::string::npos);
 }
 
+TEST(PlanSearch, WorkersDoNotChangeTheAnswer) {
+  // The analytic pass on one worker and on three: the same counts and the same top candidates in the same order
+  // (the workers' items are joined in order and ranked by a stable sort).
+  const auto c = cfg("deepseek_v3");
+  const auto h = plan::catalog_hardware("mi300x");
+  plan::SearchOptions o;
+  o.top_k = 6;
+  o.threads = 1;
+  const auto one = plan::search(c, h, 256, 4194304.0, o);
+  o.threads = 3;
+  const auto three = plan::search(c, h, 256, 4194304.0, o);
+  EXPECT_EQ(one.enumerated, three.enumerated);
+  EXPECT_EQ(one.invalid, three.invalid);
+  EXPECT_EQ(one.oom, three.oom);
+  EXPECT_EQ(one.evaluated, three.evaluated);
+  ASSERT_EQ(one.top.size(), three.top.size());
+  ASSERT_FALSE(one.top.empty());
+  for (size_t i = 0; i < one.top.size(); ++i) {
+    EXPECT_EQ(one.top[i].layout.describe(), three.top[i].layout.describe()) << i;
+    EXPECT_EQ(one.top[i].analytic_tokens_per_s_per_gpu, three.top[i].analytic_tokens_per_s_per_gpu) << i;
+  }
+}
+
+TEST(PlanSearch, SharedStageDurationsPriceAsPlanTimeDoes) {
+  // The search prices a stage shape once and hands the durations to plan_time: with the split, the halves set
+  // from stage_times_at(0.5) must give exactly plan_time's own figures.
+  const auto c = cfg("deepseek_v3");
+  const auto h = plan::catalog_hardware("mi300x");
+  plan::Layout l;
+  l.tp = 1, l.cp = 1, l.pp = 4, l.vpp = 2, l.dp = 64, l.ep = 64, l.zero = 1, l.mbs = 1;
+  l.schedule = "interleaved_1f1b", l.ep_overlap = true, l.ep_overlap_split = true;
+  l.microbatches = 16;
+  JobConfig cc = c;
+  cc.training.global_batch_size = l.microbatches * l.mbs * l.dp;
+  ASSERT_EQ(plan::layout_error(cc, l, cc.training.global_batch_size), "");
+  plan::TimeOptions o;
+  o.simulate = false;
+  const auto sp = plan::stage_plan(cc, l);
+  auto d = plan::stage_times_at(cc, l, h, o, *sp, 1.0);
+  plan::set_split_halves(d, plan::stage_times_at(cc, l, h, o, *sp, 0.5));
+  const auto own = plan::plan_time(cc, l, h, o, nullptr, sp.get());
+  const auto shared = plan::plan_time(cc, l, h, o, nullptr, sp.get(), &d);
+  EXPECT_GT(own.step_time, 0);
+  EXPECT_EQ(own.step_time, shared.step_time);
+  EXPECT_EQ(own.stages.size(), shared.stages.size());
+  for (size_t k = 0; k < own.stages.size(); ++k) EXPECT_EQ(own.stages[k].a2a_f2, shared.stages[k].a2a_f2) << k;
+  d.pop_back();  // durations for another layout's stages: refused by name
+  EXPECT_THROW(plan::plan_time(cc, l, h, o, nullptr, sp.get(), &d), Error);
+}
+
 TEST(PlanSearch, NothingFitsIsAnAnswerNotAFailure) {
   // DeepSeek-V3 on 8 H100s cannot hold its 671B parameters.
   const auto r = plan::search(cfg("deepseek_v3"), plan::catalog_hardware("h100"), 8, 8 * 4096.0);

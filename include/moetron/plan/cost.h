@@ -79,11 +79,20 @@ struct TimeOptions {
 };
 
 // `memory`: the layout's memory projection when the caller has it (the DP collectives read its parameter counts).
+// `durations`: this layout's stage_times() when the caller has them (the search prices a stage shape once for the
+// layouts that differ only in overlap or micro-batch count).
 TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o = {},
-                   const MemoryPlan* memory = nullptr, const StagePlan* stages = nullptr);
-// The per-stage durations alone (search evaluates these, then the analytic pipeline).
+                   const MemoryPlan* memory = nullptr, const StagePlan* stages = nullptr,
+                   const std::vector<StageTime>* durations = nullptr);
+// The per-stage durations alone: stage_times_at(..., 1.0), with the split halves under ep_overlap_split.
 std::vector<StageTime> stage_times(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                                    const StagePlan& sp);
+// The stages' durations with `token_share` of the micro-batch's tokens on each rank (1: the whole micro-batch;
+// 0.5: one half of a split chunk); they depend on the layout's shape, not on its overlap or micro-batch count.
+std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                                      const StagePlan& sp, double token_share);
+// Fills the split fields (f2 ... a2a_b2) of `whole` from the same stages priced at half the tokens.
+void set_split_halves(std::vector<StageTime>& whole, const std::vector<StageTime>& half);
 // The timed replay's durations of a plan: its stages, P2P message and the layout's split of unpaired chunks
 // (filled by plan_time up to its stages and p2p).
 sched::Durations replay_durations(const TimePlan& t);

@@ -24,6 +24,7 @@ struct SearchOptions {
   bool allow_tp = true, allow_cp = true, allow_fsdp = true, allow_recompute = true, allow_ep_overlap = true;
   bool allow_ep_overlap_split = true;  // ep_overlap layouts also with parallelism.ep_overlap_split
   int64_t max_pp = 0;  // 0 = n_layers
+  int64_t threads = 0;  // workers for the analytic pass (0 = the machine's hardware threads, at most 16)
 };
 
 struct Candidate {
