@@ -7,7 +7,8 @@
 # docs/pipeline.md) and the loss (bitwise equal in both runs), then the mean of steps 2.. and two figures of
 # what the overlap hides: from the step times, (plain - overlap) / plain EP, and from the exposed time,
 # 1 - exposed(overlap) / exposed(plain). The metrics are rank 0's. MPIRUN_ARGS is passed to two_hosts.sh.
-# BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default free.
+# BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default free. An
+# entry "turn-paced" runs the turns with the paced link (MOETRON_EP_LINK=paced: one exchange in flight per rank).
 # BASELINE=1 also runs every side on unshaped links (the same hosts, no rate limit) and prints a third figure, the
 # link's cost hidden: 1 - (overlap(RATE) - overlap(unshaped)) / (plain(RATE) - plain(unshaped)). It leaves out
 # what the second lane gains that is not EP (it fills pipeline bubbles and P2P waits on fast links too).
@@ -41,7 +42,10 @@ for run in $runs; do
   sampler=$!
   for attempt in 1 2 3; do  # the emulated hosts sometimes fail to start (docs/multinode.md): retry
   rm -rf "$dir"
-  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${run/plain/free}" \
+  baton=${run%%-*}
+  link=shared
+  [[ $run == *-paced ]] && link=paced
+  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${baton/plain/free} -x MOETRON_EP_LINK=$link" \
     "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
     --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
     --training.micro_batch_size=2 --training.global_batch_size=$gbs --training.threads=1 \
@@ -74,7 +78,8 @@ for run in runs:
                       e.get("exposed_paired_seconds_per_step", 0.0)))
         prev = r["time_s"]
     res[run] = steps
-    print("ep_overlap = false" if run == "plain" else f"ep_overlap = true, MOETRON_EP_BATON={run}", f"({rate}):")
+    print("ep_overlap = false" if run == "plain" else f"ep_overlap = true, MOETRON_EP_BATON={run.split('-')[0]}"
+          + (", MOETRON_EP_LINK=paced" if run.endswith("-paced") else ""), f"({rate}):")
     for s, t, e, x, l, xp in steps:
         print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s (in F&B pairs {xp:.2f} s), loss {l!r}")
 mean = lambda v: sum(v) / len(v)

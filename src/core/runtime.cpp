@@ -1,4 +1,5 @@
 // runtime.cpp: CPU feature detection, ISA override and thread-count policy.
+#include "moetron/env.h"
 #include "moetron/runtime.h"
 
 #include <omp.h>
@@ -60,14 +61,7 @@ std::string_view isa_name(Isa isa) {
   return "?";
 }
 
-static int env_int(const char* name) {
-  const char* e = std::getenv(name);
-  if (!e || !*e) return 0;
-  char* end = nullptr;
-  long v = std::strtol(e, &end, 10);
-  MT_CHECK(end && *end == '\0' && v > 0, "init_threads", name, "='", e, "' is not a positive integer");
-  return int(v);
-}
+static int env_int(const char* name) { return int(env_int_in(name, 0, 1, 4096, "init_threads")); }
 
 int init_threads(int requested, int local_ranks) {
   int n = requested;

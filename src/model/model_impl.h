@@ -411,6 +411,11 @@ struct Model::Impl {
   //    the lanes' exchanges match their peers in any interleaving);
   //  - turn (MOETRON_EP_BATON=turn): strict turns, lane 0 first, the same order of compute segments on every EP
   //    rank. It hides less on the emulated slow link (docs/benchmarks.md) and is kept for comparison.
+  // The link (MOETRON_EP_LINK): shared (the default) lets both lanes' exchanges be in flight at once, sharing the
+  // rank's link; paced holds a lane's exchange until the other lane's has completed, so one exchange at a time
+  // runs at the link's whole rate and its lane computes again sooner. Paced needs turn order: the exchanges then
+  // start in the turns' order, the same on every EP rank, so no two ranks wait on each other's link (under free
+  // order two ranks could hold their links for different lanes' exchanges and wait on each other for ever).
   struct Baton {
     Baton();
     std::mutex mu;
@@ -419,11 +424,17 @@ struct Model::Impl {
     bool free_order = true;   // MOETRON_EP_BATON=free (default) | turn
     int turn = 0;             // turn order: whose turn; free order: the lane computing, -1 none
     bool done[2] = {false, false};
+    bool paced_link = false;  // MOETRON_EP_LINK=paced | shared (default)
+    // Paced: each exchange takes a ticket when its lane passes the turn (so in the turns' order, the same on every
+    // EP rank) and runs when the tickets before it have completed.
+    int64_t next_ticket = 0, serving = 0, ticket[2] = {0, 0};
     void begin_pair();
     void end_pair();
     void acquire(int lane);  // wait for this lane's turn (or the other lane's half has ended)
     void pass(int lane);     // hand the turn to the other lane
     void finish(int lane);   // this lane's half has ended: the other lane runs on without waiting
+    void link_acquire(int lane);  // paced: wait until this lane's ticket is served
+    void link_release(int lane);
   };
   std::shared_ptr<Baton> baton;
   int lane_id = 0;
@@ -457,11 +468,11 @@ struct Model::Impl {
     double t0 = 0;
     explicit EpYield(Impl& x) : i(x) {
       t0 = i.busy_close();
-      if (i.baton) i.baton->pass(i.lane_id);
+      if (i.baton) i.baton->pass(i.lane_id), i.baton->link_acquire(i.lane_id);
     }
     ~EpYield() {
       if (i.exposure) i.exposure->wait(t0, EpExposure::now());
-      if (i.baton) i.baton->acquire(i.lane_id);
+      if (i.baton) i.baton->link_release(i.lane_id), i.baton->acquire(i.lane_id);
       i.busy_open();
     }
   };

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "model/model_impl.h"
+#include "moetron/env.h"
 #include "moetron/trace.h"
 
 namespace moetron {
@@ -245,14 +246,26 @@ void Model::Impl::sync_lane_from(const Impl& o) {
 }
 
 Model::Impl::Baton::Baton() {
-  const char* v = std::getenv("MOETRON_EP_BATON");
-  const std::string m = v ? v : "free";
-  MT_CHECK(m == "turn" || m == "free", "model", "MOETRON_EP_BATON must be 'turn' or 'free', not '", m, "'");
-  free_order = m == "free";
+  free_order = env_choice("MOETRON_EP_BATON", "free", {"turn", "free"}, "model") == "free";
+  paced_link = env_choice("MOETRON_EP_LINK", "shared", {"shared", "paced"}, "model") == "paced";
+  MT_CHECK(!paced_link || !free_order, "model",
+           "MOETRON_EP_LINK=paced needs MOETRON_EP_BATON=turn (under the free order the EP ranks could start their "
+           "lanes' exchanges in different orders and wait on each other's links)");
 }
 void Model::Impl::Baton::begin_pair() {
   std::lock_guard<std::mutex> lk(mu);
-  active = true, turn = free_order ? -1 : 0, done[0] = done[1] = false;
+  active = true, turn = free_order ? -1 : 0, done[0] = done[1] = false, next_ticket = serving = 0;
+}
+void Model::Impl::Baton::link_acquire(int lane) {
+  if (!paced_link) return;
+  std::unique_lock<std::mutex> lk(mu);
+  cv.wait(lk, [&] { return !active || serving == ticket[lane]; });
+}
+void Model::Impl::Baton::link_release(int lane) {
+  if (!paced_link) return;
+  std::lock_guard<std::mutex> lk(mu);
+  if (active && serving == ticket[lane]) ++serving;
+  cv.notify_all();
 }
 void Model::Impl::Baton::end_pair() {
   std::lock_guard<std::mutex> lk(mu);
@@ -269,6 +282,8 @@ void Model::Impl::Baton::acquire(int lane) {
 }
 void Model::Impl::Baton::pass(int lane) {
   std::lock_guard<std::mutex> lk(mu);
+  // Paced: the ticket is taken here, while this lane holds the turn (or the other lane's half has ended).
+  if (active && paced_link) ticket[lane] = next_ticket++;
   if (active && turn == lane) turn = free_order ? -1 : 1 - lane;
   cv.notify_all();
 }

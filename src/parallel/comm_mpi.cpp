@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "comm_backend.h"
+#include "moetron/env.h"
 #include "moetron/check.h"
 
 namespace moetron::detail {
@@ -65,26 +66,13 @@ int common_unit(std::initializer_list<std::pair<const int64_t*, int>> arrays, in
 
 // How a rank waits for its requests: sleeping between tests (default) or spinning inside MPI_Waitall.
 bool wait_by_polling() {
-  static const bool poll = [] {
-    const char* v = std::getenv("MOETRON_MPI_WAIT");
-    if (!v || std::string(v) == "poll") return true;
-    MT_CHECK(std::string(v) == "spin", "comm.init", "MOETRON_MPI_WAIT must be 'poll' or 'spin', not '", v, "'");
-    return false;
-  }();
+  static const bool poll = env_choice("MOETRON_MPI_WAIT", "poll", {"poll", "spin"}, "comm.init") == "poll";
   return poll;
 }
 
 // The longest sleep between two tests of a long wait: MOETRON_MPI_MAX_NAP_US (20 to 5000, default 200).
 std::chrono::microseconds max_nap() {
-  static const std::chrono::microseconds nap = [] {
-    const char* v = std::getenv("MOETRON_MPI_MAX_NAP_US");
-    if (!v) return std::chrono::microseconds(200);
-    char* end = nullptr;
-    const long us = std::strtol(v, &end, 10);
-    MT_CHECK(end != v && *end == 0 && us >= 20 && us <= 5000, "comm.init",
-             "MOETRON_MPI_MAX_NAP_US must be an integer in [20, 5000] (microseconds), not '", v, "'");
-    return std::chrono::microseconds(us);
-  }();
+  static const std::chrono::microseconds nap(env_int_in("MOETRON_MPI_MAX_NAP_US", 200, 20, 5000, "comm.init"));
   return nap;
 }
 
@@ -330,8 +318,9 @@ std::shared_ptr<CommBackend> mpi_world_backend() {
       // MULTIPLE: the pipeline's EP overlap runs two micro-batches' halves on two threads, each with its own
       // communicators (Model lanes). Everything else calls MPI from the main thread only.
       // MOETRON_MPI_THREAD=funneled asks for the lower level (for comparisons; ep_overlap is then refused).
-      const char* lv = std::getenv("MOETRON_MPI_THREAD");
-      const int want = lv && std::string(lv) == "funneled" ? MPI_THREAD_FUNNELED : MPI_THREAD_MULTIPLE;
+      const int want = env_choice("MOETRON_MPI_THREAD", "multiple", {"multiple", "funneled"}, "comm.init") == "funneled"
+                           ? MPI_THREAD_FUNNELED
+                           : MPI_THREAD_MULTIPLE;
       mpi_ok(MPI_Init_thread(nullptr, nullptr, want, &provided), "comm.init");
       g_we_initialized = true;
       std::atexit([] { mpi_finalize_if_owned(); });

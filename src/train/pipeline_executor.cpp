@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "moetron/env.h"
 #include "moetron/check.h"
 #include "moetron/runtime.h"
 #include "moetron/trace.h"
@@ -88,11 +89,7 @@ PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t a
     // MOETRON_EP_PAIR_BACKWARD: how a fused pair's backward half runs: b (the default: one full backward, layer by
     // layer) or iw (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the
     // emulated hosts, docs/benchmarks.md).
-    const char* pb = std::getenv("MOETRON_EP_PAIR_BACKWARD");
-    const std::string pair_bwd = pb ? pb : "b";
-    MT_CHECK(pair_bwd == "iw" || pair_bwd == "b", "pipeline", "MOETRON_EP_PAIR_BACKWARD must be 'iw' or 'b', not '",
-             pair_bwd, "'");
-    ro.fb_backward_split = pair_bwd == "iw";
+    ro.fb_backward_split = env_choice("MOETRON_EP_PAIR_BACKWARD", "b", {"iw", "b"}, "pipeline") == "iw";
     worker_ = std::make_unique<Worker>();
     ro.run_fb = [this](const std::function<void()>& f, const std::function<void()>& b) {
       model_->begin_overlap_pair();

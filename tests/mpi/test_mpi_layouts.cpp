@@ -525,14 +525,23 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
     const TrainResult plain = train(tiny(shared_dir("ovl_plain_" + dt), with(false)), recorded(&world()));
     // the turn-taking lanes, then the default free order (the compute to whichever lane is ready); a pair's
     // backward half as one full backward (b, the default) and as input then weight half (iw)
-    for (auto [order, pair] : {std::pair{"turn", "b"}, std::pair{"free", "b"}, std::pair{"free", "iw"}}) {
-      SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + order + " MOETRON_EP_PAIR_BACKWARD=" + pair);
-      setenv("MOETRON_EP_BATON", order, 1);
-      setenv("MOETRON_EP_PAIR_BACKWARD", pair, 1);
-      const TrainResult ov = train(tiny(shared_dir(std::string("ovl_on_") + order + pair + "_" + dt), with(true)),
-                                   recorded(&world()));
+    // backward half as one full backward (b, the default) and as input then weight half (iw); the turns with the
+    // paced link (one exchange in flight per rank)
+    struct Variant {
+      const char *order, *pair, *link;
+    };
+    for (const Variant v : {Variant{"turn", "b", "shared"}, Variant{"turn", "b", "paced"}, Variant{"free", "b", "shared"},
+                            Variant{"free", "iw", "shared"}}) {
+      SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + v.order + " MOETRON_EP_PAIR_BACKWARD=" + v.pair +
+                   " MOETRON_EP_LINK=" + v.link);
+      setenv("MOETRON_EP_BATON", v.order, 1);
+      setenv("MOETRON_EP_PAIR_BACKWARD", v.pair, 1);
+      setenv("MOETRON_EP_LINK", v.link, 1);
+      const TrainResult ov = train(
+          tiny(shared_dir(std::string("ovl_on_") + v.order + v.pair + v.link + "_" + dt), with(true)), recorded(&world()));
       unsetenv("MOETRON_EP_BATON");
       unsetenv("MOETRON_EP_PAIR_BACKWARD");
+      unsetenv("MOETRON_EP_LINK");
       // the measured exposed EP time: without the overlap all of the wait, with it at most the wait
       EXPECT_GT(plain.ep_wait_seconds, 0.0);
       EXPECT_EQ(plain.ep_exposed_seconds, plain.ep_wait_seconds);
@@ -579,4 +588,19 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   EXPECT_NE(error_of({"--parallelism.ep=1"}).find("needs expert parallelism"), std::string::npos);
   EXPECT_NE(error_of({"--parallelism.zero=3"}).find("not with FSDP"), std::string::npos);
   EXPECT_NE(error_of({"--activation_checkpoint.mode=full"}).find("activation recompute"), std::string::npos);
+  // The overlap's environment knobs: a bad value is refused by name, and the paced link without turns.
+  auto env_error = [&](std::vector<std::pair<const char*, const char*>> vars) {
+    for (const auto& [k, v] : vars) setenv(k, v, 1);
+    const std::string e = error_of({});
+    for (const auto& [k, v] : vars) unsetenv(k);
+    return e;
+  };
+  EXPECT_NE(env_error({{"MOETRON_EP_BATON", "fast"}}).find("MOETRON_EP_BATON must be 'turn' or 'free', not 'fast'"),
+            std::string::npos);
+  EXPECT_NE(env_error({{"MOETRON_EP_LINK", "wide"}}).find("MOETRON_EP_LINK must be 'shared' or 'paced', not 'wide'"),
+            std::string::npos);
+  EXPECT_NE(env_error({{"MOETRON_EP_LINK", "paced"}}).find("MOETRON_EP_LINK=paced needs MOETRON_EP_BATON=turn"),
+            std::string::npos);
+  EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "wb"}}).find("MOETRON_EP_PAIR_BACKWARD must be 'iw' or 'b', not 'wb'"),
+            std::string::npos);
 }
