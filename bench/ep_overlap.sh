@@ -43,9 +43,9 @@ for run in $runs; do
   for attempt in 1 2 3; do  # the emulated hosts sometimes fail to start (docs/multinode.md): retry
   rm -rf "$dir"
   baton=${run%%-*}
-  link=shared
-  [[ $run == *-paced ]] && link=paced
-  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${baton/plain/free} -x MOETRON_EP_LINK=$link" \
+  ep_link=shared
+  [[ $run == *-paced ]] && ep_link=paced
+  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${baton/plain/free} -x MOETRON_EP_LINK=$ep_link" \
     "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
     --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
     --training.micro_batch_size=2 --training.global_batch_size=$gbs --training.threads=1 \
