@@ -1,6 +1,7 @@
 // optim.cpp: AdamW step and global gradient norm: argument checks, the per-step scalars, the scalar
-// path and the dispatch to optim_avx512.cpp. The scalar path and the AVX-512 path compute bitwise the
-// same results (same operation order; the AVX-512 file uses non-contracting intrinsics).
+// path and the dispatch to optim_avx512.cpp (AdamW, norm) and optim_avx2.cpp (norm). The scalar and vector
+// paths compute bitwise the same results (same operation order; the vector files use non-contracting
+// intrinsics).
 // Not an optimizer object (see src/train).
 #include "moetron/optim.h"
 
@@ -18,6 +19,9 @@ void adamw_range(float* p, float* m, float* v, const float* g, int64_t n, const 
                  bool apply_decay);
 double norm_block(const float* g, int64_t n);
 }  // namespace optim_avx512
+namespace optim_avx2 {
+double norm_block(const float* g, int64_t n);
+}  // namespace optim_avx2
 
 namespace {
 
@@ -94,7 +98,7 @@ double grad_norm_sq(const float* g, int64_t n) {
   if (n == 0) return 0.0;
   MT_CHECK(g != nullptr, "grad_norm_sq", "null gradient with n=", n);
   MT_TRACE_COST(2.0 * double(n), 4.0 * double(n));
-  const bool vec = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
   const int64_t nblocks = (n + kNormBlock - 1) / kNormBlock;
   const int64_t per_chunk = (nblocks + kNormChunks - 1) / kNormChunks;  // depends on n only
   const int64_t nchunks = (nblocks + per_chunk - 1) / per_chunk;
@@ -105,7 +109,9 @@ double grad_norm_sq(const float* g, int64_t n) {
     const int64_t b1 = std::min(nblocks, (ch + 1) * per_chunk);
     for (int64_t b = ch * per_chunk; b < b1; ++b) {
       const int64_t i0 = b * kNormBlock, len = std::min(kNormBlock, n - i0);
-      s += vec ? optim_avx512::norm_block(g + i0, len) : norm_block_scalar(g + i0, len);
+      s += isa == Isa::Avx512 ? optim_avx512::norm_block(g + i0, len)
+           : isa == Isa::Avx2 ? optim_avx2::norm_block(g + i0, len)
+                              : norm_block_scalar(g + i0, len);
     }
     partial[ch] = s;
   }
