@@ -6,7 +6,6 @@
 // Not the order of stages and micro-batches (the pipeline runtime runs the schedule: src/parallel/) and not
 // the layer math (model_layer.cpp and the blocks).
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 

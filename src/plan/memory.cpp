@@ -143,8 +143,6 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   std::vector<double> stage_bytes(static_cast<size_t>(n_stages), 0.0);
   std::vector<ModuleSum> stage_mods(static_cast<size_t>(n_stages));
   double transient = 0;  // the largest full-recompute re-materialization
-  bool outside_known = false;  // !o.detail: a middle stage's outside-layer bytes, once counted
-  double outside_middle = 0;
   // A layer's terms depend on its kind (dense / MoE) and on whether recompute applies: four cases at most.
   double engine_shared = 0;  // engine, full recompute: the shared re-materialization sets
   const double d_model = double(s.d_model);
@@ -195,15 +193,9 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
       sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
                             &ModuleSum::add, &outside);
       for (const auto& [name, v] : outside.by) stage_bytes[size_t(st)] += v, stage_mods[size_t(st)].by[name] += v;
-    } else if (sp.first[size_t(st)] || sp.last[size_t(st)] || !outside_known) {
-      // Without the breakdown: the sum alone (it differs between stages only by the embedding and the head).
-      double sum = 0;
+    } else {  // without the breakdown: the sum alone, no module map
       sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
-                            &BytesSum::add, &sum);
-      stage_bytes[size_t(st)] += sum;
-      if (!sp.first[size_t(st)] && !sp.last[size_t(st)]) outside_known = true, outside_middle = sum;
-    } else {
-      stage_bytes[size_t(st)] += outside_middle;
+                            &BytesSum::add, &stage_bytes[size_t(st)]);
     }
   }
   const Inflight inf = inflight(sp, stage_bytes);

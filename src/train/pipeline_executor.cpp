@@ -3,11 +3,9 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <mutex>
-#include <string>
 #include <thread>
 
 #include "moetron/env.h"

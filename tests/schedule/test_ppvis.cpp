@@ -21,22 +21,15 @@
 #include "moetron/check.h"
 #include "moetron/schedule.h"
 #include "viz/ppvis.h"
+#include "../unit/test_util.h"
 
 using namespace moetron;
 using namespace moetron::viz;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using moetron::testing::error_of;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 std::vector<sched::Action> halves(const sched::Action& a) {
   if (a.op == sched::Op::FB) return {sched::fwd_half(a), sched::bwd_half(a)};

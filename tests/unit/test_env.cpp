@@ -3,23 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-#include <functional>
 
-#include "moetron/check.h"
 #include "moetron/env.h"
+#include "test_util.h"
 
 using namespace moetron;
-
-namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-}  // namespace
+using moetron::testing::error_of;
 
 TEST(Env, ChoiceTakesTheDefaultAValueOrRefusesByName) {
   unsetenv("MOETRON_TEST_KNOB");
