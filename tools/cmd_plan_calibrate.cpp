@@ -157,7 +157,9 @@ GroupedTimes grouped_times(const Comm& w, GemmPrec prec, int64_t El, int64_t d, 
 }  // namespace
 
 namespace moetron::cli {
-plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_out) {
+namespace {
+// One pass over every figure (each in its own window of g_min_window or more).
+plan::Hardware calibrate_round(const Comm& w, bool quick, std::string* check_out) {
     const ComputeDtype dt = resolve_compute_dtype(ComputeDtype::Auto);
     const int reps = quick ? 2 : 5;
     g_min_window = quick ? 0.1 : 0.25;
@@ -503,17 +505,91 @@ plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_o
   return h;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The rounds' figures combined: each the median over rounds. The curves (fractions of each round's achievable rate)
+// are combined as absolute rates, then taken again as fractions of the combined achievable rate: the median round
+// reference, raised to the fastest combined dense-GEMM point as one round does; grouped points above it are capped
+// at 1 as in one round.
+plan::Hardware combine_rounds(const std::vector<plan::Hardware>& r) {
+  plan::Hardware h = r.back();
+  auto med = [&](auto get) {
+    std::vector<double> v;
+    for (const plan::Hardware& x : r) v.push_back(get(x));
+    return median(std::move(v));
+  };
+  using H = plan::Hardware;
+  for (double H::*f : {&H::hbm_bw, &H::kernel_overhead, &H::elementwise_bw, &H::optimizer_per_param,
+                       &H::grad_norm_per_param, &H::expert_pack_per_param})
+    h.*f = med([&](const H& x) { return x.*f; });
+  for (plan::Tier H::*t : {&H::scale_up, &H::scale_out}) {
+    (h.*t).bw = med([&](const H& x) { return (x.*t).bw; });
+    (h.*t).alpha = med([&](const H& x) { return (x.*t).alpha; });
+  }
+  double ach = med([](const H& x) { return x.achievable_bf16; });
+  std::vector<plan::EffPoint> H::*curves[] = {&H::gemm_efficiency, &H::grouped_fwd_efficiency,
+                                               &H::grouped_bwd_efficiency, &H::attention_seq_efficiency};
+  std::vector<std::vector<double>> abs_rates;  // per curve, per point: the median absolute rate
+  for (auto cv : curves) {
+    abs_rates.emplace_back();
+    for (size_t i = 0; i < (h.*cv).size(); ++i)
+      abs_rates.back().push_back(med([&](const H& x) { return (x.*cv)[i].eff * x.achievable_bf16; }));
+  }
+  for (double rate : abs_rates[0]) ach = std::max(ach, rate);
+  for (size_t c = 0; c < std::size(curves); ++c)
+    for (size_t i = 0; i < (h.*curves[c]).size(); ++i)
+      (h.*curves[c])[i].eff = std::clamp(abs_rates[c][i] / ach, 0.001, 1.0);
+  for (double H::*f : {&H::attention_efficiency, &H::loss_efficiency})
+    h.*f = std::clamp(med([&](const H& x) { return x.*f * x.achievable_bf16; }) / ach, 0.001, 1.0);
+  h.peak_bf16 = h.achievable_bf16 = ach;
+  return h;
+}
+}  // namespace
+
+plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_out, int rounds) {
+  MT_CHECK(rounds >= 1 && rounds <= 50, "plan calibrate", "--rounds = ", rounds, " must lie in 1..50");
+  std::vector<plan::Hardware> r;
+  std::string header;
+  for (int i = 0; i < rounds; ++i) r.push_back(calibrate_round(w, quick, &header));
+  plan::Hardware h = combine_rounds(r);
+  plan::validate_hardware(h, "calibrate");
+  if (check_out) {
+    std::vector<double> ach;
+    for (const plan::Hardware& x : r) ach.push_back(x.achievable_bf16 / 1e9);
+    std::string line = "# " + std::to_string(rounds) + " round(s), every figure the median over them (the comments below "
+                       "are the last round's); achievable GEMM rate per round:";
+    for (double a : ach) {
+      char b[32];
+      std::snprintf(b, sizeof b, " %.1f", a);
+      line += b;
+    }
+    char b[64];
+    std::snprintf(b, sizeof b, " GFLOPS, written %.1f\n", h.achievable_bf16 / 1e9);
+    *check_out = line + b + header;
+  }
+  return h;
+}
+
 void add_plan_calibrate(CLI::App* plan) {
   auto* cal = plan->add_subcommand("calibrate", "Measure this machine into a planner hardware TOML (run under mpirun "
                                                 "for the MPI alpha-beta)");
   auto out = std::make_shared<std::string>();
   auto quick = std::make_shared<bool>(false);
+  auto rounds = std::make_shared<int>(3);
   cal->add_option("--out", *out, "write the TOML here (default: print it)");
   cal->add_flag("--quick", *quick, "fewer repetitions and sizes (for tests)");
-  cal->callback([out, quick] {
+  cal->add_option("--rounds", *rounds,
+                  "measure every figure this many times, interleaved, and keep the median (default 3; 1..50): a shared "
+                  "host's speed moves within seconds")
+      ->check(CLI::Range(1, 50));
+  cal->callback([out, quick, rounds] {
     const Comm w = comm_world();
     std::string header;
-    const plan::Hardware h = calibrate_machine(w, *quick, &header);
+    const plan::Hardware h = calibrate_machine(w, *quick, &header, *rounds);
     if (w.rank() != 0) return;
     const std::string toml = header + plan::hardware_to_toml(h);
     if (out->empty()) {

@@ -158,7 +158,8 @@ void add_plan_validate(CLI::App* plan) {
       "validate", "Run the engine on small layouts and compare measured memory and step time with the projection");
   struct Args {
     std::string config, hw, only;
-    int64_t steps = 4;
+    int64_t steps = 6;
+    int rounds = 3;
     bool json = false, quick = false, ops = false;
     double max_mem = 0, max_ep_act = 0.10, max_time = 0;
     std::string ep_imbalance = "measured";
@@ -166,7 +167,9 @@ void add_plan_validate(CLI::App* plan) {
   auto a = std::make_shared<Args>();
   val->add_option("--config", a->config, "the job (default configs/ds_mini.toml)");
   val->add_option("--hw", a->hw, "this machine's hardware TOML (default: calibrate first)");
-  val->add_option("--steps", a->steps, "training steps per layout (default 4; the first is not timed)");
+  val->add_option("--steps", a->steps, "training steps per layout (default 6; the first is not timed)");
+  val->add_option("--rounds", a->rounds, "calibration rounds when --hw is not given (default 3, see plan calibrate)")
+      ->check(CLI::Range(1, 50));
   val->add_option("--only", a->only, "run the layouts whose name contains one of these comma-separated texts");
   val->add_flag("--quick", a->quick, "a quick calibration when --hw is not given");
   val->add_flag("--json", a->json, "print one JSON object");
@@ -185,7 +188,8 @@ void add_plan_validate(CLI::App* plan) {
     const Comm w = comm_world();
     const bool root = w.rank() == 0;
     std::string header;
-    const plan::Hardware h = a->hw.empty() ? calibrate_machine(w, a->quick, &header) : plan::resolve_hardware(a->hw);
+    const plan::Hardware h =
+        a->hw.empty() ? calibrate_machine(w, a->quick, &header, a->rounds) : plan::resolve_hardware(a->hw);
     const std::string cfg_path = a->config.empty() ? "configs/ds_mini.toml" : a->config;
     const ComputeDtype dt = resolve_compute_dtype(ComputeDtype::Auto);
     const std::string dump = (std::filesystem::temp_directory_path() / "moetron_plan_validate").string();
@@ -222,6 +226,7 @@ void add_plan_validate(CLI::App* plan) {
       const CpuShare cpu_share(num_threads());
       const TrainResult r = train(c, to);
       const double share = min_over_ranks(w, cpu_share.share());
+
       // Measured: the largest rank's figure per category, then its step time.
       double meas[5] = {double(r.params_peak_bytes), double(r.grads_peak_bytes), double(r.optimizer_peak_bytes),
                         double(r.act_peak_bytes), 0};
@@ -282,6 +287,7 @@ void add_plan_validate(CLI::App* plan) {
           std::printf("%-16s %-10s %12.4g %12.4g %+7.1f%%\n", cs.name.c_str(), names[i], meas[i], proj[i],
                       100 * err(proj[i], meas[i]));
       }
+      double gemm_speed = 1.0;  // the run's dense-GEMM speed over the calibration's (below)
       // By op group: the engine's scopes over the profiled steps (all but the first) on the rank that computes the
       // most (the projection's groups are those of its slowest pipeline rank; a rank that computes less waits
       // inside its communication, which a per-group maximum over ranks would count twice).
@@ -315,18 +321,33 @@ void add_plan_validate(CLI::App* plan) {
                         100 * err(p_s, m_s));
         };
         for (int k = 0; k < plan::kNumPlanOps; ++k) {
+          if (k == plan::kOpLoss) {  // one engine scope holds the fused loss's forward and backward
+            row(plan::plan_op_name(k), me.f[k] + me.b[k], pr.f[k] + pr.b[k]);
+            continue;
+          }
           row(std::string(plan::plan_op_name(k)) + ".fwd", me.f[k], pr.f[k]);
           row(std::string(plan::plan_op_name(k)) + ".bwd", me.b[k], pr.b[k]);
         }
         for (int p = 0; p < kNumStepParts; ++p) row(kStepPartNames[p], me.part[p], pr.part[p]);
         j["ops"] = jo;
+        // The dense GEMMs' speed in this run against the projection's (a diagnostic, not a correction): on a shared
+        // host the cores' speed moves by tens of percent within seconds (a neighbour on the sibling hardware threads,
+        // the shared cache), which the CPU share does not see; a reference GEMM timed just before and after a run
+        // was tried and did not predict the run's speed (docs/planner.md).
+        double dm = 0, dp = 0;
+        for (int k : {plan::kOpAttnProj, plan::kOpFfn}) dm += me.f[k] + me.b[k], dp += pr.f[k] + pr.b[k];
+        gemm_speed = dm > 0 && dp > 0 ? dp / dm : 1.0;
       }
       j["cpu_share"] = share;
       j["step_s"]["projected_full_share"] = tp.step_time;
-      if (root && !a->json)
+      j["dense_gemm_speed"] = gemm_speed;
+      if (root && !a->json) {
         std::printf("%-16s CPU share during the run %.2f (the smallest over ranks; 1 = no other process took these "
                     "cores): step projected %.4g s at a full share, %.4g s at this one\n", cs.name.c_str(), share,
                     tp.step_time, proj[4]);
+        std::printf("%-16s the dense GEMMs (attention projections, dense FFN, shared experts) ran at %.2f x their "
+                    "projected rate\n", cs.name.c_str(), gemm_speed);
+      }
       if (root && !a->json && c.parallelism.ep > 1)
         std::printf("%-16s ep rows: the most one dispatch brought %.3f x balanced (projected with %.3f); the buffers "
                     "hold %.3f x\n", cs.name.c_str(), measured_imb, po.ep_imbalance, held_imb);

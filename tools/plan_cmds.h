@@ -71,7 +71,8 @@ class CpuShare {
 
 void add_plan_calibrate(CLI::App* plan);
 void add_plan_validate(CLI::App* plan);
-// This machine measured as planner hardware (every rank of `w` at once); check_out receives a comment header
-// with the measurement's provenance and the collectives timed against the model.
-plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_out);
+// This machine measured as planner hardware (every rank of `w` at once), `rounds` passes over every figure with
+// the median kept; check_out receives a comment header with the measurement's provenance and the collectives
+// timed against the model.
+plan::Hardware calibrate_machine(const Comm& w, bool quick, std::string* check_out, int rounds);
 }  // namespace moetron::cli

@@ -5,9 +5,11 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <sstream>
+#include <string>
 
 #include "moetron/check.h"
 
@@ -37,19 +39,26 @@ static Isa cpu_best_isa() {
   return Isa::Scalar;
 }
 
-static Isa g_isa = [] {
-  Isa best = cpu_best_isa();
-  const char* e = std::getenv("MOETRON_ISA");
-  if (!e || !*e) return best;
-  std::string_view s(e);
-  Isa want = s == "scalar" ? Isa::Scalar : s == "avx2" ? Isa::Avx2 : s == "avx512" ? Isa::Avx512 : best;
+// MOETRON_ISA, read on first use (not at static initialisation, so a bad value is an Error the caller reports,
+// naming the variable, rather than a termination before main); never raises the ISA above the CPU's.
+static Isa env_isa() {
+  const Isa best = cpu_best_isa();
+  const std::string s = env_choice("MOETRON_ISA", "", {"scalar", "avx2", "avx512"}, "kernel ISA");
+  if (s.empty()) return best;
+  const Isa want = s == "scalar" ? Isa::Scalar : s == "avx2" ? Isa::Avx2 : Isa::Avx512;
   return want < best ? want : best;
-}();
+}
+static std::atomic<int> g_isa_override{-1};  // set_isa_override (tests): replaces the environment's choice
 
-Isa active_isa() { return g_isa; }
+Isa active_isa() {
+  const int o = g_isa_override.load(std::memory_order_relaxed);
+  if (o >= 0) return Isa(o);
+  static const Isa from_env = env_isa();
+  return from_env;
+}
 void set_isa_override(Isa isa) {
-  Isa best = cpu_best_isa();
-  g_isa = isa < best ? isa : best;
+  const Isa best = cpu_best_isa();
+  g_isa_override.store(int(isa < best ? isa : best), std::memory_order_relaxed);
 }
 
 std::string_view isa_name(Isa isa) {

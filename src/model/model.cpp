@@ -24,6 +24,7 @@
 #include "moetron/rng.h"
 #include "moetron/rope.h"
 #include "moetron/runtime.h"
+#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -261,6 +262,7 @@ void Model::sync_weights() {
 }
 
 void Model::zero_grads() {
+  MT_TRACE("optim.zero_grads");  // the planner's optimizer row counts it (plan validate)
   if (fsdp_) fsdp_->zero_grads();
   else gbuf_.zero_();
   if (impl_->tied_hg.defined()) impl_->tied_hg.zero_();

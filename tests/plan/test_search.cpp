@@ -26,7 +26,9 @@ TEST(PlanSearch, WinnersObeyTheRulesAndFit) {
     EXPECT_EQ(plan::layout_error(cc, cd.layout, cc.training.global_batch_size), "") << cd.layout.describe();
     EXPECT_EQ(cd.memory.verdict, "FITS") << cd.layout.describe();
     EXPECT_TRUE(cd.time.simulated);
-    if (i > 0) EXPECT_GE(r.top[i - 1].time.tokens_per_s_per_gpu, cd.time.tokens_per_s_per_gpu);
+    if (i > 0) {
+      EXPECT_GE(r.top[i - 1].time.tokens_per_s_per_gpu, cd.time.tokens_per_s_per_gpu);
+    }
   }
   EXPECT_NE(r.why.find(r.top[0].layout.describe()), std::string::npos);
 }
