@@ -8,7 +8,9 @@
 # what the overlap hides: from the step times, (plain - overlap) / plain EP, and from the exposed time,
 # 1 - exposed(overlap) / exposed(plain). The metrics are rank 0's. MPIRUN_ARGS is passed to two_hosts.sh.
 # BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default free. An
-# entry "turn-paced" runs the turns with the paced link (MOETRON_EP_LINK=paced: one exchange in flight per rank).
+# entry "turn-paced" runs the turns with the paced link (MOETRON_EP_LINK=paced: one exchange in flight per rank);
+# "free-iw" / "free-iwfill" run a pair's backward as input then weight half, the latter with the weight gradients
+# also run inside the exchange waits (MOETRON_EP_PAIR_BACKWARD, docs/pipeline.md).
 # BASELINE=1 also runs every side on unshaped links (the same hosts, no rate limit) and prints a third figure, the
 # link's cost hidden: 1 - (overlap(RATE) - overlap(unshaped)) / (plain(RATE) - plain(unshaped)). It leaves out
 # what the second lane gains that is not EP (it fills pipeline bubbles and P2P waits on fast links too).
@@ -45,7 +47,10 @@ for run in $runs; do
   baton=${run%%-*}
   ep_link=shared
   [[ $run == *-paced ]] && ep_link=paced
-  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${baton/plain/free} -x MOETRON_EP_LINK=$ep_link" \
+  pair=b
+  [[ $run == *-iw ]] && pair=iw
+  [[ $run == *-iwfill ]] && pair=iwfill
+  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${baton/plain/free} -x MOETRON_EP_LINK=$ep_link -x MOETRON_EP_PAIR_BACKWARD=$pair" \
     "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
     --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
     --training.micro_batch_size=2 --training.global_batch_size=$gbs --training.threads=1 \
@@ -75,13 +80,15 @@ for run in runs:
     for r in rows:
         e = r["ep"]
         steps.append((r["step"], r["time_s"] - prev, e["seconds_per_step"], e["exposed_seconds_per_step"], r["loss"],
-                      e.get("exposed_paired_seconds_per_step", 0.0)))
+                      e.get("exposed_paired_seconds_per_step", 0.0), e.get("wgrad_fill_seconds_per_step", 0.0)))
         prev = r["time_s"]
     res[run] = steps
     print("ep_overlap = false" if run == "plain" else f"ep_overlap = true, MOETRON_EP_BATON={run.split('-')[0]}"
-          + (", MOETRON_EP_LINK=paced" if run.endswith("-paced") else ""), f"({rate}):")
-    for s, t, e, x, l, xp in steps:
-        print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s (in F&B pairs {xp:.2f} s), loss {l!r}")
+          + (", MOETRON_EP_LINK=paced" if run.endswith("-paced") else "")
+          + (f", MOETRON_EP_PAIR_BACKWARD={run.split('-')[1]}" if run.endswith(("-iw", "-iwfill")) else ""), f"({rate}):")
+    for s, t, e, x, l, xp, wf in steps:
+        print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s (in F&B pairs {xp:.2f} s), loss {l!r}"
+              + (f", weight gradients run inside waits {wf:.2f} s" if wf > 0 else ""))
 mean = lambda v: sum(v) / len(v)
 tail = lambda run, k: mean([s[k] for s in res[run][1:]])
 def busy(run, link):

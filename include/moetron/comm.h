@@ -245,4 +245,22 @@ void comm_finalize();
 // MPI_THREAD_FUNNELED instead; docs/benchmarks.md compares the two).
 bool comm_thread_multiple();
 
+// Work a thread may do while it waits inside a Comm call: the MPI backend, polling its pending requests
+// (MOETRON_MPI_WAIT=poll, the default), calls fn(ctx) between tests; fn returns true if it did some work (the wait
+// tests again at once) and false if it had none (the wait naps as before). The EP overlap uses it to run deferred
+// weight gradients while both lanes wait (docs/pipeline.md). Per thread; nests: the destructor restores the hook
+// that was set before. With MOETRON_MPI_WAIT=spin (one blocking MPI wait) no hook runs.
+class CommIdleWork {
+ public:
+  CommIdleWork(bool (*fn)(void*), void* ctx);
+  ~CommIdleWork();
+  CommIdleWork(const CommIdleWork&) = delete;
+  CommIdleWork& operator=(const CommIdleWork&) = delete;
+  static bool run();  // the calling thread's hook, once; false when none is set
+
+ private:
+  bool (*prev_fn_)(void*);
+  void* prev_ctx_;
+};
+
 }  // namespace moetron

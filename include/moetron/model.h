@@ -198,6 +198,9 @@ class Model {
   static void set_thread_lane(int lane);
   // Around one FB pair run on the two lanes: the lanes take turns (lane 0 first), handing over at every EP
   // exchange and when a half ends, in the same order on every EP rank.
+  // The EP overlap's fill (MOETRON_EP_PAIR_BACKWARD=iwfill): a pair's backward lane runs its recorded weight
+  // gradients while it waits in an exchange and the other lane does not compute. Needs ep_overlap, free order.
+  void set_ep_wgrad_fill(bool on);
   void begin_overlap_pair();
   void end_overlap_pair();
   bool has_lanes() const { return lane1_ != nullptr; }
@@ -217,9 +220,13 @@ class Model {
   // This rank's measured EP waiting since construction (zeros without EP): wait_seconds = the union of the wall
   // intervals some lane spent inside an exchange; exposed_seconds = the part of it during which no lane
   // computed (without the all-to-all overlap, all of it); exposed_paired_seconds = the part of that inside
-  // overlapped F&B pairs (the rest: actions that ran alone). Call between passes, not while one runs.
+  // overlapped F&B pairs (the rest: actions that ran alone). wgrad_fill_*: the weight gradients a lane ran inside
+  // its own exchange waits (MOETRON_EP_PAIR_BACKWARD=iwfill), their count and seconds. Call between passes, not
+  // while one runs.
   struct EpExposed {
     double wait_seconds = 0, exposed_seconds = 0, exposed_paired_seconds = 0;
+    int64_t wgrad_fill_tasks = 0;
+    double wgrad_fill_seconds = 0;
   };
   EpExposed ep_exposed() const;
   // Routing skew under EP, over this rank's MoE layers (the largest over a layer's activation slots): the most

@@ -287,6 +287,10 @@ Model::EpExposed Model::ep_exposed() const {
   e.wait_seconds = impl_->exposure->wait_total();
   e.exposed_seconds = impl_->exposure->exposed_total();
   e.exposed_paired_seconds = impl_->exposure->exposed_paired_total();
+  if (impl_->baton) {
+    std::lock_guard<std::mutex> lk(impl_->baton->mu);
+    e.wgrad_fill_tasks = impl_->baton->filled, e.wgrad_fill_seconds = impl_->baton->filled_seconds;
+  }
   return e;
 }
 

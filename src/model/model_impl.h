@@ -19,12 +19,14 @@
 #include <memory>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "model/ep_exposure.h"
 #include "moetron/attention.h"
 #include "moetron/fp8_gemm.h"
 #include "moetron/check.h"
+#include "moetron/comm.h"
 #include "moetron/gemm.h"
 #include "moetron/grouped_gemm.h"
 #include "moetron/model.h"
@@ -123,6 +125,7 @@ struct WArena {
   std::vector<WTask> tasks;
   Tensor buf;       // bytes (as floats), grows when a record needs more (first steps, EP row growth)
   size_t used = 0;  // bytes
+  size_t next = 0;  // tasks[0, next) already run (early, while the EP overlap's lanes both waited)
 };
 
 struct Layer {
@@ -389,6 +392,11 @@ struct Model::Impl {
   void record_wgrad(WTask::Kind k, int p, const void* x, const void* dy, const int32_t* kept, int64_t rows,
                     int64_t in, int64_t out);
   void replay_wgrads(WArena& a);
+  void run_wtask(const WArena& a, const WTask& t);  // one recorded weight-gradient GEMM (not under FSDP)
+  // The EP overlap's fill (Baton::fill_w): while this lane waits inside an exchange of its I half and the other
+  // lane does not compute, run the oldest recorded weight gradient; false when there is none or the turn is taken.
+  bool fill_with_wgrad();
+  static bool fill_hook(void* self) { return static_cast<Impl*>(self)->fill_with_wgrad(); }
   float* head_weight_grad() { return tied_hg.defined() ? tied_hg.data<float>() : G(head); }
 
   // ---- construction and buffers (model.cpp) ----
@@ -425,12 +433,18 @@ struct Model::Impl {
     int turn = 0;             // turn order: whose turn; free order: the lane computing, -1 none
     bool done[2] = {false, false};
     bool paced_link = false;  // MOETRON_EP_LINK=paced | shared (default)
+    // MOETRON_EP_PAIR_BACKWARD=iwfill (Model::set_ep_wgrad_fill): a lane waiting in an exchange of its I half takes
+    // the turn when no lane computes (try_acquire) to run recorded weight gradients. Free order only.
+    bool fill_w = false;
+    int64_t filled = 0;         // weight-gradient tasks run that way, and their seconds (Model::ep_exposed)
+    double filled_seconds = 0;
     // Paced: each exchange takes a ticket when its lane passes the turn (so in the turns' order, the same on every
     // EP rank) and runs when the tickets before it have completed.
     int64_t next_ticket = 0, serving = 0, ticket[2] = {0, 0};
     void begin_pair();
     void end_pair();
     void acquire(int lane);  // wait for this lane's turn (or the other lane's half has ended)
+    bool try_acquire(int lane);  // free order: take the turn if no lane holds it (no wait); else false
     void pass(int lane);     // hand the turn to the other lane
     void finish(int lane);   // this lane's half has ended: the other lane runs on without waiting
     void link_acquire(int lane);  // paced: wait until this lane's ticket is served
@@ -466,9 +480,11 @@ struct Model::Impl {
   struct EpYield {  // scope of one EP exchange: the other lane computes meanwhile
     Impl& i;
     double t0 = 0;
+    std::optional<CommIdleWork> fill;  // the I half's recorded weight gradients, run while both lanes wait
     explicit EpYield(Impl& x) : i(x) {
       t0 = i.busy_close();
       if (i.baton) i.baton->pass(i.lane_id), i.baton->link_acquire(i.lane_id);
+      if (i.baton && i.baton->fill_w && i.defer) fill.emplace(&Impl::fill_hook, &i);
     }
     ~EpYield() {
       if (i.exposure) i.exposure->wait(t0, EpExposure::now());

@@ -177,25 +177,51 @@ void Model::Impl::record_wgrad(WTask::Kind k, int p, const void* x, const void* 
 // gradient only (released: reduce-scattered into the shard).
 void Model::Impl::replay_wgrads(WArena& a) {
   MT_CHECK(!defer, "Model::stage_backward_weight", "called inside an I half");
-  char* base = a.buf.defined() ? static_cast<char*>(a.buf.raw()) : nullptr;
   int unit = -1;
-  for (const WTask& t : a.tasks) {
+  for (size_t k = a.next; k < a.tasks.size(); ++k) {  // from the first not yet run (fill_with_wgrad)
+    const WTask& t = a.tasks[k];
     const int u = fs_on ? fs_unit[size_t(t.param)] : -1;
     if (u != unit) {
       if (unit >= 0) fs_release(unit);
       if (u >= 0) fs_acquire(u, false, true);
       unit = u;
     }
-    const void* x = base + t.x;
-    const void* dy = base + t.dy;
-    if (t.kind == WTask::Lin) lin_wgrad(t.param, x, dy, t.rows, t.in, t.out);
-    else if (t.kind == WTask::LinF32)
-      lin_wgrad_f32(t.param, static_cast<const float*>(x), static_cast<const float*>(dy), t.rows, t.in, t.out);
-    else gg_wgrad(t.param, x, dy, reinterpret_cast<const int32_t*>(base + t.kept), t.rows, t.in, t.out);
+    run_wtask(a, t);
   }
   if (unit >= 0) fs_release(unit);
   a.tasks.clear();
-  a.used = 0;
+  a.used = 0, a.next = 0;
+}
+
+void Model::Impl::run_wtask(const WArena& a, const WTask& t) {
+  const char* base = static_cast<const char*>(a.buf.raw());  // read now: recording may have grown the arena
+  const void* x = base + t.x;
+  const void* dy = base + t.dy;
+  if (t.kind == WTask::Lin) lin_wgrad(t.param, x, dy, t.rows, t.in, t.out);
+  else if (t.kind == WTask::LinF32)
+    lin_wgrad_f32(t.param, static_cast<const float*>(x), static_cast<const float*>(dy), t.rows, t.in, t.out);
+  else gg_wgrad(t.param, x, dy, reinterpret_cast<const int32_t*>(base + t.kept), t.rows, t.in, t.out);
+}
+
+// Bitwise the plain run: a parameter's weight gradient of this micro-batch is one task, recorded after the input
+// gradient that produced its operands; running it earlier changes no accumulation order (the gradient buffer
+// takes this micro-batch's term between the previous and the next micro-batch's, as in W).
+bool Model::Impl::fill_with_wgrad() {
+  WArena* a = defer;
+  if (!a || a->next >= a->tasks.size() || fs_on || !baton->try_acquire(lane_id)) return false;
+  const double t0 = EpExposure::now();
+  busy_open();
+  defer = nullptr;  // run, not record (no trace scope: it runs inside the exchange's scope)
+  run_wtask(*a, a->tasks[a->next]);
+  ++a->next;
+  defer = a;
+  busy_close();
+  {
+    std::lock_guard<std::mutex> lk(baton->mu);
+    ++baton->filled, baton->filled_seconds += EpExposure::now() - t0;
+  }
+  baton->pass(lane_id);
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -279,6 +305,12 @@ void Model::Impl::Baton::acquire(int lane) {
   }
   cv.wait(lk, [&] { return !active || turn == lane || done[1 - lane]; });
 }
+bool Model::Impl::Baton::try_acquire(int lane) {
+  std::lock_guard<std::mutex> lk(mu);
+  if (!active || !free_order || turn >= 0) return false;
+  turn = lane;
+  return true;
+}
 void Model::Impl::Baton::pass(int lane) {
   std::lock_guard<std::mutex> lk(mu);
   // Paced: the ticket is taken here, while this lane holds the turn (or the other lane's half has ended).
@@ -290,6 +322,17 @@ void Model::Impl::Baton::finish(int lane) {
   std::lock_guard<std::mutex> lk(mu);
   if (active) done[lane] = true, turn = free_order ? (turn == lane ? -1 : turn) : 1 - lane;
   cv.notify_all();
+}
+
+void Model::set_ep_wgrad_fill(bool on) {
+  MT_CHECK(!on || impl_->baton, "Model::set_ep_wgrad_fill", "needs parallelism.ep_overlap = true");
+  MT_CHECK(!on || impl_->baton->free_order, "Model::set_ep_wgrad_fill",
+           "MOETRON_EP_PAIR_BACKWARD=iwfill needs the free lane order (MOETRON_EP_BATON=free, the default): it takes "
+           "the turn whenever no lane computes");
+  MT_CHECK(!on || !impl_->fp8, "Model::set_ep_wgrad_fill",
+           "MOETRON_EP_PAIR_BACKWARD=iwfill is not implemented with [quantize] (the FP8 weight gradients use the lane's "
+           "operand buffers)");
+  if (impl_->baton) impl_->baton->fill_w = on;
 }
 
 void Model::begin_overlap_pair() {  // what was recorded before belongs to actions that ran alone

@@ -18,6 +18,16 @@
 
 namespace moetron {
 
+namespace {
+thread_local bool (*t_idle_fn)(void*) = nullptr;
+thread_local void* t_idle_ctx = nullptr;
+}  // namespace
+CommIdleWork::CommIdleWork(bool (*fn)(void*), void* ctx) : prev_fn_(t_idle_fn), prev_ctx_(t_idle_ctx) {
+  t_idle_fn = fn, t_idle_ctx = ctx;
+}
+CommIdleWork::~CommIdleWork() { t_idle_fn = prev_fn_, t_idle_ctx = prev_ctx_; }
+bool CommIdleWork::run() { return t_idle_fn && t_idle_fn(t_idle_ctx); }
+
 std::string_view comm_op_name(CommOp op) {
   switch (op) {
     case CommOp::AllReduce: return "all_reduce";

@@ -85,9 +85,12 @@ PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t a
   pipeline::RuntimeOptions ro;
   if (ep_overlap) {
     // MOETRON_EP_PAIR_BACKWARD: how a fused pair's backward half runs: b (the default: one full backward, layer by
-    // layer) or iw (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the
-    // emulated hosts, docs/benchmarks.md).
-    ro.fb_backward_split = env_choice("MOETRON_EP_PAIR_BACKWARD", "b", {"iw", "b"}, "pipeline") == "iw";
+    // layer), iw (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the
+    // emulated hosts, docs/benchmarks.md) or iwfill (iw whose weight gradients also run early, while the backward
+    // lane waits in an exchange and the other lane does not compute: Model::set_ep_wgrad_fill).
+    const std::string pair = env_choice("MOETRON_EP_PAIR_BACKWARD", "b", {"iw", "b", "iwfill"}, "pipeline");
+    ro.fb_backward_split = pair != "b";
+    wgrad_fill_ = pair == "iwfill";  // told to the model in bind()
     worker_ = std::make_unique<Worker>();
     ro.run_fb = [this](const std::function<void()>& f, const std::function<void()>& b) {
       model_->begin_overlap_pair();
@@ -112,6 +115,7 @@ void PipelineExecutor::bind(Model& m) {
   MT_CHECK(m.n_stages() == int(stages_.size()), "pipeline", "the model holds ", m.n_stages(), " stages, the plan ",
            stages_.size());
   model_ = &m;
+  m.set_ep_wgrad_fill(wgrad_fill_);
   for (auto& s : stages_) s->bind(&m, &data_, &stats_);
 }
 

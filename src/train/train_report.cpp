@@ -172,7 +172,8 @@ if (log_now) {
                  {"wait_seconds_per_step", (ex.wait_seconds - ep_exp_window0.wait_seconds) / ws_},
                  {"exposed_seconds_per_step", (ex.exposed_seconds - ep_exp_window0.exposed_seconds) / ws_},
                  {"exposed_paired_seconds_per_step",
-                  (ex.exposed_paired_seconds - ep_exp_window0.exposed_paired_seconds) / ws_}};
+                  (ex.exposed_paired_seconds - ep_exp_window0.exposed_paired_seconds) / ws_},
+                 {"wgrad_fill_seconds_per_step", (ex.wgrad_fill_seconds - ep_exp_window0.wgrad_fill_seconds) / ws_}};
       ep_window0 = now, ep_exp_window0 = ex;
     }
     if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
@@ -221,6 +222,7 @@ void TrainSession::finish() {
     res.ep_wait_seconds = ex.wait_seconds - ep_run0_exposed.wait_seconds;
     res.ep_exposed_seconds = ex.exposed_seconds - ep_run0_exposed.exposed_seconds;
     res.ep_exposed_paired_seconds = ex.exposed_paired_seconds - ep_run0_exposed.exposed_paired_seconds;
+    res.ep_wgrad_fill_tasks = ex.wgrad_fill_tasks - ep_run0_exposed.wgrad_fill_tasks;
     res.ep_buffer_bytes = model->ep_buffer_bytes();
     const Model::EpRows er = model->ep_rows();
     if (er.balanced > 0)
