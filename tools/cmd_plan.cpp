@@ -32,6 +32,7 @@ struct PlanArgs {
   bool unfused_loss = false, json = false, no_dist_opt = false;
   int64_t top_k = 5;
   int64_t threads = 0;
+  int64_t min_replica = 1;
   std::string worlds;
   std::string trace;  // plan time --trace DIR
 };
@@ -139,6 +140,8 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   sea->add_option("--top", ps->top_k, "candidates to print (default 5)");
   sea->add_option("--threads", ps->threads, "workers for the analytic pass (default: the machine's hardware threads)")
       ->check(CLI::Range(int64_t(1), int64_t(256)));
+  sea->add_option("--min-replica", ps->min_replica, "only layouts whose replica (tp x cp x pp) has at least this many GPUs")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   sea->callback([sea, ps] {
     const JobConfig c = load(*ps, sea);
     const plan::Hardware h = plan::resolve_hardware(ps->hw);
@@ -146,6 +149,7 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
     o.time.memory = options(*ps, c);
     o.top_k = ps->top_k;
     o.threads = ps->threads;
+    o.min_replica = ps->min_replica;
     const double gbt = ps->gbt > 0 ? ps->gbt : double(c.training.global_batch_size * c.training.seq_len);
     const plan::SearchResult r = plan::search(c, h, ps->world, gbt, o);
     if (ps->json) std::printf("%s\n", plan::to_json(r).dump(2).c_str());
@@ -158,12 +162,16 @@ MT_REGISTER_COMMAND([](CLI::App& root) {
   sca->add_option("--worlds", pc->worlds, "comma-separated world sizes, e.g. 768,1024,2048")->required();
   sca->add_option("--threads", pc->threads, "workers for each search's analytic pass (default: the hardware threads)")
       ->check(CLI::Range(int64_t(1), int64_t(256)));
+  sca->add_option("--min-replica", pc->min_replica,
+                  "only replicas (tp x cp x pp) of at least this many GPUs, at every world (default 1: any)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   sca->callback([sca, pc] {
     const JobConfig c = load(*pc, sca);
     const plan::Hardware h = plan::resolve_hardware(pc->hw);
     plan::SearchOptions o;
     o.time.memory = options(*pc, c);
     o.threads = pc->threads;
+    o.min_replica = pc->min_replica;
     const double gbt = pc->gbt > 0 ? pc->gbt : double(c.training.global_batch_size * c.training.seq_len);
     const auto s = plan::scale(c, h, parse_worlds(pc->worlds), gbt, o);
     if (pc->json) std::printf("%s\n", plan::to_json(s).dump(2).c_str());

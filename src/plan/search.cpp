@@ -140,7 +140,8 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   for (int64_t tp : pow2_upto(max_tp))
     for (int64_t cp : pow2_upto(max_cp)) {
       if (world % (tp * cp) != 0) continue;
-      for (int64_t pp : divisors_upto(world / (tp * cp), max_pp)) items.push_back({tp, cp, pp, {}});
+      for (int64_t pp : divisors_upto(world / (tp * cp), max_pp))
+        if (tp * cp * pp >= o.min_replica) items.push_back({tp, cp, pp, {}});
     }
   TimeOptions analytic = o.time;
   analytic.simulate = false;

@@ -56,6 +56,24 @@ TEST(PlanSearch, WorkersDoNotChangeTheAnswer) {
   }
 }
 
+TEST(PlanSearch, MinReplicaKeepsOnlyLargeReplicas) {
+  // --min-replica: every ranked layout's replica (tp x cp x pp) has at least that many GPUs and fewer layouts are
+  // enumerated.
+  const auto c = cfg("deepseek_v3");
+  const auto h = plan::catalog_hardware("mi300x");
+  plan::SearchOptions o;
+  o.top_k = 4;
+  const auto any = plan::search(c, h, 256, 4194304.0, o);
+  o.min_replica = 32;
+  const auto big = plan::search(c, h, 256, 4194304.0, o);
+  ASSERT_FALSE(any.top.empty());
+  ASSERT_FALSE(big.top.empty());
+  EXPECT_LT(big.enumerated, any.enumerated);
+  for (const auto& cd : big.top) EXPECT_GE(cd.layout.tp * cd.layout.cp * cd.layout.pp, 32) << cd.layout.describe();
+  o.min_replica = 512;  // more than the world: nothing to rank
+  EXPECT_TRUE(plan::search(c, h, 256, 4194304.0, o).top.empty());
+}
+
 TEST(PlanSearch, SharedStageDurationsPriceAsPlanTimeDoes) {
   // The search prices a stage shape once and hands the durations to plan_time: with the split, the halves set
   // from stage_times_at(0.5) must give exactly plan_time's own figures.

@@ -24,6 +24,9 @@ struct SearchOptions {
   bool allow_tp = true, allow_cp = true, allow_fsdp = true, allow_recompute = true, allow_ep_overlap = true;
   bool allow_ep_overlap_split = true;  // ep_overlap layouts also with parallelism.ep_overlap_split
   int64_t max_pp = 0;  // 0 = n_layers
+  // Only layouts whose replica (tp x cp x pp GPUs, the unit data parallelism copies) has at least this many GPUs
+  // (the whitepaper's "largest possible replica"; 1 = any).
+  int64_t min_replica = 1;
   int64_t threads = 0;  // workers for the analytic pass (0 = the machine's hardware threads, at most 16)
 };
 
