@@ -617,4 +617,8 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "iwfill"}, {"MOETRON_EP_BATON", "turn"}})
                 .find("MOETRON_EP_PAIR_BACKWARD=iwfill needs the free lane order"),
             std::string::npos);
+  setenv("MOETRON_EP_PAIR_BACKWARD", "iwfill", 1);
+  const std::string fp8 = error_of({"--quantize.recipe=tensorwise"});
+  unsetenv("MOETRON_EP_PAIR_BACKWARD");
+  EXPECT_NE(fp8.find("MOETRON_EP_PAIR_BACKWARD=iwfill is not implemented with [quantize]"), std::string::npos) << fp8;
 }
