@@ -166,12 +166,13 @@ void add_plan_validate(CLI::App* plan) {
   };
   auto a = std::make_shared<Args>();
   val->add_option("--config", a->config, "the job (default configs/ds_mini.toml)");
-  val->add_option("--hw", a->hw, "this machine's hardware TOML (default: calibrate first)");
+  auto* hw = val->add_option("--hw", a->hw, "this machine's hardware TOML (default: calibrate first)");
   val->add_option("--steps", a->steps, "training steps per layout (default 6; the first is not timed)");
   val->add_option("--rounds", a->rounds, "calibration rounds when --hw is not given (default 3, see plan calibrate)")
-      ->check(CLI::Range(1, 50));
+      ->check(CLI::Range(1, 50))
+      ->excludes(hw);  // with --hw there is no calibration for it to shape
   val->add_option("--only", a->only, "run the layouts whose name contains one of these comma-separated texts");
-  val->add_flag("--quick", a->quick, "a quick calibration when --hw is not given");
+  val->add_flag("--quick", a->quick, "a quick calibration when --hw is not given")->excludes(hw);
   val->add_flag("--json", a->json, "print one JSON object");
   val->add_flag("--ops", a->ops, "also print the step time by op group (engine trace scopes against the projection)");
   val->add_option("--ep-imbalance", a->ep_imbalance,
