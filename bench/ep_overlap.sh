@@ -10,7 +10,8 @@
 # BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default free. An
 # entry "turn-paced" runs the turns with the paced link (MOETRON_EP_LINK=paced: one exchange in flight per rank);
 # "free-iw" / "free-iwfill" run a pair's backward as input then weight half, the latter with the weight gradients
-# also run inside the exchange waits (MOETRON_EP_PAIR_BACKWARD, docs/pipeline.md).
+# also run inside the exchange waits, and "free-iwcarry" with each pair's weight half carried into the next pair's
+# waits (MOETRON_EP_PAIR_BACKWARD, docs/pipeline.md).
 # BASELINE=1 also runs every side on unshaped links (the same hosts, no rate limit) and prints a third figure, the
 # link's cost hidden: 1 - (overlap(RATE) - overlap(unshaped)) / (plain(RATE) - plain(unshaped)). It leaves out
 # what the second lane gains that is not EP (it fills pipeline bubbles and P2P waits on fast links too).
@@ -50,6 +51,7 @@ for run in $runs; do
   pair=b
   [[ $run == *-iw ]] && pair=iw
   [[ $run == *-iwfill ]] && pair=iwfill
+  [[ $run == *-iwcarry ]] && pair=iwcarry
   if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${baton/plain/free} -x MOETRON_EP_LINK=$ep_link -x MOETRON_EP_PAIR_BACKWARD=$pair" \
     "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
     --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
@@ -85,7 +87,7 @@ for run in runs:
     res[run] = steps
     print("ep_overlap = false" if run == "plain" else f"ep_overlap = true, MOETRON_EP_BATON={run.split('-')[0]}"
           + (", MOETRON_EP_LINK=paced" if run.endswith("-paced") else "")
-          + (f", MOETRON_EP_PAIR_BACKWARD={run.split('-')[1]}" if run.endswith(("-iw", "-iwfill")) else ""), f"({rate}):")
+          + (f", MOETRON_EP_PAIR_BACKWARD={run.split('-')[1]}" if run.endswith(("-iw", "-iwfill", "-iwcarry")) else ""), f"({rate}):")
     for s, t, e, x, l, xp, wf in steps:
         print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s (in F&B pairs {xp:.2f} s), loss {l!r}"
               + (f", weight gradients run inside waits {wf:.2f} s" if wf > 0 else ""))

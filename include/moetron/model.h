@@ -200,7 +200,10 @@ class Model {
   // exchange and when a half ends, in the same order on every EP rank.
   // The EP overlap's fill (MOETRON_EP_PAIR_BACKWARD=iwfill): a pair's backward lane runs its recorded weight
   // gradients while it waits in an exchange and the other lane does not compute. Needs ep_overlap, free order.
-  void set_ep_wgrad_fill(bool on);
+  // carry (MOETRON_EP_PAIR_BACKWARD=iwcarry): a pair's weight half is carried into the next pair, whose exchange
+  // waits on either lane run it first; flush_carried_wgrads() runs what is left (the executor, at a step's end).
+  void set_ep_wgrad_fill(bool on, bool carry = false);
+  void flush_carried_wgrads();
   void begin_overlap_pair();
   void end_overlap_pair();
   bool has_lanes() const { return lane1_ != nullptr; }

@@ -16,6 +16,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <condition_variable>
 #include <mutex>
@@ -396,6 +397,7 @@ struct Model::Impl {
   // The EP overlap's fill (Baton::fill_w): while this lane waits inside an exchange of its I half and the other
   // lane does not compute, run the oldest recorded weight gradient; false when there is none or the turn is taken.
   bool fill_with_wgrad();
+  void flush_carried(const WArena* upto = nullptr);  // runs carried weight gradients, oldest first (all, or up to upto)
   static bool fill_hook(void* self) { return static_cast<Impl*>(self)->fill_with_wgrad(); }
   float* head_weight_grad() { return tied_hg.defined() ? tied_hg.data<float>() : G(head); }
 
@@ -436,6 +438,12 @@ struct Model::Impl {
     // MOETRON_EP_PAIR_BACKWARD=iwfill (Model::set_ep_wgrad_fill): a lane waiting in an exchange of its I half takes
     // the turn when no lane computes (try_acquire) to run recorded weight gradients. Free order only.
     bool fill_w = false;
+    // MOETRON_EP_PAIR_BACKWARD=iwcarry: a pair's weight half is not run at the pair's end but carried to the next
+    // pair, whose exchange waits (on either lane) run it first; the rest runs at that pair's weight half, before
+    // any backward alone on lane 0, before a carried slot is reused, and at the step's end (flush_carried).
+    // Guarded by the turn: only the lane holding it (or, outside a pair, the one running) touches the queue.
+    bool carry_w = false;
+    std::deque<WArena*> carried;  // oldest first: lane 1's arenas whose tasks [next, size) have not run
     int64_t filled = 0;         // weight-gradient tasks run that way, and their seconds (Model::ep_exposed)
     double filled_seconds = 0;
     // Paced: each exchange takes a ticket when its lane passes the turn (so in the turns' order, the same on every
@@ -444,7 +452,6 @@ struct Model::Impl {
     void begin_pair();
     void end_pair();
     void acquire(int lane);  // wait for this lane's turn (or the other lane's half has ended)
-    bool try_acquire(int lane);  // free order: take the turn if no lane holds it (no wait); else false
     void pass(int lane);     // hand the turn to the other lane
     void finish(int lane);   // this lane's half has ended: the other lane runs on without waiting
     void link_acquire(int lane);  // paced: wait until this lane's ticket is served
@@ -484,7 +491,7 @@ struct Model::Impl {
     explicit EpYield(Impl& x) : i(x) {
       t0 = i.busy_close();
       if (i.baton) i.baton->pass(i.lane_id), i.baton->link_acquire(i.lane_id);
-      if (i.baton && i.baton->fill_w && i.defer) fill.emplace(&Impl::fill_hook, &i);
+      if (i.baton && i.baton->fill_w && (i.defer || i.baton->carry_w)) fill.emplace(&Impl::fill_hook, &i);
     }
     ~EpYield() {
       if (i.exposure) i.exposure->wait(t0, EpExposure::now());

@@ -6,6 +6,7 @@
 // Not the order of stages and micro-batches (the pipeline runtime runs the schedule: src/parallel/) and not
 // the layer math (model_layer.cpp and the blocks).
 #include <algorithm>
+#include <utility>
 #include <cstring>
 #include <string>
 
@@ -205,16 +206,32 @@ void Model::Impl::run_wtask(const WArena& a, const WTask& t) {
 
 // Bitwise the plain run: a parameter's weight gradient of this micro-batch is one task, recorded after the input
 // gradient that produced its operands; running it earlier changes no accumulation order (the gradient buffer
-// takes this micro-batch's term between the previous and the next micro-batch's, as in W).
+// takes this micro-batch's term between the previous and the next micro-batch's, as in W). Carried arenas are
+// older than this lane's own I half, so they run first; within an arena, tasks run in recording order.
 bool Model::Impl::fill_with_wgrad() {
-  WArena* a = defer;
-  if (!a || a->next >= a->tasks.size() || fs_on || !baton->try_acquire(lane_id)) return false;
+  if (fs_on || !baton) return false;
+  WArena* a = nullptr;
+  {  // take the turn if no lane computes, and the oldest task not yet run
+    std::lock_guard<std::mutex> lk(baton->mu);
+    if (!baton->active || !baton->free_order || baton->turn >= 0) return false;
+    auto& q = baton->carried;
+    while (!q.empty() && q.front()->next >= q.front()->tasks.size()) {  // all run early: the arena is free again
+      WArena* done = q.front();
+      done->tasks.clear(), done->used = 0, done->next = 0;
+      q.pop_front();
+    }
+    if (!q.empty()) a = q.front();
+    else if (defer && defer->next < defer->tasks.size()) a = defer;
+    if (!a) return false;
+    baton->turn = lane_id;
+  }
   const double t0 = EpExposure::now();
   busy_open();
+  WArena* const mine = defer;
   defer = nullptr;  // run, not record (no trace scope: it runs inside the exchange's scope)
   run_wtask(*a, a->tasks[a->next]);
   ++a->next;
-  defer = a;
+  defer = mine;
   busy_close();
   {
     std::lock_guard<std::mutex> lk(baton->mu);
@@ -222,6 +239,20 @@ bool Model::Impl::fill_with_wgrad() {
   }
   baton->pass(lane_id);
   return true;
+}
+
+// Runs the carried weight halves, oldest first: all of them, or (upto) those up to and including upto when it is
+// carried (else none). The caller holds the turn or runs outside a pair, so no fill reads the queue meanwhile.
+void Model::Impl::flush_carried(const WArena* upto) {
+  if (!baton || baton->carried.empty()) return;
+  auto& q = baton->carried;
+  if (upto && std::find(q.begin(), q.end(), upto) == q.end()) return;
+  while (!q.empty()) {
+    WArena* a = q.front();
+    q.pop_front();
+    replay_wgrads(*a);
+    if (a == upto) break;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -305,12 +336,6 @@ void Model::Impl::Baton::acquire(int lane) {
   }
   cv.wait(lk, [&] { return !active || turn == lane || done[1 - lane]; });
 }
-bool Model::Impl::Baton::try_acquire(int lane) {
-  std::lock_guard<std::mutex> lk(mu);
-  if (!active || !free_order || turn >= 0) return false;
-  turn = lane;
-  return true;
-}
 void Model::Impl::Baton::pass(int lane) {
   std::lock_guard<std::mutex> lk(mu);
   // Paced: the ticket is taken here, while this lane holds the turn (or the other lane's half has ended).
@@ -324,15 +349,16 @@ void Model::Impl::Baton::finish(int lane) {
   cv.notify_all();
 }
 
-void Model::set_ep_wgrad_fill(bool on) {
+void Model::set_ep_wgrad_fill(bool on, bool carry) {
+  const char* mode = carry ? "MOETRON_EP_PAIR_BACKWARD=iwcarry" : "MOETRON_EP_PAIR_BACKWARD=iwfill";
+  MT_CHECK(!carry || on, "Model::set_ep_wgrad_fill", "carrying the weight halves needs the fill");
   MT_CHECK(!on || impl_->baton, "Model::set_ep_wgrad_fill", "needs parallelism.ep_overlap = true");
-  MT_CHECK(!on || impl_->baton->free_order, "Model::set_ep_wgrad_fill",
-           "MOETRON_EP_PAIR_BACKWARD=iwfill needs the free lane order (MOETRON_EP_BATON=free, the default): it takes "
-           "the turn whenever no lane computes");
-  MT_CHECK(!on || !impl_->fp8, "Model::set_ep_wgrad_fill",
-           "MOETRON_EP_PAIR_BACKWARD=iwfill is not implemented with [quantize] (the FP8 weight gradients use the lane's "
-           "operand buffers)");
-  if (impl_->baton) impl_->baton->fill_w = on;
+  MT_CHECK(!on || impl_->baton->free_order, "Model::set_ep_wgrad_fill", mode,
+           " needs the free lane order (MOETRON_EP_BATON=free, the default): it takes the turn whenever no lane "
+           "computes");
+  MT_CHECK(!on || !impl_->fp8, "Model::set_ep_wgrad_fill", mode,
+           " is not implemented with [quantize] (the FP8 weight gradients use the lane's operand buffers)");
+  if (impl_->baton) impl_->baton->fill_w = on, impl_->baton->carry_w = carry;
 }
 
 void Model::begin_overlap_pair() {  // what was recorded before belongs to actions that ran alone
@@ -367,6 +393,8 @@ void Model::set_loss_scales(float ce_scale, float aux_scale) {
     for (auto& sl : I.fs_slots) sl.unit = -1;
     std::fill(I.fs_slot_of.begin(), I.fs_slot_of.end(), -1);
   }
+  if (I.baton)  // a step that threw may have left weight halves carried: dropped with it
+    for (WArena* a : std::exchange(I.baton->carried, {})) a->tasks.clear(), a->used = 0, a->next = 0;
 }
 
 float* Model::tied_head_grad() {
@@ -423,6 +451,9 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
   float* g = p.head ? st.head_g[size_t(slot)].data<float>() : I.dx.data<float>();
   if (!p.head) std::memcpy(g, dout, size_t(I.N * I.d) * 4);
   WArena& a = st.warena[size_t(slot)];
+  // iwcarry: lane 0's backwards (run alone) follow every carried weight half; lane 1 reusing a carried slot runs
+  // the carried ones up to it
+  if (I.baton && I.baton->carry_w) I.flush_carried(I.lane_id == 1 ? &a : nullptr);
   MT_CHECK(a.tasks.empty(), "Model::stage_backward", "stage ", p.stage, " slot ", slot,
            " still holds the weight gradients of an earlier I half (run its W first)");
   if (!weights) I.defer = &a;
@@ -442,7 +473,21 @@ void Model::stage_backward_weight(int local, int slot) {
   MT_CHECK(slot >= 0 && slot < st.part.slots, "Model::stage_backward_weight", "slot ", slot, " outside [0, ",
            st.part.slots, ")");
   MT_TRACE("bwd.weight");
-  I.replay_wgrads(st.warena[size_t(slot)]);
+  WArena& a = st.warena[size_t(slot)];
+  if (I.baton && I.baton->carry_w) {
+    I.flush_carried();  // the previous pair's, now older than this one
+    if (I.baton->active && I.lane_id == 1) {  // a pair's weight half: carried into the next pair's waits
+      if (!a.tasks.empty()) I.baton->carried.push_back(&a);
+      return;
+    }
+  }
+  I.replay_wgrads(a);
+}
+
+void Model::flush_carried_wgrads() {
+  if (!impl_->baton || !impl_->baton->carry_w || impl_->baton->carried.empty()) return;
+  MT_TRACE("bwd.weight");
+  impl_->flush_carried();
 }
 
 }  // namespace moetron

@@ -2,6 +2,7 @@
 #include "train/pipeline_executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -87,10 +88,13 @@ PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t a
     // MOETRON_EP_PAIR_BACKWARD: how a fused pair's backward half runs: b (the default: one full backward, layer by
     // layer), iw (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the
     // emulated hosts, docs/benchmarks.md) or iwfill (iw whose weight gradients also run early, while the backward
-    // lane waits in an exchange and the other lane does not compute: Model::set_ep_wgrad_fill).
-    const std::string pair = env_choice("MOETRON_EP_PAIR_BACKWARD", "b", {"iw", "b", "iwfill"}, "pipeline");
+    // lane waits in an exchange and the other lane does not compute: Model::set_ep_wgrad_fill) or iwcarry (iwfill
+    // whose weight half is carried into the next pair's waits, on either lane).
+    const std::string pair =
+        env_choice("MOETRON_EP_PAIR_BACKWARD", "b", {"iw", "b", "iwfill", "iwcarry"}, "pipeline");
     ro.fb_backward_split = pair != "b";
-    wgrad_fill_ = pair == "iwfill";  // told to the model in bind()
+    wgrad_fill_ = pair == "iwfill" || pair == "iwcarry";  // told to the model in bind()
+    wgrad_carry_ = pair == "iwcarry";
     worker_ = std::make_unique<Worker>();
     ro.run_fb = [this](const std::function<void()>& f, const std::function<void()>& b) {
       model_->begin_overlap_pair();
@@ -115,7 +119,7 @@ void PipelineExecutor::bind(Model& m) {
   MT_CHECK(m.n_stages() == int(stages_.size()), "pipeline", "the model holds ", m.n_stages(), " stages, the plan ",
            stages_.size());
   model_ = &m;
-  m.set_ep_wgrad_fill(wgrad_fill_);
+  m.set_ep_wgrad_fill(wgrad_fill_, wgrad_carry_);
   for (auto& s : stages_) s->bind(&m, &data_, &stats_);
 }
 
@@ -136,6 +140,11 @@ StepOutcome PipelineExecutor::run(BatchSource& src, int64_t B, int64_t T, bool r
   StepOutcome out;
   const bool tracing = trace::enabled();
   out.runtime = rt_->run_step(record || tracing ? &out.record : nullptr);
+  if (wgrad_carry_) {  // the last pair's weight half, carried with no pair after it (timed as the step's compute)
+    const auto t0 = std::chrono::steady_clock::now();
+    model_->flush_carried_wgrads();
+    out.runtime.compute_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   out.micro = stats_;
   if (tracing) trace_actions(out.record);
   return out;

@@ -51,7 +51,8 @@ class PipelineExecutor {
   struct Worker;  // the lane-1 thread of the EP overlap
   std::unique_ptr<Worker> worker_;
   Model* model_ = nullptr;
-  bool wgrad_fill_ = false;  // MOETRON_EP_PAIR_BACKWARD=iwfill
+  bool wgrad_fill_ = false;   // MOETRON_EP_PAIR_BACKWARD=iwfill or iwcarry
+  bool wgrad_carry_ = false;  // iwcarry
   int M_ = 1;
   std::vector<std::unique_ptr<ModelStage>> stages_;
   std::unique_ptr<pipeline::PipelineRuntime> rt_;

@@ -526,13 +526,14 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
     // the turn-taking lanes, then the default free order (the compute to whichever lane is ready); a pair's
     // backward half as one full backward (b, the default) and as input then weight half (iw)
     // backward half as one full backward (b, the default) and as input then weight half (iw), also with the weight
-    // gradients run early while both lanes wait (iwfill); the turns with the paced link (one exchange in flight
-    // per rank)
+    // gradients run early while both lanes wait (iwfill), and with each pair's weight half carried into the next
+    // pair's waits on either lane (iwcarry); the turns with the paced link (one exchange in flight per rank)
     struct Variant {
       const char *order, *pair, *link;
     };
     for (const Variant v : {Variant{"turn", "b", "shared"}, Variant{"turn", "b", "paced"}, Variant{"free", "b", "shared"},
-                            Variant{"free", "iw", "shared"}, Variant{"free", "iwfill", "shared"}}) {
+                            Variant{"free", "iw", "shared"}, Variant{"free", "iwfill", "shared"},
+                            Variant{"free", "iwcarry", "shared"}}) {
       SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + v.order + " MOETRON_EP_PAIR_BACKWARD=" + v.pair +
                    " MOETRON_EP_LINK=" + v.link);
       setenv("MOETRON_EP_BATON", v.order, 1);
@@ -558,7 +559,7 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       world().all_reduce(&filled, 1);
       std::printf("[overlap %s/%s] rank %d: %lld weight gradients filled (%lld over ranks)\n", v.order, v.pair,
                   world().rank(), (long long)ov.ep_wgrad_fill_tasks, (long long)filled);
-      if (std::string(v.pair) == "iwfill") EXPECT_GT(filled, 0);
+      if (std::string(v.pair) == "iwfill" || std::string(v.pair) == "iwcarry") EXPECT_GT(filled, 0);
       else EXPECT_EQ(ov.ep_wgrad_fill_tasks, 0);
       ASSERT_EQ(ov.history.size(), plain.history.size());
       for (size_t i = 0; i < plain.history.size(); ++i) {
@@ -612,7 +613,10 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   EXPECT_NE(env_error({{"MOETRON_EP_LINK", "paced"}}).find("MOETRON_EP_LINK=paced needs MOETRON_EP_BATON=turn"),
             std::string::npos);
   EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "wb"}})
-                .find("MOETRON_EP_PAIR_BACKWARD must be 'iw', 'b' or 'iwfill', not 'wb'"),
+                .find("MOETRON_EP_PAIR_BACKWARD must be 'iw', 'b', 'iwfill' or 'iwcarry', not 'wb'"),
+            std::string::npos);
+  EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "iwcarry"}, {"MOETRON_EP_BATON", "turn"}})
+                .find("MOETRON_EP_PAIR_BACKWARD=iwcarry needs the free lane order"),
             std::string::npos);
   EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "iwfill"}, {"MOETRON_EP_BATON", "turn"}})
                 .find("MOETRON_EP_PAIR_BACKWARD=iwfill needs the free lane order"),
