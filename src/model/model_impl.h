@@ -128,6 +128,15 @@ struct WArena {
   size_t used = 0;  // bytes
   size_t next = 0;  // tasks[0, next) already run (early, while the EP overlap's lanes both waited)
 };
+// The arenas' buffers, shared by every stage, slot and lane: an arena takes one when it records its first task and
+// gives it back when its tasks have run, so the buffers alive are the arenas holding tasks at once (one per lane,
+// and the carried one under iwcarry), not one per slot.
+struct WArenaPool {
+  std::mutex mu;
+  std::vector<Tensor> free;
+  void take(WArena& a);     // a.buf = the largest free buffer (or none: recording allocates)
+  void give(WArena& a);     // a's buffer back, a empty
+};
 
 struct Layer {
   bool held = true;  // on one of this rank's pipeline stages (else no parameters, buffers or dispatcher)
@@ -397,6 +406,7 @@ struct Model::Impl {
   // The EP overlap's fill (Baton::fill_w): while this lane waits inside an exchange of its I half and the other
   // lane does not compute, run the oldest recorded weight gradient; false when there is none or the turn is taken.
   bool fill_with_wgrad();
+  void carry(WArena& a);  // iwcarry: a's recorded weight gradients join the carried queue (run later)
   void flush_carried(const WArena* upto = nullptr);  // runs carried weight gradients, oldest first (all, or up to upto)
   static bool fill_hook(void* self) { return static_cast<Impl*>(self)->fill_with_wgrad(); }
   float* head_weight_grad() { return tied_hg.defined() ? tied_hg.data<float>() : G(head); }
@@ -438,12 +448,12 @@ struct Model::Impl {
     // MOETRON_EP_PAIR_BACKWARD=iwfill (Model::set_ep_wgrad_fill): a lane waiting in an exchange of its I half takes
     // the turn when no lane computes (try_acquire) to run recorded weight gradients. Free order only.
     bool fill_w = false;
-    // MOETRON_EP_PAIR_BACKWARD=iwcarry: a pair's weight half is not run at the pair's end but carried to the next
-    // pair, whose exchange waits (on either lane) run it first; the rest runs at that pair's weight half, before
-    // any backward alone on lane 0, before a carried slot is reused, and at the step's end (flush_carried).
-    // Guarded by the turn: only the lane holding it (or, outside a pair, the one running) touches the queue.
+    // MOETRON_EP_PAIR_BACKWARD=iwcarry: every backward (a pair's backward lane, or one run alone) records its weight
+    // gradients and carries them: any exchange wait, on either lane, runs the oldest when no lane computes (outside
+    // a pair: whenever the one running lane waits); the rest runs when its slot is reused and at the step's end
+    // (flush_carried). The queue is touched only by the lane holding the turn, or outside a pair by the one lane.
     bool carry_w = false;
-    std::deque<WArena*> carried;  // oldest first: lane 1's arenas whose tasks [next, size) have not run
+    std::deque<WArena*> carried;  // oldest first: arenas (either lane's) whose tasks [next, size) have not run
     int64_t filled = 0;         // weight-gradient tasks run that way, and their seconds (Model::ep_exposed)
     double filled_seconds = 0;
     // Paced: each exchange takes a ticket when its lane passes the turn (so in the turns' order, the same on every
@@ -462,6 +472,7 @@ struct Model::Impl {
   // The exposed EP time (ep_exposure.h): shared by the lanes when ep > 1 (else null). busy_since: when this
   // lane's current compute span began (< 0: none open).
   std::shared_ptr<EpExposure> exposure;
+  std::shared_ptr<WArenaPool> wpool = std::make_shared<WArenaPool>();
   double busy_since = -1;
   void busy_open() {
     if (exposure) busy_since = EpExposure::now();

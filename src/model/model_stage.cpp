@@ -153,6 +153,7 @@ void Model::Impl::record_wgrad(WTask::Kind k, int p, const void* x, const void* 
            "a split backward (pp_schedule zb1p, zbv, dualpipev, or a schedule CSV with I / W): the deferred weight "
            "gradient would need the cached FP8 operands; use false, or a schedule with B");
   WArena& a = *defer;
+  if (a.tasks.empty() && !a.buf.defined()) wpool->take(a);
   const size_t esz = k == WTask::LinF32 || f32 ? 4 : 2;
   auto al = [](size_t b) { return (b + 63) / 64 * 64; };
   const size_t xb = size_t(rows * in) * esz, yb = size_t(rows * out) * esz;
@@ -190,8 +191,24 @@ void Model::Impl::replay_wgrads(WArena& a) {
     run_wtask(a, t);
   }
   if (unit >= 0) fs_release(unit);
-  a.tasks.clear();
-  a.used = 0, a.next = 0;
+  wpool->give(a);
+}
+
+void WArenaPool::take(WArena& a) {
+  std::lock_guard<std::mutex> lk(mu);
+  if (free.empty()) return;
+  auto big = std::max_element(free.begin(), free.end(),
+                              [](const Tensor& x, const Tensor& y) { return x.numel() < y.numel(); });
+  a.buf = std::move(*big);
+  free.erase(big);
+}
+
+void WArenaPool::give(WArena& a) {
+  a.tasks.clear(), a.used = 0, a.next = 0;
+  if (!a.buf.defined()) return;
+  std::lock_guard<std::mutex> lk(mu);
+  free.push_back(std::move(a.buf));
+  a.buf = Tensor();
 }
 
 void Model::Impl::run_wtask(const WArena& a, const WTask& t) {
@@ -213,17 +230,17 @@ bool Model::Impl::fill_with_wgrad() {
   WArena* a = nullptr;
   {  // take the turn if no lane computes, and the oldest task not yet run
     std::lock_guard<std::mutex> lk(baton->mu);
-    if (!baton->active || !baton->free_order || baton->turn >= 0) return false;
+    // inside a pair: only when no lane holds the turn; outside one (iwcarry) this lane is the only one running
+    if (baton->active && (!baton->free_order || baton->turn >= 0)) return false;
     auto& q = baton->carried;
     while (!q.empty() && q.front()->next >= q.front()->tasks.size()) {  // all run early: the arena is free again
-      WArena* done = q.front();
-      done->tasks.clear(), done->used = 0, done->next = 0;
+      wpool->give(*q.front());
       q.pop_front();
     }
     if (!q.empty()) a = q.front();
     else if (defer && defer->next < defer->tasks.size()) a = defer;
     if (!a) return false;
-    baton->turn = lane_id;
+    if (baton->active) baton->turn = lane_id;
   }
   const double t0 = EpExposure::now();
   busy_open();
@@ -239,6 +256,12 @@ bool Model::Impl::fill_with_wgrad() {
   }
   baton->pass(lane_id);
   return true;
+}
+
+void Model::Impl::carry(WArena& a) {
+  if (a.tasks.empty()) return;
+  std::lock_guard<std::mutex> lk(baton->mu);
+  baton->carried.push_back(&a);
 }
 
 // Runs the carried weight halves, oldest first: all of them, or (upto) those up to and including upto when it is
@@ -288,6 +311,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.alloc_scratch();
   o.baton = baton;
   o.exposure = exposure;
+  o.wpool = wpool;
   o.lane_id = 1;
   return p;
 }
@@ -394,7 +418,7 @@ void Model::set_loss_scales(float ce_scale, float aux_scale) {
     std::fill(I.fs_slot_of.begin(), I.fs_slot_of.end(), -1);
   }
   if (I.baton)  // a step that threw may have left weight halves carried: dropped with it
-    for (WArena* a : std::exchange(I.baton->carried, {})) a->tasks.clear(), a->used = 0, a->next = 0;
+    for (WArena* a : std::exchange(I.baton->carried, {})) I.wpool->give(*a);
 }
 
 float* Model::tied_head_grad() {
@@ -451,12 +475,13 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
   float* g = p.head ? st.head_g[size_t(slot)].data<float>() : I.dx.data<float>();
   if (!p.head) std::memcpy(g, dout, size_t(I.N * I.d) * 4);
   WArena& a = st.warena[size_t(slot)];
-  // iwcarry: lane 0's backwards (run alone) follow every carried weight half; lane 1 reusing a carried slot runs
-  // the carried ones up to it
-  if (I.baton && I.baton->carry_w) I.flush_carried(I.lane_id == 1 ? &a : nullptr);
+  // iwcarry: every backward records its weight gradients and carries them (below and in stage_backward_weight);
+  // reusing a slot whose weight half is still carried runs the carried ones up to it first
+  const bool carry = I.baton && I.baton->carry_w;
+  if (carry) I.flush_carried(&a);
   MT_CHECK(a.tasks.empty(), "Model::stage_backward", "stage ", p.stage, " slot ", slot,
            " still holds the weight gradients of an earlier I half (run its W first)");
-  if (!weights) I.defer = &a;
+  if (!weights || carry) I.defer = &a;
   struct Undefer {
     Impl& i;
     ~Undefer() { i.defer = nullptr; }
@@ -464,6 +489,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
   for (auto it = p.layers.rbegin(); it != p.layers.rend(); ++it) I.backward_layer(*it, g);
   if (p.embedding) I.embed_backward(tokens, g);
   else std::memcpy(din, g, size_t(I.N * I.d) * 4);
+  if (carry && weights) I.carry(a);  // a whole backward (run alone): its weight half waits for exchange waits too
 }
 
 void Model::stage_backward_weight(int local, int slot) {
@@ -474,13 +500,7 @@ void Model::stage_backward_weight(int local, int slot) {
            st.part.slots, ")");
   MT_TRACE("bwd.weight");
   WArena& a = st.warena[size_t(slot)];
-  if (I.baton && I.baton->carry_w) {
-    I.flush_carried();  // the previous pair's, now older than this one
-    if (I.baton->active && I.lane_id == 1) {  // a pair's weight half: carried into the next pair's waits
-      if (!a.tasks.empty()) I.baton->carried.push_back(&a);
-      return;
-    }
-  }
+  if (I.baton && I.baton->carry_w) return I.carry(a);  // run by later exchange waits, a slot's reuse or the step's end
   I.replay_wgrads(a);
 }
 
