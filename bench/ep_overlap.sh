@@ -9,8 +9,9 @@
 # 1 - exposed(overlap) / exposed(plain). The metrics are rank 0's. MPIRUN_ARGS is passed to two_hosts.sh.
 # BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default free. An
 # entry "turn-paced" runs the turns with the paced link (MOETRON_EP_LINK=paced: one exchange in flight per rank);
-# "free-iw" / "free-iwfill" run a pair's backward as input then weight half, the latter with the weight gradients
-# also run inside the exchange waits, and "free-iwcarry" with each pair's weight half carried into the next pair's
+# "free" and "turn" run MOETRON_EP_PAIR_BACKWARD=b (one full backward per pair); "free-iw" / "free-iwfill" run a
+# pair's backward as input then weight half, the latter with the weight gradients also run inside the exchange
+# waits, and "free-iwcarry" (the engine's default) with every backward's weight half carried into later exchange
 # waits (MOETRON_EP_PAIR_BACKWARD, docs/pipeline.md).
 # BASELINE=1 also runs every side on unshaped links (the same hosts, no rate limit) and prints a third figure, the
 # link's cost hidden: 1 - (overlap(RATE) - overlap(unshaped)) / (plain(RATE) - plain(unshaped)). It leaves out

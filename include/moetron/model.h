@@ -200,9 +200,11 @@ class Model {
   // exchange and when a half ends, in the same order on every EP rank.
   // The EP overlap's fill (MOETRON_EP_PAIR_BACKWARD=iwfill): a pair's backward lane runs its recorded weight
   // gradients while it waits in an exchange and the other lane does not compute. Needs ep_overlap, free order.
-  // carry (MOETRON_EP_PAIR_BACKWARD=iwcarry): a pair's weight half is carried into the next pair, whose exchange
-  // waits on either lane run it first; flush_carried_wgrads() runs what is left (the executor, at a step's end).
+  // carry (MOETRON_EP_PAIR_BACKWARD=iwcarry): every backward (paired or alone) records its weight gradients and
+  // carries them; later exchange waits on either lane run the oldest first (inside a pair when no lane computes),
+  // a slot's reuse runs those up to it, and flush_carried_wgrads() runs what is left (the executor, at a step's end).
   void set_ep_wgrad_fill(bool on, bool carry = false);
+  bool ep_wgrad_fill_possible() const;  // ep_overlap with the free lane order and no [quantize]
   void flush_carried_wgrads();
   void begin_overlap_pair();
   void end_overlap_pair();

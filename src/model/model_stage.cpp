@@ -373,6 +373,8 @@ void Model::Impl::Baton::finish(int lane) {
   cv.notify_all();
 }
 
+bool Model::ep_wgrad_fill_possible() const { return impl_->baton && impl_->baton->free_order && !impl_->fp8; }
+
 void Model::set_ep_wgrad_fill(bool on, bool carry) {
   const char* mode = carry ? "MOETRON_EP_PAIR_BACKWARD=iwcarry" : "MOETRON_EP_PAIR_BACKWARD=iwfill";
   MT_CHECK(!carry || on, "Model::set_ep_wgrad_fill", "carrying the weight halves needs the fill");

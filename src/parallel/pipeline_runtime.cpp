@@ -453,6 +453,7 @@ const std::vector<int>& PipelineRuntime::stage_ids() const { return p_->ids; }
 int PipelineRuntime::peak_inflight() const { return p_->rank_peak; }
 int64_t PipelineRuntime::buffer_bytes() const { return int64_t(p_->block_bytes); }
 double PipelineRuntime::step_start() const { return p_->t_step; }
+void PipelineRuntime::set_fb_backward_split(bool on) { p_->opt.fb_backward_split = on; }
 int PipelineRuntime::stage_slots(int stage) const {
   MT_CHECK(stage >= 0 && stage < p_->S && p_->local_of[size_t(stage)] >= 0, "pipeline", "stage_slots: stage ", stage,
            " is not on rank ", p_->me);

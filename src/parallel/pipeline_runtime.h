@@ -122,6 +122,7 @@ class PipelineRuntime {
   int peak_inflight() const;                  // this rank's peak activation sets (simulate_timed's figure)
   int64_t buffer_bytes() const;               // communication / hand-over buffers allocated
   double step_start() const;                  // steady_clock seconds when the last step started
+  void set_fb_backward_split(bool on);        // RuntimeOptions::fb_backward_split, between steps
 
  private:
   struct Impl;

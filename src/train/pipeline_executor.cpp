@@ -85,16 +85,18 @@ PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t a
   }
   pipeline::RuntimeOptions ro;
   if (ep_overlap) {
-    // MOETRON_EP_PAIR_BACKWARD: how a fused pair's backward half runs: b (the default: one full backward, layer by
-    // layer), iw (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the
-    // emulated hosts, docs/benchmarks.md) or iwfill (iw whose weight gradients also run early, while the backward
-    // lane waits in an exchange and the other lane does not compute: Model::set_ep_wgrad_fill) or iwcarry (iwfill
-    // whose weight half is carried into the next pair's waits, on either lane).
+    // MOETRON_EP_PAIR_BACKWARD: how a fused pair's backward half runs: b (one full backward, layer by layer), iw
+    // (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the emulated hosts,
+    // docs/benchmarks.md), iwfill (iw whose weight gradients also run early, while the backward lane waits in an
+    // exchange and the other lane does not compute: Model::set_ep_wgrad_fill), iwcarry (every backward's weight
+    // half carried into later exchange waits, on either lane) or auto (the default: iwcarry where the model can
+    // fill, i.e. free lane order and no [quantize], else b; decided in bind()).
     const std::string pair =
-        env_choice("MOETRON_EP_PAIR_BACKWARD", "b", {"iw", "b", "iwfill", "iwcarry"}, "pipeline");
+        env_choice("MOETRON_EP_PAIR_BACKWARD", "auto", {"auto", "b", "iw", "iwfill", "iwcarry"}, "pipeline");
     ro.fb_backward_split = pair != "b";
-    wgrad_fill_ = pair == "iwfill" || pair == "iwcarry";  // told to the model in bind()
-    wgrad_carry_ = pair == "iwcarry";
+    pair_auto_ = pair == "auto";
+    wgrad_fill_ = pair == "iwfill" || pair == "iwcarry" || pair_auto_;  // told to the model in bind()
+    wgrad_carry_ = pair == "iwcarry" || pair_auto_;
     worker_ = std::make_unique<Worker>();
     ro.run_fb = [this](const std::function<void()>& f, const std::function<void()>& b) {
       model_->begin_overlap_pair();
@@ -119,6 +121,10 @@ void PipelineExecutor::bind(Model& m) {
   MT_CHECK(m.n_stages() == int(stages_.size()), "pipeline", "the model holds ", m.n_stages(), " stages, the plan ",
            stages_.size());
   model_ = &m;
+  if (pair_auto_ && !m.ep_wgrad_fill_possible()) {  // auto: one full backward where the fill cannot run
+    wgrad_fill_ = wgrad_carry_ = false;
+    rt_->set_fb_backward_split(false);
+  }
   m.set_ep_wgrad_fill(wgrad_fill_, wgrad_carry_);
   for (auto& s : stages_) s->bind(&m, &data_, &stats_);
 }

@@ -53,6 +53,7 @@ class PipelineExecutor {
   Model* model_ = nullptr;
   bool wgrad_fill_ = false;   // MOETRON_EP_PAIR_BACKWARD=iwfill or iwcarry
   bool wgrad_carry_ = false;  // iwcarry
+  bool pair_auto_ = false;    // MOETRON_EP_PAIR_BACKWARD unset or auto: iwcarry if the model can, else b
   int M_ = 1;
   std::vector<std::unique_ptr<ModelStage>> stages_;
   std::unique_ptr<pipeline::PipelineRuntime> rt_;

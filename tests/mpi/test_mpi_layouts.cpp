@@ -527,17 +527,19 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
     // backward half as one full backward (b, the default) and as input then weight half (iw)
     // backward half as one full backward (b, the default) and as input then weight half (iw), also with the weight
     // gradients run early while both lanes wait (iwfill), and with each pair's weight half carried into the next
-    // pair's waits on either lane (iwcarry); the turns with the paced link (one exchange in flight per rank)
+    // pair's waits on either lane (iwcarry); the turns with the paced link (one exchange in flight per rank); the
+    // default ("": auto), iwcarry under the free order and b under turns
     struct Variant {
       const char *order, *pair, *link;
     };
     for (const Variant v : {Variant{"turn", "b", "shared"}, Variant{"turn", "b", "paced"}, Variant{"free", "b", "shared"},
                             Variant{"free", "iw", "shared"}, Variant{"free", "iwfill", "shared"},
-                            Variant{"free", "iwcarry", "shared"}}) {
+                            Variant{"free", "iwcarry", "shared"}, Variant{"free", "", "shared"},
+                            Variant{"turn", "", "shared"}}) {
       SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + v.order + " MOETRON_EP_PAIR_BACKWARD=" + v.pair +
                    " MOETRON_EP_LINK=" + v.link);
       setenv("MOETRON_EP_BATON", v.order, 1);
-      setenv("MOETRON_EP_PAIR_BACKWARD", v.pair, 1);
+      if (*v.pair) setenv("MOETRON_EP_PAIR_BACKWARD", v.pair, 1);
       setenv("MOETRON_EP_LINK", v.link, 1);
       const TrainResult ov = train(
           tiny(shared_dir(std::string("ovl_on_") + v.order + v.pair + v.link + "_" + dt), with(true)), recorded(&world()));
@@ -557,9 +559,11 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       EXPECT_EQ(plain.ep_wgrad_fill_tasks, 0);
       int64_t filled = ov.ep_wgrad_fill_tasks;
       world().all_reduce(&filled, 1);
-      std::printf("[overlap %s/%s] rank %d: %lld weight gradients filled (%lld over ranks)\n", v.order, v.pair,
+      std::printf("[overlap %s/%s] rank %d: %lld weight gradients filled (%lld over ranks)\n", v.order,
+                  *v.pair ? v.pair : "default",
                   world().rank(), (long long)ov.ep_wgrad_fill_tasks, (long long)filled);
-      if (std::string(v.pair) == "iwfill" || std::string(v.pair) == "iwcarry") EXPECT_GT(filled, 0);
+      const std::string pair = v.pair, order = v.order;
+      if (pair == "iwfill" || pair == "iwcarry" || (pair.empty() && order == "free")) EXPECT_GT(filled, 0);
       else EXPECT_EQ(ov.ep_wgrad_fill_tasks, 0);
       ASSERT_EQ(ov.history.size(), plain.history.size());
       for (size_t i = 0; i < plain.history.size(); ++i) {
@@ -613,7 +617,7 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   EXPECT_NE(env_error({{"MOETRON_EP_LINK", "paced"}}).find("MOETRON_EP_LINK=paced needs MOETRON_EP_BATON=turn"),
             std::string::npos);
   EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "wb"}})
-                .find("MOETRON_EP_PAIR_BACKWARD must be 'iw', 'b', 'iwfill' or 'iwcarry', not 'wb'"),
+                .find("MOETRON_EP_PAIR_BACKWARD must be 'auto', 'b', 'iw', 'iwfill' or 'iwcarry', not 'wb'"),
             std::string::npos);
   EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "iwcarry"}, {"MOETRON_EP_BATON", "turn"}})
                 .find("MOETRON_EP_PAIR_BACKWARD=iwcarry needs the free lane order"),
@@ -625,4 +629,6 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   const std::string fp8 = error_of({"--quantize.recipe=tensorwise"});
   unsetenv("MOETRON_EP_PAIR_BACKWARD");
   EXPECT_NE(fp8.find("MOETRON_EP_PAIR_BACKWARD=iwfill is not implemented with [quantize]"), std::string::npos) << fp8;
+  // the default (auto) runs [quantize] with one full backward per pair instead
+  EXPECT_EQ(error_of({"--quantize.recipe=tensorwise"}), "");
 }
