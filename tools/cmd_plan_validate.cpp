@@ -160,6 +160,7 @@ void add_plan_validate(CLI::App* plan) {
     std::string config, hw, only;
     int64_t steps = 6;
     int rounds = 3;
+    int repeats = 1;
     bool json = false, quick = false, ops = false;
     double max_mem = 0, max_ep_act = 0.10, max_time = 0;
     std::string ep_imbalance = "measured";
@@ -171,6 +172,10 @@ void add_plan_validate(CLI::App* plan) {
   val->add_option("--rounds", a->rounds, "calibration rounds when --hw is not given (default 3, see plan calibrate)")
       ->check(CLI::Range(1, 50))
       ->excludes(hw);  // with --hw there is no calibration for it to shape
+  val->add_option("--repeats", a->repeats,
+                  "engine runs per layout, interleaved over the layouts (default 1); each layout reports the run with "
+                  "the median step time, so a run the host slowed for a while does not decide the figure")
+      ->check(CLI::Range(1, 9));
   val->add_option("--only", a->only, "run the layouts whose name contains one of these comma-separated texts");
   val->add_flag("--quick", a->quick, "a quick calibration when --hw is not given")->excludes(hw);
   val->add_flag("--json", a->json, "print one JSON object");
@@ -198,6 +203,15 @@ void add_plan_validate(CLI::App* plan) {
     std::vector<std::string> over;  // figures beyond their bound
     if (root && !a->json)
       std::printf("%-16s %-10s %12s %12s %8s\n", "layout", "figure", "measured", "projected", "error");
+    // The layouts picked, each with its config, then their runs: repeat after repeat over all of them, so that a
+    // slow spell of the host falls on different layouts' runs.
+    struct Picked {
+      Case cs;
+      JobConfig c;
+      std::vector<TrainResult> runs;
+      std::vector<double> shares, steps;  // per run: the CPU share, the step time (below)
+    };
+    std::vector<Picked> todo;
     for (const Case& cs : cases()) {
       bool picked = a->only.empty();
       for (size_t p = 0; !picked && p != std::string::npos;) {  // --only: comma-separated names (or parts)
@@ -216,31 +230,44 @@ void add_plan_validate(CLI::App* plan) {
                                      std::string("--training.compute_dtype=") + (dt == ComputeDtype::BF16 ? "bf16" : "fp32"),
                                      "--training.memory_check=false"};
       for (const auto& x : cs.args) ov.push_back(subst(x, w.size()));
-      const JobConfig c = load_config(cfg_path, ov);
-      // The one-process layout runs on every rank at once, each alone (the same share of the cores as the others).
-      const Comm self = w.split(w.rank(), 0);
-      const bool alone = c.parallelism.world_size() == 1;
-      TrainOptions to;
-      to.quiet = true;
-      to.profile = true;  // the per-op breakdown (trace scopes: a branch and a clock read each)
-      to.comm = alone ? &self : &w;
-      const CpuShare cpu_share(num_threads());
-      const TrainResult r = train(c, to);
-      const double share = min_over_ranks(w, cpu_share.share());
-
-      // Measured: the largest rank's figure per category, then its step time.
-      double meas[5] = {double(r.params_peak_bytes), double(r.grads_peak_bytes), double(r.optimizer_peak_bytes),
-                        double(r.act_peak_bytes), 0};
-      for (int i = 0; i < 4; ++i) meas[i] = max_over_ranks(w, meas[i]);
-      // Step time: the median over the steps after the first (which creates the kernels' primitives), the
-      // slowest rank's.
-      {
+      todo.push_back(Picked{cs, load_config(cfg_path, ov), {}, {}, {}});
+    }
+    for (int rep = 0; rep < a->repeats; ++rep)
+      for (Picked& pk : todo) {
+        // The one-process layout runs on every rank at once, each alone (the same share of the cores as the others).
+        const Comm self = w.split(w.rank(), 0);
+        TrainOptions to;
+        to.quiet = true;
+        to.profile = true;  // the per-op breakdown (trace scopes: a branch and a clock read each)
+        to.comm = pk.c.parallelism.world_size() == 1 ? &self : &w;
+        const CpuShare cpu_share(num_threads());
+        pk.runs.push_back(train(pk.c, to));
+        pk.shares.push_back(min_over_ranks(w, cpu_share.share()));
+        // Step time: the median over the steps after the first (which creates the kernels' primitives), the
+        // slowest rank's.
+        const TrainResult& r = pk.runs.back();
         std::vector<double> st;
         for (size_t i = 1; i < r.history.size(); ++i) st.push_back(r.history[i].seconds);
         if (st.empty() && !r.history.empty()) st.push_back(r.history[0].seconds);
         std::sort(st.begin(), st.end());
-        meas[4] = max_over_ranks(w, st.empty() ? 0.0 : st[st.size() / 2]);
+        pk.steps.push_back(max_over_ranks(w, st.empty() ? 0.0 : st[st.size() / 2]));
       }
+    for (const Picked& pk : todo) {
+      const Case& cs = pk.cs;
+      const JobConfig& c = pk.c;
+      const bool alone = c.parallelism.world_size() == 1;
+      // The run with the median step time (the same on every rank: the step times are reduced over ranks).
+      std::vector<size_t> order(pk.steps.size());
+      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+      std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return pk.steps[x] < pk.steps[y]; });
+      const size_t pick = order[order.size() / 2];
+      const TrainResult& r = pk.runs[pick];
+      const double share = pk.shares[pick];
+
+      // Measured: the largest rank's figure per category, then its step time.
+      double meas[5] = {double(r.params_peak_bytes), double(r.grads_peak_bytes), double(r.optimizer_peak_bytes),
+                        double(r.act_peak_bytes), pk.steps[pick]};
+      for (int i = 0; i < 4; ++i) meas[i] = max_over_ranks(w, meas[i]);
       // Projected: the same job on this machine, the engine's precision convention.
       plan::PlanOptions po;
       po.recipe = plan::recipe_named("engine", c);
@@ -340,6 +367,7 @@ void add_plan_validate(CLI::App* plan) {
         gemm_speed = dm > 0 && dp > 0 ? dp / dm : 1.0;
       }
       j["cpu_share"] = share;
+      j["step_s"]["runs"] = pk.steps;
       j["step_s"]["projected_full_share"] = tp.step_time;
       j["dense_gemm_speed"] = gemm_speed;
       if (root && !a->json) {
@@ -348,6 +376,11 @@ void add_plan_validate(CLI::App* plan) {
                     tp.step_time, proj[4]);
         std::printf("%-16s the dense GEMMs (attention projections, dense FFN, shared experts) ran at %.2f x their "
                     "projected rate\n", cs.name.c_str(), gemm_speed);
+      }
+      if (root && !a->json && pk.steps.size() > 1) {
+        std::printf("%-16s step time of each run:", cs.name.c_str());
+        for (double x : pk.steps) std::printf(" %.4g", x);
+        std::printf(" s (the median's run is reported)\n");
       }
       if (root && !a->json && c.parallelism.ep > 1)
         std::printf("%-16s ep rows: the most one dispatch brought %.3f x balanced (projected with %.3f); the buffers "

@@ -494,7 +494,9 @@ TEST(MpiLayoutMemory, PipelineActivationsFollowTheScheduleInFlightCount) {
     EXPECT_NEAR(ratio, 1.0, 0.05) << sch << " rank " << world().rank();
     peak[k++] = r.act_peak_bytes;
   }
-  if (world().rank() < w - 1) EXPECT_GT(peak[1], peak[0]) << "gpipe holds more micro-batches than 1f1b";
+  if (world().rank() < w - 1) {
+    EXPECT_GT(peak[1], peak[0]) << "gpipe holds more micro-batches than 1f1b";
+  }
 }
 
 // The 1F1B all-to-all overlap (parallelism.ep_overlap): the interleaved schedule with its steady-state pairs
