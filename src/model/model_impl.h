@@ -403,8 +403,9 @@ struct Model::Impl {
                     int64_t in, int64_t out);
   void replay_wgrads(WArena& a);
   void run_wtask(const WArena& a, const WTask& t);  // one recorded weight-gradient GEMM (not under FSDP)
-  // The EP overlap's fill (Baton::fill_w): while this lane waits inside an exchange of its I half and the other
-  // lane does not compute, run the oldest recorded weight gradient; false when there is none or the turn is taken.
+  // The EP overlap's fill (Baton::fill_w): while this lane waits inside an exchange and the other lane does not
+  // compute (or, outside a pair, at any wait), run the oldest weight gradient not yet run: a carried arena's
+  // (iwcarry), else this lane's own I half's; false when there is none or the turn is taken.
   bool fill_with_wgrad();
   void carry(WArena& a);  // iwcarry: a's recorded weight gradients join the carried queue (run later)
   void flush_carried(const WArena* upto = nullptr);  // runs carried weight gradients, oldest first (all, or up to upto)
@@ -446,7 +447,7 @@ struct Model::Impl {
     bool done[2] = {false, false};
     bool paced_link = false;  // MOETRON_EP_LINK=paced | shared (default)
     // MOETRON_EP_PAIR_BACKWARD=iwfill (Model::set_ep_wgrad_fill): a lane waiting in an exchange of its I half takes
-    // the turn when no lane computes (try_acquire) to run recorded weight gradients. Free order only.
+    // the turn when no lane computes (fill_with_wgrad) to run recorded weight gradients. Free order only.
     bool fill_w = false;
     // MOETRON_EP_PAIR_BACKWARD=iwcarry: every backward (a pair's backward lane, or one run alone) records its weight
     // gradients and carries them: any exchange wait, on either lane, runs the oldest when no lane computes (outside

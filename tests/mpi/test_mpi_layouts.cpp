@@ -525,12 +525,11 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       return a;
     };
     const TrainResult plain = train(tiny(shared_dir("ovl_plain_" + dt), with(false)), recorded(&world()));
-    // the turn-taking lanes, then the default free order (the compute to whichever lane is ready); a pair's
-    // backward half as one full backward (b, the default) and as input then weight half (iw)
-    // backward half as one full backward (b, the default) and as input then weight half (iw), also with the weight
-    // gradients run early while both lanes wait (iwfill), and with each pair's weight half carried into the next
-    // pair's waits on either lane (iwcarry); the turns with the paced link (one exchange in flight per rank); the
-    // default ("": auto), iwcarry under the free order and b under turns
+    // the turn-taking lanes, then the free order (the compute to whichever lane is ready); a pair's backward half
+    // as one full backward (b) and as input then weight half (iw), also with the weight gradients run early while
+    // both lanes wait (iwfill), and with every backward's weight half carried into later waits on either lane
+    // (iwcarry); the turns with the paced link (one exchange in flight per rank); the default ("": auto), iwcarry
+    // under the free order and b under turns
     struct Variant {
       const char *order, *pair, *link;
     };
