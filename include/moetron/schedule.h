@@ -153,6 +153,11 @@ struct Durations {
   // The planner's split of unpaired chunks (parallelism.ep_overlap_split): an F, I or B with an all-to-all runs
   // as two half micro-batches whose compute and exchange alternate, costing split_chunk_time(f2.., a2a_*2).
   bool split_unpaired = false;
+  // The engine's carried weight gradients under ep_overlap (its default pair backward, iwcarry): a B that runs
+  // alone (not a fused pair's half) defers its weight-gradient GEMMs (w, or w2 when split) into its rank's queue
+  // and lasts its input gradient and exchange only; any exposed exchange wait on the rank (an action's duration
+  // beyond its compute) runs queued weight gradients inside it; what is still queued runs at the rank's end.
+  bool carry_w = false;
   static Durations uniform(int n_stages, double f, double b, double w, double p2p);  // i = b - w
 };
 // A chunk run as two halves (x2, a2 = both halves' compute and all-to-all summed) with one compute stream and

@@ -415,6 +415,7 @@ sched::Durations replay_durations(const TimePlan& tp) {
   for (const auto& st : tp.stages)
     d.stage.push_back({st.f, st.i, st.w, st.a2a_f, st.a2a_b, st.f2, st.i2, st.w2, st.a2a_f2, st.a2a_b2, st.n_a2a});
   d.split_unpaired = tp.layout.ep_overlap_split;
+  d.carry_w = tp.carry_w;
   return d;
 }
 
@@ -424,6 +425,7 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   TimePlan tp;
   tp.layout = l;
   tp.hardware = h.name;
+  tp.carry_w = l.ep_overlap && c.quantize.recipe == Fp8Recipe::None;
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;
   if (durations) {
@@ -505,9 +507,14 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
         steady += compute + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
         // The unpaired forward and backward (a B: ep_overlap runs interleaved_1f1b) beyond their compute.
         const bool split = l.ep_overlap_split;
-        once += unpaired * (sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split, x.n_a2a) - x.f +
-                            sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split, x.n_a2a) -
-                            (x.i + x.w));
+        const double exposed_f = sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split, x.n_a2a) - x.f;
+        // Carried weight gradients (tp.carry_w): the B runs as an I and the weight gradient it queues fills the
+        // next unpaired backward's wait, as the replay does in the cool-down.
+        const double exposed_b =
+            tp.carry_w ? std::max(0.0, sched::unpaired_time(x.i, x.a2a_b, x.i2, x.a2a_b2, split, x.n_a2a) - x.i -
+                                           (split && x.a2a_b > 0 ? x.w2 : x.w))
+                       : sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split, x.n_a2a) - (x.i + x.w);
+        once += unpaired * (exposed_f + exposed_b);
       }
       worst = std::max(worst, steady * (double(m) + double(l.pp - 1) / double(l.vpp)) + once * double(m));
     }

@@ -11,6 +11,10 @@
 //   With Durations::split_unpaired an F, I or B whose all-to-all is not zero runs as two half micro-batches:
 //   split_chunk_time(f2, a2a_f2) (i2 / i2 + w2 and a2a_b2 for I / B). Its exposed all-to-all is that time less
 //   the unsplit compute (f, i or i + w): the half-size GEMMs' loss is paid to hide the exchange.
+//   With Durations::carry_w a B that is not a pair's half runs as an I (i + a2a_b, or split i2 and a2a_b2) and
+//   queues its w (w2 when split) on its rank. Every action's exposed all-to-all (its duration less its compute)
+//   then runs queued weight gradients inside the wait: up to the queue, which that much shrinks; the filled part
+//   is no longer exposed. After its last action a rank runs what is still queued (busy, and its end moves).
 //   SEND     takes no time on its rank (non-blocking); the tensor is issued when the rank reaches it.
 //   RECV     starts when the rank reaches it and ends at max(that time, issue time of the SEND + p2p).
 // A compute action starts when its rank reaches it: its inputs were produced earlier on the rank or received
@@ -125,7 +129,9 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
     switch (a.op) {
       case Op::F: return {c.f, c.a2a_f, c.f2, c.a2a_f2, c.n_a2a};
       case Op::I: return {c.i, c.a2a_b, c.i2, c.a2a_b2, c.n_a2a};
-      case Op::B: return {c.i + c.w, c.a2a_b, c.i2 + c.w2, c.a2a_b2, c.n_a2a};
+      case Op::B:
+        if (d.carry_w) return {c.i, c.a2a_b, c.i2, c.a2a_b2, c.n_a2a};  // w queued (below)
+        return {c.i + c.w, c.a2a_b, c.i2 + c.w2, c.a2a_b2, c.n_a2a};
       case Op::W: return {c.w, 0};
       case Op::FB: {
         const StageCost& cb = cost(a.stage2);
@@ -139,6 +145,7 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
   res.ranks.resize(size_t(s.pp));
   std::vector<std::vector<TimedOp>> ops(size_t(s.pp));
   std::vector<double> clock(size_t(s.pp), 0.0);
+  std::vector<double> queued(size_t(s.pp), 0.0);  // carry_w: the rank's weight gradients not yet run
   std::vector<size_t> pc(size_t(s.pp), 0);
   const size_t cells = size_t(s.n_stages) * size_t(s.n_microbatches);
   auto cell = [&](const detail::Msg& m) {
@@ -167,7 +174,13 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
         const double dur = c.duration(a.op, d.split_unpaired);
         op.end = t + dur;
         res.ranks[size_t(r)].busy += op.end - op.start;
-        res.ranks[size_t(r)].a2a_exposed += dur - c.compute;
+        const double fill = std::min(queued[size_t(r)], dur - c.compute);
+        queued[size_t(r)] -= fill;
+        res.ranks[size_t(r)].a2a_exposed += dur - c.compute - fill;
+        if (d.carry_w && a.op == Op::B) {
+          const StageCost& sc = cost(a.stage);
+          queued[size_t(r)] += d.split_unpaired && c.a2a > 0 ? sc.w2 : sc.w;
+        }
       } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
         const size_t c = cell(detail::msg_of(a));
         issued[c] = t;
@@ -192,6 +205,10 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
     MT_CHECK(pc[size_t(r)] == s.actions[size_t(r)].size(), "schedule", "simulate_timed: internal error: rank ", r,
              " stopped at action ", pc[size_t(r)], " of a validated schedule");
 
+  for (int r = 0; r < s.pp; ++r) {  // carry_w: what no wait took runs after the rank's last action
+    clock[size_t(r)] += queued[size_t(r)];
+    res.ranks[size_t(r)].busy += queued[size_t(r)];
+  }
   double total_busy = 0;
   for (int r = 0; r < s.pp; ++r) res.step_time = std::max(res.step_time, clock[size_t(r)]);
   for (int r = 0; r < s.pp; ++r) {

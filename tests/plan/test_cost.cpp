@@ -159,6 +159,63 @@ TEST(PlanCost, SplitUnpairedChunkIsHandCounted) {
   EXPECT_DOUBLE_EQ(sched::simulate_timed(low, d).step_time, 3 * 2 + 3 * 2);
 }
 
+TEST(PlanCost, CarriedWeightGradientsFillLaterWaitsHandCounted) {
+  // The engine's default pair backward under ep_overlap (iwcarry): an unpaired B runs its input gradient and
+  // exchange and queues its weight gradient; a later exposed exchange wait on the rank runs it.
+  // 1F1B, pp 2, two micro-batches, free P2P; f = 2, i = w = 1, a2a 3 per pass. Without carrying: F = B = 5,
+  // step 3 x 5 + 3 x 5 = 30 (SplitUnpairedChunkIsHandCounted).
+  sched::GenSpec g;
+  g.schedule = "1f1b", g.pp = 2, g.vpp = 1, g.microbatches = 2;
+  const sched::Schedule low = sched::lower(sched::generate(g));
+  sched::Durations d;
+  d.stage.assign(2, sched::StageCost{2, 1, 1, 3, 3});
+  const auto plain = sched::simulate_timed(low, d);
+  EXPECT_DOUBLE_EQ(plain.step_time, 30);
+  d.carry_w = true;
+  const auto carried = sched::simulate_timed(low, d);
+  // B = i + a2a = 4, w = 1 queued. Rank 1: F0 [5,10], B0 [10,14] (queue empty: 3 exposed, then 1 queued),
+  // F1 [14,19] (its wait runs the queued 1: 2 exposed), B1 [19,23] (3 exposed, 1 queued), end 23 + 1 = 24.
+  // Rank 0: F0 [0,5], F1 [5,10], B0 [14,18] (3 exposed, 1 queued), B1 [23,27] (runs B0's w: 2 exposed; B1's
+  // own w queued), end 27 + 1 = 28.
+  EXPECT_DOUBLE_EQ(carried.step_time, 28);
+  for (const auto& r : carried.ranks) {
+    EXPECT_DOUBLE_EQ(r.a2a_exposed, 11) << r.rank;  // against 12 without carrying
+    EXPECT_DOUBLE_EQ(r.busy, 19) << r.rank;         // 2 x 5 + 2 x 4 + the last w
+  }
+  // Split halves: the B's halves compute i2 only and queue w2.
+  d.stage.assign(2, sched::StageCost{2, 1, 1, 3, 3, 2.5, 1.4, 1.4, 3.5, 3.5});
+  d.split_unpaired = true;
+  const double b_split = sched::split_chunk_time(1.4, 3.5);  // 3.5 + 0.7 = 4.2
+  const auto split = sched::simulate_timed(low, d);
+  // Rank 1: F0 [4.75, 9.5], B0 to 13.7 (queues 1.4), F1 to 18.45 (its 2.75 exposed runs the 1.4), B1 to 22.65
+  // (queues 1.4), end 24.05. Rank 0: B0 [13.7, 17.9], B1 [22.65, 26.85] (runs B0's 1.4), end 28.25.
+  EXPECT_DOUBLE_EQ(b_split, 4.2);
+  EXPECT_NEAR(split.step_time, 28.25, 1e-12);  // F = split_chunk_time(2.5, 3.5) = 4.75
+  // The planner carries under ep_overlap, as the engine's auto rule does, and not under [quantize] (the engine
+  // keeps the plain backward there).
+  const auto h = plan::catalog_hardware("mi300x");
+  auto c = cfg("moe_1t", {"--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
+                          "--parallelism.pp=24", "--parallelism.ep=16", "--parallelism.cp=2",
+                          "--parallelism.ep_overlap=true", "--training.global_batch_size=768"});
+  const auto on = timeof(c, 768, h);
+  EXPECT_TRUE(on.carry_w);
+  auto plain_plan = on;
+  plain_plan.carry_w = false;
+  const auto no_carry = sched::simulate_timed(sched::lower(sched::generate(plan::stage_plan(c, on.layout)->spec)),
+                                              plan::replay_durations(plain_plan));
+  double exposed_on = 0, exposed_off = 0;
+  for (const auto& r : no_carry.ranks) exposed_off = std::max(exposed_off, r.a2a_exposed);
+  const auto with_carry = sched::simulate_timed(sched::lower(sched::generate(plan::stage_plan(c, on.layout)->spec)),
+                                                plan::replay_durations(on));
+  for (const auto& r : with_carry.ranks) exposed_on = std::max(exposed_on, r.a2a_exposed);
+  EXPECT_LT(exposed_on, exposed_off);
+  c.quantize.recipe = Fp8Recipe::Blockwise;
+  EXPECT_FALSE(timeof(c, 768, h).carry_w);
+  c.quantize.recipe = Fp8Recipe::None;
+  c.parallelism.ep_overlap = false;
+  EXPECT_FALSE(timeof(c, 768, h).carry_w);
+}
+
 TEST(PlanCost, SplitHalvesArePricedAtHalfTheTokens) {
   // The halves' GEMMs run on half the tokens per expert (lower grouped-GEMM efficiency) and every kernel and
   // exchange pays its launch / latency twice: the split chunk's compute and exchange both exceed the whole's.

@@ -3,6 +3,8 @@
 // scaling on MI300X keeps the whitepaper's shape (near 1.0 at small worlds, the lowest efficiency at 64K).
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include "moetron/plan/search.h"
 #include "plan_test_util.h"
 
@@ -141,11 +143,76 @@ TEST(PlanScaleSeeds, TwoTrillionOnMi300xKeepsTheWhitepapersShape) {
     EXPECT_LT((*s)[2].efficiency, (*s)[1].efficiency);  // the drop comes at 64K
     EXPECT_TRUE((*s)[2].best.layout.ep_overlap_split) << (*s)[2].best.layout.describe();
   }
-  // The figures of 2026-11-27 (docs/planner.md, Checks), the split alternating at every exchange: flat 1.010 at
-  // 2K and 0.717 at 64K; hierarchical 0.996 and 0.800.
-  EXPECT_NEAR(flat[1].efficiency, 1.010, 0.02);
-  EXPECT_NEAR(flat[2].efficiency, 0.717, 0.02);
-  EXPECT_NEAR(hier[1].efficiency, 0.996, 0.02);
-  EXPECT_NEAR(hier[2].efficiency, 0.800, 0.02);
+  // The figures of 2026-11-27 (docs/planner.md, Checks), the split alternating at every exchange and the
+  // cool-down's weight gradients carried into later exchange waits (the engine's iwcarry): flat 1.016 at 2K and
+  // 0.799 at 64K; hierarchical 0.997 and 0.841.
+  EXPECT_NEAR(flat[1].efficiency, 1.016, 0.02);
+  EXPECT_NEAR(flat[2].efficiency, 0.799, 0.02);
+  EXPECT_NEAR(hier[1].efficiency, 0.997, 0.02);
+  EXPECT_NEAR(hier[2].efficiency, 0.841, 0.02);
   EXPECT_GT(hier[2].best.time.tokens_per_s_per_gpu, flat[2].best.time.tokens_per_s_per_gpu);
+}
+
+TEST(PlanScaleSeeds, TwoTrillionWithTheWhitepapersReplicaMatchesTable1) {
+  // The whitepaper's replica was 384 GPUs (seed 003: the 768-GPU run with dp 2, its 64K point extrapolated);
+  // its Table 1 gives one decimal: 1.0 at 1K to 32K, 0.9 at 64K. With replicas of at least 384 GPUs
+  // (--min-replica 384; power-of-two worlds give 512) and node-deduplicated EP the planner's efficiencies,
+  // rounded to one decimal, are the table's.
+  plan::SearchOptions o;
+  o.min_replica = 384;
+  const std::vector<int64_t> worlds = {1024, 2048, 16384, 32768, 65536};
+  const double paper[5] = {1.0, 1.0, 1.0, 1.0, 0.9};
+  const auto s = plan::scale(cfg("moe_2t", {"--parallelism.ep_dispatcher=hierarchical"}),
+                             plan::catalog_hardware("mi300x"), worlds, 134217728.0, o);
+  ASSERT_EQ(s.size(), worlds.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    ASSERT_TRUE(s[i].found) << s[i].world;
+    const plan::Layout& l = s[i].best.layout;
+    EXPECT_GE(l.tp * l.cp * l.pp, 384) << l.describe();
+    std::printf("[seed] 2T mi300x replica >= 384 world %lld efficiency %.3f (whitepaper %.1f) %s\n",
+                (long long)s[i].world, s[i].efficiency, paper[i], l.describe().c_str());
+    EXPECT_NEAR(s[i].efficiency, paper[i], 0.05) << s[i].world;  // rounds to the table's decimal
+    if (i > 0) EXPECT_LT(s[i].efficiency, s[i - 1].efficiency + 0.005) << s[i].world;
+  }
+}
+
+TEST(PlanPresets, EveryPresetPlansMemoryTimeSearchAndScale) {
+  // Every preset in configs/: its own [parallelism] layout through plan memory and plan time (at the smallest
+  // world that layout allows: tp x cp x pp x ep GPUs), then a search and a two-world strong scaling. The engine's
+  // own commands (calibrate, validate) train for real and are tested on ds_tiny / ds_mini (tests/mpi).
+  const auto h = plan::catalog_hardware("mi300x");
+  const std::vector<std::pair<std::string, int64_t>> presets = {
+      {"ds_tiny", 8},        {"ds_tiny_mla", 8},      {"ds_mini", 8},         {"deepseek_v2_lite", 64},
+      {"deepseek_v2", 64},   {"qwen3_30b_a3b", 64},   {"mixtral_8x7b", 64},   {"llama4_scout", 256},
+      {"deepseek_v3", 1024}, {"moe_1t", 1024},        {"moe_2t", 1024}};
+  size_t seen = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(MOETRON_SOURCE_DIR) + "/configs"))
+    if (e.path().extension() == ".toml") ++seen;
+  EXPECT_EQ(seen, presets.size()) << "a preset was added or removed: list it here";
+  plan::SearchOptions so;
+  so.top_k = 1;
+  for (const auto& [name, world] : presets) {
+    SCOPED_TRACE(name);
+    JobConfig c = cfg(name);
+    const auto& p = c.parallelism;
+    const int64_t own = p.tp * p.cp * p.pp * p.ep;
+    const plan::Layout own_l = plan::layout_from_config(c, own);
+    EXPECT_EQ(plan::layout_error(c, own_l, c.training.global_batch_size), "") << own_l.describe();
+    const auto mem = plan::plan_memory(c, own_l, h, {});
+    std::printf("[preset] %s own layout %s: %s %.1f GB\n", name.c_str(), own_l.describe().c_str(), mem.verdict.c_str(), mem.max_total / 1e9);
+    EXPECT_GT(mem.max_total, 0);
+    EXPECT_FALSE(mem.verdict.empty());
+    const auto t = plan::plan_time(c, own_l, h);
+    EXPECT_GT(t.step_time, 0);
+    EXPECT_GT(t.tokens_per_s_per_gpu, 0);
+    const double gbt = double(c.training.seq_len) * double(world) * 4;
+    const auto r = plan::search(c, h, world, gbt, so);
+    ASSERT_EQ(r.top.size(), 1u) << "nothing fits " << name << " on " << world << " GPUs";
+    EXPECT_EQ(r.top[0].memory.verdict, "FITS");
+    const auto s = plan::scale(c, h, {world, 2 * world}, gbt, so);
+    ASSERT_EQ(s.size(), 2u);
+    EXPECT_TRUE(s[0].found && s[1].found);
+    EXPECT_DOUBLE_EQ(s[0].efficiency, 1.0);
+    EXPECT_GT(s[1].efficiency, 0);
+  }
 }

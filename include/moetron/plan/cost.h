@@ -66,6 +66,9 @@ struct TimePlan {
   std::map<std::string, double> breakdown;  // seconds per step, per kind (sums to step_time)
   OpSeconds ops_f{}, ops_b{};     // per step, the slowest pipeline rank: compute by op group (forward, backward)
   bool simulated = true;          // false: the analytic estimate (search's first pass)
+  // ep_overlap's unpaired backwards queue their weight gradients into later exchange waits (the engine's
+  // default pair backward, iwcarry; it keeps the plain backward under [quantize], and so does the planner).
+  bool carry_w = false;
   int64_t simulated_microbatches = 0;
 };
 
