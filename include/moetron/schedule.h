@@ -192,6 +192,10 @@ struct TimedResult {
   int steps = 0;            // lock-step count of the same schedule
   std::vector<RankStats> ranks;
   std::vector<TimedOp> ops;  // compute and communication actions with their times, rank by rank
+  // Durations::carry_w: each queued weight gradient as a W of its B's (stage, mb), from the first to the last
+  // second a wait (its tail: the exchange follows the compute) or the rank's final run spent on it; the B it
+  // came from has `index`. Not in `ops`: it runs inside other actions' time.
+  std::vector<TimedOp> carried;
 };
 TimedResult simulate_timed(const Schedule& lowered, const Durations& d);
 

@@ -280,7 +280,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
 // backward produces them). A stage's parameters must have arrived by the end of its first forward (buckets are
 // waited for layer by layer). Times are the pipeline replay's; `end` is the pipeline's last action.
 struct DpWindow {
-  double last_bwd_start = 0;  // start of the stage's last backward (B, W, or the FB holding it)
+  double last_bwd_start = 0;  // start of the stage's last backward (B, W, the FB holding it, or a carried W)
   double first_fwd_end = 0;   // end of the stage's first forward (F, or the FB holding it)
   double share = 0;           // the stage's fraction of the rank's parameters
 };
@@ -313,6 +313,11 @@ std::vector<std::vector<DpWindow>> dp_windows(const sched::TimedResult& r, int p
     else if (a.op == sched::Op::FB) fwd = a.stage, bwd = a.op2 == sched::Op::B ? a.stage2 : -1;
     if (fwd >= 0 && !seen[size_t(op.rank)][size_t(fwd)]) row[size_t(fwd)].first_fwd_end = op.end, seen[size_t(op.rank)][size_t(fwd)] = 1;
     if (bwd >= 0) row[size_t(bwd)].last_bwd_start = std::max(row[size_t(bwd)].last_bwd_start, op.start);
+  }
+  // Carried weight gradients (Durations::carry_w): a stage's gradients are final when its last one runs.
+  for (const sched::TimedOp& op : r.carried) {
+    double& t = w[size_t(op.rank)][size_t(op.action.stage)].last_bwd_start;
+    t = std::max(t, op.start);
   }
   return w;
 }
@@ -419,13 +424,16 @@ sched::Durations replay_durations(const TimePlan& tp) {
   return d;
 }
 
-TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
-                   const MemoryPlan* memory, const StagePlan* stages, const std::vector<StageTime>* durations) {
+namespace {
+
+TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                        const MemoryPlan* memory, const StagePlan* stages, const std::vector<StageTime>* durations,
+                        bool carry) {
   const ModelSpec& s = c.model;
   TimePlan tp;
   tp.layout = l;
   tp.hardware = h.name;
-  tp.carry_w = l.ep_overlap && c.quantize.recipe == Fp8Recipe::None;
+  tp.carry_w = carry;
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;
   if (durations) {
@@ -665,6 +673,21 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   return tp;
 }
 
+}  // namespace
+
+TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                   const MemoryPlan* memory, const StagePlan* stages, const std::vector<StageTime>* durations) {
+  // Carrying weight gradients is the engine's runtime choice under ep_overlap (MOETRON_EP_PAIR_BACKWARD: iwcarry or
+  // b); not with [quantize], where the engine keeps b. TimeOptions::carry_w < 0 takes the faster of the two.
+  const bool can = l.ep_overlap && c.quantize.recipe == Fp8Recipe::None;
+  MT_CHECK(o.carry_w <= 0 || can, "plan time", "carrying weight gradients (carry_w) needs parallelism.ep_overlap and "
+           "no [quantize] recipe");
+  if (!can || o.carry_w >= 0) return plan_time_with(c, l, h, o, memory, stages, durations, can && o.carry_w == 1);
+  TimePlan plain = plan_time_with(c, l, h, o, memory, stages, durations, false);
+  TimePlan carried = plan_time_with(c, l, h, o, memory, stages, durations, true);
+  return carried.step_time < plain.step_time ? carried : plain;
+}
+
 nlohmann::json to_json(const TimePlan& t) {
   nlohmann::json j;
   j["layout"] = t.layout.describe();
@@ -674,6 +697,7 @@ nlohmann::json to_json(const TimePlan& t) {
   j["tflops_per_gpu"] = t.tflops_per_gpu;
   j["mfu"] = t.mfu;
   j["bubble_ratio"] = t.bubble_ratio;
+  j["carry_w"] = t.carry_w;
   j["pipeline_time_s"] = t.pipeline_time;
   j["dp_exposed_s"] = t.dp_exposed;
   j["dp_total_s"] = t.dp_total;
@@ -703,7 +727,9 @@ std::string format_time(const TimePlan& t) {
   std::snprintf(buf, sizeof buf,
                 "step %.3f s   %.0f tokens/s/GPU   %.1f TFLOPS/GPU   MFU %.1f%%   bubble %.1f%%\n", t.step_time,
                 t.tokens_per_s_per_gpu, t.tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_ratio);
-  os << buf << "breakdown (s per step):\n";
+  os << buf;
+  if (t.carry_w) os << "weight gradients of the unpaired backwards carried into later exchange waits (the engine's iwcarry)\n";
+  os << "breakdown (s per step):\n";
   for (const auto& [k, v] : t.breakdown) {
     std::snprintf(buf, sizeof buf, "  %-22s %10.4f  %5.1f%%\n", k.c_str(), v, 100 * v / t.step_time);
     os << buf;

@@ -15,6 +15,7 @@
 //   queues its w (w2 when split) on its rank. Every action's exposed all-to-all (its duration less its compute)
 //   then runs queued weight gradients inside the wait: up to the queue, which that much shrinks; the filled part
 //   is no longer exposed. After its last action a rank runs what is still queued (busy, and its end moves).
+//   Each queued weight gradient is reported in `carried` as a W over the seconds that ran it.
 //   SEND     takes no time on its rank (non-blocking); the tensor is issued when the rank reaches it.
 //   RECV     starts when the rank reaches it and ends at max(that time, issue time of the SEND + p2p).
 // A compute action starts when its rank reaches it: its inputs were produced earlier on the rank or received
@@ -32,6 +33,8 @@
 // validated first (check_valid).
 #include <algorithm>
 #include <cmath>
+#include <deque>
+#include <limits>
 #include <utility>
 
 #include "moetron/check.h"
@@ -145,7 +148,32 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
   res.ranks.resize(size_t(s.pp));
   std::vector<std::vector<TimedOp>> ops(size_t(s.pp));
   std::vector<double> clock(size_t(s.pp), 0.0);
-  std::vector<double> queued(size_t(s.pp), 0.0);  // carry_w: the rank's weight gradients not yet run
+  // carry_w: per rank the weight gradients not yet run, oldest first (the W each becomes, its seconds left, and
+  // whether one has started), and their sum
+  struct Carried {
+    TimedOp w;
+    double left = 0;
+    bool started = false;
+  };
+  std::vector<std::deque<Carried>> carry(size_t(s.pp));
+  std::vector<double> queued(size_t(s.pp), 0.0);
+  // Runs up to `len` seconds of rank r's queue from time t0; returns the seconds run.
+  auto run_carried = [&](int r, double t0, double len) {
+    double t = t0;
+    auto& q = carry[size_t(r)];
+    while (!q.empty() && t < t0 + len) {
+      Carried& c = q.front();
+      const double run = std::min(c.left, t0 + len - t);
+      if (!c.started) c.w.start = t, c.started = true;
+      t += run, c.left -= run;
+      if (c.left > 0) break;  // the wait ended first
+      c.w.end = t;
+      res.carried.push_back(c.w);
+      q.pop_front();
+    }
+    queued[size_t(r)] -= t - t0;
+    return t - t0;
+  };
   std::vector<size_t> pc(size_t(s.pp), 0);
   const size_t cells = size_t(s.n_stages) * size_t(s.n_microbatches);
   auto cell = [&](const detail::Msg& m) {
@@ -174,12 +202,15 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
         const double dur = c.duration(a.op, d.split_unpaired);
         op.end = t + dur;
         res.ranks[size_t(r)].busy += op.end - op.start;
-        const double fill = std::min(queued[size_t(r)], dur - c.compute);
-        queued[size_t(r)] -= fill;
-        res.ranks[size_t(r)].a2a_exposed += dur - c.compute - fill;
+        const double exposed = dur - c.compute;  // the wait: the action's tail
+        const double fill = d.carry_w ? run_carried(r, op.end - exposed, exposed) : 0.0;
+        res.ranks[size_t(r)].a2a_exposed += exposed - fill;
         if (d.carry_w && a.op == Op::B) {
           const StageCost& sc = cost(a.stage);
-          queued[size_t(r)] += d.split_unpaired && c.a2a > 0 ? sc.w2 : sc.w;
+          Carried q{TimedOp{r, int(idx), Action{Op::W, a.stage, a.mb}, 0, 0}, 0, false};
+          q.left = d.split_unpaired && c.a2a > 0 ? sc.w2 : sc.w;
+          queued[size_t(r)] += q.left;
+          if (q.left > 0) carry[size_t(r)].push_back(q);
         }
       } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
         const size_t c = cell(detail::msg_of(a));
@@ -206,8 +237,9 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
              " stopped at action ", pc[size_t(r)], " of a validated schedule");
 
   for (int r = 0; r < s.pp; ++r) {  // carry_w: what no wait took runs after the rank's last action
-    clock[size_t(r)] += queued[size_t(r)];
-    res.ranks[size_t(r)].busy += queued[size_t(r)];
+    const double rest = run_carried(r, clock[size_t(r)], std::numeric_limits<double>::infinity());
+    clock[size_t(r)] += rest;
+    res.ranks[size_t(r)].busy += rest;
   }
   double total_busy = 0;
   for (int r = 0; r < s.pp; ++r) res.step_time = std::max(res.step_time, clock[size_t(r)]);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 
 #include "moetron/accounting.h"
 #include "moetron/plan/comm_model.h"
@@ -182,6 +183,20 @@ TEST(PlanCost, CarriedWeightGradientsFillLaterWaitsHandCounted) {
     EXPECT_DOUBLE_EQ(r.a2a_exposed, 11) << r.rank;  // against 12 without carrying
     EXPECT_DOUBLE_EQ(r.busy, 19) << r.rank;         // 2 x 5 + 2 x 4 + the last w
   }
+  // The carried weight gradients as W ops (the wait is an action's tail): rank 1 runs mb 0's in F1's wait
+  // [16, 17] and mb 1's after its last action [23, 24]; rank 0 mb 0's in B1's wait [24, 25], mb 1's at [27, 28].
+  ASSERT_EQ(carried.carried.size(), 4u);
+  std::map<std::pair<int, int>, std::pair<double, double>> w;
+  for (const auto& op : carried.carried) {
+    EXPECT_EQ(op.action.op, sched::Op::W);
+    EXPECT_EQ(op.action.stage, op.rank);
+    w[{op.rank, op.action.mb}] = {op.start, op.end};
+  }
+  EXPECT_EQ(w[std::make_pair(1, 0)], std::make_pair(16.0, 17.0));
+  EXPECT_EQ(w[std::make_pair(1, 1)], std::make_pair(23.0, 24.0));
+  EXPECT_EQ(w[std::make_pair(0, 0)], std::make_pair(24.0, 25.0));
+  EXPECT_EQ(w[std::make_pair(0, 1)], std::make_pair(27.0, 28.0));
+  EXPECT_TRUE(plain.carried.empty());
   // Split halves: the B's halves compute i2 only and queue w2.
   d.stage.assign(2, sched::StageCost{2, 1, 1, 3, 3, 2.5, 1.4, 1.4, 3.5, 3.5});
   d.split_unpaired = true;
@@ -191,26 +206,31 @@ TEST(PlanCost, CarriedWeightGradientsFillLaterWaitsHandCounted) {
   // (queues 1.4), end 24.05. Rank 0: B0 [13.7, 17.9], B1 [22.65, 26.85] (runs B0's 1.4), end 28.25.
   EXPECT_DOUBLE_EQ(b_split, 4.2);
   EXPECT_NEAR(split.step_time, 28.25, 1e-12);  // F = split_chunk_time(2.5, 3.5) = 4.75
-  // The planner carries under ep_overlap, as the engine's auto rule does, and not under [quantize] (the engine
-  // keeps the plain backward there).
+  // plan_time: carried (TimeOptions::carry_w = 1, the engine's iwcarry) or not (0, b), by default the faster of
+  // the two. Carrying hides exchange time; its queued weight gradients run late, so the stages' gradient
+  // reduction (overlapped with the cool-down here) starts later. Never under [quantize], as in the engine.
   const auto h = plan::catalog_hardware("mi300x");
   auto c = cfg("moe_1t", {"--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
                           "--parallelism.pp=24", "--parallelism.ep=16", "--parallelism.cp=2",
                           "--parallelism.ep_overlap=true", "--training.global_batch_size=768"});
-  const auto on = timeof(c, 768, h);
+  const plan::Layout l = plan::layout_from_config(c, 768);
+  plan::TimeOptions o;
+  o.carry_w = 1;
+  const auto on = plan::plan_time(c, l, h, o);
+  o.carry_w = 0;
+  const auto off = plan::plan_time(c, l, h, o);
+  o.carry_w = -1;
+  const auto best = plan::plan_time(c, l, h, o);
   EXPECT_TRUE(on.carry_w);
-  auto plain_plan = on;
-  plain_plan.carry_w = false;
-  const auto no_carry = sched::simulate_timed(sched::lower(sched::generate(plan::stage_plan(c, on.layout)->spec)),
-                                              plan::replay_durations(plain_plan));
-  double exposed_on = 0, exposed_off = 0;
-  for (const auto& r : no_carry.ranks) exposed_off = std::max(exposed_off, r.a2a_exposed);
-  const auto with_carry = sched::simulate_timed(sched::lower(sched::generate(plan::stage_plan(c, on.layout)->spec)),
-                                                plan::replay_durations(on));
-  for (const auto& r : with_carry.ranks) exposed_on = std::max(exposed_on, r.a2a_exposed);
-  EXPECT_LT(exposed_on, exposed_off);
+  EXPECT_FALSE(off.carry_w);
+  EXPECT_LT(on.breakdown.at("comm.ep"), off.breakdown.at("comm.ep"));
+  EXPECT_GE(on.dp_exposed, off.dp_exposed);
+  EXPECT_DOUBLE_EQ(best.step_time, std::min(on.step_time, off.step_time));
+  EXPECT_EQ(best.carry_w, on.step_time < off.step_time);
   c.quantize.recipe = Fp8Recipe::Blockwise;
   EXPECT_FALSE(timeof(c, 768, h).carry_w);
+  o.carry_w = 1;
+  EXPECT_THROW(plan::plan_time(c, l, h, o), Error);
   c.quantize.recipe = Fp8Recipe::None;
   c.parallelism.ep_overlap = false;
   EXPECT_FALSE(timeof(c, 768, h).carry_w);

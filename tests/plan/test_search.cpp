@@ -143,13 +143,13 @@ TEST(PlanScaleSeeds, TwoTrillionOnMi300xKeepsTheWhitepapersShape) {
     EXPECT_LT((*s)[2].efficiency, (*s)[1].efficiency);  // the drop comes at 64K
     EXPECT_TRUE((*s)[2].best.layout.ep_overlap_split) << (*s)[2].best.layout.describe();
   }
-  // The figures of 2026-11-27 (docs/planner.md, Checks), the split alternating at every exchange and the
-  // cool-down's weight gradients carried into later exchange waits (the engine's iwcarry): flat 1.016 at 2K and
-  // 0.799 at 64K; hierarchical 0.997 and 0.841.
-  EXPECT_NEAR(flat[1].efficiency, 1.016, 0.02);
-  EXPECT_NEAR(flat[2].efficiency, 0.799, 0.02);
+  // The figures of 2026-11-27 (docs/planner.md, Checks), the split alternating at every exchange and each layout
+  // with or without carried weight gradients, whichever is faster: flat 1.012 at 2K and 0.743 at 64K;
+  // hierarchical 0.997 and 0.800.
+  EXPECT_NEAR(flat[1].efficiency, 1.012, 0.02);
+  EXPECT_NEAR(flat[2].efficiency, 0.743, 0.02);
   EXPECT_NEAR(hier[1].efficiency, 0.997, 0.02);
-  EXPECT_NEAR(hier[2].efficiency, 0.841, 0.02);
+  EXPECT_NEAR(hier[2].efficiency, 0.800, 0.02);
   EXPECT_GT(hier[2].best.time.tokens_per_s_per_gpu, flat[2].best.time.tokens_per_s_per_gpu);
 }
 
