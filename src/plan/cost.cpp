@@ -591,6 +591,13 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
           const auto& x0 = tp.stages[size_t(st)];
           x.first_fwd_end = (double(c) * G + 1) * x0.f;
           x.last_bwd_start = end - (double(c) * G + 1) * (x0.i + x0.w);
+          // Carried weight gradients longer than the waits that could run them pile up and run at the rank's end
+          // (the replay's shape): the stage's reduction starts there.
+          if (tp.carry_w) {
+            const bool split = l.ep_overlap_split && x0.a2a_b > 0;
+            const double wait = sched::unpaired_time(x0.i, x0.a2a_b, x0.i2, x0.a2a_b2, split, x0.n_a2a) - x0.i;
+            if ((split ? x0.w2 : x0.w) > wait) x.last_bwd_start = end;
+          }
         }
         x.share = stage_layers(st) / std::max(layers, 1.0);
         w.push_back(x);

@@ -227,6 +227,15 @@ TEST(PlanCost, CarriedWeightGradientsFillLaterWaitsHandCounted) {
   EXPECT_GE(on.dp_exposed, off.dp_exposed);
   EXPECT_DOUBLE_EQ(best.step_time, std::min(on.step_time, off.step_time));
   EXPECT_EQ(best.carry_w, on.step_time < off.step_time);
+  // The analytic pass (the search's first ranking) charges the late reduction too when the carried weight gradients
+  // outlast the waits.
+  o.simulate = false;
+  o.carry_w = 1;
+  const auto on_a = plan::plan_time(c, l, h, o);
+  o.carry_w = 0;
+  const auto off_a = plan::plan_time(c, l, h, o);
+  EXPECT_GT(on_a.dp_exposed, off_a.dp_exposed) << on_a.dp_exposed;
+  o.simulate = true;
   c.quantize.recipe = Fp8Recipe::Blockwise;
   EXPECT_FALSE(timeof(c, 768, h).carry_w);
   o.carry_w = 1;
