@@ -735,7 +735,8 @@ std::string format_time(const TimePlan& t) {
                 "step %.3f s   %.0f tokens/s/GPU   %.1f TFLOPS/GPU   MFU %.1f%%   bubble %.1f%%\n", t.step_time,
                 t.tokens_per_s_per_gpu, t.tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_ratio);
   os << buf;
-  if (t.carry_w) os << "weight gradients of the unpaired backwards carried into later exchange waits (the engine's iwcarry)\n";
+  if (t.carry_w)
+    os << "weight gradients of the unpaired backwards carried into later exchange waits (the engine's iwcarry)\n";
   os << "breakdown (s per step):\n";
   for (const auto& [k, v] : t.breakdown) {
     std::snprintf(buf, sizeof buf, "  %-22s %10.4f  %5.1f%%\n", k.c_str(), v, 100 * v / t.step_time);

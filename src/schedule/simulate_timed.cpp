@@ -149,14 +149,13 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
   std::vector<std::vector<TimedOp>> ops(size_t(s.pp));
   std::vector<double> clock(size_t(s.pp), 0.0);
   // carry_w: per rank the weight gradients not yet run, oldest first (the W each becomes, its seconds left, and
-  // whether one has started), and their sum
+  // whether one has started)
   struct Carried {
     TimedOp w;
     double left = 0;
     bool started = false;
   };
   std::vector<std::deque<Carried>> carry(size_t(s.pp));
-  std::vector<double> queued(size_t(s.pp), 0.0);
   // Runs up to `len` seconds of rank r's queue from time t0; returns the seconds run.
   auto run_carried = [&](int r, double t0, double len) {
     double t = t0;
@@ -171,7 +170,6 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
       res.carried.push_back(c.w);
       q.pop_front();
     }
-    queued[size_t(r)] -= t - t0;
     return t - t0;
   };
   std::vector<size_t> pc(size_t(s.pp), 0);
@@ -209,7 +207,6 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
           const StageCost& sc = cost(a.stage);
           Carried q{TimedOp{r, int(idx), Action{Op::W, a.stage, a.mb}, 0, 0}, 0, false};
           q.left = d.split_unpaired && c.a2a > 0 ? sc.w2 : sc.w;
-          queued[size_t(r)] += q.left;
           if (q.left > 0) carry[size_t(r)].push_back(q);
         }
       } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
