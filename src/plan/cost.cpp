@@ -426,6 +426,24 @@ sched::Durations replay_durations(const TimePlan& tp) {
 
 namespace {
 
+// The memory projection plan_time reads for the DP collectives (parameter counts), without module detail.
+MemoryPlan dp_memory(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
+                     const StagePlan& sp) {
+  PlanOptions quick = o.memory;
+  quick.detail = false;
+  return plan_memory(c, l, h, quick, &sp);
+}
+
+// A carried unpaired backward of a stage (TimePlan::carry_w): its exposed wait when it runs as an I, and the
+// weight gradient it queues (the halves' when split).
+struct CarriedB {
+  double wait = 0, w = 0;
+};
+CarriedB carried_b(const StageTime& x, bool split) {
+  return {sched::unpaired_time(x.i, x.a2a_b, x.i2, x.a2a_b2, split, x.n_a2a) - x.i,
+          split && x.a2a_b > 0 ? x.w2 : x.w};
+}
+
 TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                         const MemoryPlan* memory, const StagePlan* stages, const std::vector<StageTime>* durations,
                         bool carry) {
@@ -518,9 +536,9 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
         const double exposed_f = sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split, x.n_a2a) - x.f;
         // Carried weight gradients (tp.carry_w): the B runs as an I and the weight gradient it queues fills the
         // next unpaired backward's wait, as the replay does in the cool-down.
+        const CarriedB cb = carried_b(x, split);
         const double exposed_b =
-            tp.carry_w ? std::max(0.0, sched::unpaired_time(x.i, x.a2a_b, x.i2, x.a2a_b2, split, x.n_a2a) - x.i -
-                                           (split && x.a2a_b > 0 ? x.w2 : x.w))
+            tp.carry_w ? std::max(0.0, cb.wait - cb.w)
                        : sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split, x.n_a2a) - (x.i + x.w);
         once += unpaired * (exposed_f + exposed_b);
       }
@@ -537,11 +555,7 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
   // hides behind each stage's compute (prefetch). The slowest pipeline rank counts.
   const PlanOptions& po = o.memory;
   MemoryPlan own;
-  if (!memory) {
-    PlanOptions quick = po;
-    quick.detail = false;
-    own = plan_memory(c, l, h, quick, &sp);
-  }
+  if (!memory) own = dp_memory(c, l, h, o, sp);
   const MemoryPlan& mp = memory ? *memory : own;
   const Group gd = place(h, l.dp * l.cp, l.tp);
   const Group ge = place(h, l.edp(), l.ep * l.etp);
@@ -594,9 +608,8 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
           // Carried weight gradients longer than the waits that could run them pile up and run at the rank's end
           // (the replay's shape): the stage's reduction starts there.
           if (tp.carry_w) {
-            const bool split = l.ep_overlap_split && x0.a2a_b > 0;
-            const double wait = sched::unpaired_time(x0.i, x0.a2a_b, x0.i2, x0.a2a_b2, split, x0.n_a2a) - x0.i;
-            if ((split ? x0.w2 : x0.w) > wait) x.last_bwd_start = end;
+            const CarriedB cb = carried_b(x0, l.ep_overlap_split);
+            if (cb.w > cb.wait) x.last_bwd_start = end;
           }
         }
         x.share = stage_layers(st) / std::max(layers, 1.0);
@@ -690,8 +703,15 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   MT_CHECK(o.carry_w <= 0 || can, "plan time", "carrying weight gradients (carry_w) needs parallelism.ep_overlap and "
            "no [quantize] recipe");
   if (!can || o.carry_w >= 0) return plan_time_with(c, l, h, o, memory, stages, durations, can && o.carry_w == 1);
-  TimePlan plain = plan_time_with(c, l, h, o, memory, stages, durations, false);
-  TimePlan carried = plan_time_with(c, l, h, o, memory, stages, durations, true);
+  // Both projections share the stage plan, the stage durations and the memory projection: priced once here.
+  const auto spp = stages ? nullptr : stage_plan(c, l);
+  const StagePlan& sp = stages ? *stages : *spp;
+  const std::vector<StageTime> own_d = durations ? std::vector<StageTime>{} : stage_times(c, l, h, o, sp);
+  const MemoryPlan own_m = memory ? MemoryPlan{} : dp_memory(c, l, h, o, sp);
+  const std::vector<StageTime>* d = durations ? durations : &own_d;
+  const MemoryPlan* m = memory ? memory : &own_m;
+  TimePlan plain = plan_time_with(c, l, h, o, m, &sp, d, false);
+  TimePlan carried = plan_time_with(c, l, h, o, m, &sp, d, true);
   return carried.step_time < plain.step_time ? carried : plain;
 }
 

@@ -172,7 +172,9 @@ TEST(PlanScaleSeeds, TwoTrillionWithTheWhitepapersReplicaMatchesTable1) {
     std::printf("[seed] 2T mi300x replica >= 384 world %lld efficiency %.3f (whitepaper %.1f) %s\n",
                 (long long)s[i].world, s[i].efficiency, paper[i], l.describe().c_str());
     EXPECT_NEAR(s[i].efficiency, paper[i], 0.05) << s[i].world;  // rounds to the table's decimal
-    if (i > 0) EXPECT_LT(s[i].efficiency, s[i - 1].efficiency + 0.005) << s[i].world;
+    if (i > 0) {
+      EXPECT_LT(s[i].efficiency, s[i - 1].efficiency + 0.005) << s[i].world;
+    }
   }
 }
 
@@ -199,7 +201,8 @@ TEST(PlanPresets, EveryPresetPlansMemoryTimeSearchAndScale) {
     const plan::Layout own_l = plan::layout_from_config(c, own);
     EXPECT_EQ(plan::layout_error(c, own_l, c.training.global_batch_size), "") << own_l.describe();
     const auto mem = plan::plan_memory(c, own_l, h, {});
-    std::printf("[preset] %s own layout %s: %s %.1f GB\n", name.c_str(), own_l.describe().c_str(), mem.verdict.c_str(), mem.max_total / 1e9);
+    std::printf("[preset] %s own layout %s: %s %.1f GB\n", name.c_str(), own_l.describe().c_str(),
+                mem.verdict.c_str(), mem.max_total / 1e9);
     EXPECT_GT(mem.max_total, 0);
     EXPECT_FALSE(mem.verdict.empty());
     const auto t = plan::plan_time(c, own_l, h);

@@ -112,8 +112,8 @@ def check_ep(args):
 
 
 def check_pp(args):
-    # seq 128 and d_model 128: a step of about 40 ms, so that the clocks' few-ms misalignment (below) stays well
-    # inside the 5 points; at ds_tiny's own size (a 13-19 ms step) a CI run once missed by 5.4 points.
+    # seq 128 and d_model 128: a step of about 40 ms, so that the clocks' few-ms misalignment (below) moves the
+    # bubbles less; at ds_tiny's own size (a 13-19 ms step) a CI run once saw them 5.4 points apart.
     pp = train(args, "pp4", 4, ["--parallelism.pp=4", "--model.n_layers=4", "--training.global_batch_size=16",
                                 "--training.seq_len=128", "--model.d_model=128"])
     a = analyze(args, pp)
