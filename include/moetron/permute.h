@@ -6,7 +6,9 @@
 //   kept_e      = min(counts_e, C)        with capacity C = ceil(cf * N * k / E), or counts_e when cf == 0
 //   offsets     = exclusive prefix sum of kept: expert e owns rows offsets[e] .. offsets[e+1]-1, R = offsets[E]
 //   rows of e   = the (t, s) with topk_idx[t, s] == e in (t, s) order (token, then slot): stable;
-//                 with a capacity, the first C of them in that order are kept and the rest dropped.
+//                 with a capacity, C of them are kept and the rest dropped: the first C in that order
+//                 (drop by position), or, given the routing weights w [N, k], the C with the largest w[t, s]
+//                 (drop by probability; equal weights keep the earlier (t, s)); kept rows stay in (t, s) order.
 //   row_of[t,s] = its row, or -1 if dropped;  token_of[r], slot_of[r] = the (t, s) of row r (r < R);
 //                 entries r >= R of token_of / slot_of are set to -1.
 // Kernels (R rows of D features; the plan's rows are each referenced by exactly one (t, s)):
@@ -18,8 +20,10 @@
 // Every output is overwritten (no accumulation). Per-token sums run over the slots in order and are
 // computed per token, so there are no atomics and no dependence on the thread count.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "moetron/dtype.h"
 
@@ -30,10 +34,12 @@ namespace moetron {
 int64_t moe_capacity(double capacity_factor, int64_t N, int k, int E);
 
 // Builds the plan; returns the number of dropped (token, slot) assignments (0 when cf == 0).
-// slot_of may be null. Throws if topk_idx has an index outside [0, E) or counts disagree with topk_idx.
+// slot_of may be null; drop_w (the routing weights [N, k]) chooses dropping by probability, null by position.
+// Throws if topk_idx has an index outside [0, E) or counts disagree with topk_idx.
 int64_t moe_permute_plan(int32_t* offsets /* [E+1] */, int32_t* row_of /* [N, k] */, int32_t* token_of /* [N*k] */,
                          int32_t* slot_of /* [N*k] or null */, const int32_t* topk_idx /* [N, k] */,
-                         const int32_t* counts /* [E] */, int64_t N, int k, int E, double capacity_factor);
+                         const int32_t* counts /* [E] */, int64_t N, int k, int E, double capacity_factor,
+                         const float* drop_w = nullptr /* [N, k] or null */);
 
 void moe_permute(float* xp /* [R, D] */, const float* x /* [N, D] */, const int32_t* token_of /* [R] */, int64_t R,
                  int64_t N, int64_t D);
@@ -66,10 +72,11 @@ inline TO cvt(T v) {
 }
 }  // namespace permute_detail
 
-// Plan by definition: for each expert, walk (t, s) in order and keep the first C matches.
+// Plan by definition: for each expert, list its (t, s) in order; with a capacity keep the first C of them, or
+// (drop_w given) the C largest weights, ties to the earlier (t, s); place the kept ones in (t, s) order.
 inline int64_t moe_permute_plan_ref(int32_t* offsets, int32_t* row_of, int32_t* token_of, int32_t* slot_of,
                                     const int32_t* topk_idx, const int32_t* counts, int64_t N, int k, int E,
-                                    double capacity_factor) {
+                                    double capacity_factor, const float* drop_w = nullptr) {
   (void)counts;
   const int64_t C = moe_capacity(capacity_factor, N, k, E);
   int64_t row = 0, dropped = 0;
@@ -80,20 +87,28 @@ inline int64_t moe_permute_plan_ref(int32_t* offsets, int32_t* row_of, int32_t* 
   }
   for (int e = 0; e < E; ++e) {
     offsets[e] = int32_t(row);
-    int64_t seen = 0;
-    for (int64_t t = 0; t < N; ++t)
-      for (int s = 0; s < k; ++s) {
-        if (topk_idx[t * k + s] != e) continue;
-        if (C == 0 || seen < C) {
-          row_of[t * k + s] = int32_t(row);
-          token_of[row] = int32_t(t);
-          if (slot_of) slot_of[row] = s;
-          ++row;
-        } else {
-          ++dropped;
-        }
-        ++seen;
+    std::vector<int64_t> mine;  // (t, s) flat indices routed to e, in order
+    for (int64_t i = 0; i < N * k; ++i)
+      if (topk_idx[i] == e) mine.push_back(i);
+    std::vector<bool> keep(mine.size(), true);
+    if (C > 0 && int64_t(mine.size()) > C) {
+      std::vector<size_t> order(mine.size());
+      for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+      if (drop_w)
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return drop_w[mine[a]] > drop_w[mine[b]]; });
+      for (size_t j = size_t(C); j < order.size(); ++j) keep[order[j]] = false;
+    }
+    for (size_t j = 0; j < mine.size(); ++j) {
+      if (!keep[j]) {
+        ++dropped;
+        continue;
       }
+      const int64_t i = mine[j];
+      row_of[i] = int32_t(row);
+      token_of[row] = int32_t(i / k);
+      if (slot_of) slot_of[row] = int32_t(i % k);
+      ++row;
+    }
   }
   offsets[E] = int32_t(row);
   return dropped;

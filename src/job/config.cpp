@@ -3,6 +3,7 @@
 // "did you mean" suggestions, serialization. Not the validation (config_validate.cpp) nor the model spec rules
 // (src/job/spec.cpp).
 #include "moetron/config.h"
+#include "moetron/config_notes.h"
 #include "job/toml_names.h"
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <toml++/toml.h>
@@ -661,6 +663,16 @@ std::vector<std::string> config_keys() {
   std::vector<std::string> k;
   for (const auto& f : fields()) k.push_back(f.full());
   return k;
+}
+
+std::map<std::string, std::string> non_default_settings(const JobConfig& c) {
+  static const JobConfig defaults;
+  std::map<std::string, std::string> out;
+  for (const auto& f : fields()) {
+    std::string v = toml_value(f.get(c));
+    if (v != toml_value(f.get(defaults))) out.emplace(f.full(), std::move(v));
+  }
+  return out;
 }
 
 std::string suggest_key(std::string_view name) {

@@ -111,7 +111,7 @@ int64_t moe_capacity(double cf, int64_t N, int k, int E) {
 
 int64_t moe_permute_plan(int32_t* offsets, int32_t* row_of, int32_t* token_of, int32_t* slot_of,
                          const int32_t* topk_idx, const int32_t* counts, int64_t N, int k, int E,
-                         double capacity_factor) {
+                         double capacity_factor, const float* drop_w) {
   const char* op = "moe_permute_plan";
   MT_CHECK(E >= 1 && k >= 1 && N >= 0, op, "E=", E, " k=", k, " N=", N);
   MT_CHECK(N * k < (int64_t(1) << 31), op, "N*k=", N * k, " does not fit int32 row indices");
@@ -146,8 +146,41 @@ int64_t moe_permute_plan(int32_t* offsets, int32_t* row_of, int32_t* token_of, i
     heap_cur.resize(size_t(E));
     cur = heap_cur.data();
   }
-  std::memcpy(cur, offsets, sizeof(int32_t) * size_t(E));
   int64_t dropped = 0;
+  if (C > 0 && drop_w && run < NK) {
+    // Drop by probability: group every (t, s) by expert in token_of (scratch until the placement below), keep
+    // the C largest weights of each over-full expert (ties: the earlier (t, s)), and mark the rest row_of = -1.
+    int32_t start = 0;
+    for (int e = 0; e < E; ++e) cur[e] = start, start += counts[e];
+    for (int64_t i = 0; i < NK; ++i) token_of[cur[topk_idx[i]]++] = int32_t(i), row_of[i] = 0;
+    start = 0;
+    for (int e = 0; e < E; ++e) {
+      int32_t* first = token_of + start;
+      start += counts[e];
+      if (counts[e] <= C) continue;
+      std::nth_element(first, first + C, token_of + start, [drop_w](int32_t a, int32_t b) {
+        return drop_w[a] > drop_w[b] || (drop_w[a] == drop_w[b] && a < b);
+      });
+      for (int32_t* q = first + C; q < token_of + start; ++q) row_of[*q] = -1;
+    }
+    std::memcpy(cur, offsets, sizeof(int32_t) * size_t(E));
+    for (int64_t i = 0; i < NK; ++i) {
+      if (row_of[i] < 0) {
+        ++dropped;
+        continue;
+      }
+      const int32_t r = cur[topk_idx[i]]++;
+      row_of[i] = r;
+      token_of[r] = int32_t(i / k);
+      if (slot_of) slot_of[r] = int32_t(i % k);
+    }
+    for (int64_t r = run; r < NK; ++r) {
+      token_of[r] = -1;
+      if (slot_of) slot_of[r] = -1;
+    }
+    return dropped;
+  }
+  std::memcpy(cur, offsets, sizeof(int32_t) * size_t(E));
   for (int64_t t = 0; t < N; ++t)
     for (int s = 0; s < k; ++s) {
       const int32_t e = topk_idx[t * k + s];

@@ -60,7 +60,8 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   spec_.resolve();
   spec_.validate();
   MT_CHECK(B > 0 && T > 0, "Model", "micro-batch shape B=", B, " T=", T, " must be positive");
-  MT_CHECK(!spec_.attn.qk_norm, "Model", "attention.qk_norm (Qwen3) is not implemented by the engine yet");
+  MT_CHECK(!spec_.attn.qk_norm, "Model", "model.qk_norm = true is not implemented in the engine (Qwen3's per-head "
+           "query / key RMSNorm is planned only: `moetron plan`); use false");
   // GPT-style keys the accounting and the planner describe (dense anchors) but the engine does not run.
   MT_CHECK(spec_.ffn == FfnKind::SwiGLU, "Model", "model.ffn = ", to_string(spec_.ffn),
            " is not implemented in the engine (the GELU MLP is planned only: `moetron plan`); use \"swiglu\"");

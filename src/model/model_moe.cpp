@@ -31,8 +31,11 @@ void Model::Impl::moe_forward(Layer& L, LayerBufs& b, float* y) {
     for (int64_t e = 0; e < E; ++e) L.count_acc[e] += counts[e];
   }
   int32_t* off = b.offsets.data<int32_t>();
+  // With a capacity, an over-full expert drops its lowest routing weights (probs) or its last tokens (position).
+  const float* drop_w = s.moe.drop_policy == DropPolicy::Probs ? b.topk_w.data<float>() : nullptr;
   int64_t dropped = moe_permute_plan(off, b.row_of.data<int32_t>(), b.token_of.data<int32_t>(),
-                                     b.slot_of.data<int32_t>(), idx, counts, N, int(K), int(E), s.moe.capacity_factor);
+                                     b.slot_of.data<int32_t>(), idx, counts, N, int(K), int(E), s.moe.capacity_factor,
+                                     drop_w);
   if (!recomputing) last_dropped += dropped;
   tr_router.stop();
   int32_t* kept = b.kept.data<int32_t>();

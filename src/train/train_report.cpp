@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moetron/check.h"
+#include "moetron/config_notes.h"
 #include "moetron/memory.h"
 #include "moetron/router.h"
 #include "moetron/runtime.h"
@@ -79,6 +80,9 @@ void TrainSession::print_start() const {
     f << to_toml(cfg);
     MT_CHECK(f.good(), "train", "cannot write ", path);
   }
+  if (root)  // settings this run leaves without effect, named even under --quiet (config_notes.h)
+    for (const InertSetting& n : inert_settings(cfg, {.world = world.size(), .dp = int(D), .profile_flag = opt.profile}))
+      std::fprintf(stderr, "%s\n", format_note(n).c_str());
   if (!say) return;
   {
     std::printf("training %s: %lld params, %d MoE layers, %lld tokens/step (%lld x %lld x %lld), %s, peak %.0f GFLOPS "
@@ -87,6 +91,13 @@ void TrainSession::print_start() const {
                 (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops,
                 std::string(to_string(compute)).c_str());
     std::printf("compute dtype: %s (%s)\n", std::string(to_string(compute)).c_str(), compute_why.c_str());
+    if (!cfg.training.memory_check)
+      std::printf("memory check: off (training.memory_check = false): the estimate is not held to this node's memory\n");
+    const CheckpointSpec& ck = cfg.checkpoint;
+    if (ck.enable)
+      std::printf("checkpoints: every %lld steps into %s, keeping %s, written %s\n", (long long)ck.interval,
+                  ck.folder.c_str(), ck.keep_latest_k > 0 ? ("the latest " + std::to_string(ck.keep_latest_k)).c_str() : "all",
+                  ck.async ? "in the background (checkpoint.async)" : "at the step boundary");
   }
   if (D > 1)
     std::printf("data parallel: %s; %lld micro-batches per rank per step; optimizer state %s per rank%s\n",

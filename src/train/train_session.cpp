@@ -39,6 +39,12 @@ const ParallelSpec& engine_parallelism(const JobConfig& cfg) {
            " is not implemented in the engine (context parallelism is planned only: `moetron plan`); use cp = 1");
   MT_CHECK(p.expert_tp == 1, "train", "parallelism.expert_tp = ", p.expert_tp,
            " is not implemented in the engine (expert tensor parallelism is planned only: `moetron plan`); use 1");
+  // HSDP (TorchTitan's meaning: shard over dp_shard, replicate over dp_replicate) is what the planner prices for
+  // zero = 3 with dp_replicate > 1; the engine's zero = 3 shards over the whole data-parallel group.
+  MT_CHECK(p.zero != 3 || p.dp_replicate == 1, "train", "parallelism.dp_replicate = ", p.dp_replicate,
+           " with zero = 3 (dp_shard = ", p.dp_shard, ") is hybrid-sharded data parallelism (HSDP), which is not "
+           "implemented in the engine: zero = 3 would shard over all ", p.dp(), " data-parallel ranks instead of over "
+           "dp_shard; use dp_shard = ", p.dp(), " and dp_replicate = 1 (FSDP over every rank), or zero = 0 / 1");
   MT_CHECK(!p.ep_overlap_split, "train", "parallelism.ep_overlap_split = true is not implemented in the engine (the "
            "split of unpaired chunks into two overlapped halves is planned only: `moetron plan`); use false");
   return p;

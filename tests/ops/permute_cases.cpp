@@ -30,6 +30,8 @@ struct PermuteSpec {
   double cf = 0;
   Route route = Route::Random;
   uint64_t seed = 1;
+  bool probs = false;   // drop by routing weight (model.drop_policy = "probs") instead of by position
+  bool tied = false;    // weights on a coarse grid (many ties: the earlier (t, s) must win)
 };
 
 double max_abs(const std::vector<float>& v) {
@@ -62,14 +64,17 @@ class PermuteCase : public OpCase {
     row_of_.resize(N * k);
     token_of_.resize(N * k);
     slot_of_.resize(N * k);
+    w_ = randu(N * k, sp_.seed + 5, 0.05f, 1.0f);
+    if (sp_.tied)
+      for (float& x : w_) x = std::round(x * 4.0f) / 4.0f;
+    drop_w_ = sp_.probs ? w_.data() : nullptr;
     dropped_ = moe_permute_plan_ref(offsets_.data(), row_of_.data(), token_of_.data(), slot_of_.data(), idx_.data(),
-                                    counts_.data(), N, sp_.k, sp_.E, sp_.cf);
+                                    counts_.data(), N, sp_.k, sp_.E, sp_.cf, drop_w_);
     R_ = offsets_[E];
     x_ = randn(N * D, sp_.seed + 1);
     yp_ = randn(R_ * D, sp_.seed + 2);
     dxp_ = randn(R_ * D, sp_.seed + 3);
     dy_ = randn(N * D, sp_.seed + 4);
-    w_ = randu(N * k, sp_.seed + 5, 0.05f, 1.0f);
     bytes = double(R_) * D * 4 * 2;  // perf: moe_permute fp32 (read + write)
   }
 
@@ -78,7 +83,7 @@ class PermuteCase : public OpCase {
     // Plan: exact.
     std::vector<int32_t> off(E + 1), row_of(N * k), token_of(N * k), slot_of(N * k);
     int64_t dropped = moe_permute_plan(off.data(), row_of.data(), token_of.data(), slot_of.data(), idx_.data(),
-                                       counts_.data(), N, sp_.k, sp_.E, sp_.cf);
+                                       counts_.data(), N, sp_.k, sp_.E, sp_.cf, drop_w_);
     r.compare("plan offsets", off.data(), offsets_.data(), E + 1);
     r.compare("plan row_of", row_of.data(), row_of_.data(), N * k);
     r.compare("plan token_of", token_of.data(), token_of_.data(), N * k);
@@ -104,6 +109,16 @@ class PermuteCase : public OpCase {
       r.check(ok, "plan invariants (stable expert-major order, capacity respected)");
     }
     if (sp_.route == Route::Skewed && sp_.cf > 0) r.check(dropped > 0, "skewed routing with capacity drops tokens");
+    if (sp_.probs && sp_.cf > 0) {  // by probability: no kept weight of an expert is below one it dropped
+      std::vector<float> min_kept(size_t(E), 2.0f), max_dropped(size_t(E), -1.0f);
+      for (int64_t i = 0; i < N * k; ++i) {
+        float& m = row_of[i] >= 0 ? min_kept[size_t(idx_[i])] : max_dropped[size_t(idx_[i])];
+        m = row_of[i] >= 0 ? std::min(m, w_[i]) : std::max(m, w_[i]);
+      }
+      bool ok = dropped > 0;
+      for (int e = 0; e < E; ++e) ok &= max_dropped[size_t(e)] <= min_kept[size_t(e)];
+      r.check(ok, "drop by probability keeps each expert's largest weights (and drops some)");
+    }
     if (sp_.route == Route::Unpicked)
       r.check(counts_[E - 1] == 0 && off[E - 1] == off[E], "unpicked expert has an empty range");
 
@@ -229,6 +244,7 @@ class PermuteCase : public OpCase {
   std::vector<int32_t> idx_, counts_, offsets_, row_of_, token_of_, slot_of_;
   int64_t dropped_ = 0, R_ = 0;
   std::vector<float> x_, yp_, dxp_, dy_, w_, pxp_;
+  const float* drop_w_ = nullptr;  // w_ when the case drops by probability
 };
 
 class PermuteBadInput : public OpCase {
@@ -296,6 +312,10 @@ std::vector<std::unique_ptr<OpCase>> permute_cases() {
       {"n1", 1, 2, 4, 24, 0},
       {"unpicked_expert", 40, 2, 8, 32, 0, Route::Unpicked},
       {"ds_mini", 2048, 6, 64, 512, 0},
+      {.variant = "capacity_probs_skewed", .N = 64, .k = 2, .E = 8, .D = 37, .cf = 1.0, .route = Route::Skewed,
+       .probs = true},
+      {.variant = "capacity_probs_tight", .N = 96, .k = 2, .E = 8, .D = 48, .cf = 0.5, .probs = true},
+      {.variant = "capacity_probs_tied", .N = 96, .k = 4, .E = 16, .D = 16, .cf = 0.75, .probs = true, .tied = true},
   };
   std::vector<std::unique_ptr<OpCase>> v;
   uint64_t seed = 300;

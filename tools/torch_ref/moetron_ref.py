@@ -7,6 +7,8 @@
   2. the eager PyTorch model of bench/torch_ds_mini.py (float32 parameters, fp32 or CPU bf16 autocast).
 
 It is NOT a second engine: no data pipeline, no checkpoints, no capacity dropping (capacity_factor must be 0).
+The config reader is ref_config.py (no torch needed): it knows every key the engine writes and refuses by name
+the values this file does not implement (model.ffn = "gelu", model.dropout > 0, model.qk_norm, capacity_factor > 0).
 
 Everything mirrors model.cpp and the kernel headers:
   - parameter names, shapes and layouts are the engine's: weights [in, out]; embed and head [V, d]; fused
@@ -38,17 +40,17 @@ Only /usr/bin/python3 (Debian python3-torch 1.13) has torch on this machine.
 """
 import json
 import math
+import os
 import struct
 import sys
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ref_config import (MODELLED, ConfigError, Unsupported, config_from_toml_text, is_moe_layer,  # noqa: E402,F401
+                        known_keys, load_config)
 
-try:
-    import tomllib
-except ImportError:  # pragma: no cover
-    tomllib = None
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------
 # safetensors (stdlib reader / writer: 8-byte LE header length, JSON header, row-major LE data)
@@ -107,67 +109,10 @@ def write_safetensors(path, tensors, metadata=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# config: the same TOML as the engine, with the defaults of include/moetron/{config,spec}.h
+# config: the same TOML as the engine, read by ref_config.py (no torch there: tests/torch_ref/check_configs.py
+# imports it in CI). DEFAULTS is its MODELLED table: the keys the reference computes with and their defaults.
 
-DEFAULTS = {
-    "model": dict(vocab_size=0, d_model=0, n_layers=0, first_k_dense=0, dense_layers=[], inter_size=0,
-                  norm_eps=1e-6, tie_embeddings=False, init_std=0.02, rope_theta=10000.0, attn_type="mha",
-                  n_heads=0, n_kv_heads=0, head_dim=0, qk_norm=False, q_lora_rank=0, kv_lora_rank=0,
-                  qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, n_routed_experts=0, n_shared_experts=0,
-                  moe_inter_size=0, topk=0, score_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
-                  route_scale=1.0, load_balance="aux_loss", aux_coef=0.001, aux_seq_wise=False,
-                  bias_update_rate=0.001, z_loss_coef=0.0, capacity_factor=0.0, drop_policy="probs"),
-    "training": dict(seq_len=0, micro_batch_size=1, global_batch_size=0, steps=1, seed=0, max_norm=1.0,
-                     dataset="synthetic", dataset_path="", val_interval=0, val_steps=0, compute_dtype="auto", threads=0, memory_check=True),
-    "optimizer": dict(name="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
-    "lr_scheduler": dict(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.1),
-}
-
-
-def config_from_toml_text(text, overrides=()):
-    raw = tomllib.loads(text)
-    cfg = {}
-    for sec, d in DEFAULTS.items():
-        got = dict(raw.get(sec, {}))
-        unknown = set(got) - set(d)
-        if unknown:
-            raise ValueError(f"[{sec}]: keys unknown to moetron_ref.py: {sorted(unknown)}")
-        cfg[sec] = {**d, **got}
-    for o in overrides:  # --section.key=value, value parsed as TOML (strings may be bare)
-        k, v = o.lstrip("-").split("=", 1)
-        sec, key = k.split(".", 1)
-        if sec not in cfg:
-            continue
-        try:
-            val = tomllib.loads(f"x = {v}")["x"]
-        except Exception:
-            val = v
-        cfg[sec][key] = val
-    m = cfg["model"]
-    if m["attn_type"] != "mla":  # ModelSpec::resolve
-        if m["n_kv_heads"] == 0:
-            m["n_kv_heads"] = m["n_heads"]
-        if m["head_dim"] == 0 and m["n_heads"] > 0 and m["d_model"] % m["n_heads"] == 0:
-            m["head_dim"] = m["d_model"] // m["n_heads"]
-    t = cfg["training"]
-    if t["global_batch_size"] == 0:
-        t["global_batch_size"] = t["micro_batch_size"]
-    if m["capacity_factor"] != 0:
-        raise ValueError("moetron_ref.py implements dropless MoE only (capacity_factor = 0)")
-    if m["qk_norm"]:
-        raise ValueError("qk_norm is not implemented by the engine")
-    return cfg
-
-
-def load_config(path, overrides=()):
-    with open(path, "r") as f:
-        return config_from_toml_text(f.read(), overrides)
-
-
-def is_moe_layer(m, l):
-    if m["n_routed_experts"] <= 0 or l < m["first_k_dense"]:
-        return False
-    return l not in m["dense_layers"]
+DEFAULTS = MODELLED
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -673,10 +618,10 @@ def train_reference(cfg, P0, biases0, tokens, targets, B, T, mode, steps, forced
 
 def gen(dump_path, out_path, steps=5, toml_path=None):
     t, meta = read_safetensors(dump_path)
-    cfg = config_from_toml_text(meta["config_toml"])  # the engine's resolved config: every key explicit
+    cfg = config_from_toml_text(meta["config_toml"], source=f"{dump_path} (config_toml)")  # every key explicit
     if toml_path:  # this file's TOML loader + defaults must agree with the engine's on the original file
         mine = load_config(toml_path)
-        for sec in DEFAULTS:
+        for sec in MODELLED:
             if mine[sec] != cfg[sec]:
                 diff = {k: (mine[sec][k], cfg[sec][k]) for k in cfg[sec] if mine[sec][k] != cfg[sec][k]}
                 raise SystemExit(f"{toml_path}: [{sec}] read differently by moetron_ref.py (mine, engine): {diff}")
