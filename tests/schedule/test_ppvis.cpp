@@ -205,11 +205,13 @@ ToolView primus_tool_view(const fs::path& dir) {
       }
     }
     std::sort(spans.begin(), spans.end());
+    size_t overlaps = 0, first = 0;
     for (size_t i = 1; i < spans.size(); ++i)
-      if (spans[i].first < spans[i - 1].second - 1e-12 * iter_time)
-        problem("events [" + std::to_string(spans[i - 1].first) + ", " + std::to_string(spans[i - 1].second) +
-                "] and [" + std::to_string(spans[i].first) + ", " + std::to_string(spans[i].second) +
-                "] overlap: the tool counts that time twice");
+      if (spans[i].first < spans[i - 1].second - 1e-12 * iter_time && overlaps++ == 0) first = i;
+    if (overlaps > 0)
+      problem(std::to_string(overlaps) + " overlapping event pairs, the tool counts their time twice; first [" +
+              std::to_string(spans[first - 1].first) + ", " + std::to_string(spans[first - 1].second) + "] and [" +
+              std::to_string(spans[first].first) + ", " + std::to_string(spans[first].second) + "]");
     v.bubble.push_back((iter_time - sum) / iter_time);
   }
   return v;
