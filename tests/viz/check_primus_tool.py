@@ -164,7 +164,7 @@ def check_case(binary, tool, workdir, name, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description="Primus's pp_vis tool on moetron's Primus export of every schedule")
     ap.add_argument("--moetron", required=True)
     ap.add_argument("--vis", help="Primus's tools/visualization/pp_vis/vis.py")
     ap.add_argument("--workdir", required=True)
