@@ -69,6 +69,12 @@ void run(const VizArgs& a) {
     viz::write_primus(t, a.export_primus);
     std::printf("wrote Primus pp_vis dump %s (config.json, pp_rank_0..%d.json)\n", a.export_primus.c_str(),
                 t.pp - 1);
+    // Primus's tool builds its default colour table from num_mbs // pp_size groups per chunk; with several
+    // chunks and a remainder the table is short and its drawing fails, whatever the dump holds.
+    if (t.vpp > 1 && t.microbatches % t.pp != 0)
+      std::printf("note: Primus's pp_vis tool prints this dump's bubbles but cannot draw it: with vp_size %d > 1 "
+                  "it draws only when num_mbs (%d) is a multiple of pp_size (%d)\n",
+                  t.vpp, t.microbatches, t.pp);
   }
 }
 

@@ -81,15 +81,19 @@ std::string block_colour(Kind k, int chunk);
 // DIR/config.json: {"pp_size": P, "vp_size": V, "num_mbs": M, ...} (Primus's simulator writes "vpp_size" and
 // "micro_batches"; both spellings are read). DIR/pp_rank_<r>.json: {"<iteration>": {"total": ms,
 // "memory": GB, "fwd_start": [...], "fwd_end": [...], "bwd_start", "bwd_end", "wgrad_start", "wgrad_end",
-// optionally "<kind>_minibatch" and "<kind>_chunk" lists}} with times in ms from the iteration's start.
-// `iteration` < 0 picks the largest iteration present in pp_rank_0.json. Every refusal names the file and
-// the field (missing files, wrong list lengths, end < start, non-numbers, ids out of range).
+// optionally "<kind>_minibatch" and "<kind>_chunk" lists, and moetron's "bwd_pair_fwd" and
+// "wgrad_placeholder"}} with times in ms from the iteration's start. `iteration` < 0 picks the largest
+// iteration present in pp_rank_0.json. Every refusal names the file and the field (missing files, wrong list
+// lengths, end < start, non-numbers, ids out of range, F&B halves that do not meet).
 Timeline read_primus(const std::string& dir, int iteration = -1);
 // Writes DIR/config.json (plus moetron's "schedule" and "time_unit" keys) and DIR/pp_rank_<r>.json
 // (iteration "0" like Primus's simulator, every event with its micro-batch and chunk, "total" = the step
-// time), creating DIR. "memory" is the row's dump value or else, as Primus's simulator does, the peak
-// in-flight activations in whole micro-batches. Refuses a timeline that is not a whole step (a rank without
-// vp_size * num_mbs forwards and backwards, or an I without its W).
+// time), creating DIR, in the form Primus's pp_vis tool sums and draws correctly: an F&B action split at its
+// midpoint into its fwd and bwd events (listed in "bwd_pair_fwd"), and, when any rank has a W, one wgrad event
+// per backward on every rank (zero-length placeholders, marked in "wgrad_placeholder", for full backwards).
+// "memory" is the row's dump value or else, as Primus's simulator does, the peak in-flight activations in
+// whole micro-batches. Refuses a timeline that is not a whole step (a rank without vp_size * num_mbs
+// forwards and backwards, an I without its W, a fused block without its other half).
 void write_primus(const Timeline& t, const std::string& dir);
 
 }  // namespace moetron::viz

@@ -2,7 +2,9 @@
 // hand-derived numbers, the SVG (one rect per block with its label and colour class, labels dropped when a
 // block is too narrow, axis ticks, a self-contained HTML page), and Primus pp_vis dumps: committed hand-written
 // dumps read back to hand-computed blocks and bubbles, Megatron's event order for dumps without ids, export
-// then import giving the same blocks for every generator, and every refusal of a bad dump naming file and
+// then import giving the same blocks for every generator, the export meeting what Primus's own pp_vis tool
+// needs (complete or empty wgrad lists, F&B halves counted once, its bubbles equal to moetron's), moetron's
+// earlier exports and the committed dumps reading as before, and every refusal of a bad dump naming file and
 // field. The timed results come from a naive replay in this file (not simulate_timed). Not the browser check
 // (tests/viz/check_ppvis_screenshot.py).
 #include <gtest/gtest.h>
@@ -150,6 +152,101 @@ std::vector<SvgBlock> svg_blocks(const std::string& svg) {
     out.push_back({m[1], m[2], m[5], m[6], m[8], std::stod(m[3]), std::stod(m[4])});
   }
   return out;
+}
+
+// What Primus's pp_vis tool (tools/visualization/pp_vis/vis.py in AMD-AGI/Primus) needs from a dump, and the
+// bubbles it computes: per rank, fwd and bwd lists of vp_size * num_mbs events; wgrad lists empty on every
+// rank or of that length on every rank (it decides from rank 0 whether to draw them, then indexes every
+// rank's); id lists no longer than their series and chunk ids below vp_size; a "memory" number; and, since
+// it sums event lengths, no two events of a rank overlapping. Its bubble is 1 - (sum of fwd, bwd and wgrad
+// lengths) / (max "total" over ranks). `problems` names file, field and value for each violation.
+struct ToolView {
+  std::vector<std::string> problems;
+  std::vector<double> bubble;  // ratio, as moetron's RankRow::bubble_ratio
+};
+
+ToolView primus_tool_view(const fs::path& dir) {
+  ToolView v;
+  const json cfg = json::parse(slurp(dir / "config.json"));
+  const int pp = cfg.at("pp_size"), vp = cfg.contains("vp_size") ? cfg.at("vp_size") : cfg.at("vpp_size");
+  const int mbs = cfg.contains("num_mbs") ? cfg.at("num_mbs") : cfg.at("micro_batches");
+  const size_t n = size_t(vp) * size_t(mbs);
+  std::vector<json> its;
+  double iter_time = 0;
+  for (int r = 0; r < pp; ++r) {
+    its.push_back(json::parse(slurp(dir / ("pp_rank_" + std::to_string(r) + ".json"))).at("0"));
+    iter_time = std::max(iter_time, its.back().at("total").get<double>());
+  }
+  const bool wgrad = !its[0].value("wgrad_start", json::array()).empty();
+  for (int r = 0; r < pp; ++r) {
+    const json& it = its[size_t(r)];
+    const std::string file = "pp_rank_" + std::to_string(r) + ".json";
+    auto problem = [&](const std::string& what) { v.problems.push_back(file + ": " + what); };
+    if (!it.contains("memory") || !it["memory"].is_number()) problem("field 'memory' missing or not a number");
+    std::vector<std::pair<double, double>> spans;
+    double sum = 0;
+    for (const std::string series : {"fwd", "bwd", "wgrad"}) {
+      const json st = it.value(series + "_start", json::array()), en = it.value(series + "_end", json::array());
+      const size_t want = series != "wgrad" || wgrad ? n : 0;
+      if (st.size() != want || en.size() != want)
+        problem("'" + series + "_start'/'" + series + "_end' have " + std::to_string(st.size()) + "/" +
+                std::to_string(en.size()) + " entries; the tool indexes " + std::to_string(want) +
+                (series == "wgrad" ? " (wgrad on rank 0: " + std::to_string(wgrad) + ")" : ""));
+      for (const char* ids : {"_minibatch", "_chunk"}) {
+        const json a = it.value(series + ids, json::array());
+        if (a.size() > want) problem("'" + series + ids + "' has " + std::to_string(a.size()) + " entries");
+        if (std::string(ids) == "_chunk")
+          for (const json& c : a)
+            if (c.get<int>() < 0 || c.get<int>() >= vp) problem("'" + series + "_chunk' holds " + c.dump());
+      }
+      for (size_t i = 0; i < std::min({st.size(), en.size(), want}); ++i) {
+        spans.emplace_back(st[i].get<double>(), en[i].get<double>());
+        sum += en[i].get<double>() - st[i].get<double>();
+      }
+    }
+    std::sort(spans.begin(), spans.end());
+    size_t overlaps = 0, first = 0;
+    for (size_t i = 1; i < spans.size(); ++i)
+      if (spans[i].first < spans[i - 1].second - 1e-12 * iter_time && overlaps++ == 0) first = i;
+    if (overlaps > 0)
+      problem(std::to_string(overlaps) + " overlapping event pairs, the tool counts their time twice; first [" +
+              std::to_string(spans[first - 1].first) + ", " + std::to_string(spans[first - 1].second) + "] and [" +
+              std::to_string(spans[first].first) + ", " + std::to_string(spans[first].second) + "]");
+    v.bubble.push_back((iter_time - sum) / iter_time);
+  }
+  return v;
+}
+
+std::string joined(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const auto& l : lines) out += "\n  " + l;
+  return out;
+}
+
+// Every schedule moetron generates, as `moetron viz pipeline` builds it: lowered, timed by simulate_timed with
+// unequal F, B, W, P2P and all-to-all costs.
+struct GenCase {
+  std::string name;
+  int pp, vpp, m;
+  bool ep_overlap = false;
+};
+const std::vector<GenCase> kAllGenerators = {
+    {"gpipe", 4, 1, 8},  {"1f1b", 4, 1, 8},     {"interleaved_1f1b", 4, 2, 8}, {"interleaved_1f1b", 3, 3, 6},
+    {"interleaved_1f1b", 4, 2, 8, true},        {"zb1p", 4, 1, 8},             {"zbv", 4, 2, 8},
+    {"zbv", 3, 2, 4},    {"dualpipev", 4, 2, 10}, {"dualpipev", 2, 2, 4}};
+
+std::string label(const GenCase& c) {
+  return c.name + (c.ep_overlap ? "+ep_overlap" : "") + " pp " + std::to_string(c.pp) + " vpp " +
+         std::to_string(c.vpp) + " m " + std::to_string(c.m);
+}
+
+Timeline simulated(const GenCase& c) {
+  sched::GenSpec g{c.name, c.pp, c.vpp, c.m};
+  g.ep_overlap = c.ep_overlap;
+  const sched::Schedule s = sched::lower(sched::generate(g));
+  sched::Durations d = sched::Durations::uniform(s.n_stages, 1.25, 2.5, 1.125, 0.1);
+  for (auto& st : d.stage) st.a2a_f = st.a2a_b = 0.375;
+  return from_simulation(s, sched::simulate_timed(s, d), "test");
 }
 
 }  // namespace
@@ -553,5 +650,207 @@ TEST(PpVis, BadPrimusDumpsAreRefusedNamingFileAndField) {
   Timeline partial = good;
   partial.ranks[0].blocks.erase(partial.ranks[0].blocks.begin());
   EXPECT_NE(error_of([&] { write_primus(partial, dir.string()); }).find("rank 0 has 1 fwd blocks"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// The export for every generator is a dump Primus's tool handles: complete or empty wgrad lists on every rank,
+// no time counted twice (F&B halves side by side), and the tool's bubble per rank equal to moetron's and
+// non-negative. The dump reads back to the same blocks and statistics.
+TEST(PpVis, PrimusExportMeetsPrimusToolInvariants) {
+  bool saw_pair = false, saw_mixed = false;
+  for (const GenCase& c : kAllGenerators) {
+    const Timeline t = simulated(c);
+    size_t fused = 0, full = 0, split = 0;
+    for (const RankRow& row : t.ranks)
+      for (const Block& b : row.blocks) {
+        fused += b.fused;
+        full += b.kind == Kind::B;
+        split += b.kind == Kind::I;
+      }
+    saw_pair = saw_pair || fused > 0;
+    saw_mixed = saw_mixed || (full > 0 && split > 0);
+    const fs::path dir = temp_dir("tool");
+    write_primus(t, dir.string());
+    const ToolView v = primus_tool_view(dir);
+    EXPECT_TRUE(v.problems.empty()) << label(c) << ":" << joined(v.problems);
+    ASSERT_EQ(v.bubble.size(), size_t(c.pp)) << label(c);
+    for (int r = 0; r < c.pp; ++r) {
+      EXPECT_NEAR(v.bubble[size_t(r)], t.ranks[size_t(r)].bubble_ratio, 1e-12) << label(c) << " rank " << r;
+      EXPECT_GE(v.bubble[size_t(r)], 0) << label(c) << " rank " << r;
+    }
+    const Timeline back = read_primus(dir.string());
+    for (int r = 0; r < c.pp; ++r) {
+      const RankRow &a = t.ranks[size_t(r)], &b = back.ranks[size_t(r)];
+      EXPECT_EQ(b.blocks, a.blocks) << label(c) << " rank " << r;
+      EXPECT_NEAR(b.busy, a.busy, 1e-12) << label(c) << " rank " << r;
+      EXPECT_NEAR(b.bubble_ratio, a.bubble_ratio, 1e-12) << label(c) << " rank " << r;
+      EXPECT_EQ(b.peak_inflight, a.peak_inflight) << label(c) << " rank " << r;
+    }
+    EXPECT_NEAR(back.bubble_ratio, t.bubble_ratio, 1e-12) << label(c);
+    fs::remove_all(dir);
+  }
+  // The cases exercise both fixes: F&B pairs (dualpipev, ep_overlap) and ranks mixing B with I and W.
+  EXPECT_TRUE(saw_pair);
+  EXPECT_TRUE(saw_mixed);
+}
+
+// The two moetron fields by hand on dualpipev pp 2 m 4: rank 0 runs 0F3&3B1 (an F&B pair with a full
+// backward) and 3I0 3W0 (a split one). The pair is written split at its midpoint and listed in
+// 'bwd_pair_fwd'; every full backward has a zero-length wgrad placeholder at its end.
+TEST(PpVis, PrimusExportPairAndPlaceholderByHand) {
+  const Timeline t = simulated({"dualpipev", 2, 2, 4});
+  const fs::path dir = temp_dir("hand");
+  write_primus(t, dir.string());
+  const json it = json::parse(slurp(dir / "pp_rank_0.json"))["0"];
+  const auto find = [&](const std::string& series, int chunk, int mb) {
+    for (size_t i = 0; i < it[series + "_start"].size(); ++i)
+      if (it[series + "_chunk"][i] == chunk && it[series + "_minibatch"][i] == mb) return i;
+    ADD_FAILURE() << series << " chunk " << chunk << " mb " << mb << " not in the dump";
+    return size_t(0);
+  };
+  const Block* f3 = nullptr;
+  for (const Block& b : t.ranks[0].blocks)
+    if (b.kind == Kind::F && b.stage == 0 && b.mb == 3) f3 = &b;
+  ASSERT_TRUE(f3 != nullptr && f3->fused);
+  const size_t fi = find("fwd", 0, 3), bi = find("bwd", 1, 1);
+  const double mid = f3->start + (f3->end - f3->start) / 2;
+  EXPECT_EQ(it["fwd_start"][fi], f3->start);
+  EXPECT_EQ(it["fwd_end"][fi], mid);
+  EXPECT_EQ(it["bwd_start"][bi], mid);
+  EXPECT_EQ(it["bwd_end"][bi], f3->end);
+  EXPECT_EQ(it["bwd_pair_fwd"][bi], int(fi));
+  EXPECT_EQ(it["bwd_pair_fwd"][find("bwd", 1, 0)], -1);
+  // 3B1 (stage 3 = chunk 1) is a full backward: placeholder at its end. 3I0's wgrad is its real W.
+  const size_t p = find("wgrad", 1, 1), w = find("wgrad", 1, 0);
+  EXPECT_EQ(it["wgrad_placeholder"][p], 1);
+  EXPECT_EQ(it["wgrad_start"][p], f3->end);
+  EXPECT_EQ(it["wgrad_end"][p], f3->end);
+  EXPECT_EQ(it["wgrad_placeholder"][w], 0);
+  EXPECT_GT(it["wgrad_end"][w].get<double>(), it["wgrad_start"][w].get<double>());
+  // A schedule without W writes empty wgrad lists on every rank.
+  write_primus(simulated({"1f1b", 2, 1, 4}), dir.string());
+  for (int r = 0; r < 2; ++r) {
+    const json j = json::parse(slurp(dir / ("pp_rank_" + std::to_string(r) + ".json")))["0"];
+    EXPECT_TRUE(j["wgrad_start"].empty() && j["wgrad_placeholder"].empty()) << r;
+    EXPECT_EQ(j["bwd_pair_fwd"], json(std::vector<int>(4, -1))) << r;
+  }
+  fs::remove_all(dir);
+}
+
+// Dumps without moetron's fields still read as before: moetron's earlier exports (an F&B pair as a fwd and a
+// bwd event with identical times, wgrad events only for split backwards) give the same timeline as the
+// current export, and re-exporting the committed Primus dumps gives dumps the tool handles and the same
+// blocks again.
+TEST(PpVis, PrimusDumpsWithoutMoetronFieldsReadAsBefore) {
+  for (const GenCase& c : {GenCase{"dualpipev", 4, 2, 10}, GenCase{"interleaved_1f1b", 4, 2, 8, true}}) {
+    const Timeline t = simulated(c);
+    const fs::path dir = temp_dir("old");
+    write_primus(t, dir.string());
+    for (int r = 0; r < c.pp; ++r) {  // the earlier export's form
+      const fs::path file = dir / ("pp_rank_" + std::to_string(r) + ".json");
+      json doc = json::parse(slurp(file));
+      json& it = doc["0"];
+      for (size_t j = 0; j < it["bwd_pair_fwd"].size(); ++j) {
+        const int i = it["bwd_pair_fwd"][j];
+        if (i < 0) continue;
+        it["fwd_end"][size_t(i)] = it["bwd_end"][j];
+        it["bwd_start"][j] = it["fwd_start"][size_t(i)];
+      }
+      json kept = json::object();
+      for (const char* k : {"start", "end", "minibatch", "chunk"}) kept[k] = json::array();
+      for (size_t i = 0; i < it["wgrad_placeholder"].size(); ++i)
+        if (it["wgrad_placeholder"][i] == 0)
+          for (const char* k : {"start", "end", "minibatch", "chunk"})
+            kept[k].push_back(it[std::string("wgrad_") + k][i]);
+      for (const char* k : {"start", "end", "minibatch", "chunk"}) it[std::string("wgrad_") + k] = kept[k];
+      it.erase("bwd_pair_fwd");
+      it.erase("wgrad_placeholder");
+      write_json(file, doc);
+    }
+    const Timeline back = read_primus(dir.string());
+    for (int r = 0; r < c.pp; ++r) {
+      EXPECT_EQ(back.ranks[size_t(r)].blocks, t.ranks[size_t(r)].blocks) << label(c) << " rank " << r;
+      EXPECT_NEAR(back.ranks[size_t(r)].bubble_ratio, t.ranks[size_t(r)].bubble_ratio, 1e-12) << label(c);
+    }
+    fs::remove_all(dir);
+  }
+  for (const char* name : {"pp2_vp1_m3", "pp2_vpp2_m2_zb"}) {
+    const Timeline t = read_primus((kData / name).string());
+    const fs::path dir = temp_dir(std::string("re_") + name);
+    write_primus(t, dir.string());
+    const ToolView v = primus_tool_view(dir);
+    EXPECT_TRUE(v.problems.empty()) << name << ":" << joined(v.problems);
+    const Timeline back = read_primus(dir.string());
+    for (int r = 0; r < t.pp; ++r) {
+      EXPECT_EQ(back.ranks[size_t(r)].blocks, t.ranks[size_t(r)].blocks) << name << " rank " << r;
+      EXPECT_NEAR(v.bubble[size_t(r)], t.ranks[size_t(r)].bubble_ratio, 1e-12) << name << " rank " << r;
+    }
+    fs::remove_all(dir);
+  }
+}
+
+TEST(PpVis, BadPairAndPlaceholderFieldsAreRefused) {
+  const Timeline good = simulated({"dualpipev", 2, 2, 4});
+  const fs::path dir = temp_dir("bad_fields");
+  const std::string r0 = (dir / "pp_rank_0.json").string();
+  json it0;
+  auto edit = [&](const std::function<void(json&)>& f) {
+    json j = json::parse(slurp(r0));
+    f(j["0"]);
+    write_json(r0, j);
+  };
+  write_primus(good, dir.string());
+  it0 = json::parse(slurp(r0))["0"];
+  int paired = -1, placeholder = -1, real_w = -1;  // a paired bwd event, a placeholder, a real W
+  for (size_t j = 0; j < it0["bwd_pair_fwd"].size(); ++j)
+    if (it0["bwd_pair_fwd"][j] >= 0 && paired < 0) paired = int(j);
+  for (size_t i = 0; i < it0["wgrad_placeholder"].size(); ++i)
+    (it0["wgrad_placeholder"][i] == 1 ? placeholder : real_w) = int(i);
+  ASSERT_TRUE(paired >= 0 && paired < 7 && placeholder >= 0 && real_w >= 0);
+  const int fwd = it0["bwd_pair_fwd"][size_t(paired)];
+  const std::string P = "'bwd_pair_fwd'", W = "'wgrad_placeholder'";
+  struct Case {
+    std::string what;
+    std::function<void(json&)> spoil;
+    std::vector<std::string> want;
+  };
+  const std::vector<Case> cases = {
+      {"pairs not a list", [](json& it) { it["bwd_pair_fwd"] = 1; }, {P + " = 1 is not a list"}},
+      {"pairs short", [](json& it) { it["bwd_pair_fwd"].erase(0); }, {P + " has 7 entries; 8 expected"}},
+      {"pair text", [&](json& it) { it["bwd_pair_fwd"][size_t(paired)] = "x"; }, {"is not an integer"}},
+      {"pair out of range", [&](json& it) { it["bwd_pair_fwd"][size_t(paired)] = 8; }, {"= 8 outside -1..7"}},
+      {"fwd paired twice",
+       [&](json& it) {
+         it["bwd_pair_fwd"][7] = fwd;  // checked after the pair's own entry
+       },
+       {"fwd event " + std::to_string(fwd) + " is already paired with bwd event"}},
+      {"halves apart",
+       [&](json& it) { it["bwd_start"][size_t(paired)] = it["bwd_start"][size_t(paired)].get<double>() + 0.5; },
+       {"'fwd_end'[" + std::to_string(fwd) + "]", "differs from 'bwd_start'[" + std::to_string(paired) + "]"}},
+      {"placeholders short", [](json& it) { it["wgrad_placeholder"].erase(0); }, {W + " has 7 entries; 8 expected"}},
+      {"placeholder 2", [&](json& it) { it["wgrad_placeholder"][size_t(placeholder)] = 2; },
+       {W + "[" + std::to_string(placeholder) + "] = 2 is not 0 or 1"}},
+      {"placeholder with length", [&](json& it) { it["wgrad_placeholder"][size_t(real_w)] = 1; },
+       {W + "[" + std::to_string(real_w) + "] = 1 but 'wgrad_start'", "a placeholder has zero length"}},
+  };
+  for (const Case& c : cases) {
+    fs::remove_all(dir);
+    write_primus(good, dir.string());
+    ASSERT_NO_THROW(read_primus(dir.string())) << c.what;
+    edit(c.spoil);
+    const std::string msg = error_of([&] { read_primus(dir.string()); });
+    ASSERT_FALSE(msg.empty()) << c.what << ": accepted";
+    EXPECT_NE(msg.find(r0), std::string::npos) << c.what << ": " << msg;
+    for (const std::string& w : c.want) EXPECT_NE(msg.find(w), std::string::npos) << c.what << ": " << msg;
+  }
+  // Export refuses a fused block without its other half.
+  Timeline lone = good;
+  for (Block& b : lone.ranks[0].blocks)
+    if (b.fused && b.kind != Kind::F) {
+      b.fused = false;
+      break;
+    }
+  EXPECT_NE(error_of([&] { write_primus(lone, dir.string()); }).find("is marked fused but has no fused B or I"),
+            std::string::npos);
   fs::remove_all(dir);
 }
