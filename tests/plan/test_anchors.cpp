@@ -1,5 +1,5 @@
 // test_anchors.cpp: the planner against the public dense anchors (docs/planner.md, "Public dense anchors" and
-// "Calibration and validation points"): GPT models of Korthikanti et al. 2022 ("Reducing Activation Recomputation
+// "Published results: calibration and validation points"): GPT models of Korthikanti et al. 2022 ("Reducing Activation Recomputation
 // in Large Transformer Models": Table 3 layouts, Table 5 iteration times, the Table 2 activation formulas behind
 // its memory figures) and of Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters
 // Using Megatron-LM": Table 2 PTD-P throughput), all on A100 80GB with the configs in configs/anchors/. Each row

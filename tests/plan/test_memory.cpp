@@ -1,7 +1,7 @@
 // test_memory.cpp: the memory projection (plan/memory.h): hand-counted parameter, gradient, main-parameter and
 // optimizer bytes; activations from the simulator's in-flight sets; the verdict; and the seeds' conclusions
-// for the 1T / 2T proxies on 768 MI300X-class GPUs, validation points (docs/planner.md, "Calibration and
-// validation points": no change to the model was made to meet them).
+// for the 1T / 2T proxies on 768 MI300X-class GPUs, validation points (docs/planner.md, "Published results:
+// calibration and validation points": no change to the model was made to meet them).
 #include <gtest/gtest.h>
 
 #include "moetron/accounting.h"

@@ -2,8 +2,8 @@
 // the ranking is by simulated throughput, impossible worlds find nothing without failing, each scaling run's
 // baseline is the first world's layout projected again, and the 2T proxy's scaling on MI300X as a snapshot of the
 // planner's own earlier figures and as a calibration point against the whitepaper's Table 1 (docs/planner.md,
-// "Calibration and validation points"). Not a validation against a published figure: no published result checked
-// here was held out while the model was developed.
+// "Published results: calibration and validation points"). Not a validation against a published figure: the 2T
+// table shaped the model.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -170,7 +170,7 @@ std::vector<plan::ScalePoint> scale_2t(const std::string& dispatcher) {
 }  // namespace
 
 // A snapshot, not a match: the figures held here are the planner's own output of 2026-11-27 (docs/planner.md,
-// "Checks and their figures"), kept so that a change that moves them is seen and its figures re-recorded in the
+// "The 2T scaling figures"), kept so that a change that moves them is seen and its figures re-recorded in the
 // docs. Agreement with a published figure is never read from this test. Flat all-to-all (the preset's
 // dispatcher), then node-deduplicated (hierarchical: not the preset's dispatcher).
 TEST(PlanScaleSnapshot, TwoTrillionOnMi300xWithTheSearchsReplica) {
