@@ -1,11 +1,13 @@
 // plan/hardware_catalog.cpp: the planner's named hardware entries (mi300x, mi325x, mi355x, a100, a100_nccl,
 // h100, h200, b200, gb200), each an embedded TOML text read by the one loader in hardware.cpp, with a public
-// source (or an explicit "derived:" / "assumption:" note) for every figure it sets. Not the loader and not a
-// cost model.
+// source (or an explicit "derived:" / "assumption:" / "fitted:" note) for every figure it sets. Not the loader and
+// not a cost model.
 //
 // Conventions shared by every entry (docs/hardware.md has the full table):
 //  - peaks are dense (no 2:4 sparsity); NVIDIA datasheets quote sparse figures, halved here;
 //  - bandwidths are per GPU and per direction (NVLink's "900 GB/s" is bidirectional: 450 each way);
+//  - scale-up bandwidths are line rates (links x link rate), never a measured collective bus bandwidth, in every
+//    entry but a100_nccl, whose one figure is fitted and says so (docs/planner.md, the rules at the top);
 //  - achievable_* are measured maximum GEMM rates, never datasheet peaks; where no public measurement
 //    exists the source says "derived:" and how.
 #include <cstring>
@@ -80,7 +82,8 @@ alpha_us = 10.0
 )toml";
 
 // A100: the catalog entries `a100` (NVLink at line rate) and `a100_nccl` (the same GPU and node with the
-// scale-up bandwidth at a measured NCCL all-reduce bus bandwidth) share every other figure and its source.
+// scale-up bandwidth fitted to the public dense anchors, 200 GB/s, about a measured NCCL all-reduce bus bandwidth)
+// share every other figure and its source.
 const char* const kA100Figures = R"toml(hbm_gb = 80.0
 hbm_bw_gbps = 2039.0
 peak_bf16_tflops = 312.0
@@ -144,7 +147,7 @@ achievable_fp8_tflops = "measured: 1273 TFLOPS FP8 max-achievable GEMM (M=4096 N
 "scale_up.links" = "AMD Instinct MI300X data sheet (2023): 7 Infinity Fabric links"
 "scale_up.link_bw_gbps" = "AMD Instinct MI300X data sheet (2023): 128 GB/s peak bidirectional per Infinity Fabric link = 64 GB/s per direction"
 "scale_up.link_efficiency" = "assumption: no derating; the whitepaper's 448 GB/s all-to-all figure equals 7 links x 64 GB/s at full rate"
-"scale_up.bw_gbps" = "All-to-All BW 448 GB/s per GPU, {WHITEPAPER}"
+"scale_up.bw_gbps" = "derived: 7 Infinity Fabric links x 64 GB/s per direction (AMD Instinct MI300X data sheet, 2023) = 448 GB/s per GPU, a line rate; {WHITEPAPER} prints the same All-to-All BW"
 "scale_out.bw_gbps" = "400 Gb/s InfiniBand per GPU = 50 GB/s per direction: {WHITEPAPER}, footnote 1 (96 nodes of 8 MI300X, Azure, 400 Gbps InfiniBand)"
 )toml"},
     {"mi325x",
@@ -209,7 +212,7 @@ achievable_fp8_tflops = "derived: no public FP8 GEMM maximum found for MI355X; 1
 "scale_up.links" = "AMD Instinct MI355X product page (2025): 7 Infinity Fabric links"
 "scale_up.link_bw_gbps" = "AMD Instinct MI355X product page (2025): 153.6 GB/s peak bidirectional per link = 76.8 GB/s per direction (7 x 76.8 = the whitepaper's 537.6)"
 "scale_up.link_efficiency" = "assumption: no derating; the whitepaper's 537.6 GB/s all-to-all figure equals 7 links x 76.8 GB/s at full rate"
-"scale_up.bw_gbps" = "All-to-All BW 537.6 GB/s per GPU, {WHITEPAPER}"
+"scale_up.bw_gbps" = "derived: 7 Infinity Fabric links x 76.8 GB/s per direction (AMD Instinct MI355X product page, 2025) = 537.6 GB/s per GPU, a line rate; {WHITEPAPER} prints the same All-to-All BW"
 "scale_out.bw_gbps" = "assumption: one 400 Gb/s NIC per GPU (e.g. AMD Pensando Pollara 400 AI NIC, 2025) = 50 GB/s per direction, as in the whitepaper's MI300X cluster"
 )toml"},
     // ---- NVIDIA ------------------------------------------------------------------------------------------
@@ -223,10 +226,10 @@ description = "NVIDIA A100 SXM4 80GB (400 W), DGX A100 node as in Selene: 8 GPUs
      kA100Figures, kA100Tiers, kA100Sources},
     {"a100_nccl",
      R"toml(name = "a100_nccl"
-description = "NVIDIA A100 SXM4 80GB in a DGX A100 node (as a100), with TP / scale-up collectives at a measured NCCL all-reduce bus bandwidth (200 GB/s) instead of the NVLink line rate"
+description = "NVIDIA A100 SXM4 80GB in a DGX A100 node (as a100), with the scale-up bandwidth FITTED to the public dense anchors: 200 GB/s (about a measured NCCL all-reduce bus bandwidth) instead of the NVLink line rate"
 )toml",
      "\n[scale_up]\nbw_gbps = 200.0\n",
-     R"toml("scale_up.bw_gbps" = "measured: NCCL all-reduce bus bandwidth of about 200 GB/s on eight A100-SXM4-80GB on NVSwitch (nccl-tests all_reduce_perf up to 1 GiB, NCCL 2.18; NVIDIA/nccl-tests issue 149, 2023), against 300 GB/s NVLink line rate per direction; NCCL's maintainer puts its protocol overhead on NVLink at about 20 % of line rate (NVIDIA/nccl-tests issue 212). nccl-tests' bus bandwidth is defined so that a ring all-reduce of S bytes over n GPUs takes 2 (n - 1) / n x S / busbw, the cost model's ring formula"
+     R"toml("scale_up.bw_gbps" = "fitted: chosen after the public dense anchors' step times fell short at the 300 GB/s line rate, in the change that tightened their bound (docs/planner.md); no other entry takes a collective's bus bandwidth for its line rate. Its basis, not the anchors' own runs: NCCL all-reduce bus bandwidth of about 200 GB/s on eight A100-SXM4-80GB on NVSwitch (nccl-tests all_reduce_perf up to 1 GiB, NCCL 2.18; NVIDIA/nccl-tests issue 149, 2023), against 300 GB/s NVLink line rate per direction; NCCL's maintainer puts its protocol overhead on NVLink at about 20 % of line rate (NVIDIA/nccl-tests issue 212). nccl-tests' bus bandwidth is defined so that a ring all-reduce of S bytes over n GPUs takes 2 (n - 1) / n x S / busbw, the cost model's ring formula"
 )toml",
      kA100Figures, kA100Tiers, kA100Sources},
     {"h100",

@@ -1,12 +1,17 @@
-// test_anchors.cpp: the planner against the public dense anchors (docs/planner.md, "Public dense anchors"): GPT
-// models of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models": Table 3
-// layouts, Table 5 iteration times, the Table 2 activation formulas behind its memory figures) and of Narayanan
-// et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM": Table 2 PTD-P
-// throughput), all on A100 80GB (catalog entry a100_nccl: a100 with TP at a measured NCCL bus bandwidth) with
-// the configs in configs/anchors/. Each row prints the published figure, the projection and the error
-// ("[anchor]" lines). The issue's targets are 10 % on memory and
-// 15 % on step time, both asserted (met on every row); docs/planner.md explains the remaining errors. Nothing in
-// the planner is fitted to these figures.
+// test_anchors.cpp: the planner against the public dense anchors (docs/planner.md, "Public dense anchors" and
+// "Published results: calibration and validation points"): GPT models of Korthikanti et al. 2022 ("Reducing Activation Recomputation
+// in Large Transformer Models": Table 3 layouts, Table 5 iteration times, the Table 2 activation formulas behind
+// its memory figures) and of Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters
+// Using Megatron-LM": Table 2 PTD-P throughput), all on A100 80GB with the configs in configs/anchors/. Each row
+// prints the published figure, the projection and the difference ("[anchor]" lines).
+//   - The activation-memory rows are validation points (PlanAnchorsValidation): compared first in the change that
+//     wrote the GPT accounting they exercise, within 10 % then, and moved by no later change.
+//   - The step-time rows are calibration points (PlanAnchorsCalibration): the unfused attention's pricing and the
+//     catalog entry a100_nccl, whose scale-up bandwidth is FITTED (200 GB/s against the 300 GB/s line rate), were
+//     added after these rows fell short, in the changes that tightened their bound. Their 15 % bound is a
+//     regression guard on the calibrated model, not agreement; each row also prints the projection on the
+//     sourced entry a100 (the line rate), with no bound.
+// The hand-counted tests (PlanAnchors) check the GPT features' pricing and counting, not a published figure.
 // Not a test of the engine (which refuses ffn = "gelu", dropout > 0 and attention_impl = "unfused").
 #include <gtest/gtest.h>
 
@@ -46,8 +51,15 @@ double err(double projected, double published) { return projected / published - 
 
 void report(const char* what, const std::string& row, double published, double projected, const char* unit,
             double scale) {
-  std::printf("[anchor] %-8s %-34s published %9.2f %s  projected %9.2f %s  error %+6.1f %%\n", what, row.c_str(),
-              published / scale, unit, projected / scale, unit, 100 * err(projected, published));
+  std::printf("[anchor] %-22s %-34s published %9.2f %s  projected %9.2f %s  difference %+6.1f %%\n", what,
+              row.c_str(), published / scale, unit, projected / scale, unit, 100 * err(projected, published));
+}
+
+// A calibration row: the projection on the fitted a100_nccl (bounded by the test) and on the sourced a100 (line
+// rate; printed only).
+void report_time(const std::string& row, double published, double fitted, double line_rate) {
+  report("time, calibration", row + " a100_nccl", published, fitted, "s ", 1);
+  report("time, calibration", row + " a100", published, line_rate, "s ", 1);
 }
 
 // The first pipeline stage's activation bytes by the paper's formulas (Korthikanti et al. 2022, Table 2, as
@@ -78,12 +90,13 @@ double narayanan_iteration_flops(const JobConfig& c) {
   return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
 }
 
-plan::TimePlan project_time(const JobConfig& c, int64_t world, bool distributed_optimizer) {
+// On a100_nccl by default: the scale-up bandwidth fitted to these anchors (docs/hardware.md).
+plan::TimePlan project_time(const JobConfig& c, int64_t world, bool distributed_optimizer,
+                            const char* hw = "a100_nccl") {
   const plan::Layout l = plan::layout_from_config(c, world, distributed_optimizer);
   plan::TimeOptions o;
   o.memory = megatron_2022();
-  // TP at the measured NCCL all-reduce bus bandwidth (catalog entry a100_nccl, docs/hardware.md).
-  return plan::plan_time(c, l, plan::catalog_hardware("a100_nccl"), o);
+  return plan::plan_time(c, l, plan::catalog_hardware(hw), o);
 }
 
 }  // namespace
@@ -180,8 +193,8 @@ TEST(PlanAnchors, UnfusedAttentionActivations) {
 }
 
 // Korthikanti et al. 2022: the first stage's activation memory per GPU, sequence parallel + selective recompute
-// ("present work") and full recompute, against the paper's formulas on its Table 3 layouts.
-TEST(PlanAnchors, KorthikantiActivationMemory) {
+// ("present work") and full recompute, against the paper's formulas on its Table 3 layouts. Validation points.
+TEST(PlanAnchorsValidation, KorthikantiActivationMemory) {
   const plan::Hardware a100 = plan::catalog_hardware("a100");
   struct Row {
     const char* config;
@@ -193,16 +206,18 @@ TEST(PlanAnchors, KorthikantiActivationMemory) {
       const double published = korthikanti_activations(c, selective);
       const plan::MemoryPlan m = plan::plan_memory(c, plan::layout_from_config(c, r.world), a100, megatron_2022());
       const double projected = m.per_rank.at(0).activations;
-      report("memory", std::string(r.config) + (selective ? " SP+selective" : " full recompute"), published,
-             projected, "GB", 1e9);
-      EXPECT_LT(std::fabs(err(projected, published)), 0.10) << r.config;  // the issue's target, met
+      report("memory, validation", std::string(r.config) + (selective ? " SP+selective" : " full recompute"),
+             published, projected, "GB", 1e9);
+      // The issue's target, 10 %; the rows lie at -5.8 to +7.3 %. It would miss a change of up to 2.7-4.2 points on the
+      // rows nearest the bound and more on the others.
+      EXPECT_LT(std::fabs(err(projected, published)), 0.10) << r.config;
     }
   }
 }
 
 // Korthikanti et al. 2022, Table 5: iteration time with full recompute and with sequence parallelism + selective
-// recompute.
-TEST(PlanAnchors, KorthikantiIterationTime) {
+// recompute. Calibration points (the file's header): not agreement.
+TEST(PlanAnchorsCalibration, KorthikantiIterationTime) {
   struct Row {
     const char* config;
     int64_t world;
@@ -217,18 +232,20 @@ TEST(PlanAnchors, KorthikantiIterationTime) {
       const JobConfig c = selective ? anchor(r.config) : anchor(r.config, kFullRecompute);
       const double published = selective ? r.present_s : r.full_s;
       const plan::TimePlan t = project_time(c, r.world, true);
-      report("time", std::string(r.config) + (selective ? " SP+selective" : " full recompute"), published,
-             t.step_time, "s ", 1);
-      // The issue's target, met (docs/planner.md: the unfused attention and TP at the measured NCCL bus
-      // bandwidth priced; every row is still short, the GEMM rate of 2022 is not priced).
+      report_time(std::string(r.config) + (selective ? " SP+selective" : " full recompute"), published,
+                  t.step_time, project_time(c, r.world, true, "a100").step_time);
+      // The issue's target, 15 %. It became two-sided (it was -17 % to 0) in the change that added the fitted
+      // a100_nccl, which brought every row inside it (-1.9 to -12.2 %): the bound holds the calibrated model where
+      // it was left and would miss a drift of up to 2.8 points on the row nearest it (and any drift that keeps the
+      // rows short of the published times, which is what the unpriced 2022 GEMM rate makes them).
       EXPECT_LT(std::fabs(err(t.step_time, published)), 0.15) << r.config;
     }
   }
 }
 
 // Narayanan et al. 2021, Table 2 (PTD-P rows): achieved TFLOP/s per GPU (Eq. 3 FLOPs) at a fixed global batch on
-// three world sizes; the published iteration time is Eq. 3 / (GPUs x TFLOP/s).
-TEST(PlanAnchors, NarayananThroughput) {
+// three world sizes; the published iteration time is Eq. 3 / (GPUs x TFLOP/s). Calibration points.
+TEST(PlanAnchorsCalibration, NarayananThroughput) {
   struct Row {
     const char* config;
     int64_t world;
@@ -240,7 +257,9 @@ TEST(PlanAnchors, NarayananThroughput) {
     const JobConfig c = anchor(r.config);
     const double published = narayanan_iteration_flops(c) / (double(r.world) * r.tflops * 1e12);
     const plan::TimePlan t = project_time(c, r.world, false);
-    report("time", std::string(r.config) + " on " + std::to_string(r.world), published, t.step_time, "s ", 1);
-    EXPECT_LT(std::fabs(err(t.step_time, published)), 0.15) << r.config << " " << r.world;  // the target, met
+    report_time(std::string(r.config) + " on " + std::to_string(r.world), published, t.step_time,
+                project_time(c, r.world, false, "a100").step_time);
+    // As KorthikantiIterationTime: the rows lie at -11.3 to -13.5 %, 1.5-3.7 points inside the bound.
+    EXPECT_LT(std::fabs(err(t.step_time, published)), 0.15) << r.config << " " << r.world;
   }
 }

@@ -1,6 +1,7 @@
 // test_memory.cpp: the memory projection (plan/memory.h): hand-counted parameter, gradient, main-parameter and
 // optimizer bytes; activations from the simulator's in-flight sets; the verdict; and the seeds' conclusions
-// for the 1T / 2T proxies on 768 MI300X-class GPUs.
+// for the 1T / 2T proxies on 768 MI300X-class GPUs, validation points (docs/planner.md, "Published results:
+// calibration and validation points": no change to the model was made to meet them).
 #include <gtest/gtest.h>
 
 #include "moetron/accounting.h"
@@ -139,7 +140,7 @@ double worst_act(const plan::MemoryPlan& m) {
 }
 }  // namespace
 
-TEST(PlanMemorySeeds, ActivationsDominate) {
+TEST(PlanMemoryValidation, SeedsActivationsDominate) {
   for (std::string model : {"moe_1t", "moe_2t"}) {
     const auto m = seed_layout(model, 24, 8, 1);
     const auto& r = m.per_rank.at(size_t(m.worst_rank));
@@ -149,9 +150,10 @@ TEST(PlanMemorySeeds, ActivationsDominate) {
   }
 }
 
-TEST(PlanMemorySeeds, Cp2HalvesActivations) {
+TEST(PlanMemoryValidation, SeedsCp2HalvesActivations) {
   // Seeds: CP2 saves about 76 GB per GPU (1T) and about 131 GB (2T). The projection must halve the
-  // activations; the saved GB is printed and held within 25% of the seeds' figure (docs/planner.md has the error).
+  // activations; the saved GB is printed and held within 25% of the seeds' figure (docs/planner.md has the error
+  // and its cause, a counting convention).
   const double seed_saved[2] = {76e9, 131e9};
   int i = 0;
   for (std::string model : {"moe_1t", "moe_2t"}) {
@@ -160,12 +162,18 @@ TEST(PlanMemorySeeds, Cp2HalvesActivations) {
     const double saved = a1 - a2;
     std::printf("[seed] %s CP2 saves %.1f GB per GPU (seed: ~%.0f GB, error %+.1f%%)\n", model.c_str(), saved / 1e9,
                 seed_saved[i] / 1e9, 100 * (saved / seed_saved[i] - 1));
+    // Why 25 %: the planner counts each routed copy's expert input rows, which the seeds' source does not
+    // (docs/planner.md, "Where the 21-24 % activation gap to the seeds comes from"), so the saving is 21.5 % (1T) and
+    // 23.8 % (2T) above the seeds' figures, 1-3 points inside the bound, which dates from the planner's first
+    // tests. It is no agreement with the seeds (they and the planner count different tensors): it guards the present
+    // count. What it misses: a change that moves the saving by less than those 1-3 points upward or by up to 46-49
+    // points downward. The halving itself (0.02 above) is the firm check.
     EXPECT_NEAR(saved / seed_saved[i], 1.0, 0.25) << model;
     ++i;
   }
 }
 
-TEST(PlanMemorySeeds, Ep16BarelyChangesAndPp48DoesNotCutActivations) {
+TEST(PlanMemoryValidation, SeedsEp16BarelyChangesAndPp48DoesNotCutActivations) {
   for (std::string model : {"moe_1t", "moe_2t"}) {
     // "EP 8 -> 16 doesn't significantly lower memory" against "CP2 halves the activations": read as EP 16 saving
     // less than a third of what CP2 saves.
@@ -181,7 +189,7 @@ TEST(PlanMemorySeeds, Ep16BarelyChangesAndPp48DoesNotCutActivations) {
   }
 }
 
-TEST(PlanMemorySeeds, TwoTrillionWithCp2AndEp8FitsMi355xNotMi300x) {
+TEST(PlanMemoryValidation, SeedsTwoTrillionWithCp2AndEp8FitsMi355xNotMi300x) {
   // Seeds: "With CP2, EP8 doesn't fit on MI300X but works on MI355X" (2T, 768 GPUs, PP24).
   const auto c = cfg("moe_2t", {"--parallelism.pp=24", "--parallelism.ep=8", "--parallelism.cp=2",
                                 "--training.global_batch_size=1536"});

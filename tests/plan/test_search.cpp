@@ -1,6 +1,9 @@
 // test_search.cpp: the layout search and strong scaling (plan/search.h): the winners obey every rule and fit,
-// the ranking is by simulated throughput, impossible worlds find nothing without failing, and the 2T proxy's
-// scaling on MI300X keeps the whitepaper's shape (near 1.0 at small worlds, the lowest efficiency at 64K).
+// the ranking is by simulated throughput, impossible worlds find nothing without failing, each scaling run's
+// baseline is the first world's layout projected again, and the 2T proxy's scaling on MI300X as a snapshot of the
+// planner's own earlier figures and as a calibration point against the whitepaper's Table 1 (docs/planner.md,
+// "Published results: calibration and validation points"). Not a validation against a published figure: the 2T
+// table shaped the model.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -10,6 +13,35 @@
 
 using namespace moetron;
 using plantest::cfg;
+
+namespace {
+// The first world of a scaling run is its baseline: its efficiency is 1 by definition, so what can be wrong is the
+// baseline itself. Its layout projected again by plan_time, outside the search, must give the tokens/s/GPU the run
+// reports, and that figure must be the global batch over the step and the GPUs; every world's efficiency must be
+// its own tokens/s/GPU over that re-projected figure.
+void check_baseline(const JobConfig& c, const plan::Hardware& h, double gbt, const std::vector<plan::ScalePoint>& s,
+                    const plan::SearchOptions& o = {}) {
+  ASSERT_FALSE(s.empty());
+  ASSERT_TRUE(s[0].found) << s[0].world;
+  JobConfig cc = c;
+  cc.training.global_batch_size = int64_t(gbt / double(c.training.seq_len));
+  cc.parallelism.pp_microbatches = 0;
+  const plan::Layout& l0 = s[0].best.layout;
+  ASSERT_EQ(l0.world(), s[0].world);
+  ASSERT_EQ(plan::layout_error(cc, l0, cc.training.global_batch_size), "") << l0.describe();
+  const plan::TimePlan t0 = plan::plan_time(cc, l0, h, o.time);
+  const double tok0 = gbt / (t0.step_time * double(s[0].world));
+  EXPECT_NEAR(t0.tokens_per_s_per_gpu, tok0, 1e-12 * tok0);
+  EXPECT_NEAR(s[0].best.time.tokens_per_s_per_gpu, tok0, 1e-9 * tok0) << l0.describe();
+  EXPECT_NEAR(s[0].best.time.step_time, t0.step_time, 1e-9 * t0.step_time) << l0.describe();
+  for (const auto& p : s) {
+    if (!p.found) continue;
+    const double tok = gbt / (p.best.time.step_time * double(p.world));
+    EXPECT_NEAR(p.best.time.tokens_per_s_per_gpu, tok, 1e-9 * tok) << p.world;
+    EXPECT_NEAR(p.efficiency, tok / tok0, 1e-9) << p.world;
+  }
+}
+}  // namespace
 
 TEST(PlanSearch, WinnersObeyTheRulesAndFit) {
   const auto c = cfg("deepseek_v3");
@@ -112,40 +144,49 @@ TEST(PlanSearch, NothingFitsIsAnAnswerNotAFailure) {
 }
 
 namespace {
-// The 2T proxy's strong scaling at 1K, 2K and 64K MI300X with the given EP dispatcher, printed with the error
-// against the whitepaper's Table 1 (AMD, 2025: efficiency 1.0 up to 32K GPUs and 0.9 at 64K, GBS 128M tokens).
+constexpr double kGbt2T = 134217728.0;  // the whitepaper's global batch, 128M tokens
+
+// The 2T proxy's strong scaling at 1K, 2K and 64K MI300X with the given EP dispatcher (the search picks the
+// replica), printed beside the whitepaper's Table 1 (AMD, 2025: efficiency 1.0 up to 32K GPUs and 0.9 at 64K, GBS
+// 128M tokens) as a calibration point: the dispatcher, the split of unpaired chunks and the carried weight gradients
+// were added to the model while this table was in view.
 std::vector<plan::ScalePoint> scale_2t(const std::string& dispatcher) {
   const std::vector<int64_t> worlds = {1024, 2048, 65536};
   const double paper[3] = {1.0, 1.0, 0.9};
-  const auto s = plan::scale(cfg("moe_2t", {"--parallelism.ep_dispatcher=" + dispatcher}),
-                             plan::catalog_hardware("mi300x"), worlds, 134217728.0);
+  const JobConfig c = cfg("moe_2t", {"--parallelism.ep_dispatcher=" + dispatcher});
+  const auto h = plan::catalog_hardware("mi300x");
+  const auto s = plan::scale(c, h, worlds, kGbt2T);
   EXPECT_EQ(s.size(), 3u);
   for (size_t i = 0; i < s.size(); ++i) {
     EXPECT_TRUE(s[i].found) << s[i].world;
-    std::printf("[seed] 2T mi300x %s world %lld efficiency %.3f (whitepaper %.1f, error %+.1f%%) %s\n",
-                dispatcher.c_str(), (long long)s[i].world, s[i].efficiency, paper[i],
-                100 * (s[i].efficiency / paper[i] - 1), s[i].best.layout.describe().c_str());
+    std::printf("[calibration] 2T mi300x %s, the search's replica: world %lld efficiency %.3f (Table 1 %.1f, "
+                "difference %+.3f) %s\n",
+                dispatcher.c_str(), (long long)s[i].world, s[i].efficiency, paper[i], s[i].efficiency - paper[i],
+                s[i].best.layout.describe().c_str());
   }
+  check_baseline(c, h, kGbt2T, s);
   return s;
 }
 }  // namespace
 
-TEST(PlanScaleSeeds, TwoTrillionOnMi300xKeepsTheWhitepapersShape) {
-  // Flat all-to-all (the preset's dispatcher), then node-deduplicated (hierarchical: what DeepEP's normal kernels
-  // do with NVLink / RDMA forwarding, the whitepaper's "DeepEP-like" EP wider than a node).
+// A snapshot, not a match: the figures held here are the planner's own output of 2026-11-27 (docs/planner.md,
+// "The 2T scaling figures"), kept so that a change that moves them is seen and its figures re-recorded in the
+// docs. Agreement with a published figure is never read from this test. Flat all-to-all (the preset's
+// dispatcher), then node-deduplicated (hierarchical: not the preset's dispatcher).
+TEST(PlanScaleSnapshot, TwoTrillionOnMi300xWithTheSearchsReplica) {
   const auto flat = scale_2t("alltoall");
   const auto hier = scale_2t("hierarchical");
   ASSERT_EQ(flat.size(), 3u);
   ASSERT_EQ(hier.size(), 3u);
   for (const auto* s : {&flat, &hier}) {
-    EXPECT_DOUBLE_EQ((*s)[0].efficiency, 1.0);
-    EXPECT_GT((*s)[1].efficiency, 0.95);              // near-linear at small scale
+    EXPECT_GT((*s)[1].efficiency, 0.95);                // near-linear at small scale
     EXPECT_LT((*s)[2].efficiency, (*s)[1].efficiency);  // the drop comes at 64K
     EXPECT_TRUE((*s)[2].best.layout.ep_overlap_split) << (*s)[2].best.layout.describe();
   }
-  // The figures of 2026-11-27 (docs/planner.md, Checks), the split alternating at every exchange and each layout
-  // with or without carried weight gradients, whichever is faster: flat 1.012 at 2K and 0.743 at 64K;
-  // hierarchical 0.997 and 0.800.
+  // The snapshot (split alternating at every exchange, each layout with or without carried weight gradients,
+  // whichever is faster): flat 1.012 at 2K and 0.743 at 64K; hierarchical 0.997 and 0.800. 0.02 is a regression
+  // band, not an error bar: it lets pricing changes below 2 points of efficiency through unrecorded and stops
+  // anything larger.
   EXPECT_NEAR(flat[1].efficiency, 1.012, 0.02);
   EXPECT_NEAR(flat[2].efficiency, 0.743, 0.02);
   EXPECT_NEAR(hier[1].efficiency, 0.997, 0.02);
@@ -153,26 +194,35 @@ TEST(PlanScaleSeeds, TwoTrillionOnMi300xKeepsTheWhitepapersShape) {
   EXPECT_GT(hier[2].best.time.tokens_per_s_per_gpu, flat[2].best.time.tokens_per_s_per_gpu);
 }
 
-TEST(PlanScaleSeeds, TwoTrillionWithTheWhitepapersReplicaMatchesTable1) {
-  // The whitepaper's replica was 384 GPUs (seed 003: the 768-GPU run with dp 2, its 64K point extrapolated);
-  // its Table 1 gives one decimal: 1.0 at 1K to 32K, 0.9 at 64K. With replicas of at least 384 GPUs
-  // (--min-replica 384; power-of-two worlds give 512) and node-deduplicated EP the planner's efficiencies,
-  // rounded to one decimal, are the table's.
+// A calibration point with an input taken from the paper, not a validation: the whitepaper's replica was 384 GPUs
+// (seed 003: the 768-GPU run with dp 2, its 64K point extrapolated), and here the search is forced to replicas of
+// at least that size (--min-replica 384; power-of-two worlds give 512), with the hierarchical dispatcher (not the
+// preset's), the planner-only split of unpaired chunks and carried weight gradients counted as fully hidden (the
+// engine hid 51-75 % of them). All of these entered the model while this table was in view. Table 1 gives one
+// decimal: 1.0 at 1K to 32K, 0.9 at 64K.
+TEST(PlanScaleCalibration, TwoTrillionWithThePapersReplicaWithinTable1Rounding) {
   plan::SearchOptions o;
   o.min_replica = 384;
   const std::vector<int64_t> worlds = {1024, 2048, 16384, 32768, 65536};
   const double paper[5] = {1.0, 1.0, 1.0, 1.0, 0.9};
-  const auto s = plan::scale(cfg("moe_2t", {"--parallelism.ep_dispatcher=hierarchical"}),
-                             plan::catalog_hardware("mi300x"), worlds, 134217728.0, o);
+  const JobConfig c = cfg("moe_2t", {"--parallelism.ep_dispatcher=hierarchical"});
+  const auto h = plan::catalog_hardware("mi300x");
+  const auto s = plan::scale(c, h, worlds, kGbt2T, o);
   ASSERT_EQ(s.size(), worlds.size());
+  check_baseline(c, h, kGbt2T, s, o);
   for (size_t i = 0; i < s.size(); ++i) {
     ASSERT_TRUE(s[i].found) << s[i].world;
     const plan::Layout& l = s[i].best.layout;
     EXPECT_GE(l.tp * l.cp * l.pp, 384) << l.describe();
-    std::printf("[seed] 2T mi300x replica >= 384 world %lld efficiency %.3f (whitepaper %.1f) %s\n",
+    std::printf("[calibration] 2T mi300x, the paper's replica (input from the paper, >= 384): world %lld efficiency "
+                "%.3f (Table 1 %.1f) %s\n",
                 (long long)s[i].world, s[i].efficiency, paper[i], l.describe().c_str());
-    EXPECT_NEAR(s[i].efficiency, paper[i], 0.05) << s[i].world;  // rounds to the table's decimal
+    // 0.05 is the table's rounding (a figure within it rounds to the table's decimal), not an error bar. It misses
+    // any error the one decimal hides; 32K sits at 0.951, 0.001 inside the band, so this bound is a tripwire on
+    // that row and nothing firmer.
+    EXPECT_NEAR(s[i].efficiency, paper[i], 0.05) << s[i].world;
     if (i > 0) {
+      // Falling with the world; 0.005 lets two worlds whose replicas run the same step differ by rounding.
       EXPECT_LT(s[i].efficiency, s[i - 1].efficiency + 0.005) << s[i].world;
     }
   }
@@ -215,7 +265,7 @@ TEST(PlanPresets, EveryPresetPlansMemoryTimeSearchAndScale) {
     const auto s = plan::scale(c, h, {world, 2 * world}, gbt, so);
     ASSERT_EQ(s.size(), 2u);
     EXPECT_TRUE(s[0].found && s[1].found);
-    EXPECT_DOUBLE_EQ(s[0].efficiency, 1.0);
+    check_baseline(c, h, gbt, s, so);
     EXPECT_GT(s[1].efficiency, 0);
   }
 }

