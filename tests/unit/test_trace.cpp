@@ -62,7 +62,9 @@ std::vector<json> events(const json& t, const std::string& cat) {
 TEST(Trace, SingleProcessRunHasTheDocumentedEvents) {
   const std::string dir = fresh_dir("single");
   const JobConfig cfg = profiled_tiny(dir);
+  const double before = trace::now_us();
   const json t = run_and_read(cfg, dir + "/profile/rank0.trace.json");
+  const double after = trace::now_us();
 
   // metadata
   const json& m = t["moetron"];
@@ -79,7 +81,16 @@ TEST(Trace, SingleProcessRunHasTheDocumentedEvents) {
   EXPECT_NE(m["config"].get<std::string>().find("[profiling]"), std::string::npos);
   EXPECT_EQ(m["groups"]["world@0"]["ranks"], json::array({0}));
   EXPECT_EQ(m["dropped_events"], 0);
-  EXPECT_GT(m["clock_offset_us"].get<double>(), -1e300);
+  // The trace's zero is the recorder's clock at the start barrier: inside this run, and every step ends
+  // after it and before the run returned.
+  const double sync = -m["clock_offset_us"].get<double>();
+  EXPECT_GE(sync, before);
+  EXPECT_LE(sync, after);
+  for (const auto& e : t["traceEvents"]) {
+    if (e.value("cat", "") != "step") continue;
+    EXPECT_GE(e["ts"].get<double>(), 0.0);
+    EXPECT_LE(sync + e["ts"].get<double>() + e["dur"].get<double>(), after);
+  }
 
   // tracks
   bool named0 = false, process = false;

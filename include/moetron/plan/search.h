@@ -60,7 +60,7 @@ SearchResult search(const JobConfig& c, const Hardware& h, int64_t world, double
 struct ScalePoint {
   int64_t world = 0;
   bool found = false;
-  Candidate best;            // the better of the two below
+  Candidate best;            // the replica scaled in dp when it runs here (replica_ok), else the searched layout
   bool replica_ok = false;   // the first world's replica, scaled in dp, can run here
   Candidate replica;
   bool searched_ok = false;
