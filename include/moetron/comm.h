@@ -1,6 +1,6 @@
 // comm.h: Comm, the one narrow communication interface of moetron: rank/size, all_reduce (sum),
 // reduce_scatter, all_gather, all_to_all_v, a capped exchange, send/recv (blocking and non-blocking),
-// barrier and split. Two backends: MPI (src/parallel/comm_mpi.cpp, when built with MOETRON_WITH_MPI) and
+// barrier and split. Two backends: MPI (src/comm/comm_mpi.cpp, when built with MOETRON_WITH_MPI) and
 // single-process (size 1, collectives are copies). Every call is timed and its bytes counted per op kind
 // (stats()), and can be reported to a trace hook. Not a tensor library and not a scheduler: raw pointers,
 // sizes, blocking calls plus non-blocking point-to-point (isend / irecv / wait).
@@ -119,7 +119,7 @@ std::string comm_group_id(const CommInfo& info);
 // A hook every communicator reports to (besides its own set_trace_hook), e.g. the profiler's; empty = none.
 // Set it while no communication runs on any thread.
 void set_comm_trace_sink(CommTraceHook hook);
-// The flight recorder's sink (src/parallel/flight_recorder.cpp): every call's Scheduled / Started / Completed
+// The flight recorder's sink (src/comm/flight_recorder.cpp): every call's Scheduled / Started / Completed
 // events with the same sequence numbers the traces use. Set it while no communication runs; empty = none.
 // Called from whichever thread communicates: it must be thread-safe.
 void set_comm_flight_sink(CommTraceHook hook);

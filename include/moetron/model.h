@@ -20,6 +20,7 @@
 #include "moetron/comm.h"
 #include "moetron/config.h"
 #include "moetron/ep_dispatch.h"
+#include "moetron/param_layout.h"
 #include "moetron/spec.h"
 #include "moetron/tensor.h"
 
@@ -27,42 +28,6 @@ namespace moetron {
 
 class Fsdp;
 struct FsdpOptions;
-
-struct ParamEntry {
-  std::string name;
-  Shape shape;
-  int64_t offset = 0;  // into the flat fp32 parameter / gradient buffers
-  int64_t numel = 0;
-  bool decay = true;    // weight decay applies (matrices yes; norms no)
-  bool expert = false;  // routed-expert weight (sharded over the EP group)
-  Shape global_shape;   // the whole tensor (= shape unless sharded)
-  int64_t shard_first = 0;  // element index of this shard's first element in the whole tensor
-  int layer = -1;       // -1 for embeddings / head / final norm
-  bool ones = false;    // initialised to 1 (norm weights) rather than N(0, std)
-  float init_std = 0.02f;
-};
-
-// Which part of the model a parameter list covers (model_param_layout): decoder layers (mask [n_layers];
-// empty = all), the embedding stage, the head stage (final norm + head; with tied embeddings it carries the
-// embedding too), and this rank's expert shard under expert parallelism.
-struct ParamSelection {
-  std::vector<char> layers;
-  bool embedding = true, head = true;
-  int ep = 1, ep_rank = 0;
-};
-// The parameter list in declaration order (embedding, layers ascending, final norm, head), with flat offsets
-// as the model lays them out for that part. The default is the whole model on one process: the global
-// layout that checkpoints and parameter hashes use.
-std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSelection& sel = {});
-
-// Elements a parameter takes in the flat buffers: its numel rounded up to 16 floats (64-byte alignment).
-// The flat layout (ParamEntry::offset), FSDP runs and the trainer's global layout all follow it.
-inline int64_t param_padded_numel(int64_t numel) { return (numel + 15) / 16 * 16; }
-
-// Elements [first, first + count) of parameter e (indices into this rank's part of it) at their initial
-// values: 1 for norm weights, otherwise Philox N(0, init_std) keyed by (seed, name) and the element's index
-// in the whole tensor (shard_first + i), so any sharding gives the unsharded values.
-void init_param_elements(float* dst, const ParamEntry& e, uint64_t seed, int64_t first, int64_t count);
 
 struct ForwardStats {
   double ce_sum = 0;      // sum of per-token cross-entropy (unscaled) over valid targets

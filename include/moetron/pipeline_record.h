@@ -4,7 +4,7 @@
 // profiled steps; `moetron viz pipeline --run DIR` draws a step of it and `moetron schedule compare --run DIR`
 // sets the measured bubble per rank beside the timed simulator's, fed the durations measured in the same
 // record. Part of the moetron_schedule library (no engine dependency). Not the runtime that measures
-// (src/parallel/pipeline_runtime.h) and not the picture (src/viz/).
+// (src/comm/pipeline_runtime.h) and not the picture (src/viz/).
 //
 // File format (JSON object; every key required):
 //   "format": "moetron.pipeline_record", "version": 1,

@@ -210,6 +210,93 @@ DatasetInfo load_dataset(const std::string& dir) {
   }
 }
 
+namespace {
+
+// Unigram statistics of the token streams (eos included, as the model predicts it too): the training
+// stream's entropy and the validation stream's cross-entropy under add-one smoothed training counts.
+struct UnigramStats {
+  double entropy = 0, val_xent = 0;
+};
+UnigramStats unigram_stats(const std::vector<const std::vector<int32_t>*>& train_docs,
+                           const std::vector<const std::vector<int32_t>*>& val_docs, uint32_t V, uint32_t eos,
+                           uint64_t train_tokens, uint64_t val_tokens) {
+  std::vector<uint64_t> count(V, 0);
+  for (const auto* d : train_docs) {
+    for (int32_t t : *d) ++count[size_t(t)];
+    ++count[eos];
+  }
+  double H = 0;
+  const double N = double(train_tokens);
+  for (uint64_t c : count)
+    if (c) H -= double(c) / N * std::log(double(c) / N);
+  double xent = 0;
+  if (val_tokens > 0) {
+    auto lp = [&](int32_t t) { return std::log((double(count[size_t(t)]) + 1.0) / (N + double(V))); };
+    for (const auto* d : val_docs) {
+      for (int32_t t : *d) xent -= lp(t);
+      xent -= lp(int32_t(eos));
+    }
+    xent /= double(val_tokens);
+  }
+  return {H, xent};
+}
+
+// The manifest of a prepared dataset (docs/data.md): options, source, tokenizer, shards, token counts, stats.
+json manifest_json(const PrepareOptions& opt, const Corpus& corpus, uint64_t characters, const Tokenizer& tok,
+                   const std::string& tok_proto, const Split& train, const Split& val, const UnigramStats& uni,
+                   double seconds) {
+  const uint32_t V = uint32_t(tok.vocab_size());
+  const std::string& tok_bytes = tok_proto;
+  json shards_train = json::array(), shards_val = json::array();
+  for (const auto& s : train.shards) shards_train.push_back(shard_json(s));
+  for (const auto& s : val.shards) shards_val.push_back(shard_json(s));
+  return {
+      {"format", "moetron-dataset"},
+      {"version", kDatasetFormatVersion},
+      {"created_by", "moetron data prepare"},
+      {"options", options_json(opt)},
+      {"source",
+       {{"kind", corpus.kind},
+        {"spec", source_spec(opt.source)},
+        {"package", corpus.kind == "brown" ? json(kBrownPackage) : json(nullptr)},
+        {"fingerprint", hex32(corpus.fingerprint)},
+        {"documents", {{"train", train.documents}, {"val", val.documents}, {"skipped_empty", corpus.skipped_empty}}},
+        {"characters", characters}}},
+      {"tokenizer",
+       {{"file", "tokenizer.model"},
+        {"type", "sentencepiece-bpe"},
+        {"byte_fallback", true},
+        {"vocab_size", tok.vocab_size()},
+        {"unk_id", tok.unk_id()},
+        {"bos_id", tok.bos_id()},
+        {"eos_id", tok.eos_id()},
+        {"newline_id", tok.newline_id()},
+        {"bytes", tok_bytes.size()},
+        {"crc32c", hex32(crc32c(tok_bytes.data(), tok_bytes.size()))}}},
+      {"dtype", shard_token_bytes(V) == 2 ? "u16" : "u32"},
+      {"shards", {{"train", shards_train}, {"val", shards_val}}},
+      {"tokens", {{"train", train.tokens}, {"val", val.tokens}}},
+      {"unigram_entropy_nats", uni.entropy},
+      {"val_unigram_xent_nats", uni.val_xent},
+      {"prepare_seconds", seconds},
+  };
+}
+
+// Shards of an older preparation (its manifest `old`) that the new one does not list.
+void remove_stale_shards(const json& old, const fs::path& dir, const Split& train, const Split& val) {
+  if (!old.contains("shards") || !old["shards"].is_object()) return;
+  std::set<std::string> keep;
+  for (const auto& s : train.shards) keep.insert(s.file);
+  for (const auto& s : val.shards) keep.insert(s.file);
+  for (const char* split : {"train", "val"})
+    if (old["shards"].contains(split) && old["shards"][split].is_array())
+      for (const auto& s : old["shards"][split])
+        if (s.contains("file") && s["file"].is_string() && !keep.count(s["file"].get<std::string>()))
+          fs::remove(dir / fs::path(s["file"].get<std::string>()).filename());
+}
+
+}  // namespace
+
 PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   PrepareOptions opt = opt_in;
   const double t0 = now_s(), c0 = cpu_s();
@@ -328,75 +415,13 @@ PrepareResult prepare_dataset(const PrepareOptions& opt_in) {
   if (!val_docs.empty()) val = write_split(opt.out_dir, "val", val_docs, V, eos, opt.max_shard_tokens);
   res.seconds_write = now_s() - tw;
 
-  // Unigram statistics of the token streams (eos included, as the model predicts it too).
-  std::vector<uint64_t> count(V, 0);
-  for (const auto* d : train_docs) {
-    for (int32_t t : *d) ++count[size_t(t)];
-    ++count[eos];
-  }
-  double H = 0;
-  const double N = double(train.tokens);
-  for (uint64_t c : count)
-    if (c) H -= double(c) / N * std::log(double(c) / N);
-  double xent = 0;
-  if (val.tokens > 0) {
-    auto lp = [&](int32_t t) { return std::log((double(count[size_t(t)]) + 1.0) / (N + double(V))); };
-    for (const auto* d : val_docs) {
-      for (int32_t t : *d) xent -= lp(t);
-      xent -= lp(int32_t(eos));
-    }
-    xent /= double(val.tokens);
-  }
-
-  const std::string& tok_bytes = tok_proto;
-  json shards_train = json::array(), shards_val = json::array();
-  for (const auto& s : train.shards) shards_train.push_back(shard_json(s));
-  for (const auto& s : val.shards) shards_val.push_back(shard_json(s));
+  const UnigramStats uni = unigram_stats(train_docs, val_docs, V, eos, train.tokens, val.tokens);
   res.seconds = now_s() - t0;
   res.cpu_seconds = cpu_s() - c0;
-  json m = {
-      {"format", "moetron-dataset"},
-      {"version", kDatasetFormatVersion},
-      {"created_by", "moetron data prepare"},
-      {"options", options_json(opt)},
-      {"source",
-       {{"kind", corpus.kind},
-        {"spec", source_spec(opt.source)},
-        {"package", corpus.kind == "brown" ? json(kBrownPackage) : json(nullptr)},
-        {"fingerprint", hex32(corpus.fingerprint)},
-        {"documents", {{"train", train.documents}, {"val", val.documents}, {"skipped_empty", corpus.skipped_empty}}},
-        {"characters", characters}}},
-      {"tokenizer",
-       {{"file", "tokenizer.model"},
-        {"type", "sentencepiece-bpe"},
-        {"byte_fallback", true},
-        {"vocab_size", tok.vocab_size()},
-        {"unk_id", tok.unk_id()},
-        {"bos_id", tok.bos_id()},
-        {"eos_id", tok.eos_id()},
-        {"newline_id", tok.newline_id()},
-        {"bytes", tok_bytes.size()},
-        {"crc32c", hex32(crc32c(tok_bytes.data(), tok_bytes.size()))}}},
-      {"dtype", shard_token_bytes(V) == 2 ? "u16" : "u32"},
-      {"shards", {{"train", shards_train}, {"val", shards_val}}},
-      {"tokens", {{"train", train.tokens}, {"val", val.tokens}}},
-      {"unigram_entropy_nats", H},
-      {"val_unigram_xent_nats", xent},
-      {"prepare_seconds", res.seconds},
-  };
+  const json m = manifest_json(opt, corpus, characters, tok, tok_proto, train, val, uni, res.seconds);
   io::write_file_atomic(mpath.string(), {m.dump(2) + "\n"});
 
-  // Shards of an older preparation that the new manifest does not list.
-  if (have_old && old.contains("shards") && old["shards"].is_object()) {
-    std::set<std::string> keep;
-    for (const auto& s : train.shards) keep.insert(s.file);
-    for (const auto& s : val.shards) keep.insert(s.file);
-    for (const char* split : {"train", "val"})
-      if (old["shards"].contains(split) && old["shards"][split].is_array())
-        for (const auto& s : old["shards"][split])
-          if (s.contains("file") && s["file"].is_string() && !keep.count(s["file"].get<std::string>()))
-            fs::remove(dir / fs::path(s["file"].get<std::string>()).filename());
-  }
+  if (have_old) remove_stale_shards(old, dir, train, val);
   res.info = load_dataset(opt.out_dir);
   return res;
 }

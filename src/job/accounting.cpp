@@ -595,183 +595,213 @@ ParamSplit param_split(const ModelSpec& s, const std::vector<char>& moe, double 
 
 }  // namespace
 
+namespace {
+
+// The quantities every part of estimate_memory reads, computed once; each part adds its categories to r in the
+// order the single function did (the sums are bitwise those of one pass).
+struct MemoryTerms {
+  const JobConfig& c;
+  int64_t cb;
+  int threads;
+  const ModelSpec& s;
+  const ParallelSpec& par;
+  const ActivationCheckpointSpec ac;
+  const Fp8CachePlan f8;
+  const MoESpec& m;
+  const double D, EP, B, S, N, d, V, H, E, K, Fe, rows;
+  const std::vector<char> moe, on;
+  const double n_moe;
+  const GemmPrec prec;
+  const double copy;  // bf16 compute: a bf16 copy of every parameter (fp32 uses the masters)
+
+  MemoryTerms(const JobConfig& c_, int64_t cb_, int threads_)
+      : c(c_), cb(cb_), threads(threads_), s(c_.model), par(c_.parallelism), ac(resolve_checkpointing(c_)),
+        f8(fp8_cache_plan(c_.quantize)), m(c_.model.moe), D(double(par.dp())), EP(double(par.ep)),
+        B(double(c_.training.micro_batch_size)), S(double(c_.training.seq_len)), N(B * S), d(double(s.d_model)),
+        V(double(s.vocab_size)), H(double(s.attn.n_heads)), E(double(m.n_routed_experts)), K(double(m.topk)),
+        Fe(double(m.moe_inter_size)), rows(N * K),  // routed rows (the engine's buffers hold T * topk)
+        moe(moe_map(s)), on(ac_map(ac, s.n_layers)), n_moe(double(std::count(moe.begin(), moe.end(), char(1)))),
+        prec(cb == 4 ? GemmPrec::F32 : GemmPrec::BF16), copy(cb == 4 ? 0 : 2) {}
+
+  // Parameters, gradients, optimizer state and communication buffers.
+  void add_state(MemoryEstimate& r) const {
+    const ParamSplit ps = param_split(s, moe, EP);
+    const double local = ps.dense + ps.experts / EP;  // this rank's parameters (flat layout)
+    // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, in the
+    // compute dtype, as the grouped GEMM kernels pad them).
+    double packed_layer = 0;
+    if (s.is_moe()) {
+      const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
+      for (auto kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
+        packed_layer += double(grouped_packed_size(kind, prec, el, dm, 2 * fe)) +
+                        double(grouped_packed_size(kind, prec, el, fe, dm));
+    }
+    const double packed = n_moe * packed_layer;
+    const double bias = n_moe * E * 4;                // aux-free biases (fp32, every expert)
+    const double edp = D / EP;  // the expert-data-parallel group
+    if (par.zero == 3) {
+      const double shard = (ps.dense + ps.experts) / D;  // dense over dp, local experts over dp / ep
+      const double slots = s.tie_embeddings ? 2 : 1;
+      r.params = shard * 4 + slots * (ps.max_unit * (4 + copy) + packed_layer) + bias;
+      r.grads = shard * 4 + slots * ps.max_unit * 4;
+      r.optimizer = shard * 8;
+      // Reduce-scatter staging: the largest chunk of a unit's run. Over more than one rank, each group's
+      // communicator keeps a workspace of its largest run (gather and reduce-scatter of a unit).
+      r.comm = std::max(ps.max_dense_run / D, ps.max_expert_run / edp) * 4;
+      if (D > 1) r.comm += ps.max_dense_run * 4;
+      if (edp > 1) r.comm += ps.max_expert_run * 4;
+    } else {
+      r.params = local * (4 + copy) + packed + bias;
+      r.grads = local * 4;
+      r.optimizer = (par.zero == 1 && D > 1 ? (ps.dense + ps.experts) / D : local) * 8;
+      // The gradient all-reduce in segments of at most 2^22 elements: a workspace of the largest segment per
+      // communicator (the DP group; under EP the expert-data-parallel group for the experts' runs).
+      const double seg = double(int64_t(1) << 22);
+      if (D > 1) r.comm = std::min(EP > 1 ? ps.max_flat_run : local, seg) * 4;
+      if (EP > 1 && edp > 1) r.comm += std::min(ps.max_expert_run, seg) * 4;
+    }
+    if (EP > 1) {  // one dispatcher per MoE layer (src/parallel/ep_dispatch.cpp, its buffers() terms)
+      // A dispatched row: the payload (the compute dtype, or e4m3 with a fp32 scale per 128 values) and 8 bytes
+      // of metadata. The home rank keeps a payload copy of its tokens unless they go as fp32.
+      const double payload = par.fp8_dispatch ? d + 4 * std::ceil(d / 128) : double(cb) * d, row = payload + 8;
+      const double home = (!par.fp8_dispatch && cb == 4 ? 0 : N * payload) + N * K * 12;  // + weights, maps
+      double per;
+      if (par.ep_dispatcher == EpDispatcher::SyncFree) {  // receive side sized for the worst case, once
+        const double cap = EP * N * std::min(K, E / EP);
+        per = rows * row + cap * row + cap * d * 8 + cap * 20 + rows * d * 4 + home;
+      } else {  // received rows = routed rows on average: send, receive, fp32 expert rows, combine both ways
+        per = rows * (2 * row + 12 * d + 20) + home;
+        if (par.ep_dispatcher == EpDispatcher::Hierarchical) {
+          // Stage 1 moves each token once per node it uses (M1 rows; uniform routing: the expected number
+          // of distinct nodes among its k experts); partial sums come back per (token, node).
+          const double rpn = double(std::min<int64_t>(par.ranks_per_node, par.world_size()));
+          const double nodes = std::ceil(EP / std::min(EP, rpn)), En = E / nodes;
+          double miss = 1;  // a given node holds none of a token's k experts
+          for (int64_t i = 0; i < m.topk; ++i) miss *= std::max(0.0, (E - En - double(i)) / (E - double(i)));
+          const double M1 = N * nodes * (1 - miss);
+          per += M1 * (2 * (payload + 8 * K + 16) + 12 * d + 16 * K) + rows * 16;
+        }
+      }
+      r.comm += n_moe * per;
+    }
+    r.param_keys = ps.keys + ", " + kv("parallelism.dp_replicate", par.dp_replicate) + ", " +
+                   kv("parallelism.dp_shard", par.dp_shard) + ", " + kv("parallelism.ep", par.ep) + ", " +
+                   kv("parallelism.zero", par.zero);
+
+  }
+
+  // The activations of one micro-batch (and the selective build's peak).
+  void add_activations(MemoryEstimate& r) const {
+    const bool selective = ac.mode == AcMode::Selective, full = ac.mode == AcMode::Full;
+    int64_t full_rep[2] = {-1, -1};  // a fully recomputed layer of each kind (dense, MoE): one shared set each
+    bool sel_norm = false, sel_attn = false, sel_act = false;
+    const bool has_norm = ac.has_module("norm"), has_core = ac.has_module("attention_core");
+    const bool has_act = ac.has_module("moe_act");
+    double largest = 0;
+    std::string largest_term;
+    for (int64_t l = 0; l < s.n_layers; ++l) {
+      const bool here = on[size_t(l)], is_moe = moe[size_t(l)];
+      if (full && here) {
+        r.activations += N * d * 4;  // the layer input
+        full_rep[is_moe] = l;
+        continue;
+      }
+      const bool sn = selective && here && has_norm, sa = selective && here && has_core;
+      sel_norm |= sn, sel_attn |= sa, sel_act |= selective && here && is_moe && has_act;
+      layer_terms_kept<double>(s, is_moe, here, B, S, 4.0, double(cb), ac, [&](const char* name, double b) {
+        r.activations += b;
+        if (b > largest) largest = b, largest_term = name;
+      }, {}, f8);
+      r.activations += engine_extras(s, is_moe, N, sn, sa, cb, f8);
+    }
+    for (int64_t l : full_rep)
+      if (l >= 0) r.activations += full_layer_bytes(s, moe[size_t(l)], B, S, cb, f8) - N * d * 4;  // shared set, no x_in
+    // The shared sets of selective recompute (with fp32 compute the copies of h2 and ao are those tensors).
+    const double norm_set = N * d * (double(cb) + 4 + copy);                             // h1c, h2, h2c
+    const double attn_set = N * H * (double(s.attn.v_dim()) * (4 + copy) + 4);          // ao, aoc, lse
+    const double act_set = (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb);  // eactc, actc
+    r.activations += (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
+    r.activations += N * d * (4 + double(cb)) + N * 4;  // final norm: input, rstd, output
+    if (selective) {  // the engine builds every layer's full set before the selected modules share theirs
+      double sets = 0;
+      for (int64_t l = 0; l < s.n_layers; ++l) sets += full_layer_bytes(s, moe[size_t(l)], B, S, cb);
+      const double shared = (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
+      r.build_peak = r.params + r.grads + sets + shared;
+    }
+    if (largest_term.empty()) largest_term = "layer.input";
+    r.activation_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
+                        kv("training.seq_len", c.training.seq_len) + ", " + kv("model.n_layers", s.n_layers) + ", " +
+                        activation_term_keys(s, largest_term) + ", activation_checkpoint.mode = " +
+                        std::string(to_string(ac.mode));
+
+  }
+
+  // Workspace: src/model/model.cpp build()'s scratch, RoPE tables and the largest kernel workspace.
+  void add_workspace(MemoryEstimate& r) const {
+    const bool full = ac.mode == AcMode::Full;
+    const auto& at = s.attn;
+    const bool mla = at.type == AttnType::MLA;
+    const double dqk = double(at.qk_head_dim()), dv = double(at.v_dim()), dn = double(at.qk_nope_head_dim);
+    const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dr = double(at.qk_rope_head_dim);
+    const double F = double(s.inter_size), Fs = double(m.n_shared_experts) * Fe;
+    const double Fw = (s.ffn == FfnKind::GELU ? 1 : 2) * F;  // the dense MLP's first GEMM output width
+    const double attn_w = mla ? std::max({H * dqk, H * (dn + dv), rq, rkv})
+                              : double(at.n_heads + 2 * at.n_kv_heads) * double(at.head_dim);
+    const double big = std::max({attn_w, Fw, 2 * Fs, H * dv, d});
+    const double big_rows = std::max(N * big, rows * std::max(2 * Fe, d));
+    double ws = 4 * N * d * 4;                                               // x, dx, dh, dh2
+    ws += big_rows * (2 * 4 + double(cb));                                   // s_f1, s_f2, s_c2
+    if (cb != 4) ws += (std::max(N * d, rows * d) + big_rows) * double(cb);  // bf16 only: dyc, s_c1
+    ws += std::max(N * big, rows * d) * 4 + N * H * dv * 4;                 // s_f3, s_dao
+    ws += S * (mla ? dr : double(at.head_dim)) * 4;                          // RoPE cos + sin
+    if (mla) ws += N * (2 * H * dqk + H * (dn + dv) + dr + rq + rkv) * 4;   // MLA backward scratch
+    if (s.is_moe()) ws += N * (K + E) * 4;                                   // dtopk_w, dlogits
+    if (EP > 1) ws += N * K * 4 + rows * 3 * 4;                              // send_idx, dwr, iota_r, zero_r
+    if (full) ws += N * d * 4;                                               // recompute_out
+    if (f8.any()) {  // cached FP8 activations: the shared scratch that replaces the cached inputs' copies
+      const bool any_dense = n_moe < double(s.n_layers), any_moe = n_moe > 0;
+      if (f8.attention) ws += N * (d + (mla ? rq + rkv : 0)) * double(cb);     // h1c (MLA: + the normed latents)
+      if (f8.dense_mlp && any_dense) ws += N * d * (4 + (cb != 4 ? double(cb) : 0));  // h2 (+ its bf16 copy)
+      ws += N * std::max(f8.dense_mlp && any_dense ? F : 0, f8.shared_experts && any_moe ? Fs : 0) * double(cb);  // actc
+      if (f8.routed_experts && any_moe) ws += rows * (d + Fe) * double(cb);   // xpc, eactc
+    }
+    // Kernel workspace, one buffer for the largest need: the chunked fused loss (chunk rows: at least 256,
+    // about 8 MiB of logits), attention tiles per thread, the router, the grouped GEMMs (a packing slot per
+    // thread for the bf16 weight gradient).
+    const double chunk = std::min(N, double(linear_xent_default_chunk(s.vocab_size)));
+    double kernel = chunk * V * 4 + chunk * 8;
+    {
+      AttnWorkspaceShape aw;  // the engine's k and v heads are never shared (no head stride of 0)
+      aw.B = c.training.micro_batch_size, aw.T = c.training.seq_len, aw.Hkv = at.kv_heads();
+      aw.Dqk = at.qk_head_dim(), aw.Dv = at.v_dim();
+      kernel = std::max(kernel, double(attention_workspace_size(aw, threads)));
+    }
+    if (s.is_moe()) {
+      kernel = std::max(kernel, N * 16 + (m.aux_seq_wise ? B : 1) * E * 4);
+      const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
+      for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
+        for (auto [k_in, n_out] : {std::pair<int64_t, int64_t>{dm, 2 * fe}, {fe, dm}})
+          kernel = std::max(kernel, double(grouped_workspace_size(op, prec, el, k_in, n_out, threads)));
+    }
+    r.workspace = ws + kernel;
+    const bool layer_wide = big * N >= chunk * V;
+    r.workspace_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
+                       kv("training.seq_len", c.training.seq_len) +
+                       (layer_wide ? " (the widest layer: " + kv("model.d_model", s.d_model)
+                                   : " (the loss chunk: " + kv("model.vocab_size", s.vocab_size)) + ")";
+  }
+};
+
+}  // namespace
+
 MemoryEstimate estimate_memory(const JobConfig& c, int64_t cb, int threads) {
   MT_CHECK(cb == 2 || cb == 4, "estimate_memory", "compute element bytes ", cb, " (expected 2 = bf16 or 4 = fp32)");
   MT_CHECK(threads >= 1, "estimate_memory", "threads = ", threads, " (expected >= 1)");
-  const ModelSpec& s = c.model;
-  const auto& par = c.parallelism;
-  const ActivationCheckpointSpec ac = resolve_checkpointing(c);
-  const Fp8CachePlan f8 = fp8_cache_plan(c.quantize);
+  const MemoryTerms t(c, cb, threads);
   MemoryEstimate r;
-  const double D = double(par.dp()), EP = double(par.ep), B = double(c.training.micro_batch_size);
-  const double S = double(c.training.seq_len), N = B * S;
-  const double d = double(s.d_model), V = double(s.vocab_size), H = double(s.attn.n_heads);
-  const auto& m = s.moe;
-  const double E = double(m.n_routed_experts), K = double(m.topk), Fe = double(m.moe_inter_size);
-  const double rows = N * K;  // routed rows (the engine's buffers hold T * topk)
-  const std::vector<char> moe = moe_map(s), on = ac_map(ac, s.n_layers);
-  const double n_moe = double(std::count(moe.begin(), moe.end(), char(1)));
-
-  // ---- parameters, gradients, optimizer state
-  const ParamSplit ps = param_split(s, moe, EP);
-  const double local = ps.dense + ps.experts / EP;  // this rank's parameters (flat layout)
-  // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, in the
-  // compute dtype, as the grouped GEMM kernels pad them).
-  const GemmPrec prec = cb == 4 ? GemmPrec::F32 : GemmPrec::BF16;
-  const double copy = cb == 4 ? 0 : 2;  // bf16 compute: a bf16 copy of every parameter (fp32 uses the masters)
-  double packed_layer = 0;
-  if (s.is_moe()) {
-    const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
-    for (auto kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
-      packed_layer += double(grouped_packed_size(kind, prec, el, dm, 2 * fe)) +
-                      double(grouped_packed_size(kind, prec, el, fe, dm));
-  }
-  const double packed = n_moe * packed_layer;
-  const double bias = n_moe * E * 4;                // aux-free biases (fp32, every expert)
-  const double edp = D / EP;  // the expert-data-parallel group
-  if (par.zero == 3) {
-    const double shard = (ps.dense + ps.experts) / D;  // dense over dp, local experts over dp / ep
-    const double slots = s.tie_embeddings ? 2 : 1;
-    r.params = shard * 4 + slots * (ps.max_unit * (4 + copy) + packed_layer) + bias;
-    r.grads = shard * 4 + slots * ps.max_unit * 4;
-    r.optimizer = shard * 8;
-    // Reduce-scatter staging: the largest chunk of a unit's run. Over more than one rank, each group's
-    // communicator keeps a workspace of its largest run (gather and reduce-scatter of a unit).
-    r.comm = std::max(ps.max_dense_run / D, ps.max_expert_run / edp) * 4;
-    if (D > 1) r.comm += ps.max_dense_run * 4;
-    if (edp > 1) r.comm += ps.max_expert_run * 4;
-  } else {
-    r.params = local * (4 + copy) + packed + bias;
-    r.grads = local * 4;
-    r.optimizer = (par.zero == 1 && D > 1 ? (ps.dense + ps.experts) / D : local) * 8;
-    // The gradient all-reduce in segments of at most 2^22 elements: a workspace of the largest segment per
-    // communicator (the DP group; under EP the expert-data-parallel group for the experts' runs).
-    const double seg = double(int64_t(1) << 22);
-    if (D > 1) r.comm = std::min(EP > 1 ? ps.max_flat_run : local, seg) * 4;
-    if (EP > 1 && edp > 1) r.comm += std::min(ps.max_expert_run, seg) * 4;
-  }
-  if (EP > 1) {  // one dispatcher per MoE layer (src/parallel/ep_dispatch.cpp, its buffers() terms)
-    // A dispatched row: the payload (the compute dtype, or e4m3 with a fp32 scale per 128 values) and 8 bytes
-    // of metadata. The home rank keeps a payload copy of its tokens unless they go as fp32.
-    const double payload = par.fp8_dispatch ? d + 4 * std::ceil(d / 128) : double(cb) * d, row = payload + 8;
-    const double home = (!par.fp8_dispatch && cb == 4 ? 0 : N * payload) + N * K * 12;  // + weights, maps
-    double per;
-    if (par.ep_dispatcher == EpDispatcher::SyncFree) {  // receive side sized for the worst case, once
-      const double cap = EP * N * std::min(K, E / EP);
-      per = rows * row + cap * row + cap * d * 8 + cap * 20 + rows * d * 4 + home;
-    } else {  // received rows = routed rows on average: send, receive, fp32 expert rows, combine both ways
-      per = rows * (2 * row + 12 * d + 20) + home;
-      if (par.ep_dispatcher == EpDispatcher::Hierarchical) {
-        // Stage 1 moves each token once per node it uses (M1 rows; uniform routing: the expected number
-        // of distinct nodes among its k experts); partial sums come back per (token, node).
-        const double rpn = double(std::min<int64_t>(par.ranks_per_node, par.world_size()));
-        const double nodes = std::ceil(EP / std::min(EP, rpn)), En = E / nodes;
-        double miss = 1;  // a given node holds none of a token's k experts
-        for (int64_t i = 0; i < m.topk; ++i) miss *= std::max(0.0, (E - En - double(i)) / (E - double(i)));
-        const double M1 = N * nodes * (1 - miss);
-        per += M1 * (2 * (payload + 8 * K + 16) + 12 * d + 16 * K) + rows * 16;
-      }
-    }
-    r.comm += n_moe * per;
-  }
-  r.param_keys = ps.keys + ", " + kv("parallelism.dp_replicate", par.dp_replicate) + ", " +
-                 kv("parallelism.dp_shard", par.dp_shard) + ", " + kv("parallelism.ep", par.ep) + ", " +
-                 kv("parallelism.zero", par.zero);
-
-  // ---- activations of one micro-batch
-  const bool selective = ac.mode == AcMode::Selective, full = ac.mode == AcMode::Full;
-  int64_t full_rep[2] = {-1, -1};  // a fully recomputed layer of each kind (dense, MoE): one shared set each
-  bool sel_norm = false, sel_attn = false, sel_act = false;
-  const bool has_norm = ac.has_module("norm"), has_core = ac.has_module("attention_core");
-  const bool has_act = ac.has_module("moe_act");
-  double largest = 0;
-  std::string largest_term;
-  for (int64_t l = 0; l < s.n_layers; ++l) {
-    const bool here = on[size_t(l)], is_moe = moe[size_t(l)];
-    if (full && here) {
-      r.activations += N * d * 4;  // the layer input
-      full_rep[is_moe] = l;
-      continue;
-    }
-    const bool sn = selective && here && has_norm, sa = selective && here && has_core;
-    sel_norm |= sn, sel_attn |= sa, sel_act |= selective && here && is_moe && has_act;
-    layer_terms_kept<double>(s, is_moe, here, B, S, 4.0, double(cb), ac, [&](const char* name, double b) {
-      r.activations += b;
-      if (b > largest) largest = b, largest_term = name;
-    }, {}, f8);
-    r.activations += engine_extras(s, is_moe, N, sn, sa, cb, f8);
-  }
-  for (int64_t l : full_rep)
-    if (l >= 0) r.activations += full_layer_bytes(s, moe[size_t(l)], B, S, cb, f8) - N * d * 4;  // shared set, no x_in
-  // The shared sets of selective recompute (with fp32 compute the copies of h2 and ao are those tensors).
-  const double norm_set = N * d * (double(cb) + 4 + copy);                             // h1c, h2, h2c
-  const double attn_set = N * H * (double(s.attn.v_dim()) * (4 + copy) + 4);          // ao, aoc, lse
-  const double act_set = (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb);  // eactc, actc
-  r.activations += (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
-  r.activations += N * d * (4 + double(cb)) + N * 4;  // final norm: input, rstd, output
-  if (selective) {  // the engine builds every layer's full set before the selected modules share theirs
-    double sets = 0;
-    for (int64_t l = 0; l < s.n_layers; ++l) sets += full_layer_bytes(s, moe[size_t(l)], B, S, cb);
-    const double shared = (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
-    r.build_peak = r.params + r.grads + sets + shared;
-  }
-  if (largest_term.empty()) largest_term = "layer.input";
-  r.activation_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
-                      kv("training.seq_len", c.training.seq_len) + ", " + kv("model.n_layers", s.n_layers) + ", " +
-                      activation_term_keys(s, largest_term) + ", activation_checkpoint.mode = " +
-                      std::string(to_string(ac.mode));
-
-  // ---- workspace (src/model/model.cpp build(): scratch, RoPE tables, the largest kernel workspace)
-  const auto& at = s.attn;
-  const bool mla = at.type == AttnType::MLA;
-  const double dqk = double(at.qk_head_dim()), dv = double(at.v_dim()), dn = double(at.qk_nope_head_dim);
-  const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dr = double(at.qk_rope_head_dim);
-  const double F = double(s.inter_size), Fs = double(m.n_shared_experts) * Fe;
-  const double Fw = (s.ffn == FfnKind::GELU ? 1 : 2) * F;  // the dense MLP's first GEMM output width
-  const double attn_w = mla ? std::max({H * dqk, H * (dn + dv), rq, rkv})
-                            : double(at.n_heads + 2 * at.n_kv_heads) * double(at.head_dim);
-  const double big = std::max({attn_w, Fw, 2 * Fs, H * dv, d});
-  const double big_rows = std::max(N * big, rows * std::max(2 * Fe, d));
-  double ws = 4 * N * d * 4;                                               // x, dx, dh, dh2
-  ws += big_rows * (2 * 4 + double(cb));                                   // s_f1, s_f2, s_c2
-  if (cb != 4) ws += (std::max(N * d, rows * d) + big_rows) * double(cb);  // bf16 only: dyc, s_c1
-  ws += std::max(N * big, rows * d) * 4 + N * H * dv * 4;                 // s_f3, s_dao
-  ws += S * (mla ? dr : double(at.head_dim)) * 4;                          // RoPE cos + sin
-  if (mla) ws += N * (2 * H * dqk + H * (dn + dv) + dr + rq + rkv) * 4;   // MLA backward scratch
-  if (s.is_moe()) ws += N * (K + E) * 4;                                   // dtopk_w, dlogits
-  if (EP > 1) ws += N * K * 4 + rows * 3 * 4;                              // send_idx, dwr, iota_r, zero_r
-  if (full) ws += N * d * 4;                                               // recompute_out
-  if (f8.any()) {  // cached FP8 activations: the shared scratch that replaces the cached inputs' copies
-    const bool any_dense = n_moe < double(s.n_layers), any_moe = n_moe > 0;
-    if (f8.attention) ws += N * (d + (mla ? rq + rkv : 0)) * double(cb);     // h1c (MLA: + the normed latents)
-    if (f8.dense_mlp && any_dense) ws += N * d * (4 + (cb != 4 ? double(cb) : 0));  // h2 (+ its bf16 copy)
-    ws += N * std::max(f8.dense_mlp && any_dense ? F : 0, f8.shared_experts && any_moe ? Fs : 0) * double(cb);  // actc
-    if (f8.routed_experts && any_moe) ws += rows * (d + Fe) * double(cb);   // xpc, eactc
-  }
-  // Kernel workspace, one buffer for the largest need: the chunked fused loss (chunk rows: at least 256,
-  // about 8 MiB of logits), attention tiles per thread, the router, the grouped GEMMs (a packing slot per
-  // thread for the bf16 weight gradient).
-  const double chunk = std::min(N, double(linear_xent_default_chunk(s.vocab_size)));
-  double kernel = chunk * V * 4 + chunk * 8;
-  {
-    AttnWorkspaceShape aw;  // the engine's k and v heads are never shared (no head stride of 0)
-    aw.B = c.training.micro_batch_size, aw.T = c.training.seq_len, aw.Hkv = at.kv_heads();
-    aw.Dqk = at.qk_head_dim(), aw.Dv = at.v_dim();
-    kernel = std::max(kernel, double(attention_workspace_size(aw, threads)));
-  }
-  if (s.is_moe()) {
-    kernel = std::max(kernel, N * 16 + (m.aux_seq_wise ? B : 1) * E * 4);
-    const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
-    for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
-      for (auto [k_in, n_out] : {std::pair<int64_t, int64_t>{dm, 2 * fe}, {fe, dm}})
-        kernel = std::max(kernel, double(grouped_workspace_size(op, prec, el, k_in, n_out, threads)));
-  }
-  r.workspace = ws + kernel;
-  const bool layer_wide = big * N >= chunk * V;
-  r.workspace_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
-                     kv("training.seq_len", c.training.seq_len) +
-                     (layer_wide ? " (the widest layer: " + kv("model.d_model", s.d_model)
-                                 : " (the loss chunk: " + kv("model.vocab_size", s.vocab_size)) + ")";
+  t.add_state(r);
+  t.add_activations(r);
+  t.add_workspace(r);
   return r;
 }
 

@@ -232,11 +232,6 @@ const ParamEntry& Model::param(const std::string& name) const {
   MT_FAIL("Model::param", "no parameter named '", name, "'");
 }
 
-void init_param_elements(float* dst, const ParamEntry& e, uint64_t seed, int64_t first, int64_t count) {
-  if (e.ones) std::fill(dst, dst + count, 1.0f);
-  else fill_normal(dst, count, rng_key(seed, e.name), uint64_t(e.shard_first + first), 0.0f, e.init_std);
-}
-
 void Model::init_params(uint64_t seed) {
   if (fsdp_) {
     fsdp_->init(seed);

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "moetron/check.h"
-#include "moetron/model.h"
+#include "moetron/param_layout.h"
 #include "moetron/optim.h"
 
 namespace moetron {

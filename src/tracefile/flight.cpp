@@ -1,5 +1,5 @@
 // flight.cpp: the analysis of flight-recorder dumps behind `moetron trace flight` (see tracefile/flight.h).
-// Not the recorder (src/parallel/flight_recorder.cpp).
+// Not the recorder (src/comm/flight_recorder.cpp).
 #include "tracefile/flight.h"
 
 #include <algorithm>

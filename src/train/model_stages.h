@@ -3,7 +3,7 @@
 // that lets PipelineRuntime drive Model::stage_forward / stage_backward (split I / W included), the
 // per-micro-batch statistics a step collects from its stages, the forward-only chain used by validation,
 // and the tied-embedding gradient exchange between the first and the last stage's ranks.
-// Not the schedule (src/schedule/), not the runtime (src/parallel/pipeline_runtime.h) and not the optimizer
+// Not the schedule (src/schedule/), not the runtime (src/comm/pipeline_runtime.h) and not the optimizer
 // step (the trainer).
 #pragma once
 #include <cstdint>
@@ -14,7 +14,7 @@
 #include "moetron/config.h"
 #include "moetron/model.h"
 #include "moetron/schedule.h"
-#include "parallel/pipeline_runtime.h"
+#include "comm/pipeline_runtime.h"
 
 namespace moetron {
 

@@ -13,7 +13,7 @@
 #include "moetron/model.h"
 #include "moetron/pipeline_record.h"
 #include "moetron/schedule.h"
-#include "parallel/pipeline_runtime.h"
+#include "comm/pipeline_runtime.h"
 #include "train/model_stages.h"
 #include "train/train_data.h"
 

@@ -1,4 +1,4 @@
-// test_mpi_pipeline.cpp: the pipeline runtime (src/parallel/pipeline_runtime.h) under mpirun with pp = the
+// test_mpi_pipeline.cpp: the pipeline runtime (src/comm/pipeline_runtime.h) under mpirun with pp = the
 // world size (2 and 4): every generator (gpipe, 1f1b, interleaved_1f1b with 2 and 3 stages per rank, zb1p,
 // zbv, dualpipev) at several micro-batch counts runs the toy chain of tests/unit/pipeline_toy.h; the losses
 // and every stage's weight gradients are gathered to rank 0 and compared with memcmp against the
@@ -17,7 +17,7 @@
 #include "moetron/comm.h"
 #include "moetron/memory.h"
 #include "moetron/schedule.h"
-#include "parallel/pipeline_runtime.h"
+#include "comm/pipeline_runtime.h"
 
 using namespace moetron;
 using pp_toy::ToyStage;

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "moetron/check.h"
-#include "parallel/pipeline_runtime.h"
+#include "comm/pipeline_runtime.h"
 
 namespace pp_toy {
 

@@ -1,4 +1,4 @@
-// test_pipeline_runtime.cpp: single-process tests of the pipeline runtime (src/parallel/pipeline_runtime.h)
+// test_pipeline_runtime.cpp: single-process tests of the pipeline runtime (src/comm/pipeline_runtime.h)
 // with the toy chain of tests/unit/pipeline_toy.h: pp 1 schedules (one stage; and the V shapes zbv and
 // dualpipev, whose two stages on one rank hand tensors over in memory and whose FB actions run both halves)
 // must give bitwise the losses and weight gradients of the sequential run; activation slots and the rank's
@@ -15,7 +15,7 @@
 #include "moetron/comm.h"
 #include "moetron/memory.h"
 #include "moetron/schedule.h"
-#include "parallel/pipeline_runtime.h"
+#include "comm/pipeline_runtime.h"
 #include "pipeline_toy.h"
 #include "test_util.h"
 

@@ -13,7 +13,7 @@
 // RECV from the same peer that the peer sent after its RECV of that buffer's message (so the peer has
 // received it: the send is complete); the step waits for its request only when it reuses the buffer, which
 // then returns at once. The pools are as large as the plan's peak use; one block holds them all.
-#include "parallel/pipeline_runtime.h"
+#include "comm/pipeline_runtime.h"
 
 #include <algorithm>
 #include <chrono>
