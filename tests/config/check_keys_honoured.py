@@ -137,24 +137,23 @@ def file_exists(pattern):
     return fn
 
 
-def peak_lower(category):
+def peak_moves(category, lower):
+    """The activation (or other category) peak of the changed run is below (lower) or above the reference's."""
     def fn(new, ref):
         why = ok(new) or ok(ref)
         if why:
             return why
         a, b = new.peak(category), ref.peak(category)
-        return None if a < b else f"{category} peak {a} not below {b}"
+        return None if (a < b if lower else a > b) else f"{category} peak {a} not {'below' if lower else 'above'} {b}"
     return fn
+
+
+def peak_lower(category):
+    return peak_moves(category, True)
 
 
 def peak_higher(category):
-    def fn(new, ref):
-        why = ok(new) or ok(ref)
-        if why:
-            return why
-        a, b = new.peak(category), ref.peak(category)
-        return None if a > b else f"{category} peak {a} not above {b}"
-    return fn
+    return peak_moves(category, False)
 
 
 def records_differ(field):
