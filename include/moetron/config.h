@@ -15,32 +15,19 @@
 #include <vector>
 
 #include "moetron/check.h"
+#include "moetron/job_enums.h"
+#include "moetron/parallel_spec.h"
 #include "moetron/pp_layout.h"
 #include "moetron/schedule.h"
 #include "moetron/spec.h"
 
 namespace moetron {
 
-enum class Precision : uint8_t { BF16, FP32, FP8 };  // element sizes for the accounting (planner and engine)
-// [training] compute_dtype: the element type of the GEMM operands and of the activations saved for them.
-// Auto picks BF16 where the CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16) and FP32
-// everywhere else (runtime.h: resolve_compute_dtype). Masters, optimizer state and reductions stay fp32.
-enum class ComputeDtype : uint8_t { Auto, BF16, FP32 };
-enum class DecayType : uint8_t { Cosine, Linear, None };
-enum class EpDispatcher : uint8_t { AllToAll, SyncFree, Hierarchical };
-enum class AcMode : uint8_t { None, Selective, Full };
-// [quantize] recipe: the FP8 training recipe (how GEMM operands are scaled). The planner prices its GEMMs at
-// the FP8 rate plus the quantization passes; the engine emulates the recipe exactly (QuantizeSpec below).
-enum class Fp8Recipe : uint8_t { None, Tensorwise, Rowwise, Blockwise, MXFP8 };
+// The enums of the sections (Precision, ComputeDtype, DecayType, EpDispatcher, AcMode, Fp8Recipe) and their
+// to_string are in job_enums.h, which kernel and parallel headers include instead of this file.
 
-std::string_view to_string(Precision v);
-std::string_view to_string(ComputeDtype v);
 // The accounting's element sizes for a resolved compute dtype (Auto counts as BF16, the GPU default).
 Precision precision_of(ComputeDtype v);
-std::string_view to_string(DecayType v);
-std::string_view to_string(EpDispatcher v);
-std::string_view to_string(AcMode v);
-std::string_view to_string(Fp8Recipe v);
 
 struct JobSpec {
   std::string name = "moetron";
@@ -87,45 +74,7 @@ struct LRSchedulerSpec {
   bool operator==(const LRSchedulerSpec&) const = default;
 };
 
-struct ParallelSpec {
-  // Tensor and context parallelism: read by the planner; the engine refuses tp, cp or expert_tp > 1 with a
-  // clear message until it implements them. tp shards attention heads and FFN widths (with sequence
-  // parallelism the norm / residual regions shard the sequence over tp too); cp shards the sequence of the
-  // attention layers; expert_tp shards each routed expert's FFN width. Expert groups (ep x expert_tp) are
-  // carved out of tp x cp x dp, Megatron's rule.
-  int64_t tp = 1;
-  int64_t cp = 1;
-  int64_t expert_tp = 1;
-  bool sequence_parallel = true;
-  int64_t dp_replicate = 1;
-  int64_t dp_shard = 1;
-  int64_t ep = 1;
-  int64_t pp = 1;  // pipeline ranks (the pp_* keys: resolve_pipeline)
-  int64_t ranks_per_node = 8;
-  EpDispatcher ep_dispatcher = EpDispatcher::AllToAll;
-  bool fp8_dispatch = false;
-  int64_t zero = 0;  // 0, 1, 2 (planner only: gradients sharded too) or 3
-  // Pipeline (schedule.h, pp_layout.h). pp_schedule names the generator: gpipe, 1f1b, interleaved_1f1b, zb1p,
-  // zbv or dualpipev. pp_schedule_csv (a path) replaces the generator by a user's schedule.
-  std::string pp_schedule = "1f1b";
-  int64_t pp_virtual_stages = 0;  // stages per rank; 0 = from pp_layout or the CSV, else the schedule's default
-  int64_t pp_microbatches = 0;    // per optimizer step; 0 = global_batch_size / (micro_batch_size * dp)
-  std::string pp_layout;          // Megatron's grammar, e.g. "Et*3|t*4|t*4|t*2L"; "" = even split
-  std::string pp_schedule_csv;
-  int64_t pp_first_stage_less_layers = 0;  // even split: layer-equivalents the embedding counts for
-  int64_t pp_last_stage_less_layers = 0;   // even split: layer-equivalents the head + loss count for
-  // The 1F1B all-to-all overlap (interleaved_1f1b with EP): one more warm-up forward, then each steady-state
-  // forward / backward pair runs at once on two threads, so one micro-batch's EP dispatch / combine proceeds
-  // while the other computes (schedule.h GenSpec::ep_overlap; docs/pipeline.md).
-  bool ep_overlap = false;
-  // Planner only (the engine refuses it): under ep_overlap, the warm-up and cool-down chunks that run unpaired
-  // are split into two half micro-batches whose compute and all-to-all alternate (DeepEP-style two-micro-batch
-  // overlap), so half of one chunk's exchange runs under the other half's compute (docs/planner.md, Step time).
-  bool ep_overlap_split = false;
-  int64_t dp() const { return dp_replicate * dp_shard; }
-  int64_t world_size() const { return tp * cp * dp() * pp; }
-  bool operator==(const ParallelSpec&) const = default;
-};
+// [parallelism]: ParallelSpec, in parallel_spec.h (the device mesh reads it without the rest of the config).
 
 struct CheckpointSpec {
   bool enable = false;

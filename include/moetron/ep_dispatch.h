@@ -5,7 +5,7 @@
 // the token's home rank. Also a router-side helper for node-limited routing.
 // Not the router, not the expert GEMMs, not the in-process permute (permute.h), not the trainer wiring.
 //
-// Three dispatchers (EpDispatcher in config.h); all give the SAME received rows in the same order:
+// Three dispatchers (EpDispatcher in job_enums.h); all give the SAME received rows in the same order:
 //   alltoall      count round (all_to_all of El counts per peer), then one all_to_all_v of the records (a
 //                 message per peer: metadata, then payload rows), copied / decoded block by block into
 //                 place. alltoall_direct (fp32 rows): the rows land in place instead, one all_to_all_v per
@@ -62,7 +62,7 @@
 #include <vector>
 
 #include "moetron/comm.h"
-#include "moetron/config.h"
+#include "moetron/job_enums.h"
 
 namespace moetron {
 

@@ -45,8 +45,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "moetron/config.h"
 #include "moetron/fp8.h"
+#include "moetron/job_enums.h"
 
 namespace moetron {
 

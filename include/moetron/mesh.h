@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "moetron/comm.h"
-#include "moetron/config.h"
+#include "moetron/parallel_spec.h"
 
 namespace moetron {
 

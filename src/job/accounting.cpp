@@ -660,7 +660,7 @@ struct MemoryTerms {
       if (D > 1) r.comm = std::min(EP > 1 ? ps.max_flat_run : local, seg) * 4;
       if (EP > 1 && edp > 1) r.comm += std::min(ps.max_expert_run, seg) * 4;
     }
-    if (EP > 1) {  // one dispatcher per MoE layer (src/parallel/ep_dispatch.cpp, its buffers() terms)
+    if (EP > 1) {  // one dispatcher per MoE layer (src/ep/, its buffers() terms)
       // A dispatched row: the payload (the compute dtype, or e4m3 with a fp32 scale per 128 values) and 8 bytes
       // of metadata. The home rank keeps a payload copy of its tokens unless they go as fp32.
       const double payload = par.fp8_dispatch ? d + 4 * std::ceil(d / 128) : double(cb) * d, row = payload + 8;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ep_check.h"
+#include "moetron/check.h"
 #include "moetron/comm.h"
 #include "moetron/ep_dispatch.h"
 #include "moetron/mesh.h"

@@ -1,0 +1,134 @@
+// dispatcher.h: EpDispatch::Impl, the interface every EP dispatcher implements (dispatch, combine and the two
+// backward helpers, one call each, plus the list of its buffers) and the state they all share: the group's
+// shape, the payload sizes and codecs, the home side's weights and encoded tokens, the grouped outputs, and the
+// combine's reduction. The public calls in ep_dispatch.cpp check their arguments and time the call; the
+// dispatchers do the rest.
+// Not a layout: the flat layout (alltoall, sync_free) is dispatch_flat.h, the hierarchical one
+// dispatch_hier.cpp; not the wire helpers (ep_wire.h).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "ep/ep_wire.h"
+#include "moetron/comm.h"
+#include "moetron/ep_dispatch.h"
+#include "moetron/fp8.h"
+
+namespace moetron {
+
+struct EpDispatch::Impl {
+  // Checks the configuration and sets the shape and payload sizes below (not collective).
+  Impl(const Comm& ep_comm, const EpDispatchConfig& config);
+  virtual ~Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  // ---- what a dispatcher implements (the public calls' contracts are in ep_dispatch.h) ----
+  // Sends the encoded tokens (encode_tokens has run, wcopy holds the weights) and fills the grouped outputs
+  // and R; tr is this call's traffic.
+  virtual void dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) = 0;
+  virtual void combine(float* y, const float* yr, bool weighted, EpTraffic& tr) = 0;
+  virtual void redispatch(float* out, const float* x, EpTraffic& tr) = 0;
+  virtual void combine_scalars(float* out, const float* v, EpTraffic& tr) = 0;
+  // Every buffer it may allocate, in the order buffers() lists them.
+  virtual std::vector<ep::Buf*> all_bufs() = 0;
+  // A bound on N beyond the common checks (sync_free: max_tokens); throws with the message of validate().
+  virtual void check_token_bound(int64_t n) const {}
+
+  // ---- shared state ----
+  Comm comm;
+  EpDispatchConfig cfg;
+  // P ranks, this one me; E experts, El local; k slots; L EP ranks per node, Nn nodes, this rank's node and
+  // its index there (li).
+  int P = 1, me = 0, E = 0, El = 0, k = 0, L = 1, Nn = 1, node = 0, li = 0;
+  // D hidden; nb fp8 scale blocks per row; pb / cb bytes of a dispatch / combine wire row.
+  int64_t D = 0, nb = 0, pb = 0, cb = 0;
+  EpStats st;
+
+  // Home side.
+  int64_t N = -1;  // tokens of the last dispatch (-1: none yet)
+  int64_t S1 = 0;  // records sent by the last dispatch (flat: kept slots; hierarchical: stage-1 records)
+  ep::Buf wcopy{"home.weights [N,k] f32"}, row_of{"home.row_of [N,k] i32"};
+  ep::Buf hbuf{"home.token_bf16 [N,D]"}, qbuf{"home.token_e4m3 [N,D]"}, sbuf{"home.token_scales [N,D/128] f32"};
+  ep::Buf send1{"dispatch.send"}, recv1{"dispatch.recv"};
+
+  // Expert side (outputs of dispatch).
+  int64_t R = 0;
+  ep::Buf out_x{"expert.recv_x [R,D] f32"}, out_src{"expert.recv_src [R] i32"},
+      out_tok{"expert.recv_token [R] i32"}, out_slot{"expert.recv_slot [R] i32"}, out_w{"expert.recv_weight [R] f32"};
+  std::vector<int64_t> counts, offsets;  // [El], [El + 1]
+
+  // Combine and backward.
+  ep::Buf csend{"combine.send"}, crecv{"combine.recv"}, cdec{"combine.recv_f32"};
+  ep::Buf vsend{"backward.scalars_send"}, vrecv{"backward.scalars_recv"};  // combine_scalars
+
+  // ---- shared helpers ----
+  int node_of(int ep_rank) const { return ep_rank / L; }
+  void classify(EpTraffic& t, int dst_ep_rank, int64_t bytes) const {
+    if (dst_ep_rank == me) t.bytes_self += bytes;
+    else if (node_of(dst_ep_rank) == node) t.bytes_intra += bytes;
+    else t.bytes_inter += bytes;
+  }
+
+  void validate(const float* x, const int32_t* idx, int64_t n) const;
+  void copy_weights(const float* w, int64_t n);
+
+  // Dispatch payload: token rows encoded once per call (bf16 into hbuf, e4m3 into qbuf + sbuf), then written
+  // to the wire per (token, slot) and read back to fp32 on the expert rank.
+  void encode_tokens(const float* x, int64_t n);
+  void write_payload(char* dst, const float* x, int64_t t) const {
+    switch (cfg.dispatch_payload) {
+      case EpPayload::F32: std::memcpy(dst, x + t * D, size_t(D * 4)); break;
+      case EpPayload::BF16: std::memcpy(dst, hbuf.data<bf16>() + t * D, size_t(D * 2)); break;
+      case EpPayload::E4M3:
+        std::memcpy(dst, sbuf.data<float>() + t * nb, size_t(nb * 4));
+        std::memcpy(dst + nb * 4, qbuf.data<uint8_t>() + t * D, size_t(D));
+        break;
+    }
+  }
+  void read_payload(float* out, const char* src) const {
+    switch (cfg.dispatch_payload) {
+      case EpPayload::F32: std::memcpy(out, src, size_t(D * 4)); break;
+      case EpPayload::BF16: ep::from_wire_bf16(out, reinterpret_cast<const bf16*>(src), D); break;
+      case EpPayload::E4M3: {
+        float sc_[1];
+        fp8_decode(out, reinterpret_cast<const uint8_t*>(src + nb * 4), D, Fp8Format::E4M3);
+        for (int64_t b = 0; b < nb; ++b) {
+          std::memcpy(sc_, src + b * 4, 4);
+          const int64_t e = std::min(D, (b + 1) * ep::kFp8Block);
+          for (int64_t d = b * ep::kFp8Block; d < e; ++d) out[d] *= sc_[0];
+        }
+        break;
+      }
+    }
+  }
+
+  // Combine payload: fp32 rows [n, D] <-> wire rows [n, cb bytes].
+  void encode_rows(char* dst, const float* src, int64_t n) const;
+  void encode_row(char* dst, const float* src) const {
+    if (cfg.combine_payload == EpPayload::F32) std::memcpy(dst, src, size_t(D * 4));
+    else ep::to_wire_bf16(reinterpret_cast<bf16*>(dst), src, D);
+  }
+
+  // y [n, D] = moe_unpermute (weights w) or moe_permute_backward (w null) of the wire rows in [S, cb bytes]
+  // picked by ro [n, k]. bf16 rows are decoded a chunk of tokens at a time into a cache-sized buffer (per
+  // thread) and reduced by the same kernel: a token's result depends only on its own rows, so this is bitwise
+  // the one-call result on fully decoded rows, without writing and re-reading them all.
+  int64_t reduce_chunk_tokens() const { return std::max<int64_t>(1, (int64_t(1) << 16) / (int64_t(k) * D)); }
+  int64_t reduce_slot_bytes() const { return reduce_chunk_tokens() * k * (D * 4 + 4); }
+  void reduce_rows(float* y, ep::Buf& tmp, const char* in, const int32_t* ro, const float* w, int64_t n, int64_t S);
+};
+
+namespace ep {
+
+// The dispatchers, one file each; ep_dispatch.cpp picks one from cfg.kind. Collective (hierarchical splits
+// the EP communicator).
+std::unique_ptr<EpDispatch::Impl> make_alltoall(const Comm& ep_comm, const EpDispatchConfig& cfg);
+std::unique_ptr<EpDispatch::Impl> make_sync_free(const Comm& ep_comm, const EpDispatchConfig& cfg);
+std::unique_ptr<EpDispatch::Impl> make_hierarchical(const Comm& ep_comm, const EpDispatchConfig& cfg);
+
+}  // namespace ep
+}  // namespace moetron
