@@ -122,6 +122,22 @@ struct ParallelSpec {
   // are split into two half micro-batches whose compute and all-to-all alternate (DeepEP-style two-micro-batch
   // overlap), so half of one chunk's exchange runs under the other half's compute (docs/planner.md, Step time).
   bool ep_overlap_split = false;
+  // How ep_overlap's two lanes run (the engine reads these only with ep_overlap = true; docs/pipeline.md). None
+  // changes what is computed: every choice is bitwise the plain interleaved run; they change what overlaps what.
+  // ep_pair_backward: a fused pair's backward half as "b" (one full backward, layer by layer), "iw" (its input
+  // half, then its weight half), "iwfill" (iw, and the backward lane runs its recorded weight gradients while it
+  // waits in an exchange and the other lane does not compute), "iwcarry" (every backward, paired or alone, carries
+  // its weight gradients into later exchange waits on either lane) or "auto" (iwcarry where the engine can fill,
+  // i.e. ep_baton = "free" and no [quantize], else b). The planner reads it too: auto projects both iwcarry and b
+  // and keeps the faster, iwcarry carries, b / iw / iwfill do not (docs/planner.md, Carried weight gradients).
+  std::string ep_pair_backward = "auto";
+  // ep_baton: which lane computes. "free": whichever lane is ready; "turn": strict turns, lane 0 first, the same
+  // order of compute segments on every EP rank (kept for comparison; iwfill and iwcarry need "free").
+  std::string ep_baton = "free";
+  // ep_link: "shared" lets both lanes' exchanges be in flight at once; "paced" holds a lane's exchange until the
+  // other lane's has completed (one exchange at a time per rank); needs ep_baton = "turn".
+  std::string ep_link = "shared";
+  bool pair_fills() const { return ep_pair_backward == "iwfill" || ep_pair_backward == "iwcarry"; }
   int64_t dp() const { return dp_replicate * dp_shard; }
   int64_t world_size() const { return tp * cp * dp() * pp; }
   bool operator==(const ParallelSpec&) const = default;
@@ -172,11 +188,22 @@ struct ProfilingSpec {
   bool operator==(const ProfilingSpec&) const = default;
 };
 
-// [comm]: the communication watchdog (docs/reliability.md). A collective or point-to-point call running longer
-// than timeout_s seconds makes every rank dump its flight recorder (its last collectives and messages) to
-// <dump_folder>/flight/rank<r>.json and abort the job. 0 = no watchdog (the flight recorder still runs).
+// [comm]: the communication watchdog (docs/reliability.md) and how the MPI transport waits. A collective or
+// point-to-point call running longer than timeout_s seconds makes every rank dump its flight recorder (its last
+// collectives and messages) to <dump_folder>/flight/rank<r>.json and abort the job. 0 = no watchdog (the flight
+// recorder still runs). The mpi_* keys apply to runs of several processes (MPI); none changes what is computed.
 struct CommSpec {
   double timeout_s = 0;
+  // mpi_wait: how a rank waits for its MPI requests. "poll" tests them back to back for 50 us, then sleeps
+  // between tests (20 us, doubling up to mpi_max_nap_us), so a waiting rank leaves its core to the ranks and
+  // threads that compute; "spin" waits inside MPI_Waitall. Only "poll" runs the EP overlap's weight gradients
+  // inside waits (comm.h CommIdleWork).
+  std::string mpi_wait = "poll";
+  int64_t mpi_max_nap_us = 200;  // the longest sleep between two tests under "poll", in [20, 5000] microseconds
+  // mpi_thread: the thread level asked of MPI_Init: "multiple" (MPI_THREAD_MULTIPLE, which ep_overlap needs) or
+  // "funneled" (MPI_THREAD_FUNNELED, for comparisons). MPI starts once per process, when the trainer first needs
+  // it, after the config is read; a process whose MPI was already started at another level refuses the job.
+  std::string mpi_thread = "multiple";
   bool operator==(const CommSpec&) const = default;
 };
 
@@ -264,6 +291,12 @@ PipelineSetup resolve_pipeline(const JobConfig& c);
 // stages (intersected with layer_ids when both are given; mode none when nothing is left) and stage_ids
 // cleared. Without stage_ids, the section as it is. The engine and the accounting use this.
 ActivationCheckpointSpec resolve_checkpointing(const JobConfig& c);
+
+// The rules ep_overlap adds for how its lanes run: parallelism.ep_link = "paced" needs ep_baton = "turn";
+// ep_pair_backward = "iwfill" / "iwcarry" needs ep_baton = "free" and no [quantize] recipe. Throws "invalid config:
+// <key> = <value>: <why>" for the first broken one, whatever ep_overlap says: JobConfig::validate calls it with
+// ep_overlap = true, the planner for the layouts it projects with the overlap.
+void validate_overlap_lanes(const JobConfig& c);
 
 // Load a TOML file, apply overrides (each "--section.key=value" or "section.key=value"), resolve and
 // validate. Errors name the file and line (when known), the key, and a suggestion for unknown keys.
