@@ -7,18 +7,20 @@
 # docs/pipeline.md) and the loss (bitwise equal in both runs), then the mean of steps 2.. and two figures of
 # what the overlap hides: from the step times, (plain - overlap) / plain EP, and from the exposed time,
 # 1 - exposed(overlap) / exposed(plain). The metrics are rank 0's. MPIRUN_ARGS is passed to two_hosts.sh.
-# BATONS="turn free" runs the overlap once per lane order (MOETRON_EP_BATON, docs/pipeline.md); default free. An
-# entry "turn-paced" runs the turns with the paced link (MOETRON_EP_LINK=paced: one exchange in flight per rank);
-# "free" and "turn" run MOETRON_EP_PAIR_BACKWARD=b (one full backward per pair); "free-iw" / "free-iwfill" run a
-# pair's backward as input then weight half, the latter with the weight gradients also run inside the exchange
-# waits, and "free-iwcarry" (the engine's default) with every backward's weight half carried into later exchange
-# waits (MOETRON_EP_PAIR_BACKWARD, docs/pipeline.md).
+# BATONS="turn free" runs the overlap once per lane order (parallelism.ep_baton, docs/pipeline.md); default free. An
+# entry "turn-paced" runs the turns with the paced link (parallelism.ep_link = paced: one exchange in flight per
+# rank); "free" and "turn" run parallelism.ep_pair_backward = b (one full backward per pair); "free-iw" /
+# "free-iwfill" run a pair's backward as input then weight half, the latter with the weight gradients also run
+# inside the exchange waits, and "free-iwcarry" (what the engine's default, auto, runs here) with every backward's
+# weight half carried into later exchange waits (parallelism.ep_pair_backward, docs/pipeline.md). The keys go to
+# the overlapped runs as --section.key=value overrides (older versions of this script set environment variables).
 # BASELINE=1 also runs every side on unshaped links (the same hosts, no rate limit) and prints a third figure, the
 # link's cost hidden: 1 - (overlap(RATE) - overlap(unshaped)) / (plain(RATE) - plain(unshaped)). It leaves out
 # what the second lane gains that is not EP (it fills pipeline bubbles and P2P waits on fast links too).
 # Usage: sudo bench/ep_overlap.sh [RATE]   (default 300mbit; RATE=unshaped: no limit; MOETRON=path/to/moetron,
 # OUT=folder, GBS=global batch in sequences (default 16: 4 micro-batches per pipeline), STEPS (default 4),
-# DISPATCHER=alltoall|sync_free|hierarchical (parallelism.ep_dispatcher, default alltoall))
+# DISPATCHER=alltoall|sync_free|hierarchical (parallelism.ep_dispatcher, default alltoall), TRAIN_ARGS=more
+# --section.key=value overrides for every run, word-split, e.g. "--comm.mpi_wait=spin" or "--comm.mpi_max_nap_us=1000")
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 moetron=${MOETRON:-$root/build/moetron}
@@ -53,13 +55,16 @@ for run in $runs; do
   [[ $run == *-iw ]] && pair=iw
   [[ $run == *-iwfill ]] && pair=iwfill
   [[ $run == *-iwcarry ]] && pair=iwcarry
-  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-} -x MOETRON_EP_BATON=${baton/plain/free} -x MOETRON_EP_LINK=$ep_link -x MOETRON_EP_PAIR_BACKWARD=$pair" \
-    "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" \
+  lanes=()  # the plain run has no lanes (the keys would only be noted as moot)
+  [[ $run != plain ]] && lanes=(--parallelism.ep_baton=$baton --parallelism.ep_link=$ep_link
+                                --parallelism.ep_pair_backward=$pair)
+  if HOSTS=4 NP_PER_HOST=1 RATE=$shaped MPIRUN_ARGS="${MPIRUN_ARGS:-}" \
+    "$root/tests/mpi/two_hosts.sh" "$moetron" train "$root/configs/ds_mini.toml" ${lanes[@]+"${lanes[@]}"} \
     --job.dump_folder="$dir" --training.steps=$steps --training.dataset=synthetic --training.val_interval=0 \
     --training.micro_batch_size=2 --training.global_batch_size=$gbs --training.threads=1 \
     --parallelism.pp=2 --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.ep_dispatcher=$dispatcher --parallelism.ranks_per_node=1 \
     --parallelism.pp_schedule=interleaved_1f1b --parallelism.ep_overlap=$ov --metrics.log_interval=1 \
-    --metrics.peak_tflops=1 --checkpoint.enable=false --quiet >"$dir.log" 2>&1; then break; fi
+    --metrics.peak_tflops=1 --checkpoint.enable=false ${TRAIN_ARGS:-} --quiet >"$dir.log" 2>&1; then break; fi
   echo "run $run, attempt $attempt failed:" >&2; tail -5 "$dir.log" >&2
   [[ $attempt == 3 ]] && { kill $sampler; exit 1; }
   done
@@ -86,9 +91,9 @@ for run in runs:
                       e.get("exposed_paired_seconds_per_step", 0.0), e.get("wgrad_fill_seconds_per_step", 0.0)))
         prev = r["time_s"]
     res[run] = steps
-    print("ep_overlap = false" if run == "plain" else f"ep_overlap = true, MOETRON_EP_BATON={run.split('-')[0]}"
-          + (", MOETRON_EP_LINK=paced" if run.endswith("-paced") else "")
-          + (f", MOETRON_EP_PAIR_BACKWARD={run.split('-')[1]}" if run.endswith(("-iw", "-iwfill", "-iwcarry")) else ""), f"({rate}):")
+    print("ep_overlap = false" if run == "plain" else f"ep_overlap = true, ep_baton = {run.split('-')[0]}"
+          + (", ep_link = paced" if run.endswith("-paced") else "")
+          + (f", ep_pair_backward = {run.split('-')[1]}" if run.endswith(("-iw", "-iwfill", "-iwcarry")) else ""), f"({rate}):")
     for s, t, e, x, l, xp, wf in steps:
         print(f"  step {s}: {t:.2f} s, EP {e:.2f} s, exposed EP {x:.2f} s (in F&B pairs {xp:.2f} s), loss {l!r}"
               + (f", weight gradients run inside waits {wf:.2f} s" if wf > 0 else ""))

@@ -6,7 +6,9 @@
 //   mpirun --oversubscribe -np 4 build/bench/mpi_bench_dispatch [--tokens 2048] [--hidden 512] [--topk 6]
 //          [--experts 64] [--rpn 2] [--iters 8] [--warmup 2]
 //          [--only alltoall,direct,sync_free,hierarchical] [--payloads f32,bf16,e4m3]
+//          [--mpi-thread multiple|funneled]
 //
+// --mpi-thread: the thread level MPI_Init is asked for (the trainer's [comm] mpi_thread; default multiple).
 // Per configuration, per iteration: barrier; dispatch; combine (the "experts" are the identity: yr = recv_x);
 // the iteration time is the slowest rank's. bytes = what one rank sends in dispatch + combine, averaged over
 // ranks, all destinations (self included; payload rows, per-record metadata, headers and count rounds, i.e.
@@ -61,6 +63,7 @@ struct Args {
   int64_t tokens = 2048, hidden = 512;
   int topk = 6, experts = 64, rpn = 2, iters = 8, warmup = 2;
   std::string only = "alltoall,direct,sync_free,hierarchical", payloads = "f32,bf16,e4m3";
+  std::string mpi_thread = "multiple";
 };
 
 Args parse(int argc, char** argv) {
@@ -70,6 +73,7 @@ Args parse(int argc, char** argv) {
     long long v = std::atoll(argv[i + 1]);
     if (k == "--only") a.only = argv[i + 1];
     else if (k == "--payloads") a.payloads = argv[i + 1];
+    else if (k == "--mpi-thread") a.mpi_thread = argv[i + 1];
     else if (k == "--tokens") a.tokens = v;
     else if (k == "--hidden") a.hidden = v;
     else if (k == "--topk") a.topk = int(v);
@@ -81,6 +85,10 @@ Args parse(int argc, char** argv) {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       std::exit(2);
     }
+  }
+  if (a.mpi_thread != "multiple" && a.mpi_thread != "funneled") {
+    std::fprintf(stderr, "--mpi-thread must be multiple or funneled, not '%s'\n", a.mpi_thread.c_str());
+    std::exit(2);
   }
   return a;
 }
@@ -97,6 +105,7 @@ Timing summarize(std::vector<double> t) {
 
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
+  comm_request_mpi_thread(a.mpi_thread == "multiple");  // before comm_world() starts MPI
   Comm world = comm_world();
   const int P = world.size(), me = world.rank();
   init_threads(0, P);

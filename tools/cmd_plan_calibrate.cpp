@@ -164,7 +164,7 @@ plan::Hardware calibrate_round(const Comm& w, bool quick, std::string* check_out
     const int reps = quick ? 2 : 5;
     g_min_window = quick ? 0.1 : 0.25;
     // The engine's thread count (train_session.cpp): the cores over the ranks sharing this machine, unless
-    // MOETRON_NUM_THREADS / OMP_NUM_THREADS say otherwise. Measuring with more threads than the engine runs would
+    // OMP_NUM_THREADS says otherwise (training.threads = 0). Measuring with more threads than the engine runs would
     // price an oversubscription the engine does not have.
     {
       int local = w.size();

@@ -5,6 +5,7 @@
 
 #include "cli.h"
 #include "moetron/check.h"
+#include "moetron/env.h"
 
 namespace moetron::cli {
 static std::vector<Registrar>& registry() {
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   for (auto& r : moetron::cli::registry()) r(app);
   try {
+    moetron::refuse_retired_env();  // a variable that once chose behaviour names its config key (env.h)
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

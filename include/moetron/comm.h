@@ -241,15 +241,26 @@ bool comm_mpi_built();
 // Finalizes MPI if comm_world() initialized it (idempotent; also registered with atexit).
 void comm_finalize();
 // MPI runs with MPI_THREAD_MULTIPLE: two threads may use two different communicators at once (the
-// pipeline's EP overlap needs it). comm_world() initialises MPI with it (MOETRON_MPI_THREAD=funneled asks for
-// MPI_THREAD_FUNNELED instead; docs/benchmarks.md compares the two).
+// pipeline's EP overlap needs it). comm_world() initialises MPI with it, unless comm_request_mpi_thread(false)
+// asked for MPI_THREAD_FUNNELED before ([comm] mpi_thread = "funneled"; docs/benchmarks.md compares the two).
 bool comm_thread_multiple();
+// The thread level comm_world() asks MPI_Init for: true MPI_THREAD_MULTIPLE (the default), false
+// MPI_THREAD_FUNNELED. MPI starts once per process, so the level is chosen once: returns false, changing nothing,
+// when MPI has already started at another level (started by comm_world() asking for the other one, or started
+// outside moetron at MULTIPLE when FUNNELED is asked), true otherwise. Without MPI: true, nothing to do. The
+// trainer calls it with [comm] mpi_thread before its first comm_world().
+bool comm_request_mpi_thread(bool multiple);
+// How the MPI transport waits for its requests ([comm] mpi_wait, mpi_max_nap_us): poll = true tests them and,
+// after 50 us, sleeps between tests (20 us, doubling up to max_nap_us, in [20, 5000]); false waits inside
+// MPI_Waitall. Process-wide, for the waits that start after the call; poll and 200 us until a call (the trainer
+// calls it with its config at start-up). Without MPI: nothing to do.
+void comm_set_mpi_wait(bool poll, int max_nap_us);
 
 // Work a thread may do while it waits inside a Comm call: the MPI backend, polling its pending requests
-// (MOETRON_MPI_WAIT=poll, the default), calls fn(ctx) between tests; fn returns true if it did some work (the wait
+// ([comm] mpi_wait = "poll", the default), calls fn(ctx) between tests; fn returns true if it did some work (the wait
 // tests again at once) and false if it had none (the wait naps as before). The EP overlap uses it to run deferred
 // weight gradients while both lanes wait (docs/pipeline.md). Per thread; nests: the destructor restores the hook
-// that was set before. With MOETRON_MPI_WAIT=spin (one blocking MPI wait) no hook runs.
+// that was set before. With mpi_wait = "spin" (one blocking MPI wait) no hook runs.
 class CommIdleWork {
  public:
   CommIdleWork(bool (*fn)(void*), void* ctx);

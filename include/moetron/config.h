@@ -121,11 +121,22 @@ struct ProfilingSpec {
   bool operator==(const ProfilingSpec&) const = default;
 };
 
-// [comm]: the communication watchdog (docs/reliability.md). A collective or point-to-point call running longer
-// than timeout_s seconds makes every rank dump its flight recorder (its last collectives and messages) to
-// <dump_folder>/flight/rank<r>.json and abort the job. 0 = no watchdog (the flight recorder still runs).
+// [comm]: the communication watchdog (docs/reliability.md) and how the MPI transport waits. A collective or
+// point-to-point call running longer than timeout_s seconds makes every rank dump its flight recorder (its last
+// collectives and messages) to <dump_folder>/flight/rank<r>.json and abort the job. 0 = no watchdog (the flight
+// recorder still runs). The mpi_* keys apply to runs of several processes (MPI); none changes what is computed.
 struct CommSpec {
   double timeout_s = 0;
+  // mpi_wait: how a rank waits for its MPI requests. "poll" tests them back to back for 50 us, then sleeps
+  // between tests (20 us, doubling up to mpi_max_nap_us), so a waiting rank leaves its core to the ranks and
+  // threads that compute; "spin" waits inside MPI_Waitall. Only "poll" runs the EP overlap's weight gradients
+  // inside waits (comm.h CommIdleWork).
+  std::string mpi_wait = "poll";
+  int64_t mpi_max_nap_us = 200;  // the longest sleep between two tests under "poll", in [20, 5000] microseconds
+  // mpi_thread: the thread level asked of MPI_Init: "multiple" (MPI_THREAD_MULTIPLE, which ep_overlap needs) or
+  // "funneled" (MPI_THREAD_FUNNELED, for comparisons). MPI starts once per process, when the trainer first needs
+  // it, after the config is read; a process whose MPI was already started at another level refuses the job.
+  std::string mpi_thread = "multiple";
   bool operator==(const CommSpec&) const = default;
 };
 
@@ -213,6 +224,12 @@ PipelineSetup resolve_pipeline(const JobConfig& c);
 // stages (intersected with layer_ids when both are given; mode none when nothing is left) and stage_ids
 // cleared. Without stage_ids, the section as it is. The engine and the accounting use this.
 ActivationCheckpointSpec resolve_checkpointing(const JobConfig& c);
+
+// The rules ep_overlap adds for how its lanes run: parallelism.ep_link = "paced" needs ep_baton = "turn";
+// ep_pair_backward = "iwfill" / "iwcarry" needs ep_baton = "free" and no [quantize] recipe. Throws "invalid config:
+// <key> = <value>: <why>" for the first broken one, whatever ep_overlap says: JobConfig::validate calls it with
+// ep_overlap = true, the planner for the layouts it projects with the overlap.
+void validate_overlap_lanes(const JobConfig& c);
 
 // Load a TOML file, apply overrides (each "--section.key=value" or "section.key=value"), resolve and
 // validate. Errors name the file and line (when known), the key, and a suggestion for unknown keys.

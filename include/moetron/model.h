@@ -67,6 +67,10 @@ struct ModelParallel {
   // exchanges can run at once) and the model a second execution lane (set_thread_lane). Needs MPI with
   // MPI_THREAD_MULTIPLE; not with FSDP or activation recompute.
   bool ep_overlap = false;
+  // How the two lanes share the cores and the link ([parallelism] ep_baton, ep_link): the free lane order (else
+  // strict turns) and the paced link (one exchange in flight per rank; needs the turns).
+  bool ep_free_order = true;
+  bool ep_paced_link = false;
 };
 
 // training.compute_dtype for this machine: Auto -> BF16 where bf16 GEMMs are native (the kernels run at
@@ -163,9 +167,9 @@ class Model {
   static void set_thread_lane(int lane);
   // Around one FB pair run on the two lanes: the lanes take turns (lane 0 first), handing over at every EP
   // exchange and when a half ends, in the same order on every EP rank.
-  // The EP overlap's fill (MOETRON_EP_PAIR_BACKWARD=iwfill): a pair's backward lane runs its recorded weight
+  // The EP overlap's fill (parallelism.ep_pair_backward = "iwfill"): a pair's backward lane runs its recorded weight
   // gradients while it waits in an exchange and the other lane does not compute. Needs ep_overlap, free order.
-  // carry (MOETRON_EP_PAIR_BACKWARD=iwcarry): every backward (paired or alone) records its weight gradients and
+  // carry ("iwcarry"): every backward (paired or alone) records its weight gradients and
   // carries them; later exchange waits on either lane run the oldest first (inside a pair when no lane computes),
   // a slot's reuse runs those up to it, and flush_carried_wgrads() runs what is left (the executor, at a step's end).
   void set_ep_wgrad_fill(bool on, bool carry = false);
@@ -191,7 +195,7 @@ class Model {
   // intervals some lane spent inside an exchange; exposed_seconds = the part of it during which no lane
   // computed (without the all-to-all overlap, all of it); exposed_paired_seconds = the part of that inside
   // overlapped F&B pairs (the rest: actions that ran alone). wgrad_fill_*: the weight gradients a lane ran inside
-  // its own exchange waits (MOETRON_EP_PAIR_BACKWARD=iwfill), their count and seconds. Call between passes, not
+  // its own exchange waits (parallelism.ep_pair_backward = "iwfill" or "iwcarry"), their count and seconds. Call between passes, not
   // while one runs.
   struct EpExposed {
     double wait_seconds = 0, exposed_seconds = 0, exposed_paired_seconds = 0;

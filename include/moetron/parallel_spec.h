@@ -46,6 +46,22 @@ struct ParallelSpec {
   // are split into two half micro-batches whose compute and all-to-all alternate (DeepEP-style two-micro-batch
   // overlap), so half of one chunk's exchange runs under the other half's compute (docs/planner.md, Step time).
   bool ep_overlap_split = false;
+  // How ep_overlap's two lanes run (the engine reads these only with ep_overlap = true; docs/pipeline.md). None
+  // changes what is computed: every choice is bitwise the plain interleaved run; they change what overlaps what.
+  // ep_pair_backward: a fused pair's backward half as "b" (one full backward, layer by layer), "iw" (its input
+  // half, then its weight half), "iwfill" (iw, and the backward lane runs its recorded weight gradients while it
+  // waits in an exchange and the other lane does not compute), "iwcarry" (every backward, paired or alone, carries
+  // its weight gradients into later exchange waits on either lane) or "auto" (iwcarry where the engine can fill,
+  // i.e. ep_baton = "free" and no [quantize], else b). The planner reads it too: auto projects both iwcarry and b
+  // and keeps the faster, iwcarry carries, b / iw / iwfill do not (docs/planner.md, Carried weight gradients).
+  std::string ep_pair_backward = "auto";
+  // ep_baton: which lane computes. "free": whichever lane is ready; "turn": strict turns, lane 0 first, the same
+  // order of compute segments on every EP rank (kept for comparison; iwfill and iwcarry need "free").
+  std::string ep_baton = "free";
+  // ep_link: "shared" lets both lanes' exchanges be in flight at once; "paced" holds a lane's exchange until the
+  // other lane's has completed (one exchange at a time per rank); needs ep_baton = "turn".
+  std::string ep_link = "shared";
+  bool pair_fills() const { return ep_pair_backward == "iwfill" || ep_pair_backward == "iwcarry"; }
   int64_t dp() const { return dp_replicate * dp_shard; }
   int64_t world_size() const { return tp * cp * dp() * pp; }
   bool operator==(const ParallelSpec&) const = default;

@@ -20,8 +20,9 @@ Isa active_isa();
 void set_isa_override(Isa isa);  // for tests; clamps to what the CPU supports
 std::string_view isa_name(Isa isa);
 
-// Thread count: `requested` if > 0, else MOETRON_NUM_THREADS, else OMP_NUM_THREADS, else the number
-// of online cores divided by `local_ranks` (ranks sharing this machine), at least 1.
+// Thread count: `requested` if > 0 (the trainer's training.threads), else OMP_NUM_THREADS, else the number
+// of online cores divided by `local_ranks` (ranks sharing this machine), at least 1. Without `requested` a
+// retired variable (MOETRON_NUM_THREADS, env.h) is refused first.
 int init_threads(int requested = 0, int local_ranks = 1);
 int num_threads();
 

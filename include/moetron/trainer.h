@@ -93,7 +93,7 @@ struct TrainResult {
   double ep_wait_seconds = 0;           // union of the lanes' exchange waits (Model::ep_exposed)
   double ep_exposed_seconds = 0;        // of which no lane computed: the EP time not hidden
   double ep_exposed_paired_seconds = 0; // of which inside overlapped F&B pairs (0 without ep_overlap)
-  int64_t ep_wgrad_fill_tasks = 0;      // weight gradients run inside exchange waits (MOETRON_EP_PAIR_BACKWARD=iwfill)
+  int64_t ep_wgrad_fill_tasks = 0;      // weight gradients run inside exchange waits (ep_pair_backward = iwfill, iwcarry)
   int64_t ep_buffer_bytes = 0;          // the dispatchers' buffers on this rank
   // Routing skew under EP (Model::ep_rows): over this rank's MoE layers, the most routed rows one dispatch
   // brought, and the rows the buffers hold, each over the balanced tokens x topk (1 = balanced; 0 without EP).

@@ -752,6 +752,23 @@ bool comm_thread_multiple() {
 #endif
 }
 
+bool comm_request_mpi_thread(bool multiple) {
+#if MOETRON_WITH_MPI
+  return detail::mpi_request_thread(multiple);
+#else
+  (void)multiple;
+  return true;
+#endif
+}
+
+void comm_set_mpi_wait(bool poll, int max_nap_us) {
+#if MOETRON_WITH_MPI
+  detail::mpi_set_wait(poll, max_nap_us);
+#else
+  (void)poll, (void)max_nap_us;
+#endif
+}
+
 void comm_finalize() {
 #if MOETRON_WITH_MPI
   detail::mpi_finalize_if_owned();

@@ -62,6 +62,8 @@ bool mpi_launched();                                 // started by an MPI launch
 std::shared_ptr<CommBackend> mpi_world_backend();    // initializes MPI on first use
 void mpi_finalize_if_owned();
 bool mpi_thread_multiple();  // MPI initialised with MPI_THREAD_MULTIPLE (and not finalized)
+void mpi_set_wait(bool poll, int max_nap_us);  // comm_set_mpi_wait
+bool mpi_request_thread(bool multiple);        // comm_request_mpi_thread
 #endif
 
 }  // namespace moetron::detail

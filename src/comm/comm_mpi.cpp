@@ -5,12 +5,14 @@
 // Not a reduction: Comm folds in a fixed order itself; MPI_Allreduce is never used. Non-blocking sends and
 // receives (isend / irecv) keep their MPI_Request in a table of reusable slots until wait_all completes them.
 // Waiting: every call but the barrier is non-blocking underneath and completes in wait_requests(), which tests
-// the requests and, once a wait has lasted a little, sleeps between tests (MOETRON_MPI_WAIT=poll, the default) instead of
-// spinning inside MPI (MOETRON_MPI_WAIT=spin). A rank that waits then leaves its core to the ranks and threads
-// that compute, which matters whenever ranks share cores (oversubscribed runs, the EP overlap's second lane).
+// the requests and, once a wait has lasted a little, sleeps between tests ([comm] mpi_wait = "poll", the default)
+// instead of spinning inside MPI ("spin"; comm_set_mpi_wait). A rank that waits then leaves its core to the ranks
+// and threads that compute, which matters whenever ranks share cores (oversubscribed runs, the EP overlap's second
+// lane). MPI_Init asks for the thread level comm_request_mpi_thread chose ([comm] mpi_thread; MULTIPLE by default).
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -29,6 +31,12 @@ namespace moetron::detail {
 namespace {
 
 bool g_we_initialized = false;
+// The level MPI_Init is asked for (comm_request_mpi_thread), and the one it was asked for when it ran here.
+std::atomic<int> g_want_level{MPI_THREAD_MULTIPLE};
+int g_asked_level = -1;
+// How waits wait (comm_set_mpi_wait): polling with naps up to g_max_nap_us, or one blocking MPI_Waitall.
+std::atomic<bool> g_poll{true};
+std::atomic<int> g_max_nap_us{200};
 
 void mpi_ok(int rc, const char* op) {
   if (rc == MPI_SUCCESS) return;
@@ -66,16 +74,10 @@ int common_unit(std::initializer_list<std::pair<const int64_t*, int>> arrays, in
 }
 
 // How a rank waits for its requests: sleeping between tests (default) or spinning inside MPI_Waitall.
-bool wait_by_polling() {
-  static const bool poll = env_choice("MOETRON_MPI_WAIT", "poll", {"poll", "spin"}, "comm.init") == "poll";
-  return poll;
-}
+bool wait_by_polling() { return g_poll.load(std::memory_order_relaxed); }
 
-// The longest sleep between two tests of a long wait: MOETRON_MPI_MAX_NAP_US (20 to 5000, default 200).
-std::chrono::microseconds max_nap() {
-  static const std::chrono::microseconds nap(env_int_in("MOETRON_MPI_MAX_NAP_US", 200, 20, 5000, "comm.init"));
-  return nap;
-}
+// The longest sleep between two tests of a long wait: [comm] mpi_max_nap_us (20 to 5000, default 200).
+std::chrono::microseconds max_nap() { return std::chrono::microseconds(g_max_nap_us.load(std::memory_order_relaxed)); }
 
 // Completes n requests; returns MPI's code (MPI_ERR_IN_STATUS with per-request errors in st, as MPI_Waitall).
 // Polling: tests back to back for the first 50 us (short messages finish at MPI's own latency), then sleeps
@@ -319,12 +321,12 @@ std::shared_ptr<CommBackend> mpi_world_backend() {
       int provided = 0;
       // MULTIPLE: the pipeline's EP overlap runs two micro-batches' halves on two threads, each with its own
       // communicators (Model lanes). Everything else calls MPI from the main thread only.
-      // MOETRON_MPI_THREAD=funneled asks for the lower level (for comparisons; ep_overlap is then refused).
-      const int want = env_choice("MOETRON_MPI_THREAD", "multiple", {"multiple", "funneled"}, "comm.init") == "funneled"
-                           ? MPI_THREAD_FUNNELED
-                           : MPI_THREAD_MULTIPLE;
+      // [comm] mpi_thread = "funneled" asks for the lower level (for comparisons; ep_overlap is then refused).
+      refuse_retired_env();  // MOETRON_MPI_THREAD and the rest: errors naming their config keys (env.h)
+      const int want = g_want_level.load();
       mpi_ok(MPI_Init_thread(nullptr, nullptr, want, &provided), "comm.init");
       g_we_initialized = true;
+      g_asked_level = want;
       std::atexit([] { mpi_finalize_if_owned(); });
     }
   });
@@ -342,6 +344,27 @@ bool mpi_thread_multiple() {
   int level = 0;
   MPI_Query_thread(&level);
   return level == MPI_THREAD_MULTIPLE;
+}
+
+bool mpi_request_thread(bool multiple) {
+  const int want = multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED;
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) {
+    g_want_level.store(want);
+    return true;
+  }
+  if (g_we_initialized) return g_asked_level == want;
+  int level = 0;  // started outside moetron: FUNNELED cannot be had from a MULTIPLE MPI
+  MPI_Query_thread(&level);
+  return multiple || level != MPI_THREAD_MULTIPLE;
+}
+
+void mpi_set_wait(bool poll, int max_nap_us) {
+  MT_CHECK(max_nap_us >= 20 && max_nap_us <= 5000, "comm", "comm.mpi_max_nap_us = ", max_nap_us,
+           " must be in [20, 5000] microseconds");
+  g_poll.store(poll);
+  g_max_nap_us.store(max_nap_us);
 }
 
 void mpi_finalize_if_owned() {

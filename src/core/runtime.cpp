@@ -74,7 +74,7 @@ static int env_int(const char* name) { return int(env_int_in(name, 0, 1, 4096, "
 
 int init_threads(int requested, int local_ranks) {
   int n = requested;
-  if (n <= 0) n = env_int("MOETRON_NUM_THREADS");
+  if (n <= 0) refuse_retired_env();  // MOETRON_NUM_THREADS (retired: training.threads) is an error, not a fallback
   if (n <= 0) n = env_int("OMP_NUM_THREADS");
   if (n <= 0) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);

@@ -291,6 +291,10 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("parallelism", "pp_last_stage_less_layers", parallelism.pp_last_stage_less_layers));
     t.push_back(MT_F("parallelism", "ep_overlap", parallelism.ep_overlap));
     t.push_back(MT_F("parallelism", "ep_overlap_split", parallelism.ep_overlap_split));
+    t.push_back(MT_E("parallelism", "ep_pair_backward", parallelism.ep_pair_backward,
+                     {"auto", "b", "iw", "iwfill", "iwcarry"}));
+    t.push_back(MT_E("parallelism", "ep_baton", parallelism.ep_baton, {"free", "turn"}));
+    t.push_back(MT_E("parallelism", "ep_link", parallelism.ep_link, {"shared", "paced"}));
     // [checkpoint]
     t.push_back(MT_F("checkpoint", "enable", checkpoint.enable));
     t.push_back(MT_F("checkpoint", "interval", checkpoint.interval));
@@ -311,6 +315,9 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("quantize", "cache_fp8_activations", quantize.cache_fp8_activations));
     // [comm]
     t.push_back(MT_F("comm", "timeout_s", comm.timeout_s));
+    t.push_back(MT_E("comm", "mpi_wait", comm.mpi_wait, {"poll", "spin"}));
+    t.push_back(MT_F("comm", "mpi_max_nap_us", comm.mpi_max_nap_us));
+    t.push_back(MT_E("comm", "mpi_thread", comm.mpi_thread, {"multiple", "funneled"}));
     // [metrics]
     t.push_back(MT_F("metrics", "log_interval", metrics.log_interval));
     t.push_back(MT_F("metrics", "peak_tflops", metrics.peak_tflops));

@@ -39,6 +39,8 @@ std::vector<InertSetting> inert_settings(const JobConfig& c, const RunShape& run
        "sequence parallelism shards the tensor-parallel regions, and tp = 1");
   moot({"parallelism.ranks_per_node"}, run.world == 1, "one process runs, on one node");
   moot({"parallelism.zero"}, run.dp == 1, "one data-parallel rank holds every parameter and optimizer state");
+  moot({"parallelism.ep_pair_backward", "parallelism.ep_baton", "parallelism.ep_link"}, !p.ep_overlap,
+       "parallelism.ep_overlap = false runs no overlapped pairs (these keys choose how the overlap's two lanes run)");
   if (set.count("parallelism.pp_first_stage_less_layers") || set.count("parallelism.pp_last_stage_less_layers"))
     moot({"parallelism.pp_first_stage_less_layers", "parallelism.pp_last_stage_less_layers"},
          resolve_pipeline(c).layout.n_stages == 1, "the pipeline has one stage, which holds every layer");
@@ -60,6 +62,10 @@ std::vector<InertSetting> inert_settings(const JobConfig& c, const RunShape& run
        "profiling.enable = false and no --profile: nothing is profiled");
   // [comm]: the watchdog watches calls between processes.
   moot({"comm.timeout_s"}, run.world == 1, "one process makes no communication calls to watch");
+  moot({"comm.mpi_wait", "comm.mpi_max_nap_us", "comm.mpi_thread"}, run.world == 1,
+       "one process waits on no other rank (and runs no EP overlap)");
+  moot({"comm.mpi_max_nap_us"}, run.world > 1 && c.comm.mpi_wait == "spin",
+       "comm.mpi_wait = \"spin\" waits inside MPI, without sleeping between tests");
   // [hardware]: the planner's target cluster.
   moot({"hardware.name", "hardware.num_nodes", "hardware.gpus_per_node"}, true,
        "[hardware] describes the cluster `moetron plan` projects onto; training runs on this machine");

@@ -65,6 +65,22 @@ void validate_quantize(const QuantizeSpec& q) {
 
 }  // namespace
 
+void validate_overlap_lanes(const JobConfig& c) {
+  const ParallelSpec& p = c.parallelism;
+  if (p.ep_link == "paced" && p.ep_baton != "turn")
+    invalid_config("parallelism.ep_link", p.ep_link, "needs parallelism.ep_baton = \"turn\" (got \"", p.ep_baton,
+        "\"): under the free order the EP ranks could start their lanes' exchanges in different orders and wait on "
+        "each other's links");
+  if (p.pair_fills() && p.ep_baton != "free")
+    invalid_config("parallelism.ep_pair_backward", p.ep_pair_backward, "needs the free lane order (parallelism.ep_baton "
+        "= \"free\", the default; got \"", p.ep_baton, "\"): it takes the turn whenever no lane computes; use \"b\", "
+        "\"iw\" or \"auto\"");
+  if (p.pair_fills() && c.quantize.on())
+    invalid_config("parallelism.ep_pair_backward", p.ep_pair_backward, "is not implemented with [quantize] "
+        "(quantize.recipe = ", to_string(c.quantize.recipe), ": the FP8 weight gradients use the lane's operand "
+        "buffers); use \"b\", \"iw\" or \"auto\"");
+}
+
 void JobConfig::validate() const {
   model.validate();
 
@@ -150,6 +166,15 @@ void JobConfig::validate() const {
 
   if (!(comm.timeout_s >= 0 && comm.timeout_s <= 1e7))
     invalid_config("comm.timeout_s", comm.timeout_s, "must be in [0, 1e7] seconds (0 = no watchdog)");
+  if (comm.mpi_max_nap_us < 20 || comm.mpi_max_nap_us > 5000)
+    invalid_config("comm.mpi_max_nap_us", comm.mpi_max_nap_us, "must be in [20, 5000] microseconds (the longest "
+        "sleep between two tests of a long MPI wait)");
+  if (parallelism.ep_overlap) {  // otherwise the lanes' keys are moot (noted by the trainer, config_notes.cpp)
+    validate_overlap_lanes(*this);
+    if (comm.mpi_thread != "multiple")
+      invalid_config("comm.mpi_thread", comm.mpi_thread, "parallelism.ep_overlap = true runs two micro-batches' EP "
+          "exchanges at once on two threads, which needs comm.mpi_thread = \"multiple\"");
+  }
   validate_quantize(quantize);
 
   if (metrics.log_interval < 1) invalid_config("metrics.log_interval", metrics.log_interval, "must be >= 1");

@@ -84,7 +84,7 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   impl_->fs_opts = nullptr;
   if (impl_->ep > 1) impl_->exposure = std::make_shared<EpExposure>();
   if (par.ep_overlap) {
-    impl_->baton = std::make_shared<Impl::Baton>();
+    impl_->baton = std::make_shared<Impl::Baton>(par.ep_free_order, par.ep_paced_link);
     lane1_ = impl_->make_lane();
   }
 }

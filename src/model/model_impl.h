@@ -427,29 +427,29 @@ struct Model::Impl {
   // The compute baton, shared by the two lanes while an FB pair runs (begin_pair / end_pair): one lane computes
   // at a time, so the lanes never compete for the cores, and a lane gives the baton up at each EP exchange
   // (EpYield) and when its half ends. Outside a pair it is inactive (no waits). Two orders:
-  //  - free (the default, MOETRON_EP_BATON=free): the compute goes to whichever lane is ready, so a lane whose
+  //  - free (the default, parallelism.ep_baton = "free"): the compute goes to whichever lane is ready, so a lane whose
   //    exchange has finished computes while the other still waits (each dispatcher has its own communicator, so
   //    the lanes' exchanges match their peers in any interleaving);
-  //  - turn (MOETRON_EP_BATON=turn): strict turns, lane 0 first, the same order of compute segments on every EP
+  //  - turn (ep_baton = "turn"): strict turns, lane 0 first, the same order of compute segments on every EP
   //    rank. It hides less on the emulated slow link (docs/benchmarks.md) and is kept for comparison.
-  // The link (MOETRON_EP_LINK): shared (the default) lets both lanes' exchanges be in flight at once, sharing the
+  // The link (parallelism.ep_link): shared (the default) lets both lanes' exchanges be in flight at once, sharing the
   // rank's link; paced holds a lane's exchange until the other lane's has completed, so one exchange at a time
   // runs at the link's whole rate and its lane computes again sooner. Paced needs turn order: the exchanges then
   // start in the turns' order, the same on every EP rank, so no two ranks wait on each other's link (under free
   // order two ranks could hold their links for different lanes' exchanges and wait on each other for ever).
   struct Baton {
-    Baton();
+    Baton(bool free, bool paced);  // ModelParallel::ep_free_order, ep_paced_link
     std::mutex mu;
     std::condition_variable cv;
     bool active = false;
-    bool free_order = true;   // MOETRON_EP_BATON=free (default) | turn
+    bool free_order = true;   // ep_baton = "free" (default) | "turn"
     int turn = 0;             // turn order: whose turn; free order: the lane computing, -1 none
     bool done[2] = {false, false};
-    bool paced_link = false;  // MOETRON_EP_LINK=paced | shared (default)
-    // MOETRON_EP_PAIR_BACKWARD=iwfill (Model::set_ep_wgrad_fill): a lane waiting in an exchange of its I half takes
+    bool paced_link = false;  // ep_link = "paced" | "shared" (default)
+    // ep_pair_backward = "iwfill" (Model::set_ep_wgrad_fill): a lane waiting in an exchange of its I half takes
     // the turn when no lane computes (fill_with_wgrad) to run recorded weight gradients. Free order only.
     bool fill_w = false;
-    // MOETRON_EP_PAIR_BACKWARD=iwcarry: every backward (a pair's backward lane, or one run alone) records its weight
+    // ep_pair_backward = "iwcarry": every backward (a pair's backward lane, or one run alone) records its weight
     // gradients and carries them: any exchange wait, on either lane, runs the oldest when no lane computes (outside
     // a pair: whenever the one running lane waits); the rest runs when its slot is reused and at the step's end
     // (flush_carried). The queue is touched only by the lane holding the turn, or outside a pair by the one lane.

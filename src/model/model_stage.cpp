@@ -11,7 +11,6 @@
 #include <string>
 
 #include "model/model_impl.h"
-#include "moetron/env.h"
 #include "moetron/trace.h"
 
 namespace moetron {
@@ -325,12 +324,10 @@ void Model::Impl::sync_lane_from(const Impl& o) {
   step_ce_scale = o.step_ce_scale, step_aux_scale = o.step_aux_scale;
 }
 
-Model::Impl::Baton::Baton() {
-  free_order = env_choice("MOETRON_EP_BATON", "free", {"turn", "free"}, "model") == "free";
-  paced_link = env_choice("MOETRON_EP_LINK", "shared", {"shared", "paced"}, "model") == "paced";
+Model::Impl::Baton::Baton(bool free, bool paced) : free_order(free), paced_link(paced) {
   MT_CHECK(!paced_link || !free_order, "model",
-           "MOETRON_EP_LINK=paced needs MOETRON_EP_BATON=turn (under the free order the EP ranks could start their "
-           "lanes' exchanges in different orders and wait on each other's links)");
+           "parallelism.ep_link = \"paced\" needs parallelism.ep_baton = \"turn\" (under the free order the EP ranks "
+           "could start their lanes' exchanges in different orders and wait on each other's links)");
 }
 void Model::Impl::Baton::begin_pair() {
   std::lock_guard<std::mutex> lk(mu);
@@ -376,12 +373,12 @@ void Model::Impl::Baton::finish(int lane) {
 bool Model::ep_wgrad_fill_possible() const { return impl_->baton && impl_->baton->free_order && !impl_->fp8; }
 
 void Model::set_ep_wgrad_fill(bool on, bool carry) {
-  const char* mode = carry ? "MOETRON_EP_PAIR_BACKWARD=iwcarry" : "MOETRON_EP_PAIR_BACKWARD=iwfill";
+  const char* mode = carry ? "parallelism.ep_pair_backward = iwcarry" : "parallelism.ep_pair_backward = iwfill";
   MT_CHECK(!carry || on, "Model::set_ep_wgrad_fill", "carrying the weight halves needs the fill");
   MT_CHECK(!on || impl_->baton, "Model::set_ep_wgrad_fill", "needs parallelism.ep_overlap = true");
   MT_CHECK(!on || impl_->baton->free_order, "Model::set_ep_wgrad_fill", mode,
-           " needs the free lane order (MOETRON_EP_BATON=free, the default): it takes the turn whenever no lane "
-           "computes");
+           " needs the free lane order (parallelism.ep_baton = \"free\", the default): it takes the turn whenever no "
+           "lane computes");
   MT_CHECK(!on || !impl_->fp8, "Model::set_ep_wgrad_fill", mode,
            " is not implemented with [quantize] (the FP8 weight gradients use the lane's operand buffers)");
   if (impl_->baton) impl_->baton->fill_w = on, impl_->baton->carry_w = carry;

@@ -697,12 +697,16 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
 
 TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                    const MemoryPlan* memory, const StagePlan* stages, const std::vector<StageTime>* durations) {
-  // Carrying weight gradients is the engine's runtime choice under ep_overlap (MOETRON_EP_PAIR_BACKWARD: iwcarry or
-  // b); not with [quantize], where the engine keeps b. TimeOptions::carry_w < 0 takes the faster of the two.
-  const bool can = l.ep_overlap && c.quantize.recipe == Fp8Recipe::None;
-  MT_CHECK(o.carry_w <= 0 || can, "plan time", "carrying weight gradients (carry_w) needs parallelism.ep_overlap and "
-           "no [quantize] recipe");
-  if (!can || o.carry_w >= 0) return plan_time_with(c, l, h, o, memory, stages, durations, can && o.carry_w == 1);
+  // Carrying weight gradients under ep_overlap is the engine's parallelism.ep_pair_backward: iwcarry carries; b, iw
+  // and iwfill do not (the replay prices a pair as max(f + b, a2a) whatever the order inside it, and an unpaired
+  // backward whole); auto is iwcarry where the engine can fill (free lane order, no [quantize]) and b elsewhere,
+  // a choice the engine makes at run time, so the projection takes the faster of the two. Without ep_overlap in
+  // the layout the key is moot (as in the engine).
+  const ParallelSpec& p = c.parallelism;
+  if (l.ep_overlap) validate_overlap_lanes(c);  // iwcarry under turns or [quantize]: the engine refuses it too
+  const bool can = l.ep_overlap && c.quantize.recipe == Fp8Recipe::None && p.ep_baton == "free";
+  const int carry = p.ep_pair_backward == "iwcarry" ? 1 : p.ep_pair_backward == "auto" ? -1 : 0;
+  if (!can || carry >= 0) return plan_time_with(c, l, h, o, memory, stages, durations, can && carry == 1);
   // Both projections share the stage plan, the stage durations and the memory projection: priced once here.
   const auto spp = stages ? nullptr : stage_plan(c, l);
   const StagePlan& sp = stages ? *stages : *spp;

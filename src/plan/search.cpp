@@ -124,6 +124,16 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
   const int64_t max_cp = o.allow_cp ? 8 : 1;
   const int64_t max_pp = o.max_pp > 0 ? o.max_pp : s.n_layers;
   const int64_t E = s.is_moe() ? s.moe.n_routed_experts : 1;
+  // The job's lane keys (parallelism.ep_pair_backward, ep_baton, ep_link) may rule the overlap out (the engine
+  // refuses iwcarry under turns, say): its layouts then count as invalid.
+  const bool lanes_ok = [&] {
+    try {
+      validate_overlap_lanes(c);
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  }();
 
   struct Ranked {
     Layout layout;
@@ -181,6 +191,7 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
                   l.recompute_modules = ac.modules;
                   l.mbs = mbs;
                   if (pp == 1 && sched != "1f1b") { ++it.invalid; continue; }
+                  if (ov && !lanes_ok) { ++it.invalid; continue; }
                   // The two rules most candidates break, as integer tests before the named check.
                   if (gbs % (mbs * dp) != 0 || (tp * cp * dp) % ep != 0) { ++it.invalid; continue; }
                   if (!layout_error(c, l, gbs).empty()) { ++it.invalid; continue; }

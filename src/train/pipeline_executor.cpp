@@ -9,7 +9,6 @@
 #include <mutex>
 #include <thread>
 
-#include "moetron/env.h"
 #include "moetron/check.h"
 #include "moetron/runtime.h"
 #include "moetron/trace.h"
@@ -76,7 +75,8 @@ struct PipelineExecutor::Worker {
   }
 };
 
-PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats, bool ep_overlap) {
+PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats, bool ep_overlap,
+                                   const std::string& pair) {
   M_ = plan.lowered.n_microbatches;
   std::vector<pipeline::PipelineStage*> ptrs;
   for (size_t k = 0; k < plan.parts.size(); ++k) {
@@ -85,14 +85,14 @@ PipelineExecutor::PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t a
   }
   pipeline::RuntimeOptions ro;
   if (ep_overlap) {
-    // MOETRON_EP_PAIR_BACKWARD: how a fused pair's backward half runs: b (one full backward, layer by layer), iw
-    // (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the emulated hosts,
-    // docs/benchmarks.md), iwfill (iw whose weight gradients also run early, while the backward lane waits in an
-    // exchange and the other lane does not compute: Model::set_ep_wgrad_fill), iwcarry (every backward's weight
+    // parallelism.ep_pair_backward: how a fused pair's backward half runs: b (one full backward, layer by layer),
+    // iw (input half, then weight half; RuntimeOptions::fb_backward_split; measured no better on the emulated
+    // hosts, docs/benchmarks.md), iwfill (iw whose weight gradients also run early, while the backward lane waits in
+    // an exchange and the other lane does not compute: Model::set_ep_wgrad_fill), iwcarry (every backward's weight
     // half carried into later exchange waits, on either lane) or auto (the default: iwcarry where the model can
     // fill, i.e. free lane order and no [quantize], else b; decided in bind()).
-    const std::string pair =
-        env_choice("MOETRON_EP_PAIR_BACKWARD", "auto", {"auto", "b", "iw", "iwfill", "iwcarry"}, "pipeline");
+    MT_CHECK(pair == "auto" || pair == "b" || pair == "iw" || pair == "iwfill" || pair == "iwcarry", "pipeline",
+             "parallelism.ep_pair_backward = ", pair, ": expected auto, b, iw, iwfill or iwcarry");
     ro.fb_backward_split = pair != "b";
     pair_auto_ = pair == "auto";
     wgrad_fill_ = pair == "iwfill" || pair == "iwcarry" || pair_auto_;  // told to the model in bind()

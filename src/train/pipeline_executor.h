@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "moetron/comm.h"
@@ -31,7 +32,9 @@ class PipelineExecutor {
   // gets them) before the model exists. act_floats: the residual stream of one micro-batch, B * T * d_model.
   // ep_overlap: FB actions run their halves at once, the backward half on a worker thread as the model's
   // lane 1 (Model::set_thread_lane), the forward half on this thread.
-  PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats, bool ep_overlap = false);
+  // pair: parallelism.ep_pair_backward (auto | b | iw | iwfill | iwcarry), read with ep_overlap only.
+  PipelineExecutor(PipelinePlan& plan, const Comm& pp, int64_t act_floats, bool ep_overlap = false,
+                   const std::string& pair = "auto");
   ~PipelineExecutor();
   void bind(Model& m);  // once the model is built with plan.parts
   const pipeline::PipelineRuntime& runtime() const { return *rt_; }
@@ -51,9 +54,9 @@ class PipelineExecutor {
   struct Worker;  // the lane-1 thread of the EP overlap
   std::unique_ptr<Worker> worker_;
   Model* model_ = nullptr;
-  bool wgrad_fill_ = false;   // MOETRON_EP_PAIR_BACKWARD=iwfill or iwcarry
+  bool wgrad_fill_ = false;   // parallelism.ep_pair_backward = iwfill or iwcarry
   bool wgrad_carry_ = false;  // iwcarry
-  bool pair_auto_ = false;    // MOETRON_EP_PAIR_BACKWARD unset or auto: iwcarry if the model can, else b
+  bool pair_auto_ = false;    // ep_pair_backward = auto: iwcarry if the model can, else b
   int M_ = 1;
   std::vector<std::unique_ptr<ModelStage>> stages_;
   std::unique_ptr<pipeline::PipelineRuntime> rt_;

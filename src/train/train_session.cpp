@@ -15,6 +15,7 @@
 #include "moetron/accounting.h"
 #include "moetron/check.h"
 #include "moetron/checkpoint.h"
+#include "moetron/env.h"
 #include "moetron/fsdp.h"
 #include "moetron/memcheck.h"
 #include "moetron/memory.h"
@@ -74,13 +75,27 @@ void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
            "gradients and optimizer state)");
 }
 
+// The job's world communicator. First the retired environment variables are refused (env.h: each names its
+// config key), then the [comm] MPI settings are applied: the waits' mode, and the thread level, which MPI_Init takes
+// as an argument, so it is set before comm_world() first starts MPI (in `moetron train` that is here, after the
+// config is read). A process whose MPI has already started at another level cannot honour comm.mpi_thread: refused.
+Comm job_world(const JobConfig& cfg, const TrainOptions& o) {
+  refuse_retired_env();
+  const CommSpec& c = cfg.comm;
+  MT_CHECK(comm_request_mpi_thread(c.mpi_thread == "multiple"), "train", "comm.mpi_thread = ", c.mpi_thread,
+           ": MPI has already started in this process at another thread level (the level is chosen once, when MPI "
+           "starts); run the job in a new process");
+  comm_set_mpi_wait(c.mpi_wait == "poll", int(c.mpi_max_nap_us));
+  return o.comm ? *o.comm : comm_world();
+}
+
 }  // namespace
 
 TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
     : cfg(cfg_in),
       opt(o),
       compute(resolve_compute_dtype(cfg_in.training.compute_dtype, &compute_why)),  // bf16 refused first
-      world(o.comm ? *o.comm : comm_world()),
+      world(job_world(cfg_in, o)),
       mesh(engine_parallelism(cfg_in), world.size(), cfg_in.model.is_moe() ? cfg_in.model.moe.n_routed_experts : 0) {
   const auto& tr = cfg.training;
   const ModelSpec& ms = cfg.model;
@@ -124,7 +139,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   MT_CHECK(!overlap || comm_thread_multiple(), "train",
            "parallelism.ep_overlap = true runs two micro-batches' EP exchanges at once on two threads, which needs MPI "
            "with MPI_THREAD_MULTIPLE; this MPI did not provide it");
-  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T * ms.d_model, overlap);
+  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T * ms.d_model, overlap, cfg.parallelism.ep_pair_backward);
 
   ModelParallel mpar;
   if (EP > 1) {
@@ -136,6 +151,8 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   if (zero3) fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{mcs.dp, mcs.edp}), mpar.fsdp = fsdp_opts.get();
   mpar.stages = &plan.parts;
   mpar.ep_overlap = overlap;
+  mpar.ep_free_order = cfg.parallelism.ep_baton == "free";
+  mpar.ep_paced_link = cfg.parallelism.ep_link == "paced";
   const ActivationCheckpointSpec ac = resolve_checkpointing(cfg);
   model = std::make_unique<Model>(ms, B, T, ac, mpar, compute);
   model->init_params(uint64_t(tr.seed));

@@ -275,6 +275,11 @@ KEYS = {
     "parallelism.pp_last_stage_less_layers": (1, any_of(note(), refuse())),
     "parallelism.ep_overlap": ("true", any_of(note(), refuse())),
     "parallelism.ep_overlap_split": ("true", refuse()),
+    # how ep_overlap's lanes run: one process has no EP (ep_overlap needs ep > 1), so noted; the MPI layout sweep
+    # runs every value (tests/mpi/test_mpi_layouts.cpp, EpOverlapIsBitwiseThePlainInterleavedRun)
+    "parallelism.ep_pair_backward": ("b", note()),
+    "parallelism.ep_baton": ("turn", note()),
+    "parallelism.ep_link": ("paced", note()),
     "checkpoint.enable": ("true", check(file_exists(r"checkpoint/step-?\d+/.*"))),
     "checkpoint.interval": (1, check(lambda new, ref: ok(new) or ok(ref) or (
         None if len(set(f.split("/")[1] for f in new.files if f.startswith("ckpt/")))
@@ -302,6 +307,10 @@ KEYS = {
                                                       check(records_differ("mem_peak_by_category"),
                                                             ["--quantize.recipe=rowwise"]))),
     "comm.timeout_s": (5.0, any_of(note(), check(out_has(r"watchdog")))),
+    # how MPI waits and the thread level MPI_Init is asked for: one process waits on no other rank
+    "comm.mpi_wait": ("spin", note()),
+    "comm.mpi_max_nap_us": (1000, note()),
+    "comm.mpi_thread": ("funneled", note()),
     "metrics.log_interval": (2, check(lambda new, ref: ok(new) or (
         None if len(new.records) < len(ref.records) else "as many records"))),
     "metrics.peak_tflops": (2.0, check(records_differ("mfu"))),

@@ -518,18 +518,19 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
   if (gemm_bf16_native()) dtypes.push_back("bf16");
   for (const std::string& dt : dtypes) {
     SCOPED_TRACE("compute_dtype " + dt);
-    auto with = [&](bool ov) {
+    auto with = [&](bool ov, std::vector<std::string> lanes = {}) {
       std::vector<std::string> a = base;
       a.push_back(std::string("--parallelism.ep_overlap=") + (ov ? "true" : "false"));
       a.push_back("--training.compute_dtype=" + dt);
+      a.insert(a.end(), lanes.begin(), lanes.end());
       return a;
     };
     const TrainResult plain = train(tiny(shared_dir("ovl_plain_" + dt), with(false)), recorded(&world()));
     // the turn-taking lanes, then the free order (the compute to whichever lane is ready); a pair's backward half
     // as one full backward (b) and as input then weight half (iw), also with the weight gradients run early while
     // both lanes wait (iwfill), and with every backward's weight half carried into later waits on either lane
-    // (iwcarry); the turns with the paced link (one exchange in flight per rank); the default ("": auto), iwcarry
-    // under the free order and b under turns
+    // (iwcarry); the turns with the paced link (one exchange in flight per rank); the default ("": auto, the key
+    // not set), iwcarry under the free order and b under turns
     struct Variant {
       const char *order, *pair, *link;
     };
@@ -537,16 +538,13 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
                             Variant{"free", "iw", "shared"}, Variant{"free", "iwfill", "shared"},
                             Variant{"free", "iwcarry", "shared"}, Variant{"free", "", "shared"},
                             Variant{"turn", "", "shared"}}) {
-      SCOPED_TRACE(std::string("MOETRON_EP_BATON=") + v.order + " MOETRON_EP_PAIR_BACKWARD=" + v.pair +
-                   " MOETRON_EP_LINK=" + v.link);
-      setenv("MOETRON_EP_BATON", v.order, 1);
-      if (*v.pair) setenv("MOETRON_EP_PAIR_BACKWARD", v.pair, 1);
-      setenv("MOETRON_EP_LINK", v.link, 1);
+      std::vector<std::string> lanes = {std::string("--parallelism.ep_baton=") + v.order,
+                                        std::string("--parallelism.ep_link=") + v.link};
+      if (*v.pair) lanes.push_back(std::string("--parallelism.ep_pair_backward=") + v.pair);
+      SCOPED_TRACE(lanes[0] + " " + lanes[1] + (*v.pair ? " " + lanes[2] : std::string()));
       const TrainResult ov = train(
-          tiny(shared_dir(std::string("ovl_on_") + v.order + v.pair + v.link + "_" + dt), with(true)), recorded(&world()));
-      unsetenv("MOETRON_EP_BATON");
-      unsetenv("MOETRON_EP_PAIR_BACKWARD");
-      unsetenv("MOETRON_EP_LINK");
+          tiny(shared_dir(std::string("ovl_on_") + v.order + v.pair + v.link + "_" + dt), with(true, lanes)),
+          recorded(&world()));
       // the measured exposed EP time: without the overlap all of the wait, with it at most the wait
       EXPECT_GT(plain.ep_wait_seconds, 0.0);
       EXPECT_EQ(plain.ep_exposed_seconds, plain.ep_wait_seconds);
@@ -604,32 +602,29 @@ TEST(MpiLayoutOverlap, EpOverlapRefusals) {
   EXPECT_NE(error_of({"--parallelism.ep=1"}).find("needs expert parallelism"), std::string::npos);
   EXPECT_NE(error_of({"--parallelism.zero=3"}).find("not with FSDP"), std::string::npos);
   EXPECT_NE(error_of({"--activation_checkpoint.mode=full"}).find("activation recompute"), std::string::npos);
-  // The overlap's environment knobs: a bad value is refused by name, and the paced link without turns.
-  auto env_error = [&](std::vector<std::pair<const char*, const char*>> vars) {
-    for (const auto& [k, v] : vars) setenv(k, v, 1);
-    const std::string e = error_of({});
-    for (const auto& [k, v] : vars) unsetenv(k);
-    return e;
-  };
-  EXPECT_NE(env_error({{"MOETRON_EP_BATON", "fast"}}).find("MOETRON_EP_BATON must be 'turn' or 'free', not 'fast'"),
+  // The overlap's lane keys: a bad value is refused by name, and the combinations that cannot run (the paced link
+  // without turns, the fill without the free order or with [quantize]).
+  EXPECT_NE(error_of({"--parallelism.ep_baton=fast"}).find("parallelism.ep_baton: expected one of free|turn, got 'fast'"),
             std::string::npos);
-  EXPECT_NE(env_error({{"MOETRON_EP_LINK", "wide"}}).find("MOETRON_EP_LINK must be 'shared' or 'paced', not 'wide'"),
+  EXPECT_NE(error_of({"--parallelism.ep_link=wide"}).find("parallelism.ep_link: expected one of shared|paced, got 'wide'"),
             std::string::npos);
-  EXPECT_NE(env_error({{"MOETRON_EP_LINK", "paced"}}).find("MOETRON_EP_LINK=paced needs MOETRON_EP_BATON=turn"),
+  EXPECT_NE(error_of({"--parallelism.ep_link=paced"}).find("parallelism.ep_link = paced: needs parallelism.ep_baton = "
+                                                           "\"turn\""),
             std::string::npos);
-  EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "wb"}})
-                .find("MOETRON_EP_PAIR_BACKWARD must be 'auto', 'b', 'iw', 'iwfill' or 'iwcarry', not 'wb'"),
+  EXPECT_NE(error_of({"--parallelism.ep_pair_backward=wb"})
+                .find("parallelism.ep_pair_backward: expected one of auto|b|iw|iwfill|iwcarry, got 'wb'"),
             std::string::npos);
-  EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "iwcarry"}, {"MOETRON_EP_BATON", "turn"}})
-                .find("MOETRON_EP_PAIR_BACKWARD=iwcarry needs the free lane order"),
+  EXPECT_NE(error_of({"--parallelism.ep_pair_backward=iwcarry", "--parallelism.ep_baton=turn"})
+                .find("parallelism.ep_pair_backward = iwcarry: needs the free lane order"),
             std::string::npos);
-  EXPECT_NE(env_error({{"MOETRON_EP_PAIR_BACKWARD", "iwfill"}, {"MOETRON_EP_BATON", "turn"}})
-                .find("MOETRON_EP_PAIR_BACKWARD=iwfill needs the free lane order"),
+  EXPECT_NE(error_of({"--parallelism.ep_pair_backward=iwfill", "--parallelism.ep_baton=turn"})
+                .find("parallelism.ep_pair_backward = iwfill: needs the free lane order"),
             std::string::npos);
-  setenv("MOETRON_EP_PAIR_BACKWARD", "iwfill", 1);
-  const std::string fp8 = error_of({"--quantize.recipe=tensorwise"});
-  unsetenv("MOETRON_EP_PAIR_BACKWARD");
-  EXPECT_NE(fp8.find("MOETRON_EP_PAIR_BACKWARD=iwfill is not implemented with [quantize]"), std::string::npos) << fp8;
+  const std::string fp8 = error_of({"--quantize.recipe=tensorwise", "--parallelism.ep_pair_backward=iwfill"});
+  EXPECT_NE(fp8.find("parallelism.ep_pair_backward = iwfill: is not implemented with [quantize]"), std::string::npos)
+      << fp8;
+  EXPECT_NE(error_of({"--comm.mpi_thread=funneled"}).find("comm.mpi_thread = funneled: parallelism.ep_overlap = true"),
+            std::string::npos);
   // the default (auto) runs [quantize] with one full backward per pair instead
   EXPECT_EQ(error_of({"--quantize.recipe=tensorwise"}), "");
 }

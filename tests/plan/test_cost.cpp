@@ -241,43 +241,55 @@ TEST(PlanCost, CarriedWeightGradientsFillLaterWaitsHandCounted) {
   // (queues 1.4), end 24.05. Rank 0: B0 [13.7, 17.9], B1 [22.65, 26.85] (runs B0's 1.4), end 28.25.
   EXPECT_DOUBLE_EQ(b_split, 4.2);
   EXPECT_NEAR(split.step_time, 28.25, 1e-12);  // F = split_chunk_time(2.5, 3.5) = 4.75
-  // plan_time: carried (TimeOptions::carry_w = 1, the engine's iwcarry) or not (0, b), by default the faster of
-  // the two. Carrying hides exchange time; its queued weight gradients run late, so the stages' gradient
-  // reduction (overlapped with the cool-down here) starts later. Never under [quantize], as in the engine.
+  // plan_time reads the engine's key, parallelism.ep_pair_backward: carried with iwcarry, not with b (nor iw,
+  // iwfill), and with auto (the default) the faster of the two. Carrying hides exchange time; its queued weight
+  // gradients run late, so the stages' gradient reduction (overlapped with the cool-down here) starts later. Never
+  // under [quantize] or the turns (parallelism.ep_baton = "turn"), where the engine's auto keeps b too.
   const auto h = plan::catalog_hardware("mi300x");
   auto c = cfg("moe_1t", {"--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
                           "--parallelism.pp=24", "--parallelism.ep=16", "--parallelism.cp=2",
                           "--parallelism.ep_overlap=true", "--training.global_batch_size=768"});
   const plan::Layout l = plan::layout_from_config(c, 768);
+  auto with = [&](const char* pair, const char* baton = "free") {
+    JobConfig x = c;
+    x.parallelism.ep_pair_backward = pair, x.parallelism.ep_baton = baton;
+    return x;
+  };
   plan::TimeOptions o;
-  o.carry_w = 1;
-  const auto on = plan::plan_time(c, l, h, o);
-  o.carry_w = 0;
-  const auto off = plan::plan_time(c, l, h, o);
-  o.carry_w = -1;
+  const auto on = plan::plan_time(with("iwcarry"), l, h, o);
+  const auto off = plan::plan_time(with("b"), l, h, o);
   const auto best = plan::plan_time(c, l, h, o);
+  EXPECT_EQ(c.parallelism.ep_pair_backward, "auto");
   EXPECT_TRUE(on.carry_w);
   EXPECT_FALSE(off.carry_w);
   EXPECT_LT(on.breakdown.at("comm.ep"), off.breakdown.at("comm.ep"));
   EXPECT_GE(on.dp_exposed, off.dp_exposed);
   EXPECT_DOUBLE_EQ(best.step_time, std::min(on.step_time, off.step_time));
   EXPECT_EQ(best.carry_w, on.step_time < off.step_time);
+  for (const char* pair : {"iw", "iwfill"}) {  // the pairs' inner order is not priced: b's projection
+    const auto t = plan::plan_time(with(pair), l, h, o);
+    EXPECT_FALSE(t.carry_w) << pair;
+    EXPECT_DOUBLE_EQ(t.step_time, off.step_time) << pair;
+  }
+  // auto under the turns is b in the engine (it cannot fill), and so in the projection; iwcarry there is refused.
+  EXPECT_FALSE(plan::plan_time(with("auto", "turn"), l, h, o).carry_w);
+  EXPECT_DOUBLE_EQ(plan::plan_time(with("auto", "turn"), l, h, o).step_time, off.step_time);
+  EXPECT_THROW(plan::plan_time(with("iwcarry", "turn"), l, h, o), Error);
   // The analytic pass (the search's first ranking) charges the late reduction too when the carried weight gradients
   // outlast the waits.
   o.simulate = false;
-  o.carry_w = 1;
-  const auto on_a = plan::plan_time(c, l, h, o);
-  o.carry_w = 0;
-  const auto off_a = plan::plan_time(c, l, h, o);
+  const auto on_a = plan::plan_time(with("iwcarry"), l, h, o);
+  const auto off_a = plan::plan_time(with("b"), l, h, o);
   EXPECT_GT(on_a.dp_exposed, off_a.dp_exposed) << on_a.dp_exposed;
   o.simulate = true;
   c.quantize.recipe = Fp8Recipe::Blockwise;
   EXPECT_FALSE(timeof(c, 768, h).carry_w);
-  o.carry_w = 1;
-  EXPECT_THROW(plan::plan_time(c, l, h, o), Error);
+  EXPECT_THROW(plan::plan_time(with("iwcarry"), l, h, o), Error);
   c.quantize.recipe = Fp8Recipe::None;
   c.parallelism.ep_overlap = false;
   EXPECT_FALSE(timeof(c, 768, h).carry_w);
+  // without the overlap in the layout the key is moot, as in the engine
+  EXPECT_FALSE(plan::plan_time(with("iwcarry", "turn"), plan::layout_from_config(c, 768), h, o).carry_w);
 }
 
 TEST(PlanCost, SplitHalvesArePricedAtHalfTheTokens) {

@@ -129,15 +129,15 @@ TEST(PlanTrace, PipelineWithExpertsReadsBackThroughAnalyze) {
 TEST(PlanTrace, EpOverlapPutsTheExchangeBesideCompute) {
   const JobConfig c = tiny({"--parallelism.pp=2", "--parallelism.ep=2", "--parallelism.dp_shard=2",
                             "--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2",
-                            "--parallelism.ep_overlap=true", "--model.n_layers=4", "--training.global_batch_size=64"});
+                            "--parallelism.ep_overlap=true", "--model.n_layers=4", "--training.global_batch_size=64",
+                            "--parallelism.ep_pair_backward=b"});
   const plan::Layout l = plan::layout_from_config(c, 4);
   ASSERT_TRUE(l.ep_overlap);
   const std::string dir = tmpdir("overlap");
-  // Weight gradients run in their backward (carry_w = 0). With them carried (the faster projection here) the
+  // Weight gradients run in their backward (ep_pair_backward = b). With them carried (the faster projection here) the
   // export still draws each backward's weight gradient inside the backward's action, past the action's end, where
   // the replay ran it in later waits: the drawn compute then overlaps itself and comes out short of the stages'.
   plan::TimeOptions o;
-  o.carry_w = 0;
   plan::write_plan_trace(c, l, gpu(), o, dir);
   const plan::TimePlan tp = plan::plan_time(c, l, gpu(), o);
   ASSERT_FALSE(tp.carry_w);

@@ -15,6 +15,7 @@
 #include "moetron/accounting.h"
 #include "moetron/check.h"
 #include "moetron/config.h"
+#include "moetron/config_notes.h"
 #include "test_util.h"
 
 using namespace moetron;
@@ -483,6 +484,139 @@ TEST(Config, MemoryCheckKeyDefaultsOnAndRoundTrips) {
   auto keys = config_keys();
   EXPECT_NE(std::find(keys.begin(), keys.end(), "training.memory_check"), keys.end());
   EXPECT_HAS(load_error(kTiny, {"--training.memory_check=maybe"}), "training.memory_check: expected boolean");
+}
+
+// ---- how ep_overlap's lanes and the MPI transport run (environment variables once) ----------------------------
+
+namespace {
+// kTiny with the 1F1B all-to-all overlap on: interleaved, pp 2 x dp 2, ep 2.
+const std::vector<std::string> kOverlap = {"--model.n_layers=4", "--parallelism.pp=2", "--parallelism.dp_shard=2",
+                                           "--parallelism.ep=2", "--parallelism.pp_schedule=interleaved_1f1b",
+                                           "--parallelism.ep_overlap=true", "--training.global_batch_size=8"};
+std::vector<std::string> overlap_with(std::vector<std::string> extra) {
+  std::vector<std::string> a = kOverlap;
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+const char* kLaneKeys[] = {"parallelism.ep_pair_backward", "parallelism.ep_baton", "parallelism.ep_link",
+                           "comm.mpi_wait", "comm.mpi_max_nap_us", "comm.mpi_thread"};
+}  // namespace
+
+TEST(ConfigLanes, KeysDefaultToTheEnginesFormerDefaultsParseAndRoundTrip) {
+  const JobConfig d = load_config_string(kTiny);
+  EXPECT_EQ(d.parallelism.ep_pair_backward, "auto");
+  EXPECT_EQ(d.parallelism.ep_baton, "free");
+  EXPECT_EQ(d.parallelism.ep_link, "shared");
+  EXPECT_EQ(d.comm.mpi_wait, "poll");
+  EXPECT_EQ(d.comm.mpi_max_nap_us, 200);
+  EXPECT_EQ(d.comm.mpi_thread, "multiple");
+  const JobConfig c = load_config_string(kTiny, {"--parallelism.ep_pair_backward=iwfill", "--parallelism.ep_baton=turn",
+                                                 "--parallelism.ep_link=paced", "--comm.mpi_wait=spin",
+                                                 "--comm.mpi_max_nap_us=1000", "--comm.mpi_thread=funneled"});
+  EXPECT_EQ(c.parallelism.ep_pair_backward, "iwfill");
+  EXPECT_EQ(c.parallelism.ep_baton, "turn");
+  EXPECT_EQ(c.parallelism.ep_link, "paced");
+  EXPECT_EQ(c.comm.mpi_wait, "spin");
+  EXPECT_EQ(c.comm.mpi_max_nap_us, 1000);
+  EXPECT_EQ(c.comm.mpi_thread, "funneled");
+  const std::string t = to_toml(c);
+  for (const char* line : {"ep_pair_backward = \"iwfill\"\n", "ep_baton = \"turn\"\n", "ep_link = \"paced\"\n",
+                           "mpi_wait = \"spin\"\n", "mpi_max_nap_us = 1000\n", "mpi_thread = \"funneled\"\n"})
+    EXPECT_HAS(t, line);
+  EXPECT_EQ(load_config_string(t), c);
+  EXPECT_EQ(config_from_json(to_json(c)), c);
+  EXPECT_EQ(to_json(c)["comm"]["mpi_max_nap_us"], 1000);
+  const auto keys = config_keys();
+  for (const char* k : kLaneKeys) EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
+  // A stored config written before these keys existed (a checkpoint's) loads with the defaults.
+  nlohmann::json old = to_json(d);
+  old["parallelism"].erase("ep_pair_backward");
+  old["comm"].erase("mpi_thread");
+  EXPECT_EQ(config_from_json(old), d);
+}
+
+TEST(ConfigLanes, BadValuesNameTheKeyAndTheValue) {
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.ep_pair_backward=wb"}),
+             "parallelism.ep_pair_backward: expected one of auto|b|iw|iwfill|iwcarry, got 'wb'");
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.ep_baton=fast"}), "parallelism.ep_baton: expected one of free|turn, got 'fast'");
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.ep_link=wide"}), "parallelism.ep_link: expected one of shared|paced, got 'wide'");
+  EXPECT_HAS(load_error(kTiny, {"--comm.mpi_wait=sleep"}), "comm.mpi_wait: expected one of poll|spin, got 'sleep'");
+  EXPECT_HAS(load_error(kTiny, {"--comm.mpi_thread=serialized"}),
+             "comm.mpi_thread: expected one of multiple|funneled, got 'serialized'");
+  EXPECT_HAS(load_error(kTiny, {"--comm.mpi_max_nap_us=fast"}), "comm.mpi_max_nap_us: expected integer");
+  for (const char* v : {"19", "5001", "-1"}) {
+    const std::string m = load_error(kTiny, {std::string("--comm.mpi_max_nap_us=") + v});
+    EXPECT_HAS(m, std::string("invalid config: comm.mpi_max_nap_us = ") + v + ": must be in [20, 5000] microseconds");
+  }
+  EXPECT_EQ(load_error(kTiny, {"--comm.mpi_max_nap_us=20"}), "");
+  EXPECT_EQ(load_error(kTiny, {"--comm.mpi_max_nap_us=5000"}), "");
+}
+
+// The combinations that cannot run are refused naming the keys, with ep_overlap on; without it the keys are moot
+// (accepted, and noted by the trainer: below).
+TEST(ConfigLanes, TheOverlapRefusesWhatItCannotRunNamingTheKeys) {
+  ASSERT_EQ(load_error(kTiny, kOverlap), "");
+  for (const char* pair : {"auto", "b", "iw", "iwfill", "iwcarry"})
+    EXPECT_EQ(load_error(kTiny, overlap_with({std::string("--parallelism.ep_pair_backward=") + pair})), "") << pair;
+  EXPECT_EQ(load_error(kTiny, overlap_with({"--parallelism.ep_baton=turn", "--parallelism.ep_link=paced"})), "");
+  EXPECT_EQ(load_error(kTiny, overlap_with({"--parallelism.ep_baton=turn", "--parallelism.ep_pair_backward=b"})), "");
+  EXPECT_EQ(load_error(kTiny, overlap_with({"--quantize.recipe=tensorwise"})), "");  // auto: b under [quantize]
+  struct Case {
+    std::vector<std::string> overrides;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{"--parallelism.ep_link=paced"},
+       "invalid config: parallelism.ep_link = paced: needs parallelism.ep_baton = \"turn\" (got \"free\")"},
+      {{"--parallelism.ep_pair_backward=iwcarry", "--parallelism.ep_baton=turn"},
+       "invalid config: parallelism.ep_pair_backward = iwcarry: needs the free lane order (parallelism.ep_baton"},
+      {{"--parallelism.ep_pair_backward=iwfill", "--parallelism.ep_baton=turn"},
+       "invalid config: parallelism.ep_pair_backward = iwfill: needs the free lane order"},
+      {{"--parallelism.ep_pair_backward=iwfill", "--quantize.recipe=rowwise"},
+       "invalid config: parallelism.ep_pair_backward = iwfill: is not implemented with [quantize] (quantize.recipe = "
+       "rowwise"},
+      {{"--parallelism.ep_pair_backward=iwcarry", "--quantize.recipe=tensorwise"},
+       "invalid config: parallelism.ep_pair_backward = iwcarry: is not implemented with [quantize]"},
+      {{"--comm.mpi_thread=funneled"},
+       "invalid config: comm.mpi_thread = funneled: parallelism.ep_overlap = true runs two micro-batches' EP exchanges"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.overrides.front());
+    EXPECT_HAS(load_error(kTiny, overlap_with(c.overrides)), c.expect);
+    std::vector<std::string> off = c.overrides;  // the same without the overlap: moot, accepted
+    off.push_back("--parallelism.ep_overlap=false");
+    EXPECT_EQ(load_error(kTiny, overlap_with(off)), "");
+  }
+}
+
+// Set where they change nothing, the keys are named in the trainer's notes (config_notes.cpp), never ignored in
+// silence: the lanes' keys without ep_overlap, the MPI keys on one process, the nap under the spinning wait.
+TEST(ConfigLanes, MootSettingsAreNoted) {
+  auto noted = [](const JobConfig& c, const RunShape& r) {
+    std::set<std::string> keys;
+    for (const InertSetting& s : inert_settings(c, r)) keys.insert(s.key);
+    return keys;
+  };
+  const JobConfig off = load_config_string(kTiny, {"--parallelism.ep_pair_backward=b", "--parallelism.ep_baton=turn",
+                                                   "--parallelism.ep_link=paced", "--comm.mpi_wait=spin",
+                                                   "--comm.mpi_max_nap_us=1000", "--comm.mpi_thread=funneled"});
+  auto one = noted(off, RunShape{1, 1, false});
+  for (const char* k : kLaneKeys) EXPECT_TRUE(one.count(k)) << k;
+  for (const InertSetting& s : inert_settings(off, RunShape{1, 1, false})) {
+    if (s.key == "parallelism.ep_pair_backward") {
+      EXPECT_EQ(format_note(s), "note: parallelism.ep_pair_backward = \"b\" has no effect: parallelism.ep_overlap = "
+                                "false runs no overlapped pairs (these keys choose how the overlap's two lanes run)");
+    }
+  }
+  auto four = noted(off, RunShape{4, 2, false});  // several processes: only the nap, which "spin" never takes
+  EXPECT_TRUE(four.count("comm.mpi_max_nap_us"));
+  EXPECT_FALSE(four.count("comm.mpi_wait"));
+  EXPECT_FALSE(four.count("comm.mpi_thread"));
+  EXPECT_TRUE(four.count("parallelism.ep_baton"));  // still no overlap
+  const JobConfig on = load_config_string(kTiny, overlap_with({"--parallelism.ep_pair_backward=b",
+                                                               "--parallelism.ep_baton=turn", "--comm.mpi_max_nap_us=1000"}));
+  auto ran = noted(on, RunShape{4, 2, false});
+  for (const char* k : kLaneKeys) EXPECT_FALSE(ran.count(k)) << k;
 }
 
 // ---- [parallelism] pipeline keys ----------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include "moetron/check.h"
 #include "moetron/config.h"
+#include "moetron/env.h"
 #include "moetron/gemm.h"
 #include "moetron/model.h"
 #include "moetron/runtime.h"
@@ -228,6 +230,22 @@ TEST(Trainer, RefusesPlannerOnlyKeys) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << ov << ": " << e.what();
     }
+  }
+}
+
+// The environment variables that once chose behaviour are config keys now: the trainer refuses each one set,
+// naming its key and value, before it starts anything (env.h), so nobody's setting is silently ignored.
+TEST(Trainer, RefusesRetiredEnvironmentVariablesNamingTheirKeys) {
+  for (const RetiredEnv& r : retired_env()) {
+    setenv(r.name, "x", 1);
+    try {
+      train(tiny(fresh_dir("retired_env"), {"--training.steps=1", "--training.compute_dtype=fp32"}), quiet());
+      ADD_FAILURE() << r.name << " accepted";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(std::string(r.name) + "=x was retired: set the config key " + r.key), std::string::npos) << m;
+    }
+    unsetenv(r.name);
   }
 }
 

@@ -66,8 +66,9 @@ struct TimePlan {
   std::map<std::string, double> breakdown;  // seconds per step, per kind (sums to step_time)
   OpSeconds ops_f{}, ops_b{};     // per step, the slowest pipeline rank: compute by op group (forward, backward)
   bool simulated = true;          // false: the analytic estimate (search's first pass)
-  // ep_overlap's unpaired backwards queued their weight gradients into later exchange waits (the engine's
-  // default pair backward, iwcarry; the planner keeps it when faster, TimeOptions::carry_w; never under [quantize]).
+  // ep_overlap's unpaired backwards queued their weight gradients into later exchange waits (the engine's iwcarry:
+  // parallelism.ep_pair_backward = "iwcarry", or "auto" where it projects faster than b; never under [quantize] or
+  // ep_baton = "turn", where the engine keeps b).
   bool carry_w = false;
   int64_t simulated_microbatches = 0;
 };
@@ -79,10 +80,9 @@ struct TimeOptions {
   // The data-parallel collectives overlap the last backward / first forward (Megatron's overlap_grad_reduce /
   // overlap_param_gather, FSDP prefetch). moetron's engine runs them after the backward: false when validating.
   bool overlap_dp = true;
-  // Under ep_overlap without [quantize]: 1 carries the cool-down's weight gradients into later exchange waits (the
-  // engine's iwcarry, TimePlan::carry_w), 0 runs them in their backward (b), -1 projects both and keeps the faster
-  // (carried ones delay the stages' gradient reduction, which overlap_dp needs early).
-  int carry_w = -1;
+  // Whether ep_overlap's weight gradients are carried is not an option here: plan_time reads the job's
+  // parallelism.ep_pair_backward, as the engine does (auto projects both and keeps the faster: carried ones delay
+  // the stages' gradient reduction, which overlap_dp needs early).
 };
 
 // `memory`: the layout's memory projection when the caller has it (the DP collectives read its parameter counts).
