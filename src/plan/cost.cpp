@@ -444,6 +444,250 @@ CarriedB carried_b(const StageTime& x, bool split) {
           split && x.a2a_b > 0 ? x.w2 : x.w};
 }
 
+// The pipeline as the replay or the analytic estimate saw it: per pipeline rank the exposed EP seconds and, per
+// stage, the DP collectives' windows (DpWindow) with the replayed pipeline's end they refer to; `windows` stays
+// empty for the analytic pass (dp_rank fills them from the schedule's shape).
+struct PipelineRun {
+  std::vector<double> a2a_exposed;
+  std::vector<std::vector<DpWindow>> windows;
+  double windows_end = 0;
+};
+
+// The timed replay of the schedule: the pipeline's time, bubble and replayed micro-batches into tp. Long steps:
+// m1 and 2 m1 micro-batches (multiples of pp) simulated and the steady state extended linearly.
+PipelineRun pipeline_simulated(const Layout& l, const StagePlan& sp, TimePlan& tp) {
+  const sched::Durations d = replay_durations(tp);
+  const int64_t m = l.microbatches;
+  PipelineRun pr;
+  pr.a2a_exposed.assign(size_t(l.pp), 0.0);
+  sched::GenSpec g = sp.spec;
+  const int64_t m1 = 8 * int64_t(g.pp);
+  auto run = [&](int64_t mb) {
+    sched::GenSpec gg = g;
+    gg.microbatches = int(mb);
+    sched::Schedule sch = sp.from_csv ? sp.csv : sched::generate(gg);
+    return sched::simulate_timed(sched::lower(sch), d);
+  };
+  if (sp.from_csv || m <= 2 * m1) {
+    const auto r = run(m);
+    tp.pipeline_time = r.step_time, tp.bubble_ratio = r.bubble_ratio, tp.simulated_microbatches = m;
+    for (const auto& rs : r.ranks) pr.a2a_exposed[size_t(rs.rank)] = rs.a2a_exposed;
+    pr.windows = dp_windows(r, int(l.pp), int(tp.stages.size())), pr.windows_end = r.step_time;
+    return pr;
+  }
+  const auto r1 = run(m1), r2 = run(2 * m1);
+  // A figure of the m1 and 2 m1 replays, extended linearly to m micro-batches.
+  auto extend = [&](double v1, double v2) { return v1 + (v2 - v1) / double(m1) * double(m - m1); };
+  tp.pipeline_time = extend(r1.step_time, r2.step_time);
+  for (size_t r = 0; r < pr.a2a_exposed.size(); ++r)
+    pr.a2a_exposed[r] = extend(r1.ranks[r].a2a_exposed, r2.ranks[r].a2a_exposed);
+  // The first forwards and the last backwards sit in the warm-up and the cool-down, whose shape does not
+  // depend on m: the shorter replay's windows, its last backwards moved to the extended end.
+  pr.windows = dp_windows(r2, int(l.pp), int(tp.stages.size()));
+  for (auto& row : pr.windows)
+    for (DpWindow& x : row) x.last_bwd_start += tp.pipeline_time - r2.step_time;
+  pr.windows_end = tp.pipeline_time;
+  double busy = 0;
+  for (const auto& rs : r2.ranks) busy = std::max(busy, rs.busy);
+  const double per_mb_busy = busy / double(2 * m1);
+  tp.bubble_ratio = 1.0 - per_mb_busy * double(m) / tp.pipeline_time;
+  tp.simulated_microbatches = 2 * m1;
+  return pr;
+}
+
+// Analytic: the slowest rank's per-micro-batch time, m of them, plus the warm-up / cool-down of (pp - 1) / vpp
+// micro-batches' worth (the closed bubble formula's shape). Under ep_overlap (the fused interleaved schedule)
+// the rank's warm-up forwards and cool-down backwards run unpaired and show their whole all-to-all; each
+// fused steady-state pair shows the part beyond the pair's compute (what the timed simulator charges,
+// averaged over the rank's chunks). With ep_overlap_split an unpaired chunk shows its split time
+// (sched::unpaired_time) less its unsplit compute.
+PipelineRun pipeline_analytic(const Layout& l, const StagePlan& sp, TimePlan& tp) {
+  const int64_t m = l.microbatches;
+  double worst = 0;
+  for (int r = 0; r < l.pp; ++r) {
+    double unpaired = 1.0;  // the share of the rank's chunks whose all-to-all is not overlapped
+    if (l.ep_overlap && !sp.from_csv) {
+      sched::GenSpec g = sp.spec;
+      g.microbatches = int(m);
+      const double chunks = double(m) * double(sp.rank_stages[size_t(r)].size());
+      unpaired = std::min(1.0, double(sched::warmup_forwards(g, r)) / chunks);
+    }
+    // The steady per-micro-batch time stretches by the ramp; the unpaired exchanges are paid once per chunk
+    // (they sit in the ramp, where the other ranks idle anyway, so the ramp does not stretch them again).
+    double steady = 0, once = 0;
+    for (int st : sp.rank_stages[size_t(r)]) {
+      const auto& x = tp.stages[size_t(st)];
+      const double a2a = x.a2a_f + x.a2a_b, compute = x.f + x.i + x.w;
+      steady += compute + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
+      // The unpaired forward and backward (a B: ep_overlap runs interleaved_1f1b) beyond their compute.
+      const bool split = l.ep_overlap_split;
+      const double exposed_f = sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split, x.n_a2a) - x.f;
+      // Carried weight gradients (tp.carry_w): the B runs as an I and the weight gradient it queues fills the
+      // next unpaired backward's wait, as the replay does in the cool-down.
+      const CarriedB cb = carried_b(x, split);
+      const double exposed_b =
+          tp.carry_w ? std::max(0.0, cb.wait - cb.w)
+                     : sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split, x.n_a2a) - (x.i + x.w);
+      once += unpaired * (exposed_f + exposed_b);
+    }
+    worst = std::max(worst, steady * (double(m) + double(l.pp - 1) / double(l.vpp)) + once * double(m));
+  }
+  tp.pipeline_time = worst;
+  tp.bubble_ratio = 1.0 - double(m) / (double(m) + double(l.pp - 1) / double(l.vpp));
+  tp.simulated = false;
+  return PipelineRun{std::vector<double>(size_t(l.pp), 0.0), {}, 0};
+}
+
+// The stage windows of pipeline rank r for the overlapped DP collectives: the replay's, or analytic ones for the
+// rank placed first in the pipeline (the shortest windows); each with its stage's share of the rank's parameters
+// by its layers (the embedding and the head count as one layer each).
+std::vector<DpWindow> rank_windows(const Layout& l, const StagePlan& sp, const TimePlan& tp, const PipelineRun& pr,
+                                   int r, double end) {
+  const auto& own = sp.rank_stages[size_t(r)];
+  auto stage_layers = [&](int st) {
+    const size_t i = size_t(st);
+    return double(sp.n_moe[i] + sp.n_dense[i] + sp.first[i] + sp.last[i]);
+  };
+  double layers = 0;
+  for (int st : own) layers += stage_layers(st);
+  std::vector<DpWindow> w;
+  for (size_t c = 0; c < own.size(); ++c) {
+    const int st = own[c];
+    DpWindow x;
+    if (!pr.windows.empty()) x = pr.windows[size_t(r)][size_t(st)];
+    else {
+      // Analytic: chunk c's first forward ends after c groups of forwards of the earlier chunks, its last
+      // backward starts c groups of backwards before the end (Megatron's interleaved order; one chunk under 1F1B).
+      const double G = double(sp.spec.group_size > 0 ? sp.spec.group_size : l.pp);
+      const auto& x0 = tp.stages[size_t(st)];
+      x.first_fwd_end = (double(c) * G + 1) * x0.f;
+      x.last_bwd_start = end - (double(c) * G + 1) * (x0.i + x0.w);
+      // Carried weight gradients longer than the waits that could run them pile up and run at the rank's end
+      // (the replay's shape): the stage's reduction starts there.
+      if (tp.carry_w) {
+        const CarriedB cb = carried_b(x0, l.ep_overlap_split);
+        if (cb.w > cb.wait) x.last_bwd_start = end;
+      }
+    }
+    x.share = stage_layers(st) / std::max(layers, 1.0);
+    w.push_back(x);
+  }
+  return w;
+}
+
+// Data parallel for pipeline rank r: gradients reduced (reduce-scatter with a distributed optimizer, else
+// all-reduce) after the last micro-batch's backward, overlapped with that backward; parameters all-gathered after
+// the step, overlapped with the first micro-batch's forward. FSDP (zero 3) gathers per micro-batch and hides
+// behind each stage's compute (prefetch). Its exposed and total seconds.
+struct DpCost {
+  double exposed = 0, total = 0;
+};
+DpCost dp_rank(const Layout& l, const Hardware& h, const TimeOptions& o, const StagePlan& sp, const TimePlan& tp,
+               const PipelineRun& pr, const RankMemory& rm, int r) {
+  const PlanOptions& po = o.memory;
+  const int64_t m = l.microbatches;
+  const Group gd = place(h, l.dp * l.cp, l.tp);
+  const Group ge = place(h, l.edp(), l.ep * l.etp);
+  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+  double f1 = 0, b1 = 0;
+  for (int st : sp.rank_stages[size_t(r)]) f1 += tp.stages[size_t(st)].f, b1 += tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
+  const double gb = po.recipe.grad, pb = po.recipe.param;
+  double red = 0, gather = 0;
+  // The engine all-reduces the gradients with ZeRO-1 too (each rank then updates its shard and the parameters
+  // are all-gathered); a distributed optimizer reduce-scatters them.
+  const bool scatter = l.zero >= 1 && !(po.recipe.engine_buffers && l.zero < 3);
+  auto red_fn = [&](double bytes, Group g) { return scatter ? reduce_scatter(h, bytes, g) : all_reduce(h, bytes, g); };
+  red = red_fn(Pd * gb, gd) + (Pe > 0 ? red_fn(Pe * gb, ge) : 0.0);
+  if (l.zero >= 1) gather = all_gather(h, Pd * pb, gd) + (Pe > 0 ? all_gather(h, Pe * pb, ge) : 0.0);
+  DpCost dc;
+  const double hide_f = o.overlap_dp ? f1 : 0.0, hide_b = o.overlap_dp ? b1 : 0.0;
+  if (l.zero == 3) {
+    // per micro-batch: gather for forward and again for backward, reduce-scatter of the gradients
+    const double per_mb = 2 * gather + red;
+    dc.total = per_mb * double(m);
+    dc.exposed = double(m) * (std::max(0.0, gather - hide_f) + std::max(0.0, gather + red - hide_b));
+  } else if (!o.overlap_dp) {
+    dc.total = dc.exposed = red + gather;
+  } else {
+    // Stage by stage behind the pipeline (DpWindow).
+    const double end = pr.windows.empty() ? tp.pipeline_time : pr.windows_end;
+    const std::vector<DpWindow> w = rank_windows(l, sp, tp, pr, r, end);
+    dc.total = red + gather;
+    dc.exposed = reduce_overrun(w, red, end) + gather_stall(w, gather);
+  }
+  return dc;
+}
+
+// Optimizer of one rank: zero the gradient buffer once per step (write what the rank holds); the gradient norm
+// (read the gradients: the shard under a distributed optimizer or FSDP, every local one in the engine without
+// FSDP); AdamW over the shard (read and write parameters, main parameters and moments, read gradients), at the
+// measured per-element rate when the hardware file has one.
+double optimizer_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
+  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+  const double bw = h.stream_bw();
+  const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
+  const double adamw = h.optimizer_per_param > 0 ? rm.optimizer_elements * h.optimizer_per_param
+                                                 : rm.optimizer_elements * per_elem / bw;
+  const double norm_elems = rc.engine_buffers && l.zero < 3 ? Pd + Pe : rm.optimizer_elements;
+  const double norm = h.grad_norm_per_param > 0 ? norm_elems * h.grad_norm_per_param : norm_elems * rc.grad / bw;
+  return rm.grads / bw + norm + adamw;
+}
+
+// Weight refresh of one rank (the engine's convention; a bf16 GPU recipe has none): every local weight's compute
+// copy (read the master, write the copy) and the routed experts' packed GEMM layouts, once per step; under FSDP
+// each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward).
+double refresh_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
+  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+  const double bw = h.stream_bw();
+  const double copy = rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) / bw : 0.0;
+  const double pack = rc.expert_packed <= 0 ? 0.0
+                      : h.expert_pack_per_param > 0
+                          ? Pe * h.expert_pack_per_param
+                          : Pe * (rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param)) / bw;
+  const double refreshes = l.zero == 3 ? 2.0 * double(l.microbatches) : 1.0;
+  return refreshes * (copy + pack);
+}
+
+// Breakdown: the slowest rank's compute parts per micro-batch times m, exposed EP, p2p and bubble the rest.
+void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr, TimePlan& tp) {
+  const int64_t m = l.microbatches;
+  int worst = 0;
+  double wt = -1;
+  for (int r = 0; r < l.pp; ++r) {
+    double t = 0;
+    for (int st : sp.rank_stages[size_t(r)]) t += tp.stages[size_t(st)].f + tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
+    if (t > wt) wt = t, worst = r;
+  }
+  StageTime sum;
+  for (int st : sp.rank_stages[size_t(worst)]) {
+    const auto& x = tp.stages[size_t(st)];
+    for (int k = 0; k < kNumPlanOps; ++k)
+      tp.ops_f[size_t(k)] += x.op_f[size_t(k)] * double(m), tp.ops_b[size_t(k)] += x.op_b[size_t(k)] * double(m);
+    sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
+    sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
+  }
+  const double mm = double(m);
+  auto& b = tp.breakdown;
+  b["compute.gemm"] = sum.gemm * mm;
+  b["compute.attention"] = sum.attention * mm;
+  b["compute.memory_bound"] = sum.memory_bound * mm;
+  b["compute.fp8_quantize"] = sum.quantize * mm;
+  b["compute.recompute"] = sum.recompute * mm;
+  b["comm.tp"] = sum.tp_comm * mm;
+  b["comm.cp"] = sum.cp_comm * mm;
+  // Exposed EP: what the timed replay charged this rank beyond compute (under ep_overlap the unpaired warm-up
+  // forwards and cool-down backwards, and each fused pair's exchange beyond its compute).
+  b["comm.ep"] = pr.a2a_exposed[size_t(worst)];
+  b["comm.pp_p2p"] = 0;
+  double accounted = 0;
+  for (const auto& [k, v] : b) accounted += v;
+  b["bubble_and_p2p"] = std::max(0.0, tp.pipeline_time - accounted);
+  b["comm.dp_exposed"] = tp.dp_exposed;
+  b["optimizer"] = tp.optimizer;
+  b["weight_refresh"] = tp.weight_refresh;
+  b.erase("comm.pp_p2p");
+}
+
 TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, const TimeOptions& o,
                         const MemoryPlan* memory, const StagePlan* stages, const std::vector<StageTime>* durations,
                         bool carry) {
@@ -466,181 +710,18 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
   // Each tp rank sends 1/tp of the boundary activation: its sequence shard under sequence parallelism, else
   // Megatron's scatter / gather split of the replicated tensor (Narayanan et al. 2021, section 4.1).
   tp.p2p = l.pp > 1 ? p2p(h, T / double(l.tp) * double(s.d_model) * 2, pp_cross) : 0.0;
+  const PipelineRun pr = o.simulate ? pipeline_simulated(l, sp, tp) : pipeline_analytic(l, sp, tp);
 
-  const sched::Durations d = replay_durations(tp);
-  const int64_t m = l.microbatches;
-  std::vector<double> a2a_exposed(size_t(l.pp), 0.0);  // per pipeline rank, the simulator's exposed EP seconds
-  // Per pipeline rank and stage, the DP collectives' windows (DpWindow) and the replayed pipeline's end they
-  // refer to; `windows` stays empty for the analytic pass (filled from the schedule's shape below).
-  std::vector<std::vector<DpWindow>> windows;
-  double windows_end = 0;
-  if (o.simulate) {
-    // Long steps: simulate m1 and 2 m1 micro-batches (multiples of pp) and extend the steady state linearly.
-    sched::GenSpec g = sp.spec;
-    const int64_t m1 = 8 * int64_t(g.pp);
-    auto run = [&](int64_t mb) {
-      sched::GenSpec gg = g;
-      gg.microbatches = int(mb);
-      sched::Schedule sch = sp.from_csv ? sp.csv : sched::generate(gg);
-      return sched::simulate_timed(sched::lower(sch), d);
-    };
-    if (sp.from_csv || m <= 2 * m1) {
-      const auto r = run(m);
-      tp.pipeline_time = r.step_time, tp.bubble_ratio = r.bubble_ratio, tp.simulated_microbatches = m;
-      for (const auto& rs : r.ranks) a2a_exposed[size_t(rs.rank)] = rs.a2a_exposed;
-      windows = dp_windows(r, int(l.pp), int(tp.stages.size())), windows_end = r.step_time;
-    } else {
-      const auto r1 = run(m1), r2 = run(2 * m1);
-      // A figure of the m1 and 2 m1 replays, extended linearly to m micro-batches.
-      auto extend = [&](double v1, double v2) { return v1 + (v2 - v1) / double(m1) * double(m - m1); };
-      tp.pipeline_time = extend(r1.step_time, r2.step_time);
-      for (size_t r = 0; r < a2a_exposed.size(); ++r)
-        a2a_exposed[r] = extend(r1.ranks[r].a2a_exposed, r2.ranks[r].a2a_exposed);
-      // The first forwards and the last backwards sit in the warm-up and the cool-down, whose shape does not
-      // depend on m: the shorter replay's windows, its last backwards moved to the extended end.
-      windows = dp_windows(r2, int(l.pp), int(tp.stages.size()));
-      for (auto& row : windows)
-        for (DpWindow& x : row) x.last_bwd_start += tp.pipeline_time - r2.step_time;
-      windows_end = tp.pipeline_time;
-      double busy = 0;
-      for (const auto& rs : r2.ranks) busy = std::max(busy, rs.busy);
-      const double per_mb_busy = busy / double(2 * m1);
-      tp.bubble_ratio = 1.0 - per_mb_busy * double(m) / tp.pipeline_time;
-      tp.simulated_microbatches = 2 * m1;
-    }
-  } else {
-    // Analytic: the slowest rank's per-micro-batch time, m of them, plus the warm-up / cool-down of (pp - 1) / vpp
-    // micro-batches' worth (the closed bubble formula's shape). Under ep_overlap (the fused interleaved schedule)
-    // the rank's warm-up forwards and cool-down backwards run unpaired and show their whole all-to-all; each
-    // fused steady-state pair shows the part beyond the pair's compute (what the timed simulator charges,
-    // averaged over the rank's chunks). With ep_overlap_split an unpaired chunk shows its split time
-    // (sched::unpaired_time) less its unsplit compute.
-    double worst = 0;
-    for (int r = 0; r < l.pp; ++r) {
-      double unpaired = 1.0;  // the share of the rank's chunks whose all-to-all is not overlapped
-      if (l.ep_overlap && !sp.from_csv) {
-        sched::GenSpec g = sp.spec;
-        g.microbatches = int(m);
-        const double chunks = double(m) * double(sp.rank_stages[size_t(r)].size());
-        unpaired = std::min(1.0, double(sched::warmup_forwards(g, r)) / chunks);
-      }
-      // The steady per-micro-batch time stretches by the ramp; the unpaired exchanges are paid once per chunk
-      // (they sit in the ramp, where the other ranks idle anyway, so the ramp does not stretch them again).
-      double steady = 0, once = 0;
-      for (int st : sp.rank_stages[size_t(r)]) {
-        const auto& x = tp.stages[size_t(st)];
-        const double a2a = x.a2a_f + x.a2a_b, compute = x.f + x.i + x.w;
-        steady += compute + (1 - unpaired) * std::max(0.0, a2a - compute) + 2 * tp.p2p;
-        // The unpaired forward and backward (a B: ep_overlap runs interleaved_1f1b) beyond their compute.
-        const bool split = l.ep_overlap_split;
-        const double exposed_f = sched::unpaired_time(x.f, x.a2a_f, x.f2, x.a2a_f2, split, x.n_a2a) - x.f;
-        // Carried weight gradients (tp.carry_w): the B runs as an I and the weight gradient it queues fills the
-        // next unpaired backward's wait, as the replay does in the cool-down.
-        const CarriedB cb = carried_b(x, split);
-        const double exposed_b =
-            tp.carry_w ? std::max(0.0, cb.wait - cb.w)
-                       : sched::unpaired_time(x.i + x.w, x.a2a_b, x.i2 + x.w2, x.a2a_b2, split, x.n_a2a) - (x.i + x.w);
-        once += unpaired * (exposed_f + exposed_b);
-      }
-      worst = std::max(worst, steady * (double(m) + double(l.pp - 1) / double(l.vpp)) + once * double(m));
-    }
-    tp.pipeline_time = worst;
-    tp.bubble_ratio = 1.0 - double(m) / (double(m) + double(l.pp - 1) / double(l.vpp));
-    tp.simulated = false;
-  }
-
-  // Data parallel: per pipeline rank, gradients reduced (reduce-scatter with a distributed optimizer, else
-  // all-reduce) after the last micro-batch's backward, overlapped with that backward; parameters all-gathered
-  // after the step, overlapped with the first micro-batch's forward. FSDP (zero 3) gathers per micro-batch and
-  // hides behind each stage's compute (prefetch). The slowest pipeline rank counts.
-  const PlanOptions& po = o.memory;
+  // Per pipeline rank: the DP collectives, the optimizer and the weight refresh; the slowest rank counts.
   MemoryPlan own;
   if (!memory) own = dp_memory(c, l, h, o, sp);
   const MemoryPlan& mp = memory ? *memory : own;
-  const Group gd = place(h, l.dp * l.cp, l.tp);
-  const Group ge = place(h, l.edp(), l.ep * l.etp);
   for (int r = 0; r < l.pp; ++r) {
     const RankMemory& rm = mp.per_rank[size_t(r)];
-    const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
-    double f1 = 0, b1 = 0;
-    for (int st : sp.rank_stages[size_t(r)]) f1 += tp.stages[size_t(st)].f, b1 += tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
-    const double gb = po.recipe.grad, pb = po.recipe.param;
-    double red = 0, gather = 0;
-    // The engine all-reduces the gradients with ZeRO-1 too (each rank then updates its shard and the parameters
-    // are all-gathered); a distributed optimizer reduce-scatters them.
-    const bool scatter = l.zero >= 1 && !(po.recipe.engine_buffers && l.zero < 3);
-    auto red_fn = [&](double bytes, Group g) { return scatter ? reduce_scatter(h, bytes, g) : all_reduce(h, bytes, g); };
-    red = red_fn(Pd * gb, gd) + (Pe > 0 ? red_fn(Pe * gb, ge) : 0.0);
-    if (l.zero >= 1) gather = all_gather(h, Pd * pb, gd) + (Pe > 0 ? all_gather(h, Pe * pb, ge) : 0.0);
-    double exposed, total;
-    const double hide_f = o.overlap_dp ? f1 : 0.0, hide_b = o.overlap_dp ? b1 : 0.0;
-    if (l.zero == 3) {
-      // per micro-batch: gather for forward and again for backward, reduce-scatter of the gradients
-      const double per_mb = 2 * gather + red;
-      total = per_mb * double(m);
-      exposed = double(m) * (std::max(0.0, gather - hide_f) + std::max(0.0, gather + red - hide_b));
-    } else if (!o.overlap_dp) {
-      total = exposed = red + gather;
-    } else {
-      // Stage by stage behind the pipeline (DpWindow): each stage's share of the rank's parameters by its layers
-      // (the embedding and the head count as one layer each).
-      const auto& own = sp.rank_stages[size_t(r)];
-      auto stage_layers = [&](int st) {
-        const size_t i = size_t(st);
-        return double(sp.n_moe[i] + sp.n_dense[i] + sp.first[i] + sp.last[i]);
-      };
-      double layers = 0;
-      for (int st : own) layers += stage_layers(st);
-      const double end = windows.empty() ? tp.pipeline_time : windows_end;
-      std::vector<DpWindow> w;
-      for (size_t c = 0; c < own.size(); ++c) {
-        const int st = own[c];
-        DpWindow x;
-        if (!windows.empty()) x = windows[size_t(r)][size_t(st)];
-        else {
-          // Analytic: the rank placed first in the pipeline (the shortest windows): chunk c's first forward ends
-          // after c groups of forwards of the earlier chunks, its last backward starts c groups of backwards
-          // before the end (Megatron's interleaved order; one chunk under 1F1B).
-          const double G = double(sp.spec.group_size > 0 ? sp.spec.group_size : l.pp);
-          const auto& x0 = tp.stages[size_t(st)];
-          x.first_fwd_end = (double(c) * G + 1) * x0.f;
-          x.last_bwd_start = end - (double(c) * G + 1) * (x0.i + x0.w);
-          // Carried weight gradients longer than the waits that could run them pile up and run at the rank's end
-          // (the replay's shape): the stage's reduction starts there.
-          if (tp.carry_w) {
-            const CarriedB cb = carried_b(x0, l.ep_overlap_split);
-            if (cb.w > cb.wait) x.last_bwd_start = end;
-          }
-        }
-        x.share = stage_layers(st) / std::max(layers, 1.0);
-        w.push_back(x);
-      }
-      total = red + gather;
-      exposed = reduce_overrun(w, red, end) + gather_stall(w, gather);
-    }
-    if (exposed > tp.dp_exposed) tp.dp_exposed = exposed, tp.dp_total = total;
-    // Optimizer: zero the gradient buffer once per step (write what the rank holds); the gradient norm (read the
-    // gradients: the shard under a distributed optimizer or FSDP, every local one in the engine without FSDP);
-    // AdamW over the shard (read and write parameters, main parameters and moments, read gradients), at the
-    // measured per-element rate when the hardware file has one.
-    const Recipe& rc = po.recipe;
-    const double bw = h.stream_bw();
-    const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
-    const double adamw = h.optimizer_per_param > 0 ? rm.optimizer_elements * h.optimizer_per_param
-                                                   : rm.optimizer_elements * per_elem / bw;
-    const double norm_elems = rc.engine_buffers && l.zero < 3 ? Pd + Pe : rm.optimizer_elements;
-    const double norm = h.grad_norm_per_param > 0 ? norm_elems * h.grad_norm_per_param : norm_elems * rc.grad / bw;
-    tp.optimizer = std::max(tp.optimizer, rm.grads / bw + norm + adamw);
-    // Weight refresh (the engine's convention; a bf16 GPU recipe has none): every local weight's compute copy
-    // (read the master, write the copy) and the routed experts' packed GEMM layouts, once per step; under FSDP
-    // each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward).
-    const double copy = rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) / bw : 0.0;
-    const double pack = rc.expert_packed <= 0 ? 0.0
-                        : h.expert_pack_per_param > 0
-                            ? Pe * h.expert_pack_per_param
-                            : Pe * (rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param)) / bw;
-    const double refreshes = l.zero == 3 ? 2.0 * double(m) : 1.0;
-    tp.weight_refresh = std::max(tp.weight_refresh, refreshes * (copy + pack));
+    const DpCost dc = dp_rank(l, h, o, sp, tp, pr, rm, r);
+    if (dc.exposed > tp.dp_exposed) tp.dp_exposed = dc.exposed, tp.dp_total = dc.total;
+    tp.optimizer = std::max(tp.optimizer, optimizer_rank(l, h, o.memory.recipe, rm));
+    tp.weight_refresh = std::max(tp.weight_refresh, refresh_rank(l, h, o.memory.recipe, rm));
   }
   tp.step_time = tp.pipeline_time + tp.dp_exposed + tp.optimizer + tp.weight_refresh;
 
@@ -650,46 +731,8 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
   const double fl = o.model_flops_per_token > 0 ? o.model_flops_per_token : flops_per_token(s, c.training.seq_len).train;
   tp.tflops_per_gpu = fl * tp.tokens_per_s_per_gpu / 1e12;
   tp.mfu = fl * tp.tokens_per_s_per_gpu / h.peak_bf16;
-
-  // Breakdown: the slowest rank's compute parts per micro-batch times m, exposed EP, p2p and bubble the rest.
   // (Not for the analytic pass: the search ranks by throughput alone and projects the winners again.)
-  if (o.simulate) {
-    int worst = 0;
-    double wt = -1;
-    for (int r = 0; r < l.pp; ++r) {
-      double t = 0;
-      for (int st : sp.rank_stages[size_t(r)]) t += tp.stages[size_t(st)].f + tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
-      if (t > wt) wt = t, worst = r;
-    }
-    StageTime sum;
-    for (int st : sp.rank_stages[size_t(worst)]) {
-      const auto& x = tp.stages[size_t(st)];
-      for (int k = 0; k < kNumPlanOps; ++k)
-        tp.ops_f[size_t(k)] += x.op_f[size_t(k)] * double(m), tp.ops_b[size_t(k)] += x.op_b[size_t(k)] * double(m);
-      sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
-      sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
-    }
-    const double mm = double(m);
-    auto& b = tp.breakdown;
-    b["compute.gemm"] = sum.gemm * mm;
-    b["compute.attention"] = sum.attention * mm;
-    b["compute.memory_bound"] = sum.memory_bound * mm;
-    b["compute.fp8_quantize"] = sum.quantize * mm;
-    b["compute.recompute"] = sum.recompute * mm;
-    b["comm.tp"] = sum.tp_comm * mm;
-    b["comm.cp"] = sum.cp_comm * mm;
-    // Exposed EP: what the timed replay charged this rank beyond compute (under ep_overlap the unpaired warm-up
-    // forwards and cool-down backwards, and each fused pair's exchange beyond its compute).
-    b["comm.ep"] = a2a_exposed[size_t(worst)];
-    b["comm.pp_p2p"] = 0;
-    double accounted = 0;
-    for (const auto& [k, v] : b) accounted += v;
-    b["bubble_and_p2p"] = std::max(0.0, tp.pipeline_time - accounted);
-    b["comm.dp_exposed"] = tp.dp_exposed;
-    b["optimizer"] = tp.optimizer;
-    b["weight_refresh"] = tp.weight_refresh;
-    b.erase("comm.pp_p2p");
-  }
+  if (o.simulate) fill_breakdown(l, sp, pr, tp);
   return tp;
 }
 

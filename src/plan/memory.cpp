@@ -121,180 +121,258 @@ ActivationCheckpointSpec plan_checkpointing(const JobConfig& c, const Layout& l)
   return ac;
 }
 
-MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o,
-                       const StagePlan* stages) {
-  const ModelSpec& s = c.model;
-  const auto spp = stages ? nullptr : stage_plan(c, l);
-  const StagePlan& sp = stages ? *stages : *spp;
-  const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
-  const ActShard sh = l.shard();
-  const double B = double(l.mbs), S = double(c.training.seq_len);
-  const double a = o.recipe.act_bytes > 0 ? o.recipe.act_bytes : 2.0;
-  const double g = o.recipe.gemm_bytes > 0 ? o.recipe.gemm_bytes : c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0;
-  const Recipe& rc = o.recipe;
-  // The engine's cached FP8 activations (quantize.cache_fp8_activations) replace their copies in its terms; the GPU
-  // convention already counts every GEMM input at g = 1 byte under an FP8 recipe.
-  const Fp8CachePlan f8 = rc.engine_buffers ? fp8_cache_plan(c.quantize) : Fp8CachePlan{};
-  MT_CHECK(o.ep_imbalance >= 1.0, "plan", "ep_imbalance = ", o.ep_imbalance,
-           " must be >= 1 (the busiest rank's routed rows over the balanced count)");
-  const double held = held_rows_factor(l, o);
+namespace {
 
-  const int n_stages = sp.layout.n_stages;
-  std::vector<double> stage_bytes(static_cast<size_t>(n_stages), 0.0);
-  std::vector<ModuleSum> stage_mods(static_cast<size_t>(n_stages));
-  double transient = 0;  // the largest full-recompute re-materialization
-  // A layer's terms depend on its kind (dense / MoE) and on whether recompute applies: four cases at most.
+// What the activation and parameter passes read: the job, the layout, the options and the figures derived once.
+struct MemCtx {
+  const JobConfig& c;
+  const Layout& l;
+  const PlanOptions& o;
+  const StagePlan& sp;
+  ActivationCheckpointSpec ac;
+  ActShard sh;
+  double B = 0, S = 0;  // micro-batch rows, sequence length
+  double a = 0, g = 0;  // activation and GEMM-input element bytes
+  Fp8CachePlan f8;      // the engine's cached FP8 activations (replacing their copies in its terms)
+  double held = 1;      // routed rows held over the balanced count
+};
+
+// The activation bytes of one layer kind (dense / MoE, recompute on / off): kept, and when fully recomputed all
+// its terms (the re-materialization); by module with the breakdown.
+struct LayerKind {
+  bool shared_counted = false;
+  bool have = false;
+  double bytes = 0, all = 0;
+  ModuleSum mods;
+};
+
+void price_kind(const MemCtx& x, int layer, bool moe, bool on, LayerKind& k) {
+  const ModelSpec& s = x.c.model;
+  const PlanOptions& o = x.o;
+  k.have = true;
+  if (o.detail) {
+    sharded_layer_terms(s, layer, x.B, x.S, x.a, x.g, x.ac, x.sh, &ModuleSum::add, &k.mods, x.f8);
+    for (const auto& [name, v] : k.mods.by) k.bytes += v;
+  } else {
+    k.bytes = sharded_layer_bytes(s, layer, x.B, x.S, x.a, x.g, x.ac, x.sh, x.f8);
+  }
+  if (moe && x.held > 1.0) {  // the routed-row terms the layer keeps, scaled to the held rows
+    RoutedRows rr;
+    sharded_layer_terms(s, layer, x.B, x.S, x.a, x.g, x.ac, x.sh, &RoutedRows::add, &rr, x.f8);
+    k.bytes += (x.held - 1.0) * rr.bytes;
+    if (o.detail) k.mods.by["routed_experts"] += (x.held - 1.0) * rr.bytes;
+  }
+  if (x.ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, x.B, x.S, x.a, x.g, x.sh, x.f8);
+  if (o.recipe.engine_buffers) {  // the engine's own (one rank holds the whole layer: no tp / cp here)
+    const double extra = engine_activation_extras(s, layer, x.B * x.S, x.ac, int64_t(x.g), x.f8);
+    k.bytes += extra;
+    if (o.detail) k.mods.by["engine_buffers"] += extra;
+  }
+}
+
+// One micro-batch's activations per stage (with the breakdown, by module), the largest full-recompute
+// re-materialization, and the engine's shared re-materialization sets.
+struct StageActivations {
+  std::vector<double> bytes;
+  std::vector<ModuleSum> mods;
+  double transient = 0;      // the largest full-recompute re-materialization
   double engine_shared = 0;  // engine, full recompute: the shared re-materialization sets
+};
+
+StageActivations stage_activations(const MemCtx& x) {
+  const ModelSpec& s = x.c.model;
+  const PlanOptions& o = x.o;
+  const int n_stages = x.sp.layout.n_stages;
+  StageActivations out;
+  out.bytes.assign(static_cast<size_t>(n_stages), 0.0);
+  out.mods.resize(static_cast<size_t>(n_stages));
+  // A layer's terms depend on its kind (dense / MoE) and on whether recompute applies: four cases at most.
   const double d_model = double(s.d_model);
-  struct Kind {
-    bool shared_counted = false;
-    bool have = false;
-    double bytes = 0, all = 0;
-    ModuleSum mods;
-  } kinds[2][2];
+  LayerKind kinds[2][2];
   for (int st = 0; st < n_stages; ++st) {
-    for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool on, int count) {
-      Kind& k = kinds[moe ? 1 : 0][on ? 1 : 0];
-      if (!k.have) {
-        k.have = true;
-        if (o.detail) {
-          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &ModuleSum::add, &k.mods, f8);
-          for (const auto& [name, v] : k.mods.by) k.bytes += v;
-        } else {
-          k.bytes = sharded_layer_bytes(s, layer, B, S, a, g, ac, sh, f8);
-        }
-        if (moe && held > 1.0) {  // the routed-row terms the layer keeps, scaled to the held rows
-          RoutedRows rr;
-          sharded_layer_terms(s, layer, B, S, a, g, ac, sh, &RoutedRows::add, &rr, f8);
-          k.bytes += (held - 1.0) * rr.bytes;
-          if (o.detail) k.mods.by["routed_experts"] += (held - 1.0) * rr.bytes;
-        }
-        if (ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, B, S, a, g, sh, f8);
-        if (o.recipe.engine_buffers) {  // the engine's own (one rank holds the whole layer: no tp / cp here)
-          const double extra = engine_activation_extras(s, layer, B * S, ac, int64_t(g), f8);
-          k.bytes += extra;
-          if (o.detail) k.mods.by["engine_buffers"] += extra;
-        }
-      }
-      stage_bytes[size_t(st)] += count * k.bytes;
-      if (o.recipe.engine_buffers && ac.mode == AcMode::Full && on && !k.shared_counted) {
+    for_each_layer_group(x.sp, s, x.ac, st, [&](int layer, bool moe, bool on, int count) {
+      LayerKind& k = kinds[moe ? 1 : 0][on ? 1 : 0];
+      if (!k.have) price_kind(x, layer, moe, on, k);
+      out.bytes[size_t(st)] += count * k.bytes;
+      if (o.recipe.engine_buffers && x.ac.mode == AcMode::Full && on && !k.shared_counted) {
         // The engine re-materializes into one buffer set per layer kind, allocated for the whole run: it counts as
         // activations (held), not as a transient.
         k.shared_counted = true;
         const ActivationCheckpointSpec none;
-        engine_shared += k.all + engine_activation_extras(s, layer, B * S, none, int64_t(g), f8) - B * S * d_model * a;
+        out.engine_shared += k.all + engine_activation_extras(s, layer, x.B * x.S, none, int64_t(x.g), x.f8) -
+                             x.B * x.S * d_model * x.a;
       }
       if (o.detail)
-        for (const auto& [name, v] : k.mods.by) stage_mods[size_t(st)].by[name] += count * v;
-      transient = std::max(transient, k.all);
+        for (const auto& [name, v] : k.mods.by) out.mods[size_t(st)].by[name] += count * v;
+      out.transient = std::max(out.transient, k.all);
     });
+    const bool first = x.sp.first[size_t(st)], last = x.sp.last[size_t(st)];
     if (o.detail) {
       ModuleSum outside;
-      sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
-                            &ModuleSum::add, &outside);
-      for (const auto& [name, v] : outside.by) stage_bytes[size_t(st)] += v, stage_mods[size_t(st)].by[name] += v;
+      sharded_outside_terms(s, x.B, x.S, x.a, x.g, x.sh, o.fused_loss, first, last, &ModuleSum::add, &outside);
+      for (const auto& [name, v] : outside.by) out.bytes[size_t(st)] += v, out.mods[size_t(st)].by[name] += v;
     } else {  // without the breakdown: the sum alone, no module map
-      sharded_outside_terms(s, B, S, a, g, sh, o.fused_loss, sp.first[size_t(st)], sp.last[size_t(st)],
-                            &BytesSum::add, &stage_bytes[size_t(st)]);
+      sharded_outside_terms(s, x.B, x.S, x.a, x.g, x.sh, o.fused_loss, first, last, &BytesSum::add,
+                            &out.bytes[size_t(st)]);
     }
   }
-  const Inflight inf = inflight(sp, stage_bytes);
+  return out;
+}
 
+// The parameters of one pipeline rank's stages, by divisor (before dividing), and the largest FSDP unit.
+struct RankParams {
+  ParamSplit ps;
+  double largest_unit = 0, largest_unit_experts = 0;  // elements on one GPU
+  bool moe_here = false;
+};
+
+// One layer's parameter split per kind (dense, MoE), priced at the first layer of that kind met.
+struct SplitCache {
+  ParamSplit split[2];
+  bool have[2] = {false, false};
+};
+
+RankParams rank_params(const MemCtx& x, SplitCache& cache, RankMemory& rm) {
+  const ModelSpec& s = x.c.model;
+  const Layout& l = x.l;
+  const double d = double(s.d_model);
+  RankParams p;
+  for (int st : rm.stages) {
+    for_each_layer_group(x.sp, s, x.ac, st, [&](int layer, bool moe, bool, int count) {
+      const int km = moe ? 1 : 0;
+      if (!cache.have[km]) cache.split[km] = split_layer(s, layer), cache.have[km] = true;
+      const ParamSplit& y = cache.split[km];
+      p.ps.tp_sharded += count * y.tp_sharded, p.ps.replicated += count * y.replicated, p.ps.experts += count * y.experts;
+      const double unit = y.tp_sharded / double(l.tp) + y.replicated + y.experts / double(l.ep * l.etp);
+      if (unit > p.largest_unit) p.largest_unit = unit, p.largest_unit_experts = y.experts / double(l.ep * l.etp);
+      p.moe_here = p.moe_here || moe;
+      rm.layers += count;
+    });
+    const double vd = double(s.vocab_size) * d;
+    if (x.sp.first[size_t(st)] || x.sp.last[size_t(st)]) p.largest_unit = std::max(p.largest_unit, vd / double(l.tp));
+    if (x.sp.first[size_t(st)]) p.ps.tp_sharded += vd;
+    if (x.sp.last[size_t(st)]) p.ps.tp_sharded += vd, p.ps.replicated += d;  // head (a copy when tied) + final norm
+  }
+  return p;
+}
+
+// Parameters, gradients, main parameters and optimizer state of one rank under its ZeRO stage.
+void rank_state(const MemCtx& x, const RankParams& p, RankMemory& rm) {
+  const Layout& l = x.l;
+  const Recipe& rc = x.o.recipe;
   const double dense_dp = double(l.dp * l.cp);  // the distributed optimizer's group for dense parameters
   const double edp = double(l.edp());
-  const double T = l.tokens_per_rank(c.training.seq_len), q = double(sh.token_div()), d = double(s.d_model);
+  rm.params_tp_sharded = p.ps.tp_sharded / double(l.tp);
+  rm.params_replicated = p.ps.replicated;
+  rm.params_experts = p.ps.experts / double(l.ep * l.etp);
+  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+  double fsdp_grad_slot = 0;
+  if (l.zero == 3) {
+    const double dsh = double(l.dp_shard > 0 ? l.dp_shard : l.dp);
+    const double esh = std::max(1.0, edp * dsh / double(l.dp));
+    const double shard = Pd / (dsh * double(l.cp)) + Pe / esh;
+    if (rc.engine_buffers) {
+      // The engine keeps the fp32 shard alone and gathers one unit at a time (two with tied embeddings) into a
+      // full-precision slot with its compute copy and the unit's packed experts, plus its gradient slot; both
+      // count as parameters and gradients.
+      const double slots = x.c.model.tie_embeddings ? 2.0 : 1.0;
+      rm.params = shard * rc.param +
+                  slots * (p.largest_unit * (rc.param + rc.compute_copy) + p.largest_unit_experts * rc.expert_packed);
+      fsdp_grad_slot = slots * p.largest_unit * rc.grad;
+    } else {
+      rm.params = shard * (rc.param + rc.compute_copy);
+      rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * p.largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
+    }
+  } else {
+    rm.params = (Pd + Pe) * (rc.param + rc.compute_copy) + Pe * rc.expert_packed;
+  }
+  const double shard_d = l.zero >= 1 ? dense_dp : 1.0, shard_e = l.zero >= 1 ? edp : 1.0;
+  const double gshard_d = l.zero >= 2 ? dense_dp : 1.0, gshard_e = l.zero >= 2 ? edp : 1.0;
+  rm.grads = Pd * rc.grad / gshard_d + Pe * rc.grad / gshard_e + fsdp_grad_slot;
+  rm.optimizer_elements = Pd / shard_d + Pe / shard_e;
+  rm.main_params = rm.optimizer_elements * rc.main;
+  rm.optimizer = 2.0 * rc.moment * rm.optimizer_elements;
+}
 
-  ParamSplit split_cache[2];
-  bool split_have[2] = {false, false};
+// Activations: the simulator's peak of held sets, by module in the proportions of one micro-batch.
+void rank_activations(const MemCtx& x, const StageActivations& sa, const Inflight& inf, int r, RankMemory& rm) {
+  rm.inflight_sets = inf.peak_sets[size_t(r)];
+  if (x.o.recipe.engine_buffers) {
+    // The engine allocates each stage's activation slots once, as many as that stage ever holds: the sum of
+    // the per-stage peaks, plus its shared re-materialization sets (a GPU allocator holds the peak of the sum).
+    rm.activations = sa.engine_shared;
+    for (int st : rm.stages) rm.activations += double(inf.stage_peak.at(size_t(st))) * sa.bytes[size_t(st)];
+  } else {
+    rm.activations = inf.peak_bytes[size_t(r)];
+  }
+  for (int st : rm.stages) rm.act_per_microbatch += sa.bytes[size_t(st)];
+  if (x.o.detail) {
+    std::map<std::string, double> mods;
+    for (int st : rm.stages)
+      for (const auto& [k, v] : sa.mods[size_t(st)].by) mods[k] += v;
+    const double scale = rm.act_per_microbatch > 0 ? rm.activations / rm.act_per_microbatch : 0.0;
+    for (const auto& [k, v] : mods) rm.act_by_module.push_back({k, v * scale});
+  }
+}
+
+// Communication buffers (EP dispatch, PP send / receive) and the workspace: the GEMM library's, the SP all-gather
+// of a layer input, a full recompute's transient.
+void rank_buffers(const MemCtx& x, bool moe_here, double transient, RankMemory& rm) {
+  const ModelSpec& s = x.c.model;
+  const Layout& l = x.l;
+  const double T = l.tokens_per_rank(x.c.training.seq_len), q = double(x.sh.token_div()), d = double(s.d_model);
+  if (moe_here && l.ep > 1) {
+    const double row = x.c.parallelism.fp8_dispatch ? d + d / 128.0 * 4.0 : d * 2.0;
+    double rows = T / q * double(s.moe.topk) * double(l.etp) * x.held;
+    if (x.c.parallelism.ep_dispatcher == EpDispatcher::SyncFree)  // worst case: every source sends all its copies here
+      rows = T / q * double(l.ep) * double(std::min<int64_t>(s.moe.topk, s.moe.n_routed_experts / l.ep)) * double(l.etp);
+    rm.buffers_by_kind.push_back({"ep_dispatch", 2.0 * rows * row});
+  }
+  if (l.pp > 1) rm.buffers_by_kind.push_back({"pp_p2p", 2.0 * T / q * d * x.a});
+  for (const auto& [k, v] : rm.buffers_by_kind) rm.buffers += v;
+  rm.workspace = kGemmWorkspace + (x.sh.sp ? T * d * x.a : 0.0) + (x.o.recipe.engine_buffers ? 0.0 : transient);
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, const PlanOptions& o,
+                       const StagePlan* stages) {
+  const auto spp = stages ? nullptr : stage_plan(c, l);
+  const StagePlan& sp = stages ? *stages : *spp;
+  MemCtx x{c,
+           l,
+           o,
+           sp,
+           plan_checkpointing(c, l),
+           l.shard(),
+           double(l.mbs),
+           double(c.training.seq_len),
+           o.recipe.act_bytes > 0 ? o.recipe.act_bytes : 2.0,
+           o.recipe.gemm_bytes > 0 ? o.recipe.gemm_bytes : c.quantize.recipe == Fp8Recipe::None ? 2.0 : 1.0,
+           // The engine's cached FP8 activations (quantize.cache_fp8_activations) replace their copies in its
+           // terms; the GPU convention already counts every GEMM input at g = 1 byte under an FP8 recipe.
+           o.recipe.engine_buffers ? fp8_cache_plan(c.quantize) : Fp8CachePlan{},
+           1.0};
+  MT_CHECK(o.ep_imbalance >= 1.0, "plan", "ep_imbalance = ", o.ep_imbalance,
+           " must be >= 1 (the busiest rank's routed rows over the balanced count)");
+  x.held = held_rows_factor(l, o);
+  const StageActivations sa = stage_activations(x);
+  const Inflight inf = inflight(sp, sa.bytes);
+
   MemoryPlan m;
   m.layout = l;
   m.hardware = h.name;
   m.hbm = h.hbm_bytes;
   m.margin = o.margin;
+  SplitCache splits;
   for (int r = 0; r < l.pp; ++r) {
     RankMemory rm;
     rm.rank = r;
     rm.stages = sp.rank_stages[size_t(r)];
-    ParamSplit ps;
-    double largest_unit = 0, largest_unit_experts = 0, fsdp_grad_slot = 0;
-    bool moe_here = false;
-    for (int st : rm.stages) {
-      for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool, int count) {
-        const int km = moe ? 1 : 0;
-        if (!split_have[km]) split_cache[km] = split_layer(s, layer), split_have[km] = true;
-        const ParamSplit& x = split_cache[km];
-        ps.tp_sharded += count * x.tp_sharded, ps.replicated += count * x.replicated, ps.experts += count * x.experts;
-        const double unit = x.tp_sharded / double(l.tp) + x.replicated + x.experts / double(l.ep * l.etp);
-        if (unit > largest_unit) largest_unit = unit, largest_unit_experts = x.experts / double(l.ep * l.etp);
-        moe_here = moe_here || moe;
-        rm.layers += count;
-      });
-      const double vd = double(s.vocab_size) * d;
-      if (sp.first[size_t(st)] || sp.last[size_t(st)]) largest_unit = std::max(largest_unit, vd / double(l.tp));
-      if (sp.first[size_t(st)]) ps.tp_sharded += vd;
-      if (sp.last[size_t(st)]) ps.tp_sharded += vd, ps.replicated += d;  // head (a copy when tied) + final norm
-    }
-    rm.params_tp_sharded = ps.tp_sharded / double(l.tp);
-    rm.params_replicated = ps.replicated;
-    rm.params_experts = ps.experts / double(l.ep * l.etp);
-    const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
-    if (l.zero == 3) {
-      const double dsh = double(l.dp_shard > 0 ? l.dp_shard : l.dp);
-      const double esh = std::max(1.0, edp * dsh / double(l.dp));
-      const double shard = Pd / (dsh * double(l.cp)) + Pe / esh;
-      if (rc.engine_buffers) {
-        // The engine keeps the fp32 shard alone and gathers one unit at a time (two with tied embeddings) into a
-        // full-precision slot with its compute copy and the unit's packed experts, plus its gradient slot; both
-        // count as parameters and gradients.
-        const double slots = s.tie_embeddings ? 2.0 : 1.0;
-        rm.params = shard * rc.param +
-                    slots * (largest_unit * (rc.param + rc.compute_copy) + largest_unit_experts * rc.expert_packed);
-        fsdp_grad_slot = slots * largest_unit * rc.grad;
-      } else {
-        rm.params = shard * (rc.param + rc.compute_copy);
-        rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
-      }
-    } else {
-      rm.params = (Pd + Pe) * (rc.param + rc.compute_copy) + Pe * rc.expert_packed;
-    }
-    const double shard_d = l.zero >= 1 ? dense_dp : 1.0, shard_e = l.zero >= 1 ? edp : 1.0;
-    const double gshard_d = l.zero >= 2 ? dense_dp : 1.0, gshard_e = l.zero >= 2 ? edp : 1.0;
-    rm.grads = Pd * rc.grad / gshard_d + Pe * rc.grad / gshard_e + fsdp_grad_slot;
-    rm.optimizer_elements = Pd / shard_d + Pe / shard_e;
-    rm.main_params = rm.optimizer_elements * rc.main;
-    rm.optimizer = 2.0 * rc.moment * rm.optimizer_elements;
-
-    // Activations: the simulator's peak of held sets, by module in the proportions of one micro-batch.
-    rm.inflight_sets = inf.peak_sets[size_t(r)];
-    if (o.recipe.engine_buffers) {
-      // The engine allocates each stage's activation slots once, as many as that stage ever holds: the sum of
-      // the per-stage peaks, plus its shared re-materialization sets (a GPU allocator holds the peak of the sum).
-      rm.activations = engine_shared;
-      for (int st : rm.stages) rm.activations += double(inf.stage_peak.at(size_t(st))) * stage_bytes[size_t(st)];
-    } else {
-      rm.activations = inf.peak_bytes[size_t(r)];
-    }
-    for (int st : rm.stages) rm.act_per_microbatch += stage_bytes[size_t(st)];
-    if (o.detail) {
-      std::map<std::string, double> mods;
-      for (int st : rm.stages)
-        for (const auto& [k, v] : stage_mods[size_t(st)].by) mods[k] += v;
-      const double scale = rm.act_per_microbatch > 0 ? rm.activations / rm.act_per_microbatch : 0.0;
-      for (const auto& [k, v] : mods) rm.act_by_module.push_back({k, v * scale});
-    }
-
-    // Communication buffers.
-    if (moe_here && l.ep > 1) {
-      const double row = c.parallelism.fp8_dispatch ? d + d / 128.0 * 4.0 : d * 2.0;
-      double rows = T / q * double(s.moe.topk) * double(l.etp) * held;
-      if (c.parallelism.ep_dispatcher == EpDispatcher::SyncFree)  // worst case: every source sends all its copies here
-        rows = T / q * double(l.ep) * double(std::min<int64_t>(s.moe.topk, s.moe.n_routed_experts / l.ep)) * double(l.etp);
-      rm.buffers_by_kind.push_back({"ep_dispatch", 2.0 * rows * row});
-    }
-    if (l.pp > 1) rm.buffers_by_kind.push_back({"pp_p2p", 2.0 * T / q * d * a});
-    for (const auto& [k, v] : rm.buffers_by_kind) rm.buffers += v;
-    // Workspace: GEMM library workspace, the SP all-gather of a layer input, a full recompute's transient.
-    rm.workspace = kGemmWorkspace + (sh.sp ? T * d * a : 0.0) + (o.recipe.engine_buffers ? 0.0 : transient);
+    const RankParams p = rank_params(x, splits, rm);
+    rank_state(x, p, rm);
+    rank_activations(x, sa, inf, r, rm);
+    rank_buffers(x, p.moe_here, sa.transient, rm);
     if (rm.total() > m.max_total) m.max_total = rm.total(), m.worst_rank = r;
     m.per_rank.push_back(std::move(rm));
   }

@@ -97,183 +97,219 @@ std::string explain(const Candidate& w, const std::vector<Candidate>& top) {
 
 }  // namespace
 
-SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, double gbt, const SearchOptions& o) {
-  using clock = std::chrono::steady_clock;
-  const auto t0 = clock::now();
+namespace {
+
+// A layout the analytic pass ranked, with its score (analytic tokens/s/GPU).
+struct Ranked {
+  Layout layout;
+  double score = 0;
+};
+
+// One work item per (tp, cp, pp): the items run on o.threads workers and their results are joined in the
+// items' order, so the ranking does not depend on the thread count.
+struct Item {
+  int64_t tp, cp, pp;
+  std::vector<Ranked> ok;
+  int64_t enumerated = 0, invalid = 0, oom = 0, evaluated = 0;
+};
+
+// What every work item reads: the job (its batch fixed by the search), the hardware, the options, the recompute
+// choices and the two cheap passes (the analytic step, the memory projection without module detail).
+struct SearchCtx {
+  const JobConfig& c;
+  const Hardware& h;
+  const SearchOptions& o;
+  int64_t world = 0, gbs = 0, E = 1;
+  std::vector<Ac> acs;
+  TimeOptions analytic;
+  PlanOptions quick;
+  // The job's lane keys (parallelism.ep_pair_backward, ep_baton, ep_link) may rule the overlap out (the engine
+  // refuses iwcarry under turns, say): its layouts then count as invalid.
+  bool lanes_ok = true;
+};
+
+// The stage plans of one (pp, vpp, schedule): by (micro-batches, overlap).
+using StagePlans = std::map<std::pair<int64_t, int>, std::shared_ptr<const StagePlan>>;
+
+// What the overlap choices of one shape (ep, zero, recompute, micro-batch) share: its stage durations (priced
+// once, and at half the tokens once for the split) and, with and without the split, the memory projection.
+struct ShapeShare {
+  std::vector<StageTime> whole, split;
+  MemoryPlan overlap_mp;
+  bool have_overlap_mp = false;
+};
+
+// Whether the job's lane keys allow the EP overlap at all (validate_overlap_lanes accepts them).
+bool lanes_allowed(const JobConfig& c) {
+  try {
+    validate_overlap_lanes(c);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+// The job as the search prices it: the global batch from the tokens, the layout-bound choices cleared.
+JobConfig search_config(const JobConfig& c_in, int64_t world, double gbt) {
   JobConfig c = c_in;
-  const ModelSpec& s = c.model;
   const int64_t S = c.training.seq_len;
   MT_CHECK(world >= 1, "plan search", "--world = ", world, " must be >= 1");
   MT_CHECK(gbt > 0 && std::fmod(gbt, double(S)) == 0, "plan search", "--global-batch-tokens = ", gbt,
            " must be a positive multiple of training.seq_len (", S, ")");
-  const int64_t gbs = int64_t(gbt / double(S));
-  c.training.global_batch_size = gbs;
+  c.training.global_batch_size = int64_t(gbt / double(S));
   c.parallelism.pp_layout.clear();
   c.parallelism.pp_schedule_csv.clear();
   c.parallelism.pp_microbatches = 0;
   c.parallelism.pp_virtual_stages = 0;
   c.activation_checkpoint.layer_ids.clear();
   c.activation_checkpoint.stage_ids.clear();
+  return c;
+}
 
-  SearchResult res;
-  res.world = world;
-  res.global_batch_tokens = gbt;
-  std::vector<Ac> acs = {{AcMode::None, {}}};
-  if (o.allow_recompute) acs.push_back({AcMode::Selective, {"attention_core", "moe_act", "norm"}}), acs.push_back({AcMode::Full, {}});
-  const int64_t max_tp = o.allow_tp ? h.scale_up.domain : 1;
-  const int64_t max_cp = o.allow_cp ? 8 : 1;
-  const int64_t max_pp = o.max_pp > 0 ? o.max_pp : s.n_layers;
-  const int64_t E = s.is_moe() ? s.moe.n_routed_experts : 1;
-  // The job's lane keys (parallelism.ep_pair_backward, ep_baton, ep_link) may rule the overlap out (the engine
-  // refuses iwcarry under turns, say): its layouts then count as invalid.
-  const bool lanes_ok = [&] {
-    try {
-      validate_overlap_lanes(c);
-      return true;
-    } catch (const Error&) {
-      return false;
+// One layout through the rules, the memory projection and the analytic step. `static_oom`: what a rank holds
+// before activations did not fit for this (ep, zero); set here when a projection shows it.
+void evaluate(const SearchCtx& x, Item& it, Layout l, int ov, StagePlans& plans, bool& static_oom, ShapeShare& sh) {
+  if (l.pp == 1 && l.schedule != "1f1b") { ++it.invalid; return; }
+  if (ov && !x.lanes_ok) { ++it.invalid; return; }
+  // The two rules most candidates break, as integer tests before the named check.
+  if (x.gbs % (l.mbs * l.dp) != 0 || (l.tp * l.cp * l.dp) % l.ep != 0) { ++it.invalid; return; }
+  if (!layout_error(x.c, l, x.gbs).empty()) { ++it.invalid; return; }
+  l.microbatches = x.gbs / (l.mbs * l.dp);
+  if (!schedule_accepts(l)) { ++it.invalid; return; }
+  if (static_oom) { ++it.oom; return; }
+  // The stage plan depends on (pp, vpp, schedule, micro-batches, overlap): kept per shape here.
+  auto& spp = plans[{l.microbatches, ov > 0}];
+  MemoryPlan own;
+  const MemoryPlan* mp = &own;
+  try {
+    if (!spp) spp = stage_plan(x.c, l);
+    // The split changes durations, not what a rank holds: its memory is the overlap's.
+    if (ov == 2 && sh.have_overlap_mp) mp = &sh.overlap_mp;
+    else own = plan_memory(x.c, l, x.h, x.quick, spp.get());
+  } catch (const Error&) {
+    ++it.invalid;
+    return;
+  }
+  if (ov == 1) sh.overlap_mp = std::move(own), sh.have_overlap_mp = true, mp = &sh.overlap_mp;
+  if (mp->verdict != "FITS") {
+    ++it.oom;
+    for (const RankMemory& rm : mp->per_rank)
+      if (verdict_for(rm.params + rm.grads + rm.main_params + rm.optimizer, mp->hbm, mp->margin) != "FITS")
+        static_oom = true;
+    return;
+  }
+  if (sh.whole.empty()) sh.whole = stage_times_at(x.c, l, x.h, x.analytic, *spp, 1.0);
+  const std::vector<StageTime>* d = &sh.whole;
+  if (ov == 2) {
+    sh.split = sh.whole;
+    set_split_halves(sh.split, stage_times_at(x.c, l, x.h, x.analytic, *spp, 0.5));
+    d = &sh.split;
+  }
+  const double score = plan_time(x.c, l, x.h, x.analytic, mp, spp.get(), d).tokens_per_s_per_gpu;
+  ++it.evaluated;
+  it.ok.push_back({std::move(l), score});
+}
+
+// Every recompute choice, micro-batch and overlap choice of one (tp, cp, pp, vpp, schedule, ep, zero). What a
+// rank holds before activations (parameters, gradients, main parameters, optimizer state) depends on neither
+// recompute, micro-batch nor overlap: once it alone does not fit, no layout of this (ep, zero) fits, and the
+// rest are counted out of memory without a projection.
+void run_ep_zero(const SearchCtx& x, Item& it, const Layout& base, StagePlans& plans) {
+  const SearchOptions& o = x.o;
+  bool static_oom = false;
+  for (const Ac& ac : x.acs)
+    for (int64_t mbs : pow2_upto(o.max_mbs)) {
+      ShapeShare sh;
+      for (int ov = 0; ov < 3; ++ov) {  // no overlap; ep_overlap; ep_overlap with the split
+        if (base.zero == 3 && !o.allow_fsdp) continue;
+        if (ov && !(o.allow_ep_overlap && base.ep > 1 && base.schedule == "interleaved_1f1b")) continue;
+        if (ov == 2 && !o.allow_ep_overlap_split) continue;
+        ++it.enumerated;
+        Layout l = base;
+        l.ep_overlap = ov > 0, l.ep_overlap_split = ov == 2, l.recompute = ac.mode, l.recompute_modules = ac.modules;
+        l.mbs = mbs;
+        evaluate(x, it, std::move(l), ov, plans, static_oom, sh);
+      }
     }
-  }();
+}
 
-  struct Ranked {
-    Layout layout;
-    double score = 0;  // analytic tokens/s/GPU
-  };
-  // One work item per (tp, cp, pp): the items run on o.threads workers and their results are joined in the
-  // items' order, so the ranking does not depend on the thread count.
-  struct Item {
-    int64_t tp, cp, pp;
-    std::vector<Ranked> ok;
-    int64_t enumerated = 0, invalid = 0, oom = 0, evaluated = 0;
-  };
+// Every schedule, virtual-stage count, ep and zero of one (tp, cp, pp).
+void run_item(const SearchCtx& x, Item& it) {
+  const int64_t dp = x.world / (it.tp * it.cp * it.pp);
+  for (const auto& sched : x.o.schedules) {
+    std::vector<int64_t> vpps = {1};
+    if (sched == "interleaved_1f1b") vpps = {2, 3, 4, 6, 8};
+    if (sched == "zbv") vpps = {2};
+    for (int64_t vpp : vpps) {
+      StagePlans plans;
+      for (int64_t ep : divisors_upto(x.E, x.E))
+        for (int64_t zero : {int64_t(1), int64_t(3)}) {
+          Layout l;
+          l.tp = it.tp, l.cp = it.cp, l.pp = it.pp, l.vpp = vpp, l.dp = dp, l.ep = ep, l.zero = zero;
+          l.schedule = sched;
+          run_ep_zero(x, it, l, plans);
+        }
+    }
+  }
+}
+
+// The work items: every (tp, cp, pp) that divides the world within the options' caps.
+std::vector<Item> work_items(const SearchCtx& x, int64_t max_tp, int64_t max_cp, int64_t max_pp) {
   std::vector<Item> items;
   for (int64_t tp : pow2_upto(max_tp))
     for (int64_t cp : pow2_upto(max_cp)) {
-      if (world % (tp * cp) != 0) continue;
-      for (int64_t pp : divisors_upto(world / (tp * cp), max_pp))
-        if (tp * cp * pp >= o.min_replica) items.push_back({tp, cp, pp, {}});
+      if (x.world % (tp * cp) != 0) continue;
+      for (int64_t pp : divisors_upto(x.world / (tp * cp), max_pp))
+        if (tp * cp * pp >= x.o.min_replica) items.push_back({tp, cp, pp, {}});
     }
-  TimeOptions analytic = o.time;
-  analytic.simulate = false;
-  analytic.model_flops_per_token = flops_per_token(s, S).train;
-  PlanOptions quick = o.time.memory;
-  quick.detail = false;
-  auto run_item = [&](Item& it) {
-    const int64_t tp = it.tp, cp = it.cp, pp = it.pp;
-    const int64_t dp = world / (tp * cp * pp);
-    for (const auto& sched : o.schedules) {
-      std::vector<int64_t> vpps = {1};
-      if (sched == "interleaved_1f1b") vpps = {2, 3, 4, 6, 8};
-      if (sched == "zbv") vpps = {2};
-      for (int64_t vpp : vpps) {
-        std::map<std::pair<int64_t, int>, std::shared_ptr<const StagePlan>> plans;
-        for (int64_t ep : divisors_upto(E, E))
-          for (int64_t zero : {int64_t(1), int64_t(3)}) {
-            // What a rank holds before activations (parameters, gradients, main parameters, optimizer state)
-            // depends on neither recompute, micro-batch nor overlap: once it alone does not fit, no layout of
-            // this (ep, zero) fits, and the rest are counted out of memory without a projection.
-            bool static_oom = false;
-            for (const Ac& ac : acs)
-              for (int64_t mbs : pow2_upto(o.max_mbs)) {
-                // The overlap choices share this shape's stage durations (priced once, and at half the tokens
-                // once for the split) and, with and without the split, the memory projection.
-                std::vector<StageTime> whole, split;
-                MemoryPlan overlap_mp;
-                bool have_overlap_mp = false;
-                for (int ov = 0; ov < 3; ++ov) {  // no overlap; ep_overlap; ep_overlap with the split
-                  if (zero == 3 && !o.allow_fsdp) continue;
-                  if (ov && !(o.allow_ep_overlap && ep > 1 && sched == "interleaved_1f1b")) continue;
-                  if (ov == 2 && !o.allow_ep_overlap_split) continue;
-                  ++it.enumerated;
-                  Layout l;
-                  l.tp = tp, l.cp = cp, l.pp = pp, l.vpp = vpp, l.dp = dp, l.ep = ep, l.zero = zero;
-                  l.schedule = sched, l.ep_overlap = ov > 0, l.ep_overlap_split = ov == 2, l.recompute = ac.mode,
-                  l.recompute_modules = ac.modules;
-                  l.mbs = mbs;
-                  if (pp == 1 && sched != "1f1b") { ++it.invalid; continue; }
-                  if (ov && !lanes_ok) { ++it.invalid; continue; }
-                  // The two rules most candidates break, as integer tests before the named check.
-                  if (gbs % (mbs * dp) != 0 || (tp * cp * dp) % ep != 0) { ++it.invalid; continue; }
-                  if (!layout_error(c, l, gbs).empty()) { ++it.invalid; continue; }
-                  l.microbatches = gbs / (mbs * dp);
-                  if (!schedule_accepts(l)) { ++it.invalid; continue; }
-                  if (static_oom) { ++it.oom; continue; }
-                  // The stage plan depends on (pp, vpp, schedule, micro-batches, overlap): kept per shape here.
-                  auto& spp = plans[{l.microbatches, ov > 0}];
-                  MemoryPlan own;
-                  const MemoryPlan* mp = &own;
-                  try {
-                    if (!spp) spp = stage_plan(c, l);
-                    // The split changes durations, not what a rank holds: its memory is the overlap's.
-                    if (ov == 2 && have_overlap_mp) mp = &overlap_mp;
-                    else own = plan_memory(c, l, h, quick, spp.get());
-                  } catch (const Error&) {
-                    ++it.invalid;
-                    continue;
-                  }
-                  if (ov == 1) overlap_mp = std::move(own), have_overlap_mp = true, mp = &overlap_mp;
-                  if (mp->verdict != "FITS") {
-                    ++it.oom;
-                    for (const RankMemory& rm : mp->per_rank)
-                      if (verdict_for(rm.params + rm.grads + rm.main_params + rm.optimizer, mp->hbm, mp->margin) != "FITS")
-                        static_oom = true;
-                    continue;
-                  }
-                  if (whole.empty()) whole = stage_times_at(c, l, h, analytic, *spp, 1.0);
-                  const std::vector<StageTime>* d = &whole;
-                  if (ov == 2) {
-                    split = whole;
-                    set_split_halves(split, stage_times_at(c, l, h, analytic, *spp, 0.5));
-                    d = &split;
-                  }
-                  const double score = plan_time(c, l, h, analytic, mp, spp.get(), d).tokens_per_s_per_gpu;
-                  ++it.evaluated;
-                  it.ok.push_back({std::move(l), score});
-                }
-              }
-          }
-      }
+  return items;
+}
+
+// The items on `threads` workers (the first an exception stops them all and is rethrown here). The items with
+// the most pipeline stages cost the most: they are dealt first so the workers end together.
+void run_items(const SearchCtx& x, std::vector<Item>& items, int64_t threads) {
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads > 0 ? threads : default_threads(),
+                                                                   int64_t(items.size())));
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].pp > items[b].pp; });
+  std::atomic<size_t> next{0};
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n_threads));
+  auto worker = [&](size_t k) {
+    try {
+      for (size_t i = next++; i < items.size(); i = next++) run_item(x, items[order[i]]);
+    } catch (...) {
+      errors[k] = std::current_exception();
+      next = items.size();
     }
   };
-  {
-    const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(o.threads > 0 ? o.threads : default_threads(),
-                                                                     int64_t(items.size())));
-    // The items with the most pipeline stages cost the most: they are dealt first so the workers end together.
-    std::vector<size_t> order(items.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].pp > items[b].pp; });
-    std::atomic<size_t> next{0};
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(n_threads));
-    auto worker = [&](size_t k) {
-      try {
-        for (size_t i = next++; i < items.size(); i = next++) run_item(items[order[i]]);
-      } catch (...) {
-        errors[k] = std::current_exception();
-        next = items.size();
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int64_t k = 1; k < n_threads; ++k) pool.emplace_back(worker, size_t(k));
-    worker(0);
-    for (auto& t : pool) t.join();
-    for (const auto& e : errors)
-      if (e) std::rethrow_exception(e);
-  }
-  // Ranked by score, ties in enumeration order (items in order, then each item's own order).
-  struct Ref {
-    double score;
-    const Layout* layout;
-  };
+  std::vector<std::thread> pool;
+  for (int64_t k = 1; k < n_threads; ++k) pool.emplace_back(worker, size_t(k));
+  worker(0);
+  for (auto& t : pool) t.join();
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// A ranked layout of some item (no copy).
+struct Ref {
+  double score;
+  const Layout* layout;
+};
+
+// The items' counts added up and their layouts in enumeration order (items in order, then each item's own order).
+std::vector<Ref> collect_items(const std::vector<Item>& items, SearchResult& res) {
   std::vector<Ref> ok;
   for (const Item& it : items) {
     res.enumerated += it.enumerated, res.invalid += it.invalid, res.oom += it.oom, res.evaluated += it.evaluated;
     for (const Ranked& r : it.ok) ok.push_back({r.score, &r.layout});
   }
-  const auto t1 = clock::now();
-  const double analytic_s = std::chrono::duration<double>(t1 - t0).count();
-  res.layouts_per_second = analytic_s > 0 ? double(res.enumerated) / analytic_s : 0;
-  std::stable_sort(ok.begin(), ok.end(), [](const Ref& a, const Ref& b) { return a.score > b.score; });
-  // The top candidates by the estimate go through the timed simulator (twice top_k, then the best top_k).
+  return ok;
+}
+
+// The top candidates by the estimate through the timed simulator (twice top_k, then the best top_k).
+void project_top(const JobConfig& c, const Hardware& h, const SearchOptions& o, const std::vector<Ref>& ok,
+                 SearchResult& res) {
   const size_t n = std::min(ok.size(), size_t(2 * o.top_k));
   std::vector<Candidate> best(n);
   for (size_t i = 0; i < n; ++i) {
@@ -284,6 +320,37 @@ SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, dou
     return a.time.tokens_per_s_per_gpu > b.time.tokens_per_s_per_gpu;
   });
   for (size_t i = 0; i < std::min(n, size_t(o.top_k)); ++i) res.top.push_back(std::move(best[i]));
+}
+
+}  // namespace
+
+SearchResult search(const JobConfig& c_in, const Hardware& h, int64_t world, double gbt, const SearchOptions& o) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  const JobConfig c = search_config(c_in, world, gbt);
+  const ModelSpec& s = c.model;
+  const int64_t S = c.training.seq_len;
+  SearchResult res;
+  res.world = world;
+  res.global_batch_tokens = gbt;
+  std::vector<Ac> acs = {{AcMode::None, {}}};
+  if (o.allow_recompute) acs.push_back({AcMode::Selective, {"attention_core", "moe_act", "norm"}}), acs.push_back({AcMode::Full, {}});
+  TimeOptions analytic = o.time;
+  analytic.simulate = false;
+  analytic.model_flops_per_token = flops_per_token(s, S).train;
+  PlanOptions quick = o.time.memory;
+  quick.detail = false;
+  const SearchCtx x{c, h, o, world, c.training.global_batch_size, s.is_moe() ? s.moe.n_routed_experts : 1,
+                    std::move(acs), std::move(analytic), std::move(quick), lanes_allowed(c)};
+  std::vector<Item> items = work_items(x, o.allow_tp ? h.scale_up.domain : 1, o.allow_cp ? 8 : 1,
+                                       o.max_pp > 0 ? o.max_pp : s.n_layers);
+  run_items(x, items, o.threads);
+  std::vector<Ref> ok = collect_items(items, res);
+  const double analytic_s = std::chrono::duration<double>(clock::now() - t0).count();
+  res.layouts_per_second = analytic_s > 0 ? double(res.enumerated) / analytic_s : 0;
+  // Ranked by score, ties in enumeration order.
+  std::stable_sort(ok.begin(), ok.end(), [](const Ref& a, const Ref& b) { return a.score > b.score; });
+  project_top(c, h, o, ok, res);
   if (!res.top.empty()) res.why = explain(res.top[0], res.top);
   res.seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return res;

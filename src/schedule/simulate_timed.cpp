@@ -91,7 +91,9 @@ double bubble_formula(int pp, int microbatches, int vpp) {
   return double(pp - 1) / (double(pp - 1) + double(microbatches) * double(vpp));
 }
 
-TimedResult simulate_timed(const Schedule& s, const Durations& d) {
+namespace {
+
+void check_durations(const Schedule& s, const Durations& d) {
   MT_CHECK(s.lowered || s.pp == 1, "schedule", "simulate_timed: schedule '", s.name,
            "' is not lowered; run lower() first (the timed replay needs its SEND/RECV actions)");
   MT_CHECK(d.stage.empty() || int64_t(d.stage.size()) == s.n_stages, "schedule", "simulate_timed: durations for ",
@@ -111,29 +113,76 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
     check_cost("simulate_timed", int(k), "a2a_f2", c.a2a_f2);
     check_cost("simulate_timed", int(k), "a2a_b2", c.a2a_b2);
   }
-  check_valid(s);
+}
 
-  const StageCost dflt{};
-  auto cost = [&](int stage) -> const StageCost& { return d.stage.empty() ? dflt : d.stage[size_t(stage)]; };
-  // An action's compute and its all-to-all: F, I and B pay both in sequence; an FB's compute of one half hides
-  // the other half's exchange, so it lasts the longer of the two.
-  // An unpaired action split in two halves (Durations::split_unpaired) lasts split_chunk_time of its halves.
-  struct Cost {
-    double compute = 0, a2a = 0;
-    double compute2 = 0, a2a2 = 0;  // the two halves summed
-    int n_a2a = 1;                  // exchanges per chunk: the halves alternate at each
-    double duration(Op op, bool split) const {
-      if (op == Op::FB) return std::max(compute, a2a);
-      return unpaired_time(compute, a2a, compute2, a2a2, split, n_a2a);
+// An action's compute and its all-to-all: F, I and B pay both in sequence; an FB's compute of one half hides
+// the other half's exchange, so it lasts the longer of the two.
+// An unpaired action split in two halves (Durations::split_unpaired) lasts split_chunk_time of its halves.
+struct Cost {
+  double compute = 0, a2a = 0;
+  double compute2 = 0, a2a2 = 0;  // the two halves summed
+  int n_a2a = 1;                  // exchanges per chunk: the halves alternate at each
+  double duration(Op op, bool split) const {
+    if (op == Op::FB) return std::max(compute, a2a);
+    return unpaired_time(compute, a2a, compute2, a2a2, split, n_a2a);
+  }
+};
+
+// The timed replay's state (the model in the file's opening comment): per rank its clock, its position in its
+// list and, under carry_w, its queue of weight gradients; per message its SEND's issue time and the rank blocked
+// on its RECV.
+class Replay {
+ public:
+  Replay(const Schedule& s, const Durations& d)
+      : s_(s), d_(d), ops_(size_t(s.pp)), clock_(size_t(s.pp), 0.0), carry_(size_t(s.pp)), pc_(size_t(s.pp), 0),
+        issued_(cells() * 2, -1.0), waiter_(cells() * 2, -1) {
+    res_.ranks.resize(size_t(s.pp));
+  }
+
+  TimedResult run() {
+    std::vector<int> ready;
+    for (int r = 0; r < s_.pp; ++r) {
+      ready.push_back(r);
+      ops_[size_t(r)].reserve(s_.actions[size_t(r)].size());
     }
+    while (!ready.empty()) {
+      const int r = ready.back();
+      ready.pop_back();
+      run_rank(r, ready);
+    }
+    for (int r = 0; r < s_.pp; ++r)
+      MT_CHECK(pc_[size_t(r)] == s_.actions[size_t(r)].size(), "schedule", "simulate_timed: internal error: rank ", r,
+               " stopped at action ", pc_[size_t(r)], " of a validated schedule");
+    for (int r = 0; r < s_.pp; ++r) {  // carry_w: what no wait took runs after the rank's last action
+      const double rest = run_carried(r, clock_[size_t(r)], std::numeric_limits<double>::infinity());
+      clock_[size_t(r)] += rest;
+      res_.ranks[size_t(r)].busy += rest;
+    }
+    finish();
+    return std::move(res_);
+  }
+
+ private:
+  // carry_w: a weight gradient not yet run (the W it becomes, its seconds left, and whether it has started).
+  struct Carried {
+    TimedOp w;
+    double left = 0;
+    bool started = false;
   };
-  auto action_cost = [&](const Action& a) -> Cost {
+
+  size_t cells() const { return size_t(s_.n_stages) * size_t(s_.n_microbatches); }
+  size_t cell(const detail::Msg& m) const {
+    return (size_t(m.stage) * size_t(s_.n_microbatches) + size_t(m.mb)) * 2 + (m.fwd ? 1 : 0);
+  }
+  const StageCost& cost(int stage) const { return d_.stage.empty() ? dflt_ : d_.stage[size_t(stage)]; }
+
+  Cost action_cost(const Action& a) const {
     const StageCost& c = cost(a.stage);
     switch (a.op) {
       case Op::F: return {c.f, c.a2a_f, c.f2, c.a2a_f2, c.n_a2a};
       case Op::I: return {c.i, c.a2a_b, c.i2, c.a2a_b2, c.n_a2a};
       case Op::B:
-        if (d.carry_w) return {c.i, c.a2a_b, c.i2, c.a2a_b2, c.n_a2a};  // w queued (below)
+        if (d_.carry_w) return {c.i, c.a2a_b, c.i2, c.a2a_b2, c.n_a2a};  // w queued (run_compute)
         return {c.i + c.w, c.a2a_b, c.i2 + c.w2, c.a2a_b2, c.n_a2a};
       case Op::W: return {c.w, 0};
       case Op::FB: {
@@ -142,24 +191,12 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
       }
       default: return {};
     }
-  };
+  }
 
-  TimedResult res;
-  res.ranks.resize(size_t(s.pp));
-  std::vector<std::vector<TimedOp>> ops(size_t(s.pp));
-  std::vector<double> clock(size_t(s.pp), 0.0);
-  // carry_w: per rank the weight gradients not yet run, oldest first (the W each becomes, its seconds left, and
-  // whether one has started)
-  struct Carried {
-    TimedOp w;
-    double left = 0;
-    bool started = false;
-  };
-  std::vector<std::deque<Carried>> carry(size_t(s.pp));
   // Runs up to `len` seconds of rank r's queue from time t0; returns the seconds run.
-  auto run_carried = [&](int r, double t0, double len) {
+  double run_carried(int r, double t0, double len) {
     double t = t0;
-    auto& q = carry[size_t(r)];
+    auto& q = carry_[size_t(r)];
     while (!q.empty() && t < t0 + len) {
       Carried& c = q.front();
       const double run = std::min(c.left, t0 + len - t);
@@ -167,103 +204,114 @@ TimedResult simulate_timed(const Schedule& s, const Durations& d) {
       t += run, c.left -= run;
       if (c.left > 0) break;  // the wait ended first
       c.w.end = t;
-      res.carried.push_back(c.w);
+      res_.carried.push_back(c.w);
       q.pop_front();
     }
     return t - t0;
-  };
-  std::vector<size_t> pc(size_t(s.pp), 0);
-  const size_t cells = size_t(s.n_stages) * size_t(s.n_microbatches);
-  auto cell = [&](const detail::Msg& m) {
-    return (size_t(m.stage) * size_t(s.n_microbatches) + size_t(m.mb)) * 2 + (m.fwd ? 1 : 0);
-  };
-  std::vector<double> issued(cells * 2, -1.0);  // SEND issue time per message
-  std::vector<int> waiter(cells * 2, -1);       // rank blocked on a RECV of the message
-  std::vector<int> ready;
-  for (int r = 0; r < s.pp; ++r) {
-    ready.push_back(r);
-    ops[size_t(r)].reserve(s.actions[size_t(r)].size());
   }
 
-  // Runs rank r until it blocks or finishes; returns ranks woken by its SENDs through `ready`.
-  while (!ready.empty()) {
-    const int r = ready.back();
-    ready.pop_back();
-    const auto& row = s.actions[size_t(r)];
-    double& t = clock[size_t(r)];
-    while (pc[size_t(r)] < row.size()) {
-      const size_t idx = pc[size_t(r)];
+  // A compute action from op.start: its end, the rank's busy and exposed all-to-all, and under carry_w the
+  // queued weight gradients run inside its wait and, for a B, its own queued.
+  void run_compute(int r, size_t idx, const Action& a, TimedOp& op) {
+    const Cost c = action_cost(a);
+    const double dur = c.duration(a.op, d_.split_unpaired);
+    op.end = op.start + dur;
+    res_.ranks[size_t(r)].busy += op.end - op.start;
+    const double exposed = dur - c.compute;  // the wait: the action's tail
+    const double fill = d_.carry_w ? run_carried(r, op.end - exposed, exposed) : 0.0;
+    res_.ranks[size_t(r)].a2a_exposed += exposed - fill;
+    if (d_.carry_w && a.op == Op::B) {
+      const StageCost& sc = cost(a.stage);
+      Carried q{TimedOp{r, int(idx), Action{Op::W, a.stage, a.mb}, 0, 0}, 0, false};
+      q.left = d_.split_unpaired && c.a2a > 0 ? sc.w2 : sc.w;
+      if (q.left > 0) carry_[size_t(r)].push_back(q);
+    }
+  }
+
+  // Runs rank r until it blocks or finishes; ranks woken by its SENDs go to `ready`.
+  void run_rank(int r, std::vector<int>& ready) {
+    const auto& row = s_.actions[size_t(r)];
+    double& t = clock_[size_t(r)];
+    while (pc_[size_t(r)] < row.size()) {
+      const size_t idx = pc_[size_t(r)];
       const Action& a = row[idx];
       TimedOp op{r, int(idx), a, t, t};
       if (is_compute(a.op)) {
-        const Cost c = action_cost(a);
-        const double dur = c.duration(a.op, d.split_unpaired);
-        op.end = t + dur;
-        res.ranks[size_t(r)].busy += op.end - op.start;
-        const double exposed = dur - c.compute;  // the wait: the action's tail
-        const double fill = d.carry_w ? run_carried(r, op.end - exposed, exposed) : 0.0;
-        res.ranks[size_t(r)].a2a_exposed += exposed - fill;
-        if (d.carry_w && a.op == Op::B) {
-          const StageCost& sc = cost(a.stage);
-          Carried q{TimedOp{r, int(idx), Action{Op::W, a.stage, a.mb}, 0, 0}, 0, false};
-          q.left = d.split_unpaired && c.a2a > 0 ? sc.w2 : sc.w;
-          if (q.left > 0) carry[size_t(r)].push_back(q);
-        }
+        run_compute(r, idx, a, op);
       } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
         const size_t c = cell(detail::msg_of(a));
-        issued[c] = t;
-        if (waiter[c] >= 0) {
-          ready.push_back(waiter[c]);
-          waiter[c] = -1;
+        issued_[c] = t;
+        if (waiter_[c] >= 0) {
+          ready.push_back(waiter_[c]);
+          waiter_[c] = -1;
         }
       } else {
         const size_t c = cell(detail::msg_of(a));
-        if (issued[c] < 0) {
-          waiter[c] = r;
+        if (issued_[c] < 0) {
+          waiter_[c] = r;
           break;
         }
-        op.end = std::max(t, issued[c] + d.p2p);
+        op.end = std::max(t, issued_[c] + d_.p2p);
       }
       t = op.end;
-      ops[size_t(r)].push_back(op);
-      ++pc[size_t(r)];
+      ops_[size_t(r)].push_back(op);
+      ++pc_[size_t(r)];
     }
   }
-  for (int r = 0; r < s.pp; ++r)
-    MT_CHECK(pc[size_t(r)] == s.actions[size_t(r)].size(), "schedule", "simulate_timed: internal error: rank ", r,
-             " stopped at action ", pc[size_t(r)], " of a validated schedule");
 
-  for (int r = 0; r < s.pp; ++r) {  // carry_w: what no wait took runs after the rank's last action
-    const double rest = run_carried(r, clock[size_t(r)], std::numeric_limits<double>::infinity());
-    clock[size_t(r)] += rest;
-    res.ranks[size_t(r)].busy += rest;
-  }
-  double total_busy = 0;
-  for (int r = 0; r < s.pp; ++r) res.step_time = std::max(res.step_time, clock[size_t(r)]);
-  for (int r = 0; r < s.pp; ++r) {
-    RankStats& rs = res.ranks[size_t(r)];
-    rs.rank = r;
-    rs.bubble_ratio = res.step_time > 0 ? 1.0 - rs.busy / res.step_time : 0.0;
-    total_busy += rs.busy;
-    int live = 0;
-    for (const Action& a : s.actions[size_t(r)]) {
+  // Rank r's peak of held activation sets: +1 per F half, -1 per B or W half, the peak taken after the F halves.
+  int peak_inflight(int r) const {
+    int live = 0, peak = 0;
+    for (const Action& a : s_.actions[size_t(r)]) {
       Action h[2];
       if (!is_compute(a.op)) continue;
       const int nh = detail::halves(a, h);
       for (int k = 0; k < nh; ++k) {
         if (h[k].op == Op::F) ++live;
-        rs.peak_inflight = std::max(rs.peak_inflight, live);
+        peak = std::max(peak, live);
       }
       for (int k = 0; k < nh; ++k)
         if (h[k].op == Op::B || h[k].op == Op::W) --live;
     }
-    const auto owned = std::count(s.stage_rank.begin(), s.stage_rank.end(), r);
-    rs.peak_inflight_microbatches = double(rs.peak_inflight) / double(std::max<int64_t>(owned, 1));
+    return peak;
   }
-  res.bubble_ratio = res.step_time > 0 ? 1.0 - total_busy / (double(s.pp) * res.step_time) : 0.0;
-  res.steps = detail::lockstep(s, nullptr, nullptr).steps;
-  for (auto& row : ops) res.ops.insert(res.ops.end(), row.begin(), row.end());
-  return res;
+
+  // The step time, the bubbles, the in-flight peaks, the lock-step count and the ops rank by rank.
+  void finish() {
+    double total_busy = 0;
+    for (int r = 0; r < s_.pp; ++r) res_.step_time = std::max(res_.step_time, clock_[size_t(r)]);
+    for (int r = 0; r < s_.pp; ++r) {
+      RankStats& rs = res_.ranks[size_t(r)];
+      rs.rank = r;
+      rs.bubble_ratio = res_.step_time > 0 ? 1.0 - rs.busy / res_.step_time : 0.0;
+      total_busy += rs.busy;
+      rs.peak_inflight = peak_inflight(r);
+      const auto owned = std::count(s_.stage_rank.begin(), s_.stage_rank.end(), r);
+      rs.peak_inflight_microbatches = double(rs.peak_inflight) / double(std::max<int64_t>(owned, 1));
+    }
+    res_.bubble_ratio = res_.step_time > 0 ? 1.0 - total_busy / (double(s_.pp) * res_.step_time) : 0.0;
+    res_.steps = detail::lockstep(s_, nullptr, nullptr).steps;
+    for (auto& row : ops_) res_.ops.insert(res_.ops.end(), row.begin(), row.end());
+  }
+
+  const Schedule& s_;
+  const Durations& d_;
+  const StageCost dflt_{};
+  TimedResult res_;
+  std::vector<std::vector<TimedOp>> ops_;
+  std::vector<double> clock_;
+  std::vector<std::deque<Carried>> carry_;
+  std::vector<size_t> pc_;
+  std::vector<double> issued_;  // SEND issue time per message
+  std::vector<int> waiter_;     // rank blocked on a RECV of the message
+};
+
+}  // namespace
+
+TimedResult simulate_timed(const Schedule& s, const Durations& d) {
+  check_durations(s, d);
+  check_valid(s);
+  return Replay(s, d).run();
 }
 
 }  // namespace moetron::sched

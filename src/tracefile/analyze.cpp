@@ -282,63 +282,51 @@ double busbw_factor(const std::string& kind, int n) {
   return 0;
 }
 
-Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
-  Analysis an;
-  an.dir = t.dir;
-  an.world = t.world();
-  if (t.ranks.empty()) return an;
-  an.source = t.ranks[0].meta.source;
-  // Every rank measured the same kind of machine at start-up, some while others competed for its cores: the
-  // roofline takes the largest figure over the ranks.
+namespace {
+
+// The roofline's limits: the options', else the largest figure over the ranks (every rank measured the same kind
+// of machine at start-up, some while others competed for its cores), with a warning when they differ by 10%.
+void set_limits(const Trace& t, const AnalyzeOptions& o, Analysis& an) {
   an.limits = o.limits ? *o.limits : t.ranks[0].meta.limits;
-  if (!o.limits) {
-    double f_lo = an.limits.flops_per_s, b_lo = an.limits.bytes_per_s;
-    for (const RankTrace& r : t.ranks) {
-      const Limits& l = r.meta.limits;
-      an.limits.flops_per_s = std::max(an.limits.flops_per_s, l.flops_per_s);
-      an.limits.bytes_per_s = std::max(an.limits.bytes_per_s, l.bytes_per_s);
-      f_lo = std::min(f_lo, l.flops_per_s), b_lo = std::min(b_lo, l.bytes_per_s);
-    }
-    if (f_lo < 0.9 * an.limits.flops_per_s || b_lo < 0.9 * an.limits.bytes_per_s) {
-      char b[256];
-      std::snprintf(b, sizeof b,
-                    "the ranks' moetron.limits differ by more than 10%% (%.3g..%.3g FLOP/s, %.3g..%.3g B/s): the "
-                    "roofline uses the largest",
-                    f_lo, an.limits.flops_per_s, b_lo, an.limits.bytes_per_s);
-      an.warnings.push_back(b);
-    }
+  if (o.limits) return;
+  double f_lo = an.limits.flops_per_s, b_lo = an.limits.bytes_per_s;
+  for (const RankTrace& r : t.ranks) {
+    const Limits& l = r.meta.limits;
+    an.limits.flops_per_s = std::max(an.limits.flops_per_s, l.flops_per_s);
+    an.limits.bytes_per_s = std::max(an.limits.bytes_per_s, l.bytes_per_s);
+    f_lo = std::min(f_lo, l.flops_per_s), b_lo = std::min(b_lo, l.bytes_per_s);
   }
+  if (f_lo < 0.9 * an.limits.flops_per_s || b_lo < 0.9 * an.limits.bytes_per_s) {
+    char b[256];
+    std::snprintf(b, sizeof b,
+                  "the ranks' moetron.limits differ by more than 10%% (%.3g..%.3g FLOP/s, %.3g..%.3g B/s): the "
+                  "roofline uses the largest",
+                  f_lo, an.limits.flops_per_s, b_lo, an.limits.bytes_per_s);
+    an.warnings.push_back(b);
+  }
+}
 
-  std::vector<RankWork> work;
-  work.reserve(t.ranks.size());
-  for (const RankTrace& r : t.ranks) work.push_back(prepare(r));
-  an.steps = int(work[0].windows.size());
-  if (an.steps == 0) an.warnings.push_back("rank 0's trace holds no step event: nothing to break down");
+// One rank's breakdown: its windows swept, averaged per step, and its peak memory counters.
+RankBreakdown rank_breakdown(const RankWork& w, int rank) {
+  RankBreakdown rb;
+  rb.rank = rank;
+  rb.steps = int(w.windows.size());
+  for (size_t wi = 0; wi < w.windows.size(); ++wi) sweep(w, wi, rb);
+  if (rb.steps > 0) {
+    const double d = rb.steps;
+    rb.step_time_s /= d, rb.compute_s /= d, rb.exposed_comm_s /= d, rb.idle_s /= d, rb.comm_s /= d;
+    for (auto* m : {&rb.compute_by_kernel, &rb.exposed_comm_by_kind, &rb.action_s})
+      for (auto& [k, v] : *m) v /= d;
+  }
+  for (const Counter& c : w.t->memory)
+    for (const auto& [k, v] : c.values) rb.peak_memory_bytes[k] = std::max(rb.peak_memory_bytes[k], v);
+  return rb;
+}
 
-  // Breakdown, hierarchy, kernels.
+// The kernels' totals over every rank's steps, then per rank-step, their rates and the roofline bound, by time.
+void add_kernels(const std::vector<RankWork>& work, int64_t rank_steps, Analysis& an) {
   std::map<std::string, KernelStat> kstats;
-  int64_t rank_steps = 0;
-  for (size_t r = 0; r < work.size(); ++r) {
-    const RankWork& w = work[r];
-    RankBreakdown rb;
-    rb.rank = int(r);
-    rb.steps = int(w.windows.size());
-    if (rb.steps != an.steps)
-      an.warnings.push_back("rank " + std::to_string(r) + " holds " + std::to_string(rb.steps) +
-                            " step events, rank 0 holds " + std::to_string(an.steps));
-    for (size_t wi = 0; wi < w.windows.size(); ++wi) sweep(w, wi, rb);
-    if (rb.steps > 0) {
-      const double d = rb.steps;
-      rb.step_time_s /= d, rb.compute_s /= d, rb.exposed_comm_s /= d, rb.idle_s /= d, rb.comm_s /= d;
-      for (auto* m : {&rb.compute_by_kernel, &rb.exposed_comm_by_kind, &rb.action_s})
-        for (auto& [k, v] : *m) v /= d;
-    }
-    for (const Counter& c : w.t->memory)
-      for (const auto& [k, v] : c.values) rb.peak_memory_bytes[k] = std::max(rb.peak_memory_bytes[k], v);
-    an.ranks.push_back(rb);
-    an.hierarchy.push_back(hierarchy(w, rb.steps));
-    rank_steps += rb.steps;
-    an.dropped_events += w.t->meta.dropped_events;
+  for (const RankWork& w : work) {
     const auto& evs = w.t->events;
     for (size_t k = 0; k < evs.size(); ++k) {
       const Event& e = evs[k];
@@ -350,9 +338,6 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
       ks.flops += e.flops, ks.bytes += e.bytes;
     }
   }
-  if (an.dropped_events > 0)
-    an.warnings.push_back(std::to_string(an.dropped_events) +
-                          " events were dropped by the recorder's cap ([profiling] max_events): figures are partial");
   for (auto& [name, ks] : kstats) {
     ks.per_rank_step_s = rank_steps > 0 ? ks.total_s / double(rank_steps) : 0;
     if (ks.total_s > 0) ks.flops_per_s = ks.flops / ks.total_s, ks.bytes_per_s = ks.bytes / ks.total_s;
@@ -368,19 +353,119 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
   }
   std::sort(an.kernels.begin(), an.kernels.end(),
             [](const KernelStat& x, const KernelStat& y) { return x.total_s > y.total_s; });
+}
 
-  // Collectives matched by (group, seq).
-  std::map<std::pair<std::string, int64_t>, std::vector<Member>> inst;
+// Breakdown, hierarchy and kernels, rank by rank.
+void add_ranks(const std::vector<RankWork>& work, Analysis& an) {
+  int64_t rank_steps = 0;
+  for (size_t r = 0; r < work.size(); ++r) {
+    const RankWork& w = work[r];
+    const RankBreakdown rb = rank_breakdown(w, int(r));
+    if (rb.steps != an.steps)
+      an.warnings.push_back("rank " + std::to_string(r) + " holds " + std::to_string(rb.steps) +
+                            " step events, rank 0 holds " + std::to_string(an.steps));
+    an.ranks.push_back(rb);
+    an.hierarchy.push_back(hierarchy(w, rb.steps));
+    rank_steps += rb.steps;
+    an.dropped_events += w.t->meta.dropped_events;
+  }
+  if (an.dropped_events > 0)
+    an.warnings.push_back(std::to_string(an.dropped_events) +
+                          " events were dropped by the recorder's cap ([profiling] max_events): figures are partial");
+  add_kernels(work, rank_steps, an);
+}
+
+// The collective instances inside a step on some rank, keyed by (group, seq), with their members.
+using Instances = std::map<std::pair<std::string, int64_t>, std::vector<Member>>;
+Instances collective_instances(const std::vector<RankWork>& work) {
+  Instances inst;
   for (size_t r = 0; r < work.size(); ++r)
     for (const Event& e : work[r].t->events)
       if (e.cat == Cat::Comm && !is_p2p(e.name) && !e.group.empty() && e.seq >= 0 &&
           window_of(work[r].windows, e.ts) >= 0)
         inst[{e.group, e.seq}].push_back({int(r), &e});
-  std::map<std::tuple<std::string, std::string, int>, CollectiveStat> cstats;
+  return inst;
+}
+
+// The straggler of one collective: the member with the shortest duration (it arrived last and waited least);
+// ties go to the later start, then the lower rank.
+size_t straggler_of(const std::vector<Member>& ms) {
+  size_t s = 0;
+  for (size_t k = 1; k < ms.size(); ++k) {
+    const Event& a = *ms[k].e;
+    const Event& b = *ms[s].e;
+    if (a.dur < b.dur || (a.dur == b.dur && (a.ts > b.ts || (a.ts == b.ts && ms[k].rank < ms[s].rank)))) s = k;
+  }
+  return s;
+}
+
+// One all-to-all instance added to its group's matrix: who sent what to whom, and the send imbalance.
+void add_all_to_all(AllToAllStat& at, const std::string& id, const Group& g, const std::vector<Member>& ms) {
+  const size_t n = g.ranks.size();
+  if (at.matrix.empty()) {
+    at.group = id, at.group_name = g.name, at.ranks = g.ranks;
+    at.matrix.assign(n, std::vector<double>(n, 0.0));
+    at.sent.assign(n, 0.0), at.received.assign(n, 0.0);
+  }
+  ++at.count;
+  std::vector<double> sent(n, 0.0);
+  for (const Member& m : ms) {
+    const size_t i = size_t(std::find(g.ranks.begin(), g.ranks.end(), m.rank) - g.ranks.begin());
+    for (size_t j = 0; j < n && j < m.e->send_bytes.size(); ++j) {
+      at.matrix[i][j] += m.e->send_bytes[j];
+      at.received[j] += m.e->send_bytes[j];
+      sent[i] += m.e->send_bytes[j];
+    }
+    at.sent[i] += sent[i];
+  }
+  double mx = 0, mean = 0;
+  for (double v : sent) mx = std::max(mx, v), mean += v / double(n);
+  const double imb = mean > 0 ? mx / mean : 1.0;
+  at.imbalance_mean += imb;
+  at.imbalance_max = std::max(at.imbalance_max, imb);
+}
+
+// The collectives' tallies while they are matched: by (kind, group name, size), all-to-all matrices by group, and
+// per rank the wait it caused and the wait it sat in (seconds, summed over steps).
+struct CollectiveTally {
+  std::map<std::tuple<std::string, std::string, int>, CollectiveStat> stats;
   std::map<std::string, AllToAllStat> a2a;
-  std::vector<double> caused(work.size(), 0.0), waited(work.size(), 0.0);
+  std::vector<double> caused, waited;
   std::set<std::string> warned_kinds;
-  for (auto& [key, ms] : inst) {
+};
+
+// One complete instance: its transfer (the straggler's duration), each member's wait, its bytes and matrix.
+void add_instance(const std::pair<std::string, int64_t>& key, const std::vector<Member>& ms, const Group& g,
+                  CollectiveTally& ct, Analysis& an) {
+  const std::string& kind = ms[0].e->name;
+  for (const Member& m : ms)
+    if (m.e->name != kind && ct.warned_kinds.insert(key.first).second)
+      an.warnings.push_back("group '" + key.first + "' seq " + std::to_string(key.second) + ": rank " +
+                            std::to_string(m.rank) + " ran '" + m.e->name + "', rank " + std::to_string(ms[0].rank) +
+                            " ran '" + kind + "'");
+  const size_t s = straggler_of(ms);
+  const double transfer = ms[s].e->dur * kUs;
+  double wait = 0, total = 0;
+  for (const Member& m : ms) {
+    const double wr = m.e->dur * kUs - transfer;
+    ct.waited[size_t(m.rank)] += wr;
+    wait += wr, total += m.e->dur * kUs;
+  }
+  ct.caused[size_t(ms[s].rank)] += wait;
+  CollectiveStat& cs = ct.stats[{kind, g.name, int(g.ranks.size())}];
+  cs.kind = kind, cs.group_name = g.name, cs.group_size = int(g.ranks.size());
+  ++cs.count;
+  cs.bytes += collective_bytes(kind, ms);
+  cs.time_s += total, cs.transfer_s += transfer, cs.wait_s += wait;
+  if ((kind == "all_to_all" || kind == "exchange") && !ms[0].e->send_bytes.empty())
+    add_all_to_all(ct.a2a[key.first], key.first, g, ms);
+}
+
+// Collectives matched by (group, seq) over the ranks: per-kind rates, all-to-all matrices, waits and the straggler.
+void add_collectives(const std::vector<RankWork>& work, Analysis& an) {
+  CollectiveTally ct;
+  ct.caused.assign(work.size(), 0.0), ct.waited.assign(work.size(), 0.0);
+  for (auto& [key, ms] : collective_instances(work)) {
     const Group& g = work[size_t(ms[0].rank)].t->meta.groups.at(key.first);
     std::set<int> seen;
     for (const Member& m : ms) seen.insert(m.rank);
@@ -390,64 +475,13 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
       continue;
     }
     ++an.matched_collectives;
-    const std::string& kind = ms[0].e->name;
-    for (const Member& m : ms)
-      if (m.e->name != kind && warned_kinds.insert(key.first).second)
-        an.warnings.push_back("group '" + key.first + "' seq " + std::to_string(key.second) + ": rank " +
-                              std::to_string(m.rank) + " ran '" + m.e->name + "', rank " +
-                              std::to_string(ms[0].rank) + " ran '" + kind + "'");
-    // Transfer = the shortest member duration; the straggler is that member (it arrived last and waited
-    // least); ties go to the later start, then the lower rank.
-    size_t s = 0;
-    for (size_t k = 1; k < ms.size(); ++k) {
-      const Event& a = *ms[k].e;
-      const Event& b = *ms[s].e;
-      if (a.dur < b.dur || (a.dur == b.dur && (a.ts > b.ts || (a.ts == b.ts && ms[k].rank < ms[s].rank)))) s = k;
-    }
-    const double transfer = ms[s].e->dur * kUs;
-    double wait = 0, total = 0;
-    for (const Member& m : ms) {
-      const double wr = m.e->dur * kUs - transfer;
-      waited[size_t(m.rank)] += wr;
-      wait += wr, total += m.e->dur * kUs;
-    }
-    caused[size_t(ms[s].rank)] += wait;
-    CollectiveStat& cs = cstats[{kind, g.name, int(g.ranks.size())}];
-    cs.kind = kind, cs.group_name = g.name, cs.group_size = int(g.ranks.size());
-    ++cs.count;
-    cs.bytes += collective_bytes(kind, ms);
-    cs.time_s += total, cs.transfer_s += transfer, cs.wait_s += wait;
-    if ((kind == "all_to_all" || kind == "exchange") && !ms[0].e->send_bytes.empty()) {
-      AllToAllStat& at = a2a[key.first];
-      const size_t n = g.ranks.size();
-      if (at.matrix.empty()) {
-        at.group = key.first, at.group_name = g.name, at.ranks = g.ranks;
-        at.matrix.assign(n, std::vector<double>(n, 0.0));
-        at.sent.assign(n, 0.0), at.received.assign(n, 0.0);
-      }
-      ++at.count;
-      std::vector<double> sent(n, 0.0);
-      for (const Member& m : ms) {
-        const size_t i = size_t(std::find(g.ranks.begin(), g.ranks.end(), m.rank) - g.ranks.begin());
-        for (size_t j = 0; j < n && j < m.e->send_bytes.size(); ++j) {
-          at.matrix[i][j] += m.e->send_bytes[j];
-          at.received[j] += m.e->send_bytes[j];
-          sent[i] += m.e->send_bytes[j];
-        }
-        at.sent[i] += sent[i];
-      }
-      double mx = 0, mean = 0;
-      for (double v : sent) mx = std::max(mx, v), mean += v / double(n);
-      const double imb = mean > 0 ? mx / mean : 1.0;
-      at.imbalance_mean += imb;
-      at.imbalance_max = std::max(at.imbalance_max, imb);
-    }
+    add_instance(key, ms, g, ct, an);
   }
   if (an.unmatched_collectives > 0)
     an.warnings.push_back(std::to_string(an.unmatched_collectives) +
                           " collectives were not found on every member of their group (left out of the wait "
                           "analysis)");
-  for (auto& [k, cs] : cstats) {
+  for (auto& [k, cs] : ct.stats) {
     cs.busbw_factor = busbw_factor(cs.kind, cs.group_size);
     cs.algbw = cs.transfer_s > 0 ? cs.bytes / cs.transfer_s : 0;
     cs.busbw = cs.algbw * cs.busbw_factor;
@@ -455,7 +489,7 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
   }
   std::sort(an.collectives.begin(), an.collectives.end(),
             [](const CollectiveStat& x, const CollectiveStat& y) { return x.time_s > y.time_s; });
-  for (auto& [id, at] : a2a) {
+  for (auto& [id, at] : ct.a2a) {
     at.imbalance_mean /= double(std::max<int64_t>(1, at.count));
     double mx = 0, mean = 0;
     for (double v : at.sent) mx = std::max(mx, v), mean += v / double(at.sent.size());
@@ -465,15 +499,16 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
   double most = 0;
   for (size_t r = 0; r < work.size(); ++r) {
     const double d = std::max(1, an.ranks[r].steps);
-    an.ranks[r].comm_wait_s = waited[r] / d;
-    an.ranks[r].wait_caused_s = caused[r] / d;
-    if (caused[r] > most) most = caused[r], an.straggler_rank = int(r);
+    an.ranks[r].comm_wait_s = ct.waited[r] / d;
+    an.ranks[r].wait_caused_s = ct.caused[r] / d;
+    if (ct.caused[r] > most) most = ct.caused[r], an.straggler_rank = int(r);
   }
+}
 
-  // Pipeline: one group per distinct "pp" group; ranks in none stand alone. The span of a step is that of the
-  // schedule's ops (actions, sends and receives) over the group's ranks, as in a pipeline record.
+// The pipeline groups: one per distinct "pp" group, then each rank in none standing alone.
+std::vector<std::pair<std::string, std::vector<int>>> pipeline_members(const Trace& t, size_t n_ranks) {
   std::map<std::string, std::vector<int>> ppg;
-  std::vector<char> placed(work.size(), 0);
+  std::vector<char> placed(n_ranks, 0);
   for (const RankTrace& r : t.ranks)
     for (const auto& [id, g] : r.meta.groups)
       if (g.name == "pp" && !ppg.count(id)) {
@@ -481,33 +516,44 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
         for (int m : g.ranks) placed[size_t(m)] = 1;
       }
   std::vector<std::pair<std::string, std::vector<int>>> groups(ppg.begin(), ppg.end());
-  for (size_t r = 0; r < work.size(); ++r)
+  for (size_t r = 0; r < n_ranks; ++r)
     if (!placed[r]) groups.push_back({"", {int(r)}});
-  for (const auto& [id, members] : groups) {
+  return groups;
+}
+
+// One step of a pipeline group: the span of the schedule's ops (actions, sends and receives) over the group's
+// ranks, as in a pipeline record, and each rank's action intervals. False when a member lacks the step or the
+// span is empty.
+bool step_span(const std::vector<RankWork>& work, const std::vector<int>& members, int64_t step, double& lo,
+               double& hi, std::vector<std::vector<std::pair<double, double>>>& acts) {
+  lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  acts.assign(members.size(), {});
+  for (size_t i = 0; i < members.size(); ++i) {
+    const RankWork& w = work[size_t(members[i])];
+    auto it = std::find_if(w.windows.begin(), w.windows.end(), [&](const Window& x) { return x.step == step; });
+    if (it == w.windows.end()) return false;
+    for (int k : w.in_window[size_t(it - w.windows.begin())]) {
+      const Event& e = w.t->events[size_t(k)];
+      const bool act = e.cat == Cat::Action, p2p = e.cat == Cat::Comm && is_p2p(e.name);
+      if (act) acts[i].push_back({e.ts, e.end()});
+      if (act || p2p) lo = std::min(lo, e.ts), hi = std::max(hi, e.end());
+    }
+  }
+  return hi > lo;
+}
+
+// Pipeline bubbles: per group and rank, busy time over the step's span, averaged over the steps every member ran.
+void add_pipeline(const Trace& t, const std::vector<RankWork>& work, Analysis& an) {
+  for (const auto& [id, members] : pipeline_members(t, work.size())) {
     PipelineGroup pg;
     pg.group = id;
     for (size_t i = 0; i < members.size(); ++i) pg.ranks.push_back({members[i], int(i)});
     double group_bubble = 0;  // summed over steps
     int n_steps = 0;
     for (const Window& w0 : work[size_t(members[0])].windows) {
-      double lo = std::numeric_limits<double>::infinity(), hi = -lo;
-      std::vector<std::vector<std::pair<double, double>>> acts(members.size());
-      bool all = true;
-      for (size_t i = 0; i < members.size(); ++i) {
-        const RankWork& w = work[size_t(members[i])];
-        auto it = std::find_if(w.windows.begin(), w.windows.end(), [&](const Window& x) { return x.step == w0.step; });
-        if (it == w.windows.end()) {
-          all = false;
-          break;
-        }
-        for (int k : w.in_window[size_t(it - w.windows.begin())]) {
-          const Event& e = w.t->events[size_t(k)];
-          const bool act = e.cat == Cat::Action, p2p = e.cat == Cat::Comm && is_p2p(e.name);
-          if (act) acts[i].push_back({e.ts, e.end()});
-          if (act || p2p) lo = std::min(lo, e.ts), hi = std::max(hi, e.end());
-        }
-      }
-      if (!all || !(hi > lo)) continue;
+      double lo = 0, hi = 0;
+      std::vector<std::vector<std::pair<double, double>>> acts;
+      if (!step_span(work, members, w0.step, lo, hi, acts)) continue;
       ++n_steps;
       const double span = hi - lo;
       double busy_sum = 0;
@@ -524,6 +570,25 @@ Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
     pg.bubble = group_bubble / n_steps;
     an.pipeline.push_back(pg);
   }
+}
+
+}  // namespace
+
+Analysis analyze(const Trace& t, const AnalyzeOptions& o) {
+  Analysis an;
+  an.dir = t.dir;
+  an.world = t.world();
+  if (t.ranks.empty()) return an;
+  an.source = t.ranks[0].meta.source;
+  set_limits(t, o, an);
+  std::vector<RankWork> work;
+  work.reserve(t.ranks.size());
+  for (const RankTrace& r : t.ranks) work.push_back(prepare(r));
+  an.steps = int(work[0].windows.size());
+  if (an.steps == 0) an.warnings.push_back("rank 0's trace holds no step event: nothing to break down");
+  add_ranks(work, an);
+  add_collectives(work, an);
+  add_pipeline(t, work, an);
   return an;
 }
 
