@@ -6,7 +6,8 @@
 // The variables that remain, each for testing, debugging or finding files, never for choosing behaviour:
 //   MOETRON_FAULT    fault injection (include/moetron/fault.h): makes a rank fail on purpose, to test recovery.
 //   MOETRON_ISA      caps the hand-written kernels' ISA below the CPU's (scalar | avx2 | avx512), to test every
-//                    kernel path on one machine; the results are bitwise those of the capped CPU.
+//                    kernel path on one machine: a capped run computes what a CPU without the higher ISA would
+//                    (training.compute_dtype = "auto" included), never more.
 //   MOETRON_WEB_DIR  where the run report's plotting library lives (a file location, like --web).
 // Standard variables of the runtimes are theirs (OMP_NUM_THREADS when training.threads = 0; the MPI launcher's).
 // docs/architecture.md (Environment variables) keeps the same list.

@@ -530,20 +530,26 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
     // as one full backward (b) and as input then weight half (iw), also with the weight gradients run early while
     // both lanes wait (iwfill), and with every backward's weight half carried into later waits on either lane
     // (iwcarry); the turns with the paced link (one exchange in flight per rank); the default ("": auto, the key
-    // not set), iwcarry under the free order and b under turns
+    // not set), iwcarry under the free order and b under turns; iwcarry with comm.mpi_wait = "spin", where the MPI
+    // wait runs no hook, so no weight gradient runs inside a wait (the key reaches the transport)
     struct Variant {
       const char *order, *pair, *link;
+      bool spin = false;
     };
     for (const Variant v : {Variant{"turn", "b", "shared"}, Variant{"turn", "b", "paced"}, Variant{"free", "b", "shared"},
                             Variant{"free", "iw", "shared"}, Variant{"free", "iwfill", "shared"},
                             Variant{"free", "iwcarry", "shared"}, Variant{"free", "", "shared"},
-                            Variant{"turn", "", "shared"}}) {
+                            Variant{"turn", "", "shared"}, Variant{"free", "iwcarry", "shared", true}}) {
       std::vector<std::string> lanes = {std::string("--parallelism.ep_baton=") + v.order,
                                         std::string("--parallelism.ep_link=") + v.link};
       if (*v.pair) lanes.push_back(std::string("--parallelism.ep_pair_backward=") + v.pair);
-      SCOPED_TRACE(lanes[0] + " " + lanes[1] + (*v.pair ? " " + lanes[2] : std::string()));
+      if (v.spin) lanes.push_back("--comm.mpi_wait=spin");
+      std::string trace;
+      for (const std::string& l : lanes) trace += l + " ";
+      SCOPED_TRACE(trace);
       const TrainResult ov = train(
-          tiny(shared_dir(std::string("ovl_on_") + v.order + v.pair + v.link + "_" + dt), with(true, lanes)),
+          tiny(shared_dir(std::string("ovl_on_") + v.order + v.pair + v.link + (v.spin ? "_spin" : "") + "_" + dt),
+               with(true, lanes)),
           recorded(&world()));
       // the measured exposed EP time: without the overlap all of the wait, with it at most the wait
       EXPECT_GT(plain.ep_wait_seconds, 0.0);
@@ -558,11 +564,11 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       EXPECT_EQ(plain.ep_wgrad_fill_tasks, 0);
       int64_t filled = ov.ep_wgrad_fill_tasks;
       world().all_reduce(&filled, 1);
-      std::printf("[overlap %s/%s] rank %d: %lld weight gradients filled (%lld over ranks)\n", v.order,
-                  *v.pair ? v.pair : "default",
+      std::printf("[overlap %s/%s%s] rank %d: %lld weight gradients filled (%lld over ranks)\n", v.order,
+                  *v.pair ? v.pair : "default", v.spin ? "/spin" : "",
                   world().rank(), (long long)ov.ep_wgrad_fill_tasks, (long long)filled);
       const std::string pair = v.pair, order = v.order;
-      if (pair == "iwfill" || pair == "iwcarry" || (pair.empty() && order == "free")) EXPECT_GT(filled, 0);
+      if ((pair == "iwfill" || pair == "iwcarry" || (pair.empty() && order == "free")) && !v.spin) EXPECT_GT(filled, 0);
       else EXPECT_EQ(ov.ep_wgrad_fill_tasks, 0);
       ASSERT_EQ(ov.history.size(), plain.history.size());
       for (size_t i = 0; i < plain.history.size(); ++i) {
@@ -577,6 +583,31 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       EXPECT_GT(ov.ep_bytes_inter_per_step + ov.ep_bytes_intra_per_step + plain.ep_bytes_intra_per_step, 0.0);
     }
   }
+}
+
+// [comm] mpi_thread is MPI_Init's argument, chosen once per process: here MPI started asking for MULTIPLE (the test
+// main's comm_world()), so a job asking for FUNNELED cannot be honoured and is refused naming the key (on every rank,
+// before any collective); the same job asking for MULTIPLE runs.
+TEST(MpiLayoutComm, MpiThreadLevelIsChosenOnceAndNamedWhenItCannotBe) {
+  const int w = world().size();
+  const std::vector<std::string> dp = {"--parallelism.dp_shard=" + std::to_string(w),
+                                       "--training.global_batch_size=" + std::to_string(kMicro * w),
+                                       "--training.steps=1"};
+  auto with = [&](const char* level) {
+    std::vector<std::string> a = dp;
+    a.push_back(std::string("--comm.mpi_thread=") + level);
+    return a;
+  };
+  std::string err;
+  try {
+    train(tiny(shared_dir("mpi_thread_funneled"), with("funneled")), recorded(&world()));
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  EXPECT_NE(err.find("comm.mpi_thread = funneled: MPI has already started in this process at another thread level"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(train(tiny(shared_dir("mpi_thread_multiple"), with("multiple")), recorded(&world())).history.size(), 1u);
 }
 
 // What the overlap refuses, each naming its rule.
