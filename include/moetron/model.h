@@ -54,6 +54,10 @@ struct ModelStagePart {
 // How the model is split over ranks. ep null or of size 1: all experts local (no communication).
 struct ModelParallel {
   const Comm* ep = nullptr;  // the expert-parallel group (copied; must outlive nothing)
+  // Tensor parallelism with sequence parallelism (docs/parallel.md, "Tensor parallelism"): attention heads and FFN
+  // widths (every expert's too: expert_tp = tp) divided over this group, the residual stream's rows too (each rank
+  // holds micro-batch rows [r N / tp, (r + 1) N / tp)). Not with FSDP, the EP overlap, selective recompute or FP8.
+  const Comm* tp = nullptr;
   EpDispatcher dispatcher = EpDispatcher::AllToAll;
   bool fp8_dispatch = false;  // E4M3 1x128 dispatch payload (else bf16, which is exact: the experts
                               // consume bf16 rows anyway); combine and the backward rows stay fp32

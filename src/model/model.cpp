@@ -75,6 +75,14 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   if (par.ep && par.ep->size() > 1) impl_->ep_comm = *par.ep, impl_->ep = par.ep->size();
   MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
            ") needs an MoE model; this one has no routed experts");
+  if (par.tp && par.tp->size() > 1) {
+    impl_->tp_comm = *par.tp, impl_->tp = par.tp->size(), impl_->tp_rank = par.tp->rank();
+    const char* why = " is not implemented with tensor parallelism (parallelism.tp > 1) yet";
+    MT_CHECK(par.fsdp == nullptr, "Model", "FSDP (parallelism.zero = 3)", why, "; use zero = 0 or 1");
+    MT_CHECK(!par.ep_overlap, "Model", "parallelism.ep_overlap = true", why, "; use false");
+    MT_CHECK(ac.mode != AcMode::Selective, "Model", "activation_checkpoint.mode = \"selective\"", why,
+             "; use \"full\" or \"none\"");
+  }
   impl_->fs_opts = par.fsdp;
   MT_CHECK(!par.ep_overlap || (par.fsdp == nullptr && ac.mode == AcMode::None), "Model",
            "the EP overlap (parallelism.ep_overlap) runs two micro-batches at once on lanes that share the "
@@ -166,7 +174,8 @@ void Model::Impl::build_buffers() {
 // scratch, the routed-row scratch, the head's buffers and the kernel workspace.
 void Model::Impl::alloc_scratch() {
   if (ep > 1) send_idx = i32buf(N * K, MemCategory::Workspace);
-  if (has_head) xf = f32buf(N * d), rstdf = f32buf(N), hfc = cbuf(N * d);
+  if (has_head) xf = f32buf(Nr * d), rstdf = f32buf(Nr), hfc = cbuf(N * d);
+  if (tp > 1) tp_full = f32buf(N * d, MemCategory::Workspace), tp_fullc = cbuf(N * d, MemCategory::Workspace);
   if (m.ac_.mode == AcMode::Full) recompute_out = f32buf(N * d, MemCategory::Workspace);
   // scratch
   x = f32buf(N * d, MemCategory::Workspace), dx = f32buf(N * d, MemCategory::Workspace);
@@ -185,7 +194,7 @@ void Model::Impl::alloc_scratch() {
 }
 
 void Model::Impl::alloc_bufs(LayerBufs& b, bool moe) {
-  b.rstd1 = f32buf(N), b.h1c = cbuf(N * d), b.x_mid = f32buf(N * d), b.rstd2 = f32buf(N);
+  b.rstd1 = f32buf(Nr), b.h1c = cbuf(N * d), b.x_mid = f32buf(Nr * d), b.rstd2 = f32buf(Nr);
   b.h2 = f32buf(N * d), b.h2c = cbuf_or(b.h2, N * d);
   if (s.attn.type == AttnType::MLA) {
     if (rq > 0) b.cq = f32buf(N * rq), b.rstdq = f32buf(N), b.cqnc = cbuf(N * rq);

@@ -136,6 +136,8 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
       for (int64_t i = 0; i < dr; ++i) dp[i] += src[dn + i];
     }
   }
+  // Under TP the shared rope key's gradient sums over the heads this rank holds: summed over the TP group.
+  tp_sum(dkpe, N * dr);
   rope_backward(dq, B, T, H, H * Dqk, Dqk, dn, dr, cs, sn);
   rope_backward(dkpe, B, T, 1, dr, dr, 0, dr, cs, sn);
   // kv up-projection and kv norm
@@ -143,25 +145,31 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
   lin_wgrad(L.wukv, b.ckvnc.raw(), t, N, rkv, H * (dn + Dv));
   float* dckvn = s_f2.data<float>();
   lin_dgrad(dckvn, t, L.wukv, N, rkv, H * (dn + Dv));
+  tp_sum(dckvn, N * rkv);  // TP: wukv's columns are this rank's heads, so this is a partial sum
   float* dckv = m_dckv.data<float>();
   rmsnorm_backward(dckv, G(L.kv_norm), dckvn, b.ckv.data<float>(), P(L.kv_norm), b.rstdkv.data<float>(), N, rkv, wsp());
+  // The down projections and their norms are replicated under TP (every rank has the same gradients after the sums
+  // above): their input-gradient terms join the partial sum dhout on one TP rank only (tp_lead).
+  const bool rep = tp_lead();
   t = to_c(s_c1, dckv, N * rkv);
   lin_wgrad(L.wdkv, h, t, N, d, rkv);
-  lin_dgrad(dhout, t, L.wdkv, N, d, rkv);
+  if (rep) lin_dgrad(dhout, t, L.wdkv, N, d, rkv);
+  else std::memset(dhout, 0, size_t(N * d) * 4);
   t = to_c(s_c1, dkpe, N * dr);
   lin_wgrad(L.wkr, h, t, N, d, dr);
-  lin_dgrad(dhout, t, L.wkr, N, d, dr, true);
+  if (rep) lin_dgrad(dhout, t, L.wkr, N, d, dr, true);
   // q path
   t = to_c(s_c1, dq, N * H * Dqk);
   if (rq > 0) {
     lin_wgrad(L.wuq, b.cqnc.raw(), t, N, rq, H * Dqk);
     float* dcqn = s_f2.data<float>();
     lin_dgrad(dcqn, t, L.wuq, N, rq, H * Dqk);
+    tp_sum(dcqn, N * rq);
     float* dcq = m_dcq.data<float>();
     rmsnorm_backward(dcq, G(L.q_norm), dcqn, b.cq.data<float>(), P(L.q_norm), b.rstdq.data<float>(), N, rq, wsp());
     t = to_c(s_c1, dcq, N * rq);
     lin_wgrad(L.wdq, h, t, N, d, rq);
-    lin_dgrad(dhout, t, L.wdq, N, d, rq, true);
+    if (rep) lin_dgrad(dhout, t, L.wdq, N, d, rq, true);
   } else {
     lin_wgrad(L.wq, h, t, N, d, H * Dqk);
     lin_dgrad(dhout, t, L.wq, N, d, H * Dqk, true);

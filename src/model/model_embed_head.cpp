@@ -17,10 +17,11 @@ void Model::Impl::embed_forward(const int32_t* tokens, float* xcur, bool head_gr
   const bool tied = head == emb;
   fs_acquire(0, true, head_grads && tied);
   const float* E0 = P(emb);
+  const int32_t* tk = tokens + int64_t(tp_rank) * Nr;  // TP: this rank's rows of the micro-batch
   {
-    MT_TRACE_K("fwd.embed", 0, 8.0 * double(N * d));  // a row gather
+    MT_TRACE_K("fwd.embed", 0, 8.0 * double(Nr * d));  // a row gather
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < N; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tokens[t]) * d, size_t(d) * 4);
+    for (int64_t t = 0; t < Nr; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tk[t]) * d, size_t(d) * 4);
   }
   if (!tied) fs_release(0);
 }
@@ -33,9 +34,10 @@ void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool back
   fs_acquire(last_u, true, backward);
   {
     MT_TRACE("fwd.norm");
-    norm_fwd_c(hfc, rstdf.data<float>(), xcur, P(final_norm), N, d);
+    norm_fwd_c(tp == 1 ? hfc : tp_fullc, rstdf.data<float>(), xcur, P(final_norm), Nr, d);
   }
-  std::memcpy(xf.data<float>(), xcur, size_t(N * d) * 4);
+  if (tp > 1) tp_gather_rows(hfc.raw(), tp_fullc.raw(), d * (f32 ? 4 : 2));  // the head sees every row
+  std::memcpy(xf.data<float>(), xcur, size_t(Nr * d) * 4);
   for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
   const int64_t chunk = linear_xent_default_chunk(V);
   trace::Scope tr_loss("loss.fused_linear_xent");
@@ -59,7 +61,9 @@ void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool back
   tr_loss.stop();
   {
     MT_TRACE("bwd.norm");
-    rmsnorm_backward(g, G(final_norm), dhf, xf.data<float>(), P(final_norm), rstdf.data<float>(), N, d, wsp());
+    // TP: every rank computed the whole head on every row; its own rows' gradient continues.
+    rmsnorm_backward(g, G(final_norm), tp_rows(dhf), xf.data<float>(), P(final_norm), rstdf.data<float>(), Nr, d,
+                     wsp());
   }
   fs_release(last_u);
 }
@@ -70,8 +74,9 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
   trace::Scope tr_embed("bwd.embed");  // a row scatter-add (the FSDP release below is its own scope)
   MT_TRACE_COST(double(N * d), 12.0 * double(N * d));
   float* gE = G(emb);
-  for (int64_t t = 0; t < N; ++t) {
-    float* dst = gE + int64_t(tokens[t]) * d;
+  const int32_t* tk = tokens + int64_t(tp_rank) * Nr;
+  for (int64_t t = 0; t < Nr; ++t) {
+    float* dst = gE + int64_t(tk[t]) * d;
     const float* src = g + t * d;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
@@ -87,6 +92,7 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
 }
 
 void Model::compute_logits(float* logits, const int32_t* tokens) {
+  MT_CHECK(impl_->tp == 1, "Model::compute_logits", "not implemented under tensor parallelism");
   std::vector<int32_t> tg(size_t(impl_->N), -1);
   impl_->run(tokens, tg.data(), false, 0.0f, 0.0f);
   auto& I = *impl_;

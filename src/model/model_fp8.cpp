@@ -68,6 +68,9 @@ void Model::set_quantize(const QuantizeSpec& q) {
     if (lane1_) lane1_->fp8.reset();
     return;
   }
+  MT_CHECK(impl_->tp == 1, "Model::set_quantize", "[quantize] recipe = ", to_string(q.recipe), " is not implemented with "
+           "tensor parallelism (parallelism.tp = ", impl_->tp, ") yet: the FP8 scales of a weight sliced over TP ranks "
+           "would differ per rank; use recipe = \"none\"");
   auto st = std::make_shared<Fp8State>();
   st->q = q;
   for (const ParamEntry& e : model_param_layout(spec_)) {  // the whole model, global order

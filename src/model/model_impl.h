@@ -10,6 +10,7 @@
 //   model_embed_head.cpp  the embedding, the final norm and the fused head + cross-entropy loss
 //   model_fsdp.cpp        FSDP mode: unit slots, gather and release
 //   model_fp8.cpp         [quantize]: the FP8 linears (dense and grouped), their amax histories and statistics
+//   model_tp.cpp          tensor parallelism: the row gathers / reduce-scatters of the sequence-parallel regions
 //   model_stage.cpp       pipeline stages: activation slots, stage forward / backward, the deferred
 //                         weight-gradient arena of the split backward (I / W)
 // Not a public header (only src/model includes it) and not where the kernels live (include/moetron/*.h).
@@ -184,6 +185,20 @@ struct Model::Impl {
   int ep = 1;
   ModelParallel par;
   Comm ep_comm;
+  // ---- tensor parallelism (model_tp.cpp): heads, FFN widths and vocabulary-free dims above are this rank's
+  // (H, Hkv, F, Fe, Fs divided by tp); the residual stream holds Nr = N / tp rows (sequence parallel), the blocks
+  // between a gather and a reduce-scatter all N rows.
+  Comm tp_comm;
+  int tp = 1, tp_rank = 0;
+  int64_t Nr = 0;
+  Tensor tp_full, tp_fullc;  // [N, d]: gathered rows or partial sums before their reduce-scatter (fp32, compute)
+  bool tp_lead() const { return tp_rank == 0; }  // adds the TP-replicated terms to a partial sum, once
+  // full [N rows] = every TP rank's [Nr rows] in rank order (row_bytes each); a copy without TP.
+  void tp_gather_rows(void* full, const void* local, int64_t row_bytes);
+  // local [Nr, d] = the sum over the TP group of its rows of full [N, d] (a copy without TP).
+  void tp_scatter_sum(float* local, const float* full);
+  void tp_sum(float* x, int64_t n);  // in place over the TP group (rank-order sum); nothing without TP
+  const float* tp_rows(const float* full) const { return full + int64_t(tp_rank) * Nr * d; }
   Tensor send_idx, dwr, iota_r, zero_r;  // EP scratch: slots sent (-1 = dropped), per-row dw, row maps
   int64_t scratch_rows = 0, sel_rows_cap = 0;
   std::vector<Layer> layers;  // every decoder layer of the model (held or not), indexed by layer id

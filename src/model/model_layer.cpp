@@ -7,6 +7,7 @@
 // head (model_embed_head.cpp), and not the order of layers in a pass (Impl::run in model.cpp).
 #include <chrono>
 #include <cstring>
+#include <utility>
 
 #include "model/model_impl.h"
 #include "moetron/trace.h"
@@ -18,7 +19,7 @@ using model_detail::add_inplace;
 void Model::Impl::forward_layer(int64_t l, float* x) {
   Layer& L = layers[size_t(l)];
   fs_acquire(layer_unit(l), true, false);
-  std::memcpy(L.x_in.data<float>(), x, size_t(N * d) * 4);
+  std::memcpy(L.x_in.data<float>(), x, size_t(Nr * d) * 4);
   layer_forward(L, L.x_in.data<float>(), x);
   fs_release(layer_unit(l));
 }
@@ -45,23 +46,35 @@ void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
   trace::Module tm_attn("attn", li, !recomputing);
   {
     MT_TRACE("fwd.norm");
-    norm_fwd_c(b.h1c, b.rstd1.data<float>(), xin, P(L.attn_norm), N, d);
+    if (tp == 1) norm_fwd_c(b.h1c, b.rstd1.data<float>(), xin, P(L.attn_norm), N, d);
+    else norm_fwd_c(tp_fullc, b.rstd1.data<float>(), xin, P(L.attn_norm), Nr, d);  // this rank's rows
   }
+  if (tp > 1) tp_gather_rows(b.h1c.raw(), tp_fullc.raw(), d * (f32 ? 4 : 2));
   attn_forward(L, b);
   float* xm = b.x_mid.data<float>();
   {
     MT_TRACE("fwd.attn.out_proj");
-    lin_fwd(xm, b.aoc.raw(), L.wo, N, H * Dv, d);
-    add_inplace(xm, xin, N * d);
+    float* o = tp == 1 ? xm : tp_full.data<float>();  // under TP a partial sum over the heads held
+    lin_fwd(o, b.aoc.raw(), L.wo, N, H * Dv, d);
+    if (tp > 1) tp_scatter_sum(xm, o);
+    add_inplace(xm, xin, Nr * d);
   }
   tm_attn.stop();
   MT_TRACE_MODULE(L.moe ? "moe" : "mlp", li, !recomputing);
   {
     MT_TRACE("fwd.norm");
-    norm_fwd(b.h2.data<float>(), b.h2c, b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d);
+    if (tp == 1) {
+      norm_fwd(b.h2.data<float>(), b.h2c, b.rstd2.data<float>(), xm, P(L.ffn_norm), N, d);
+    } else {  // this rank's rows in fp32, gathered, then the compute copy of all rows
+      norm_fwd(tp_full.data<float>(), tp_fullc, b.rstd2.data<float>(), xm, P(L.ffn_norm), Nr, d);
+      tp_gather_rows(b.h2.data<float>(), tp_full.data<float>(), d * 4);
+      if (!f32) copy_c(b.h2c, b.h2.data<float>(), N * d);
+    }
   }
-  ffn_forward(L, b, xout);
-  add_inplace(xout, xm, N * d);
+  float* y = tp == 1 ? xout : tp_full.data<float>();
+  ffn_forward(L, b, y);
+  if (tp > 1) tp_scatter_sum(xout, y);
+  add_inplace(xout, xm, Nr * d);
 }
 
 void Model::Impl::layer_backward(Layer& L, float* g) {
@@ -69,25 +82,33 @@ void Model::Impl::layer_backward(Layer& L, float* g) {
   f8_bufs = &b;
   const int li = int(&L - layers.data());
   trace::Module tm_ffn(L.moe ? "moe" : "mlp", li);
-  // FFN branch: g is the gradient w.r.t. x_out = x_mid + ffn(norm(x_mid)).
+  // FFN branch: g is the gradient w.r.t. x_out = x_mid + ffn(norm(x_mid)). Under TP g holds this rank's rows: the
+  // branch takes all rows (gathered into tp_full) and returns a partial sum, reduce-scattered back to the rows.
   float* dffn = dh.data<float>();
   recompute_selected_ffn(L, b);
-  ffn_backward(L, b, g, dffn, cur_aux_scale);
+  float* gfull = g;
+  if (tp > 1) gfull = tp_full.data<float>(), tp_gather_rows(gfull, g, d * 4);
+  ffn_backward(L, b, gfull, dffn, cur_aux_scale);
   float* dxm = dh2.data<float>();
   trace::Scope tr_norm("bwd.norm");
-  rmsnorm_backward(dxm, G(L.ffn_norm), dffn, b.x_mid.data<float>(), P(L.ffn_norm), b.rstd2.data<float>(), N, d, wsp());
-  add_inplace(g, dxm, N * d);  // g is now d x_mid
+  if (tp > 1) tp_scatter_sum(dxm, dffn), std::swap(dxm, dffn);  // dffn: this rank's rows; dxm: free scratch
+  rmsnorm_backward(dxm, G(L.ffn_norm), dffn, b.x_mid.data<float>(), P(L.ffn_norm), b.rstd2.data<float>(), Nr, d,
+                   wsp());
+  add_inplace(g, dxm, Nr * d);  // g is now d x_mid
   tr_norm.stop();
   tm_ffn.stop();
   // attention branch
   MT_TRACE_MODULE("attn", li);
-  const void* g_c = to_c(dyc, g, N * d);  // g itself in fp32 mode (not written until after attn_backward)
+  dffn = dh.data<float>(), dxm = dh2.data<float>();
+  if (tp > 1) gfull = tp_full.data<float>(), tp_gather_rows(gfull, g, d * 4);
+  const void* g_c = to_c(dyc, gfull, N * d);  // g itself in fp32 mode (not written until after attn_backward)
   recompute_selected_attn(L, b);
   attn_backward(L, b, g_c, dffn);
   MT_TRACE("bwd.norm");
-  rmsnorm_backward(dxm, G(L.attn_norm), dffn, L.x_in.data<float>(), P(L.attn_norm), b.rstd1.data<float>(), N, d,
+  if (tp > 1) tp_scatter_sum(dxm, dffn), std::swap(dxm, dffn);
+  rmsnorm_backward(dxm, G(L.attn_norm), dffn, L.x_in.data<float>(), P(L.attn_norm), b.rstd1.data<float>(), Nr, d,
                    wsp());
-  add_inplace(g, dxm, N * d);  // g is now d x_in
+  add_inplace(g, dxm, Nr * d);  // g is now d x_in
 }
 
 void Model::Impl::ffn_forward(Layer& L, LayerBufs& b, float* y) {

@@ -89,6 +89,9 @@ void Model::Impl::moe_backward(Layer& L, LayerBufs& b, const float* dy, const vo
     }
   }
   float* dtw = dtopk_w.data<float>();
+  // TP (expert_tp = tp): this rank's expert outputs are partial sums over the width it holds, so are their routing
+  // weights' gradients; summed, every TP rank runs the same router backward.
+  tp_sum(dtw, N * K);
   // router
   trace::Scope tr_router("bwd.router");
   RouterConfig rc = rcfg;
@@ -97,7 +100,7 @@ void Model::Impl::moe_backward(Layer& L, LayerBufs& b, const float* dy, const vo
   float* dlg = dlogits.data<float>();
   router_backward(dlg, dtw, b.scores.data<float>(), b.topk_idx.data<int32_t>(), b.logits.data<float>(), rc, N, wsp());
   lin_wgrad_f32(L.gate, b.h2.data<float>(), dlg, N, d, E);
-  gemm_f32(Trans::N, Trans::T, N, d, E, 1.0f, dlg, E, P(L.gate), E, 1.0f, dh2out, d);
+  if (tp_lead()) gemm_f32(Trans::N, Trans::T, N, d, E, 1.0f, dlg, E, P(L.gate), E, 1.0f, dh2out, d);  // once over TP
   tr_router.stop();
   if (Fs > 0) swiglu_mlp_backward(b, L.ws13, L.ws2, Fs, dy_c, dh2out, true);
 }

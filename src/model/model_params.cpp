@@ -27,10 +27,21 @@ void Model::Impl::build_params() {
     MT_CHECK(E % ep == 0, "Model", "n_routed_experts = ", E, " is not divisible by the expert-parallel size ", ep);
     El = E / ep, e0 = int64_t(ep_comm.rank()) * El;
   }
+  // Tensor parallelism: this rank's heads and widths (model_param_layout checks that tp divides them), and its rows
+  // of the residual stream.
+  MT_CHECK(N % tp == 0, "Model", "micro_batch_size * seq_len = ", N, " is not divisible by parallelism.tp = ", tp,
+           ": under sequence parallelism each TP rank holds an equal share of the micro-batch's rows");
+  Nr = N / tp;
+  if (tp > 1) {
+    H /= tp, F /= tp, Fe /= tp, Fs /= tp;
+    if (s.attn.type != AttnType::MLA) Hkv /= tp, Wqkv = (H + 2 * Hkv) * hd;
+    else Hkv = H;
+  }
   ParamSelection sel;
   sel.layers.resize(layers.size());
   for (size_t l = 0; l < layers.size(); ++l) sel.layers[l] = layers[l].held;
   sel.embedding = has_emb, sel.head = has_head, sel.ep = ep, sel.ep_rank = ep > 1 ? ep_comm.rank() : 0;
+  sel.tp = tp, sel.tp_rank = tp_rank;
   m.params_ = model_param_layout(s, sel);
   m.n_params_ = m.params_.empty() ? 0 : m.params_.back().offset + param_padded_numel(m.params_.back().numel);
 

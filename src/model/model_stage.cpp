@@ -87,7 +87,7 @@ void Model::Impl::build_slots() {
     for (int64_t l : st.part.layers) {
       Layer& L = layers[size_t(l)];
       for (int k = 0; k < S; ++k) {
-        L.slot_x_in.push_back(f32buf(N * d));
+        L.slot_x_in.push_back(f32buf(Nr * d));
         LayerBufs* b = nullptr;
         if (L.recompute) {
           if (!shared[L.moe]) shared[L.moe] = new_bufs(L.moe);
@@ -114,7 +114,7 @@ void Model::Impl::build_slots() {
       // One stage with one slot: the scratch dx is free between its F and B (nothing else runs between).
       if (stages.size() == 1 && S == 1) st.head_g.push_back(dx);
       else
-        for (int k = 0; k < S; ++k) st.head_g.push_back(f32buf(N * d));
+        for (int k = 0; k < S; ++k) st.head_g.push_back(f32buf(Nr * d));
     }
     use_slot(st, 0);
   }
@@ -301,6 +301,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.N = N, o.d = d, o.V = V, o.H = H, o.Hkv = Hkv, o.hd = hd, o.Dqk = Dqk, o.Dv = Dv, o.dn = dn, o.dr = dr;
   o.rq = rq, o.rkv = rkv, o.Wqkv = Wqkv, o.F = F, o.E = E, o.K = K, o.Fe = Fe, o.Fs = Fs, o.Rmax = Rmax;
   o.El = El, o.e0 = e0, o.ep = ep, o.par = par, o.ep_comm = ep_comm;
+  o.Nr = Nr, o.tp = tp, o.tp_rank = tp_rank, o.tp_comm = tp_comm;
   o.layers = layers;  // handles: the slots' saved activations, dispatchers and packed weights are shared
   o.stages = stages;
   o.whole = whole, o.has_emb = has_emb, o.has_head = has_head, o.n_moe_total = n_moe_total;
@@ -427,7 +428,9 @@ float* Model::tied_head_grad() {
 void Model::fold_tied_head_grad() {
   auto& I = *impl_;
   if (!I.tied_hg.defined() || !I.has_emb || I.fs_on) return;  // FSDP folds per micro-batch (embed_backward)
-  model_detail::add_inplace(I.G(I.emb), I.tied_hg.data<float>(), I.V * I.d);
+  // TP: the embedding's gradient is summed over the TP group (rows' partials); the head's, the same on every rank,
+  // joins it on one rank.
+  if (I.tp_lead()) model_detail::add_inplace(I.G(I.emb), I.tied_hg.data<float>(), I.V * I.d);
   I.tied_hg.zero_();
 }
 
@@ -451,7 +454,7 @@ ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, co
                " outside the vocabulary [0, ", I.V, ")");
     I.embed_forward(tokens, xr, backward && p.head);
   } else {
-    std::memcpy(xr, in, size_t(I.N * I.d) * 4);
+    std::memcpy(xr, in, size_t(I.Nr * I.d) * 4);
   }
   for (int64_t l : p.layers) I.forward_layer(l, xr);
   ForwardStats fs;
@@ -472,7 +475,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
   I.use_slot(st, slot);
   I.cur_aux_scale = I.step_aux_scale;
   float* g = p.head ? st.head_g[size_t(slot)].data<float>() : I.dx.data<float>();
-  if (!p.head) std::memcpy(g, dout, size_t(I.N * I.d) * 4);
+  if (!p.head) std::memcpy(g, dout, size_t(I.Nr * I.d) * 4);
   WArena& a = st.warena[size_t(slot)];
   // iwcarry: every backward records its weight gradients and carries them (below and in stage_backward_weight);
   // reusing a slot whose weight half is still carried runs the carried ones up to it first
@@ -487,7 +490,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
   } undefer{I};
   for (auto it = p.layers.rbegin(); it != p.layers.rend(); ++it) I.backward_layer(*it, g);
   if (p.embedding) I.embed_backward(tokens, g);
-  else std::memcpy(din, g, size_t(I.N * I.d) * 4);
+  else std::memcpy(din, g, size_t(I.Nr * I.d) * 4);
   if (carry && weights) I.carry(a);  // a whole backward (run alone): its weight half waits for exchange waits too
 }
 

@@ -81,6 +81,11 @@ ParamState::ParamState(Model& m, const JobConfig& cfg, const ParamStateComms& c,
 // the step
 
 void ParamState::reduce_grads() {
+  if (c_.tp.size() > 1) {
+    MT_TRACE("tp.all_reduce_grads");
+    for (const auto& p : m_.params())
+      if (p.tp_partial) c_.tp.all_reduce(m_.grad_data() + p.offset, p.numel);
+  }
   if (zero3_ || c_.dp.size() == 1) return;
   MT_TRACE("dp.all_reduce");
   for (auto& r : runs_)
@@ -103,12 +108,23 @@ double ParamState::grad_norm() {
   std::vector<double> sq(gparams_.size(), 0.0);
   std::vector<double> ex_local, ex_sum;
   std::vector<int> ex_idx;
+  std::vector<double> tp_v;  // TP-sliced tensors: this rank's slice, summed over TP below
+  std::vector<size_t> tp_i;
   for (size_t i = 0; i < ps.size(); ++i) {
     const int g = gidx_[i];
     if (own_.param_rank[size_t(g)] != pp_rank_) continue;  // a tied copy: counted where it is owned
     const double v = grad_norm_sq(m_.grad_data() + ps[i].offset, ps[i].numel);
-    if (ps[i].expert && EP_ > 1) ex_local.push_back(v), ex_idx.push_back(g);
+    if (ps[i].tp_sliced()) tp_v.push_back(v), tp_i.push_back(i);
+    else if (ps[i].expert && EP_ > 1) ex_local.push_back(v), ex_idx.push_back(g);
     else sq[size_t(g)] = v;
+  }
+  if (!tp_v.empty()) {  // the slices' sums in TP rank order; then experts over EP like the others
+    c_.tp.all_reduce(tp_v.data(), int64_t(tp_v.size()));
+    for (size_t k = 0; k < tp_i.size(); ++k) {
+      const int g = gidx_[tp_i[k]];
+      if (ps[tp_i[k]].expert && EP_ > 1) ex_local.push_back(tp_v[k]), ex_idx.push_back(g);
+      else sq[size_t(g)] = tp_v[k];
+    }
   }
   if (EP_ > 1 && !ex_local.empty()) {  // expert tensors: their shards summed over EP in rank order (every EP rank
     // of a stage holds the same tensors)
@@ -224,10 +240,20 @@ void ParamState::gather_pp(std::vector<float>& g, const std::vector<int64_t>& of
 std::vector<float> ParamState::to_global(const float* local) {
   std::vector<float> g(size_t(gnp_), 0.0f);
   const auto& ps = m_.params();
+  std::vector<float> slices, whole;
   for (size_t i = 0; i < ps.size(); ++i) {
     float* dst = g.data() + goff_[size_t(gidx_[i])];
-    if (ps[i].expert && EP_ > 1) c_.ep.all_gather(dst, local + ps[i].offset, ps[i].numel * 4);
-    else std::copy(local + ps[i].offset, local + ps[i].offset + ps[i].numel, dst);
+    const float* src = local + ps[i].offset;
+    if (ps[i].tp_sliced()) {  // the TP slices gathered and put back in place: this rank's (EP shard of the) tensor
+      const int T = c_.tp.size();
+      slices.resize(size_t(ps[i].numel) * size_t(T)), whole.resize(size_t(ps[i].tp_whole_numel));
+      c_.tp.all_gather(slices.data(), src, ps[i].numel * 4);
+      for (int r = 0; r < T; ++r) tp_unslice(ps[i], r, whole.data(), slices.data() + int64_t(r) * ps[i].numel);
+      src = whole.data();
+    }
+    const int64_t n = ps[i].unsliced_numel();
+    if (ps[i].expert && EP_ > 1) c_.ep.all_gather(dst, src, n * 4);
+    else std::copy(src, src + n, dst);
   }
   std::vector<int64_t> sizes;
   for (const auto& p : gparams_) sizes.push_back(p.numel);
@@ -240,7 +266,7 @@ void ParamState::from_global(float* local, const std::vector<float>& g) {
   const auto& ps = m_.params();
   for (size_t i = 0; i < ps.size(); ++i) {
     const float* src = g.data() + goff_[size_t(gidx_[i])] + ps[i].shard_first;
-    std::copy(src, src + ps[i].numel, local + ps[i].offset);
+    tp_slice(ps[i], ps[i].tp_rank, local + ps[i].offset, src);  // a copy unless TP slices it
   }
 }
 

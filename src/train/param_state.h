@@ -20,6 +20,7 @@ namespace moetron {
 
 struct ParamStateComms {
   Comm dp, ep, edp, pp;
+  Comm tp;  // tensor parallelism: sliced parameters gathered over it, partial gradients summed over it
 };
 
 // Who holds what across the pipeline: the pipeline rank owning each global parameter and each MoE layer's
@@ -39,12 +40,14 @@ class ParamState {
   bool zero3() const { return zero3_; }
 
   // ---- the step
-  // DP: gradients summed over each run's group (rank-order fold, identical on every rank) in buckets of
-  // kCommReduceSegment elements; zero = 3 reduced unit by unit during the backward already.
+  // TP: the partial gradients (ParamEntry::tp_partial) summed over the TP group first. DP: gradients summed over
+  // each run's group (rank-order fold, identical on every rank) in buckets of kCommReduceSegment elements; zero = 3
+  // reduced unit by unit during the backward already.
   void reduce_grads();
   // The global gradient norm. Plain and ZeRO-1: per parameter (an expert tensor's shards summed over EP in
   // rank order), folded in global parameter order, so any pipeline split gives the same bits as one process.
-  // zero = 3: the FSDP shard norms, then summed over the pipeline ranks in rank order.
+  // zero = 3: the FSDP shard norms, then summed over the pipeline ranks in rank order. TP: a sliced tensor's slices
+  // summed over the TP group in rank order; an unsliced one (the same on every TP rank) counted once.
   double grad_norm();
   void adamw(const AdamWConfig& ac, int64_t step, float clip);  // + the ZeRO-1 parameter all-gather
   // Fault injection (fault.h): this rank's first gradient element (model or FSDP shard) becomes a quiet NaN.

@@ -34,12 +34,17 @@ namespace {
 // run is named, rather than failing on the world size); returns the parallel spec for the mesh.
 const ParallelSpec& engine_parallelism(const JobConfig& cfg) {
   const ParallelSpec& p = cfg.parallelism;
-  MT_CHECK(p.tp == 1, "train", "parallelism.tp = ", p.tp,
-           " is not implemented in the engine (tensor parallelism is planned only: `moetron plan`); use tp = 1");
+  // Tensor parallelism slices every expert's width over the TP ranks (expert_tp = tp); experts sharded by EP
+  // across the TP ranks instead (Megatron's parallel folding, expert_tp = 1 with tp > 1) is not built.
+  if (cfg.model.is_moe())
+    MT_CHECK(p.expert_tp == p.tp, "train", "parallelism.expert_tp = ", p.expert_tp, " with tp = ", p.tp,
+             ": the engine divides every expert's width over the TP ranks, so expert_tp must equal tp (", p.tp,
+             "); experts spread by EP over the TP ranks instead (expert_tp = 1 with tp > 1, MoE parallel folding) "
+             "is planned only: `moetron plan`");
   MT_CHECK(p.cp == 1, "train", "parallelism.cp = ", p.cp,
            " is not implemented in the engine (context parallelism is planned only: `moetron plan`); use cp = 1");
-  MT_CHECK(p.expert_tp == 1, "train", "parallelism.expert_tp = ", p.expert_tp,
-           " is not implemented in the engine (expert tensor parallelism is planned only: `moetron plan`); use 1");
+  MT_CHECK(p.expert_tp == 1 || cfg.model.is_moe(), "train", "parallelism.expert_tp = ", p.expert_tp,
+           " needs a MoE model (this one has no routed experts); use 1");
   // HSDP (TorchTitan's meaning: shard over dp_shard, replicate over dp_replicate) is what the planner prices for
   // zero = 3 with dp_replicate > 1; the engine's zero = 3 shards over the whole data-parallel group.
   MT_CHECK(p.zero != 3 || p.dp_replicate == 1, "train", "parallelism.dp_replicate = ", p.dp_replicate,
@@ -100,7 +105,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   const auto& tr = cfg.training;
   const ModelSpec& ms = cfg.model;
   check_layout(cfg, mesh);
-  mcs = world.size() == 1 ? MeshComms{world, world, world, world, world, world, world} : make_mesh_comms(mesh, world);
+  mcs = world.size() == 1 ? MeshComms{world, world, world, world, world, world, world, world, world, world} : make_mesh_comms(mesh, world);
   EP = mesh.ep(), PP = mesh.pp();
   rank = mcs.dp.rank(), D = mcs.dp.size(), pp_rank = mesh.coord(world.rank()).pp;
   root = world.rank() == 0;
@@ -139,7 +144,11 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   MT_CHECK(!overlap || comm_thread_multiple(), "train",
            "parallelism.ep_overlap = true runs two micro-batches' EP exchanges at once on two threads, which needs MPI "
            "with MPI_THREAD_MULTIPLE; this MPI did not provide it");
-  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T * ms.d_model, overlap, cfg.parallelism.ep_pair_backward);
+  // The activations between stages: this rank's rows of the residual stream (all of them without TP).
+  MT_CHECK(B * T % mesh.tp() == 0, "train", "micro_batch_size * seq_len = ", B * T, " is not divisible by "
+           "parallelism.tp = ", mesh.tp(), ": under sequence parallelism each TP rank holds an equal share of the rows");
+  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T / mesh.tp() * ms.d_model, overlap,
+                                            cfg.parallelism.ep_pair_backward);
 
   ModelParallel mpar;
   if (EP > 1) {
@@ -149,6 +158,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is
   // the expert-data-parallel group (the DP group without EP).
   if (zero3) fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{mcs.dp, mcs.edp}), mpar.fsdp = fsdp_opts.get();
+  if (mesh.tp() > 1) mpar.tp = &mcs.tp;
   mpar.stages = &plan.parts;
   mpar.ep_overlap = overlap;
   mpar.ep_free_order = cfg.parallelism.ep_baton == "free";
@@ -163,7 +173,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   for (int s = 0; s < plan.setup.layout.n_stages; ++s) stage_layers.push_back(plan.setup.layout.layers(s));
   const PipelineOwnership own = pipeline_ownership(ms, model_param_layout(ms), stage_layers, plan.lowered.stage_rank,
                                                    plan.first_stage_rank, plan.last_stage_rank);
-  state = std::make_unique<ParamState>(*model, cfg, ParamStateComms{mcs.dp, mcs.ep, mcs.edp, mcs.pp}, own, pp_rank);
+  state = std::make_unique<ParamState>(*model, cfg, ParamStateComms{mcs.dp, mcs.ep, mcs.edp, mcs.pp, mcs.tp}, own, pp_rank);
   res.opt_state_bytes = state->state_bytes();
 
   fpt = flops_per_token(ms, T, true, ac);

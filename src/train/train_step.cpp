@@ -65,6 +65,7 @@ StepTotals TrainSession::forward_backward() {
     MT_TRACE_MODULE("grad_reduce");
     mcs.dp.all_reduce_ordered(&t.ce, ce_parts.data(), micro_local, 1);
     mcs.dp.all_reduce_ordered(&t.aux, aux_parts.data(), micro_local, 1);
+    if (D == 1) state->reduce_grads();  // TP's partial gradients (nothing to sum over DP)
     if (D > 1) {
       mcs.dp.all_reduce(&ce_n, 1);
       state->reduce_grads();
