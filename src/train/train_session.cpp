@@ -34,6 +34,9 @@ namespace {
 // run is named, rather than failing on the world size); returns the parallel spec for the mesh.
 const ParallelSpec& engine_parallelism(const JobConfig& cfg) {
   const ParallelSpec& p = cfg.parallelism;
+  MT_CHECK(p.tp == 1 || p.sequence_parallel, "train", "parallelism.sequence_parallel = false with tp = ", p.tp,
+           " is not implemented in the engine: its TP always shards the norm / residual regions' rows over the TP "
+           "ranks (Megatron's sequence parallelism); use true");
   // Tensor parallelism slices every expert's width over the TP ranks (expert_tp = tp); experts sharded by EP
   // across the TP ranks instead (Megatron's parallel folding, expert_tp = 1 with tp > 1) is not built.
   if (cfg.model.is_moe())

@@ -34,6 +34,13 @@
 //    5 * 1e-3 * 2^-4 = 3e-4 against |p| ~ init_std 0.02, i.e. 1.6e-2 relative: kFp8ParamRelL2 = 2e-2.
 //    The loss moves by the change of the MoE branch output: kFp8LossRel = 1e-2. The test prints the
 //    measured error against one process (and so against the bf16 payload, which is exact).
+//  - Tensor parallelism (Bar::Tp, fp32 compute): a row-parallel output (wo, w2, the experts' down projections)
+//    is the sum of tp partial products over the heads / columns each rank holds, added by the reduce-scatter,
+//    where one process sums all of them in one GEMM: the same terms in another fp32 association, so each output
+//    element moves by <~ 2 * 2^-24 * sum |terms|. The partial gradients (the norms over the sequence shards, MLA's
+//    latent gradients, the routing-weight gradients) are 2-term sums the same way. Step 1's loss is held to
+//    kTpStep1LossRel = 1e-6 (measured: a few 1e-8 or bitwise), the trajectory to kTpLossRel = 1e-5 (the bar;
+//    a routing flip moved DP runs by 7e-6, so a flip would show), the gradient and parameters to the DP bars.
 // Replicas: whatever the layout, the parameters (gathered to the global layout) and the logged loss and
 // grad norm are bitwise identical on every rank after every step.
 // FSDP (zero = 3) is in the sweep too (its memory, resume and checkpoint tests are in test_mpi_train.cpp).
@@ -55,6 +62,7 @@
 #include "moetron/check.h"
 #include "moetron/comm.h"
 #include "moetron/config.h"
+#include "moetron/param_layout.h"
 #include "moetron/trainer.h"
 #include "train_check.h"
 
@@ -69,6 +77,7 @@ constexpr int kSteps = 5;
 constexpr int64_t kMicro = 1, kGlobal = 8;
 constexpr double kGradRel = 1e-6, kLossRel = 1e-4, kParamRelL2 = 1e-3;
 constexpr double kHierStep1LossRel = 1e-6;
+constexpr double kTpStep1LossRel = 1e-6, kTpLossRel = 1e-5;
 constexpr double kFp8GradRel = 0.1, kFp8LossRel = 1e-2, kFp8ParamRelL2 = 2e-2;
 
 
@@ -94,7 +103,8 @@ const TrainResult& reference(const std::vector<std::string>& layout_args) {
   std::vector<std::string> model_args;
   std::string key;
   for (auto& a : layout_args)
-    if (a.rfind("--model.", 0) == 0 || a.rfind("--quantize.", 0) == 0) model_args.push_back(a), key += a + " ";
+    if (a.rfind("--model.", 0) == 0 || a.rfind("--quantize.", 0) == 0 || a.rfind("--training.compute_dtype", 0) == 0)
+      model_args.push_back(a), key += a + " ";
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   static Comm local = comm_local();
@@ -103,7 +113,15 @@ const TrainResult& reference(const std::vector<std::string>& layout_args) {
   return cache.emplace(key, train(tiny(d, model_args), recorded(&local))).first->second;
 }
 
-enum class Bar { Exact, Hier, Fp8, Bitwise };
+// The model a layout trains (ds_tiny with the layout's --model.* overrides).
+ModelSpec reference_spec(const std::vector<std::string>& layout_args) {
+  std::vector<std::string> model_args;
+  for (auto& a : layout_args)
+    if (a.rfind("--model.", 0) == 0) model_args.push_back(a);
+  return tiny("unused", model_args).model;
+}
+
+enum class Bar { Exact, Hier, Fp8, Bitwise, Tp };
 
 struct Layout {
   std::string name;
@@ -209,6 +227,31 @@ std::vector<Layout> layouts() {
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
                Bar::Exact});
+  // Tensor parallelism with sequence parallelism (fp32 compute; expert_tp = tp: every expert's width is divided).
+  const std::vector<std::string> tp2 = {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--training.compute_dtype=fp32"};
+  auto tpw = [&](std::vector<std::string> extra) {
+    std::vector<std::string> r = tp2;
+    r.insert(r.end(), extra.begin(), extra.end());
+    return r;
+  };
+  const std::vector<std::string> mla = {"--model.attn_type=mla", "--model.q_lora_rank=32", "--model.kv_lora_rank=32",
+                                        "--model.qk_nope_head_dim=16", "--model.qk_rope_head_dim=8",
+                                        "--model.v_head_dim=16"};
+  v.push_back({"tp2", 2, tp2, Bar::Tp});
+  v.push_back({"tp2_mla", 2, tpw(mla), Bar::Tp});
+  v.push_back({"tp2_gqa_tied", 2, tpw({"--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.tie_embeddings=true"}),
+               Bar::Tp});
+  v.push_back({"tp2_recompute", 2, tpw({"--activation_checkpoint.mode=full"}), Bar::Tp});
+  v.push_back({"tp4", 4, {"--parallelism.tp=4", "--parallelism.expert_tp=4", "--training.compute_dtype=fp32"}, Bar::Tp});
+  v.push_back({"tp2_dp2_zero1", 4, tpw({dp + "2", "--parallelism.zero=1"}), Bar::Tp});
+  v.push_back({"tp2_dp2_ep2_alltoall", 4, tpw({dp + "2", "--parallelism.ep=2"}), Bar::Tp});
+  v.push_back({"tp2_dp2_ep2_sync_free", 4, tpw({dp + "2", "--parallelism.ep=2", "--parallelism.ep_dispatcher=sync_free"}),
+               Bar::Tp});
+  v.push_back({"tp2_pp2_zb1p", 4, tpw({pp + "2", sch + "zb1p", lay + "Ett|tL"}), Bar::Tp});
+  std::vector<std::string> mla_pp = mla;
+  mla_pp.insert(mla_pp.end(), {pp + "2", sch + "interleaved_1f1b", lay + "Et|t|t|L"});
+  v.push_back({"tp2_pp2_interleaved_mla", 4, tpw(mla_pp), Bar::Tp});
+  v.push_back({"tp2_pp2_ep2", 8, tpw({pp + "2", dp + "2", "--parallelism.ep=2", lay + "Et|ttL"}), Bar::Tp});
   return v;
 }
 
@@ -250,7 +293,7 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   expect_same_on_all_ranks(logged.data(), int64_t(logged.size() * 8), L.name + ": loss and grad norm per step");
   expect_same_on_all_ranks(got.final_params.data(), int64_t(got.final_params.size() * 4), L.name + ": final params");
 
-  const double loss_tol = L.bar == Bar::Fp8 ? kFp8LossRel : kLossRel;
+  const double loss_tol = L.bar == Bar::Fp8 ? kFp8LossRel : L.bar == Bar::Tp ? kTpLossRel : kLossRel;
   const double param_tol = L.bar == Bar::Fp8 ? kFp8ParamRelL2 : kParamRelL2;
   const double l1 = got.history[0].loss, r1 = ref.history[0].loss;
   if (L.bar == Bar::Exact || L.bar == Bar::Bitwise) {
@@ -272,6 +315,9 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   if (L.bar == Bar::Hier) {
     EXPECT_LE(std::abs(l1 - r1) / std::abs(r1), kHierStep1LossRel) << L.name << ": step 1 loss";
   }
+  if (L.bar == Bar::Tp) {
+    EXPECT_LE(std::abs(l1 - r1) / std::abs(r1), kTpStep1LossRel) << L.name << ": step 1 loss";
+  }
   ASSERT_EQ(got.first_grads.size(), ref.first_grads.size());
   const ParamDiff gd = param_diff(got.first_grads, ref.first_grads);
   EXPECT_LE(gd.rel_l2, L.bar == Bar::Fp8 ? kFp8GradRel : kGradRel) << L.name << ": step 1 gradient";
@@ -284,13 +330,35 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   }
   // Memory: with EP the routed experts are 1/ep per rank, so (zero = 0) the optimizer state drops by exactly
   // 8 bytes per expert element not held here; ZeRO-1 / FSDP shard what remains (test_mpi_train.cpp).
-  int ep = 1, zero = 0, pp_size = 1;
+  int ep = 1, zero = 0, pp_size = 1, tp = 1;
   for (auto& a : L.args) {
+    if (a.rfind("--parallelism.tp=", 0) == 0) tp = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.pp=", 0) == 0) pp_size = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.ep=", 0) == 0) ep = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.zero=", 0) == 0) zero = std::stoi(a.substr(19));
   }
-  if (ep > 1 && zero == 0 && pp_size == 1) {
+  if (tp > 1 && zero == 0 && pp_size == 1) {
+    // TP: the optimizer state is 8 bytes per element this rank holds (model_param_layout of its TP slice and EP
+    // shard), and every sliced tensor (attention, dense and shared-expert FFN, the experts' widths) holds 1/tp of its
+    // elements; the measured parameter memory drops.
+    const ModelSpec m = reference_spec(L.args);
+    ParamSelection sel;
+    sel.tp = tp, sel.tp_rank = 0, sel.ep = ep, sel.ep_rank = 0;
+    int64_t held = 0, sliced = 0, sliced_whole = 0;
+    for (const ParamEntry& e : model_param_layout(m, sel)) {
+      held += param_padded_numel(e.numel);
+      if (e.tp_sliced()) sliced += e.numel, sliced_whole += e.unsliced_numel();
+    }
+    EXPECT_EQ(got.opt_state_bytes, 8 * held) << L.name << ": optimizer state per rank";
+    EXPECT_EQ(sliced * tp, sliced_whole) << L.name;
+    EXPECT_LT(got.params_peak_bytes, ref.params_peak_bytes) << L.name;
+    if (world().rank() == 0)
+      std::printf("[%-28s] per rank: optimizer %lld -> %lld bytes, params %lld -> %lld bytes; sliced tensors %lld of "
+                  "%lld elements (tp %d, ep %d)\n", L.name.c_str(), (long long)ref.opt_state_bytes,
+                  (long long)got.opt_state_bytes, (long long)ref.params_peak_bytes, (long long)got.params_peak_bytes,
+                  (long long)sliced, (long long)sliced_whole, tp, ep);
+  }
+  if (ep > 1 && zero == 0 && pp_size == 1 && tp == 1) {
     const ModelSpec& m = tiny("unused").model;
     int64_t expert_elems = 0;
     for (int64_t l = 0; l < m.n_layers; ++l)
@@ -349,6 +417,22 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
        "global_batch_size"},
       {"ep_larger_than_dp", {"--parallelism.dp_shard=" + W, "--parallelism.ep=" + std::to_string(2 * w)}, "ep", 1},
       {"ranks_per_node", {"--parallelism.dp_shard=" + W, "--parallelism.ranks_per_node=3"}, "ranks_per_node", 4},
+      // Tensor parallelism: what it does not compose with yet, and the shapes it cannot divide.
+      {"tp_fsdp", {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--parallelism.zero=3",
+                   "--parallelism.dp_shard=" + std::to_string(w / 2)}, "FSDP (parallelism.zero = 3) is not implemented "
+       "with tensor parallelism", 2},
+      {"tp_fp8", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--quantize.recipe=tensorwise"},
+       "is not implemented with tensor parallelism", 2},
+      {"tp_selective", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--activation_checkpoint.mode=selective",
+                        "--activation_checkpoint.modules=[\"norm\"]"}, "selective", 2},
+      {"tp_expert_tp_mismatch", {"--parallelism.tp=" + W}, "expert_tp must equal tp", 2},
+      {"tp_hierarchical", {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--parallelism.ep=2",
+                           "--parallelism.dp_shard=" + std::to_string(w / 2), "--parallelism.ep_dispatcher=hierarchical"},
+       "hierarchical dispatch", 4},
+      {"tp_heads", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--model.n_heads=6",
+                    "--model.head_dim=8"}, "n_heads", 4},
+      {"tp_rows", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--training.seq_len=" + std::to_string(w + 1)},
+       "under sequence parallelism", 2},
   };
   for (auto& b : bad) {
     if (w < b.min_world) continue;

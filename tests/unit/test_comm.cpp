@@ -277,6 +277,40 @@ TEST(Mesh, RankOrderAndGroups) {
   EXPECT_NE(m.describe().find("ep 4 x edp 2"), std::string::npos);
 }
 
+// pp 2 x dp_shard 2 x cp 2 x tp 2 with ep 2 on 16 ranks: tp innermost, then cp, then dp, then pp (mesh.h). Every
+// group checked by its members' world ranks, and every rank's coordinates round-trip.
+TEST(Mesh, TensorAndContextParallelRankOrder) {
+  ParallelSpec p = spec(1, 2, 2, 2);
+  p.cp = 2, p.tp = 2;
+  DeviceMesh m(p, 16, 8);
+  EXPECT_EQ(m.tp(), 2);
+  EXPECT_EQ(m.cp(), 2);
+  const MeshCoord c = m.coord(13);  // 13 = ((1 * 2 + 1) * 2 + 0) * 2 + 1
+  EXPECT_EQ(c.pp, 1);
+  EXPECT_EQ(c.dp, 1);
+  EXPECT_EQ(c.cp, 0);
+  EXPECT_EQ(c.tp, 1);
+  EXPECT_EQ(c.ep, 1);
+  EXPECT_EQ(m.group(MeshGroup::Tp, 13), (std::vector<int>{12, 13}));
+  EXPECT_EQ(m.group(MeshGroup::Cp, 13), (std::vector<int>{13, 15}));
+  EXPECT_EQ(m.group(MeshGroup::Dp, 13), (std::vector<int>{9, 13}));
+  EXPECT_EQ(m.group(MeshGroup::Ep, 13), (std::vector<int>{9, 13}));
+  EXPECT_EQ(m.group(MeshGroup::Pp, 13), (std::vector<int>{5, 13}));
+  EXPECT_EQ(m.group(MeshGroup::DpCp, 13), (std::vector<int>{9, 11, 13, 15}));
+  for (int r = 0; r < 16; ++r) {
+    const MeshCoord k = m.coord(r);
+    EXPECT_EQ(m.rank_of(k.pp, k.dp, k.cp, k.tp), r);
+  }
+  EXPECT_NE(m.describe().find("x cp 2 x tp 2"), std::string::npos) << m.describe();
+  p.ep_dispatcher = EpDispatcher::Hierarchical;
+  try {
+    DeviceMesh bad(p, 16, 8);
+    ADD_FAILURE() << "hierarchical dispatch over strided EP ranks was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("hierarchical dispatch groups"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Mesh, SmallWorldIsOneNode) {
   DeviceMesh m(spec(1, 4, 4), 4, 8);  // ranks_per_node 8 > world 4
   EXPECT_EQ(m.ranks_per_node(), 4);
@@ -289,7 +323,7 @@ TEST(Mesh, SmallWorldIsOneNode) {
 
 TEST(Mesh, EveryValidationRuleHasItsMessage) {
   auto err = [](const ParallelSpec& p, int world, int64_t E) { return error_of([&] { DeviceMesh m(p, world, E); }); };
-  EXPECT_NE(err(spec(1, 4, 1), 6, 8).find("world size 6 != pp (1) * dp_replicate (1) * dp_shard (4) = 4"),
+  EXPECT_NE(err(spec(1, 4, 1), 6, 8).find("world size 6 != pp (1) * dp_replicate (1) * dp_shard (4) * cp (1) * tp (1) = 4"),
             std::string::npos);
   EXPECT_NE(err(spec(1, 6, 4), 6, 8).find("must divide dp"), std::string::npos);
   EXPECT_NE(err(spec(1, 4, 4), 4, 6).find("must divide n_routed_experts (6)"), std::string::npos);

@@ -168,7 +168,7 @@ TEST(Trainer, ParallelismThatDoesNotMatchTheWorldFailsAtStartUp) {
     FAIL() << "no error";
   } catch (const Error& e) {
     std::string m = e.what();
-    EXPECT_NE(m.find("world size 1 != pp (1) * dp_replicate (1) * dp_shard (2) = 2"), std::string::npos) << m;
+    EXPECT_NE(m.find("world size 1 != pp (1) * dp_replicate (1) * dp_shard (2) * cp (1) * tp (1) = 2"), std::string::npos) << m;
   }
 }
 
@@ -203,9 +203,10 @@ TEST(ComputeDtype, AutoPicksNativeBf16OrFp32AndBf16ElsewhereNamesFeatureAndKey) 
 TEST(Trainer, RefusesPlannerOnlyKeys) {
   const std::string dense = "--model.n_routed_experts=0 --model.n_shared_experts=0";  // gelu is for dense models
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--parallelism.tp=2", "parallelism.tp = 2 is not implemented in the engine"},
+      {"--parallelism.tp=2 --parallelism.expert_tp=2 --parallelism.sequence_parallel=false",
+       "parallelism.sequence_parallel = false with tp = 2 is not implemented in the engine"},
       {"--parallelism.cp=2", "parallelism.cp = 2 is not implemented in the engine"},
-      {"--parallelism.expert_tp=2", "parallelism.expert_tp = 2 is not implemented in the engine"},
+      {"--parallelism.expert_tp=2", "so expert_tp must equal tp"},
       {"--model.n_layers=4 --parallelism.ep=2 --parallelism.pp=2 --parallelism.pp_schedule=interleaved_1f1b "
        "--parallelism.ep_overlap=true --parallelism.ep_overlap_split=true",
        "parallelism.ep_overlap_split = true is not implemented in the engine"},
