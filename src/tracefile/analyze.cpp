@@ -129,7 +129,15 @@ RankWork prepare(const RankTrace& t) {
   return w;
 }
 
-// compute / exposed comm / idle of one window, with the partitions by kernel and by comm kind (microseconds).
+// The parallelism a communication event belongs to: its group's name up to the first '.'.
+std::string group_kind(const RankTrace& t, const Event& e) {
+  if (e.group.empty()) return "none";
+  const auto it = t.meta.groups.find(e.group);
+  const std::string& n = it == t.meta.groups.end() ? e.group : it->second.name;
+  return n.substr(0, n.find('.'));
+}
+
+// compute / exposed comm / idle of one window, with the partitions by kernel, comm kind and comm group (microseconds).
 void sweep(const RankWork& w, size_t wi, RankBreakdown& rb) {
   const auto& evs = w.t->events;
   const Window& win = w.windows[wi];
@@ -167,6 +175,7 @@ void sweep(const RankWork& w, size_t wi, RankBreakdown& rb) {
     } else if (com >= 0) {
       exposed += len;
       rb.exposed_comm_by_kind[evs[size_t(com)].name] += len * kUs;
+      rb.exposed_comm_by_group[group_kind(*w.t, evs[size_t(com)])] += len * kUs;
     }
   }
   const double step = win.b - win.a;
@@ -315,7 +324,7 @@ RankBreakdown rank_breakdown(const RankWork& w, int rank) {
   if (rb.steps > 0) {
     const double d = rb.steps;
     rb.step_time_s /= d, rb.compute_s /= d, rb.exposed_comm_s /= d, rb.idle_s /= d, rb.comm_s /= d;
-    for (auto* m : {&rb.compute_by_kernel, &rb.exposed_comm_by_kind, &rb.action_s})
+    for (auto* m : {&rb.compute_by_kernel, &rb.exposed_comm_by_kind, &rb.exposed_comm_by_group, &rb.action_s})
       for (auto& [k, v] : *m) v /= d;
   }
   for (const Counter& c : w.t->memory)

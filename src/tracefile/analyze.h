@@ -37,6 +37,9 @@ struct RankBreakdown {
   double wait_caused_s = 0;   // others' wait in collectives where this rank arrived last
   std::map<std::string, double> compute_by_kernel;     // partition of compute_s by innermost kernel name
   std::map<std::string, double> exposed_comm_by_kind;  // partition of exposed_comm_s by collective kind
+  // The same time by the parallelism whose group ran it: the group's name up to its first '.' ("tp", "cp", "ep",
+  // "dp", "edp", "pp", "dp_shard", ...; a dispatcher's "ep.2" is "ep"), "none" for an event without a group.
+  std::map<std::string, double> exposed_comm_by_group;
   std::map<std::string, double> action_s;              // time inside actions per action name (F, B, I, W, FB)
   std::map<std::string, double> peak_memory_bytes;     // largest memory / memory_peak counter value per category
 };

@@ -60,7 +60,8 @@ json to_json(const Analysis& a, int top) {
     j["ranks"].push_back({{"rank", r.rank}, {"steps", r.steps}, {"step_time_s", r.step_time_s},
                           {"compute_s", r.compute_s}, {"exposed_comm_s", r.exposed_comm_s}, {"idle_s", r.idle_s},
                           {"comm_s", r.comm_s}, {"comm_wait_s", r.comm_wait_s}, {"wait_caused_s", r.wait_caused_s},
-                          {"exposed_comm_by_kind", r.exposed_comm_by_kind}, {"action_s", r.action_s},
+                          {"exposed_comm_by_kind", r.exposed_comm_by_kind},
+                          {"exposed_comm_by_group", r.exposed_comm_by_group}, {"action_s", r.action_s},
                           {"compute_by_kernel", r.compute_by_kernel}, {"peak_memory_bytes", r.peak_memory_bytes}});
   j["top_kernels"] = json::array();
   for (size_t k = 0; k < a.kernels.size() && (top <= 0 || int(k) < top); ++k) {
@@ -121,6 +122,15 @@ std::string format_text(const Analysis& a, int top, int hier_rank) {
                   1e3 * r.exposed_comm_s, pct(r.exposed_comm_s, r.step_time_s).c_str(), 1e3 * r.idle_s,
                   pct(r.idle_s, r.step_time_s).c_str(), 1e3 * r.comm_wait_s, 1e3 * r.wait_caused_s);
     os << b;
+  }
+  os << "exposed comm by parallelism (ms per step):";
+  {
+    std::map<std::string, double> by;  // mean over ranks
+    for (const RankBreakdown& r : a.ranks)
+      for (const auto& [k, v] : r.exposed_comm_by_group) by[k] += v / double(a.ranks.size());
+    if (by.empty()) os << " none";
+    for (const auto& [k, v] : by) os << "  " << k << " " << fmt("%.3f", 1e3 * v);
+    os << " (mean over ranks)\n";
   }
   if (a.straggler_rank >= 0)
     os << "straggler: rank " << a.straggler_rank << " (the others waited "

@@ -52,6 +52,24 @@ TEST(TraceAnalyze, BreakdownTermsAreHandCountedAndOverlappedCommIsNotExposed) {
   EXPECT_EQ(a.straggler_rank, -1);    // one member: nothing to wait for
 }
 
+// Exposed communication split by the parallelism of its group (the name up to its first '.'). One rank, step
+// [0, 100) us: kernel [0, 20); tp all-gather [20, 30) exposed; cp send [30, 45) exposed, with a kernel [40, 60) over
+// its last 5 us; an ep.1 (dispatcher) all-to-all [60, 68) and a dp all-reduce [70, 90), both exposed.
+// tp 10, cp 10, ep 8, dp 20: the four add up to the exposed 48 us.
+TEST(TraceAnalyze, ExposedCommunicationIsSplitByParallelism) {
+  RankBuilder r(0, 1);
+  r.group("t", "tp", {0}).group("c", "cp", {0}).group("e", "ep.1", {0}).group("d", "dp", {0}).step(0, 0, 100);
+  r.kernel("A", 0, 20).comm("all_gather", "t", 0, 20, 10).comm("send", "c", 0, 30, 15).kernel("B", 40, 20);
+  r.comm("all_to_all", "e", 0, 60, 8).comm("all_reduce", "d", 0, 70, 20);
+  const RankBreakdown b = analyze(trace_of({r})).ranks.at(0);
+  EXPECT_NEAR(b.exposed_comm_s, 48 * us, 1e-15);
+  EXPECT_NEAR(b.exposed_comm_by_group.at("tp"), 10 * us, 1e-15);
+  EXPECT_NEAR(b.exposed_comm_by_group.at("cp"), 10 * us, 1e-15);
+  EXPECT_NEAR(b.exposed_comm_by_group.at("ep"), 8 * us, 1e-15);
+  EXPECT_NEAR(b.exposed_comm_by_group.at("dp"), 20 * us, 1e-15);
+  EXPECT_EQ(b.exposed_comm_by_group.size(), 4u);
+}
+
 // Three ranks all-reduce twice on group g (bytes_in 1 MB each time).
 //   seq 0: rank 0 [100,400) 300 us, rank 1 [200,400) 200 us, rank 2 (late) [350,400) 50 us
 //          transfer 50; waits 250, 150, 0; rank 2 caused 400 us
