@@ -2,11 +2,11 @@
 // (before a column-parallel block) and reduce-scatter (after a row-parallel one), and the sums over the TP group
 // of the partial terms a rank computes for the heads or FFN columns it holds. Which block calls which is in
 // model_layer.cpp, model_attention.cpp, model_moe.cpp and model_embed_head.cpp; docs/parallel.md ("Tensor
-// parallelism") lists them per layer. Not the parameter slicing (src/params/param_layout.cpp).
+// parallelism") lists them per layer. The traces see them as Comm events of the "tp" group (no kernel scope of
+// their own: they run inside the blocks' scopes). Not the parameter slicing (src/params/param_layout.cpp).
 #include <cstring>
 
 #include "model/model_impl.h"
-#include "moetron/trace.h"
 
 namespace moetron {
 
@@ -15,7 +15,6 @@ void Model::Impl::tp_gather_rows(void* full, const void* local, int64_t row_byte
     if (full != local) std::memcpy(full, local, size_t(N * row_bytes));
     return;
   }
-  MT_TRACE("tp.all_gather");
   tp_comm.all_gather(full, local, Nr * row_bytes);
 }
 
@@ -24,13 +23,11 @@ void Model::Impl::tp_scatter_sum(float* local, const float* full) {
     if (local != full) std::memcpy(local, full, size_t(N * d) * 4);
     return;
   }
-  MT_TRACE("tp.reduce_scatter");
   tp_comm.reduce_scatter(local, full, Nr * d);
 }
 
 void Model::Impl::tp_sum(float* x, int64_t n) {
   if (tp == 1) return;
-  MT_TRACE("tp.all_reduce");
   tp_comm.all_reduce(x, n);
 }
 
