@@ -10,7 +10,10 @@
 // Deterministic: the chunk partition depends on chunk_rows only (never on the thread count), each row's
 // softmax is done by one thread in a fixed order, row losses are summed in double in row order, and dW
 // accumulates chunk after chunk.
-// Not a general softmax or a vocabulary-parallel loss (a sharded-V variant comes with tensor parallelism).
+// The vocabulary-sharded variant (linear_xent_shard_*, below) runs the same chunk loop on a shard of W's rows and
+// exchanges per-row values between the row passes through an XentShardExchange; the Comm side of it (tensor
+// parallelism, vocab_parallel.h / src/parallel/vocab_parallel.cpp) implements the exchange and reduces dh.
+// Not a general softmax.
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -47,6 +50,59 @@ double linear_xent_fwd_bf16(double* row_loss /* [N] or null */, const bf16* h /*
 double linear_xent_fwd_f32(double* row_loss /* [N] or null */, const float* h /* [N, C] */,
                            const float* W /* [V, C] */, const int32_t* targets /* [N] */, int64_t N, int64_t C,
                            int64_t V, float loss_scale, int64_t chunk_rows, void* ws);
+
+// ---- vocabulary-sharded variant ----
+// This process holds W's rows [v0, v0 + Vl) of a vocabulary of V (targets are indices into the whole [0, V), -1
+// ignored). Per chunk, the row passes of the kernel above run over the chunk's rows one pass at a time and the
+// exchange combines the shards' per-row values between them: (1) each shard's row max and, from the shard
+// holding the target, the target logit; (2) each shard's sum of exp(z - global max). The loss and the
+// dlogits of every row then follow from the exchanged values exactly as in the whole-vocabulary kernel, so:
+//   - the returned loss and row_loss are the same on every shard (computed from the same exchanged values);
+//   - dh [N, C] is this shard's PART, dlogits_shard · W_shard: the sum of the shards' parts is dh (the caller
+//     reduces it; vocab_parallel.h does); dW [Vl, C] += dlogits_shard^T · h is this shard's rows of dW;
+//   - with one shard holding the whole vocabulary (v0 = 0, Vl = V, an exchange that returns its input) the
+//     results are bitwise those of linear_xent_fwd_bwd_* / linear_xent_fwd_* (the same passes, in another
+//     order over the rows of a chunk).
+// Every shard must call with the same N, targets, chunk_rows (> 0: the chunks must line up across shards) and
+// loss_scale, and its exchange calls are collective: once per chunk each, in chunk order.
+class XentShardExchange {
+ public:
+  // mx[i]: this shard's max over row i's logits, NaN if any of them is non-finite; zt[i]: row i's target logit
+  // if this shard holds targets[i], else 0. Rows with targets[i] < 0 hold 0 in both and may be left as they are.
+  // On return, alike on every shard: mx[i] = the max over the shards (NaN if any shard's is NaN), zt[i] = the
+  // target logit from the shard that holds it. targets: the chunk's rows, global indices.
+  virtual void max_and_target(float* mx /* [rows] */, float* zt /* [rows] */, const int32_t* targets /* [rows] */,
+                              int64_t rows) = 0;
+  // s[i]: this shard's sum of exp(z - mx[i]) over its logits of row i (0 for an ignored or non-finite row). On
+  // return: the sum over the shards, bitwise the same on every shard.
+  virtual void sum(double* s /* [rows] */, int64_t rows) = 0;
+
+ protected:
+  ~XentShardExchange() = default;
+};
+
+struct XentShard {
+  int64_t v0 = 0;                  // first vocabulary row held here
+  int64_t V = 0;                   // the whole vocabulary
+  XentShardExchange* ex = nullptr;  // required
+};
+
+// The kernel's workspace plus the row max and target logit of a chunk (2 floats per chunk row). chunk_rows > 0.
+size_t linear_xent_shard_workspace_bytes(int64_t N, int64_t Vl, int64_t chunk_rows);
+double linear_xent_shard_fwd_bwd_bf16(float* dh /* [N, C] part */, float* dW /* [Vl, C] += */, const bf16* h /* [N, C] */,
+                                      const bf16* W /* [Vl, C] */, const int32_t* targets /* [N] */, int64_t N,
+                                      int64_t C, int64_t Vl, const XentShard& sh, float loss_scale, int64_t chunk_rows,
+                                      void* ws);
+double linear_xent_shard_fwd_bwd_f32(float* dh /* [N, C] part */, float* dW /* [Vl, C] += */, const float* h /* [N, C] */,
+                                     const float* W /* [Vl, C] */, const int32_t* targets /* [N] */, int64_t N,
+                                     int64_t C, int64_t Vl, const XentShard& sh, float loss_scale, int64_t chunk_rows,
+                                     void* ws);
+double linear_xent_shard_fwd_bf16(double* row_loss /* [N] or null */, const bf16* h /* [N, C] */,
+                                  const bf16* W /* [Vl, C] */, const int32_t* targets /* [N] */, int64_t N, int64_t C,
+                                  int64_t Vl, const XentShard& sh, float loss_scale, int64_t chunk_rows, void* ws);
+double linear_xent_shard_fwd_f32(double* row_loss /* [N] or null */, const float* h /* [N, C] */,
+                                 const float* W /* [Vl, C] */, const int32_t* targets /* [N] */, int64_t N, int64_t C,
+                                 int64_t Vl, const XentShard& sh, float loss_scale, int64_t chunk_rows, void* ws);
 
 // ---- reference twin: unfused, materializes the [N, V] logits in T (float or double) ----
 // Returns the scaled loss; dh (=) and dW (+=) may be null for a forward-only evaluation.

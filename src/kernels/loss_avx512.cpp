@@ -1,7 +1,8 @@
-// loss_avx512.cpp: the AVX-512 row kernel of the fused linear cross-entropy (loss.cpp): max, exp and
-// sum (in double lanes), then dlogits = (softmax - onehot) * scale in place, as fp32 or as bf16 packed at
-// the start of the row. Same contract as xent_row_scalar in loss.cpp; not bitwise equal to it (the
-// exp here is a polynomial within ~2 ulp of libm's, and the sum is lane-striped).
+// loss_avx512.cpp: the AVX-512 row passes of the fused linear cross-entropy (loss_row.h, driven by loss.cpp):
+// max, exp and sum (in double lanes), then dlogits = (softmax - onehot) * scale in place, as fp32 or as bf16
+// packed at the start of the row. Same contract as the scalar passes in loss.cpp; not bitwise equal to them
+// (the exp here is a polynomial within ~2 ulp of libm's, and the sum is lane-striped). Not a driver: no
+// threading, GEMMs or input checks here.
 // GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* helpers (a known
 // false positive); silence it for this file only.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -9,6 +10,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+
+#include "loss_row.h"
 
 namespace moetron::loss_avx512 {
 
@@ -53,14 +56,7 @@ void fill_row(float* z, int64_t V, float value) {
   for (int64_t j = 0; j < V; j += 16) put16<kBf16>(z, j, d, tail_mask(V - j));
 }
 
-template <int kMode>  // 0 forward only, 1 fp32 dlogits, 2 bf16 dlogits
-double xent_row_impl(float* z, int64_t V, int32_t t, float scale) {
-  constexpr bool kGrad = kMode != 0, kBf16 = kMode == 2;
-  if (t < 0) {
-    if constexpr (kGrad) fill_row<kBf16>(z, V, 0.0f);
-    return 0.0;
-  }
-  // Pass 1: max, and a flag for non-finite logits.
+float row_max(const float* z, int64_t V) {
   const __m512 inf = _mm512_set1_ps(__builtin_inff());
   const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
   __m512 mx = _mm512_set1_ps(-__builtin_inff());
@@ -72,13 +68,12 @@ double xent_row_impl(float* z, int64_t V, int32_t t, float scale) {
     bad |= _mm512_mask_cmp_ps_mask(m, a, inf, _CMP_NLT_UQ);  // inf or NaN
     mx = _mm512_mask_max_ps(mx, m, mx, x);
   }
-  if (bad) {
-    if constexpr (kGrad) fill_row<kBf16>(z, V, __builtin_nanf(""));
-    return __builtin_nan("");
-  }
-  const float mxs = _mm512_reduce_max_ps(mx);
-  const float zt = z[t];
-  // Pass 2: e = exp(z - max), summed in two double accumulators (lanes 0-7, 8-15), stored if grad.
+  return bad ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
+}
+
+// e = exp(z - max), summed in two double accumulators (lanes 0-7, 8-15), stored if kStore.
+template <bool kStore>
+double row_exp_impl(float* z, int64_t V, float mxs) {
   const __m512 vmx = _mm512_set1_ps(mxs);
   __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
   for (int64_t j = 0; j < V; j += 16) {
@@ -86,34 +81,37 @@ double xent_row_impl(float* z, int64_t V, int32_t t, float scale) {
     __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + j), vmx)));
     s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
     s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
-    if constexpr (kGrad) _mm512_mask_storeu_ps(z + j, m, e);
+    if constexpr (kStore) _mm512_mask_storeu_ps(z + j, m, e);
   }
-  const double sum = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
-  // log(sum) with sum in [1, V]: the builtin is libm's log; fine outside the ISA-specific concerns
-  // because it is a call into libm, not inline code emitted here.
-  const double loss = double(mxs) + __builtin_log(sum) - double(zt);
-  if constexpr (kGrad) {
-    // Pass 3: d = e * (scale / sum); then the target entry gets e_t * inv - scale.
-    const float inv = float(double(scale) / sum);
-    const float et = z[t];
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (int64_t j = 0; j < V; j += 16) {
-      const __mmask16 m = tail_mask(V - j);
-      put16<kBf16>(z, j, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, z + j), vinv), m);
-    }
-    put16<kBf16>(z, t, _mm512_set1_ps(et * inv - scale), __mmask16(1));
+  return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+}
+double row_exp(float* z, int64_t V, float mx, bool store) {
+  return store ? row_exp_impl<true>(z, V, mx) : row_exp_impl<false>(z, V, mx);
+}
+
+// d = e * inv; then the target entry (if in the row) gets e_t * inv - scale.
+template <bool kBf16>
+void row_grad_impl(float* z, int64_t V, int64_t t, float inv, float scale) {
+  const float et = t >= 0 && t < V ? z[t] : 0.0f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t j = 0; j < V; j += 16) {
+    const __mmask16 m = tail_mask(V - j);
+    put16<kBf16>(z, j, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, z + j), vinv), m);
   }
-  return loss;
+  if (t >= 0 && t < V) put16<kBf16>(z, t, _mm512_set1_ps(et * inv - scale), __mmask16(1));
+}
+void row_grad(float* z, int64_t V, int64_t t, float inv, float scale, bool bf16) {
+  if (bf16) row_grad_impl<true>(z, V, t, inv, scale);
+  else row_grad_impl<false>(z, V, t, inv, scale);
+}
+
+void row_fill(float* z, int64_t V, float value, bool bf16) {
+  if (bf16) fill_row<true>(z, V, value);
+  else fill_row<false>(z, V, value);
 }
 
 }  // namespace
 
-double xent_row(float* z, int64_t V, int32_t t, float scale, int mode) {
-  switch (mode) {
-    case 0: return xent_row_impl<0>(z, V, t, scale);
-    case 1: return xent_row_impl<1>(z, V, t, scale);
-    default: return xent_row_impl<2>(z, V, t, scale);
-  }
-}
+XentRowOps row_ops() { return {row_max, row_exp, row_grad, row_fill}; }
 
 }  // namespace moetron::loss_avx512
