@@ -25,6 +25,7 @@
 #include "moetron/rope.h"
 #include "moetron/runtime.h"
 #include "moetron/trace.h"
+#include "moetron/vocab_parallel.h"
 
 namespace moetron {
 
@@ -137,7 +138,7 @@ void Model::Impl::build_buffers() {
     if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots
     alloc_packed(L.p13f, L.p13d, L.p2f, L.p2d, "experts.packed");
   }
-  if (has_head && s.tie_embeddings) tied_hg = f32buf(V * d, MemCategory::Grads);
+  if (has_head && s.tie_embeddings) tied_hg = f32buf(Vl * d, MemCategory::Grads);
 
   // rope tables
   int64_t R = s.attn.type == AttnType::MLA ? dr : hd;
@@ -148,7 +149,9 @@ void Model::Impl::build_buffers() {
   // kernel workspace: the max over every call site
   AttnDims ad = attn_dims();
   size_t w = attention_workspace_bytes(ad, num_threads());
-  if (has_head) w = std::max(w, linear_xent_workspace_bytes(N, V, linear_xent_default_chunk(V)));
+  if (has_head && tp == 1) w = std::max(w, linear_xent_workspace_bytes(N, V, linear_xent_default_chunk(V)));
+  if (has_head && tp > 1)
+    w = std::max(w, vocab_xent_workspace_bytes(N, d, V, tp, vocab_xent_default_chunk(V, tp), TpReduce::ReduceScatter));
   w = std::max(w, rmsnorm_backward_workspace_bytes(N, std::max<int64_t>({d, rq, rkv})));
   if (E > 0) {
     rcfg.E = int(E), rcfg.topk = int(K);

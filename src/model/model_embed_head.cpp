@@ -9,6 +9,7 @@
 #include "model/model_impl.h"
 #include "moetron/loss.h"
 #include "moetron/trace.h"
+#include "moetron/vocab_parallel.h"
 
 namespace moetron {
 
@@ -17,11 +18,13 @@ void Model::Impl::embed_forward(const int32_t* tokens, float* xcur, bool head_gr
   const bool tied = head == emb;
   fs_acquire(0, true, head_grads && tied);
   const float* E0 = P(emb);
-  const int32_t* tk = tokens + int64_t(tp_rank) * Nr;  // TP: this rank's rows of the micro-batch
-  {
-    MT_TRACE_K("fwd.embed", 0, 8.0 * double(Nr * d));  // a row gather
+  if (tp > 1) {  // vocabulary-parallel: this rank's rows of the table, summed into each rank's rows of the batch
+    MT_TRACE_K("fwd.embed", 0, 8.0 * double(N * d));
+    vocab_embed_forward(xcur, E0, tokens, N, d, V, tp_comm, TpReduce::ReduceScatter, tp_full.raw());
+  } else {
+    MT_TRACE_K("fwd.embed", 0, 8.0 * double(N * d));  // a row gather
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < Nr; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tk[t]) * d, size_t(d) * 4);
+    for (int64_t t = 0; t < N; ++t) std::memcpy(xcur + t * d, E0 + int64_t(tokens[t]) * d, size_t(d) * 4);
   }
   if (!tied) fs_release(0);
 }
@@ -39,31 +42,40 @@ void Model::Impl::head_loss(const float* xcur, const int32_t* targets, bool back
   if (tp > 1) tp_gather_rows(hfc.raw(), tp_fullc.raw(), d * (f32 ? 4 : 2));  // the head sees every row
   std::memcpy(xf.data<float>(), xcur, size_t(Nr * d) * 4);
   for (int64_t t = 0; t < N; ++t) st.ce_count += targets[t] >= 0;
-  const int64_t chunk = linear_xent_default_chunk(V);
+  const int64_t chunk = tp > 1 ? vocab_xent_default_chunk(V, tp) : linear_xent_default_chunk(V);
   trace::Scope tr_loss("loss.fused_linear_xent");
+  const bf16* Wb = f32 ? nullptr : static_cast<const bf16*>(W(head));
   if (!backward) {
-    st.ce_sum = f32 ? linear_xent_fwd_f32(nullptr, hfc.data<float>(), P(head), targets, N, d, V, 1.0f, chunk, wsp())
-                    : linear_xent_fwd_bf16(nullptr, hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N,
-                                           d, V, 1.0f, chunk, wsp());
+    if (tp > 1)  // vocabulary-parallel: every rank gets the whole loss
+      st.ce_sum = f32 ? vocab_xent_fwd_f32(nullptr, hfc.data<float>(), P(head), targets, N, d, V, tp_comm, 1.0f, chunk,
+                                           wsp())
+                      : vocab_xent_fwd_bf16(nullptr, hfc.data<bf16>(), Wb, targets, N, d, V, tp_comm, 1.0f, chunk, wsp());
+    else
+      st.ce_sum = f32 ? linear_xent_fwd_f32(nullptr, hfc.data<float>(), P(head), targets, N, d, V, 1.0f, chunk, wsp())
+                      : linear_xent_fwd_bf16(nullptr, hfc.data<bf16>(), Wb, targets, N, d, V, 1.0f, chunk, wsp());
     tr_loss.stop();
     fs_release(last_u);
     if (tied) fs_release(0);
     return;
   }
   float* dhf = dh.data<float>();
-  // The fused kernel returns the scaled loss; recover the plain sum for reporting.
+  // The fused kernel returns the scaled loss; recover the plain sum for reporting. Under TP the vocabulary-parallel
+  // kernel reduce-scatters dL/dh to this rank's rows.
+  const auto RS = TpReduce::ReduceScatter;
   double scaled =
-      f32 ? linear_xent_fwd_bwd_f32(dhf, head_weight_grad(), hfc.data<float>(), P(head), targets, N, d, V, ce_scale, chunk,
-                                    wsp())
-          : linear_xent_fwd_bwd_bf16(dhf, head_weight_grad(), hfc.data<bf16>(), static_cast<const bf16*>(W(head)), targets, N, d,
-                                     V, ce_scale, chunk, wsp());
+      tp > 1 ? (f32 ? vocab_xent_fwd_bwd_f32(dhf, head_weight_grad(), hfc.data<float>(), P(head), targets, N, d, V,
+                                             tp_comm, RS, ce_scale, chunk, wsp())
+                    : vocab_xent_fwd_bwd_bf16(dhf, head_weight_grad(), hfc.data<bf16>(), Wb, targets, N, d, V, tp_comm,
+                                              RS, ce_scale, chunk, wsp()))
+      : f32  ? linear_xent_fwd_bwd_f32(dhf, head_weight_grad(), hfc.data<float>(), P(head), targets, N, d, V, ce_scale,
+                                       chunk, wsp())
+             : linear_xent_fwd_bwd_bf16(dhf, head_weight_grad(), hfc.data<bf16>(), Wb, targets, N, d, V, ce_scale, chunk,
+                                        wsp());
   st.ce_sum = ce_scale != 0 ? scaled / ce_scale : 0;
   tr_loss.stop();
   {
     MT_TRACE("bwd.norm");
-    // TP: every rank computed the whole head on every row; its own rows' gradient continues.
-    rmsnorm_backward(g, G(final_norm), tp_rows(dhf), xf.data<float>(), P(final_norm), rstdf.data<float>(), Nr, d,
-                     wsp());
+    rmsnorm_backward(g, G(final_norm), dhf, xf.data<float>(), P(final_norm), rstdf.data<float>(), Nr, d, wsp());
   }
   fs_release(last_u);
 }
@@ -74,9 +86,9 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
   trace::Scope tr_embed("bwd.embed");  // a row scatter-add (the FSDP release below is its own scope)
   MT_TRACE_COST(double(N * d), 12.0 * double(N * d));
   float* gE = G(emb);
-  const int32_t* tk = tokens + int64_t(tp_rank) * Nr;
-  for (int64_t t = 0; t < Nr; ++t) {
-    float* dst = gE + int64_t(tk[t]) * d;
+  if (tp > 1) vocab_embed_backward(gE, g, tokens, N, d, V, tp_comm, TpReduce::ReduceScatter, tp_full.raw());
+  for (int64_t t = 0; t < N && tp == 1; ++t) {
+    float* dst = gE + int64_t(tokens[t]) * d;
     const float* src = g + t * d;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
@@ -84,7 +96,7 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
   // FSDP with tied embeddings: the head's gradient of this micro-batch joins the unit's before it is reduced
   // (the plain model folds once per step: fold_tied_head_grad).
   if (fs_on && tied_hg.defined()) {
-    model_detail::add_inplace(gE, tied_hg.data<float>(), V * d);
+    model_detail::add_inplace(gE, tied_hg.data<float>(), Vl * d);
     tied_hg.zero_();
   }
   tr_embed.stop();

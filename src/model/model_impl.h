@@ -177,6 +177,7 @@ struct Model::Impl {
   Model& m;
   const ModelSpec& s;
   int64_t N, d, V;
+  int64_t Vl = 0;  // vocabulary rows of the embedding / head held here (V / tp under TP: vocab_parallel.h)
   // attention dims
   int64_t H, Hkv, hd, Dqk, Dv, dn = 0, dr = 0, rq = 0, rkv = 0, Wqkv = 0;
   int64_t F = 0, E = 0, K = 0, Fe = 0, Fs = 0, Rmax = 0;
@@ -198,7 +199,6 @@ struct Model::Impl {
   // local [Nr, d] = the sum over the TP group of its rows of full [N, d] (a copy without TP).
   void tp_scatter_sum(float* local, const float* full);
   void tp_sum(float* x, int64_t n);  // in place over the TP group (rank-order sum); nothing without TP
-  const float* tp_rows(const float* full) const { return full + int64_t(tp_rank) * Nr * d; }
   Tensor send_idx, dwr, iota_r, zero_r;  // EP scratch: slots sent (-1 = dropped), per-row dw, row maps
   int64_t scratch_rows = 0, sel_rows_cap = 0;
   std::vector<Layer> layers;  // every decoder layer of the model (held or not), indexed by layer id

@@ -32,6 +32,7 @@ void Model::Impl::build_params() {
   MT_CHECK(N % tp == 0, "Model", "micro_batch_size * seq_len = ", N, " is not divisible by parallelism.tp = ", tp,
            ": under sequence parallelism each TP rank holds an equal share of the micro-batch's rows");
   Nr = N / tp;
+  Vl = V / tp;  // model_param_layout checks that tp divides V
   if (tp > 1) {
     H /= tp, F /= tp, Fe /= tp, Fs /= tp;
     if (s.attn.type != AttnType::MLA) Hkv /= tp, Wqkv = (H + 2 * Hkv) * hd;

@@ -298,7 +298,7 @@ Model::Impl& Model::lane() {
 std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   auto p = std::make_unique<Impl>(m);
   Impl& o = *p;
-  o.N = N, o.d = d, o.V = V, o.H = H, o.Hkv = Hkv, o.hd = hd, o.Dqk = Dqk, o.Dv = Dv, o.dn = dn, o.dr = dr;
+  o.N = N, o.d = d, o.V = V, o.Vl = Vl, o.H = H, o.Hkv = Hkv, o.hd = hd, o.Dqk = Dqk, o.Dv = Dv, o.dn = dn, o.dr = dr;
   o.rq = rq, o.rkv = rkv, o.Wqkv = Wqkv, o.F = F, o.E = E, o.K = K, o.Fe = Fe, o.Fs = Fs, o.Rmax = Rmax;
   o.El = El, o.e0 = e0, o.ep = ep, o.par = par, o.ep_comm = ep_comm;
   o.Nr = Nr, o.tp = tp, o.tp_rank = tp_rank, o.tp_comm = tp_comm;
@@ -428,9 +428,7 @@ float* Model::tied_head_grad() {
 void Model::fold_tied_head_grad() {
   auto& I = *impl_;
   if (!I.tied_hg.defined() || !I.has_emb || I.fs_on) return;  // FSDP folds per micro-batch (embed_backward)
-  // TP: the embedding's gradient is summed over the TP group (rows' partials); the head's, the same on every rank,
-  // joins it on one rank.
-  if (I.tp_lead()) model_detail::add_inplace(I.G(I.emb), I.tied_hg.data<float>(), I.V * I.d);
+  model_detail::add_inplace(I.G(I.emb), I.tied_hg.data<float>(), I.Vl * I.d);  // TP: this rank's vocabulary rows
   I.tied_hg.zero_();
 }
 

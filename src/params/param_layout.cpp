@@ -129,7 +129,7 @@ std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSel
   };
   const TpKind Col = TpKind::Cols, Row = TpKind::Rows, Part = TpKind::Partial;
   // The embedding on its stage, and on the head's when tied (the head multiplies by it).
-  if (sel.embedding || (sel.head && s.tie_embeddings)) add("embed", {V, d}, true, -1, false, false, Part);
+  if (sel.embedding || (sel.head && s.tie_embeddings)) add("embed", {V, d}, true, -1, false, false, Row, {V});
   for (int64_t l = 0; l < s.n_layers; ++l) {
     if (!sel.layers.empty() && !sel.layers[size_t(l)]) continue;
     const std::string p = "layers." + std::to_string(l) + ".";
@@ -170,7 +170,7 @@ std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSel
   }
   if (sel.head) {
     add("final_norm", {d}, false, -1, false, true, Part);
-    if (!s.tie_embeddings) add("head", {V, d}, true, -1);  // every TP rank: the whole head (gathered rows)
+    if (!s.tie_embeddings) add("head", {V, d}, true, -1, false, false, Row, {V});  // vocabulary rows
   }
   return P;
 }
