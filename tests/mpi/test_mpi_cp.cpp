@@ -1,6 +1,6 @@
 // test_mpi_cp.cpp: context parallelism's ring attention (src/parallel/cp_attention.cpp) under mpirun: the split
-// (positions, row counts, take / put), and cp_attention_forward / cp_attention_backward on cp = world size and
-// cp = 2 groups (split of 4 ranks) against the single-rank attention_forward / attention_backward of the whole
+// (positions, row counts, take / put), and cp_attention_forward / cp_attention_backward on cp = world size,
+// cp = 2 groups (split of 4 ranks) and cp = 1 against the single-rank attention_forward / attention_backward of the whole
 // sequence, which every rank computes itself from the same seeded inputs. Shapes: MHA, GQA in a fused qkv row,
 // MLA (Dqk != Dv, v read in place from the kv row), one shared k head (head_k = 0); B = 2; T = 3, 5, 13, 30, 64
 // and 300 (chunks of length 0, 1, uneven, and over one 64-wide kernel tile).
@@ -194,8 +194,8 @@ TEST(MpiCp, SplitCoversTheSequenceBalanced) {
 
 TEST(MpiCp, RingAttentionMatchesOneRank) {
   Comm w = comm_world();
-  std::vector<int> cps = {w.size()};
-  if (w.size() == 4) cps.push_back(2);  // two cp = 2 groups side by side
+  std::vector<int> cps = {w.size(), 1};  // cp = 1: the two chunks of one rank, merged, no ring
+  if (w.size() == 4) cps.push_back(2);    // two cp = 2 groups side by side
   for (int P : cps) {
     Comm cp = cp_group(P);
     Outcome oc;
