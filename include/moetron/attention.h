@@ -3,6 +3,10 @@
 //   S = scale * q k^T (causal: key s <= query t),  P = softmax_row(S),  out = P v,  lse = log sum_s exp(S)
 // The optimized kernels never materialize T x T: the forward runs an online softmax over key tiles and
 // stores only lse per row; the backward recomputes P per tile from lse with D_t = rowsum(dout * out).
+// Key blocks (context parallelism, cp_attention.h): a block of T queries may attend a separate block of Tk keys
+// with mask Full (every key visible: a key block wholly earlier in the sequence); the default mask Causal is
+// the diagonal block (Tk == T, query and key blocks at the same positions). The backward of a block takes the
+// merged lse and out of the whole row (see attention_backward), so the blocks' gradients sum to the row's.
 // Not: padding masks, sliding windows, dropout, KV caches or decoding.
 #pragma once
 #include <algorithm>
@@ -22,11 +26,20 @@ namespace moetron {
 // GQA: q head h reads kv head h / (Hq / Hkv). head_k = 0 (or head_v = 0) shares one k (v) head among all
 // kv heads (MLA's broadcast k_pe, MQA-style); the backward then sums that head's gradient over them.
 // lse is [B, Hq, T]. Gradients use the same layout as their forward tensors (dq like q, dout like out, ...).
+// Key blocks: with Tk > 0 the keys have their own length, k [(b*Tk + s)*ldk + ...], v likewise, s < Tk.
+enum class AttnMask : uint8_t {
+  Causal,  // key s visible to query t iff s <= t (query and key blocks start at the same position; Tk == T)
+  Full,    // every key visible to every query (the key block ends before the query block starts)
+};
 struct AttnDims {
   int64_t B, T, Hq, Hkv, Dqk, Dv;
   int64_t ldq, ldk, ldv, ldo;              // element stride between consecutive tokens
   int64_t head_q, head_k, head_v, head_o;  // element stride between heads
   float scale;
+  int64_t Tk = 0;                   // keys per sequence; 0: Tk = T (the default, plain causal attention)
+  AttnMask mask = AttnMask::Causal;
+  int64_t keys() const { return Tk > 0 ? Tk : T; }
+  bool causal() const { return mask == AttnMask::Causal; }
 };
 
 // Throws moetron::Error naming `op` and the offending value when d is inconsistent.
@@ -41,42 +54,49 @@ void attention_forward(float* out, float* lse /* [B, Hq, T] */, const float* q, 
                        const AttnDims& d, void* ws = nullptr);
 
 // dq, dk, dv are overwritten (dk/dv sum over the q heads of each GQA group, deterministically).
-// out and lse must come from attention_forward with the same inputs.
+// out and lse must come from attention_forward with the same inputs; or, for one key block of a row split
+// into blocks, be the row's merged out and lse (P = exp(S - lse) is then the row's probability and
+// D_t = rowsum(dout * out) the row's): the blocks' dq then sum to the row's dq, and each block's dk, dv are
+// its keys' gradients. With T == 0 (Full mask) dk and dv are zeroed.
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out,
                         const float* lse /* [B, Hq, T] */, const float* q, const float* k, const float* v,
                         const AttnDims& d, void* ws = nullptr);
 
-// Causal FLOPs actually needed (only key <= query pairs): forward 2 matmuls, backward 5 (S recomputed,
-// dP, dV, dK, dQ), as in the FlashAttention-2 paper's count.
+// FLOPs actually needed (Causal: only key <= query pairs; Full: T * Tk pairs): forward 2 matmuls, backward 5
+// (S recomputed, dP, dV, dK, dQ), as in the FlashAttention-2 paper's count.
 double attention_forward_flops(const AttnDims& d);
 double attention_backward_flops(const AttnDims& d);
 
-// ---- naive references (float or double): materialize the T x T scores of each (b, h) ----
+// ---- naive references (float or double): compute every score of each (b, h, query row) ----
+
+// Keys visible to query t: s < attention_ref_keys(d, t).
+inline int64_t attention_ref_keys(const AttnDims& d, int64_t t) { return d.causal() ? t + 1 : d.keys(); }
 
 template <class T>
 void attention_forward_ref(T* out, T* lse /* [B, Hq, T] */, const T* q, const T* k, const T* v, const AttnDims& d) {
-  const int64_t G = d.Hq / d.Hkv;
-  std::vector<T> p(size_t(d.T * d.T));
+  const int64_t G = d.Hq / d.Hkv, Tk = d.keys();
+  std::vector<T> p(static_cast<size_t>(Tk));
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.Hq; ++h) {
       const int64_t hk = h / G;
       for (int64_t t = 0; t < d.T; ++t) {
+        const int64_t n = attention_ref_keys(d, t);
         const T* qr = q + (b * d.T + t) * d.ldq + h * d.head_q;
         T m = -std::numeric_limits<T>::infinity();
-        for (int64_t s = 0; s <= t; ++s) {
-          const T* kr = k + (b * d.T + s) * d.ldk + hk * d.head_k;
+        for (int64_t s = 0; s < n; ++s) {
+          const T* kr = k + (b * Tk + s) * d.ldk + hk * d.head_k;
           T acc = 0;
           for (int64_t e = 0; e < d.Dqk; ++e) acc += qr[e] * kr[e];
-          p[t * d.T + s] = T(d.scale) * acc;
-          m = std::max(m, p[t * d.T + s]);
+          p[s] = T(d.scale) * acc;
+          m = std::max(m, p[s]);
         }
         T l = 0;
-        for (int64_t s = 0; s <= t; ++s) l += (p[t * d.T + s] = std::exp(p[t * d.T + s] - m));
+        for (int64_t s = 0; s < n; ++s) l += (p[s] = std::exp(p[s] - m));
         lse[(b * d.Hq + h) * d.T + t] = m + std::log(l);
         T* o = out + (b * d.T + t) * d.ldo + h * d.head_o;
         for (int64_t e = 0; e < d.Dv; ++e) {
           T acc = 0;
-          for (int64_t s = 0; s <= t; ++s) acc += p[t * d.T + s] * v[(b * d.T + s) * d.ldv + hk * d.head_v + e];
+          for (int64_t s = 0; s < n; ++s) acc += p[s] * v[(b * Tk + s) * d.ldv + hk * d.head_v + e];
           o[e] = acc / l;
         }
       }
@@ -84,50 +104,59 @@ void attention_forward_ref(T* out, T* lse /* [B, Hq, T] */, const T* q, const T*
 }
 
 // dP = dout v^T, dS = P * (dP - rowsum(dout * out)), dq = scale dS k, dk = scale dS^T q, dv = P^T dout.
-// Recomputes P from q, k (not from lse), so it is a reference for the gradient formulas alone.
+// Recomputes P from q, k (not from lse), so it is a reference for the gradient formulas alone; unless `lse`
+// [B, Hq, T] is given: then P = exp(S - lse), the semantics of a key block's backward under the row's merged
+// lse and out (attention_backward), so the blocks' references sum to the whole row's.
 template <class T>
 void attention_backward_ref(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* q, const T* k, const T* v,
-                            const AttnDims& d) {
-  const int64_t G = d.Hq / d.Hkv;
-  for (int64_t b = 0; b < d.B; ++b)
-    for (int64_t t = 0; t < d.T; ++t) {
+                            const AttnDims& d, const T* lse = nullptr) {
+  const int64_t G = d.Hq / d.Hkv, Tk = d.keys();
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t t = 0; t < d.T; ++t)
       for (int64_t h = 0; h < d.Hq; ++h)
         for (int64_t e = 0; e < d.Dqk; ++e) dq[(b * d.T + t) * d.ldq + h * d.head_q + e] = 0;
+    for (int64_t t = 0; t < Tk; ++t)
       for (int64_t h = 0; h < d.Hkv; ++h) {
-        for (int64_t e = 0; e < d.Dqk; ++e) dk[(b * d.T + t) * d.ldk + h * d.head_k + e] = 0;
-        for (int64_t e = 0; e < d.Dv; ++e) dv[(b * d.T + t) * d.ldv + h * d.head_v + e] = 0;
+        for (int64_t e = 0; e < d.Dqk; ++e) dk[(b * Tk + t) * d.ldk + h * d.head_k + e] = 0;
+        for (int64_t e = 0; e < d.Dv; ++e) dv[(b * Tk + t) * d.ldv + h * d.head_v + e] = 0;
       }
-    }
-  std::vector<T> p(size_t(d.T)), dp(size_t(d.T));
+  }
+  std::vector<T> p(static_cast<size_t>(Tk)), dp(static_cast<size_t>(Tk));
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.Hq; ++h) {
       const int64_t hk = h / G;
       auto Q = [&](int64_t t) { return q + (b * d.T + t) * d.ldq + h * d.head_q; };
-      auto K = [&](int64_t s) { return k + (b * d.T + s) * d.ldk + hk * d.head_k; };
-      auto V = [&](int64_t s) { return v + (b * d.T + s) * d.ldv + hk * d.head_v; };
+      auto K = [&](int64_t s) { return k + (b * Tk + s) * d.ldk + hk * d.head_k; };
+      auto V = [&](int64_t s) { return v + (b * Tk + s) * d.ldv + hk * d.head_v; };
       for (int64_t t = 0; t < d.T; ++t) {
+        const int64_t n = attention_ref_keys(d, t);
         const T* dO = dout + (b * d.T + t) * d.ldo + h * d.head_o;
         const T* O = out + (b * d.T + t) * d.ldo + h * d.head_o;
         T m = -std::numeric_limits<T>::infinity(), l = 0, Dt = 0;
-        for (int64_t s = 0; s <= t; ++s) {
+        for (int64_t s = 0; s < n; ++s) {
           T acc = 0;
           for (int64_t e = 0; e < d.Dqk; ++e) acc += Q(t)[e] * K(s)[e];
           p[s] = T(d.scale) * acc;
           m = std::max(m, p[s]);
         }
-        for (int64_t s = 0; s <= t; ++s) l += (p[s] = std::exp(p[s] - m));
-        for (int64_t s = 0; s <= t; ++s) p[s] /= l;
+        if (lse) {
+          const T L = lse[(b * d.Hq + h) * d.T + t];
+          for (int64_t s = 0; s < n; ++s) p[s] = std::exp(p[s] - L);
+        } else {
+          for (int64_t s = 0; s < n; ++s) l += (p[s] = std::exp(p[s] - m));
+          for (int64_t s = 0; s < n; ++s) p[s] /= l;
+        }
         for (int64_t e = 0; e < d.Dv; ++e) Dt += dO[e] * O[e];
-        for (int64_t s = 0; s <= t; ++s) {
+        for (int64_t s = 0; s < n; ++s) {
           T acc = 0;
           for (int64_t e = 0; e < d.Dv; ++e) acc += dO[e] * V(s)[e];
           dp[s] = acc;
         }
-        for (int64_t s = 0; s <= t; ++s) {
+        for (int64_t s = 0; s < n; ++s) {
           T ds = p[s] * (dp[s] - Dt) * T(d.scale);
           T* dqr = dq + (b * d.T + t) * d.ldq + h * d.head_q;
-          T* dkr = dk + (b * d.T + s) * d.ldk + hk * d.head_k;
-          T* dvr = dv + (b * d.T + s) * d.ldv + hk * d.head_v;
+          T* dkr = dk + (b * Tk + s) * d.ldk + hk * d.head_k;
+          T* dvr = dv + (b * Tk + s) * d.ldv + hk * d.head_v;
           for (int64_t e = 0; e < d.Dqk; ++e) {
             dqr[e] += ds * K(s)[e];
             dkr[e] += ds * Q(t)[e];

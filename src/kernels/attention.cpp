@@ -93,6 +93,10 @@ float* align64(void* p) {
 
 void attention_check(const AttnDims& d, const char* op) {
   MT_CHECK(d.B >= 0 && d.T >= 0, op, "negative size B=", d.B, " T=", d.T);
+  MT_CHECK(d.Tk >= 0, op, "negative key length Tk=", d.Tk);
+  MT_CHECK(d.mask == AttnMask::Causal || d.mask == AttnMask::Full, op, "unknown mask ", int(d.mask));
+  MT_CHECK(!d.causal() || d.keys() == d.T, op, "the causal mask needs as many keys as queries: Tk=", d.Tk,
+           " T=", d.T, " (a key block before the queries takes mask Full)");
   MT_CHECK(d.Hq >= 1 && d.Hkv >= 1, op, "head counts must be >= 1: Hq=", d.Hq, " Hkv=", d.Hkv);
   MT_CHECK(d.Hq % d.Hkv == 0, op, "Hq=", d.Hq, " is not a multiple of Hkv=", d.Hkv);
   MT_CHECK(d.Dqk >= 1 && d.Dv >= 1, op, "head dims must be >= 1: Dqk=", d.Dqk, " Dv=", d.Dv);
@@ -109,9 +113,11 @@ void attention_check(const AttnDims& d, const char* op) {
   auto span = [](int64_t H, int64_t hs, int64_t D) { return (H - 1) * hs + D; };
   if (d.B * d.T > 1) {
     MT_CHECK(d.ldq >= span(d.Hq, d.head_q, d.Dqk), op, "ldq=", d.ldq, " < ", span(d.Hq, d.head_q, d.Dqk));
+    MT_CHECK(d.ldo >= span(d.Hq, d.head_o, d.Dv), op, "ldo=", d.ldo, " < ", span(d.Hq, d.head_o, d.Dv));
+  }
+  if (d.B * d.keys() > 1) {
     MT_CHECK(d.ldk >= span(d.Hkv, d.head_k, d.Dqk), op, "ldk=", d.ldk, " < ", span(d.Hkv, d.head_k, d.Dqk));
     MT_CHECK(d.ldv >= span(d.Hkv, d.head_v, d.Dv), op, "ldv=", d.ldv, " < ", span(d.Hkv, d.head_v, d.Dv));
-    MT_CHECK(d.ldo >= span(d.Hq, d.head_o, d.Dv), op, "ldo=", d.ldo, " < ", span(d.Hq, d.head_o, d.Dv));
   }
 }
 
@@ -126,8 +132,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   attention_check(d, "attention_forward");
   if (d.B * d.T == 0) return;
   MT_CHECK(out && lse && q && k && v, "attention_forward", "null pointer");
-  MT_TRACE_COST(attention_forward_flops(d), 4.0 * double(d.B * d.T) *
-                                                double(d.Hq * d.Dqk + d.Hkv * (d.Dqk + d.Dv) + d.Hq * (d.Dv + 1)));
+  MT_TRACE_COST(attention_forward_flops(d), 4.0 * (double(d.B * d.T) * double(d.Hq * d.Dqk + d.Hq * (d.Dv + 1)) +
+                                                   double(d.B * d.keys()) * double(d.Hkv * (d.Dqk + d.Dv))));
   const int nt = num_threads();
   std::unique_ptr<char[]> own;
   if (!ws) {
@@ -144,11 +150,19 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const AttnDims& d, void* ws) {
   attention_check(d, "attention_backward");
-  if (d.B * d.T == 0) return;
+  if (d.B * d.T == 0) {  // Full mask, no queries: the keys get no gradient
+    const int64_t rows = d.B * d.keys(), nhk = d.head_k == 0 ? 1 : d.Hkv, nhv = d.head_v == 0 ? 1 : d.Hkv;
+    MT_CHECK(rows == 0 || (dk && dv), "attention_backward", "null pointer");
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < nhk; ++h) std::memset(dk + r * d.ldk + h * d.head_k, 0, sizeof(float) * size_t(d.Dqk));
+      for (int64_t h = 0; h < nhv; ++h) std::memset(dv + r * d.ldv + h * d.head_v, 0, sizeof(float) * size_t(d.Dv));
+    }
+    return;
+  }
   MT_CHECK(dq && dk && dv && dout && out && lse && q && k && v, "attention_backward", "null pointer");
   // The kernel's own work (it recomputes the scores: 3 Dqk + 2 Dv per pair, not the accounting's 2 x forward).
-  MT_TRACE_COST(attention_backward_flops(d), 8.0 * double(d.B * d.T) *
-                                                 double(d.Hq * d.Dqk + d.Hkv * (d.Dqk + d.Dv) + d.Hq * (d.Dv + 1)));
+  MT_TRACE_COST(attention_backward_flops(d), 8.0 * (double(d.B * d.T) * double(d.Hq * d.Dqk + d.Hq * (d.Dv + 1)) +
+                                                    double(d.B * d.keys()) * double(d.Hkv * (d.Dqk + d.Dv))));
   const int nt = num_threads();
   std::unique_ptr<char[]> own;
   if (!ws) {
@@ -162,13 +176,18 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   else flash_backward<PortableOps>(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
 }
 
+// (query, key) pairs computed: key <= query (Causal), all (Full).
+static double attention_pairs(const AttnDims& d) {
+  return d.causal() ? double(d.T) * double(d.T + 1) / 2 : double(d.T) * double(d.keys());
+}
+
 double attention_forward_flops(const AttnDims& d) {
-  const double pairs = double(d.T) * double(d.T + 1) / 2;  // (query, key) pairs with key <= query
+  const double pairs = attention_pairs(d);
   return 2.0 * pairs * double(d.Dqk + d.Dv) * double(d.B * d.Hq);
 }
 
 double attention_backward_flops(const AttnDims& d) {
-  const double pairs = double(d.T) * double(d.T + 1) / 2;
+  const double pairs = attention_pairs(d);
   return 2.0 * pairs * double(3 * d.Dqk + 2 * d.Dv) * double(d.B * d.Hq);
 }
 

@@ -43,7 +43,7 @@ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 // [round16(Dqk), kTile] + [kTile, kTile] per thread, the backward the tiles listed in flash_backward.
 inline moetron::AttnWorkspaceShape ws_shape(const moetron::AttnDims& d) {
   moetron::AttnWorkspaceShape s;
-  s.B = d.B, s.T = d.T, s.Hkv = d.Hkv, s.Dqk = d.Dqk, s.Dv = d.Dv;
+  s.B = d.B, s.T = d.keys(), s.Hkv = d.Hkv, s.Dqk = d.Dqk, s.Dv = d.Dv;
   s.shared_k = d.head_k == 0, s.shared_v = d.head_v == 0;
   return s;
 }
@@ -92,11 +92,13 @@ void tri_gemm(Tri tri, bool acc, bool ta, int64_t M, int64_t N, int64_t K, const
 // arithmetic does not depend on which thread runs it, so the result is thread-count independent.
 // Scores are computed transposed, S^T = K_j Q_i^T [keys, queries], so that Q_i is packed once per item
 // (K_j rows are read in place) and the online softmax runs down the columns, vectorized over queries.
-// The output rows of the item serve as the O accumulator.
+// The output rows of the item serve as the O accumulator. Full mask: every key tile, none diagonal.
 template <class Ops>
 void flash_forward(float* out, float* lse, const float* q, const float* k, const float* v, const moetron::AttnDims& d,
                    float* ws, int nthreads) {
   const int64_t G = d.Hq / d.Hkv, nqt = (d.T + kTile - 1) / kTile, items = d.B * d.Hq * nqt;
+  const int64_t Tk = d.keys(), nkt = (Tk + kTile - 1) / kTile;
+  const bool causal = d.causal();
   const float c = d.scale * kLog2e;
   const int64_t per_thread = thread_floats(d);
 #pragma omp parallel num_threads(nthreads)
@@ -111,11 +113,12 @@ void flash_forward(float* out, float* lse, const float* q, const float* k, const
       float* O = out + (b * d.T + i0) * d.ldo + h * d.head_o;
       Ops::pack_t(Qt, kTile, q + (b * d.T + i0) * d.ldq + h * d.head_q, d.ldq, mq, d.Dqk);
       for (int64_t r = 0; r < mq; ++r) m[r] = -INFINITY, l[r] = 0.0f;
-      for (int64_t kt = 0; kt <= qt; ++kt) {
-        const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
-        const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
-        const float* Vj = v + (b * d.T + j0) * d.ldv + hk * d.head_v;
-        const bool diag = kt == qt;
+      const int64_t kt_end = causal ? qt + 1 : nkt;
+      for (int64_t kt = 0; kt < kt_end; ++kt) {
+        const int64_t j0 = kt * kTile, nk = std::min(kTile, Tk - j0);
+        const float* Kj = k + (b * Tk + j0) * d.ldk + hk * d.head_k;
+        const float* Vj = v + (b * Tk + j0) * d.ldv + hk * d.head_v;
+        const bool diag = causal && kt == qt;
         tri_gemm<Ops>(diag ? Tri::NFrom : Tri::None, false, false, nk, mq, d.Dqk, Kj, d.ldk, Qt, kTile, St, kTile);
         if (diag)  // diagonal tile (i0 == j0): key jj is visible to query r only if jj <= r
           for (int64_t jj = 1; jj < nk; ++jj)
@@ -153,8 +156,8 @@ template <class Ops>
 void bwd_pair(const BwdScratch& w, bool first, bool do_kv, bool do_q, int64_t b, int64_t h, int64_t kt, int64_t qt,
               float* dq, const float* dout, const float* out, const float* lse, const float* q, const float* k,
               const moetron::AttnDims& d) {
-  const int64_t Dq16 = round16(d.Dqk), Dv16 = round16(d.Dv), hk = h / (d.Hq / d.Hkv);
-  const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0), i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
+  const int64_t Dq16 = round16(d.Dqk), Dv16 = round16(d.Dv), hk = h / (d.Hq / d.Hkv), Tk = d.keys();
+  const int64_t j0 = kt * kTile, nk = std::min(kTile, Tk - j0), i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
   const float c = d.scale * kLog2e;
   const float* Q = q + (b * d.T + i0) * d.ldq + h * d.head_q;
   const float* dO = dout + (b * d.T + i0) * d.ldo + h * d.head_o;
@@ -164,7 +167,7 @@ void bwd_pair(const BwdScratch& w, bool first, bool do_kv, bool do_q, int64_t b,
     w.lse2[r] = L[r] * kLog2e;
     w.Dr[r] = Ops::dot(dO + r * d.ldo, O + r * d.ldo, d.Dv);
   }
-  const bool diag = qt == kt;
+  const bool diag = d.causal() && qt == kt;
   const Tri up = diag ? Tri::NUpTo : Tri::None, kup = diag ? Tri::KUpTo : Tri::None,
             kfrom = diag ? Tri::KFrom : Tri::None;
   tri_gemm<Ops>(up, false, false, mq, nk, d.Dqk, Q, d.ldq, w.Kt, kTile, w.S, kTile);
@@ -182,7 +185,7 @@ void bwd_pair(const BwdScratch& w, bool first, bool do_kv, bool do_q, int64_t b,
     tri_gemm<Ops>(kfrom, !first, true, nk, d.Dqk, mq, w.dP, kTile, Q, d.ldq, w.dKa, Dq16);
   }
   if (do_q) {
-    const float* Kj = k + (b * d.T + j0) * d.ldk + hk * d.head_k;
+    const float* Kj = k + (b * Tk + j0) * d.ldk + hk * d.head_k;
     float* dQ = dq + (b * d.T + i0) * d.ldq + h * d.head_q;
     tri_gemm<Ops>(kup, true, false, mq, d.Dqk, nk, w.dP, kTile, Kj, d.ldk, dQ, d.ldq);
   }
@@ -195,18 +198,21 @@ void bwd_pair(const BwdScratch& w, bool first, bool do_kv, bool do_q, int64_t b,
 //  - two passes, when there are fewer (b, kv head) items than 2 x threads: first items (b, kv head, key
 //    tile) for dK/dV, then items (b, q head, q tile) for dQ (recomputing P and dS: 3 more GEMMs per pair
 //    out of 5, for up to B*Hq*T/64 parallel items instead of B*Hkv).
-// Nothing is shared between threads, so there are no atomics.
+// Nothing is shared between threads, so there are no atomics. Full mask: key tile j pairs with every q tile
+// (i from 0), q tile i with every key tile; no pair is diagonal. The caller handles T == 0.
 template <class Ops>
 void flash_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                     const float* q, const float* k, const float* v, const moetron::AttnDims& d, float* ws,
                     int nthreads) {
   const int64_t G = d.Hq / d.Hkv, nqt = (d.T + kTile - 1) / kTile;
+  const int64_t Tk = d.keys(), nkt = (Tk + kTile - 1) / kTile;
+  const bool causal = d.causal();
   const int64_t Dq16 = round16(d.Dqk), Dv16 = round16(d.Dv);
   const int64_t per_thread = thread_floats(d);
   const bool ak = alias_k(d), av = alias_v(d);
   const bool two_pass = nthreads > 1 && d.B * d.Hkv < 2 * nthreads;
-  float* part_k = ws + per_thread * nthreads;                       // [B, Hkv, T, Dq16] when ak
-  float* part_v = part_k + (ak ? d.B * d.Hkv * d.T * Dq16 : 0);    // [B, Hkv, T, Dv16] when av
+  float* part_k = ws + per_thread * nthreads;                     // [B, Hkv, Tk, Dq16] when ak
+  float* part_v = part_k + (ak ? d.B * d.Hkv * Tk * Dq16 : 0);    // [B, Hkv, Tk, Dv16] when av
 #pragma omp parallel num_threads(nthreads)
   {
     BwdScratch w;
@@ -219,23 +225,23 @@ void flash_backward(float* dq, float* dk, float* dv, const float* dout, const fl
     w.lse2 = w.dP + kTile * kTile;                  // [kTile]
     w.Dr = w.lse2 + kTile;                          // [kTile]
     auto pack = [&](int64_t b, int64_t hk, int64_t kt) {
-      const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
-      Ops::pack_t(w.Kt, kTile, k + (b * d.T + j0) * d.ldk + hk * d.head_k, d.ldk, nk, d.Dqk);
-      Ops::pack_t(w.Vt, kTile, v + (b * d.T + j0) * d.ldv + hk * d.head_v, d.ldv, nk, d.Dv);
+      const int64_t j0 = kt * kTile, nk = std::min(kTile, Tk - j0);
+      Ops::pack_t(w.Kt, kTile, k + (b * Tk + j0) * d.ldk + hk * d.head_k, d.ldk, nk, d.Dqk);
+      Ops::pack_t(w.Vt, kTile, v + (b * Tk + j0) * d.ldv + hk * d.head_v, d.ldv, nk, d.Dv);
     };
     // dK_j, dV_j of (b, hk) for key tile kt, over the group's q heads; with_q: dQ contributions too.
     auto kv_tile = [&](int64_t b, int64_t hk, int64_t kt, bool with_q) {
-      const int64_t j0 = kt * kTile, nk = std::min(kTile, d.T - j0);
+      const int64_t j0 = kt * kTile, nk = std::min(kTile, Tk - j0);
       pack(b, hk, kt);
       bool first = true;  // the first contribution overwrites dKa/dVa
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t qt = kt; qt < nqt; ++qt, first = false)
+        for (int64_t qt = causal ? kt : 0; qt < nqt; ++qt, first = false)
           bwd_pair<Ops>(w, first, true, with_q, b, hk * G + g, kt, qt, dq, dout, out, lse, q, k, d);
-      // Every key tile has at least its diagonal q tile, so dKa/dVa are set.
+      // Every key tile has at least its diagonal q tile (Full: q tile 0, T > 0), so dKa/dVa are set.
       const int64_t it = b * d.Hkv + hk;
       for (int64_t r = 0; r < nk; ++r) {
-        float* dkr = ak ? part_k + ((it * d.T) + j0 + r) * Dq16 : dk + (b * d.T + j0 + r) * d.ldk + hk * d.head_k;
-        float* dvr = av ? part_v + ((it * d.T) + j0 + r) * Dv16 : dv + (b * d.T + j0 + r) * d.ldv + hk * d.head_v;
+        float* dkr = ak ? part_k + ((it * Tk) + j0 + r) * Dq16 : dk + (b * Tk + j0 + r) * d.ldk + hk * d.head_k;
+        float* dvr = av ? part_v + ((it * Tk) + j0 + r) * Dv16 : dv + (b * Tk + j0 + r) * d.ldv + hk * d.head_v;
         std::copy(w.dKa + r * Dq16, w.dKa + r * Dq16 + d.Dqk, dkr);
         std::copy(w.dVa + r * Dv16, w.dVa + r * Dv16 + d.Dv, dvr);
       }
@@ -247,11 +253,11 @@ void flash_backward(float* dq, float* dk, float* dv, const float* dout, const fl
         for (int64_t g = 0; g < G; ++g)
           for (int64_t t = 0; t < d.T; ++t)
             Ops::zero_row(dq + (b * d.T + t) * d.ldq + (hk * G + g) * d.head_q, d.Dqk);
-        for (int64_t kt = 0; kt < nqt; ++kt) kv_tile(b, hk, kt, true);
+        for (int64_t kt = 0; kt < nkt; ++kt) kv_tile(b, hk, kt, true);
       }
     } else {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t it = 0; it < d.B * d.Hkv * nqt; ++it) {  // key tile 0 (the heaviest) first
+      for (int64_t it = 0; it < d.B * d.Hkv * nkt; ++it) {  // key tile 0 (the heaviest) first
         const int64_t kt = it / (d.B * d.Hkv), bh = it % (d.B * d.Hkv);
         kv_tile(bh / d.Hkv, bh % d.Hkv, kt, false);
       }
@@ -260,7 +266,7 @@ void flash_backward(float* dq, float* dk, float* dv, const float* dout, const fl
         const int64_t qt = nqt - 1 - it / (d.B * d.Hq), bh = it % (d.B * d.Hq), b = bh / d.Hq, h = bh % d.Hq;
         const int64_t i0 = qt * kTile, mq = std::min(kTile, d.T - i0);
         for (int64_t r = 0; r < mq; ++r) Ops::zero_row(dq + (b * d.T + i0 + r) * d.ldq + h * d.head_q, d.Dqk);
-        for (int64_t kt = 0; kt <= qt; ++kt) {
+        for (int64_t kt = 0; kt < (causal ? qt + 1 : nkt); ++kt) {
           pack(b, h / G, kt);
           bwd_pair<Ops>(w, true, false, true, b, h, kt, qt, dq, dout, out, lse, q, k, d);
         }
@@ -269,21 +275,21 @@ void flash_backward(float* dq, float* dk, float* dv, const float* dout, const fl
     // Aliased k (v) head: sum the per-kv-head partials in kv-head order.
     if (ak || av) {
 #pragma omp for schedule(static)
-      for (int64_t bt = 0; bt < d.B * d.T; ++bt) {
-        const int64_t b = bt / d.T, t = bt % d.T;
+      for (int64_t bt = 0; bt < d.B * Tk; ++bt) {
+        const int64_t b = bt / Tk, t = bt % Tk;
         if (ak) {
           float* dst = dk + bt * d.ldk;
-          std::copy(part_k + ((b * d.Hkv) * d.T + t) * Dq16, part_k + ((b * d.Hkv) * d.T + t) * Dq16 + d.Dqk, dst);
+          std::copy(part_k + ((b * d.Hkv) * Tk + t) * Dq16, part_k + ((b * d.Hkv) * Tk + t) * Dq16 + d.Dqk, dst);
           for (int64_t h = 1; h < d.Hkv; ++h) {
-            const float* src = part_k + ((b * d.Hkv + h) * d.T + t) * Dq16;
+            const float* src = part_k + ((b * d.Hkv + h) * Tk + t) * Dq16;
             for (int64_t e = 0; e < d.Dqk; ++e) dst[e] += src[e];
           }
         }
         if (av) {
           float* dst = dv + bt * d.ldv;
-          std::copy(part_v + ((b * d.Hkv) * d.T + t) * Dv16, part_v + ((b * d.Hkv) * d.T + t) * Dv16 + d.Dv, dst);
+          std::copy(part_v + ((b * d.Hkv) * Tk + t) * Dv16, part_v + ((b * d.Hkv) * Tk + t) * Dv16 + d.Dv, dst);
           for (int64_t h = 1; h < d.Hkv; ++h) {
-            const float* src = part_v + ((b * d.Hkv + h) * d.T + t) * Dv16;
+            const float* src = part_v + ((b * d.Hkv + h) * Tk + t) * Dv16;
             for (int64_t e = 0; e < d.Dv; ++e) dst[e] += src[e];
           }
         }

@@ -1,7 +1,8 @@
 // attention_cases.cpp: op-harness cases for causal flash attention (family "attention"): MHA, GQA (Hq=4 with
 // Hkv=2 and Hkv=1), Dqk != Dv, fused qkv buffers, the MLA layout (q heads [nope | pe], v read in place from
 // the [k_nope | v] kv up-projection output), one shared k head (head_k = 0), T = 1, T not a multiple of
-// the 64-wide tile, and T = 1024 (16 x 16 tiles). The tails_* cases give the GEMM register blocks every row
+// the 64-wide tile, and T = 1024 (16 x 16 tiles); key blocks with mask Full (full_*: Tk != T, Tk < 64, several
+// tiles both ways, GQA, MLA shapes, a shared k head) as context parallelism's ring uses them. The tails_* cases give the GEMM register blocks every row
 // count 1 - 6 and column tails of 1 - 7 and 9 - 15 (the 8-lane AVX2 blocks) with head dims not a multiple of 8.
 // test: attention_forward / attention_backward (fp32) against the fp64 references, element by element
 //       with the bounds below; elements of the buffers outside the q/k/v/out views untouched; bitwise equal
@@ -20,6 +21,8 @@
 //   dS_ts error  d_ts = scale P (|dP - D_t| eP' + (Dv + 2) u (sum|dO v_s| + sum|dO O_t|)) + 3u |dS_ts|
 //   dv_s:  sum over (head, t) of (eP' + (N + 2) u) P_ts |dO_t|      N = terms summed into that element
 //   dq_t:  sum_s (d_ts + (N + 2) u |dS_ts|) |k_s|;   dk_s: sum_(head, t) (d_ts + (N + 2) u |dS_ts|) |q_t|
+// Full mask: the same terms with every key of the block (n = Tk keys, ceil(Tk / 64) key tiles, N for dk_s / dv_s
+// the G T query rows).
 #include <omp.h>
 
 #include <cmath>
@@ -58,6 +61,15 @@ Spec separate(std::string variant, int64_t B, int64_t T, int64_t Hq, int64_t Hkv
   return s;
 }
 
+// A key block of Tk keys, every one visible (mask Full), in separate buffers like `separate`.
+Spec full_block(std::string variant, int64_t B, int64_t T, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t Dqk,
+                int64_t Dv, int64_t hp = 0, int64_t tp = 0, bool shared_k = false) {
+  Spec s = separate(std::move(variant), B, T, Hq, Hkv, Dqk, Dv, hp, tp, shared_k);
+  s.d.Tk = Tk, s.d.mask = AttnMask::Full;
+  s.voff = s.koff + B * Tk * s.d.ldk, s.in_size = s.voff + B * Tk * s.d.ldv;
+  return s;
+}
+
 // One fused [T, Hq Dqk | Hkv Dqk | Hkv Dv] buffer (as a fused qkv projection writes it).
 Spec fused(std::string variant, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
   Spec s;
@@ -90,52 +102,53 @@ Spec mla(std::string variant, int64_t B, int64_t T, int64_t H, int64_t dn, int64
   return s;
 }
 
-// Visit every element of a strided [B, T, H, D] view: f(index into its buffer).
+// Visit every element of a strided [B, rows, H, D] view: f(index into its buffer).
 template <class F>
-void each(const Spec& s, int64_t off, int64_t ld, int64_t H, int64_t hs, int64_t D, F f) {
-  for (int64_t bt = 0; bt < s.d.B * s.d.T; ++bt)
+void each(int64_t nrows, int64_t off, int64_t ld, int64_t H, int64_t hs, int64_t D, F f) {
+  for (int64_t bt = 0; bt < nrows; ++bt)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t e = 0; e < D; ++e) f(off + bt * ld + h * hs + e);
 }
 
 // First-order error bounds (see the file comment) for out, lse (forward) and dq, dk, dv (backward).
+// extra_tiles: online rescalings beyond the key tiles (a merge of key blocks counts as more).
 struct Bounds {
   std::vector<double> out, lse, din;  // din: [in_size], at q/k/v positions
 };
 Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vector<double>& dout,
-                    const std::vector<double>& outv) {
+                    const std::vector<double>& outv, int extra_tiles = 0) {
   const AttnDims& d = s.d;
-  const int64_t G = d.Hq / d.Hkv, T = d.T;
+  const int64_t G = d.Hq / d.Hkv, T = d.T, Tk = d.keys();
   const double sc = d.scale;
   Bounds bd;
   bd.out.assign(s.out_size, 0.0), bd.lse.assign(d.B * d.Hq * T, 0.0), bd.din.assign(s.in_size, 0.0);
   const double* q = in.data() + s.qoff;
   const double* k = in.data() + s.koff;
   const double* v = in.data() + s.voff;
-  std::vector<double> S(T), P(T), eS(T), dP(T), ep(T);
+  std::vector<double> S(Tk), P(Tk), eS(Tk);
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.Hq; ++h) {
       const int64_t hk = h / G;
       auto Q = [&](int64_t t) { return q + (b * T + t) * d.ldq + h * d.head_q; };
-      auto K = [&](int64_t j) { return k + (b * T + j) * d.ldk + hk * d.head_k; };
-      auto V = [&](int64_t j) { return v + (b * T + j) * d.ldv + hk * d.head_v; };
+      auto K = [&](int64_t j) { return k + (b * Tk + j) * d.ldk + hk * d.head_k; };
+      auto V = [&](int64_t j) { return v + (b * Tk + j) * d.ldv + hk * d.head_v; };
       auto dQ = [&](int64_t t) { return bd.din.data() + s.qoff + (b * T + t) * d.ldq + h * d.head_q; };
-      auto dK = [&](int64_t j) { return bd.din.data() + s.koff + (b * T + j) * d.ldk + hk * d.head_k; };
-      auto dV = [&](int64_t j) { return bd.din.data() + s.voff + (b * T + j) * d.ldv + hk * d.head_v; };
+      auto dK = [&](int64_t j) { return bd.din.data() + s.koff + (b * Tk + j) * d.ldk + hk * d.head_k; };
+      auto dV = [&](int64_t j) { return bd.din.data() + s.voff + (b * Tk + j) * d.ldv + hk * d.head_v; };
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t n = t + 1, ntiles = t / 64 + 1;
+        const int64_t n = attention_ref_keys(d, t), ntiles = (n + 63) / 64 + extra_tiles;
         double m = -INFINITY, l = 0;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
           double acc = 0, aabs = 0;
           for (int64_t e = 0; e < d.Dqk; ++e) acc += Q(t)[e] * K(j)[e], aabs += std::fabs(Q(t)[e] * K(j)[e]);
           S[j] = sc * acc;
           eS[j] = sc * double(d.Dqk + 2) * kU * aabs;
           m = std::max(m, S[j]);
         }
-        for (int64_t j = 0; j <= t; ++j) l += (P[j] = std::exp(S[j] - m));
+        for (int64_t j = 0; j < n; ++j) l += (P[j] = std::exp(S[j] - m));
         const double lse = m + std::log(l);
         double epmax = 0;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
           P[j] /= l;
           epmax = std::max(epmax, eS[j] + 4 * kU * (std::fabs(S[j]) + std::fabs(m)) + 4 * kU);
         }
@@ -145,7 +158,7 @@ Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vec
         double* bo = bd.out.data() + (b * T + t) * d.ldo + h * d.head_o;
         for (int64_t e = 0; e < d.Dv; ++e) {
           double a = 0;
-          for (int64_t j = 0; j <= t; ++j) a += P[j] * std::fabs(V(j)[e]);
+          for (int64_t j = 0; j < n; ++j) a += P[j] * std::fabs(V(j)[e]);
           bo[e] = 2 * (2 * epmax + double(2 * n + 4) * kU) * a;
         }
         // Backward.
@@ -153,15 +166,16 @@ Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vec
         const double* O = outv.data() + (b * T + t) * d.ldo + h * d.head_o;
         double Dt = 0, aDt = 0;
         for (int64_t e = 0; e < d.Dv; ++e) Dt += dO[e] * O[e], aDt += std::fabs(dO[e] * O[e]);
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
           double dp = 0, adp = 0;
           for (int64_t e = 0; e < d.Dv; ++e) dp += dO[e] * V(j)[e], adp += std::fabs(dO[e] * V(j)[e]);
           const double epj = eS[j] + 2 * else_t + 4 * kU * (std::fabs(S[j]) + std::fabs(lse)) + 4 * kU;
           const double dS = sc * P[j] * (dp - Dt);
           const double dd = sc * P[j] * (std::fabs(dp - Dt) * epj + double(d.Dv + 2) * kU * (adp + aDt)) +
                             3 * kU * std::fabs(dS);
-          const double Nq = double(n + 2), Nk = double(G * (T - j) + 2) * (s.d.head_k == 0 ? double(d.Hkv) : 1.0);
-          const double Nv = double(G * (T - j) + 2) * (s.d.head_v == 0 ? double(d.Hkv) : 1.0);
+          const double rows_j = double(G * (d.causal() ? T - j : T));  // (head, query) terms summed into dk_j
+          const double Nq = double(n + 2), Nk = (rows_j + 2) * (s.d.head_k == 0 ? double(d.Hkv) : 1.0);
+          const double Nv = (rows_j + 2) * (s.d.head_v == 0 ? double(d.Hkv) : 1.0);
           for (int64_t e = 0; e < d.Dqk; ++e) {
             dQ(t)[e] += 2 * (dd + Nq * kU * std::fabs(dS)) * std::fabs(K(j)[e]);
             dK(j)[e] += 2 * (dd + Nk * kU * std::fabs(dS)) * std::fabs(Q(t)[e]);
@@ -214,10 +228,10 @@ struct AttnCase : OpCase {
         own[i] = 1;
       };
     };
-    each(s, s.qoff, d.ldq, d.Hq, d.head_q, d.Dqk, add(qi, in_owned));
-    each(s, s.koff, d.ldk, d.Hkv, d.head_k, d.Dqk, add(ki, in_owned));
-    each(s, s.voff, d.ldv, d.Hkv, d.head_v, d.Dv, add(vi, in_owned));
-    each(s, 0, d.ldo, d.Hq, d.head_o, d.Dv, add(oi, out_owned));
+    each(d.B * d.T, s.qoff, d.ldq, d.Hq, d.head_q, d.Dqk, add(qi, in_owned));
+    each(d.B * d.keys(), s.koff, d.ldk, d.Hkv, d.head_k, d.Dqk, add(ki, in_owned));
+    each(d.B * d.keys(), s.voff, d.ldv, d.Hkv, d.head_v, d.Dv, add(vi, in_owned));
+    each(d.B * d.T, 0, d.ldo, d.Hq, d.head_o, d.Dv, add(oi, out_owned));
   }
   std::vector<float> make_in() const {
     auto x = randn(s.in_size, 41);
@@ -257,7 +271,7 @@ struct AttnCase : OpCase {
                                    doutd.data(), outd.data(), ind.data() + s.qoff, ind.data() + s.koff,
                                    ind.data() + s.voff, d);
     Bounds bd = error_bounds(s, ind, doutd, outd);
-    const double rr = 2 * kU * std::sqrt(double(d.Dqk + d.Dv + d.T));
+    const double rr = 2 * kU * std::sqrt(double(d.Dqk + d.Dv + std::max(d.T, d.keys())));
     check_at(r, "out", oi, res.out.data(), out_ref.data(), bd.out.data(), rr);
     std::vector<int64_t> li(lse_ref.size());
     for (size_t i = 0; i < li.size(); ++i) li[i] = int64_t(i);
@@ -289,7 +303,7 @@ struct AttnCase : OpCase {
     attention_backward_ref<double>(din.data() + s.qoff, din.data() + s.koff, din.data() + s.voff, R.data(), out.data(),
                                    in.data() + s.qoff, in.data() + s.koff, in.data() + s.voff, d);
     // Each loss evaluation is a full fp64 reference forward: check fewer coordinates on the big shapes.
-    const double cost = double(d.B * d.Hq) * double(d.T) * double(d.T) * double(d.Dqk + d.Dv);
+    const double cost = double(d.B * d.Hq) * double(d.T) * double(d.keys()) * double(d.Dqk + d.Dv);
     const int checks = cost > 1e8 ? 3 : cost > 4e6 ? 8 : 48;
     for (auto [what, idx] : {std::pair{"dq", &qi}, std::pair{"dk", &ki}, std::pair{"dv", &vi}}) {
       // Perturb a compact copy of one view; the loss scatters it back into the buffer.
@@ -310,6 +324,155 @@ struct AttnCase : OpCase {
     const float* x = pin.data();
     attention_forward(pout.data(), plse.data(), x + s.qoff, x + s.koff, x + s.voff, s.d);
   }
+};
+
+// Copy rows [r0, r0 + n) of every sequence of a [B, T, ld] array to or from a compact [B, n, ld] one.
+template <class A, class B2>
+void rows_copy(A* dst, const B2* src, int64_t B, int64_t T, int64_t r0, int64_t n, int64_t ld, bool to_block) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t e = 0; e < ld; ++e) {
+        const int64_t w = (b * T + r0 + t) * ld + e, c = (b * n + t) * ld + e;
+        if (to_block) dst[c] = A(src[w]);
+        else dst[w] = A(src[c]);
+      }
+}
+
+// Key blocks with the row's merged lse and out, the way the CP ring uses them: a sequence of T = T1 + T2 tokens;
+// the queries are its last T2 rows; key block A (rows [0, T1), mask Full) and key block B (rows [T1, T), mask
+// Causal) are attended separately by the fp32 kernel, the two (out, lse) merged (in fp64 here, rounded to
+// fp32), and each block's backward run with the merged out and lse. Held to the fp64 reference of the whole
+// causal sequence (dout zero on the first T1 rows): out, lse, dq = dq_A + dq_B, dk and dv of each block, with
+// the file's element-wise bounds for the whole sequence given 2 more rescalings (the block start and the merge:
+// a query row meets at most ceil(T1/64) + ceil(T2/64) <= ceil(T/64) + 1 key tiles, and the merge rescales once).
+// Also: the fp64 reference backward of each block with the given lse sums to the whole reference (1e-12).
+struct BlocksCase : OpCase {
+  Spec w;  // the whole sequence (separate q, k, v buffers, no padding)
+  int64_t T1;
+  BlocksCase(std::string variant, Spec whole, int64_t t1) : w(std::move(whole)), T1(t1) {
+    name = "attention/blocks_" + variant;
+  }
+  void test(Report& r) override {
+    const AttnDims& d = w.d;
+    const int64_t B = d.B, T = d.T, T2 = T - T1;
+    auto in32 = randn(w.in_size, 51), dout32 = randn(w.out_size, 52);
+    for (int64_t i = 0; i < B * T * d.ldq; ++i) in32[i] *= 2.0f;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < T1 * d.ldo; ++i) dout32[b * T * d.ldo + i] = 0.0f;  // only the last T2 rows are queries
+    const float* x = in32.data();
+    std::vector<float> q(B * T2 * d.ldq), dO(B * T2 * d.ldo), kA(B * T1 * d.ldk), vA(B * T1 * d.ldv),
+        kB(B * T2 * d.ldk), vB(B * T2 * d.ldv);
+    rows_copy(q.data(), x + w.qoff, B, T, T1, T2, d.ldq, true);
+    rows_copy(dO.data(), dout32.data(), B, T, T1, T2, d.ldo, true);
+    rows_copy(kA.data(), x + w.koff, B, T, 0, T1, d.ldk, true);
+    rows_copy(vA.data(), x + w.voff, B, T, 0, T1, d.ldv, true);
+    rows_copy(kB.data(), x + w.koff, B, T, T1, T2, d.ldk, true);
+    rows_copy(vB.data(), x + w.voff, B, T, T1, T2, d.ldv, true);
+    AttnDims dA = d, dB = d;
+    dA.T = T2, dA.Tk = T1, dA.mask = AttnMask::Full;
+    dB.T = T2;
+    const int64_t no = B * T2 * d.ldo, nl = B * d.Hq * T2;
+    std::vector<float> oA(no), oB(no), lA(nl), lB(nl), o(no), l(nl);
+    attention_forward(oA.data(), lA.data(), q.data(), kA.data(), vA.data(), dA);
+    attention_forward(oB.data(), lB.data(), q.data(), kB.data(), vB.data(), dB);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < d.Hq; ++h)
+        for (int64_t t = 0; t < T2; ++t) {
+          const int64_t li = (b * d.Hq + h) * T2 + t;
+          const double a = lA[li], c = lB[li], L = std::max(a, c) + std::log1p(std::exp(-std::fabs(a - c)));
+          l[li] = float(L);
+          for (int64_t e = 0; e < d.Dv; ++e) {
+            const int64_t oi = (b * T2 + t) * d.ldo + h * d.head_o + e;
+            o[oi] = float(std::exp(a - L) * oA[oi] + std::exp(c - L) * oB[oi]);
+          }
+        }
+    std::vector<float> dqA(q.size()), dqB(q.size()), dkA(kA.size()), dvA(vA.size()), dkB(kB.size()), dvB(vB.size());
+    attention_backward(dqA.data(), dkA.data(), dvA.data(), dO.data(), o.data(), l.data(), q.data(), kA.data(),
+                       vA.data(), dA);
+    attention_backward(dqB.data(), dkB.data(), dvB.data(), dO.data(), o.data(), l.data(), q.data(), kB.data(),
+                       vB.data(), dB);
+    // Whole-sequence reference and the fp32 results scattered into its layout.
+    auto ind = to_f64(in32), doutd = to_f64(dout32);
+    std::vector<double> out_ref(w.out_size), lse_ref(B * d.Hq * T), din_ref(w.in_size), outd(w.out_size, 0.0);
+    attention_forward_ref<double>(out_ref.data(), lse_ref.data(), ind.data() + w.qoff, ind.data() + w.koff,
+                                  ind.data() + w.voff, d);
+    rows_copy(outd.data(), o.data(), B, T, T1, T2, d.ldo, false);
+    attention_backward_ref<double>(din_ref.data() + w.qoff, din_ref.data() + w.koff, din_ref.data() + w.voff,
+                                   doutd.data(), outd.data(), ind.data() + w.qoff, ind.data() + w.koff,
+                                   ind.data() + w.voff, d);
+    Bounds bd = error_bounds(w, ind, doutd, outd, 2);
+    std::vector<float> got_out(w.out_size), got_in(w.in_size), got_lse(B * d.Hq * T);
+    for (size_t i = 0; i < dqA.size(); ++i) dqA[i] += dqB[i];
+    rows_copy(got_out.data(), o.data(), B, T, T1, T2, d.ldo, false);
+    rows_copy(got_in.data() + w.qoff, dqA.data(), B, T, T1, T2, d.ldq, false);
+    rows_copy(got_in.data() + w.koff, dkA.data(), B, T, 0, T1, d.ldk, false);
+    rows_copy(got_in.data() + w.voff, dvA.data(), B, T, 0, T1, d.ldv, false);
+    rows_copy(got_in.data() + w.koff, dkB.data(), B, T, T1, T2, d.ldk, false);
+    rows_copy(got_in.data() + w.voff, dvB.data(), B, T, T1, T2, d.ldv, false);
+    std::vector<int64_t> oi, li, qi, ki, vi;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t e = 0; e < d.ldk; ++e) ki.push_back(w.koff + (b * T + t) * d.ldk + e);
+        for (int64_t e = 0; e < d.ldv; ++e) vi.push_back(w.voff + (b * T + t) * d.ldv + e);
+        if (t < T1) continue;
+        for (int64_t e = 0; e < d.ldo; ++e) oi.push_back((b * T + t) * d.ldo + e);
+        for (int64_t e = 0; e < d.ldq; ++e) qi.push_back(w.qoff + (b * T + t) * d.ldq + e);
+        for (int64_t h = 0; h < d.Hq; ++h) {
+          li.push_back((b * d.Hq + h) * T + t);
+          got_lse[li.back()] = l[(b * d.Hq + h) * T2 + t - T1];
+        }
+      }
+    const double rr = 2 * kU * std::sqrt(double(d.Dqk + d.Dv + T));
+    check_at(r, "out", oi, got_out.data(), out_ref.data(), bd.out.data(), rr);
+    check_at(r, "lse", li, got_lse.data(), lse_ref.data(), bd.lse.data(), rr);
+    check_at(r, "dq", qi, got_in.data(), din_ref.data(), bd.din.data(), rr);
+    check_at(r, "dk", ki, got_in.data(), din_ref.data(), bd.din.data(), rr);
+    check_at(r, "dv", vi, got_in.data(), din_ref.data(), bd.din.data(), rr);
+    ref_blocks_sum(r, ind, doutd, outd, din_ref);
+  }
+  // The fp64 reference backward per block with the given (merged) lse sums to the whole reference.
+  void ref_blocks_sum(Report& r, const std::vector<double>& ind, const std::vector<double>& doutd,
+                      const std::vector<double>& outd, const std::vector<double>& din_ref) {
+    const AttnDims& d = w.d;
+    const int64_t B = d.B, T = d.T, T2 = T - T1;
+    std::vector<double> q(B * T2 * d.ldq), dO(B * T2 * d.ldo), kA(B * T1 * d.ldk), vA(B * T1 * d.ldv),
+        kB(B * T2 * d.ldk), vB(B * T2 * d.ldv);
+    rows_copy(q.data(), ind.data() + w.qoff, B, T, T1, T2, d.ldq, true);
+    rows_copy(dO.data(), doutd.data(), B, T, T1, T2, d.ldo, true);
+    rows_copy(kA.data(), ind.data() + w.koff, B, T, 0, T1, d.ldk, true);
+    rows_copy(vA.data(), ind.data() + w.voff, B, T, 0, T1, d.ldv, true);
+    rows_copy(kB.data(), ind.data() + w.koff, B, T, T1, T2, d.ldk, true);
+    rows_copy(vB.data(), ind.data() + w.voff, B, T, T1, T2, d.ldv, true);
+    std::vector<double> o(B * T2 * d.ldo);
+    rows_copy(o.data(), outd.data(), B, T, T1, T2, d.ldo, true);
+    AttnDims dA = d, dB = d;
+    dA.T = T2, dA.Tk = T1, dA.mask = AttnMask::Full;
+    dB.T = T2;
+    std::vector<double> dqA(q.size()), dqB(q.size()), dkA(kA.size()), dvA(vA.size()), dkB(kB.size()), dvB(vB.size());
+    // The whole reference's P is its own softmax, so give the blocks the whole reference's lse (rows T1..).
+    std::vector<double> L(B * d.Hq * T2), lse_w(B * d.Hq * T), out_w(w.out_size);
+    attention_forward_ref<double>(out_w.data(), lse_w.data(), ind.data() + w.qoff, ind.data() + w.koff,
+                                  ind.data() + w.voff, d);
+    for (int64_t bh = 0; bh < B * d.Hq; ++bh)
+      for (int64_t t = 0; t < T2; ++t) L[bh * T2 + t] = lse_w[bh * T + T1 + t];
+    attention_backward_ref<double>(dqA.data(), dkA.data(), dvA.data(), dO.data(), o.data(), q.data(), kA.data(),
+                                   vA.data(), dA, L.data());
+    attention_backward_ref<double>(dqB.data(), dkB.data(), dvB.data(), dO.data(), o.data(), q.data(), kB.data(),
+                                   vB.data(), dB, L.data());
+    std::vector<double> got(w.in_size, 0.0);
+    for (size_t i = 0; i < dqA.size(); ++i) dqA[i] += dqB[i];
+    rows_copy(got.data() + w.qoff, dqA.data(), B, T, T1, T2, d.ldq, false);
+    rows_copy(got.data() + w.koff, dkA.data(), B, T, 0, T1, d.ldk, false);
+    rows_copy(got.data() + w.voff, dvA.data(), B, T, 0, T1, d.ldv, false);
+    rows_copy(got.data() + w.koff, dkB.data(), B, T, T1, T2, d.ldk, false);
+    rows_copy(got.data() + w.voff, dvB.data(), B, T, T1, T2, d.ldv, false);
+    for (int64_t b = 0; b < B; ++b)  // dq of the first T1 rows: not queries here
+      for (int64_t i = 0; i < T1 * d.ldq; ++i) got[w.qoff + b * T * d.ldq + i] = din_ref[w.qoff + b * T * d.ldq + i];
+    r.compare("reference blocks with the given lse sum to the whole reference", got.data(), din_ref.data(),
+              w.in_size, 1e-12, 1e-10);
+  }
+  void grad(Report& r) override { r.check(true, "gradient: see the full_* cases (the Full mask's fp64 reference)"); }
+  void perf() override {}
 };
 
 struct AttnChecks : OpCase {
@@ -336,6 +499,12 @@ struct AttnChecks : OpCase {
     r.check(throws(d), "negative scale rejected");
     d = ok, d.T = -1;
     r.check(throws(d), "negative T rejected");
+    d = ok, d.Tk = 5;
+    r.check(throws(d), "causal mask with Tk != T rejected");
+    d = ok, d.Tk = -2, d.mask = AttnMask::Full;
+    r.check(throws(d), "negative Tk rejected");
+    d = ok, d.Tk = 5, d.mask = AttnMask::Full;
+    r.check(!throws(d), "Full mask with Tk != T accepted");
   }
   void grad(Report& r) override { r.check(true, "no gradient (input validation case)"); }
   void perf() override {}
@@ -363,6 +532,21 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
   Spec peaked = separate("peaked_scores_T64_x20", 1, 64, 2, 2, 16, 16);
   peaked.qscale = 20.0f;  // scores spread ~20: most probabilities underflow, exercises the max tracking
   add(peaked);
+  // Key blocks, mask Full (context parallelism): fewer and more keys than queries, several tiles both ways.
+  add(full_block("full_T37_Tk20_H3", 2, 37, 20, 3, 3, 16, 16));
+  add(full_block("full_T5_Tk130_gqa", 2, 5, 130, 4, 2, 16, 16, 1, 3));
+  add(full_block("full_T70_Tk1_mqa", 1, 70, 1, 4, 1, 12, 12));
+  add(full_block("full_T1_Tk1", 2, 1, 1, 2, 2, 8, 8));
+  add(full_block("full_T65_Tk66_dqk24_dv12", 1, 65, 66, 2, 1, 24, 12));
+  add(full_block("full_shared_k_Hkv4", 1, 40, 29, 4, 4, 16, 8, 0, 2, true));
+  add(full_block("full_T130_Tk140_D20", 1, 130, 140, 2, 2, 20, 20));
+  Spec fm = mla("mla_full", 2, 20, 3, 16, 8, 16);  // MLA shapes (Dqk 24, Dv 16) as a Full block, Tk = T
+  fm.d.mask = AttnMask::Full;
+  add(fm);
+  v.push_back(std::make_unique<BlocksCase>("mha_T1_20_T2_17", separate("w", 2, 37, 3, 3, 16, 16), 20));
+  v.push_back(std::make_unique<BlocksCase>("gqa_T1_70_T2_70", separate("w", 1, 140, 4, 2, 16, 16), 70));
+  v.push_back(std::make_unique<BlocksCase>("shared_k_dqk24_dv16_T1_9_T2_5",
+                                           separate("w", 2, 14, 4, 4, 24, 16, 0, 0, true), 9));
   v.push_back(std::make_unique<AttnChecks>());
   return v;
 }
