@@ -58,6 +58,11 @@ struct ModelParallel {
   // widths (every expert's too: expert_tp = tp) divided over this group, the residual stream's rows too (each rank
   // holds micro-batch rows [r N / tp, (r + 1) N / tp)). Not with FSDP, the EP overlap, selective recompute or FP8.
   const Comm* tp = nullptr;
+  // Context parallelism (docs/parallel.md, "Context parallelism in the trainer"): each sequence of the micro-batch
+  // cut into 2 cp chunks, this rank holding chunks r and 2cp-1-r (cp_attention.h); attention is ring attention over
+  // this group, every other block runs on the rank's tokens alone. The model takes the whole micro-batch's tokens
+  // and targets and uses its own rows of them. seq_len must be divisible by 2 cp.
+  const Comm* cp = nullptr;
   EpDispatcher dispatcher = EpDispatcher::AllToAll;
   bool fp8_dispatch = false;  // E4M3 1x128 dispatch payload (else bf16, which is exact: the experts
                               // consume bf16 rows anyway); combine and the backward rows stay fp32
@@ -134,7 +139,8 @@ class Model {
   // logits [B*T, V] for the given tokens, fp32, with the same compute-dtype weights the training path uses.
   void compute_logits(float* logits, const int32_t* tokens);
 
-  int64_t tokens_per_micro_batch() const { return B_ * T_; }
+  int64_t tokens_per_micro_batch() const { return B_ * T_; }  // this rank's (its CP rows)
+  int64_t residual_rows() const;  // rows of the activations between stages on this rank (its CP and TP share)
 
   // ---- pipeline stages (ModelParallel::stages; without them the whole model is local stage 0, 1 slot) ----
   // A stage's F / B / I / W for one micro-batch, with its activations in slot `slot` (< its slots). `in` /
@@ -257,7 +263,8 @@ class Model {
  private:
   ModelSpec spec_;
   ActivationCheckpointSpec ac_;
-  int64_t B_, T_;
+  int64_t B_, T_;          // T_: this rank's tokens per sequence (seq_len / cp)
+  int64_t seq_len_ = 0;     // the whole sequence (the tokens / targets the stage calls take)
   ComputeDtype compute_;
   std::vector<ParamEntry> params_;
   int64_t n_params_ = 0;

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace moetron {
@@ -51,6 +52,14 @@ struct RouterConfig {
   float aux_coef = 0.0f;
   float z_coef = 0.0f;
   int seq_len = 0;  // tokens per sequence, for AuxMode::SeqWise (N must be a multiple)
+  // Context parallelism: each sequence (SeqWise) or the micro-batch (Global) is split over `split` ranks, each
+  // holding an equal share of its tokens (seq_len and N are this rank's). The aux loss's per-sequence expert counts
+  // are then summed over the ranks by `sum_counts` (in place, the same result on every rank) before they are used,
+  // in the forward and again in the backward, and every normalization by a token count (the aux loss's, the
+  // z-loss's) counts the tokens of all `split` ranks: each rank's losses and gradients are its share of the whole
+  // sequence's, so the ranks' losses add up to the single-rank loss. split = 1: sum_counts is not called.
+  int split = 1;
+  std::function<void(int32_t* counts, int64_t n)> sum_counts;
 };
 
 // The largest n_group supported (per-token group scores live on the stack).

@@ -162,6 +162,9 @@ void router_validate(const RouterConfig& c, int64_t N) {
            " exceeds the experts in the kept groups: topk_group=", c.topk_group, " * group size ", c.E / c.n_group);
   MT_CHECK(std::isfinite(c.route_scale) && c.route_scale > 0, op, "route_scale=", c.route_scale, " must be > 0");
   MT_CHECK(std::isfinite(c.aux_coef) && c.aux_coef >= 0, op, "aux_coef=", c.aux_coef, " must be >= 0");
+  MT_CHECK(c.split >= 1, op, "split=", c.split, " must be >= 1");
+  MT_CHECK(c.split == 1 || c.aux == AuxMode::None || c.sum_counts, op, "split=", c.split,
+           " needs sum_counts (the aux loss's counts over the ranks holding the sequence)");
   MT_CHECK(std::isfinite(c.z_coef) && c.z_coef >= 0, op, "z_coef=", c.z_coef, " must be >= 0");
   if (c.aux == AuxMode::SeqWise) {
     MT_CHECK(c.seq_len > 0, op, "AuxMode::SeqWise needs seq_len > 0, got ", c.seq_len);
@@ -257,7 +260,12 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
           for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
         }
       }
-#pragma omp for schedule(static)
+    }
+  }
+  MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
+  if (want_aux && cfg.split > 1) cfg.sum_counts(w.cnt, S * E);  // the whole sequences' counts (exact: integers)
+  if (want_aux) {
+#pragma omp parallel for schedule(static)
       for (int64_t n = 0; n < N; ++n) {
         const int32_t* c = w.cnt + (n / T) * E;
         const float* s = scores + n * E;
@@ -265,19 +273,18 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
         const double a = dot_counts(c, s, E);
         w.tok_a[n] = softmax ? a : a / double(sum8(s, E) + kNormEps);
       }
-    }
   }
-  MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
+  const double Tt = double(T) * cfg.split, Nt = double(N) * cfg.split;  // tokens of the whole sequence / batch
   if (want_aux) {
     double a = 0;
     for (int64_t n = 0; n < N; ++n) a += w.tok_a[n];
     // L = (1/S) sum_b aux_coef * E * sum_e (c_be / (T k)) * (1/T) sum_{n in b} s'_ne
-    losses->aux = float(double(cfg.aux_coef) * E * a / (double(T) * double(T) * k * double(S)));
+    losses->aux = float(double(cfg.aux_coef) * E * a / (Tt * Tt * k * double(S)));
   }
   if (want_z) {
     double z = 0;
     for (int64_t n = 0; n < N; ++n) z += w.tok_z[n];
-    losses->z = float(double(cfg.z_coef) * z / double(N));
+    losses->z = float(double(cfg.z_coef) * z / Nt);
   }
 }
 
@@ -295,22 +302,24 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
   const bool aux = cfg.aux != AuxMode::None;
   const bool softmax = cfg.score == ScoreFn::Softmax;
   const int64_t T = aux_seq_len(cfg, N), S = aux_nseq(cfg, N);
-  // dL_aux/ds'_{n,e} = aux_coef * E * c_{b(n),e} / (T k) / (T S)
-  const float aux_scale = aux ? float(double(cfg.aux_coef) * E / (double(T) * double(T) * k * double(S))) : 0.0f;
+  // dL_aux/ds'_{n,e} = aux_coef * E * c_{b(n),e} / (T k) / (T S)  (T: the whole sequence's tokens)
+  const double Tt = double(T) * cfg.split;
+  const float aux_scale = aux ? float(double(cfg.aux_coef) * E / (Tt * Tt * k * double(S))) : 0.0f;
   const float rs = cfg.route_scale;
-  const double zc = 2.0 * double(cfg.z_coef) / double(N);
+  const double zc = 2.0 * double(cfg.z_coef) / (double(N) * cfg.split);
   const bool avx512 = active_isa() == Isa::Avx512;
 
+  if (aux) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < S; ++b) {
+      int32_t* c = w.cnt + b * E;
+      std::memset(c, 0, sizeof(int32_t) * size_t(E));
+      for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
+    }
+    if (cfg.split > 1) cfg.sum_counts(w.cnt, S * E);
+  }
 #pragma omp parallel
   {
-    if (aux) {
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < S; ++b) {
-        int32_t* c = w.cnt + b * E;
-        std::memset(c, 0, sizeof(int32_t) * size_t(E));
-        for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
-      }
-    }
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const float* s = scores + n * E;

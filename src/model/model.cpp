@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "model/model_impl.h"
+#include "moetron/cp_attention.h"
 #include "moetron/fsdp.h"
 #include "moetron/loss.h"
 #include "moetron/rng.h"
@@ -57,7 +58,7 @@ ComputeDtype resolve_compute_dtype(ComputeDtype requested, std::string* why) {
 
 Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckpointSpec& ac, const ModelParallel& par,
              ComputeDtype compute)
-    : spec_(spec), ac_(ac), B_(B), T_(T), compute_(resolve_compute_dtype(compute)) {
+    : spec_(spec), ac_(ac), B_(B), T_(T), seq_len_(T), compute_(resolve_compute_dtype(compute)) {
   spec_.resolve();
   spec_.validate();
   MT_CHECK(B > 0 && T > 0, "Model", "micro-batch shape B=", B, " T=", T, " must be positive");
@@ -76,6 +77,17 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   if (par.ep && par.ep->size() > 1) impl_->ep_comm = *par.ep, impl_->ep = par.ep->size();
   MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
            ") needs an MoE model; this one has no routed experts");
+  if (par.cp && par.cp->size() > 1) {
+    const int cp = par.cp->size();
+    MT_CHECK(T % (2 * cp) == 0, "Model", "training.seq_len = ", T, " is not divisible by 2 * parallelism.cp = ", 2 * cp,
+             ": context parallelism cuts each sequence into 2 cp equal chunks");
+    impl_->cp_comm = *par.cp, impl_->cp = cp, impl_->cp_rank = par.cp->rank();
+    T_ = T / cp;
+    const char* why = " is not implemented with context parallelism (parallelism.cp > 1) yet";
+    MT_CHECK(!par.ep_overlap, "Model", "parallelism.ep_overlap = true", why, "; use false");
+    MT_CHECK(ac.mode != AcMode::Selective, "Model", "activation_checkpoint.mode = \"selective\"", why,
+             "; use \"full\" or \"none\"");
+  }
   if (par.tp && par.tp->size() > 1) {
     impl_->tp_comm = *par.tp, impl_->tp = par.tp->size(), impl_->tp_rank = par.tp->rank();
     const char* why = " is not implemented with tensor parallelism (parallelism.tp > 1) yet";
@@ -144,7 +156,14 @@ void Model::Impl::build_buffers() {
   int64_t R = s.attn.type == AttnType::MLA ? dr : hd;
   rope_cos = f32buf(m.T_ * R / 2, MemCategory::Workspace);
   rope_sin = f32buf(m.T_ * R / 2, MemCategory::Workspace);
-  rope_table(rope_cos.data<float>(), rope_sin.data<float>(), m.T_, R, float(s.rope_theta));
+  if (cp == 1) {
+    rope_table(rope_cos.data<float>(), rope_sin.data<float>(), m.T_, R, float(s.rope_theta));
+  } else {  // CP: the rows of the whole sequence's table at this rank's positions
+    std::vector<float> c(size_t(m.seq_len_ * R / 2)), sn(c.size());
+    rope_table(c.data(), sn.data(), m.seq_len_, R, float(s.rope_theta));
+    cp_take_rows(rope_cos.raw(), c.data(), 1, m.seq_len_, R / 2 * 4, cp, cp_rank);
+    cp_take_rows(rope_sin.raw(), sn.data(), 1, m.seq_len_, R / 2 * 4, cp, cp_rank);
+  }
 
   // kernel workspace: the max over every call site
   AttnDims ad = attn_dims();
@@ -165,6 +184,8 @@ void Model::Impl::build_buffers() {
     }
     rcfg.z_coef = float(s.moe.z_loss_coef);
     rcfg.seq_len = int(m.T_);
+    if (cp > 1)  // CP: a sequence's aux-loss counts span its chunks on every CP rank
+      rcfg.split = cp, rcfg.sum_counts = [this](int32_t* c, int64_t n) { cp_comm.all_reduce(c, n); };
     router_validate(rcfg, N);
     w = std::max(w, router_workspace_bytes(rcfg, N));
     w = std::max(w, grouped_ws_bytes(Rmax));
@@ -277,6 +298,7 @@ void Model::zero_grads() {
 }
 
 int Model::ep_size() const { return impl_->ep; }
+int64_t Model::residual_rows() const { return impl_->Nr; }
 int Model::first_expert() const { return int(impl_->e0); }
 int Model::local_experts() const { return int(impl_->El); }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "model/model_impl.h"
+#include "moetron/cp_attention.h"
 #include "moetron/rope.h"
 #include "moetron/trace.h"
 
@@ -73,14 +74,25 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
 void Model::Impl::attn_core(LayerBufs& b) {
   MT_TRACE("fwd.attn.core");
   AttnDims ad = attn_dims();
+  const float *q, *k, *v;
   if (s.attn.type != AttnType::MLA) {
     const float* qkv = b.qkv.data<float>();
-    attention_forward(b.ao.data<float>(), b.lse.data<float>(), qkv, qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+    q = qkv, k = qkv + H * hd, v = qkv + (H + Hkv) * hd;
   } else {
-    attention_forward(b.ao.data<float>(), b.lse.data<float>(), b.q.data<float>(), b.k.data<float>(),
-                      b.kv.data<float>() + dn, ad, wsp());
+    q = b.q.data<float>(), k = b.k.data<float>(), v = b.kv.data<float>() + dn;
   }
+  if (cp > 1) cp_attention_forward(b.ao.data<float>(), b.lse.data<float>(), q, k, v, ad, m.seq_len_, cp_comm);
+  else attention_forward(b.ao.data<float>(), b.lse.data<float>(), q, k, v, ad, wsp());
   to_c(b.aoc, b.ao.data<float>(), N * H * Dv);  // aoc is ao itself in fp32 mode
+}
+
+// The attention core's backward: the kernel, or under CP ring attention over the CP group.
+void Model::Impl::attn_core_backward(float* dq, float* dk, float* dv, const float* dao, LayerBufs& b, const float* q,
+                                     const float* k, const float* v, const AttnDims& ad) {
+  if (cp > 1)
+    cp_attention_backward(dq, dk, dv, dao, b.ao.data<float>(), b.lse.data<float>(), q, k, v, ad, m.seq_len_, cp_comm);
+  else
+    attention_backward(dq, dk, dv, dao, b.ao.data<float>(), b.lse.data<float>(), q, k, v, ad, wsp());
 }
 
 // dh (out) = gradient w.r.t. the attention block's input h1 (before the attention norm backward).
@@ -102,8 +114,8 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
     float* dqkv = s_f1.data<float>();
     {
     MT_TRACE("bwd.attn.core");
-    attention_backward(dqkv, dqkv + H * hd, dqkv + (H + Hkv) * hd, dao, b.ao.data<float>(), b.lse.data<float>(), qkv,
-                       qkv + H * hd, qkv + (H + Hkv) * hd, ad, wsp());
+    attn_core_backward(dqkv, dqkv + H * hd, dqkv + (H + Hkv) * hd, dao, b, qkv, qkv + H * hd, qkv + (H + Hkv) * hd,
+                       ad);
     }
     MT_TRACE("bwd.attn.proj");
     rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
@@ -121,8 +133,7 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
   // dv lands directly in its slot of dkv (same strides as v); dk_nope is copied next to it afterwards.
   {
   MT_TRACE("bwd.attn.core");
-  attention_backward(dq, dk, dkv + dn, dao, b.ao.data<float>(), b.lse.data<float>(), q, b.k.data<float>(), kv + dn,
-                     ad, wsp());
+  attn_core_backward(dq, dk, dkv + dn, dao, b, q, b.k.data<float>(), kv + dn, ad);
   }
   MT_TRACE("bwd.attn.proj");
   float* dkpe = m_dkpe.data<float>();

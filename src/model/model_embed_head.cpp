@@ -104,7 +104,8 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
 }
 
 void Model::compute_logits(float* logits, const int32_t* tokens) {
-  MT_CHECK(impl_->tp == 1, "Model::compute_logits", "not implemented under tensor parallelism");
+  MT_CHECK(impl_->tp == 1 && impl_->cp == 1, "Model::compute_logits", "not implemented under tensor or context "
+           "parallelism");
   std::vector<int32_t> tg(size_t(impl_->N), -1);
   impl_->run(tokens, tg.data(), false, 0.0f, 0.0f);
   auto& I = *impl_;

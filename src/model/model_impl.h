@@ -194,6 +194,12 @@ struct Model::Impl {
   int64_t Nr = 0;
   Tensor tp_full, tp_fullc;  // [N, d]: gathered rows or partial sums before their reduce-scatter (fp32, compute)
   bool tp_lead() const { return tp_rank == 0; }  // adds the TP-replicated terms to a partial sum, once
+  // ---- context parallelism: m.T_ is this rank's share of each sequence (its two chunks), m.seq_len_ the whole;
+  // the stage calls take the whole micro-batch's tokens / targets and copy this rank's rows into cp_tok / cp_tgt.
+  Comm cp_comm;
+  int cp = 1, cp_rank = 0;
+  std::vector<int32_t> cp_tok, cp_tgt;
+  const int32_t* cp_rows(std::vector<int32_t>& dst, const int32_t* full);  // full itself without CP
   // full [N rows] = every TP rank's [Nr rows] in rank order (row_bytes each); a copy without TP.
   void tp_gather_rows(void* full, const void* local, int64_t row_bytes);
   // local [Nr, d] = the sum over the TP group of its rows of full [N, d] (a copy without TP).
@@ -568,6 +574,8 @@ struct Model::Impl {
   AttnDims attn_dims() const;
   void attn_forward(Layer& L, LayerBufs& b);
   void attn_core(LayerBufs& b);
+  void attn_core_backward(float* dq, float* dk, float* dv, const float* dao, LayerBufs& b, const float* q,
+                          const float* k, const float* v, const AttnDims& ad);
   void attn_backward(Layer& L, LayerBufs& b, const void* do_c, float* dh /* [N,d] out: grad of h1 */);
 
   // ---- dense SwiGLU FFN (model_mlp.cpp) ----

@@ -302,6 +302,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.rq = rq, o.rkv = rkv, o.Wqkv = Wqkv, o.F = F, o.E = E, o.K = K, o.Fe = Fe, o.Fs = Fs, o.Rmax = Rmax;
   o.El = El, o.e0 = e0, o.ep = ep, o.par = par, o.ep_comm = ep_comm;
   o.Nr = Nr, o.tp = tp, o.tp_rank = tp_rank, o.tp_comm = tp_comm;
+  o.cp = cp, o.cp_rank = cp_rank, o.cp_comm = cp_comm;
   o.layers = layers;  // handles: the slots' saved activations, dispatchers and packed weights are shared
   o.stages = stages;
   o.whole = whole, o.has_emb = has_emb, o.has_head = has_head, o.n_moe_total = n_moe_total;
@@ -447,16 +448,17 @@ ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, co
   // The residual stream: the output buffer itself, or on the head stage the scratch x.
   float* xr = p.head ? I.x.data<float>() : out;
   if (p.embedding) {
-    for (int64_t t = 0; t < I.N; ++t)
+    for (int64_t t = 0; t < B_ * seq_len_; ++t)
       MT_CHECK(tokens[t] >= 0 && tokens[t] < I.V, "Model::forward", "token ", tokens[t], " at position ", t,
                " outside the vocabulary [0, ", I.V, ")");
-    I.embed_forward(tokens, xr, backward && p.head);
+    I.embed_forward(I.cp_rows(I.cp_tok, tokens), xr, backward && p.head);
   } else {
     std::memcpy(xr, in, size_t(I.Nr * I.d) * 4);
   }
   for (int64_t l : p.layers) I.forward_layer(l, xr);
   ForwardStats fs;
-  if (p.head) I.head_loss(xr, targets, backward, I.step_ce_scale, st.head_g[size_t(slot)].data<float>(), fs);
+  if (p.head)
+    I.head_loss(xr, I.cp_rows(I.cp_tgt, targets), backward, I.step_ce_scale, st.head_g[size_t(slot)].data<float>(), fs);
   I.end_pass(fs);
   return fs;
 }
@@ -487,7 +489,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
     ~Undefer() { i.defer = nullptr; }
   } undefer{I};
   for (auto it = p.layers.rbegin(); it != p.layers.rend(); ++it) I.backward_layer(*it, g);
-  if (p.embedding) I.embed_backward(tokens, g);
+  if (p.embedding) I.embed_backward(I.cp_rows(I.cp_tok, tokens), g);
   else std::memcpy(din, g, size_t(I.Nr * I.d) * 4);
   if (carry && weights) I.carry(a);  // a whole backward (run alone): its weight half waits for exchange waits too
 }

@@ -76,7 +76,7 @@ void ModelStage::backward_weight(int, int slot) { m_->stage_backward_weight(loca
 ForwardStats pipeline_forward_only(Model& m, const PipelinePlan& plan, const Comm& pp, const int32_t* tokens,
                                    const int32_t* targets) {
   const int tag = pipeline::kPipelineTag + 1;
-  const int64_t n = m.tokens_per_micro_batch() * m.spec().d_model;
+  const int64_t n = m.residual_rows() * m.spec().d_model;
   std::vector<float> in(static_cast<size_t>(n)), out(static_cast<size_t>(n));
   std::vector<CommRequest> sends;
   std::vector<std::vector<float>> send_bufs;

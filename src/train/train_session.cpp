@@ -44,8 +44,7 @@ const ParallelSpec& engine_parallelism(const JobConfig& cfg) {
              ": the engine divides every expert's width over the TP ranks, so expert_tp must equal tp (", p.tp,
              "); experts spread by EP over the TP ranks instead (expert_tp = 1 with tp > 1, MoE parallel folding) "
              "is planned only: `moetron plan`");
-  MT_CHECK(p.cp == 1, "train", "parallelism.cp = ", p.cp,
-           " is not implemented in the engine (context parallelism is planned only: `moetron plan`); use cp = 1");
+
   MT_CHECK(p.expert_tp == 1 || cfg.model.is_moe(), "train", "parallelism.expert_tp = ", p.expert_tp,
            " needs a MoE model (this one has no routed experts); use 1");
   // HSDP (TorchTitan's meaning: shard over dp_shard, replicate over dp_replicate) is what the planner prices for
@@ -111,6 +110,11 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   mcs = world.size() == 1 ? MeshComms{world, world, world, world, world, world, world, world, world, world} : make_mesh_comms(mesh, world);
   EP = mesh.ep(), PP = mesh.pp();
   rank = mcs.dp.rank(), D = mcs.dp.size(), pp_rank = mesh.coord(world.rank()).pp;
+  gdp = mesh.cp() > 1 ? mcs.dp_cp : mcs.dp, gedp = mcs.edp;
+  if (mesh.cp() > 1) {  // the ranks of dp x cp with this rank's experts
+    gedp = mcs.dp_cp.split(mesh.coord(world.rank()).ep, mcs.dp_cp.rank());
+    gedp.set_name("edp_cp");
+  }
   root = world.rank() == 0;
   {
     // Ranks sharing this machine: the launcher says it; otherwise the mesh's ranks per node.
@@ -148,9 +152,12 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
            "parallelism.ep_overlap = true runs two micro-batches' EP exchanges at once on two threads, which needs MPI "
            "with MPI_THREAD_MULTIPLE; this MPI did not provide it");
   // The activations between stages: this rank's rows of the residual stream (all of them without TP).
-  MT_CHECK(B * T % mesh.tp() == 0, "train", "micro_batch_size * seq_len = ", B * T, " is not divisible by "
-           "parallelism.tp = ", mesh.tp(), ": under sequence parallelism each TP rank holds an equal share of the rows");
-  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T / mesh.tp() * ms.d_model, overlap,
+  MT_CHECK(T % (2 * mesh.cp()) == 0, "train", "training.seq_len = ", T, " is not divisible by 2 * parallelism.cp = ",
+           2 * mesh.cp(), ": context parallelism cuts each sequence into 2 cp equal chunks");
+  MT_CHECK(B * T / mesh.cp() % mesh.tp() == 0, "train", "micro_batch_size * seq_len / cp = ", B * T / mesh.cp(),
+           " is not divisible by parallelism.tp = ", mesh.tp(), ": under sequence parallelism each TP rank holds an "
+           "equal share of the rows");
+  exec = std::make_unique<PipelineExecutor>(plan, mcs.pp, B * T / mesh.cp() / mesh.tp() * ms.d_model, overlap,
                                             cfg.parallelism.ep_pair_backward);
 
   ModelParallel mpar;
@@ -160,8 +167,9 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   }
   // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is
   // the expert-data-parallel group (the DP group without EP).
-  if (zero3) fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{mcs.dp, mcs.edp}), mpar.fsdp = fsdp_opts.get();
+  if (zero3) fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{gdp, gedp}), mpar.fsdp = fsdp_opts.get();
   if (mesh.tp() > 1) mpar.tp = &mcs.tp;
+  if (mesh.cp() > 1) mpar.cp = &mcs.cp;
   mpar.stages = &plan.parts;
   mpar.ep_overlap = overlap;
   mpar.ep_free_order = cfg.parallelism.ep_baton == "free";
@@ -176,7 +184,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   for (int s = 0; s < plan.setup.layout.n_stages; ++s) stage_layers.push_back(plan.setup.layout.layers(s));
   const PipelineOwnership own = pipeline_ownership(ms, model_param_layout(ms), stage_layers, plan.lowered.stage_rank,
                                                    plan.first_stage_rank, plan.last_stage_rank);
-  state = std::make_unique<ParamState>(*model, cfg, ParamStateComms{mcs.dp, mcs.ep, mcs.edp, mcs.pp, mcs.tp}, own, pp_rank);
+  state = std::make_unique<ParamState>(*model, cfg, ParamStateComms{gdp, mcs.ep, gedp, mcs.pp, mcs.tp}, own, pp_rank);
   res.opt_state_bytes = state->state_bytes();
 
   fpt = flops_per_token(ms, T, true, ac);
@@ -329,6 +337,10 @@ double TrainSession::validate() {
   }
   // Validation routes tokens too: its expert counts must not reach the next step's bias update.
   model->take_expert_counts();
+  if (mesh.cp() > 1) {  // each CP rank's sums cover its share of every sequence
+    mcs.cp.all_reduce(parts.data(), int64_t(parts.size()));
+    mcs.cp.all_reduce(&cnt, 1);
+  }
   double sum = 0;
   mcs.dp.all_reduce_ordered(&sum, parts.data(), int64_t(parts.size()), 1);
   mcs.dp.all_reduce(&cnt, 1);

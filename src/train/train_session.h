@@ -75,6 +75,9 @@ struct TrainSession {
   Comm world;
   DeviceMesh mesh;
   MeshComms mcs;
+  // Where gradients are summed: the data-parallel ranks, and under CP their CP ranks too (each holds a share of
+  // every sequence): gdp for the dense parameters, gedp for the routed experts (the ranks holding the same ones).
+  Comm gdp, gedp;
   int EP = 1, PP = 1, rank = 0, D = 1, pp_rank = 0;
   bool root = true, say = false, tty = false, zero3 = false, profiling = false;
   bool tracing = false;        // [profiling] enable: per-rank trace files

@@ -51,6 +51,8 @@ StepTotals TrainSession::forward_backward() {
     ce_n += s.ce_count;
   }
   if (PP > 1) mcs.pp.all_reduce(per.data(), int64_t(per.size())), mcs.pp.all_reduce(&ce_n, 1);
+  // CP: every rank holds a share of each sequence; its losses are its share (rank-order sum over the CP group).
+  if (mesh.cp() > 1) mcs.cp.all_reduce(per.data(), int64_t(per.size())), mcs.cp.all_reduce(&ce_n, 1);
   std::vector<double> ce_parts(static_cast<size_t>(micro_local)), aux_parts(static_cast<size_t>(micro_local));
   for (int64_t mb = 0; mb < micro_local; ++mb) {
     ce_parts[size_t(mb)] = per[size_t(mb) * w];
@@ -65,13 +67,12 @@ StepTotals TrainSession::forward_backward() {
     MT_TRACE_MODULE("grad_reduce");
     mcs.dp.all_reduce_ordered(&t.ce, ce_parts.data(), micro_local, 1);
     mcs.dp.all_reduce_ordered(&t.aux, aux_parts.data(), micro_local, 1);
-    if (D == 1) state->reduce_grads();  // TP's partial gradients (nothing to sum over DP)
-    if (D > 1) {
-      mcs.dp.all_reduce(&ce_n, 1);
-      state->reduce_grads();
+    if (D > 1) mcs.dp.all_reduce(&ce_n, 1);
+    state->reduce_grads();  // TP's partial gradients, then over DP (and CP)
+    if (gdp.size() > 1) {
       std::vector<int64_t> flat;
       for (auto& c : t.counts) flat.insert(flat.end(), c.begin(), c.end());
-      mcs.dp.all_reduce(flat.data(), int64_t(flat.size()));
+      gdp.all_reduce(flat.data(), int64_t(flat.size()));
       size_t k = 0;
       for (auto& c : t.counts)
         for (auto& x : c) x = flat[k++];
