@@ -9,10 +9,12 @@
 // tp is innermost because its collectives run in every layer (twice per block each way): its ranks are
 // adjacent, so they share a node whenever tp divides ranks_per_node. cp comes next (one ring exchange per
 // attention layer), then data parallelism (once per step), then pp (point-to-point between stages).
-// Expert parallelism splits dp_idx (ep must divide dp; edp = dp / ep is the expert-data-parallel size):
-//   ep_idx = dp_idx % ep,  edp_idx = dp_idx / ep
-// within one (cp_idx, tp_idx): an EP group holds ranks with the same tp and cp index (under TP each rank's experts
-// hold its 1/tp of every expert's width: expert_tp = tp), so its ranks are dp-adjacent, stride cp * tp.
+// Expert parallelism splits the data x context index dc = dp_idx * cp + cp_idx (ep must divide dp * cp; edp =
+// dp * cp / ep is the expert-data-parallel size): the MoE layers run on each rank's own tokens, and under CP a
+// rank's tokens are its share of the sequences, so CP ranks are data ranks to the experts (Megatron's folding):
+//   ep_idx = dc % ep,  edp_idx = dc / ep
+// within one tp_idx (under TP each rank's experts hold its 1/tp of every expert's width: expert_tp = tp), so an EP
+// group's ranks are tp apart.
 // With tp = cp = 1 the EP ranks of a group are CONTIGUOUS and sit within one node whenever ep <= ranks_per_node
 // and ranks_per_node % ep == 0. The EDP group of a rank (the ranks that hold the same experts and all-reduce
 // their gradients) has stride ep * cp * tp.
@@ -22,8 +24,8 @@
 //   dp           same pp, cp, tp;                  index dp_idx       (size dp)
 //   dp_shard     same pp, rep, cp, tp;             index shard_idx    (size dp_shard)
 //   dp_replicate same pp, shard, cp, tp;           index rep_idx      (size dp_replicate)
-//   ep           same pp, edp, cp, tp;             index ep_idx       (size ep)
-//   edp          same pp, ep, cp, tp;              index edp_idx      (size dp / ep)
+//   ep           same pp, edp, tp;                 index ep_idx       (size ep)
+//   edp          same pp, ep, tp;                  index edp_idx      (size dp * cp / ep)
 //   cp           same pp, dp, tp;                  index cp_idx       (size cp)
 //   tp           same pp, dp, cp;                  index tp_idx       (size tp)
 //   dp_cp        same pp, tp;                      index dp_idx*cp+cp (size dp * cp: where dense gradients are summed)
@@ -65,7 +67,7 @@ class DeviceMesh {
   int cp() const { return cp_; }
   int tp() const { return tp_; }
   int ep() const { return ep_; }
-  int edp() const { return dp() / ep_; }
+  int edp() const { return dp() * cp_ / ep_; }
   int ranks_per_node() const { return rpn_; }  // effective: min(spec.ranks_per_node, world_size)
   int num_nodes() const { return world_ / rpn_; }
   // EP ranks per node as the EP dispatcher sees them (ep ranks r, r' share a node iff r / this == r' / this).
@@ -75,7 +77,7 @@ class DeviceMesh {
 
   MeshCoord coord(int rank) const;
   int rank_of(int pp_idx, int dp_idx, int cp_idx = 0, int tp_idx = 0) const;
-  int rank_of_ep(int pp_idx, int edp_idx, int ep_idx, int cp_idx = 0, int tp_idx = 0) const;
+  int rank_of_ep(int pp_idx, int edp_idx, int ep_idx, int tp_idx = 0) const;
   // The world ranks of `rank`'s group, in group-index order (position i holds the rank with index i).
   std::vector<int> group(MeshGroup g, int rank) const;
   std::string describe() const;  // one line, e.g. "world 8 = pp 1 x dp_replicate 2 x dp_shard 4; ep 4 ..."

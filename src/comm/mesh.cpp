@@ -23,8 +23,8 @@ DeviceMesh::DeviceMesh(const ParallelSpec& spec, int world_size, int64_t n_route
   MT_CHECK(prod == world_size, op, "world size ", world_size, " != pp (", spec.pp, ") * dp_replicate (",
            spec.dp_replicate, ") * dp_shard (", spec.dp_shard, ") * cp (", spec.cp, ") * tp (", spec.tp, ") = ", prod);
   const int64_t dp = spec.dp_replicate * spec.dp_shard;
-  MT_CHECK(dp % spec.ep == 0, op, "ep (", spec.ep, ") must divide dp = dp_replicate * dp_shard (", dp,
-           "): expert parallelism is carved out of data parallelism");
+  MT_CHECK(dp * spec.cp % spec.ep == 0, op, "ep (", spec.ep, ") must divide dp = dp_replicate * dp_shard (", dp,
+           ") times cp (", spec.cp, "): expert parallelism is carved out of data (and context) parallelism");
   if (n_routed_experts == 0)
     MT_CHECK(spec.ep == 1, op, "ep = ", spec.ep, " needs a MoE model (n_routed_experts is 0)");
   if (n_routed_experts > 0)
@@ -62,8 +62,8 @@ MeshCoord DeviceMesh::coord(int rank) const {
   c.dp = rank / (tp_ * cp_) % dp;
   c.dp_replicate = c.dp / dp_shard_;
   c.dp_shard = c.dp % dp_shard_;
-  c.ep = c.dp % ep_;
-  c.edp = c.dp / ep_;
+  c.ep = (c.dp * cp_ + c.cp) % ep_;
+  c.edp = (c.dp * cp_ + c.cp) / ep_;
   c.node = rank / rpn_;
   c.local_rank = rank % rpn_;
   return c;
@@ -77,10 +77,11 @@ int DeviceMesh::rank_of(int pp_idx, int dp_idx, int cp_idx, int tp_idx) const {
   return ((pp_idx * dp() + dp_idx) * cp_ + cp_idx) * tp_ + tp_idx;
 }
 
-int DeviceMesh::rank_of_ep(int pp_idx, int edp_idx, int ep_idx, int cp_idx, int tp_idx) const {
+int DeviceMesh::rank_of_ep(int pp_idx, int edp_idx, int ep_idx, int tp_idx) const {
   MT_CHECK(edp_idx >= 0 && edp_idx < edp() && ep_idx >= 0 && ep_idx < ep_, "mesh.rank_of_ep", "coordinates (edp ",
            edp_idx, ", ep ", ep_idx, ") outside (", edp(), ", ", ep_, ")");
-  return rank_of(pp_idx, edp_idx * ep_ + ep_idx, cp_idx, tp_idx);
+  const int dc = edp_idx * ep_ + ep_idx;  // the index over dp x cp
+  return rank_of(pp_idx, dc / cp_, dc % cp_, tp_idx);
 }
 
 std::vector<int> DeviceMesh::group(MeshGroup g, int rank) const {
@@ -97,10 +98,10 @@ std::vector<int> DeviceMesh::group(MeshGroup g, int rank) const {
       for (int i = 0; i < dp_rep_; ++i) out.push_back(rank_of(c.pp, i * dp_shard_ + c.dp_shard, c.cp, c.tp));
       break;
     case MeshGroup::Ep:
-      for (int i = 0; i < ep_; ++i) out.push_back(rank_of_ep(c.pp, c.edp, i, c.cp, c.tp));
+      for (int i = 0; i < ep_; ++i) out.push_back(rank_of_ep(c.pp, c.edp, i, c.tp));
       break;
     case MeshGroup::Edp:
-      for (int i = 0; i < edp(); ++i) out.push_back(rank_of_ep(c.pp, i, c.ep, c.cp, c.tp));
+      for (int i = 0; i < edp(); ++i) out.push_back(rank_of_ep(c.pp, i, c.ep, c.tp));
       break;
     case MeshGroup::Pp:
       for (int i = 0; i < pp_; ++i) out.push_back(rank_of(i, c.dp, c.cp, c.tp));
@@ -155,8 +156,9 @@ MeshComms make_mesh_comms(const DeviceMesh& mesh, const Comm& world) {
   m.dp = world.split(c.pp * ct + ci, c.dp);
   m.dp_shard = world.split((c.pp * mesh.dp_replicate() + c.dp_replicate) * ct + ci, c.dp_shard);
   m.dp_replicate = world.split((c.pp * mesh.dp_shard() + c.dp_shard) * ct + ci, c.dp_replicate);
-  m.ep = world.split((c.pp * (dp / ep) + c.edp) * ct + ci, c.ep);
-  m.edp = world.split((c.pp * ep + c.ep) * ct + ci, c.edp);
+  // EP is carved out of dp x cp within one tp index (mesh.h).
+  m.ep = world.split((c.pp * mesh.edp() + c.edp) * mesh.tp() + c.tp, c.ep);
+  m.edp = world.split((c.pp * ep + c.ep) * mesh.tp() + c.tp, c.edp);
   m.pp = world.split(c.dp * ct + ci, c.pp);
   m.cp = world.split((c.pp * dp + c.dp) * mesh.tp() + c.tp, c.cp);
   m.tp = world.split((c.pp * dp + c.dp) * mesh.cp() + c.cp, c.tp);

@@ -110,11 +110,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   mcs = world.size() == 1 ? MeshComms{world, world, world, world, world, world, world, world, world, world} : make_mesh_comms(mesh, world);
   EP = mesh.ep(), PP = mesh.pp();
   rank = mcs.dp.rank(), D = mcs.dp.size(), pp_rank = mesh.coord(world.rank()).pp;
-  gdp = mesh.cp() > 1 ? mcs.dp_cp : mcs.dp, gedp = mcs.edp;
-  if (mesh.cp() > 1) {  // the ranks of dp x cp with this rank's experts
-    gedp = mcs.dp_cp.split(mesh.coord(world.rank()).ep, mcs.dp_cp.rank());
-    gedp.set_name("edp_cp");
-  }
+  gdp = mesh.cp() > 1 ? mcs.dp_cp : mcs.dp, gedp = mcs.edp;  // (edp spans dp x cp: mesh.h)
   root = world.rank() == 0;
   {
     // Ranks sharing this machine: the launcher says it; otherwise the mesh's ranks per node.

@@ -290,11 +290,13 @@ TEST(Mesh, TensorAndContextParallelRankOrder) {
   EXPECT_EQ(c.dp, 1);
   EXPECT_EQ(c.cp, 0);
   EXPECT_EQ(c.tp, 1);
-  EXPECT_EQ(c.ep, 1);
+  EXPECT_EQ(c.ep, 0);  // dc = 1 * 2 + 0 = 2: ep 0, edp 1
+  EXPECT_EQ(c.edp, 1);
+  EXPECT_EQ(m.group(MeshGroup::Edp, 13), (std::vector<int>{9, 13}));  // dc 0 (rank 9), dc 2 (rank 13)
   EXPECT_EQ(m.group(MeshGroup::Tp, 13), (std::vector<int>{12, 13}));
   EXPECT_EQ(m.group(MeshGroup::Cp, 13), (std::vector<int>{13, 15}));
   EXPECT_EQ(m.group(MeshGroup::Dp, 13), (std::vector<int>{9, 13}));
-  EXPECT_EQ(m.group(MeshGroup::Ep, 13), (std::vector<int>{9, 13}));
+  EXPECT_EQ(m.group(MeshGroup::Ep, 13), (std::vector<int>{13, 15}));  // dc = dp * cp + cp_idx: 2 (rank 13), 3 (15)
   EXPECT_EQ(m.group(MeshGroup::Pp, 13), (std::vector<int>{5, 13}));
   EXPECT_EQ(m.group(MeshGroup::DpCp, 13), (std::vector<int>{9, 11, 13, 15}));
   for (int r = 0; r < 16; ++r) {
