@@ -252,6 +252,26 @@ std::vector<Layout> layouts() {
   mla_pp.insert(mla_pp.end(), {pp + "2", sch + "interleaved_1f1b", lay + "Et|t|t|L"});
   v.push_back({"tp2_pp2_interleaved_mla", 4, tpw(mla_pp), Bar::Tp});
   v.push_back({"tp2_pp2_ep2", 8, tpw({pp + "2", dp + "2", "--parallelism.ep=2", lay + "Et|ttL"}), Bar::Tp});
+  // Context parallelism (fp32 compute): ring attention over load-balanced chunks; the router's aux statistics,
+  // the losses and the gradients summed over the CP ranks; EP carved out of dp x cp.
+  const std::string cp = "--parallelism.cp=", f32 = "--training.compute_dtype=fp32";
+  auto cpw = [&](std::vector<std::string> extra) {
+    extra.push_back(f32);
+    return extra;
+  };
+  v.push_back({"cp2", 2, cpw({cp + "2"}), Bar::Tp});
+  v.push_back({"cp2_mla_zloss", 2, cpw({cp + "2", "--model.z_loss_coef=0.001", mla[0], mla[1], mla[2], mla[3], mla[4],
+                                        mla[5]}), Bar::Tp});
+  v.push_back({"cp4", 4, cpw({cp + "4"}), Bar::Tp});
+  v.push_back({"cp2_ep2", 2, cpw({cp + "2", "--parallelism.ep=2"}), Bar::Tp});
+  v.push_back({"cp2_recompute", 2, cpw({cp + "2", "--activation_checkpoint.mode=full"}), Bar::Tp});
+  v.push_back({"cp2_aux_free", 2, cpw({cp + "2", "--model.load_balance=aux_free"}), Bar::Tp});
+  v.push_back({"tp2_cp2", 4, tpw({cp + "2"}), Bar::Tp});
+  v.push_back({"cp2_pp2", 4, cpw({cp + "2", pp + "2", lay + "Ett|tL"}), Bar::Tp});
+  v.push_back({"cp2_dp2_zero1", 4, cpw({cp + "2", dp + "2", "--parallelism.zero=1"}), Bar::Tp});
+  v.push_back({"cp2_dp2_fsdp_ep2", 4, cpw({cp + "2", dp + "2", "--parallelism.zero=3", "--parallelism.ep=2"}), Bar::Tp});
+  // The seeds' shape at small scale: tp x cp x pp with EP over the data (and context) ranks.
+  v.push_back({"tp2_cp2_pp2_ep2", 8, tpw({cp + "2", pp + "2", "--parallelism.ep=2", lay + "Et|ttL"}), Bar::Tp});
   return v;
 }
 
@@ -330,8 +350,9 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   }
   // Memory: with EP the routed experts are 1/ep per rank, so (zero = 0) the optimizer state drops by exactly
   // 8 bytes per expert element not held here; ZeRO-1 / FSDP shard what remains (test_mpi_train.cpp).
-  int ep = 1, zero = 0, pp_size = 1, tp = 1;
+  int ep = 1, zero = 0, pp_size = 1, tp = 1, cpn = 1;
   for (auto& a : L.args) {
+    if (a.rfind("--parallelism.cp=", 0) == 0) cpn = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.tp=", 0) == 0) tp = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.pp=", 0) == 0) pp_size = std::stoi(a.substr(17));
     if (a.rfind("--parallelism.ep=", 0) == 0) ep = std::stoi(a.substr(17));
@@ -358,7 +379,11 @@ TEST_P(MpiLayout, MatchesOneProcess) {
                   (long long)got.opt_state_bytes, (long long)ref.params_peak_bytes, (long long)got.params_peak_bytes,
                   (long long)sliced, (long long)sliced_whole, tp, ep);
   }
-  if (ep > 1 && zero == 0 && pp_size == 1 && tp == 1) {
+  if (cpn > 1 && ep == 1 && pp_size == 1 && world().rank() == 0)
+    std::printf("[%-28s] activations per rank: %lld -> %lld bytes (%.3f of one process; predicted %lld)\n",
+                L.name.c_str(), (long long)ref.act_peak_bytes, (long long)got.act_peak_bytes,
+                double(got.act_peak_bytes) / double(ref.act_peak_bytes), (long long)got.act_predicted_bytes);
+  if (ep > 1 && zero == 0 && pp_size == 1 && tp == 1 && cpn == 1) {
     const ModelSpec& m = tiny("unused").model;
     int64_t expert_elems = 0;
     for (int64_t l = 0; l < m.n_layers; ++l)
