@@ -616,8 +616,11 @@ struct MemoryTerms {
 
   MemoryTerms(const JobConfig& c_, int64_t cb_, int threads_)
       : c(c_), cb(cb_), threads(threads_), s(c_.model), par(c_.parallelism), ac(resolve_checkpointing(c_)),
-        f8(fp8_cache_plan(c_.quantize)), m(c_.model.moe), D(double(par.dp())), EP(double(par.ep)),
-        B(double(c_.training.micro_batch_size)), S(double(c_.training.seq_len)), N(B * S), d(double(s.d_model)),
+        // CP: the gradients are summed (and ZeRO / FSDP shard) over dp x cp; each rank holds seq_len / cp tokens of
+        // every sequence, and every activation and scratch buffer follows them.
+        f8(fp8_cache_plan(c_.quantize)), m(c_.model.moe), D(double(par.dp() * par.cp)), EP(double(par.ep)),
+        B(double(c_.training.micro_batch_size)), S(double(c_.training.seq_len / par.cp)), N(B * S),
+        d(double(s.d_model)),
         V(double(s.vocab_size)), H(double(s.attn.n_heads)), E(double(m.n_routed_experts)), K(double(m.topk)),
         Fe(double(m.moe_inter_size)), rows(N * K),  // routed rows (the engine's buffers hold T * topk)
         moe(moe_map(s)), on(ac_map(ac, s.n_layers)), n_moe(double(std::count(moe.begin(), moe.end(), char(1)))),
@@ -772,7 +775,7 @@ struct MemoryTerms {
     double kernel = chunk * V * 4 + chunk * 8;
     {
       AttnWorkspaceShape aw;  // the engine's k and v heads are never shared (no head stride of 0)
-      aw.B = c.training.micro_batch_size, aw.T = c.training.seq_len, aw.Hkv = at.kv_heads();
+      aw.B = c.training.micro_batch_size, aw.T = c.training.seq_len / par.cp, aw.Hkv = at.kv_heads();
       aw.Dqk = at.qk_head_dim(), aw.Dv = at.v_dim();
       kernel = std::max(kernel, double(attention_workspace_size(aw, threads)));
     }

@@ -163,8 +163,8 @@ void price_kind(const MemCtx& x, int layer, bool moe, bool on, LayerKind& k) {
     if (o.detail) k.mods.by["routed_experts"] += (x.held - 1.0) * rr.bytes;
   }
   if (x.ac.mode == AcMode::Full && on) k.all = sharded_layer_bytes_all(s, layer, x.B, x.S, x.a, x.g, x.sh, x.f8);
-  if (o.recipe.engine_buffers) {  // the engine's own (one rank holds the whole layer: no tp / cp here)
-    const double extra = engine_activation_extras(s, layer, x.B * x.S, x.ac, int64_t(x.g), x.f8);
+  if (o.recipe.engine_buffers) {  // the engine's own, for the tokens a rank holds (its 1/cp of every sequence)
+    const double extra = engine_activation_extras(s, layer, x.B * x.S / double(x.sh.cp), x.ac, int64_t(x.g), x.f8);
     k.bytes += extra;
     if (o.detail) k.mods.by["engine_buffers"] += extra;
   }

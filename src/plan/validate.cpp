@@ -168,6 +168,7 @@ std::vector<ValidationCase> validation_cases() {
                              "--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2"}},
       {"recompute_full", 2, {"--parallelism.dp_replicate={w}", "--activation_checkpoint.mode=full"}},
       {"tp", 2, {"--parallelism.tp={w}", "--parallelism.expert_tp={w}"}},
+      {"cp", 2, {"--parallelism.cp={w}"}},
   };
 }
 

@@ -249,7 +249,9 @@ void TrainSession::finish() {
   {
     // The engine's convention: fp32 activations, GEMM inputs in the compute dtype.
     const Fp8CachePlan f8 = fp8_cache_plan(cfg.quantize);  // cached FP8 activations replace their copies
-    const ActivationBytes ab = engine_activation_bytes(cfg.model, B, T, compute == ComputeDtype::BF16 ? 2 : 4,
+    // CP: the model holds seq_len / cp tokens of each sequence, and every buffer follows them.
+    const int64_t Tl = T / mesh.cp();
+    const ActivationBytes ab = engine_activation_bytes(cfg.model, B, Tl, compute == ComputeDtype::BF16 ? 2 : 4,
                                                        resolve_checkpointing(cfg), f8);
     int64_t pred = 0;
     for (int k = 0; k < model->n_stages(); ++k) {
@@ -258,7 +260,7 @@ void TrainSession::finish() {
       const ActivationCheckpointSpec acr = resolve_checkpointing(cfg);
       for (int64_t l : p.layers)
         per_mb += ab.layers[size_t(l)].total() +
-                  int64_t(engine_activation_extras(cfg.model, l, double(B * T), acr, compute == ComputeDtype::BF16 ? 2 : 4, f8));
+                  int64_t(engine_activation_extras(cfg.model, l, double(B * Tl), acr, compute == ComputeDtype::BF16 ? 2 : 4, f8));
       pred += int64_t(p.slots) * per_mb;
       for (const ActTerm& t : ab.outside.terms) {  // embed.* on the embedding stage, the rest on the head stage;
         // loss.dx is kept per micro-batch in flight
