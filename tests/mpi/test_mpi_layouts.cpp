@@ -421,7 +421,7 @@ struct Bad {
 
 TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
   const int w = world().size();
-  const std::string W = std::to_string(w);
+  const std::string W = std::to_string(w), H2 = "--parallelism.dp_shard=" + std::to_string(std::max(1, w / 2));
   std::vector<Bad> bad = {
       {"world_mismatch",
        {"--parallelism.dp_shard=" + std::to_string(2 * w), "--training.global_batch_size=" + std::to_string(16 * w)},
@@ -446,18 +446,24 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
       {"tp_fsdp", {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--parallelism.zero=3",
                    "--parallelism.dp_shard=" + std::to_string(w / 2)}, "FSDP (parallelism.zero = 3) is not implemented "
        "with tensor parallelism", 2},
-      {"tp_fp8", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--quantize.recipe=tensorwise"},
+      {"tp_fp8", {"--parallelism.tp=2", "--parallelism.expert_tp=2", H2, "--quantize.recipe=tensorwise"},
        "is not implemented with tensor parallelism", 2},
-      {"tp_selective", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--activation_checkpoint.mode=selective",
+      {"tp_selective", {"--parallelism.tp=2", "--parallelism.expert_tp=2", H2, "--activation_checkpoint.mode=selective",
                         "--activation_checkpoint.modules=[\"norm\"]"}, "selective", 2},
-      {"tp_expert_tp_mismatch", {"--parallelism.tp=" + W}, "expert_tp must equal tp", 2},
-      {"tp_hierarchical", {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--parallelism.ep=2",
-                           "--parallelism.dp_shard=" + std::to_string(w / 2), "--parallelism.ep_dispatcher=hierarchical"},
+      {"tp_expert_tp_mismatch", {"--parallelism.tp=2", H2}, "expert_tp must equal tp", 2},
+      {"tp_hierarchical", {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--parallelism.ep=2", H2,
+                           "--parallelism.ep_dispatcher=hierarchical"},
        "hierarchical dispatch", 4},
-      {"tp_heads", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--model.n_heads=6",
-                    "--model.head_dim=8"}, "n_heads", 4},
-      {"tp_rows", {"--parallelism.tp=" + W, "--parallelism.expert_tp=" + W, "--training.seq_len=" + std::to_string(w + 1)},
+      {"tp_heads", {"--parallelism.tp=4", "--parallelism.expert_tp=4", "--parallelism.dp_shard=" + std::to_string(w / 4),
+                    "--model.n_heads=6", "--model.head_dim=8"}, "n_heads", 4},
+      {"tp_rows", {"--parallelism.tp=2", "--parallelism.expert_tp=2", H2, "--training.seq_len=3"},
        "under sequence parallelism", 2},
+      {"cp_seq_len", {"--parallelism.cp=2", "--parallelism.dp_shard=" + std::to_string(w / 2), "--training.seq_len=6"},
+       "2 * cp must divide training.seq_len", 2},
+      {"cp_ep_overlap", {"--parallelism.cp=2", "--parallelism.dp_shard=" + std::to_string(w / 4), "--model.n_layers=4",
+                         "--parallelism.ep=2", "--parallelism.pp=2", "--parallelism.pp_schedule=interleaved_1f1b",
+                         "--parallelism.pp_layout=Et|t|t|tL", "--parallelism.ep_overlap=true"},
+       "ep_overlap = true is not implemented with context parallelism", 8},
   };
   for (auto& b : bad) {
     if (w < b.min_world) continue;

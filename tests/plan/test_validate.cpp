@@ -76,7 +76,9 @@ const FigureRow& row(const LayoutValidation& v, const std::string& figure) {
 
 TEST(Validate, CasesAndOverrides) {
   const std::vector<ValidationCase> cs = validation_cases();
-  ASSERT_EQ(cs.size(), 10u);
+  ASSERT_EQ(cs.size(), 12u);
+  EXPECT_EQ(case_named("tp").args, (std::vector<std::string>{"--parallelism.tp={w}", "--parallelism.expert_tp={w}"}));
+  EXPECT_EQ(case_named("cp").args, (std::vector<std::string>{"--parallelism.cp={w}"}));
   EXPECT_EQ(cs.front().name, "single");
   EXPECT_EQ(cs.front().min_world, 1);
   EXPECT_EQ(case_named("recompute_full").min_world, 2);

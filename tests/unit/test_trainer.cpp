@@ -205,7 +205,6 @@ TEST(Trainer, RefusesPlannerOnlyKeys) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--parallelism.tp=2 --parallelism.expert_tp=2 --parallelism.sequence_parallel=false",
        "parallelism.sequence_parallel = false with tp = 2 is not implemented in the engine"},
-      {"--parallelism.cp=2", "parallelism.cp = 2 is not implemented in the engine"},
       {"--parallelism.expert_tp=2", "so expert_tp must equal tp"},
       {"--model.n_layers=4 --parallelism.ep=2 --parallelism.pp=2 --parallelism.pp_schedule=interleaved_1f1b "
        "--parallelism.ep_overlap=true --parallelism.ep_overlap_split=true",
