@@ -2,14 +2,16 @@
 // balancing (so the expert biases travel too), synthetic data, 4 steps of the same global batch, a checkpoint at
 // step 3. Every layout below saves once (its uninterrupted run); then every layout's step-3 checkpoint is resumed
 // under every other layout for step 4. Layouts: one process; DP with ZeRO 0, 1 and 3; EP 2 (alltoall) and EP 4
-// (sync_free, hierarchical); PP 4 (1f1b), PP 2 x DP 2 (interleaved), PP 2 x EP 2.
+// (sync_free, hierarchical); PP 4 (1f1b), PP 2 x DP 2 (interleaved), PP 2 x EP 2; TP 2 x DP 2; CP 2 x DP 2 with EP 2
+// over dp x cp.
 //
 // What a resumed step must match, and why (the layout sweep's reasoning, tests/mpi/test_mpi_layouts.cpp):
 //  - The learning rate, the step counter and the sequences each rank trains are exactly those of the new
 //    layout's uninterrupted step 4 (the data position is global at a step boundary).
 //  - Against ONE PROCESS resuming the same checkpoint (the same starting state, so only the new layout's own
 //    arithmetic differs): the step-4 loss bitwise (DP, flat EP and PP fold in the single-process order), within
-//    1e-6 relative for the hierarchical combine (per-node partial sums); the parameters after the step within
+//    1e-6 relative for the hierarchical combine (per-node partial sums) and for TP / CP (row-parallel partial sums,
+//    ring-attention merges, losses summed over the CP ranks); the parameters after the step within
 //    1e-6 relative L2 (the gradient's reassociation under DP / EP, a few 1e-7, through one AdamW step).
 //  - Against the new layout's UNINTERRUPTED run: the sweep's trajectory bars, loss 1e-4 relative and parameters
 //    1e-3 relative L2 (the two step-3 states differ by the layouts' reassociation and routing-flip noise).
@@ -59,6 +61,10 @@ std::vector<Layout> layouts() {
       {"pp4_1f1b", false, false, {pp + "4", sch + "1f1b", lay + "Et|t|t|L"}},
       {"pp2_dp2_interleaved", false, false, {pp + "2", dp + "2", sch + "interleaved_1f1b", lay + "Et|t|t|L"}},
       {"pp2_ep2", false, false, {pp + "2", dp + "2", ep + "2", lay + "Et|ttL"}},
+      // Tensor and context parallelism: their partial sums reassociate (the sweep's Bar::Tp), held like the
+      // hierarchical combine against one process.
+      {"tp2_dp2", false, true, {"--parallelism.tp=2", "--parallelism.expert_tp=2", dp + "2"}},
+      {"cp2_dp2_ep2", false, true, {"--parallelism.cp=2", dp + "2", ep + "2"}},
   };
 }
 
