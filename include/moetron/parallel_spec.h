@@ -12,11 +12,11 @@
 namespace moetron {
 
 struct ParallelSpec {
-  // Tensor and context parallelism: read by the planner; the engine refuses tp, cp or expert_tp > 1 with a
-  // clear message until it implements them. tp shards attention heads and FFN widths (with sequence
-  // parallelism the norm / residual regions shard the sequence over tp too); cp shards the sequence of the
-  // attention layers; expert_tp shards each routed expert's FFN width. Expert groups (ep x expert_tp) are
-  // carved out of tp x cp x dp, Megatron's rule.
+  // Tensor and context parallelism (docs/parallel.md): tp shards attention heads, FFN widths and the vocabulary
+  // (with sequence parallelism the norm / residual regions shard the micro-batch's rows over tp too; the engine runs
+  // only that form); cp shards every sequence into load-balanced chunks (ring attention); expert_tp shards each
+  // routed expert's FFN width (the engine: expert_tp = tp on a MoE model). The planner carves expert groups
+  // (ep x expert_tp) out of tp x cp x dp, Megatron's rule; the engine carves ep out of dp x cp within a tp index.
   int64_t tp = 1;
   int64_t cp = 1;
   int64_t expert_tp = 1;
