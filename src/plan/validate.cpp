@@ -169,6 +169,9 @@ std::vector<ValidationCase> validation_cases() {
       {"recompute_full", 2, {"--parallelism.dp_replicate={w}", "--activation_checkpoint.mode=full"}},
       {"tp", 2, {"--parallelism.tp={w}", "--parallelism.expert_tp={w}"}},
       {"cp", 2, {"--parallelism.cp={w}"}},
+      // The seeds' layout shape at small scale (8 ranks): tp x cp x pp with EP over the data (and context) ranks.
+      {"tp2_cp2_pp2_ep2", 8, {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--parallelism.cp=2",
+                              "--parallelism.pp=2", "--parallelism.ep=2"}},
   };
 }
 

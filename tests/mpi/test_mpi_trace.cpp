@@ -2,7 +2,8 @@
 // `mpirun --oversubscribe -np 4`: ds_tiny with expert parallelism (dp 4, ep 2: the dp, ep and edp groups), with
 // pipeline parallelism (pp 2 x dp 2, 1f1b), with FSDP (dp 4, zero 3: gathers and reduce-scatters inside the
 // modules) and with tensor parallelism (tp 2 x dp 2 x ep 2: the tp group's gathers and reduce-scatters in every
-// layer, which `trace analyze` reports apart from EP and DP), 3 steps each, each profiled into one shared folder. Rank 0 then
+// layer, which `trace analyze` reports apart from EP and DP) and with context parallelism (cp 2 x dp 2 x ep 2: the
+// ring's sends and receives in the cp group, paired by `trace merge`), 3 steps each, each profiled into one shared folder. Rank 0 then
 // checks: every rank's file exists and nests; the groups agree across their members; every collective's
 // sequence number is seen by every member of its group with the same operation (and all-to-all byte counts
 // agree between sender and receiver); and `trace merge` pairs every send with its receive and writes valid JSON
@@ -159,6 +160,21 @@ TEST(MpiTrace, TensorParallelRun) {
         EXPECT_GT(r.exposed_comm_by_group.count(g) ? r.exposed_comm_by_group.at(g) : 0.0, 0.0)
             << "rank " << r.rank << ": no exposed " << g << " communication";
     }
+  }
+  mt_test::world().barrier();
+}
+
+TEST(MpiTrace, ContextParallelRun) {
+  if (mt_test::world().size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const std::string dir = traced_run("cp", {"--parallelism.cp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2"});
+  if (mt_test::world().rank() == 0) {
+    check_folder(dir, true);  // the ring's sends pair with their receives
+    const tracefile::Analysis a = tracefile::analyze(tracefile::read_dir(dir));
+    ASSERT_EQ(a.ranks.size(), 4u);
+    for (const auto& r : a.ranks)
+      for (const char* g : {"cp", "ep", "dp_cp"})
+        EXPECT_GT(r.exposed_comm_by_group.count(g) ? r.exposed_comm_by_group.at(g) : 0.0, 0.0)
+            << "rank " << r.rank << ": no exposed " << g << " communication";
   }
   mt_test::world().barrier();
 }

@@ -76,7 +76,8 @@ const FigureRow& row(const LayoutValidation& v, const std::string& figure) {
 
 TEST(Validate, CasesAndOverrides) {
   const std::vector<ValidationCase> cs = validation_cases();
-  ASSERT_EQ(cs.size(), 12u);
+  ASSERT_EQ(cs.size(), 13u);
+  EXPECT_EQ(case_named("tp2_cp2_pp2_ep2").min_world, 8);
   EXPECT_EQ(case_named("tp").args, (std::vector<std::string>{"--parallelism.tp={w}", "--parallelism.expert_tp={w}"}));
   EXPECT_EQ(case_named("cp").args, (std::vector<std::string>{"--parallelism.cp={w}"}));
   EXPECT_EQ(cs.front().name, "single");
@@ -90,9 +91,14 @@ TEST(Validate, CasesAndOverrides) {
   EXPECT_EQ(ov[9], "--training.compute_dtype=bf16");
   EXPECT_EQ(ov[11], "--parallelism.dp_shard=4");
   EXPECT_EQ(ov[14], "--parallelism.ranks_per_node=2");
-  // Every case loads at 2 and 4 ranks (the small job divides every layout).
+  // Every case loads at 2 and 4 ranks from its smallest world on (the small job divides every layout), the 8-rank
+  // case at 8.
   for (const ValidationCase& c : cs)
-    for (int w : {2, 4}) EXPECT_EQ(error_of([&] { case_config(c.name, w); }), "") << c.name << " at " << w;
+    for (int w : {2, 4, 8}) {
+      if (w >= c.min_world && (w < 8 || c.min_world == 8)) {
+        EXPECT_EQ(error_of([&] { case_config(c.name, w); }), "") << c.name << " at " << w;
+      }
+    }
 }
 
 TEST(Validate, OnlyPicksByParts) {
