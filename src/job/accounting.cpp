@@ -539,17 +539,38 @@ struct ParamSplit {
   std::string keys;      // the config keys of the largest part
 };
 
-ParamSplit param_split(const ModelSpec& s, const std::vector<char>& moe, double ep) {
+// The attention parameters the engine keeps whole under tensor parallelism: MLA's down projections, their norms and
+// the shared rope key (docs/parallel.md, "Tensor parallelism in the trainer"); 0 for MHA / GQA.
+double tp_replicated_attention(const ModelSpec& s) {
+  const auto& a = s.attn;
+  if (a.type != AttnType::MLA) return 0;
+  const double d = double(s.d_model), rq = double(a.q_lora_rank), rkv = double(a.kv_lora_rank);
+  return (rq > 0 ? d * rq + rq : 0) + d * rkv + rkv + d * double(a.qk_rope_head_dim);
+}
+
+// tp: this rank's share under tensor parallelism (the engine's slicing: heads, FFN widths, every expert's width and
+// the vocabulary divided; norms, the router and MLA's down projections whole).
+ParamSplit param_split(const ModelSpec& s, const std::vector<char>& moe, double ep, double tp = 1) {
   ParamSplit p;
-  const double V = double(s.vocab_size), d = double(s.d_model);
+  const double V = double(s.vocab_size) / tp, d = double(s.d_model);
   double attn = 0, dense_mlp = 0, experts = 0, emb = V * d * (s.tie_embeddings ? 1 : 2);
   p.max_unit = p.max_dense_run = std::max(V * d, d + (s.tie_embeddings ? 0 : V * d));
+  const double rep = tp_replicated_attention(s);
+  auto local_params = [&](int64_t layer) {  // this rank's slices (whole counts: tp divides every sliced width)
+    LayerParams lp = layer_params(s, layer);
+    if (tp > 1) {
+      lp.attention = int64_t((double(lp.attention) - rep) / tp + rep);
+      lp.dense_mlp = int64_t(double(lp.dense_mlp) / tp), lp.shared_experts = int64_t(double(lp.shared_experts) / tp);
+      lp.routed_experts = int64_t(double(lp.routed_experts) / tp);
+    }
+    return lp;
+  };
   // Every dense layer has the same parameters, and every MoE layer: one of each kind, times its count.
   for (char kind : {char(0), char(1)}) {
     const auto it = std::find(moe.begin(), moe.end(), kind);
     if (it == moe.end()) continue;
     const double n = double(std::count(moe.begin(), moe.end(), kind));
-    const LayerParams lp = layer_params(s, int64_t(it - moe.begin()));
+    const LayerParams lp = local_params(int64_t(it - moe.begin()));
     // The aux-free bias is counted by the router but is not a trained parameter: the engine keeps it apart.
     const double bias = kind && s.moe.load_balance == LoadBalance::AuxFree ? double(s.moe.n_routed_experts) : 0;
     const double dense = double(lp.total() - lp.routed_experts) - bias, local = double(lp.routed_experts) / ep;
@@ -567,7 +588,7 @@ ParamSplit param_split(const ModelSpec& s, const std::vector<char>& moe, double 
     for (char kind : {char(0), char(1)}) {
       const auto it = std::find(moe.begin(), moe.end(), kind);
       if (it == moe.end()) continue;
-      const LayerParams lp = layer_params(s, int64_t(it - moe.begin()));
+      const LayerParams lp = local_params(int64_t(it - moe.begin()));
       layer_n[int(kind)] = double(lp.total() - lp.routed_experts);
       if (kind) post = double(lp.shared_experts), pre = layer_n[1] - post;
     }
@@ -628,13 +649,13 @@ struct MemoryTerms {
 
   // Parameters, gradients, optimizer state and communication buffers.
   void add_state(MemoryEstimate& r) const {
-    const ParamSplit ps = param_split(s, moe, EP);
+    const ParamSplit ps = param_split(s, moe, EP, double(par.tp));
     const double local = ps.dense + ps.experts / EP;  // this rank's parameters (flat layout)
     // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, in the
     // compute dtype, as the grouped GEMM kernels pad them).
     double packed_layer = 0;
     if (s.is_moe()) {
-      const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
+      const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size / par.tp;  // TP: its width
       for (auto kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
         packed_layer += double(grouped_packed_size(kind, prec, el, dm, 2 * fe)) +
                         double(grouped_packed_size(kind, prec, el, fe, dm));
@@ -655,7 +676,9 @@ struct MemoryTerms {
       if (edp > 1) r.comm += ps.max_expert_run * 4;
     } else {
       r.params = local * (4 + copy) + packed + bias;
-      r.grads = local * 4;
+      // With tied embeddings the head's gradient has a buffer of its own until it joins the embedding's (this
+      // rank's vocabulary rows under TP).
+      r.grads = local * 4 + (s.tie_embeddings ? V / double(par.tp) * d * 4 : 0);
       r.optimizer = (par.zero == 1 && D > 1 ? (ps.dense + ps.experts) / D : local) * 8;
       // The gradient all-reduce in segments of at most 2^22 elements: a workspace of the largest segment per
       // communicator (the DP group; under EP the expert-data-parallel group for the experts' runs).
@@ -781,7 +804,7 @@ struct MemoryTerms {
     }
     if (s.is_moe()) {
       kernel = std::max(kernel, N * 16 + (m.aux_seq_wise ? B : 1) * E * 4);
-      const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size;
+      const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size / par.tp;  // TP: its width
       for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
         for (auto [k_in, n_out] : {std::pair<int64_t, int64_t>{dm, 2 * fe}, {fe, dm}})
           kernel = std::max(kernel, double(grouped_workspace_size(op, prec, el, k_in, n_out, threads)));

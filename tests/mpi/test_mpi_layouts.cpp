@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "moetron/gemm.h"
+#include "moetron/accounting.h"
 #include "moetron/check.h"
 #include "moetron/comm.h"
 #include "moetron/config.h"
@@ -372,6 +373,17 @@ TEST_P(MpiLayout, MatchesOneProcess) {
     }
     EXPECT_EQ(got.opt_state_bytes, 8 * held) << L.name << ": optimizer state per rank";
     EXPECT_EQ(sliced * tp, sliced_whole) << L.name;
+    // The start-up estimate (estimate_memory, what the memory check and the report use) against the measured peaks:
+    // parameters (with the packed experts), gradients and optimizer state are this rank's slices, held to 1 % (the
+    // 16-float padding of each tensor; measured: equal to the byte on every TP layout of the sweep).
+    const MemoryEstimate est = estimate_memory(tiny("unused", L.args), 4, 1);
+    EXPECT_NEAR(est.grads, double(got.grads_peak_bytes), 0.01 * double(got.grads_peak_bytes)) << L.name;
+    EXPECT_NEAR(est.optimizer, double(got.optimizer_peak_bytes), 0.01 * double(got.optimizer_peak_bytes)) << L.name;
+    EXPECT_NEAR(est.params, double(got.params_peak_bytes), 0.01 * double(got.params_peak_bytes)) << L.name;
+    if (world().rank() == 0)
+      std::printf("[%-28s] estimate_memory: grads %.0f (measured %lld), optimizer %.0f (%lld), params %.0f (%lld)\n",
+                  L.name.c_str(), est.grads, (long long)got.grads_peak_bytes, est.optimizer,
+                  (long long)got.optimizer_peak_bytes, est.params, (long long)got.params_peak_bytes);
     EXPECT_LT(got.params_peak_bytes, ref.params_peak_bytes) << L.name;
     if (world().rank() == 0)
       std::printf("[%-28s] per rank: optimizer %lld -> %lld bytes, params %lld -> %lld bytes; sliced tensors %lld of "
