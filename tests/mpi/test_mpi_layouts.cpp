@@ -36,7 +36,8 @@
 //    measured error against one process (and so against the bf16 payload, which is exact).
 // Replicas: whatever the layout, the parameters (gathered to the global layout) and the logged loss and
 // grad norm are bitwise identical on every rank after every step.
-// FSDP (zero = 3) is in the sweep too (its memory, resume and checkpoint tests are in test_mpi_train.cpp).
+// FSDP (zero = 3) is in the sweep too (its memory, resume and checkpoint tests are in test_mpi_train.cpp), and
+// HSDP (zero = 3 with dp_replicate > 1, with and without EP) under the DP bars.
 // Not a benchmark.
 #include <gtest/gtest.h>
 
@@ -206,6 +207,18 @@ std::vector<Layout> layouts() {
   v.push_back({"pp2_fp8_mxfp8", 2, {pp + "2", lay + "Ett|tL", rec + "mxfp8", fmt}, Bar::Bitwise});
   v.push_back({"pp2_fp8_delayed", 2,
                {pp + "2", lay + "Ett|tL", rec + "tensorwise", "--quantize.scaling=delayed"}, Bar::Bitwise});
+  // HSDP (zero = 3 with dp_replicate > 1): parameters sharded over dp_shard and replicated over dp_replicate; a
+  // unit's gradient reduce-scattered in its shard group, the step's shard then all-reduced over the replicas (a
+  // different association of the same rank-order sums: the DP bars). Under EP the expert runs are sharded over
+  // the shard group's ranks holding the same experts.
+  const std::string rep = "--parallelism.dp_replicate=", z3 = "--parallelism.zero=3";
+  v.push_back({"hsdp2x2", 4, {rep + "2", dp + "2", z3}, Bar::Exact});
+  v.push_back({"hsdp2x2_ep2", 4, {rep + "2", dp + "2", z3, "--parallelism.ep=2"}, Bar::Exact});
+  v.push_back({"hsdp2x4", 8, {rep + "2", dp + "4", z3}, Bar::Exact});
+  v.push_back({"hsdp4x2", 8, {rep + "4", dp + "2", z3}, Bar::Exact});
+  v.push_back({"hsdp2x4_ep2", 8, {rep + "2", dp + "4", z3, "--parallelism.ep=2"}, Bar::Exact});
+  v.push_back({"hsdp2x4_ep4_sync_free", 8,
+               {rep + "2", dp + "4", z3, "--parallelism.ep=4", "--parallelism.ep_dispatcher=sync_free"}, Bar::Exact});
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
                Bar::Exact});
@@ -349,6 +362,9 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
        "global_batch_size"},
       {"ep_larger_than_dp", {"--parallelism.dp_shard=" + W, "--parallelism.ep=" + std::to_string(2 * w)}, "ep", 1},
       {"ranks_per_node", {"--parallelism.dp_shard=" + W, "--parallelism.ranks_per_node=3"}, "ranks_per_node", 4},
+      {"hsdp_ep_across_replicas", {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=" + std::to_string(w / 2),
+                                   "--parallelism.zero=3", "--parallelism.ep=" + W},
+       "(HSDP) needs ep to divide dp_shard", 4},
   };
   for (auto& b : bad) {
     if (w < b.min_world) continue;
