@@ -39,8 +39,9 @@ struct FsdpOptions {
   Comm dense;   // the shard group: dense parameters are sharded over it (FSDP: all of DP; HSDP: dp_shard)
   Comm expert;  // routed-expert parameters' shard group: the ranks of `dense` holding the same experts (FSDP: the
                 // expert-data-parallel group; = dense when ep = 1)
-  Comm replicate;  // HSDP: the ranks holding this rank's block in the other replicas (dp_replicate; the same group
-                   // for the expert runs, since ep divides dp_shard). Default: one rank (FSDP)
+  // HSDP: the ranks holding this rank's block in the other replicas (dp_replicate; the same group for the expert
+  // runs, since ep divides dp_shard). Default: one rank (FSDP).
+  Comm replicate = Comm();
 };
 
 struct FsdpRun {

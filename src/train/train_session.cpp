@@ -161,7 +161,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   // the expert-data-parallel group (the DP group without EP). HSDP (dp_replicate > 1): both are one replica's,
   // the shard group and its ranks holding this rank's experts, and the replicate group sums the gradient shards.
   if (zero3) {
-    fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{mcs.dp, mcs.edp, Comm()});
+    fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{mcs.dp, mcs.edp});
     if (mesh.dp_replicate() > 1) fsdp_opts->dense = mcs.dp_shard, fsdp_opts->expert = hsdp_expert_group(mcs, EP),
                                  fsdp_opts->replicate = mcs.dp_replicate;
     mpar.fsdp = fsdp_opts.get();
