@@ -167,6 +167,7 @@ std::vector<ValidationCase> validation_cases() {
       {"pp_interleaved", 2, {"--parallelism.pp=2", "--parallelism.dp_shard={w2}",
                              "--parallelism.pp_schedule=interleaved_1f1b", "--parallelism.pp_virtual_stages=2"}},
       {"recompute_full", 2, {"--parallelism.dp_replicate={w}", "--activation_checkpoint.mode=full"}},
+      {"hsdp", 4, {"--parallelism.dp_replicate=2", "--parallelism.dp_shard={w2}", "--parallelism.zero=3"}},
   };
 }
 
