@@ -3,7 +3,8 @@
 // splits into runs (dense parameters, routed-expert parameters), and which equal block of every run this
 // rank owns. It holds this rank's shards (master fp32 parameters, fp32 gradients) and does the collectives:
 // all-gather a unit into a caller's slot, reduce-scatter a unit's slot gradient into the gradient shard,
-// gather / slice the whole flat layout for checkpoints, the sharded gradient norm.
+// gather / slice the whole flat layout for checkpoints, the sharded gradient norm, and under HSDP the
+// all-reduce of the gradient shard over the replicas.
 // Not the model (which owns the unit slots, the bf16 copies and the packed expert weights and decides when
 // a unit is gathered and released: src/model/model.cpp) and not the optimizer (the trainer runs AdamW on
 // segments()). See docs/parallel.md, "FSDP / ZeRO-3".
@@ -17,6 +18,11 @@
 // slot (what the model computes with) holds every run's S * chunk elements back to back (dense run first),
 // so parameter i lives at slot + local_offset(i). This rank's shard is the concatenation over units and
 // runs of its block: shard_numel() = sum over runs of chunk.
+//
+// HSDP (hybrid sharding): the run groups are one replica's shard group, and FsdpOptions::replicate joins the
+// ranks holding the same block in the other replicas. Gathers and reduce-scatters stay inside the shard group;
+// reduce_replicas() then sums the gradient shard over the replicate group, so every replica holds the same
+// reduced shard. With a replicate group of one rank (plain FSDP) it does nothing.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -30,8 +36,12 @@ namespace moetron {
 struct ParamEntry;
 
 struct FsdpOptions {
-  Comm dense;   // the data-parallel group: dense parameters are sharded over it
-  Comm expert;  // the expert-data-parallel group: routed-expert parameters (= dense when ep = 1)
+  Comm dense;   // the shard group: dense parameters are sharded over it (FSDP: all of DP; HSDP: dp_shard)
+  Comm expert;  // routed-expert parameters' shard group: the ranks of `dense` holding the same experts (FSDP: the
+                // expert-data-parallel group; = dense when ep = 1)
+  // HSDP: the ranks holding this rank's block in the other replicas (dp_replicate; the same group for the expert
+  // runs, since ep divides dp_shard). Default: one rank (FSDP).
+  Comm replicate = Comm();
 };
 
 struct FsdpRun {
@@ -85,6 +95,11 @@ class Fsdp {
   // Collective: grads shard += the rank-order sum over the group of every rank's slot gradient (the slot's
   // padding must be zero).
   void reduce_scatter_unit(const float* gslot /* [slot_numel(u)] */, int u);
+  // Collective over the replicate group (HSDP; nothing with one replica): grads shard = the rank-order sum over
+  // the replicas of their grads shards (Comm::all_reduce, bitwise the same on every replica). Once per step,
+  // after the last unit's reduce-scatter.
+  void reduce_replicas();
+  int replicas() const { return replicate_.size(); }
 
   // Whole flat layout (ParamEntry::offset, the plain model's param_data()): collective gather of a shard
   // vector (params, grads or an optimizer moment) into every rank's `flat`, and the local slice back.
@@ -92,7 +107,8 @@ class Fsdp {
   void slice_flat(float* shard /* [shard_numel] */, const float* flat /* [flat_numel] */) const;
 
   // Squared L2 norm of the gradient (collective): each rank's shard norm (grad_norm_sq), folded in rank
-  // order over the group (double). Equals the unsharded norm up to the order of the double additions.
+  // order over the shard group (double): one replica's shards, since replicas hold equal ones. Equals the
+  // unsharded norm up to the order of the double additions.
   double grad_norm_sq() const;
 
  private:
@@ -102,7 +118,7 @@ class Fsdp {
   std::vector<int64_t> local_;
   std::vector<FsdpSegment> segs_;
   int64_t max_slot_ = 0, shard_numel_ = 0, max_chunk_ = 0;
-  Comm dense_;
+  Comm dense_, replicate_;
   Tensor p_, g_, rs_tmp_;
 };
 

@@ -664,16 +664,21 @@ struct MemoryTerms {
     const double bias = n_moe * E * 4;                // aux-free biases (fp32, every expert)
     const double edp = D / EP;  // the expert-data-parallel group
     if (par.zero == 3) {
-      const double shard = (ps.dense + ps.experts) / D;  // dense over dp, local experts over dp / ep
+      // The shard group: dp_shard ranks (all of dp for FSDP, one replica's for HSDP, dp_replicate > 1); dense
+      // parameters over it, local experts over its ranks holding the same experts (dp_shard / ep).
+      const double Ds = double(par.dp_shard), esh = Ds / EP, R = double(par.dp_replicate);
+      const double shard = (ps.dense + ps.experts) / Ds;
       const double slots = s.tie_embeddings ? 2 : 1;
       r.params = shard * 4 + slots * (ps.max_unit * (4 + copy) + packed_layer) + bias;
       r.grads = shard * 4 + slots * ps.max_unit * 4;
       r.optimizer = shard * 8;
       // Reduce-scatter staging: the largest chunk of a unit's run. Over more than one rank, each group's
-      // communicator keeps a workspace of its largest run (gather and reduce-scatter of a unit).
-      r.comm = std::max(ps.max_dense_run / D, ps.max_expert_run / edp) * 4;
-      if (D > 1) r.comm += ps.max_dense_run * 4;
-      if (edp > 1) r.comm += ps.max_expert_run * 4;
+      // communicator keeps a workspace of its largest run (gather and reduce-scatter of a unit); HSDP's replicate
+      // group one of its all-reduce segment (the gradient shard, at most 2^22 elements).
+      r.comm = std::max(ps.max_dense_run / Ds, ps.max_expert_run / esh) * 4;
+      if (Ds > 1) r.comm += ps.max_dense_run * 4;
+      if (esh > 1) r.comm += ps.max_expert_run * 4;
+      if (R > 1) r.comm += std::min(shard, double(int64_t(1) << 22)) * 4;
     } else {
       r.params = local * (4 + copy) + packed + bias;
       // With tied embeddings the head's gradient has a buffer of its own until it joins the embedding's (this

@@ -15,7 +15,7 @@ int64_t pad16(int64_t n) { return param_padded_numel(n); }
 }  // namespace
 
 Fsdp::Fsdp(const std::vector<ParamEntry>& params, const std::vector<int>& unit_of, int n_units, const FsdpOptions& o)
-    : params_(params), unit_of_(unit_of), dense_(o.dense) {
+    : params_(params), unit_of_(unit_of), dense_(o.dense), replicate_(o.replicate) {
   MT_CHECK(unit_of.size() == params.size(), "Fsdp", "unit_of has ", unit_of.size(), " entries for ", params.size(),
            " parameters");
   MT_CHECK(n_units >= 1, "Fsdp", "n_units = ", n_units);
@@ -97,6 +97,10 @@ void Fsdp::reduce_scatter_unit(const float* gslot, int u) {
   }
 }
 
+void Fsdp::reduce_replicas() {
+  if (replicate_.size() > 1) replicate_.all_reduce(grads(), shard_numel_);
+}
+
 void Fsdp::gather_flat(float* flat, const float* shard) const {
   std::vector<float> stage(static_cast<size_t>(max_slot_));
   for (auto& U : units_) {
@@ -118,8 +122,9 @@ void Fsdp::slice_flat(float* shard, const float* flat) const {
     std::memcpy(shard + s.shard_offset, flat + params_[size_t(s.param)].offset + s.elem_offset, size_t(s.count) * 4);
 }
 
-// The shards partition the global gradient over the dense (DP) group: a dense element lives in one DP rank's
-// shard, and under EP an expert element in one (ep, edp) rank's shard, so one sum over DP counts each once.
+// The shards partition the global gradient over the dense (shard) group: a dense element lives in one of its
+// ranks' shards, and under EP an expert element in one (ep, expert shard) rank's shard, so one sum over the shard
+// group counts each once. Under HSDP the other replicas hold the same shards and are not added.
 double Fsdp::grad_norm_sq() const {
   double s = moetron::grad_norm_sq(g_.data<float>(), shard_numel_);
   dense_.all_reduce(&s, 1);

@@ -578,7 +578,8 @@ std::vector<DpWindow> rank_windows(const Layout& l, const StagePlan& sp, const T
 // Data parallel for pipeline rank r: gradients reduced (reduce-scatter with a distributed optimizer, else
 // all-reduce) after the last micro-batch's backward, overlapped with that backward; parameters all-gathered after
 // the step, overlapped with the first micro-batch's forward. FSDP (zero 3) gathers per micro-batch and hides
-// behind each stage's compute (prefetch). Its exposed and total seconds.
+// behind each stage's compute (prefetch); HSDP adds the replicas' all-reduce of the gradient shard once per step.
+// Its exposed and total seconds.
 struct DpCost {
   double exposed = 0, total = 0;
 };
@@ -586,8 +587,13 @@ DpCost dp_rank(const Layout& l, const Hardware& h, const TimeOptions& o, const S
                const PipelineRun& pr, const RankMemory& rm, int r) {
   const PlanOptions& po = o.memory;
   const int64_t m = l.microbatches;
-  const Group gd = place(h, l.dp * l.cp, l.tp);
-  const Group ge = place(h, l.edp(), l.ep * l.etp);
+  // HSDP (zero 3, dp_shard < dp): gathers and reduce-scatters inside the shard group (dp_shard, inner to the
+  // replicas), the experts' inside its ranks holding the same experts; then one all-reduce of the gradient shard
+  // over the dp / dp_shard replicas per step.
+  const bool hsdp = l.zero == 3 && l.dp_shard > 0 && l.dp_shard < l.dp;
+  const int64_t dsh = hsdp ? l.dp_shard : l.dp, esh = hsdp ? std::max<int64_t>(1, l.edp() * dsh / l.dp) : l.edp();
+  const Group gd = place(h, dsh * l.cp, l.tp);
+  const Group ge = place(h, esh, l.ep * l.etp);
   const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
   double f1 = 0, b1 = 0;
   for (int st : sp.rank_stages[size_t(r)]) f1 += tp.stages[size_t(st)].f, b1 += tp.stages[size_t(st)].i + tp.stages[size_t(st)].w;
@@ -604,8 +610,12 @@ DpCost dp_rank(const Layout& l, const Hardware& h, const TimeOptions& o, const S
   if (l.zero == 3) {
     // per micro-batch: gather for forward and again for backward, reduce-scatter of the gradients
     const double per_mb = 2 * gather + red;
-    dc.total = per_mb * double(m);
-    dc.exposed = double(m) * (std::max(0.0, gather - hide_f) + std::max(0.0, gather + red - hide_b));
+    // HSDP's replica all-reduce runs after the step's backward (the engine's order), exposed.
+    const double rep = hsdp ? all_reduce(h, (Pd / double(dsh * l.cp) + Pe / double(esh)) * gb,
+                                         place(h, l.dp / dsh, l.tp * l.cp * dsh))
+                            : 0.0;
+    dc.total = per_mb * double(m) + rep;
+    dc.exposed = double(m) * (std::max(0.0, gather - hide_f) + std::max(0.0, gather + red - hide_b)) + rep;
   } else if (!o.overlap_dp) {
     dc.total = dc.exposed = red + gather;
   } else {

@@ -267,9 +267,11 @@ void rank_state(const MemCtx& x, const RankParams& p, RankMemory& rm) {
   rm.params_experts = p.ps.experts / double(l.ep * l.etp);
   const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
   double fsdp_grad_slot = 0;
+  // zero 3 shards over dp_shard (all of dp for FSDP; one replica's ranks for HSDP, whose replicas hold equal
+  // shards): parameters, gradients, main parameters and optimizer state alike.
+  const double dsh = double(l.zero == 3 && l.dp_shard > 0 ? l.dp_shard : l.dp);
+  const double esh = std::max(1.0, edp * dsh / double(l.dp));
   if (l.zero == 3) {
-    const double dsh = double(l.dp_shard > 0 ? l.dp_shard : l.dp);
-    const double esh = std::max(1.0, edp * dsh / double(l.dp));
     const double shard = Pd / (dsh * double(l.cp)) + Pe / esh;
     if (rc.engine_buffers) {
       // The engine keeps the fp32 shard alone and gathers one unit at a time (two with tied embeddings) into a
@@ -286,8 +288,9 @@ void rank_state(const MemCtx& x, const RankParams& p, RankMemory& rm) {
   } else {
     rm.params = (Pd + Pe) * (rc.param + rc.compute_copy) + Pe * rc.expert_packed;
   }
-  const double shard_d = l.zero >= 1 ? dense_dp : 1.0, shard_e = l.zero >= 1 ? edp : 1.0;
-  const double gshard_d = l.zero >= 2 ? dense_dp : 1.0, gshard_e = l.zero >= 2 ? edp : 1.0;
+  const double zd = l.zero == 3 ? dsh * double(l.cp) : dense_dp, ze = l.zero == 3 ? esh : edp;
+  const double shard_d = l.zero >= 1 ? zd : 1.0, shard_e = l.zero >= 1 ? ze : 1.0;
+  const double gshard_d = l.zero >= 2 ? zd : 1.0, gshard_e = l.zero >= 2 ? ze : 1.0;
   rm.grads = Pd * rc.grad / gshard_d + Pe * rc.grad / gshard_e + fsdp_grad_slot;
   rm.optimizer_elements = Pd / shard_d + Pe / shard_e;
   rm.main_params = rm.optimizer_elements * rc.main;

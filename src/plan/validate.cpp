@@ -172,6 +172,7 @@ std::vector<ValidationCase> validation_cases() {
       // The seeds' layout shape at small scale (8 ranks): tp x cp x pp with EP over the data (and context) ranks.
       {"tp2_cp2_pp2_ep2", 8, {"--parallelism.tp=2", "--parallelism.expert_tp=2", "--parallelism.cp=2",
                               "--parallelism.pp=2", "--parallelism.ep=2"}},
+      {"hsdp", 4, {"--parallelism.dp_replicate=2", "--parallelism.dp_shard={w2}", "--parallelism.zero=3"}},
   };
 }
 

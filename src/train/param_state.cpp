@@ -4,7 +4,8 @@
 // and, under EP, of this rank's routed-expert shards (reduced over the expert-data-parallel group). Without EP
 // it is one run [0, np) over DP. AdamW state: per run the whole range, or with zero = 1 this rank's slice
 // [s_lo, s_hi) of it over the run's group (ZeRO-1); the state buffers concatenate them. zero = 3: the state has
-// the layout of the parameter shard (fsdp->segments()); the runs are not used.
+// the layout of the parameter shard (fsdp->segments()); the runs are not used. Under HSDP (zero = 3 with
+// dp_replicate > 1) the shard is one replica's: the optimizer state is replicated like the parameters.
 #include "train/param_state.h"
 
 #include <limits>
@@ -86,7 +87,14 @@ void ParamState::reduce_grads() {
     for (const auto& p : m_.params())
       if (p.tp_partial) c_.tp.all_reduce(m_.grad_data() + p.offset, p.numel);
   }
-  if (zero3_ || c_.dp.size() == 1) return;
+  if (zero3_) {  // reduce-scattered unit by unit during the backward; HSDP: then summed over the replicas
+    if (fsdp_->replicas() > 1) {
+      MT_TRACE("fsdp.replica_all_reduce");
+      fsdp_->reduce_replicas();
+    }
+    return;
+  }
+  if (c_.dp.size() == 1) return;
   MT_TRACE("dp.all_reduce");
   for (auto& r : runs_)
     if (r.comm->size() > 1)

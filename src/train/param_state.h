@@ -42,7 +42,8 @@ class ParamState {
   // ---- the step
   // TP: the partial gradients (ParamEntry::tp_partial) summed over the TP group first. DP: gradients summed over
   // each run's group (rank-order fold, identical on every rank) in buckets of kCommReduceSegment elements; zero = 3
-  // reduced unit by unit during the backward already.
+  // reduced unit by unit during the backward already (HSDP: the gradient shard is all-reduced here over the
+  // replicas).
   void reduce_grads();
   // The global gradient norm. Plain and ZeRO-1: per parameter (an expert tensor's shards summed over EP in
   // rank order), folded in global parameter order, so any pipeline split gives the same bits as one process.

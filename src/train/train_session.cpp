@@ -47,12 +47,15 @@ const ParallelSpec& engine_parallelism(const JobConfig& cfg) {
 
   MT_CHECK(p.expert_tp == 1 || cfg.model.is_moe(), "train", "parallelism.expert_tp = ", p.expert_tp,
            " needs a MoE model (this one has no routed experts); use 1");
-  // HSDP (TorchTitan's meaning: shard over dp_shard, replicate over dp_replicate) is what the planner prices for
-  // zero = 3 with dp_replicate > 1; the engine's zero = 3 shards over the whole data-parallel group.
-  MT_CHECK(p.zero != 3 || p.dp_replicate == 1, "train", "parallelism.dp_replicate = ", p.dp_replicate,
-           " with zero = 3 (dp_shard = ", p.dp_shard, ") is hybrid-sharded data parallelism (HSDP), which is not "
-           "implemented in the engine: zero = 3 would shard over all ", p.dp(), " data-parallel ranks instead of over "
-           "dp_shard; use dp_shard = ", p.dp(), " and dp_replicate = 1 (FSDP over every rank), or zero = 0 / 1");
+  // HSDP (zero = 3 with dp_replicate > 1): a unit's expert run is sharded over the ranks of one shard group that
+  // hold the same experts, which needs every EP group inside one shard group.
+  MT_CHECK(p.zero != 3 || p.dp_replicate == 1 || p.ep < 1 || p.dp_shard % p.ep == 0, "train", "parallelism.ep = ",
+           p.ep, " with zero = 3 and dp_replicate = ", p.dp_replicate, " (HSDP) needs ep to divide dp_shard = ",
+           p.dp_shard, ": the expert parameters are sharded over the ranks of one shard group that hold the same "
+           "experts; use an ep that divides dp_shard, or dp_replicate = 1");
+  MT_CHECK(p.zero != 3 || p.dp_replicate == 1 || p.cp == 1, "train", "parallelism.cp = ", p.cp, " with zero = 3 and "
+           "dp_replicate = ", p.dp_replicate, " (HSDP) is not implemented yet (the shard group would span dp_shard x cp); "
+           "use dp_replicate = 1 (FSDP over dp x cp) or cp = 1");
   MT_CHECK(!p.ep_overlap_split, "train", "parallelism.ep_overlap_split = true is not implemented in the engine (the "
            "split of unpaired chunks into two overlapped halves is planned only: `moetron plan`); use false");
   return p;
@@ -80,6 +83,17 @@ void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
            "parallelism.zero = ", cfg.parallelism.zero,
            " is not implemented in the trainer (use 0; 1 shards the optimizer state; 3 shards parameters, "
            "gradients and optimizer state)");
+}
+
+// HSDP's expert shard group: the ranks of this rank's shard group holding the same experts (ep divides dp_shard,
+// so an EP group lies inside one shard group and ep_idx = shard_idx % ep), ordered by shard_idx / ep. Collective
+// over the shard group; the shard group itself without EP.
+Comm hsdp_expert_group(const MeshComms& mcs, int ep) {
+  if (ep == 1) return mcs.dp_shard;
+  const int s = mcs.dp_shard.rank();
+  Comm g = mcs.dp_shard.split(s % ep, s / ep);
+  g.set_name("edp_shard");
+  return g;
 }
 
 // The job's world communicator. First the retired environment variables are refused (env.h: each names its
@@ -162,8 +176,15 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
     mpar.ep_ranks_per_node = mesh.ep_ranks_per_node();
   }
   // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is
-  // the expert-data-parallel group (the DP group without EP).
-  if (zero3) fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{gdp, gedp}), mpar.fsdp = fsdp_opts.get();
+  // the expert-data-parallel group (the DP group without EP); under CP both span dp x cp. HSDP (dp_replicate > 1):
+  // both are one replica's, the shard group and its ranks holding this rank's experts, and the replicate group sums
+  // the gradient shards.
+  if (zero3) {
+    fsdp_opts = std::make_unique<FsdpOptions>(FsdpOptions{gdp, gedp});
+    if (mesh.dp_replicate() > 1) fsdp_opts->dense = mcs.dp_shard, fsdp_opts->expert = hsdp_expert_group(mcs, EP),
+                                 fsdp_opts->replicate = mcs.dp_replicate;
+    mpar.fsdp = fsdp_opts.get();
+  }
   if (mesh.tp() > 1) mpar.tp = &mcs.tp;
   if (mesh.cp() > 1) mpar.cp = &mcs.cp;
   mpar.stages = &plan.parts;

@@ -43,7 +43,8 @@
 //    a routing flip moved DP runs by 7e-6, so a flip would show), the gradient and parameters to the DP bars.
 // Replicas: whatever the layout, the parameters (gathered to the global layout) and the logged loss and
 // grad norm are bitwise identical on every rank after every step.
-// FSDP (zero = 3) is in the sweep too (its memory, resume and checkpoint tests are in test_mpi_train.cpp).
+// FSDP (zero = 3) is in the sweep too (its memory, resume and checkpoint tests are in test_mpi_train.cpp), and
+// HSDP (zero = 3 with dp_replicate > 1, with and without EP) under the DP bars.
 // Not a benchmark.
 #include <gtest/gtest.h>
 
@@ -225,6 +226,18 @@ std::vector<Layout> layouts() {
   v.push_back({"pp2_fp8_mxfp8", 2, {pp + "2", lay + "Ett|tL", rec + "mxfp8", fmt}, Bar::Bitwise});
   v.push_back({"pp2_fp8_delayed", 2,
                {pp + "2", lay + "Ett|tL", rec + "tensorwise", "--quantize.scaling=delayed"}, Bar::Bitwise});
+  // HSDP (zero = 3 with dp_replicate > 1): parameters sharded over dp_shard and replicated over dp_replicate; a
+  // unit's gradient reduce-scattered in its shard group, the step's shard then all-reduced over the replicas (a
+  // different association of the same rank-order sums: the DP bars). Under EP the expert runs are sharded over
+  // the shard group's ranks holding the same experts.
+  const std::string rep = "--parallelism.dp_replicate=", z3 = "--parallelism.zero=3";
+  v.push_back({"hsdp2x2", 4, {rep + "2", dp + "2", z3}, Bar::Exact});
+  v.push_back({"hsdp2x2_ep2", 4, {rep + "2", dp + "2", z3, "--parallelism.ep=2"}, Bar::Exact});
+  v.push_back({"hsdp2x4", 8, {rep + "2", dp + "4", z3}, Bar::Exact});
+  v.push_back({"hsdp4x2", 8, {rep + "4", dp + "2", z3}, Bar::Exact});
+  v.push_back({"hsdp2x4_ep2", 8, {rep + "2", dp + "4", z3, "--parallelism.ep=2"}, Bar::Exact});
+  v.push_back({"hsdp2x4_ep4_sync_free", 8,
+               {rep + "2", dp + "4", z3, "--parallelism.ep=4", "--parallelism.ep_dispatcher=sync_free"}, Bar::Exact});
   v.push_back({"ep2_rep2_shard2_zero1", 4,
                {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.zero=1"},
                Bar::Exact});
@@ -342,6 +355,12 @@ TEST_P(MpiLayout, MatchesOneProcess) {
   ASSERT_EQ(got.first_grads.size(), ref.first_grads.size());
   const ParamDiff gd = param_diff(got.first_grads, ref.first_grads);
   EXPECT_LE(gd.rel_l2, L.bar == Bar::Fp8 ? kFp8GradRel : kGradRel) << L.name << ": step 1 gradient";
+  // The logged step-1 norm is the norm of that gradient: | |g| - |g'| | <= |g - g'|, so it is within the gradient's
+  // bar (a shard counted twice, e.g. HSDP's replicas both added, is off by sqrt(2)).
+  if (L.bar != Bar::Fp8) {
+    const double n1 = got.history[0].grad_norm, m1 = ref.history[0].grad_norm;
+    EXPECT_LE(std::abs(n1 - m1) / m1, kGradRel) << L.name << ": step 1 grad norm " << n1 << " vs one process " << m1;
+  }
   double worst = 0;
   for (int i = 0; i < kSteps; ++i) {
     const double a = got.history[size_t(i)].loss, b = ref.history[size_t(i)].loss;
@@ -486,6 +505,11 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
                          "--parallelism.ep=2", "--parallelism.pp=2", "--parallelism.pp_schedule=interleaved_1f1b",
                          "--parallelism.pp_layout=Et|t|t|tL", "--parallelism.ep_overlap=true"},
        "ep_overlap = true is not implemented with context parallelism", 8},
+      {"hsdp_ep_across_replicas", {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=" + std::to_string(w / 2),
+                                   "--parallelism.zero=3", "--parallelism.ep=" + W},
+       "(HSDP) needs ep to divide dp_shard", 4},
+      {"hsdp_cp", {"--parallelism.dp_replicate=2", "--parallelism.cp=2", "--parallelism.zero=3",
+                   "--parallelism.dp_shard=" + std::to_string(std::max(1, w / 4))}, "(HSDP) is not implemented yet", 4},
   };
   for (auto& b : bad) {
     if (w < b.min_world) continue;

@@ -2,8 +2,8 @@
 // balancing (so the expert biases travel too), synthetic data, 4 steps of the same global batch, a checkpoint at
 // step 3. Every layout below saves once (its uninterrupted run); then every layout's step-3 checkpoint is resumed
 // under every other layout for step 4. Layouts: one process; DP with ZeRO 0, 1 and 3; EP 2 (alltoall) and EP 4
-// (sync_free, hierarchical); PP 4 (1f1b), PP 2 x DP 2 (interleaved), PP 2 x EP 2; TP 2 x DP 2; CP 2 x DP 2 with EP 2
-// over dp x cp.
+// (sync_free, hierarchical); PP 4 (1f1b), PP 2 x DP 2 (interleaved), PP 2 x EP 2; HSDP 2 x 2 (zero = 3 over dp_shard
+// 2, replicated over dp_replicate 2) without and with EP 2; TP 2 x DP 2; CP 2 x DP 2 with EP 2 over dp x cp.
 //
 // What a resumed step must match, and why (the layout sweep's reasoning, tests/mpi/test_mpi_layouts.cpp):
 //  - The learning rate, the step counter and the sequences each rank trains are exactly those of the new
@@ -47,7 +47,8 @@ struct Layout {
 };
 
 std::vector<Layout> layouts() {
-  const std::string dp = "--parallelism.dp_shard=", ep = "--parallelism.ep=", pp = "--parallelism.pp=";
+  const std::string dp = "--parallelism.dp_shard=", ep = "--parallelism.ep=", pp = "--parallelism.pp=",
+                    rep = "--parallelism.dp_replicate=";
   const std::string disp = "--parallelism.ep_dispatcher=", sch = "--parallelism.pp_schedule=",
                     lay = "--parallelism.pp_layout=";
   return {
@@ -61,6 +62,8 @@ std::vector<Layout> layouts() {
       {"pp4_1f1b", false, false, {pp + "4", sch + "1f1b", lay + "Et|t|t|L"}},
       {"pp2_dp2_interleaved", false, false, {pp + "2", dp + "2", sch + "interleaved_1f1b", lay + "Et|t|t|L"}},
       {"pp2_ep2", false, false, {pp + "2", dp + "2", ep + "2", lay + "Et|ttL"}},
+      {"hsdp2x2", false, false, {rep + "2", dp + "2", "--parallelism.zero=3"}},
+      {"hsdp2x2_ep2", false, false, {rep + "2", dp + "2", "--parallelism.zero=3", ep + "2"}},
       // Tensor and context parallelism: their partial sums reassociate (the sweep's Bar::Tp), held like the
       // hierarchical combine against one process.
       {"tp2_dp2", false, true, {"--parallelism.tp=2", "--parallelism.expert_tp=2", dp + "2"}},

@@ -11,7 +11,8 @@
 //            measured: the losses are bitwise equal too, parameters differ by ~1e-8 relative L2).
 // FSDP / ZeRO-3 (zero = 3): against one process with the same tolerances (see Zero3MatchesOneProcess),
 // bitwise run to run, memory per category per rank equal to the layout's exact figure, resume bitwise, and
-// checkpoints interchangeable with zero = 0 (one process or DP) in both directions.
+// checkpoints interchangeable with zero = 0 (one process or DP) in both directions. HSDP (zero = 3 with
+// dp_replicate > 1): the memory per rank is FSDP's over dp_shard (HsdpMemoryPerRankIsTheDpShardShard).
 // Not a benchmark; expert parallelism and the layout sweep are in test_mpi_layouts.cpp.
 #include <gtest/gtest.h>
 
@@ -260,6 +261,31 @@ TEST(MpiTrain, Zero3MatchesOneProcess) {
   expect_bitwise_equal_runs(z2, z, "zero=3 run to run");
 }
 
+// The shard and the largest unit slot (elements) of one rank when every unit is sharded over p ranks.
+struct ShardFigures {
+  int64_t shard = 0, slot = 0;
+};
+ShardFigures shard_figures(const Model& probe, int p) {
+  const auto& ms = probe.spec();
+  const int nL = int(ms.n_layers);
+  ShardFigures f;
+  for (int u = 0; u < nL + 2; ++u) {
+    int64_t unit_slot = 0;
+    for (bool expert : {false, true}) {
+      int64_t n = 0;
+      for (auto& e : probe.params()) {
+        int eu = e.layer >= 0 ? e.layer + 1 : (e.name == "embed" ? 0 : nL + 1);
+        if (eu == u && e.expert == expert) n += pad16(e.numel);
+      }
+      if (n == 0) continue;
+      int64_t chunk = pad16((n + p - 1) / p);
+      f.shard += chunk, unit_slot += p * chunk;
+    }
+    f.slot = std::max(f.slot, unit_slot);
+  }
+  return f;
+}
+
 // Memory per category per rank. The exact figures from the layout (fsdp.h), computed here independently:
 // every unit splits into a dense and an expert run; a run of n = sum pad16(numel) elements gives each rank
 // chunk = pad16(ceil(n / p)); shard = sum of chunks. One unit slot (untied head) of the largest unit's
@@ -278,21 +304,7 @@ TEST(MpiTrain, Zero3MemoryPerRankIsTheShardPlusOneUnit) {
   const auto& ms = cfg.model;
   const int nL = int(ms.n_layers), E = int(ms.moe.n_routed_experts);
   const int64_t d = ms.d_model, Fe = ms.moe.moe_inter_size;
-  int64_t shard = 0, slot = 0;
-  for (int u = 0; u < nL + 2; ++u) {
-    int64_t unit_slot = 0;
-    for (bool expert : {false, true}) {
-      int64_t n = 0;
-      for (auto& e : probe.params()) {
-        int eu = e.layer >= 0 ? e.layer + 1 : (e.name == "embed" ? 0 : nL + 1);
-        if (eu == u && e.expert == expert) n += pad16(e.numel);
-      }
-      if (n == 0) continue;
-      int64_t chunk = pad16((n + p - 1) / p);
-      shard += chunk, unit_slot += p * chunk;
-    }
-    slot = std::max(slot, unit_slot);
-  }
+  const auto [shard, slot] = shard_figures(probe, p);
   // Per parameter: the fp32 master plus, with bf16 compute, its bf16 copy; the packed experts are in the
   // compute dtype (the training runs below resolve compute_dtype = auto like the probe).
   const bool bf = probe.compute_dtype() == ComputeDtype::BF16;
@@ -333,6 +345,52 @@ TEST(MpiTrain, Zero3MemoryPerRankIsTheShardPlusOneUnit) {
                 p, (long long)d0.params_peak_bytes, (long long)z.params_peak_bytes, (long long)d0.grads_peak_bytes,
                 (long long)z.grads_peak_bytes, (long long)d0.optimizer_peak_bytes, (long long)z.optimizer_peak_bytes,
                 (long long)shard, (long long)np, (long long)slot);
+}
+
+// HSDP (zero = 3, dp_replicate 2 x dp_shard 2 on 4 ranks): every rank holds the shard of FSDP over dp_shard = 2,
+// not over the 4 data-parallel ranks. Measured from the tracked memory: the optimizer state (8 bytes per shard
+// element), the gradient and master-parameter shards (4 each, plus the one gathered unit's slots) are the exact
+// figures of the layout at p = 2, equal to what FSDP over 2 ranks measures (each half of the world trains FSDP
+// dp_shard = 2 on its own communicator), and half of one process's optimizer state up to the 16-element padding
+// of each run's chunk.
+TEST(MpiTrain, HsdpMemoryPerRankIsTheDpShardShard) {
+  if (world().size() != 4) GTEST_SKIP() << "HSDP 2 x 2 needs 4 ranks";
+  JobConfig cfg = tiny("unused");
+  auto probe_ptr = std::make_unique<Model>(cfg.model, kMicro, cfg.training.seq_len);
+  const ShardFigures f2 = shard_figures(*probe_ptr, 2), f4 = shard_figures(*probe_ptr, 4);
+  const int64_t np = probe_ptr->num_params();
+  const int units = int(cfg.model.n_layers) + 2;
+  probe_ptr.reset();
+  TrainResult h = train(tiny(shared_dir("hsdp_mem"), {"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2",
+                                                       "--parallelism.zero=3", "--training.steps=1"}),
+                        recorded(&world()));
+  // FSDP over 2 ranks: ranks {0, 1} and {2, 3} each train it on their own communicator.
+  const int pair = world().rank() / 2;
+  const Comm two = world().split(pair, world().rank() % 2);
+  const std::string fd = temp_dir("moetron_mpi_train_", "hsdp_mem_fsdp2_pair" + std::to_string(pair));
+  if (two.rank() == 0) fs::remove_all(fd);
+  two.barrier();
+  TrainResult f = train(tiny(fd, {"--parallelism.dp_shard=2", "--parallelism.zero=3", "--training.steps=1"}),
+                        recorded(&two));
+  const TrainResult& one = reference();
+  EXPECT_EQ(h.optimizer_peak_bytes, 8 * f2.shard);
+  EXPECT_EQ(h.optimizer_peak_bytes, f.optimizer_peak_bytes);
+  EXPECT_EQ(h.grads_peak_bytes, 4 * f2.shard + 4 * f2.slot);
+  EXPECT_EQ(h.grads_peak_bytes, f.grads_peak_bytes);
+  EXPECT_EQ(h.params_peak_bytes, f.params_peak_bytes);
+  EXPECT_EQ(h.opt_state_bytes, 8 * f2.shard);
+  // Half of one process: 2 * shard - np is the padding, under 16 elements per run (two runs per unit) per rank.
+  EXPECT_EQ(one.optimizer_peak_bytes, 8 * np);
+  EXPECT_GE(2 * f2.shard, np);
+  EXPECT_LT(2 * f2.shard - np, int64_t(2 * units) * 16 * 2);
+  EXPECT_GT(f2.shard, f4.shard);  // not the shard over all 4 data-parallel ranks
+  if (world().rank() == 0)
+    std::printf("[hsdp 2x2] bytes per rank: optimizer %lld (one process %lld, FSDP over 2 %lld, over 4 %lld), grads "
+                "%lld, params %lld (FSDP over 2: %lld, %lld)\n",
+                (long long)h.optimizer_peak_bytes, (long long)one.optimizer_peak_bytes, (long long)f.optimizer_peak_bytes,
+                (long long)(8 * f4.shard), (long long)h.grads_peak_bytes, (long long)h.params_peak_bytes,
+                (long long)f.grads_peak_bytes, (long long)f.params_peak_bytes);
+  world().barrier();
 }
 
 // Checkpoints are the full tensors whatever zero is. With ONE micro-batch per rank per step (global batch =

@@ -74,6 +74,39 @@ TEST(PlanMemory, EngineRecipeMatchesTheEnginesConvention) {
   EXPECT_THROW(plan::recipe_named("apex", c), Error);
 }
 
+// HSDP (zero 3, dp_replicate 2 x dp_shard 2 on 4 GPUs): every state term is sharded over dp_shard = 2, as FSDP over
+// 2 GPUs, and with the engine recipe the optimizer state and the gradients (shard + one unit slot) are the engine's
+// own estimate (estimate_memory, src/job/accounting.cpp), which the engine's measured memory is checked against.
+TEST(PlanMemory, HsdpShardsOverDpShardAsTheEngineDoes) {
+  const std::vector<std::string> fp32 = {"--training.compute_dtype=fp32", "--training.global_batch_size=16"};
+  auto with = [&](std::vector<std::string> a) {
+    a.insert(a.end(), fp32.begin(), fp32.end());
+    return cfg("ds_tiny", a);
+  };
+  const auto hs = with({"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.zero=3"});
+  const auto f2 = with({"--parallelism.dp_shard=2", "--parallelism.zero=3"});
+  const auto f4 = with({"--parallelism.dp_shard=4", "--parallelism.zero=3"});
+  const double P = double(count_params(hs.model).total);
+  for (const char* rec : {"megatron", "engine"}) {
+    SCOPED_TRACE(rec);
+    plan::PlanOptions o;
+    o.recipe = plan::recipe_named(rec, hs);
+    const auto h = mem(hs, 4, o).per_rank.at(0), f = mem(f2, 2, o).per_rank.at(0), q = mem(f4, 4, o).per_rank.at(0);
+    EXPECT_DOUBLE_EQ(h.optimizer_elements, P / 2);
+    EXPECT_DOUBLE_EQ(h.optimizer, f.optimizer);
+    EXPECT_DOUBLE_EQ(h.main_params, f.main_params);
+    EXPECT_DOUBLE_EQ(h.grads, f.grads);
+    EXPECT_DOUBLE_EQ(h.params, f.params);
+    EXPECT_DOUBLE_EQ(h.optimizer, 2 * q.optimizer);  // not FSDP over the 4 data-parallel GPUs
+  }
+  plan::PlanOptions o;
+  o.recipe = plan::recipe_named("engine", hs);
+  const auto h = mem(hs, 4, o).per_rank.at(0);
+  const MemoryEstimate e = estimate_memory(hs, 4, 1);
+  EXPECT_DOUBLE_EQ(h.optimizer, e.optimizer);
+  EXPECT_DOUBLE_EQ(h.grads, e.grads);
+}
+
 TEST(PlanMemory, ActivationsFollowTheSimulatedInflightSets) {
   // 1f1b at pp 4 with 8 micro-batches: rank r holds pp - r sets of its stage.
   const auto c = cfg("ds_mini", {"--parallelism.pp=4", "--training.global_batch_size=8", "--training.micro_batch_size=1"});

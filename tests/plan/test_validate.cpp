@@ -76,13 +76,14 @@ const FigureRow& row(const LayoutValidation& v, const std::string& figure) {
 
 TEST(Validate, CasesAndOverrides) {
   const std::vector<ValidationCase> cs = validation_cases();
-  ASSERT_EQ(cs.size(), 13u);
+  ASSERT_EQ(cs.size(), 14u);
   EXPECT_EQ(case_named("tp2_cp2_pp2_ep2").min_world, 8);
   EXPECT_EQ(case_named("tp").args, (std::vector<std::string>{"--parallelism.tp={w}", "--parallelism.expert_tp={w}"}));
   EXPECT_EQ(case_named("cp").args, (std::vector<std::string>{"--parallelism.cp={w}"}));
   EXPECT_EQ(cs.front().name, "single");
   EXPECT_EQ(cs.front().min_world, 1);
   EXPECT_EQ(case_named("recompute_full").min_world, 2);
+  EXPECT_EQ(case_named("hsdp").min_world, 4);  // dp_replicate 2 x dp_shard w / 2
   EXPECT_EQ(substitute_world("--parallelism.ranks_per_node={w2} --x={w}", 4), "--parallelism.ranks_per_node=2 --x=4");
   const std::vector<std::string> ov = case_overrides(case_named("ep_hierarchical"), 4, 6, "/d", "bf16");
   ASSERT_EQ(ov.size(), 11u + 4u);

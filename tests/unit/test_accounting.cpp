@@ -424,6 +424,22 @@ TEST(Accounting, MemoryEstimateShardsAsTheTrainerDoes) {
       est({"--parallelism.dp_shard=4", "--parallelism.zero=3", "--training.global_batch_size=16"});
   EXPECT_EQ(z3.optimizer, 8 * P / 4);
   EXPECT_EQ(z3.grads, 4 * (P / 4 + unit));
+  // HSDP 2 x 2 (dp_replicate x dp_shard, zero 3): sharded over dp_shard = 2 only, so every state term is FSDP's over
+  // 2 ranks (not over the 4 data-parallel ranks); the replicas' all-reduce adds a workspace of the gradient shard.
+  const std::string hsdp_gb = "--training.global_batch_size=16";
+  const MemoryEstimate hs =
+      est({"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.zero=3", hsdp_gb});
+  const MemoryEstimate f2 = est({"--parallelism.dp_shard=2", "--parallelism.zero=3"});
+  EXPECT_EQ(hs.optimizer, 8 * P / 2);
+  EXPECT_EQ(hs.grads, 4 * (P / 2 + unit));
+  EXPECT_EQ(hs.optimizer, f2.optimizer);
+  EXPECT_EQ(hs.grads, f2.grads);
+  EXPECT_EQ(hs.params, f2.params);
+  EXPECT_EQ(hs.comm, f2.comm + 4 * P / 2);
+  // ... and with EP 2 inside each shard group: the experts' shard is over the dp_shard / ep = 1 rank holding them.
+  const MemoryEstimate hse = est({"--parallelism.dp_replicate=2", "--parallelism.dp_shard=2", "--parallelism.zero=3",
+                                  "--parallelism.ep=2", hsdp_gb});
+  EXPECT_EQ(hse.optimizer, 8 * ((P - R) / 2 + R / 2));
   // Activations: linear in the micro-batch (up to the per-expert counters); checkpointing saves them;
   // fp32 GEMM inputs cost more than bf16.
   const MemoryEstimate b8 = est({"--training.micro_batch_size=8", "--training.global_batch_size=8"});

@@ -213,9 +213,9 @@ TEST(Trainer, RefusesPlannerOnlyKeys) {
        "--activation_checkpoint.modules=[\"norm\"]",
        "quantize.cache_fp8_activations = true is not implemented with activation_checkpoint.mode = \"selective\""},
       {"--parallelism.zero=2", "parallelism.zero = 2 is not implemented in the trainer"},
-      {"--parallelism.dp_replicate=2 --parallelism.dp_shard=2 --parallelism.zero=3 --training.global_batch_size=16",
-       "parallelism.dp_replicate = 2 with zero = 3 (dp_shard = 2) is hybrid-sharded data parallelism (HSDP)"},
-      {"--parallelism.dp_replicate=2 --parallelism.zero=3", "parallelism.dp_replicate = 2 with zero = 3 (dp_shard = 1)"},
+      {"--parallelism.dp_replicate=2 --parallelism.dp_shard=2 --parallelism.zero=3 --parallelism.ep=4 "
+       "--training.global_batch_size=16",
+       "parallelism.ep = 4 with zero = 3 and dp_replicate = 2 (HSDP) needs ep to divide dp_shard = 2"},
       {dense + " --model.ffn=gelu", "model.ffn = gelu is not implemented in the engine"},
       {"--model.dropout=0.1", "model.dropout = 0.1 is not implemented in the engine"},
       {"--model.attention_impl=unfused", "model.attention_impl = unfused is not implemented in the engine"},

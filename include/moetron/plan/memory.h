@@ -12,8 +12,9 @@
 //             moments, fp32 activations; used when comparing with the engine (`plan validate`)
 // Sharding: zero >= 1 shards main parameters and moments over the data-parallel group (dense parameters over
 // dp x cp, routed experts over the expert data-parallel group edp); zero >= 2 shards gradients too; zero 3
-// shards parameters (over dp_shard for HSDP) and holds two gathered units (the current layer and the
-// prefetched one).
+// shards parameters and holds two gathered units (the current layer and the prefetched one). HSDP (zero 3 with
+// dp_shard < dp): parameters, gradients, main parameters and moments are all sharded over dp_shard (x cp; the
+// experts over edp x dp_shard / dp) and replicated over dp / dp_shard, as the engine does.
 #pragma once
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>

@@ -23,7 +23,7 @@ struct ValidationCase {
   int min_world = 1;
   std::vector<std::string> args;
 };
-// DP, ZeRO-1, FSDP, EP with each dispatcher, PP with two schedules, recompute.
+// DP, ZeRO-1, FSDP, EP with each dispatcher, PP with two schedules, recompute, HSDP (4 ranks or more).
 std::vector<ValidationCase> validation_cases();
 // s with "{w2}" replaced by world / 2 and "{w}" by world.
 std::string substitute_world(std::string s, int world);
