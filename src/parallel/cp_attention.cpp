@@ -126,6 +126,17 @@ struct Ring {
   int held(int s) const { return ((r - s) % P + P) % P; }
 };
 
+// Step s of a ring over the K/V blocks kv[2] (held: kv[s % 2]): posts the receive of the next block from prev into
+// kv[(s + 1) % 2] and the send of the held one to next, before the step computes on it (the transfer overlaps the
+// compute). Nothing at the last step (reqs stay empty).
+void post_next_kv(CommRequest reqs[2], const Comm& cp, const Ring& ring, const Pack& pk, std::vector<float> kv[2],
+                  int s, int64_t seq_len) {
+  if (s + 1 >= ring.P) return;
+  const Share held = share(seq_len, ring.P, ring.held(s)), nxt = share(seq_len, ring.P, ring.held(s + 1));
+  reqs[0] = cp.irecv(kv[(s + 1) % 2].data(), pk.block(nxt) * 4, ring.prev, kTagKv);
+  reqs[1] = cp.isend(kv[s % 2].data(), pk.block(held) * 4, ring.next, kTagKv);
+}
+
 }  // namespace
 
 int64_t cp_local_rows(int64_t T, int cp, int rank) { return share(T, cp, rank).n; }
@@ -180,13 +191,8 @@ void cp_attention_forward(float* out, float* lse, const float* q, const float* k
   for (int s = 0; s < ring.P; ++s) {
     const Share held = share(seq_len, ring.P, ring.held(s));
     float* blk = kv[s % 2].data();
-    // Post the next block's exchange before computing on this one (the transfer overlaps the compute).
     CommRequest reqs[2];
-    if (s + 1 < ring.P) {
-      const Share nxt = share(seq_len, ring.P, ring.held(s + 1));
-      reqs[0] = cp.irecv(kv[(s + 1) % 2].data(), pk.block(nxt) * 4, ring.prev, kTagKv);
-      reqs[1] = cp.isend(blk, pk.block(held) * 4, ring.next, kTagKv);
-    }
+    post_next_kv(reqs, cp, ring, pk, kv, s, seq_len);
     for (int u = 0; u < 2; ++u)
       for (int w = 0; w < 2; ++w) {
         const Sees m = sees(me.chunk[u], held.chunk[w]);
@@ -241,11 +247,7 @@ void cp_attention_backward(float* dq, float* dk, float* dv, const float* dout, c
     const Share held = share(seq_len, ring.P, ring.held(s));
     float* blk = kv[s % 2].data();
     CommRequest reqs[2];
-    if (s + 1 < ring.P) {
-      const Share nxt = share(seq_len, ring.P, ring.held(s + 1));
-      reqs[0] = cp.irecv(kv[(s + 1) % 2].data(), pk.block(nxt) * 4, ring.prev, kTagKv);
-      reqs[1] = cp.isend(blk, pk.block(held) * 4, ring.next, kTagKv);
-    }
+    post_next_kv(reqs, cp, ring, pk, kv, s, seq_len);
     // This rank's contributions to the held block's dK/dV (into `mine`) and to its own dQ, in a fixed order.
     std::fill(mine.begin(), mine.begin() + pk.block(held), 0.0f);
     for (int u = 0; u < 2; ++u)

@@ -154,6 +154,22 @@ int vocab_shard_owner(int64_t V, int P, int64_t v) {
 
 // ---- embedding ----
 
+namespace {
+// The embedding calls' argument checks (out / in: the two arrays). False: nothing to do (N = 0).
+bool check_embed(const char* op, const void* out, const void* in, const int32_t* tokens, int64_t N, int64_t d,
+                 int64_t V, const Comm& tp, TpReduce mode, void* ws) {
+  check_split(op, V, tp.size());
+  check_rows(op, N, tp, mode);
+  MT_CHECK(d > 0, op, "bad width d=", d);
+  check_ws(op, ws, vocab_embed_workspace_bytes(N, d, mode));
+  if (N == 0) return false;
+  MT_CHECK(out && in && tokens, op, "null input (", out, ", ", in, ", tokens=", (const void*)tokens, ")");
+  for (int64_t n = 0; n < N; ++n)
+    MT_CHECK(tokens[n] >= 0 && tokens[n] < V, op, "tokens[", n, "]=", tokens[n], " outside [0, V=", V, ")");
+  return true;
+}
+}  // namespace
+
 size_t vocab_embed_workspace_bytes(int64_t N, int64_t d, TpReduce mode) {
   MT_CHECK(N >= 0 && d > 0, "vocab_embed_workspace_bytes", "bad shape N=", N, " d=", d);
   return mode == TpReduce::ReduceScatter ? align64(size_t(N * d) * sizeof(float)) : 0;
@@ -161,17 +177,8 @@ size_t vocab_embed_workspace_bytes(int64_t N, int64_t d, TpReduce mode) {
 
 void vocab_embed_forward(float* x, const float* E_shard, const int32_t* tokens, int64_t N, int64_t d, int64_t V,
                          const Comm& tp, TpReduce mode, void* ws) {
-  const char* op = "vocab_embed_forward";
   const int P = tp.size();
-  check_split(op, V, P);
-  check_rows(op, N, tp, mode);
-  MT_CHECK(d > 0, op, "bad width d=", d);
-  check_ws(op, ws, vocab_embed_workspace_bytes(N, d, mode));
-  if (N == 0) return;
-  MT_CHECK(x && E_shard && tokens, op, "null input (x=", (void*)x, " E_shard=", (const void*)E_shard,
-           " tokens=", (const void*)tokens, ")");
-  for (int64_t n = 0; n < N; ++n)
-    MT_CHECK(tokens[n] >= 0 && tokens[n] < V, op, "tokens[", n, "]=", tokens[n], " outside [0, V=", V, ")");
+  if (!check_embed("vocab_embed_forward", x, E_shard, tokens, N, d, V, tp, mode, ws)) return;
   const VocabRange vr = vocab_shard_range(V, tp.rank(), P);
   float* part = mode == TpReduce::ReduceScatter ? static_cast<float*>(ws) : x;
 #pragma omp parallel for schedule(static)
@@ -187,17 +194,8 @@ void vocab_embed_forward(float* x, const float* E_shard, const int32_t* tokens, 
 
 void vocab_embed_backward(float* gE_shard, const float* g, const int32_t* tokens, int64_t N, int64_t d, int64_t V,
                           const Comm& tp, TpReduce mode, void* ws) {
-  const char* op = "vocab_embed_backward";
   const int P = tp.size();
-  check_split(op, V, P);
-  check_rows(op, N, tp, mode);
-  MT_CHECK(d > 0, op, "bad width d=", d);
-  check_ws(op, ws, vocab_embed_workspace_bytes(N, d, mode));
-  if (N == 0) return;
-  MT_CHECK(gE_shard && g && tokens, op, "null input (gE_shard=", (void*)gE_shard, " g=", (const void*)g,
-           " tokens=", (const void*)tokens, ")");
-  for (int64_t n = 0; n < N; ++n)
-    MT_CHECK(tokens[n] >= 0 && tokens[n] < V, op, "tokens[", n, "]=", tokens[n], " outside [0, V=", V, ")");
+  if (!check_embed("vocab_embed_backward", gE_shard, g, tokens, N, d, V, tp, mode, ws)) return;
   const VocabRange vr = vocab_shard_range(V, tp.rank(), P);
   const float* rows = g;
   if (mode == TpReduce::ReduceScatter) {
