@@ -141,6 +141,11 @@ ActivationBytes engine_activation_bytes(const ModelSpec& s, int64_t micro_batch,
 // and counters), as estimate_memory counts them; 0 for a fully recomputed layer.
 double engine_activation_extras(const ModelSpec& s, int64_t layer, double tokens, const ActivationCheckpointSpec& ac,
                                 int64_t compute_bytes, const Fp8CachePlan& f8 = {});
+// One layer's saved buffers under tensor parallelism (tp > 1, sequence parallel) as the engine allocates them, for a
+// micro-batch of N tokens (this rank's CP share): the layer input's N / tp rows (input = true; a fully recomputed
+// layer keeps only that), the gathered norm outputs, the rank's heads and widths, the router on every row.
+double engine_tp_layer_bytes(const ModelSpec& s, bool moe, double N, double tp, int64_t compute_bytes,
+                             bool input = true);
 // Convenience: everything from a JobConfig (training.micro_batch_size, seq_len, dtype and the
 // [activation_checkpoint] section).
 ActivationBytes activation_bytes(const JobConfig& c);

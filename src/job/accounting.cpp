@@ -528,6 +528,38 @@ double full_layer_bytes(const ModelSpec& s, bool moe, double B, double S, int64_
   return t + engine_extras(s, moe, B * S, false, false, cb, f8);
 }
 
+}  // namespace
+
+// One layer's saved buffers under tensor parallelism (tp > 1, sequence parallel), as the engine allocates them
+// (src/model/model.cpp alloc_bufs): N rows of the micro-batch, Nr = N / tp of them in the residual stream; the
+// gathered norm outputs, the attention's and FFN's tensors on the rank's heads / widths, the router's on every row.
+// `input`: the layer input (Nr rows), which a fully recomputed layer keeps alone.
+double engine_tp_layer_bytes(const ModelSpec& s, bool moe, double N, double tp, int64_t cb, bool input) {
+  const auto& at = s.attn;
+  const double d = double(s.d_model), c = double(cb), Nr = N / tp, H = double(at.n_heads) / tp;
+  const double copy = cb == 4 ? 0 : c;  // a compute-dtype copy beside an fp32 tensor (fp32 mode: the tensor itself)
+  double x = (input ? Nr * d * 4 : 0) + Nr * 4 + N * d * c + Nr * d * 4 + Nr * 4 + N * d * (4 + copy);
+  if (at.type == AttnType::MLA) {
+    const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dqk = double(at.qk_head_dim());
+    const double dn = double(at.qk_nope_head_dim), dr = double(at.qk_rope_head_dim), dv = double(at.v_dim());
+    if (rq > 0) x += N * rq * 4 + N * 4 + N * rq * c;
+    x += N * H * dqk * 4 + N * rkv * 4 + N * 4 + N * rkv * c + N * dr * 4 + N * H * (dn + dv) * 4 + N * H * dqk * 4;
+  } else {
+    x += N * double(at.n_heads + 2 * at.n_kv_heads) / tp * double(at.head_dim) * 4;  // qkv
+  }
+  x += N * H * double(at.v_dim()) * (4 + copy) + N * H * 4;  // ao, aoc, lse
+  if (!moe) return x + N * 2 * double(s.inter_size) / tp * 4 + N * double(s.inter_size) / tp * c;  // gu, actc
+  const auto& m = s.moe;
+  const double E = double(m.n_routed_experts), K = double(m.topk), R = N * K, Fe = double(m.moe_inter_size) / tp;
+  const double Fs = double(m.n_shared_experts) * double(m.moe_inter_size) / tp;
+  x += 2 * N * E * 4 + 2 * N * K * 4 + (3 * E + 1) * 4 + 3 * N * K * 4;  // logits, scores, top-k, counts, row maps
+  x += R * d * c + R * 2 * Fe * 4 + R * Fe * c + R * d * 4;                // xpc, egu, eactc, ez
+  if (Fs > 0) x += N * 2 * Fs * 4 + N * Fs * c;                           // shared gu, actc
+  return x;
+}
+
+namespace {
+
 // Per-layer parameter counts, split as the trainer shards them (the 16-element padding of each tensor in
 // the flat buffers is not counted).
 struct ParamSplit {
@@ -723,6 +755,7 @@ struct MemoryTerms {
 
   // The activations of one micro-batch (and the selective build's peak).
   void add_activations(MemoryEstimate& r) const {
+    if (par.tp > 1) return add_tp_activations(r);
     const bool selective = ac.mode == AcMode::Selective, full = ac.mode == AcMode::Full;
     int64_t full_rep[2] = {-1, -1};  // a fully recomputed layer of each kind (dense, MoE): one shared set each
     bool sel_norm = false, sel_attn = false, sel_act = false;
@@ -767,6 +800,26 @@ struct MemoryTerms {
 
   }
 
+  // Tensor parallelism (no selective recompute, no FP8: the engine refuses both with tp): every held layer's set,
+  // or with full recompute its input and one shared set per layer kind; the final norm's rows.
+  void add_tp_activations(MemoryEstimate& r) const {
+    const double tp = double(par.tp), Nr = N / tp;
+    bool shared[2] = {false, false};
+    for (int64_t l = 0; l < s.n_layers; ++l) {
+      const bool is_moe = moe[size_t(l)];
+      if (ac.mode == AcMode::Full && on[size_t(l)]) {
+        r.activations += Nr * d * 4;
+        if (!shared[is_moe]) r.activations += engine_tp_layer_bytes(s, is_moe, N, tp, cb, false), shared[is_moe] = true;
+      } else {
+        r.activations += engine_tp_layer_bytes(s, is_moe, N, tp, cb);
+      }
+    }
+    r.activations += Nr * d * 4 + Nr * 4 + N * d * double(cb);  // final norm: input and rstd (its rows), output (all)
+    r.activation_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
+                        kv("training.seq_len", c.training.seq_len) + ", " + kv("model.n_layers", s.n_layers) + ", " +
+                        kv("parallelism.tp", par.tp);
+  }
+
   // Workspace: src/model/model.cpp build()'s scratch, RoPE tables and the largest kernel workspace.
   void add_workspace(MemoryEstimate& r) const {
     const bool full = ac.mode == AcMode::Full;
@@ -789,6 +842,7 @@ struct MemoryTerms {
     if (s.is_moe()) ws += N * (K + E) * 4;                                   // dtopk_w, dlogits
     if (EP > 1) ws += N * K * 4 + rows * 3 * 4;                              // send_idx, dwr, iota_r, zero_r
     if (full) ws += N * d * 4;                                               // recompute_out
+    if (par.tp > 1) ws += N * d * (4 + double(cb));                          // TP: gathered rows / partial sums
     if (f8.any()) {  // cached FP8 activations: the shared scratch that replaces the cached inputs' copies
       const bool any_dense = n_moe < double(s.n_layers), any_moe = n_moe > 0;
       if (f8.attention) ws += N * (d + (mla ? rq + rkv : 0)) * double(cb);     // h1c (MLA: + the normed latents)

@@ -258,16 +258,31 @@ void TrainSession::finish() {
       const ModelStagePart& p = model->stage_part(k);
       int64_t per_mb = 0;
       const ActivationCheckpointSpec acr = resolve_checkpointing(cfg);
-      for (int64_t l : p.layers)
-        per_mb += ab.layers[size_t(l)].total() +
-                  int64_t(engine_activation_extras(cfg.model, l, double(B * Tl), acr, compute == ComputeDtype::BF16 ? 2 : 4, f8));
+      const int64_t cb = compute == ComputeDtype::BF16 ? 2 : 4;
+      const double tp = double(mesh.tp());
+      bool shared[2] = {false, false};  // TP with full recompute: one re-materialization set per layer kind
+      for (int64_t l : p.layers) {
+        if (tp == 1) {
+          per_mb += ab.layers[size_t(l)].total() + int64_t(engine_activation_extras(cfg.model, l, double(B * Tl), acr, cb, f8));
+          continue;
+        }
+        const bool moe = cfg.model.is_moe_layer(l), rec = acr.mode == AcMode::Full && acr.applies_to(l);
+        per_mb += rec ? int64_t(double(B * Tl) / tp * double(cfg.model.d_model) * 4)
+                      : int64_t(engine_tp_layer_bytes(cfg.model, moe, double(B * Tl), tp, cb));
+        if (rec && !shared[moe]) pred += int64_t(engine_tp_layer_bytes(cfg.model, moe, double(B * Tl), tp, cb, false)),
+                                  shared[moe] = true;
+      }
       pred += int64_t(p.slots) * per_mb;
       for (const ActTerm& t : ab.outside.terms) {  // embed.* on the embedding stage, the rest on the head stage;
         // loss.dx is kept per micro-batch in flight
         if (!(t.name.rfind("embed.", 0) == 0 ? p.embedding : p.head)) continue;
         // (one stage with one slot keeps it in the backward scratch: Model's build_slots)
         const bool scratch = model->n_stages() == 1 && p.slots == 1;
-        pred += t.name == "loss.dx" ? (scratch ? 0 : int64_t(p.slots) * t.bytes) : t.bytes;
+        // TP: the final norm's input and rstd and the head's dL/dx hold this rank's rows; the norm's output (the
+        // head's input) all rows
+        const bool rows = t.name == "final_norm.x" || t.name == "final_norm.rstd" || t.name == "loss.dx";
+        const int64_t bytes = rows ? t.bytes / mesh.tp() : t.bytes;
+        pred += t.name == "loss.dx" ? (scratch ? 0 : int64_t(p.slots) * bytes) : bytes;
       }
     }
     res.act_predicted_bytes = pred;
