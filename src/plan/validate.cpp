@@ -109,8 +109,8 @@ Projection project(const JobConfig& c, int world, const Hardware& h, const Measu
 
 // The memory figures and the step time: measured, projected (the largest rank's per category; the step at the
 // run's share), the error and its bound.
-void compare_figures(const std::string& name, const MeasuredRun& run, const Projection& p, double at_share,
-                     const ValidationBounds& bounds, LayoutValidation& v) {
+void compare_figures(const MeasuredRun& run, const Projection& p, double at_share, const ValidationBounds& bounds,
+                     LayoutValidation& v) {
   const double meas[5] = {run.params, run.grads, run.optimizer, run.activations, run.step_s};
   double proj[5] = {0, 0, 0, 0, p.time.step_time * at_share};
   for (const auto& rm : p.memory.per_rank) {
@@ -123,7 +123,7 @@ void compare_figures(const std::string& name, const MeasuredRun& run, const Proj
     FigureRow f;
     f.figure = kFigureNames[i];
     f.measured = meas[i], f.projected = proj[i], f.error = relative_error(proj[i], meas[i]);
-    const bool ep_act = i == 3 && name.rfind("ep_", 0) == 0;
+    const bool ep_act = i == 3 && v.ep;  // any layout with expert parallelism (its received rows grow)
     f.bound = i == 4 ? bounds.step_time : ep_act ? bounds.ep_activations : bounds.memory;
     f.over = f.bound > 0 && std::fabs(f.error) > f.bound;
     v.figures.push_back(f);
@@ -298,7 +298,7 @@ LayoutValidation validate_layout(const JobConfig& c, const std::string& name, in
   // The projection is for ranks that own their cores (the calibration's figures are scaled to a full share); this
   // run got `cpu_share` of them (other processes on the machine): compare at that share.
   const double at_share = 1.0 / std::max(0.05, std::min(1.0, run.cpu_share));
-  compare_figures(name, run, p, at_share, bounds, v);
+  compare_figures(run, p, at_share, bounds, v);
   compare_ops(run.ops, p.time, at_share, v);
   v.cpu_share = run.cpu_share;
   v.step_full_share = p.time.step_time;
