@@ -1,7 +1,8 @@
 // test_mpi_layouts.cpp: the layout sweep. `moetron train` on ds_tiny (8 routed experts, top-2, 2 MoE layers),
 // synthetic data, 5 steps of the same global batch (8 sequences, micro-batch 1), under mpirun with 1, 2, 4
 // and 8 ranks, for every layout that fits the world: data parallel only, ZeRO-1, FSDP, expert parallel 2/4/8 with
-// the three dispatchers, with and without the FP8 dispatch payload, EP mixed with ZeRO-1 and dp_replicate.
+// the three dispatchers, with and without the FP8 dispatch payload, EP mixed with ZeRO-1 and dp_replicate, HSDP,
+// pipelines, tensor parallelism (with sequence parallelism), context parallelism and their combinations.
 // Every rank also trains the single-process reference (comm_local(), once per process) and each layout is
 // compared with it. Then every impossible layout is started and must fail with an error naming its rule.
 //
