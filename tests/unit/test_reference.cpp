@@ -329,7 +329,8 @@ TEST_P(Reference, MatchesTorch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, Reference,
-                         ::testing::Combine(::testing::Values("mha", "gqa", "mla", "mla_noq", "group", "sigmoid"),
+                         ::testing::Combine(::testing::Values("mha", "gqa", "qk_norm", "mla", "mla_noq", "group",
+                                                              "sigmoid"),
                                             ::testing::Values("bf16", "fp32")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
