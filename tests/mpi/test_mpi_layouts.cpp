@@ -143,8 +143,8 @@ std::vector<Layout> layouts() {
     if (w > 1) v.push_back({"dp" + W + "_zero1", w, {dp + W, "--parallelism.zero=1"}, Bar::Exact});
     if (w > 1) v.push_back({"dp" + W + "_fsdp", w, {dp + W, "--parallelism.zero=3"}, Bar::Exact});
     if (w == 2)
-      v.push_back({"dp2_qk_norm", 2, {dp + "2", "--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.qk_norm=true"},
-                   Bar::Exact});
+      v.push_back({"dp2_qk_norm", 2,
+                   {dp + "2", "--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.qk_norm=true"}, Bar::Exact});
   }
   for (int w : {2, 4, 8})
     for (int ep : {2, 4, 8}) {
