@@ -4,7 +4,8 @@
 // with every W deferred past later I halves), and the gradients of every parameter must equal the whole
 // model's forward_backward over the same micro-batches bit for bit: per stage the weight gradients
 // accumulate in micro-batch order, exactly as in the whole model. Covered: MHA and MLA, dense and MoE
-// layers, empty stages, full and selective recompute, FSDP on a one-rank group, and the misuse errors.
+// layers, qk_norm (GQA), empty stages, full and selective recompute, FSDP on a one-rank group, and the misuse
+// errors.
 // The multi-rank pipeline (PipelineRuntime over MPI with the trainer) is tested in tests/mpi/.
 #include <gtest/gtest.h>
 
