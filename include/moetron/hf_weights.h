@@ -28,8 +28,8 @@
 //     when moetron routes with it and it is non-zero; import sets it to zero).
 //   - DeepSeek-V2/V3 without shared experts: config.json says n_shared_experts = 0 and the shared-expert
 //     tensors are written empty ([0, d] and [d, 0]), as transformers builds them.
-//   - Qwen3 per-head q/k RMSNorm weights: the engine has no qk_norm yet; the map names them
-//     layers.<l>.attn.q_head_norm / attn.k_head_norm [head_dim] (provisional names).
+//   - Qwen3 per-head q/k RMSNorm weights: the engine's qk_norm parameters
+//     layers.<l>.attn.q_head_norm / attn.k_head_norm [head_dim] (attn.q_norm is MLA's q-latent norm).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -35,8 +35,9 @@ struct ParamEntry {
   std::vector<int64_t> tp_segs;
   // The gradient over the TP group: tp_sliced() entries own distinct pieces; an unsliced entry either gets the same
   // gradient on every TP rank (its inputs were gathered: the router, MLA's down projections and their norms) or,
-  // with tp_partial, each rank's sum over its own sequence rows (the norms of the sequence-parallel regions), summed
-  // over the TP group once per step. The embedding and the head are sliced by vocabulary rows (vocab_parallel.h).
+  // with tp_partial, each rank's sum over its own sequence rows (the norms of the sequence-parallel regions) or over
+  // its own heads (qk_norm's q/k head norms), summed over the TP group once per step. The embedding and the head
+  // are sliced by vocabulary rows (vocab_parallel.h).
   bool tp_partial = false;
   bool tp_sliced() const { return tp > 1 && !tp_segs.empty(); }
   int64_t unsliced_numel() const { return tp_sliced() ? tp_whole_numel : numel; }

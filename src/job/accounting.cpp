@@ -519,6 +519,7 @@ double engine_tp_layer_bytes(const ModelSpec& s, bool moe, double N, double tp, 
     x += N * H * dqk * 4 + N * rkv * 4 + N * 4 + N * rkv * c + N * dr * 4 + N * H * (dn + dv) * 4 + N * H * dqk * 4;
   } else {
     x += N * double(at.n_heads + 2 * at.n_kv_heads) / tp * double(at.head_dim) * 4;  // qkv
+    if (at.qk_norm) x += N * double(at.n_heads + at.n_kv_heads) / tp * (double(at.head_dim) + 1) * 4;  // q/k, rstd
   }
   x += N * H * double(at.v_dim()) * (4 + copy) + N * H * 4;  // ao, aoc, lse
   if (!moe) return x + N * 2 * double(s.inter_size) / tp * 4 + N * double(s.inter_size) / tp * c;  // gu, actc

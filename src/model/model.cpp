@@ -62,8 +62,6 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   spec_.resolve();
   spec_.validate();
   MT_CHECK(B > 0 && T > 0, "Model", "micro-batch shape B=", B, " T=", T, " must be positive");
-  MT_CHECK(!spec_.attn.qk_norm, "Model", "model.qk_norm = true is not implemented in the engine (Qwen3's per-head "
-           "query / key RMSNorm is planned only: `moetron plan`); use false");
   // GPT-style keys the accounting and the planner describe (dense anchors) but the engine does not run.
   MT_CHECK(spec_.ffn == FfnKind::SwiGLU, "Model", "model.ffn = ", to_string(spec_.ffn),
            " is not implemented in the engine (the GELU MLP is planned only: `moetron plan`); use \"swiglu\"");
@@ -172,6 +170,7 @@ void Model::Impl::build_buffers() {
   if (has_head && tp > 1)
     w = std::max(w, vocab_xent_workspace_bytes(N, d, V, tp, vocab_xent_default_chunk(V, tp), TpReduce::ReduceScatter));
   w = std::max(w, rmsnorm_backward_workspace_bytes(N, std::max<int64_t>({d, rq, rkv})));
+  if (s.attn.qk_norm) w = std::max(w, rmsnorm_backward_workspace_bytes(N * H, hd));
   if (E > 0) {
     rcfg.E = int(E), rcfg.topk = int(K);
     rcfg.score = s.moe.score_func == ScoreFunc::Softmax ? ScoreFn::Softmax : ScoreFn::Sigmoid;
@@ -226,6 +225,7 @@ void Model::Impl::alloc_bufs(LayerBufs& b, bool moe) {
     b.kpe = f32buf(N * dr), b.kv = f32buf(N * H * (dn + Dv)), b.k = f32buf(N * H * Dqk);
   } else {
     b.qkv = f32buf(N * Wqkv);
+    if (s.attn.qk_norm) b.qkx = f32buf(N * (H + Hkv) * hd), b.qkrstd = f32buf(N * (H + Hkv));
   }
   b.ao = f32buf(N * H * Dv), b.aoc = cbuf_or(b.ao, N * H * Dv), b.lse = f32buf(N * H);
   if (!moe) {

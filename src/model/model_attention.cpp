@@ -1,5 +1,6 @@
 // model_attention.cpp: the attention block of a decoder layer, forward and backward: the q/k/v projections
-// (fused wqkv for MHA/GQA; MLA's low-rank q and kv paths with their norms and the shared rope key), rope,
+// (fused wqkv for MHA/GQA, with Qwen3's per-head q/k RMSNorm under qk_norm; MLA's low-rank q and kv paths with
+// their norms and the shared rope key), rope,
 // the attention core (softmax(q k^T) v, also what selective "attention_core" recompute re-runs) and the
 // output projection's backward. The block's input is the normed h1 (b.h1c); its output is b.ao / b.aoc.
 // Not the attention norm, the output projection's forward or the residual (model_layer.cpp), and not the
@@ -40,6 +41,7 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
   if (s.attn.type != AttnType::MLA) {
     float* qkv = b.qkv.data<float>();
     lin_fwd(qkv, h, L.wqkv, N, d, Wqkv);
+    if (L.q_head_norm >= 0) qk_norm_forward(L, b);
     rope_forward(qkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);  // q heads then k heads are adjacent
   } else {
     float* q = b.q.data<float>();
@@ -68,6 +70,57 @@ void Model::Impl::attn_forward(Layer& L, LayerBufs& b) {
   }
   }
   attn_core(b);
+}
+
+// qk_norm: each token row of qkv holds H q heads then Hkv k heads (then v), hd each. The rmsnorm kernels take
+// contiguous rows, so the q heads of every token are gathered into [N*H, hd] and the k heads into [N*Hkv, hd]
+// (b.qkx, the pre-norm values the backward needs), normed into scratch and written back over qkv. Row-wise, so the
+// result does not depend on the gathering; under TP each rank norms its own heads with the whole weights.
+void Model::Impl::qk_norm_forward(Layer& L, LayerBufs& b) {
+  MT_TRACE("fwd.attn.qk_norm");
+  float* qkv = b.qkv.data<float>();
+  float* xq = b.qkx.data<float>();
+  float* xk = xq + N * H * hd;
+  float* y = s_f3.data<float>();  // [N*H, hd] then [N*Hkv, hd]
+  const int64_t nq = H * hd, nk = Hkv * hd;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(xq + t * nq, qkv + t * Wqkv, size_t(nq) * 4);
+    std::memcpy(xk + t * nk, qkv + t * Wqkv + nq, size_t(nk) * 4);
+  }
+  float* rstd = b.qkrstd.data<float>();
+  const float eps = float(s.norm_eps);
+  rmsnorm_forward(y, nullptr, rstd, xq, P(L.q_head_norm), N * H, hd, eps);
+  rmsnorm_forward(y + N * nq, nullptr, rstd + N * H, xk, P(L.k_head_norm), N * Hkv, hd, eps);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(qkv + t * Wqkv, y + t * nq, size_t(nq) * 4);
+    std::memcpy(qkv + t * Wqkv + nq, y + N * nq + t * nk, size_t(nk) * 4);
+  }
+}
+
+// dqkv [N, Wqkv]: the gradient w.r.t. the normed q / k heads in, w.r.t. the projection's q / k out (v untouched).
+// The weight gradients sum over this rank's (token, head) rows: a partial sum under TP (TpKind::Partial).
+void Model::Impl::qk_norm_backward(Layer& L, LayerBufs& b, float* dqkv) {
+  MT_TRACE("bwd.attn.qk_norm");
+  const float* xq = b.qkx.data<float>();
+  const float* xk = xq + N * H * hd;
+  const float* rstd = b.qkrstd.data<float>();
+  float* dy = s_f2.data<float>();  // gathered like b.qkx
+  float* dx = s_f3.data<float>();
+  const int64_t nq = H * hd, nk = Hkv * hd;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(dy + t * nq, dqkv + t * Wqkv, size_t(nq) * 4);
+    std::memcpy(dy + N * nq + t * nk, dqkv + t * Wqkv + nq, size_t(nk) * 4);
+  }
+  rmsnorm_backward(dx, G(L.q_head_norm), dy, xq, P(L.q_head_norm), rstd, N * H, hd, wsp());
+  rmsnorm_backward(dx + N * nq, G(L.k_head_norm), dy + N * nq, xk, P(L.k_head_norm), rstd + N * H, N * Hkv, hd, wsp());
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(dqkv + t * Wqkv, dx + t * nq, size_t(nq) * 4);
+    std::memcpy(dqkv + t * Wqkv + nq, dx + N * nq + t * nk, size_t(nk) * 4);
+  }
 }
 
 // softmax(q k^T) v and its compute copy for the output projection (what attention_core recompute redoes).
@@ -119,6 +172,7 @@ void Model::Impl::attn_backward(Layer& L, LayerBufs& b, const void* do_c, float*
     }
     MT_TRACE("bwd.attn.proj");
     rope_backward(dqkv, B, T, H + Hkv, Wqkv, hd, 0, hd, cs, sn);
+    if (L.q_head_norm >= 0) qk_norm_backward(L, b, dqkv);
     const void* dqkv_c = to_c(s_c1, dqkv, N * Wqkv);
     lin_wgrad(L.wqkv, h, dqkv_c, N, d, Wqkv);
     lin_dgrad(dhout, dqkv_c, L.wqkv, N, d, Wqkv);

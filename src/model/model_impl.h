@@ -103,6 +103,9 @@ struct LayerBufs {
   Tensor rstd1, h1c, x_mid, rstd2, h2, h2c;
   // attention (mha/gqa)
   Tensor qkv;
+  // qk_norm (mha/gqa): q and k before their per-head RMSNorm, [N*H, hd] q rows then [N*Hkv, hd] k rows, and the
+  // rstd of each (token, head) row in the same order [N*H | N*Hkv]
+  Tensor qkx, qkrstd;
   // attention (mla)
   Tensor cq, rstdq, cqnc, q, ckv, rstdkv, ckvnc, kpe, kv, k;
   Tensor ao, aoc, lse;
@@ -148,6 +151,7 @@ struct Layer {
   // parameter indices (-1 = absent)
   int attn_norm = -1, ffn_norm = -1;
   int wqkv = -1, wo = -1;                                          // mha/gqa
+  int q_head_norm = -1, k_head_norm = -1;                          // mha/gqa qk_norm: [hd] per-head weights
   int wq = -1, wdq = -1, q_norm = -1, wuq = -1, wdkv = -1, wkr = -1, kv_norm = -1, wukv = -1;  // mla
   int w13 = -1, w2 = -1;                                           // dense ffn
   int gate = -1, we13 = -1, we2 = -1, ws13 = -1, ws2 = -1;         // moe
@@ -577,6 +581,10 @@ struct Model::Impl {
   void attn_core_backward(float* dq, float* dk, float* dv, const float* dao, LayerBufs& b, const float* q,
                           const float* k, const float* v, const AttnDims& ad);
   void attn_backward(Layer& L, LayerBufs& b, const void* do_c, float* dh /* [N,d] out: grad of h1 */);
+  // qk_norm (MHA/GQA): the per-head RMSNorm of q and k in place on b.qkv (before rope), saving b.qkx / b.qkrstd;
+  // and its backward on dqkv [N, Wqkv] (after rope's backward), accumulating the two weight gradients.
+  void qk_norm_forward(Layer& L, LayerBufs& b);
+  void qk_norm_backward(Layer& L, LayerBufs& b, float* dqkv);
 
   // ---- dense SwiGLU FFN (model_mlp.cpp) ----
   // y [N, d] (+= when acc) = (SwiGLU(h2 W13[w13]) W2[w2]), width Fw; b.gu / b.actc keep the activations.

@@ -55,7 +55,8 @@ void Model::Impl::build_params() {
                  {"attn.wqkv", &Layer::wqkv},          {"attn.wo", &Layer::wo},           {"ffn_norm", &Layer::ffn_norm},
                  {"mlp.w13", &Layer::w13},             {"mlp.w2", &Layer::w2},            {"moe.gate", &Layer::gate},
                  {"moe.experts.w13", &Layer::we13},    {"moe.experts.w2", &Layer::we2},   {"moe.shared.w13", &Layer::ws13},
-                 {"moe.shared.w2", &Layer::ws2}};
+                 {"moe.shared.w2", &Layer::ws2},       {"attn.q_head_norm", &Layer::q_head_norm},
+                 {"attn.k_head_norm", &Layer::k_head_norm}};
   int moe_i = 0;
   for (int64_t l = 0; l < s.n_layers; ++l) {
     Layer& L = layers[size_t(l)];

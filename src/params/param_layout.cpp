@@ -152,6 +152,10 @@ std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSel
     } else {
       const int64_t hd = s.attn.head_dim, Hkv = s.attn.kv_heads();
       add(p + "attn.wqkv", {d, (H + 2 * Hkv) * hd}, true, li, false, false, Col, {H * hd, Hkv * hd, Hkv * hd});
+      if (s.attn.qk_norm) {  // Qwen3: whole on every TP rank, each rank's gradient sums over its own heads
+        add(p + "attn.q_head_norm", {hd}, false, li, false, true, Part);
+        add(p + "attn.k_head_norm", {hd}, false, li, false, true, Part);
+      }
     }
     add(p + "attn.wo", {H * Dv, d}, true, li, false, false, Row, {H * Dv});
     add(p + "ffn_norm", {d}, false, li, false, true, Part);

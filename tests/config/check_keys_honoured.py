@@ -203,7 +203,7 @@ KEYS = {
     "model.n_heads": (2, loss(["--model.head_dim=32"])),
     "model.n_kv_heads": (1, loss(["--model.attn_type=gqa"])),
     "model.head_dim": (8, loss()),
-    "model.qk_norm": ("true", refuse()),
+    "model.qk_norm": ("true", loss()),
     "model.q_lora_rank": (16, loss(MLA)),
     "model.kv_lora_rank": (8, loss(MLA)),
     "model.qk_nope_head_dim": (8, loss(MLA)),

@@ -2,7 +2,8 @@
 // synthetic data, 5 steps of the same global batch (8 sequences, micro-batch 1), under mpirun with 1, 2, 4
 // and 8 ranks, for every layout that fits the world: data parallel only, ZeRO-1, FSDP, expert parallel 2/4/8 with
 // the three dispatchers, with and without the FP8 dispatch payload, EP mixed with ZeRO-1 and dp_replicate, HSDP,
-// pipelines, tensor parallelism (with sequence parallelism), context parallelism and their combinations.
+// pipelines, tensor parallelism (with sequence parallelism), context parallelism and their combinations, and
+// qk_norm (Qwen3's per-head q/k RMSNorm) under DP and TP.
 // Every rank also trains the single-process reference (comm_local(), once per process) and each layout is
 // compared with it. Then every impossible layout is started and must fail with an error naming its rule.
 //
@@ -141,6 +142,9 @@ std::vector<Layout> layouts() {
     v.push_back({"dp" + W, w, {dp + W}, Bar::Exact});
     if (w > 1) v.push_back({"dp" + W + "_zero1", w, {dp + W, "--parallelism.zero=1"}, Bar::Exact});
     if (w > 1) v.push_back({"dp" + W + "_fsdp", w, {dp + W, "--parallelism.zero=3"}, Bar::Exact});
+    if (w == 2)
+      v.push_back({"dp2_qk_norm", 2,
+                   {dp + "2", "--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.qk_norm=true"}, Bar::Exact});
   }
   for (int w : {2, 4, 8})
     for (int ep : {2, 4, 8}) {
@@ -254,6 +258,10 @@ std::vector<Layout> layouts() {
                                         "--model.v_head_dim=16"};
   v.push_back({"tp2", 2, tp2, Bar::Tp});
   v.push_back({"tp2_mla", 2, tpw(mla), Bar::Tp});
+  // qk_norm (Qwen3's per-head q/k RMSNorm, GQA): under TP each rank norms its own heads, its weight gradient is a
+  // partial sum over them (TpKind::Partial), summed over the TP group: the 2-term reassociation above.
+  const std::vector<std::string> qkn = {"--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.qk_norm=true"};
+  v.push_back({"tp2_qk_norm", 2, tpw(qkn), Bar::Tp});
   v.push_back({"tp2_gqa_tied", 2, tpw({"--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.tie_embeddings=true"}),
                Bar::Tp});
   v.push_back({"tp2_recompute", 2, tpw({"--activation_checkpoint.mode=full"}), Bar::Tp});

@@ -189,7 +189,12 @@ TEST(HfExport, RoundTripBitwiseTiedEmbeddings) {
   for (const auto& t : m.hf) EXPECT_NE(t.hf_name, "lm_head.weight");
 }
 
-// Qwen3-MoE: the engine has no qk_norm, so the tensors come from the map itself.
+// Qwen3-MoE through the engine: its qk_norm parameters (attn.q_head_norm / k_head_norm) are the map's q_norm / k_norm.
+TEST(HfExport, RoundTripBitwiseQwen3Moe) {
+  roundtrip_model(cfg_of("tests/data/hf_export/qwen3_tiny.toml"), "qwen3_moe", "qwen3_tiny");
+}
+
+// Qwen3-MoE from the map alone (tensors made from the map, no Model): shapes and the v_proj layout.
 TEST(HfExport, RoundTripBitwiseQwen3MoeFromMap) {
   JobConfig c = cfg_of("tests/data/hf_export/qwen3_tiny.toml");
   const ModelSpec& s = c.model;

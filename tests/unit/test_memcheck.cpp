@@ -100,6 +100,8 @@ TEST(MemCheck, EstimateIsWithin25PercentOfTrackedAllocationsOnTinyConfigs) {
        {"--activation_checkpoint.mode=selective", "--activation_checkpoint.modules=[norm,attention_core,moe_act]"}},
       {"ds_tiny", {"--training.seq_len=128", "--training.micro_batch_size=8", "--training.global_batch_size=8"}},
       {"ds_tiny", {"--model.vocab_size=4096", "--model.z_loss_coef=0.001"}},
+      {"ds_tiny", {"--model.qk_norm=true"}},  // the saved pre-norm q / k and their rstd
+      {"ds_tiny", {"--model.qk_norm=true", "--activation_checkpoint.mode=full"}},
       {"ds_tiny_mla", {}},
       {"ds_tiny_mla", {"--training.seq_len=128", "--activation_checkpoint.mode=full"}},
   };

@@ -4,7 +4,8 @@
 // with every W deferred past later I halves), and the gradients of every parameter must equal the whole
 // model's forward_backward over the same micro-batches bit for bit: per stage the weight gradients
 // accumulate in micro-batch order, exactly as in the whole model. Covered: MHA and MLA, dense and MoE
-// layers, empty stages, full and selective recompute, FSDP on a one-rank group, and the misuse errors.
+// layers, qk_norm (GQA), empty stages, full and selective recompute, FSDP on a one-rank group, and the misuse
+// errors.
 // The multi-rank pipeline (PipelineRuntime over MPI with the trainer) is tested in tests/mpi/.
 #include <gtest/gtest.h>
 
@@ -161,6 +162,36 @@ TEST(ModelStages, SelectiveRecompute) {
   check_bitwise("ds_tiny.toml", ov, Order::AllForwardFirst);
   check_bitwise("ds_tiny.toml", ov, Order::SplitDeferredW);
 }
+// qk_norm (Qwen3's per-head q/k RMSNorm, GQA): stages and the split backward, full and selective recompute are
+// bitwise the whole model; and recompute is bitwise no recompute (the layer forward re-runs the q/k norm into the
+// saved pre-norm values, which no selective module drops).
+TEST(ModelStages, QkNormStagesAndRecompute) {
+  const std::vector<std::string> qk = {"--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.qk_norm=true"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> r = qk;
+    r.insert(r.end(), extra.begin(), extra.end());
+    return r;
+  };
+  const std::vector<std::string> full = {"--activation_checkpoint.mode=full"};
+  const std::vector<std::string> sel = {"--activation_checkpoint.mode=selective",
+                                        "--activation_checkpoint.modules=[\"norm\", \"attention_core\", \"moe_act\"]"};
+  check_bitwise("ds_tiny.toml", qk, Order::SplitDeferredW);
+  check_bitwise("ds_tiny.toml", with(full), Order::SplitDeferredW);
+  check_bitwise("ds_tiny.toml", with(sel), Order::AllForwardFirst);
+  auto grads = [&](std::vector<std::string> ov) {
+    JobConfig cfg = load_config(repo("configs/ds_tiny.toml"), ov);
+    const Batches b = make_batches(1, cfg.model.vocab_size);
+    Model m(cfg.model, kB, kT, cfg.activation_checkpoint, ModelParallel{});
+    m.init_params(5);
+    m.zero_grads();
+    m.forward_backward(b.in[0].data(), b.tg[0].data(), 1.0f / float(kB * kT), 1.0f);
+    return std::vector<float>(m.grad_data(), m.grad_data() + m.num_params());
+  };
+  const std::vector<float> none = grads(qk);
+  EXPECT_TRUE(none == grads(with(full))) << "full recompute changed the qk_norm model's gradients";
+  EXPECT_TRUE(none == grads(with(sel))) << "selective recompute changed the qk_norm model's gradients";
+}
+
 TEST(ModelStages, FsdpOneRankSplitBackward) { check_bitwise("ds_tiny.toml", {}, Order::SplitDeferredW, true); }
 
 TEST(ModelStages, TiedEmbeddingsFoldOnce) {

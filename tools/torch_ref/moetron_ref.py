@@ -8,11 +8,12 @@
 
 It is NOT a second engine: no data pipeline, no checkpoints, no capacity dropping (capacity_factor must be 0).
 The config reader is ref_config.py (no torch needed): it knows every key the engine writes and refuses by name
-the values this file does not implement (model.ffn = "gelu", model.dropout > 0, model.qk_norm, capacity_factor > 0).
+the values this file does not implement (model.ffn = "gelu", model.dropout > 0, capacity_factor > 0).
 
 Everything mirrors model.cpp and the kernel headers:
   - parameter names, shapes and layouts are the engine's: weights [in, out]; embed and head [V, d]; fused
-    w13 = [gate | up]; MHA/GQA wqkv = [q heads | k heads | v heads]; MLA wdq, q_norm, wuq (or wq), wdkv, wkr,
+    w13 = [gate | up]; MHA/GQA wqkv = [q heads | k heads | v heads] (with qk_norm: attn.q_head_norm and
+    attn.k_head_norm [head_dim], Qwen3's per-head RMSNorm of q and k before RoPE); MLA wdq, q_norm, wuq (or wq), wdkv, wkr,
     kv_norm, wukv (per head [k_nope | v]); experts [E, d, 2F] and [E, F, d]; shared experts one SwiGLU of
     width n_shared * F;
   - RoPE half-split (rope.h) on the whole head (MHA/GQA) or on the decoupled rotary slice (MLA: q heads at
@@ -145,6 +146,8 @@ def param_specs(m):
                    (p + "attn.kv_norm", (rkv,), "ones"), (p + "attn.wukv", (rkv, H * (dn + dv)), "normal")]
         else:
             ps.append((p + "attn.wqkv", (d, (H + 2 * hkv) * hd), "normal"))
+            if m["qk_norm"]:
+                ps += [(p + "attn.q_head_norm", (hd,), "ones"), (p + "attn.k_head_norm", (hd,), "ones")]
         ps.append((p + "attn.wo", (H * dv, d), "normal"))
         ps.append((p + "ffn_norm", (d,), "ones"))
         if not is_moe_layer(m, l):
@@ -394,7 +397,11 @@ def forward(P, tokens, targets, cfg, prec, st, B, T):
         h = rmsnorm(x, P[p + "attn_norm"], eps)
         if not mla:
             qkv = mm(h, P[p + "attn.wqkv"]).view(B, T, H + 2 * hkv, hd)
-            qk = rope(qkv[:, :, :H + hkv], cos, sin)
+            qk = qkv[:, :, :H + hkv]
+            if m["qk_norm"]:  # per-head RMSNorm over head_dim, before RoPE (Qwen3)
+                qk = torch.cat([rmsnorm(qk[:, :, :H], P[p + "attn.q_head_norm"], eps),
+                                rmsnorm(qk[:, :, H:], P[p + "attn.k_head_norm"], eps)], dim=2)
+            qk = rope(qk, cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]
             v = qkv[:, :, H + hkv:]
             if hkv != H:

@@ -8,7 +8,7 @@ writes, in two classes:
   - IGNORED: the keys that do not change what the reference computes (names and paths, the parallel layout,
     checkpoints, recompute, FP8 precision, logging, profiling, hardware): read, checked by name, unused.
 A key in neither class is an error naming it, and so is a value the reference does not implement (REFUSALS):
-model.ffn = "gelu", model.dropout > 0, model.qk_norm = true (the engine refuses these three as well) and
+model.ffn = "gelu", model.dropout > 0 (the engine refuses these two as well) and
 model.capacity_factor > 0 (the engine drops tokens; the reference is dropless). Defaults always load.
 
 What it is not: the engine's validation (config_validate.cpp, spec.cpp). Sizes, divisibility and the parallel
@@ -102,8 +102,6 @@ REFUSALS = (
      "the reference implements the SwiGLU MLP only (the engine refuses the GELU MLP too: planned only)", True),
     ("model.dropout", lambda v: v != 0,
      "the reference has no dropout (the engine refuses dropout > 0 too: planned only)", True),
-    ("model.qk_norm", lambda v: bool(v),
-     "the reference has no q/k RMSNorm (the engine refuses qk_norm too)", True),
     ("model.capacity_factor", lambda v: v != 0,
      "the reference implements dropless MoE only (capacity_factor = 0); the engine's token dropping is not "
      "mirrored", False),
