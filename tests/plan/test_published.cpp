@@ -5,6 +5,7 @@
 // the planner's accuracy against the published figures (docs/planner.md, "Published MoE runs", records that).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -148,7 +149,7 @@ TEST(PlanPublished, SplitMedianAndWorst) {
   const double errs[] = {0.10, -0.40, 0.20, -0.05, 0.30, 0.0};
   const char* splits[] = {"calibration", "calibration", "calibration", "calibration", "validation", "validation"};
   for (size_t i = 0; i < rs.size(); ++i) {
-    rs[i].id = "r" + std::to_string(i), rs[i].split = splits[i];
+    rs[i].id = std::string(1, 'r') + char('0' + i), rs[i].split = splits[i];  // not "r" + to_string: GCC 12 -Wrestrict
     rs[i].projected = rs[i].compared = i != 5, rs[i].error = errs[i];
   }
   const SplitSummary c = summarize(rs, "calibration");
