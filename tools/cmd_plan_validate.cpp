@@ -17,6 +17,7 @@
 #include "moetron/check.h"
 #include "moetron/comm.h"
 #include "moetron/model.h"
+#include "moetron/plan/published.h"
 #include "moetron/plan/validate.h"
 #include "moetron/runtime.h"
 #include "moetron/trainer.h"
@@ -27,6 +28,7 @@ namespace {
 
 struct Args {
   std::string config, hw, only;
+  std::string published, presets = "configs";  // --published FILE: project published runs, no engine
   int64_t steps = 6;
   int rounds = 3;
   int repeats = 1;
@@ -124,6 +126,16 @@ void run_validate(const Args& a) {
   if (root && a.json) std::printf("%s\n", plan::validation_json(w.size(), h, header, done).dump(2).c_str());
 }
 
+// --published FILE: every row projected with plan time's path (plan/published.h); no engine, no MPI.
+void run_published(const Args& a) {
+  const std::vector<plan::PublishedRow> rows = plan::read_published(a.published);
+  std::vector<plan::PublishedResult> rs;
+  for (const auto& r : rows) rs.push_back(plan::project_row(r, a.presets));
+  const std::vector<plan::SplitSummary> ss = {plan::summarize(rs, "calibration"), plan::summarize(rs, "validation")};
+  if (a.json) std::printf("%s\n", plan::published_json(rs, ss).dump(2).c_str());
+  else std::printf("%s", plan::format_published(rs, ss).c_str());
+}
+
 }  // namespace
 
 void add_plan_validate(CLI::App* plan) {
@@ -155,6 +167,14 @@ void add_plan_validate(CLI::App* plan) {
                   "buffers also keep the slack of their growth history; default 0.10)");
   val->add_option("--max-time-error", a->bounds.step_time,
                   "fail when a step time's |error| exceeds this (0 = report only)");
-  val->callback([a] { run_validate(*a); });
+  auto* pub = val->add_option("--published", a->published,
+                               "project the published runs of this CSV (tests/data/published_moe_runs.csv) with "
+                               "plan time and compare with their throughput; runs no engine");
+  pub->excludes(hw)->excludes("--config")->excludes("--rounds")->excludes("--quick");
+  val->add_option("--presets", a->presets, "--published: the folder of the model presets (default configs)");
+  val->callback([a] {
+    if (!a->published.empty()) run_published(*a);
+    else run_validate(*a);
+  });
 }
 }  // namespace moetron::cli

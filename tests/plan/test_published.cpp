@@ -1,0 +1,167 @@
+// test_published.cpp: `plan validate --published`'s library parts (plan/published.h): the CSV reader (quoted
+// commas, quotes, newlines; a bad line's error names the file, line and column), a published row mapped onto a
+// preset, a catalog entry, a layout, a batch and a recipe (a DeepSeekV3 H100 row, and refused rows with their
+// reasons), the projection being plan_time's own figure, and the per-split median / worst |error|. Not a check of
+// the planner's accuracy against the published figures (docs/planner.md, "Published MoE runs", records that).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "moetron/check.h"
+#include "moetron/config.h"
+#include "moetron/plan/cost.h"
+#include "moetron/plan/hardware.h"
+#include "moetron/plan/layout.h"
+#include "moetron/plan/published.h"
+
+using namespace moetron;
+using namespace moetron::plan;
+
+namespace {
+
+std::string error_of(std::string_view text) {
+  try {
+    read_csv(text, "runs.csv");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A DeepSeekV3 row on H100 with every layout key the mapping reads (the Megatron-Bridge columns).
+PublishedRow ds_h100() {
+  PublishedRow r;
+  r.f = {{"id", "x-01"},         {"publisher", "P"},     {"model", "DeepSeek-V3"}, {"hardware", "H100"},
+         {"world", "1024"},      {"tp", "2"},            {"pp", "8"},              {"ep", "64"},
+         {"cp", "1"},            {"dp", ""},             {"vpp", "4"},             {"expert_tp", "1"},
+         {"fsdp", "0"},          {"mbs", "1"},           {"global_batch", "8192"}, {"global_batch_unit", "sequences"},
+         {"seq_len", "4096"},    {"precision", "FP8-CS"}, {"throughput", "1000"},  {"throughput_unit", "tokens/s/GPU"},
+         {"split", "validation"}};
+  return r;
+}
+
+bool has(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+}  // namespace
+
+TEST(PlanPublished, CsvQuotedFieldsKeepCommasQuotesAndNewlines) {
+  const CsvTable t = read_csv("a,b,c\n1,\"x, y\",\"say \"\"hi\"\"\"\n2,\"two\nlines\",\n3,,z\r\n", "t.csv");
+  ASSERT_EQ(t.header, (std::vector<std::string>{"a", "b", "c"}));
+  ASSERT_EQ(t.rows.size(), 3u);
+  EXPECT_EQ(t.rows[0], (std::vector<std::string>{"1", "x, y", "say \"hi\""}));
+  EXPECT_EQ(t.rows[1], (std::vector<std::string>{"2", "two\nlines", ""}));
+  EXPECT_EQ(t.rows[2], (std::vector<std::string>{"3", "", "z"}));
+  EXPECT_EQ(t.lines, (std::vector<int64_t>{2, 3, 5}));  // the quoted newline moves the third row to line 5
+}
+
+TEST(PlanPublished, CsvBadLineNamesFileLineAndColumn) {
+  // Row on line 3 has 4 fields where the header has 3.
+  EXPECT_NE(error_of("a,b,c\n1,2,3\n4,5,6,7\n").find("runs.csv:3:1: 4 fields where the header has 3"),
+            std::string::npos)
+      << error_of("a,b,c\n1,2,3\n4,5,6,7\n");
+  // Text after a closing quote: line 2, column 5 (the 'x' after "ab").
+  EXPECT_NE(error_of("a,b\n\"ab\"x,1\n").find("runs.csv:2:5: 'x' after a closing quote"), std::string::npos)
+      << error_of("a,b\n\"ab\"x,1\n");
+  // A quote in the middle of an unquoted field: line 2, column 4.
+  EXPECT_NE(error_of("a,b\n1,x\"y\n").find("runs.csv:2:4: a quote inside an unquoted field"), std::string::npos)
+      << error_of("a,b\n1,x\"y\n");
+  // An unterminated quote is reported where it opened: line 3, column 3.
+  EXPECT_NE(error_of("a,b\n1,2\n3,\"open\n").find("runs.csv:3:3: unterminated quoted field"), std::string::npos)
+      << error_of("a,b\n1,2\n3,\"open\n");
+}
+
+TEST(PlanPublished, TheDataSetReads) {
+  const auto rows = read_published(std::string(MOETRON_SOURCE_DIR) + "/tests/data/published_moe_runs.csv");
+  ASSERT_EQ(rows.size(), 35u);
+  EXPECT_EQ(rows.front().get("id"), "nv-mb-01");
+  EXPECT_EQ(rows.front().line, 2);
+  EXPECT_EQ(rows.back().get("id"), "pt-tt-03");
+}
+
+TEST(PlanPublished, DeepSeekV3H100RowMapsOntoThePresetAndLayout) {
+  EXPECT_EQ(preset_for_model("DeepSeekV3"), "deepseek_v3.toml");
+  EXPECT_EQ(preset_for_model("deepseek-v3"), "deepseek_v3.toml");
+  EXPECT_EQ(preset_for_model("Qwen3_30B_a3B"), "qwen3_30b_a3b.toml");
+  EXPECT_EQ(preset_for_model("Mixtral 8X7B"), "mixtral_8x7b.toml");
+  EXPECT_EQ(hardware_for("GB200 (NVL72)"), "gb200");
+  const RowMapping m = map_row(ds_h100());
+  ASSERT_TRUE(m.ok) << m.reason;
+  EXPECT_EQ(m.preset, "deepseek_v3.toml");
+  EXPECT_EQ(m.hardware, "h100");
+  EXPECT_EQ(m.world, 1024);
+  for (const char* o : {"--parallelism.tp=2", "--parallelism.pp=8", "--parallelism.ep=64", "--parallelism.cp=1",
+                        "--parallelism.expert_tp=1", "--parallelism.pp_schedule=interleaved_1f1b",
+                        "--parallelism.pp_virtual_stages=4", "--training.seq_len=4096",
+                        "--training.micro_batch_size=1", "--training.global_batch_size=8192",
+                        "--quantize.recipe=tensorwise"})
+    EXPECT_TRUE(has(m.overrides, o)) << o;
+  // The projection is plan time's figure for the same job: dp = 1024 / (2 x 8) = 64, m = 8192 / 64 = 128.
+  const PublishedResult r = project_row(ds_h100(), std::string(MOETRON_SOURCE_DIR) + "/configs");
+  ASSERT_TRUE(r.compared) << r.status;
+  const JobConfig c = load_config(std::string(MOETRON_SOURCE_DIR) + "/configs/deepseek_v3.toml", m.overrides);
+  const Layout l = layout_from_config(c, 1024, true);
+  EXPECT_EQ(l.dp, 64);
+  EXPECT_EQ(l.microbatches, 128);
+  TimeOptions o;
+  o.memory.recipe = recipe_named("megatron", c);
+  const TimePlan t = plan_time(c, l, catalog_hardware("h100"), o);
+  EXPECT_DOUBLE_EQ(r.projected_tps, t.tokens_per_s_per_gpu);
+  EXPECT_DOUBLE_EQ(r.error, t.tokens_per_s_per_gpu / 1000.0 - 1);
+  EXPECT_NEAR(r.compute + r.tp_cp + r.ep + r.dp + r.bubble + r.other, t.step_time, 1e-9 * t.step_time);
+}
+
+TEST(PlanPublished, RefusedRowsNameTheirReason) {
+  PublishedRow r = ds_h100();
+  r.f["model"] = "Qwen3-235B";
+  EXPECT_EQ(map_row(r).reason, "not projected: no preset for Qwen3-235B");
+  r = ds_h100();
+  r.f["hardware"] = "H800";
+  EXPECT_EQ(map_row(r).reason, "not projected: no hardware entry for H800");
+  r = ds_h100();
+  r.f["precision"] = "FP8 mixed";
+  EXPECT_EQ(map_row(r).reason, "not projected: precision 'FP8 mixed' has no planner recipe");
+  r = ds_h100();
+  r.f["tp"] = "", r.f["seq_len"] = "";
+  EXPECT_EQ(map_row(r).reason, "not projected: tp, seq_len not given");
+  r = ds_h100();
+  r.f["cp"] = "", r.f["vpp"] = "", r.f["expert_tp"] = "";  // these three have a default (1)
+  EXPECT_TRUE(map_row(r).ok) << map_row(r).reason;
+  r = ds_h100();
+  r.f["dp"] = "32";
+  EXPECT_EQ(map_row(r).reason, "not projected: dp = 32 disagrees with world / (tp x cp x pp) = 64");
+  r = ds_h100();
+  r.f["global_batch_unit"] = "tokens", r.f["global_batch"] = std::to_string(8192 * 4096);
+  EXPECT_TRUE(has(map_row(r).overrides, "--training.global_batch_size=8192"));
+  r = ds_h100();
+  r.f["throughput_unit"] = "TFLOP/s/GPU";
+  const PublishedResult p = project_row(r, std::string(MOETRON_SOURCE_DIR) + "/configs");
+  EXPECT_TRUE(p.projected);
+  EXPECT_FALSE(p.compared);
+  EXPECT_EQ(p.status, "not compared: unit TFLOP/s/GPU");
+}
+
+TEST(PlanPublished, SplitMedianAndWorst) {
+  std::vector<PublishedResult> rs(6);
+  const double errs[] = {0.10, -0.40, 0.20, -0.05, 0.30, 0.0};
+  const char* splits[] = {"calibration", "calibration", "calibration", "calibration", "validation", "validation"};
+  for (size_t i = 0; i < rs.size(); ++i) {
+    rs[i].id = std::string(1, 'r') + char('0' + i), rs[i].split = splits[i];  // not "r" + to_string: GCC 12 -Wrestrict
+    rs[i].projected = rs[i].compared = i != 5, rs[i].error = errs[i];
+  }
+  const SplitSummary c = summarize(rs, "calibration");
+  EXPECT_EQ(c.rows, 4);
+  EXPECT_EQ(c.compared, 4);
+  EXPECT_DOUBLE_EQ(c.median_abs_error, 0.15);  // |errors| 0.05 0.10 0.20 0.40: the mean of the middle two
+  EXPECT_DOUBLE_EQ(c.worst_abs_error, 0.40);   // the negative one: |error|, not error
+  EXPECT_EQ(c.worst_id, "r1");
+  const SplitSummary v = summarize(rs, "validation");
+  EXPECT_EQ(v.rows, 2);
+  EXPECT_EQ(v.projected, 1);
+  EXPECT_EQ(v.compared, 1);  // the row not compared does not count
+  EXPECT_DOUBLE_EQ(v.median_abs_error, 0.30);
+  EXPECT_EQ(v.worst_id, "r4");
+}
