@@ -86,12 +86,15 @@ void Model::Impl::embed_backward(const int32_t* tokens, const float* g) {
   trace::Scope tr_embed("bwd.embed");  // a row scatter-add (the FSDP release below is its own scope)
   MT_TRACE_COST(double(N * d), 12.0 * double(N * d));
   float* gE = G(emb);
-  if (tp > 1) vocab_embed_backward(gE, g, tokens, N, d, V, tp_comm, TpReduce::ReduceScatter, tp_full.raw());
-  for (int64_t t = 0; t < N && tp == 1; ++t) {
-    float* dst = gE + int64_t(tokens[t]) * d;
-    const float* src = g + t * d;
+  if (tp > 1) {
+    vocab_embed_backward(gE, g, tokens, N, d, V, tp_comm, TpReduce::ReduceScatter, tp_full.raw());
+  } else {
+    for (int64_t t = 0; t < N; ++t) {
+      float* dst = gE + int64_t(tokens[t]) * d;
+      const float* src = g + t * d;
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
+      for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
+    }
   }
   // FSDP with tied embeddings: the head's gradient of this micro-batch joins the unit's before it is reduced
   // (the plain model folds once per step: fold_tied_head_grad).

@@ -204,9 +204,10 @@ struct Model::Impl {
   int cp = 1, cp_rank = 0;
   std::vector<int32_t> cp_tok, cp_tgt;
   const int32_t* cp_rows(std::vector<int32_t>& dst, const int32_t* full);  // full itself without CP
-  // full [N rows] = every TP rank's [Nr rows] in rank order (row_bytes each); a copy without TP.
+  // Under TP only (callers skip them at tp = 1, where the rows are the whole micro-batch):
+  // full [N rows] = every TP rank's [Nr rows] in rank order (row_bytes each);
   void tp_gather_rows(void* full, const void* local, int64_t row_bytes);
-  // local [Nr, d] = the sum over the TP group of its rows of full [N, d] (a copy without TP).
+  // local [Nr, d] = the sum over the TP group of its rows of full [N, d].
   void tp_scatter_sum(float* local, const float* full);
   void tp_sum(float* x, int64_t n);  // in place over the TP group (rank-order sum); nothing without TP
   Tensor send_idx, dwr, iota_r, zero_r;  // EP scratch: slots sent (-1 = dropped), per-row dw, row maps

@@ -46,8 +46,8 @@ void Model::Impl::layer_forward(Layer& L, const float* xin, float* xout) {
   trace::Module tm_attn("attn", li, !recomputing);
   {
     MT_TRACE("fwd.norm");
-    if (tp == 1) norm_fwd_c(b.h1c, b.rstd1.data<float>(), xin, P(L.attn_norm), N, d);
-    else norm_fwd_c(tp_fullc, b.rstd1.data<float>(), xin, P(L.attn_norm), Nr, d);  // this rank's rows
+    // this rank's rows (under TP into scratch, gathered below)
+    norm_fwd_c(tp == 1 ? b.h1c : tp_fullc, b.rstd1.data<float>(), xin, P(L.attn_norm), Nr, d);
   }
   if (tp > 1) tp_gather_rows(b.h1c.raw(), tp_fullc.raw(), d * (f32 ? 4 : 2));
   attn_forward(L, b);

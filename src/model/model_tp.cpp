@@ -6,28 +6,16 @@
 // their own: they run inside the blocks' scopes). CP: this rank's rows of the micro-batch's tokens and targets (the
 // ring attention itself is cp_attention.h, called by model_attention.cpp). Not the parameter slicing
 // (src/params/param_layout.cpp).
-#include <cstring>
-
 #include "model/model_impl.h"
 #include "moetron/cp_attention.h"
 
 namespace moetron {
 
 void Model::Impl::tp_gather_rows(void* full, const void* local, int64_t row_bytes) {
-  if (tp == 1) {
-    if (full != local) std::memcpy(full, local, size_t(N * row_bytes));
-    return;
-  }
   tp_comm.all_gather(full, local, Nr * row_bytes);
 }
 
-void Model::Impl::tp_scatter_sum(float* local, const float* full) {
-  if (tp == 1) {
-    if (local != full) std::memcpy(local, full, size_t(N * d) * 4);
-    return;
-  }
-  tp_comm.reduce_scatter(local, full, Nr * d);
-}
+void Model::Impl::tp_scatter_sum(float* local, const float* full) { tp_comm.reduce_scatter(local, full, Nr * d); }
 
 void Model::Impl::tp_sum(float* x, int64_t n) {
   if (tp == 1) return;
