@@ -146,6 +146,13 @@ double engine_activation_extras(const ModelSpec& s, int64_t layer, double tokens
 // layer keeps only that), the gathered norm outputs, the rank's heads and widths, the router on every row.
 double engine_tp_layer_bytes(const ModelSpec& s, bool moe, double N, double tp, int64_t compute_bytes,
                              bool input = true);
+// Of those, a MoE layer's buffers with one entry per routed row (N * topk): they follow the routing imbalance.
+double engine_tp_routed_row_bytes(const ModelSpec& s, double N, double tp, int64_t compute_bytes);
+// The final norm's buffers under TP for N tokens: its input and rstd on the rank's N / tp rows, its output on all N.
+double engine_tp_final_norm_bytes(const ModelSpec& s, double N, double tp, int64_t compute_bytes);
+// One MoE layer's routed-expert weights packed for the grouped GEMMs (forward and dgrad layouts of gate/up and down,
+// in the compute dtype, with the kernels' tile padding) on a rank holding E / ep experts of width moe_inter / etp.
+double engine_packed_expert_bytes(const ModelSpec& s, int64_t ep, int64_t etp, int64_t compute_bytes);
 // Convenience: everything from a JobConfig (training.micro_batch_size, seq_len, dtype and the
 // [activation_checkpoint] section).
 ActivationBytes activation_bytes(const JobConfig& c);

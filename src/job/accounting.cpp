@@ -503,35 +503,6 @@ double full_layer_bytes(const ModelSpec& s, bool moe, double B, double S, int64_
 
 }  // namespace
 
-// One layer's saved buffers under tensor parallelism (tp > 1, sequence parallel), as the engine allocates them
-// (src/model/model.cpp alloc_bufs): N rows of the micro-batch, Nr = N / tp of them in the residual stream; the
-// gathered norm outputs, the attention's and FFN's tensors on the rank's heads / widths, the router's on every row.
-// `input`: the layer input (Nr rows), which a fully recomputed layer keeps alone.
-double engine_tp_layer_bytes(const ModelSpec& s, bool moe, double N, double tp, int64_t cb, bool input) {
-  const auto& at = s.attn;
-  const double d = double(s.d_model), c = double(cb), Nr = N / tp, H = double(at.n_heads) / tp;
-  const double copy = cb == 4 ? 0 : c;  // a compute-dtype copy beside an fp32 tensor (fp32 mode: the tensor itself)
-  double x = (input ? Nr * d * 4 : 0) + Nr * 4 + N * d * c + Nr * d * 4 + Nr * 4 + N * d * (4 + copy);
-  if (at.type == AttnType::MLA) {
-    const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dqk = double(at.qk_head_dim());
-    const double dn = double(at.qk_nope_head_dim), dr = double(at.qk_rope_head_dim), dv = double(at.v_dim());
-    if (rq > 0) x += N * rq * 4 + N * 4 + N * rq * c;
-    x += N * H * dqk * 4 + N * rkv * 4 + N * 4 + N * rkv * c + N * dr * 4 + N * H * (dn + dv) * 4 + N * H * dqk * 4;
-  } else {
-    x += N * double(at.n_heads + 2 * at.n_kv_heads) / tp * double(at.head_dim) * 4;  // qkv
-    if (at.qk_norm) x += N * double(at.n_heads + at.n_kv_heads) / tp * (double(at.head_dim) + 1) * 4;  // q/k, rstd
-  }
-  x += N * H * double(at.v_dim()) * (4 + copy) + N * H * 4;  // ao, aoc, lse
-  if (!moe) return x + N * 2 * double(s.inter_size) / tp * 4 + N * double(s.inter_size) / tp * c;  // gu, actc
-  const auto& m = s.moe;
-  const double E = double(m.n_routed_experts), K = double(m.topk), R = N * K, Fe = double(m.moe_inter_size) / tp;
-  const double Fs = double(m.n_shared_experts) * double(m.moe_inter_size) / tp;
-  x += 2 * N * E * 4 + 2 * N * K * 4 + (3 * E + 1) * 4 + 3 * N * K * 4;  // logits, scores, top-k, counts, row maps
-  x += R * d * c + R * 2 * Fe * 4 + R * Fe * c + R * d * 4;                // xpc, egu, eactc, ez
-  if (Fs > 0) x += N * 2 * Fs * 4 + N * Fs * c;                           // shared gu, actc
-  return x;
-}
-
 namespace {
 
 // Per-layer parameter counts, split as the trainer shards them (the 16-element padding of each tensor in
@@ -659,13 +630,7 @@ struct MemoryTerms {
     const double local = ps.dense + ps.experts / EP;  // this rank's parameters (flat layout)
     // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, in the
     // compute dtype, as the grouped GEMM kernels pad them).
-    double packed_layer = 0;
-    if (s.is_moe()) {
-      const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size / par.tp;  // TP: its width
-      for (auto kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad})
-        packed_layer += double(grouped_packed_size(kind, prec, el, dm, 2 * fe)) +
-                        double(grouped_packed_size(kind, prec, el, fe, dm));
-    }
+    const double packed_layer = s.is_moe() ? engine_packed_expert_bytes(s, par.ep, par.tp, cb) : 0.0;
     const double packed = n_moe * packed_layer;
     const double bias = n_moe * E * 4;                // aux-free biases (fp32, every expert)
     const double edp = D / EP;  // the expert-data-parallel group
@@ -788,7 +753,7 @@ struct MemoryTerms {
         r.activations += engine_tp_layer_bytes(s, is_moe, N, tp, cb);
       }
     }
-    r.activations += Nr * d * 4 + Nr * 4 + N * d * double(cb);  // final norm: input and rstd (its rows), output (all)
+    r.activations += engine_tp_final_norm_bytes(s, N, tp, cb);
     r.activation_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
                         kv("training.seq_len", c.training.seq_len) + ", " + kv("model.n_layers", s.n_layers) + ", " +
                         kv("parallelism.tp", par.tp);

@@ -43,6 +43,7 @@ namespace {
 // Parameter elements of one layer by divisor (before dividing).
 struct ParamSplit {
   double tp_sharded = 0, replicated = 0, experts = 0;
+  double aux_free_bias = 0;  // the aux-free routing bias: fp32 state beside the parameters, not trained
 };
 
 ParamSplit split_layer(const ModelSpec& s, int64_t layer) {
@@ -57,7 +58,9 @@ ParamSplit split_layer(const ModelSpec& s, int64_t layer) {
   } else if (at.qk_norm) {
     attn_rep += 2.0 * double(at.head_dim);
   }
-  p.replicated = attn_rep + double(lp.norms + lp.router);
+  if (lp.routed_experts > 0 && s.moe.load_balance == LoadBalance::AuxFree)
+    p.aux_free_bias = double(s.moe.n_routed_experts);
+  p.replicated = attn_rep + double(lp.norms + lp.router) - p.aux_free_bias;
   p.tp_sharded = double(lp.attention) - attn_rep + double(lp.dense_mlp + lp.shared_experts);
   p.experts = double(lp.routed_experts);
   return p;
@@ -135,6 +138,10 @@ struct MemCtx {
   double a = 0, g = 0;  // activation and GEMM-input element bytes
   Fp8CachePlan f8;      // the engine's cached FP8 activations (replacing their copies in its terms)
   double held = 1;      // routed rows held over the balanced count
+  // The engine recipe under tensor parallelism: its layer sets are priced as it allocates them
+  // (accounting.h engine_tp_layer_bytes), not by the term list's sharding convention.
+  bool engine_tp = false;
+  int64_t cb = 2;  // the engine's compute-dtype bytes (its copies and packed weights)
 };
 
 // The activation bytes of one layer kind (dense / MoE, recompute on / off): kept, and when fully recomputed all
@@ -146,10 +153,26 @@ struct LayerKind {
   ModuleSum mods;
 };
 
+// The engine's layer under TP (engine_tp_layer_bytes): its whole set, or with full recompute its input alone and
+// the set re-materialized; the routed rows scaled to the held rows.
+void price_engine_tp_kind(const MemCtx& x, bool moe, bool on, LayerKind& k) {
+  const ModelSpec& s = x.c.model;
+  const double N = x.B * x.S / double(x.sh.cp), tp = double(x.sh.tp);
+  const double held = moe ? (x.held - 1.0) * engine_tp_routed_row_bytes(s, N, tp, x.cb) : 0.0;
+  if (x.ac.mode == AcMode::Full && on) {
+    k.bytes = N / tp * double(s.d_model) * 4;
+    k.all = engine_tp_layer_bytes(s, moe, N, tp, x.cb, false) + held;
+  } else {
+    k.bytes = engine_tp_layer_bytes(s, moe, N, tp, x.cb) + held;
+  }
+  if (x.o.detail) k.mods.by[x.ac.mode == AcMode::Full && on ? "checkpointed_inputs" : "engine_tp_layer"] += k.bytes;
+}
+
 void price_kind(const MemCtx& x, int layer, bool moe, bool on, LayerKind& k) {
   const ModelSpec& s = x.c.model;
   const PlanOptions& o = x.o;
   k.have = true;
+  if (x.engine_tp) return price_engine_tp_kind(x, moe, on, k);
   if (o.detail) {
     sharded_layer_terms(s, layer, x.B, x.S, x.a, x.g, x.ac, x.sh, &ModuleSum::add, &k.mods, x.f8);
     for (const auto& [name, v] : k.mods.by) k.bytes += v;
@@ -199,15 +222,22 @@ StageActivations stage_activations(const MemCtx& x) {
         // activations (held), not as a transient.
         k.shared_counted = true;
         const ActivationCheckpointSpec none;
-        out.engine_shared += k.all + engine_activation_extras(s, layer, x.B * x.S, none, int64_t(x.g), x.f8) -
-                             x.B * x.S * d_model * x.a;
+        out.engine_shared += x.engine_tp ? k.all
+                                         : k.all + engine_activation_extras(s, layer, x.B * x.S, none, int64_t(x.g), x.f8) -
+                                               x.B * x.S * d_model * x.a;
       }
       if (o.detail)
         for (const auto& [name, v] : k.mods.by) out.mods[size_t(st)].by[name] += count * v;
       out.transient = std::max(out.transient, k.all);
     });
     const bool first = x.sp.first[size_t(st)], last = x.sp.last[size_t(st)];
-    if (o.detail) {
+    if (x.engine_tp) {  // the engine's final norm under TP; its vocabulary-parallel loss is fused (no logits kept)
+      if (last) {
+        const double fn = engine_tp_final_norm_bytes(s, x.B * x.S / double(x.sh.cp), double(x.sh.tp), x.cb);
+        out.bytes[size_t(st)] += fn;
+        if (o.detail) out.mods[size_t(st)].by["norms"] += fn;
+      }
+    } else if (o.detail) {
       ModuleSum outside;
       sharded_outside_terms(s, x.B, x.S, x.a, x.g, x.sh, o.fused_loss, first, last, &ModuleSum::add, &outside);
       for (const auto& [name, v] : outside.by) out.bytes[size_t(st)] += v, out.mods[size_t(st)].by[name] += v;
@@ -222,8 +252,10 @@ StageActivations stage_activations(const MemCtx& x) {
 // The parameters of one pipeline rank's stages, by divisor (before dividing), and the largest FSDP unit.
 struct RankParams {
   ParamSplit ps;
-  double largest_unit = 0, largest_unit_experts = 0;  // elements on one GPU
+  double largest_unit = 0;  // elements on one GPU
   bool moe_here = false;
+  int moe_layers = 0;              // MoE layers on this rank
+  bool largest_unit_moe = false;   // the largest FSDP unit is a MoE layer
 };
 
 // One layer's parameter split per kind (dense, MoE), priced at the first layer of that kind met.
@@ -243,13 +275,17 @@ RankParams rank_params(const MemCtx& x, SplitCache& cache, RankMemory& rm) {
       if (!cache.have[km]) cache.split[km] = split_layer(s, layer), cache.have[km] = true;
       const ParamSplit& y = cache.split[km];
       p.ps.tp_sharded += count * y.tp_sharded, p.ps.replicated += count * y.replicated, p.ps.experts += count * y.experts;
+      p.ps.aux_free_bias += count * y.aux_free_bias;
       const double unit = y.tp_sharded / double(l.tp) + y.replicated + y.experts / double(l.ep * l.etp);
-      if (unit > p.largest_unit) p.largest_unit = unit, p.largest_unit_experts = y.experts / double(l.ep * l.etp);
+      if (unit > p.largest_unit)
+        p.largest_unit = unit, p.largest_unit_moe = moe;
       p.moe_here = p.moe_here || moe;
+      if (moe) p.moe_layers += count;
       rm.layers += count;
     });
     const double vd = double(s.vocab_size) * d;
-    if (x.sp.first[size_t(st)] || x.sp.last[size_t(st)]) p.largest_unit = std::max(p.largest_unit, vd / double(l.tp));
+    if ((x.sp.first[size_t(st)] || x.sp.last[size_t(st)]) && vd / double(l.tp) > p.largest_unit)
+      p.largest_unit = vd / double(l.tp), p.largest_unit_moe = false;
     if (x.sp.first[size_t(st)]) p.ps.tp_sharded += vd;
     if (x.sp.last[size_t(st)]) p.ps.tp_sharded += vd, p.ps.replicated += d;  // head (a copy when tied) + final norm
   }
@@ -260,6 +296,14 @@ RankParams rank_params(const MemCtx& x, SplitCache& cache, RankMemory& rm) {
 void rank_state(const MemCtx& x, const RankParams& p, RankMemory& rm) {
   const Layout& l = x.l;
   const Recipe& rc = x.o.recipe;
+  // The engine packs each MoE layer's local experts for its grouped GEMMs, padded to the kernels' tiles
+  // (accounting.h engine_packed_expert_bytes); other recipes price expert_packed bytes per element.
+  const double packed_layer =
+      rc.engine_buffers && x.c.model.is_moe() ? engine_packed_expert_bytes(x.c.model, l.ep, l.etp, x.cb) : 0.0;
+  // The routing bias, fp32 on every rank: the engine keeps one per MoE layer whatever the balancing; a GPU framework
+  // (Megatron-Core's expert_bias buffer) under aux-free balancing alone.
+  const double bias = 4.0 * (rc.engine_buffers ? double(p.moe_layers) * double(x.c.model.moe.n_routed_experts)
+                                               : p.ps.aux_free_bias);
   const double dense_dp = double(l.dp * l.cp);  // the distributed optimizer's group for dense parameters
   const double edp = double(l.edp());
   rm.params_tp_sharded = p.ps.tp_sharded / double(l.tp);
@@ -278,15 +322,16 @@ void rank_state(const MemCtx& x, const RankParams& p, RankMemory& rm) {
       // full-precision slot with its compute copy and the unit's packed experts, plus its gradient slot; both
       // count as parameters and gradients.
       const double slots = x.c.model.tie_embeddings ? 2.0 : 1.0;
-      rm.params = shard * rc.param +
-                  slots * (p.largest_unit * (rc.param + rc.compute_copy) + p.largest_unit_experts * rc.expert_packed);
+      rm.params = shard * rc.param + slots * (p.largest_unit * (rc.param + rc.compute_copy) +
+                                              (p.largest_unit_moe ? packed_layer : 0.0)) + bias;
       fsdp_grad_slot = slots * p.largest_unit * rc.grad;
     } else {
-      rm.params = shard * (rc.param + rc.compute_copy);
+      rm.params = shard * (rc.param + rc.compute_copy) + bias;
       rm.buffers_by_kind.push_back({"fsdp_units", 2.0 * p.largest_unit * (rc.compute_copy > 0 ? rc.compute_copy : rc.param)});
     }
   } else {
-    rm.params = (Pd + Pe) * (rc.param + rc.compute_copy) + Pe * rc.expert_packed;
+    rm.params = (Pd + Pe) * (rc.param + rc.compute_copy) +
+                (rc.engine_buffers ? double(p.moe_layers) * packed_layer : Pe * rc.expert_packed) + bias;
   }
   const double zd = l.zero == 3 ? dsh * double(l.cp) : dense_dp, ze = l.zero == 3 ? esh : edp;
   const double shard_d = l.zero >= 1 ? zd : 1.0, shard_e = l.zero >= 1 ? ze : 1.0;
@@ -359,6 +404,8 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
   MT_CHECK(o.ep_imbalance >= 1.0, "plan", "ep_imbalance = ", o.ep_imbalance,
            " must be >= 1 (the busiest rank's routed rows over the balanced count)");
   x.held = held_rows_factor(l, o);
+  x.engine_tp = o.recipe.engine_buffers && l.tp > 1;
+  x.cb = c.training.compute_dtype == ComputeDtype::FP32 ? 4 : 2;
   const StageActivations sa = stage_activations(x);
   const Inflight inf = inflight(sp, sa.bytes);
 

@@ -68,10 +68,38 @@ TEST(PlanMemory, EngineRecipeMatchesTheEnginesConvention) {
   const ParamCounts pc = count_params(c.model);
   const double P = double(pc.total), Pe = double(pc.routed_experts);
   const auto r = mem(c, 1, o).per_rank[0];
-  // fp32 masters, no bf16 copy under fp32 compute, the experts packed twice more (two fp32 layouts)
-  EXPECT_DOUBLE_EQ(r.params, 4 * P + 8 * Pe);
+  // fp32 masters, no bf16 copy under fp32 compute, each MoE layer's experts packed twice more (two fp32 layouts,
+  // padded to the grouped kernels' tiles: at least 8 bytes per expert element) and its fp32 routing bias (kept
+  // whatever the balancing): the engine's own estimate
+  const double n_moe = double(c.model.n_moe_layers());
+  const double packed = n_moe * engine_packed_expert_bytes(c.model, 1, 1, 4);
+  EXPECT_GE(packed, 8 * Pe);
+  EXPECT_DOUBLE_EQ(r.params, 4 * P + packed + n_moe * double(c.model.moe.n_routed_experts) * 4);
+  EXPECT_DOUBLE_EQ(r.params, estimate_memory(c, 4, 1).params);
   EXPECT_DOUBLE_EQ(r.main_params, 0);
   EXPECT_THROW(plan::recipe_named("apex", c), Error);
+}
+
+// Under tensor parallelism the engine recipe prices what the engine allocates (its gathered norm outputs, the
+// router on every row, the packed experts at the TP-sliced width with the kernels' padding): the projection's
+// parameters and activations are the engine's own estimate, in fp32 and in bf16, with and without full recompute
+// and with CP beside TP (estimate_memory is checked against the engine's measured peaks by `plan validate`).
+TEST(PlanMemory, EngineRecipeUnderTpIsTheEnginesEstimate) {
+  for (const char* dt : {"fp32", "bf16"})
+    for (const char* extra : {"--activation_checkpoint.mode=none", "--activation_checkpoint.mode=full",
+                              "--parallelism.cp=2"}) {
+      SCOPED_TRACE(std::string(dt) + " " + extra);
+      const auto c = cfg("ds_mini", {"--parallelism.tp=2", "--parallelism.expert_tp=2",
+                                     std::string("--training.compute_dtype=") + dt, extra});
+      plan::PlanOptions o;
+      o.recipe = plan::recipe_named("engine", c);
+      const int64_t world = c.parallelism.world_size();
+      const auto r = plan::plan_memory(c, plan::layout_from_config(c, world, false), plantest::round_gpu(), o)
+                         .per_rank.at(0);
+      const MemoryEstimate e = estimate_memory(c, std::string(dt) == "fp32" ? 4 : 2, 1);
+      EXPECT_NEAR(r.params, e.params, 1e-9 * e.params);
+      EXPECT_NEAR(r.activations, e.activations, 1e-9 * e.activations);
+    }
 }
 
 // HSDP (zero 3, dp_replicate 2 x dp_shard 2 on 4 GPUs): every state term is sharded over dp_shard = 2, as FSDP over
