@@ -39,7 +39,7 @@ struct PlanArgs {
 
 void common(CLI::App* a, PlanArgs& p, bool need_world) {
   a->add_option("config", p.config, "TOML job config (e.g. configs/deepseek_v3.toml)")->required();
-  a->add_option("--hw", p.hw, "hardware: mi300x, mi325x, mi355x, a100, a100_nccl, h100, h200, b200, gb200, or a TOML file")->required();
+  a->add_option("--hw", p.hw, "hardware: mi300x, mi325x, mi355x, a100, a100_nccl, h100, h200, h800, b200, gb200, gb300, or a TOML file")->required();
   if (need_world) a->add_option("--world", p.world, "number of GPUs")->required();
   a->add_option("--global-batch-tokens", p.gbt, "global batch in tokens (default: training.global_batch_size x seq_len)");
   a->add_option("--recipe", p.recipe, "precision recipe: megatron (bf16 params, fp32 grads/main/moments) or engine");

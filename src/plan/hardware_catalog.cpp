@@ -1,7 +1,7 @@
 // plan/hardware_catalog.cpp: the planner's named hardware entries (mi300x, mi325x, mi355x, a100, a100_nccl,
-// h100, h200, b200, gb200), each an embedded TOML text read by the one loader in hardware.cpp, with a public
-// source (or an explicit "derived:" / "assumption:" / "fitted:" note) for every figure it sets. Not the loader and
-// not a cost model.
+// h100, h200, h800, b200, gb200, gb300), each an embedded TOML text read by the one loader in hardware.cpp, with a
+// public source (or an explicit "derived:" / "assumption:" / "fitted:" note) for every figure it sets. Not the loader
+// and not a cost model.
 //
 // Conventions shared by every entry (docs/hardware.md has the full table):
 //  - peaks are dense (no 2:4 sparsity); NVIDIA datasheets quote sparse figures, halved here;
@@ -38,11 +38,21 @@ gemm_efficiency = "assumption: generic fraction of the achievable rate by the GE
 "scale_out.topology" = "assumption: rail-optimized non-blocking fat tree, any pair at the NIC rate"
 )toml";
 
-// Sources cited by several entries: {WHITEPAPER}, {AMD_MAF} and {MAMF} in an entry's sources expand to these.
+// Sources cited by several entries (or several times): {WHITEPAPER}, {AMD_MAF}, {MAMF}, {MAMF_PEAK}, {LOCKWOOD} and
+// {VERDA} in an entry's sources expand to these.
 const char* const kWhitepaper = "AMD whitepaper 'At-Scale AI Training on AMD Instinct MI350/MI300X Series GPUs' (2025)";
 const char* const kAmdMaf =
     "AMD ROCm blog 'Measuring Max-Achievable FLOPs - Part 2' (2025), Table 1, hipBLASLt-bench, "
     "https://rocm.blogs.amd.com/software-tools-optimization/measuring-max-achievable-flops-part2/README.html";
+const char* const kLockwood =
+    "G. Lockwood, notes on B300 / GB300 NVL72 as advertised at GTC 2025, "
+    "https://glennklockwood.com/garden/processors/B300";
+const char* const kVerda =
+    "Verda blog 'NVIDIA GB300 NVL72: GPU Architecture & Performance' (2025), "
+    "https://verda.com/blog/gb300-nvl72-architecture";
+const char* const kMamfPeak =
+    "S. Bekman, Machine Learning Engineering Open Book, 'TFLOPS comparison table' (2026, dense peaks from the vendors' "
+    "specifications), https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md";
 const char* const kMamf =
     "S. Bekman, Machine Learning Engineering Open Book, 'Maximum Achievable Matmul FLOPS comparison table' "
     "(2025, torch matmul, mean at the best shape of a sweep), "
@@ -276,6 +286,40 @@ achievable_fp8_tflops = "measured: 1453.4 TFLOPS FP8 e4m3 on H200 SXM (torch 2.7
 "scale_up.bw_gbps" = "NVIDIA H200 datasheet (2024): NVLink 900 GB/s bidirectional = 450 GB/s per direction"
 "scale_out.bw_gbps" = "NVIDIA DGX H200 datasheet (2024): 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU = 50 GB/s per direction"
 )toml"},
+    {"h800",
+     R"toml(name = "h800"
+description = "NVIDIA H800 SXM5 80GB: the H100 SXM with NVLink cut to 400 GB/s bidirectional, HGX 8-GPU NVSwitch node"
+hbm_gb = 80.0
+hbm_bw_gbps = 3350.0
+peak_bf16_tflops = 989.5
+peak_fp8_tflops = 1979.0
+achievable_bf16_tflops = 794.5
+achievable_fp8_tflops = 1402.6
+)toml",
+     R"toml(
+[scale_up]
+domain = 8
+topology = "switch"
+bw_gbps = 200.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 50.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM: 80 GB HBM3 (as H100 SXM)"
+hbm_bw_gbps = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM: 3.35 TB/s (as H100 SXM)"
+peak_bf16_tflops = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM: 1979 TFLOPS BF16 with sparsity, halved for dense (the same GH100 compute as H100 SXM)"
+peak_fp8_tflops = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM: 3958 TFLOPS FP8 with sparsity, halved for dense"
+achievable_bf16_tflops = "derived: no public GEMM maximum for H800; its dense BF16 peak and its GH100 compute equal H100 SXM's, so H100 SXM's measured 794.5 TFLOPS BF16 (torch 2.7, CUDA 12.6) is taken, {MAMF}"
+achievable_fp8_tflops = "derived: no public GEMM maximum for H800; H100 SXM's measured 1402.6 TFLOPS FP8 e4m3 (same GH100 compute and FP8 peak) is taken, {MAMF}"
+"scale_up.domain" = "NVIDIA H800 Tensor Core GPU datasheet (2023): HGX H800 systems of up to 8 GPUs on NVSwitch, as HGX H100; the DeepSeek-V3 report (arXiv 2412.19437, sec. 3.1) describes its H800 nodes likewise (8 GPUs on NVLink and NVSwitch), an input from the paper of the compared row ds-v3-01"
+"scale_up.topology" = "NVSwitch as in HGX H100 (NVIDIA DGX H100 datasheet, 2023): any pair at the full NVLink bandwidth"
+"scale_up.bw_gbps" = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM: NVLink 400 GB/s bidirectional = 200 GB/s per direction, a line rate. The DeepSeek-V3 report (arXiv 2412.19437, sec. 3.2.2) states 160 GB/s for NVLink on its H800 cluster, 80 % of this line rate; not used: it is a delivered figure from the paper of the compared row ds-v3-01, and every sourced entry carries the line rate (docs/planner.md, rules 1 and 2)"
+"scale_out.bw_gbps" = "400 Gb/s per GPU = 50 GB/s per direction, the 8 ConnectX-7 400 Gb/s compute ports of a DGX H100 (NVIDIA DGX H100 datasheet, 2023), as every Hopper entry; the DeepSeek-V3 report (arXiv 2412.19437, sec. 3.2.2) gives the same 50 GB/s InfiniBand per GPU for its H800 cluster, an input from the paper of the compared row ds-v3-01"
+)toml"},
     {"b200",
      R"toml(name = "b200"
 description = "NVIDIA B200 (1000 W), HGX/DGX B200 8-GPU NVLink 5 node"
@@ -344,11 +388,46 @@ achievable_fp8_tflops = "measured: 3615.6 TFLOPS FP8 e4m3 on a GB200 GPU (torch 
 "scale_up.bw_gbps" = "NVIDIA GB200 NVL72 specifications (2024): 130 TB/s NVLink for 72 GPUs = 1.8 TB/s bidirectional per GPU = 900 GB/s per direction"
 "scale_out.bw_gbps" = "NVIDIA DGX SuperPOD reference architecture with DGX GB200 (2024): one ConnectX-7 400 Gb/s InfiniBand port per GPU for the compute fabric = 50 GB/s per direction"
 )toml"},
+    {"gb300",
+     R"toml(name = "gb300"
+description = "NVIDIA GB300 NVL72: 72 Blackwell Ultra GPUs in one NVLink 5 domain (rack scale), one ConnectX-8 800 Gb/s NIC per GPU"
+hbm_gb = 277.8
+hbm_bw_gbps = 8000.0
+peak_bf16_tflops = 2500.0
+peak_fp8_tflops = 5000.0
+achievable_bf16_tflops = 1822.0
+achievable_fp8_tflops = 3615.6
+)toml",
+     R"toml(
+[scale_up]
+domain = 72
+topology = "switch"
+bw_gbps = 900.0
+alpha_us = 3.0
+
+[scale_out]
+domain = 65536
+topology = "switch"
+bw_gbps = 100.0
+alpha_us = 10.0
+)toml",
+     R"toml(hbm_gb = "20 TB HBM3e for 72 GPUs = 277.8 GB per GPU: GB300 NVL72 as advertised by NVIDIA ({LOCKWOOD}: '20 TB HBM at 576 TB/s'; {VERDA}, rack table: 20 TB); the 288 GB Blackwell Ultra package less what the system reserves, as GB200's 186 of 192; {VERDA} lists 279 GB per GPU"
+hbm_bw_gbps = "576 TB/s HBM3e for 72 GPUs = 8 TB/s per GPU: {LOCKWOOD}; {VERDA}, rack and per-GPU tables"
+peak_bf16_tflops = "2500 TFLOPS dense BF16 per GPU (GB200's figure; Blackwell Ultra raises FP4, not BF16): {MAMF_PEAK}, from the NVIDIA GB300 NVL72 specifications; {VERDA}: 180 PFLOPS dense FP16/BF16 for 72 GPUs"
+peak_fp8_tflops = "5000 TFLOPS dense FP8 per GPU: {MAMF_PEAK}, from the NVIDIA GB300 NVL72 specifications; {VERDA}: 360 PFLOPS dense FP8 for 72 GPUs; {LOCKWOOD}: '360 PF FP8 for training'"
+achievable_bf16_tflops = "derived: no public GEMM maximum for GB300; its dense BF16 peak equals GB200's, so GB200's measured 1822 TFLOPS BF16 (torch 2.10 nightly, CUDA 13.0) is taken, {MAMF}; a B300 SXM (the same Blackwell Ultra die, HGX, 2250 peak) measured 1769.0 in the same table"
+achievable_fp8_tflops = "derived: no public GEMM maximum for GB300; its dense FP8 peak equals GB200's, so GB200's measured 3615.6 TFLOPS FP8 e4m3 is taken, {MAMF}; a B300 SXM measured 3353.3 in the same table"
+"scale_up.domain" = "72 Blackwell Ultra GPUs (and 36 Grace CPUs) in one NVLink domain: {LOCKWOOD}; {VERDA}"
+"scale_up.topology" = "NVLink Switch trays (18 NVLink switches, {LOCKWOOD}), any pair of the 72 at full NVLink bandwidth, as GB200 NVL72"
+"scale_up.bw_gbps" = "130 TB/s NVLink for 72 GPUs = 1.8 TB/s bidirectional per GPU = 900 GB/s per direction (fifth-generation NVLink, as GB200): {LOCKWOOD}; {VERDA}"
+"scale_out.bw_gbps" = "one ConnectX-8 SuperNIC per GPU (72 for the 72 GPUs, {LOCKWOOD}) at 800 Gb/s (NVIDIA InfiniBand adapters page: 'up to 800 Gb/s' for ConnectX-8) = 100 GB/s per direction"
+)toml"},
 };
 
 std::string expand(std::string s) {
   const std::pair<const char*, const char*> subs[] = {
-      {"{WHITEPAPER}", kWhitepaper}, {"{AMD_MAF}", kAmdMaf}, {"{MAMF}", kMamf}};
+      {"{WHITEPAPER}", kWhitepaper}, {"{AMD_MAF}", kAmdMaf}, {"{MAMF}", kMamf}, {"{MAMF_PEAK}", kMamfPeak},
+      {"{LOCKWOOD}", kLockwood},     {"{VERDA}", kVerda}};
   for (const auto& [token, text] : subs)
     for (size_t at = s.find(token); at != std::string::npos; at = s.find(token, at))
       s.replace(at, std::strlen(token), text);

@@ -182,6 +182,8 @@ std::string preset_for_model(std::string_view model) {
       {"deepseekv2", "deepseek_v2.toml"},       {"deepseekv2lite", "deepseek_v2_lite.toml"},
       {"qwen330ba3b", "qwen3_30b_a3b.toml"},    {"mixtral8x7b", "mixtral_8x7b.toml"},
       {"llama4scout", "llama4_scout.toml"},     {"llama4scout17b16e", "llama4_scout.toml"},
+      {"qwen3235ba22b", "qwen3_235b_a22b.toml"}, {"qwen3235b", "qwen3_235b_a22b.toml"},
+      {"gptoss120b", "gpt_oss_120b.toml"},      {"mixtral8x22b", "mixtral_8x22b.toml"},
   };
   const std::string k = squash(model);
   for (const auto& [name, file] : table)
@@ -193,7 +195,7 @@ std::string hardware_for(std::string_view hw) {
   static const std::vector<std::pair<std::string, std::string>> table = {
       {"a100", "a100"},   {"h100", "h100"},       {"h200", "h200"},       {"b200", "b200"},
       {"gb200", "gb200"}, {"gb200(nvl72)", "gb200"}, {"mi300x", "mi300x"}, {"mi325x", "mi325x"},
-      {"mi355x", "mi355x"},
+      {"mi355x", "mi355x"}, {"gb300", "gb300"},   {"gb300(nvl72)", "gb300"}, {"h800", "h800"},
   };
   const std::string k = squash(hw);
   for (const auto& [name, entry] : table)

@@ -117,8 +117,9 @@ struct TempDir {
 }  // namespace
 
 // ---- the catalog ------------------------------------------------------------------------------------------
-TEST(HardwareCatalog, HasTheEightEntries) {
-  const std::vector<std::string> want = {"mi300x", "mi325x", "mi355x", "a100", "a100_nccl", "h100", "h200", "b200", "gb200"};
+TEST(HardwareCatalog, HasTheElevenEntries) {
+  const std::vector<std::string> want = {"mi300x", "mi325x", "mi355x", "a100", "a100_nccl", "h100",
+                                         "h200",   "h800",   "b200",   "gb200", "gb300"};
   EXPECT_EQ(catalog_names(), want);
 }
 
@@ -230,6 +231,37 @@ TEST(HardwareCatalog, DatasheetFigures) {
   same.name = a100.name, same.description = a100.description, same.scale_up.bw = a100.scale_up.bw;
   same.sources = a100.sources;
   EXPECT_EQ(hardware_to_toml(same), hardware_to_toml(a100));
+}
+
+// H800 (the published DeepSeek-V3 run) and GB300 NVL72 (Megatron-Bridge's DGX-GB300 rows): their spec-sheet figures.
+// The H800's scale-up figure is the datasheet's line rate (400 GB/s bidirectional), not the 160 GB/s the DeepSeek-V3
+// report states for its cluster: that paper is the source of a compared row (docs/planner.md, rules 1 and 2), so its
+// system description is an input, named as such, and never the catalog figure.
+TEST(HardwareCatalog, H800AndGb300DatasheetFigures) {
+  const Hardware h800 = catalog_hardware("h800"), h100 = catalog_hardware("h100");
+  EXPECT_DOUBLE_EQ(h800.hbm_bytes, 80e9);
+  EXPECT_DOUBLE_EQ(h800.hbm_bw, 3350e9);
+  EXPECT_DOUBLE_EQ(h800.peak_bf16, h100.peak_bf16);  // the same GH100 compute: 1979 sparse / 989.5 dense
+  EXPECT_DOUBLE_EQ(h800.peak_fp8, h100.peak_fp8);
+  EXPECT_DOUBLE_EQ(h800.achievable_bf16, h100.achievable_bf16);  // derived from H100's measurement, and says so
+  EXPECT_EQ(h800.sources.at("achievable_bf16_tflops").rfind("derived:", 0), 0u);
+  EXPECT_DOUBLE_EQ(h800.scale_up.bw, 200e9);  // NVLink 400 GB/s bidirectional
+  EXPECT_EQ(h800.scale_up.domain, 8);
+  EXPECT_DOUBLE_EQ(h800.scale_out.bw, 50e9);  // 400 Gb/s per GPU
+  EXPECT_NE(h800.sources.at("scale_up.bw_gbps").find("not used"), std::string::npos);
+  EXPECT_NE(h800.sources.at("scale_out.bw_gbps").find("an input from the paper of the compared row"), std::string::npos);
+
+  const Hardware gb300 = catalog_hardware("gb300"), gb200 = catalog_hardware("gb200");
+  EXPECT_DOUBLE_EQ(gb300.hbm_bytes, 277.8e9);  // 20 TB / 72
+  EXPECT_DOUBLE_EQ(gb300.hbm_bw, 8000e9);      // 576 TB/s / 72
+  EXPECT_DOUBLE_EQ(gb300.peak_bf16, 2500e12);
+  EXPECT_DOUBLE_EQ(gb300.peak_fp8, 5000e12);
+  EXPECT_DOUBLE_EQ(gb300.achievable_bf16, gb200.achievable_bf16);  // derived from GB200's measurement
+  EXPECT_DOUBLE_EQ(gb300.achievable_fp8, gb200.achievable_fp8);
+  EXPECT_EQ(gb300.sources.at("achievable_fp8_tflops").rfind("derived:", 0), 0u);
+  EXPECT_EQ(gb300.scale_up.domain, 72);
+  EXPECT_DOUBLE_EQ(gb300.scale_up.bw, 900e9);   // NVLink 5: 130 TB/s / 72 = 1.8 TB/s bidirectional
+  EXPECT_DOUBLE_EQ(gb300.scale_out.bw, 100e9);  // one ConnectX-8 at 800 Gb/s per GPU
 }
 
 // The full mesh's all-to-all bandwidth is its links at line rate: 7 x 64 GB/s = 448 GB/s (MI300X) and 7 x 76.8 =

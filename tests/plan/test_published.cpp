@@ -1,8 +1,9 @@
 // test_published.cpp: `plan validate --published`'s library parts (plan/published.h): the CSV reader (quoted
 // commas, quotes, newlines; a bad line's error names the file, line and column), a published row mapped onto a
-// preset, a catalog entry, a layout, a batch and a recipe (a DeepSeekV3 H100 row, and refused rows with their
-// reasons), the projection being plan_time's own figure, and the per-split median / worst |error|. Not a check of
-// the planner's accuracy against the published figures (docs/planner.md, "Published MoE runs", records that).
+// preset, a catalog entry, a layout, a batch and a recipe (a DeepSeekV3 H100 row, refused rows with their reasons,
+// and the CSV's spellings of the issue-33 presets and catalog entries), the projection being plan_time's own
+// figure, and the per-split median / worst |error|. Not a check of the planner's accuracy against the published
+// figures (docs/planner.md, "Published MoE runs", records that).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -82,6 +83,38 @@ TEST(PlanPublished, TheDataSetReads) {
   EXPECT_EQ(rows.back().get("id"), "pt-tt-03");
 }
 
+// The presets and catalog entries added for issue 33: the CSV's own spellings map onto them, and every row that
+// names one of them is projected or refused for a reason other than a missing preset or hardware entry.
+TEST(PlanPublished, Issue33PresetsAndHardwareMapAndProject) {
+  EXPECT_EQ(preset_for_model("GPT OSS 120B"), "gpt_oss_120b.toml");
+  EXPECT_EQ(preset_for_model("Qwen3_235B_a22B"), "qwen3_235b_a22b.toml");
+  EXPECT_EQ(preset_for_model("Qwen3-235B"), "qwen3_235b_a22b.toml");
+  EXPECT_EQ(preset_for_model("Mixtral 8X22B"), "mixtral_8x22b.toml");
+  EXPECT_EQ(preset_for_model("Qwen3-Next-80B-A3B"), "");  // hybrid linear attention: no honest preset
+  EXPECT_EQ(hardware_for("GB300"), "gb300");
+  EXPECT_EQ(hardware_for("H800"), "h800");
+  const std::string dir = std::string(MOETRON_SOURCE_DIR) + "/configs";
+  int seen = 0, projected = 0;
+  for (const PublishedRow& r : read_published(std::string(MOETRON_SOURCE_DIR) + "/tests/data/published_moe_runs.csv")) {
+    const std::string p = preset_for_model(r.get("model")), hw = hardware_for(r.get("hardware"));
+    if (p != "gpt_oss_120b.toml" && p != "qwen3_235b_a22b.toml" && p != "mixtral_8x22b.toml" && hw != "gb300" &&
+        hw != "h800")
+      continue;
+    SCOPED_TRACE(r.get("id"));
+    ++seen;
+    const PublishedResult o = project_row(r, dir);
+    EXPECT_EQ(o.status.find("no preset"), std::string::npos) << o.status;
+    EXPECT_EQ(o.status.find("no hardware entry for GB300"), std::string::npos) << o.status;
+    EXPECT_EQ(o.status.find("no hardware entry for H800"), std::string::npos) << o.status;
+    if (o.projected) ++projected;
+  }
+  // 4 GPT OSS + 3 + 5 Qwen3-235B + 1 Mixtral 8x22B rows, and the GB300 Qwen3-30B / DeepSeek-V3 rows and the H800 row.
+  EXPECT_EQ(seen, 17);
+  // All but nv-mz-04 (pp 32 x vpp 3 = 96 stages for 94 layers, refused by the layout rules), gg-mt-02 (TPU v6e)
+  // and ds-v3-01 (precision "FP8 mixed" has no planner recipe; no layout or batch either).
+  EXPECT_EQ(projected, 14);
+}
+
 TEST(PlanPublished, DeepSeekV3H100RowMapsOntoThePresetAndLayout) {
   EXPECT_EQ(preset_for_model("DeepSeekV3"), "deepseek_v3.toml");
   EXPECT_EQ(preset_for_model("deepseek-v3"), "deepseek_v3.toml");
@@ -116,11 +149,11 @@ TEST(PlanPublished, DeepSeekV3H100RowMapsOntoThePresetAndLayout) {
 
 TEST(PlanPublished, RefusedRowsNameTheirReason) {
   PublishedRow r = ds_h100();
-  r.f["model"] = "Qwen3-235B";
-  EXPECT_EQ(map_row(r).reason, "not projected: no preset for Qwen3-235B");
+  r.f["model"] = "Qwen3-Next-80B-A3B";
+  EXPECT_EQ(map_row(r).reason, "not projected: no preset for Qwen3-Next-80B-A3B");
   r = ds_h100();
-  r.f["hardware"] = "H800";
-  EXPECT_EQ(map_row(r).reason, "not projected: no hardware entry for H800");
+  r.f["hardware"] = "TPU v6e";
+  EXPECT_EQ(map_row(r).reason, "not projected: no hardware entry for TPU v6e");
   r = ds_h100();
   r.f["precision"] = "FP8 mixed";
   EXPECT_EQ(map_row(r).reason, "not projected: precision 'FP8 mixed' has no planner recipe");

@@ -236,7 +236,8 @@ TEST(PlanPresets, EveryPresetPlansMemoryTimeSearchAndScale) {
   const std::vector<std::pair<std::string, int64_t>> presets = {
       {"ds_tiny", 8},        {"ds_tiny_mla", 8},      {"ds_mini", 8},         {"deepseek_v2_lite", 64},
       {"deepseek_v2", 64},   {"qwen3_30b_a3b", 64},   {"mixtral_8x7b", 64},   {"llama4_scout", 256},
-      {"deepseek_v3", 1024}, {"moe_1t", 1024},        {"moe_2t", 1024}};
+      {"deepseek_v3", 1024}, {"moe_1t", 1024},        {"moe_2t", 1024},       {"qwen3_235b_a22b", 256},
+      {"mixtral_8x22b", 64}, {"gpt_oss_120b", 64}};
   size_t seen = 0;
   for (const auto& e : std::filesystem::directory_iterator(std::string(MOETRON_SOURCE_DIR) + "/configs"))
     if (e.path().extension() == ".toml") ++seen;

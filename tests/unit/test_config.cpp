@@ -26,9 +26,10 @@ const fs::path kRoot = MOETRON_SOURCE_DIR;  // the source tree (not __FILE__, wh
 std::string preset(const std::string& name) { return (kRoot / "configs" / (name + ".toml")).string(); }
 std::string hf_fixture(const std::string& name) { return (kRoot / "tests/data/hf" / (name + ".json")).string(); }
 
-const std::vector<std::string> kPresets = {"ds_tiny",      "ds_tiny_mla",   "ds_mini",      "deepseek_v2_lite",
-                                           "deepseek_v2",  "deepseek_v3",   "mixtral_8x7b", "qwen3_30b_a3b",
-                                           "llama4_scout", "moe_1t",        "moe_2t"};
+const std::vector<std::string> kPresets = {"ds_tiny",         "ds_tiny_mla",   "ds_mini",      "deepseek_v2_lite",
+                                           "deepseek_v2",     "deepseek_v3",   "mixtral_8x7b", "qwen3_30b_a3b",
+                                           "llama4_scout",    "moe_1t",        "moe_2t",       "qwen3_235b_a22b",
+                                           "mixtral_8x22b",   "gpt_oss_120b"};
 
 // A minimal valid config; tests break one thing at a time.
 const char* kTiny = R"(
