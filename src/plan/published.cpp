@@ -288,6 +288,34 @@ RowMapping map_row(const PublishedRow& r) {
     return refuse("global_batch_unit '" + r.get("global_batch_unit") + "' is neither sequences nor tokens");
   }
 
+  // Recompute, when the publisher states it (the optional `recompute` column): empty = not stated (the preset's:
+  // none), "none" / "/" = none, "full" = every layer, else a comma list of Megatron's recompute_modules mapped to
+  // the planner's selective modules (layernorm / norm -> norm, act / moe_act -> moe_act, core_attn ->
+  // attention_core); a module without a planner counterpart is not guessed.
+  std::vector<std::string> ac;
+  const std::string rc = lower(r.get("recompute"));
+  if (rc.empty()) {
+  } else if (rc == "none" || rc == "/") {
+    ac = {"--activation_checkpoint.mode=none"};
+  } else if (rc == "full") {
+    ac = {"--activation_checkpoint.mode=full", "--activation_checkpoint.modules=[]"};
+  } else {
+    std::string mods;
+    for (size_t p = 0; p <= rc.size();) {
+      const size_t e = std::min(rc.find(',', p), rc.size());
+      const std::string part = trim(rc.substr(p, e - p));
+      p = e + 1;
+      if (part.empty()) continue;
+      const char* mod = part == "norm" || part == "layernorm" ? "norm"
+                        : part == "act" || part == "moe_act" ? "moe_act"
+                        : part == "core_attn" || part == "attention_core" ? "attention_core"
+                                                                             : nullptr;
+      if (!mod) return refuse("recompute module '" + part + "' has no planner counterpart");
+      mods += std::string(mods.empty() ? "" : ",") + "\"" + mod + "\"";
+    }
+    ac = {"--activation_checkpoint.mode=selective", "--activation_checkpoint.modules=[" + mods + "]"};
+  }
+
   auto kv = [](const char* k, int64_t v) { return std::string("--") + k + "=" + std::to_string(v); };
   m.overrides = {kv("parallelism.tp", tp), kv("parallelism.pp", pp), kv("parallelism.ep", ep),
                  kv("parallelism.cp", cp), kv("parallelism.expert_tp", etp),
@@ -297,6 +325,8 @@ RowMapping map_row(const PublishedRow& r) {
                  kv("training.global_batch_size", seqs)};
   for (auto& s : z) m.overrides.push_back(s);
   for (auto& s : q) m.overrides.push_back(s);
+  for (auto& s : ac) m.overrides.push_back(s);
+  m.tokens_per_step = seqs * seq;
   m.ok = true;
   return m;
 }
@@ -340,6 +370,22 @@ PublishedResult project_row(const PublishedRow& r, const std::string& configs_di
   } catch (const std::exception& e) {
     o.status = "not projected: " + reason_of(e);
     return o;
+  }
+  if (!per_gpu_tokens(o.unit)) {
+    // A published step time (the optional throughput2 column in seconds) gives tokens/s/GPU directly: the global
+    // batch's tokens over the step and the world. Used only when the throughput column is not tokens/s/GPU.
+    const std::string u2 = lower(r.get("throughput2_unit"));
+    double step = 0;
+    try {
+      step = u2.rfind("step time s", 0) == 0 ? std::stod(r.get("throughput2")) : 0.0;
+    } catch (const std::exception&) {
+      step = 0;
+    }
+    if (step > 0 && m.tokens_per_step > 0 && m.world > 0) {
+      o.measured = double(m.tokens_per_step) / (step * double(m.world));
+      o.measured_from = "step time";
+      o.unit = "tokens/s/GPU";
+    }
   }
   if (!per_gpu_tokens(o.unit) || !(o.measured > 0)) {
     o.status = "not compared: unit " + o.unit;
@@ -398,7 +444,8 @@ std::string format_published(const std::vector<PublishedResult>& rs, const std::
     os << r.id << " [" << r.split << "] " << r.publisher << " | " << r.model << " | " << r.hardware << " x" << r.world
        << " | " << r.precision;
     if (r.projected) {
-      os << " | " << r.layout << " | measured " << fmt("%.0f", r.measured) << " projected "
+      os << " | " << r.layout << " | measured " << fmt("%.0f", r.measured)
+         << (r.measured_from.empty() ? "" : " (from the " + r.measured_from + ")") << " projected "
          << fmt("%.0f", r.projected_tps) << " tokens/s/GPU";
       if (r.compared) os << " | error " << fmt("%+.1f%%", 100 * r.error);
       os << " | memory " << r.memory << " | step " << fmt("%.3f", r.step_s) << " s: compute " << pct(r.compute, r.step_s) << ", tp/cp "
@@ -420,6 +467,7 @@ nlohmann::json published_json(const std::vector<PublishedResult>& rs, const std:
                         {"model", r.model},   {"hardware", r.hardware},   {"world", r.world},
                         {"precision", r.precision}, {"status", r.status}, {"projected", r.projected},
                         {"compared", r.compared}, {"measured", r.measured}, {"measured_unit", r.unit}};
+    if (!r.measured_from.empty()) x["measured_from"] = r.measured_from;
     if (r.projected) {
       x["layout"] = r.layout;
       x["memory_verdict"] = r.memory;

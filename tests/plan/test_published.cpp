@@ -177,6 +177,47 @@ TEST(PlanPublished, RefusedRowsNameTheirReason) {
   EXPECT_EQ(p.status, "not compared: unit TFLOP/s/GPU");
 }
 
+// A row whose throughput is not tokens/s/GPU but which states its step time is compared on the tokens/s/GPU that
+// step gives (global batch tokens / (step x world)); without a step time it is not compared.
+TEST(PlanPublished, StepTimeGivesTokensPerSecondWhenTheUnitIsNot) {
+  const std::string configs = std::string(MOETRON_SOURCE_DIR) + "/configs";
+  PublishedRow r = ds_h100();
+  r.f["throughput_unit"] = "TFLOP/s/GPU", r.f["throughput"] = "245";
+  r.f["throughput2"] = "19.7", r.f["throughput2_unit"] = "step time s";
+  const PublishedResult p = project_row(r, configs);
+  ASSERT_TRUE(p.compared) << p.status;
+  EXPECT_EQ(p.measured_from, "step time");
+  EXPECT_DOUBLE_EQ(p.measured, 8192.0 * 4096.0 / (19.7 * 1024.0));
+  EXPECT_DOUBLE_EQ(p.error, p.projected_tps / p.measured - 1);
+  r.f["throughput2_unit"] = "MFU %";  // a second figure that is not a step time
+  EXPECT_FALSE(project_row(r, configs).compared);
+  r = ds_h100();  // a tokens/s/GPU row keeps its own figure even beside a step time
+  r.f["throughput2"] = "19.7", r.f["throughput2_unit"] = "step time s";
+  const PublishedResult q = project_row(r, configs);
+  EXPECT_TRUE(q.measured_from.empty());
+  EXPECT_DOUBLE_EQ(q.measured, 1000.0);
+}
+
+// The recompute the publisher states maps onto the planner's activation checkpointing; a module it has no
+// counterpart for refuses the row by name; empty = not stated (the preset's).
+TEST(PlanPublished, StatedRecomputeMapsOntoActivationCheckpointing) {
+  PublishedRow r = ds_h100();
+  r.f["recompute"] = "norm, act";
+  RowMapping m = map_row(r);
+  ASSERT_TRUE(m.ok) << m.reason;
+  EXPECT_TRUE(has(m.overrides, "--activation_checkpoint.mode=selective"));
+  EXPECT_TRUE(has(m.overrides, "--activation_checkpoint.modules=[\"norm\",\"moe_act\"]"));
+  r.f["recompute"] = "Full";
+  m = map_row(r);
+  EXPECT_TRUE(has(m.overrides, "--activation_checkpoint.mode=full"));
+  const JobConfig c = load_config(std::string(MOETRON_SOURCE_DIR) + "/configs/deepseek_v3.toml", m.overrides);
+  EXPECT_EQ(c.activation_checkpoint.mode, AcMode::Full);
+  r.f["recompute"] = "norm, act, shared_expert";
+  EXPECT_EQ(map_row(r).reason, "not projected: recompute module 'shared_expert' has no planner counterpart");
+  r.f["recompute"] = "";
+  for (const auto& o : map_row(r).overrides) EXPECT_EQ(o.find("activation_checkpoint"), std::string::npos) << o;
+}
+
 TEST(PlanPublished, SplitMedianAndWorst) {
   std::vector<PublishedResult> rs(6);
   const double errs[] = {0.10, -0.40, 0.20, -0.05, 0.30, 0.0};

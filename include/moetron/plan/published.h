@@ -48,6 +48,7 @@ struct RowMapping {
   std::string preset;                  // e.g. "deepseek_v3.toml"
   std::string hardware;                // catalog entry
   int64_t world = 0;
+  int64_t tokens_per_step = 0;         // global batch in sequences x seq_len
   std::vector<std::string> overrides;  // "--section.key=value", applied to the preset as `plan time` applies them
 };
 RowMapping map_row(const PublishedRow& r);
@@ -63,7 +64,8 @@ struct PublishedResult {
   bool compared = false;   // projected and the unit is tokens/s/GPU
   std::string layout;      // Layout::describe() of the projected layout
   std::string memory;      // plan_memory's verdict for it (FITS, AT-RISK, OOM): the published run did fit
-  double measured = 0;     // the published throughput (its unit)
+  double measured = 0;     // the published throughput (its unit), or tokens/s/GPU derived from a published step time
+  std::string measured_from;  // "" (the throughput column) or "step time" (tokens_per_step / (step x world))
   double projected_tps = 0;  // tokens/s/GPU
   double error = 0;        // projected / measured - 1 (compared rows)
   // The projected step: seconds, and its split (plan_time's breakdown grouped): compute (compute.*), exposed TP /
