@@ -1,7 +1,7 @@
 // hf_reference.h (tests only): an independent forward pass written from the Hugging Face modelling code
 // of the model types moetron exports (DeepSeek-V1's remote modeling_deepseek.py, transformers'
-// modeling_deepseek_v2.py, modeling_deepseek_v3.py and modeling_mixtral.py; qwen3_moe: config rules
-// only). It reads ONLY config.json and the exported HF tensors by their HF names - never a moetron
+// modeling_deepseek_v2.py, modeling_deepseek_v3.py, modeling_mixtral.py and modeling_qwen3_moe.py: its
+// per-head q_norm / k_norm before RoPE). It reads ONLY config.json and the exported HF tensors by their HF names - never a moetron
 // ModelSpec - and applies each type's own rules, the way transformers would:
 //   - which config fields the type reads, and what it does with a null (None) there: where transformers
 //     would fail to build or run the model (None * int, range(None), calling a shared block it did not
@@ -279,7 +279,10 @@ struct Forward {
       q = linear(h, T, w(p + "q_proj.weight", {H * hd, d}));
       k = linear(h, T, w(p + "k_proj.weight", {Hkv * hd, d}));
       v = linear(h, T, w(p + "v_proj.weight", {Hkv * hd, d}));
-      if (R.qk_norm) throw Fail("qwen3_moe q_norm / k_norm: not modelled (moetron has no qk_norm to compare)");
+      if (R.qk_norm) {  // Qwen3MoeAttention: RMSNorm over each head's head_dim (eps rms_norm_eps), before RoPE
+        q = rmsnorm(q, T * H, w(p + "q_norm.weight", {hd}), R.eps);
+        k = rmsnorm(k, T * Hkv, w(p + "k_norm.weight", {hd}), R.eps);
+      }
       for (int64_t s = 0; s < T; ++s) {
         for (int64_t hh = 0; hh < H; ++hh) rope(&q[size_t((s * H + hh) * hd)], hd, s, false);
         for (int64_t hh = 0; hh < Hkv; ++hh) rope(&k[size_t((s * Hkv + hh) * hd)], hd, s, false);

@@ -47,6 +47,7 @@ const std::vector<std::string> kV2 = {"--model.q_lora_rank=0",          "--model
 const char* kDs = "configs/ds_tiny.toml";
 const char* kMla = "configs/ds_tiny_mla.toml";
 const char* kMixtral = "tests/data/hf_export/mixtral_tiny.toml";
+const char* kQwen3 = "tests/data/hf_export/qwen3_tiny.toml";
 
 constexpr int64_t kT = 12;
 
@@ -162,6 +163,13 @@ TEST(HfSemantics, DeepSeekV2GroupLimitedRouteScale16) {
 }
 TEST(HfSemantics, Mixtral) { expect_faithful(cfg_of(kMixtral), "mixtral"); }
 TEST(HfSemantics, MixtralTop1) { expect_faithful(cfg_of(kMixtral, {"--model.topk=1"}), "mixtral"); }
+// qwen3_moe: GQA with per-head q / k RMSNorm before RoPE, softmax routing renormalized (norm_topk_prob), every layer
+// MoE; and with norm_topk_prob off and a dense first layer (mlp_only_layers).
+TEST(HfSemantics, Qwen3Moe) {
+  expect_faithful(cfg_of(kQwen3), "qwen3_moe");
+  expect_faithful(cfg_of(kQwen3, {"--model.norm_topk_prob=false", "--model.first_k_dense=1", "--model.inter_size=48"}),
+                  "qwen3_moe");
+}
 
 // ---- 1. deepseek_v2 with norm_topk_prob = true -------------------------------------------------
 // transformers' V2 gate scales by routed_scaling_factor and never renormalizes: refused.
