@@ -257,12 +257,15 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("training", "memory_check", training.memory_check));
     t.push_back(MT_E("training", "nonfinite", training.nonfinite, {"halt", "skip"}));
     // [optimizer]
-    t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw"}));
+    t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw", "muon"}));
     t.push_back(MT_F("optimizer", "lr", optimizer.lr));
     t.push_back(MT_F("optimizer", "beta1", optimizer.beta1));
     t.push_back(MT_F("optimizer", "beta2", optimizer.beta2));
     t.push_back(MT_F("optimizer", "eps", optimizer.eps));
     t.push_back(MT_F("optimizer", "weight_decay", optimizer.weight_decay));
+    t.push_back(MT_F("optimizer", "muon_momentum", optimizer.muon_momentum));
+    t.push_back(MT_F("optimizer", "muon_nesterov", optimizer.muon_nesterov));
+    t.push_back(MT_F("optimizer", "muon_ns_steps", optimizer.muon_ns_steps));
     // [lr_scheduler]
     t.push_back(MT_F("lr_scheduler", "warmup_steps", lr_scheduler.warmup_steps));
     t.push_back(MT_E("lr_scheduler", "decay_type", lr_scheduler.decay_type, {"cosine", "linear", "none"}));
