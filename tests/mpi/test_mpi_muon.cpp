@@ -1,0 +1,224 @@
+// test_mpi_muon.cpp: Muon (optimizer.name = "muon") under the parallel layouts, run under mpirun with 2 and 4 ranks:
+// ds_tiny, synthetic data, 5 steps of the same global batch (8 sequences, micro-batch 1), each layout against the
+// single-process Muon run (every rank trains it once, comm_local()), and the sharded layouts against their unsharded
+// twin; then resume under ZeRO-1 and FSDP, and the optimizer memory per rank.
+//
+// What is bitwise and what is not (test_mpi_layouts.cpp derives the bars; Muon adds no reassociation of its own):
+//  - Muon's arithmetic does not depend on the layout: the momentum is element-wise, the owner of a matrix assembles
+//    X exactly from the pieces, and Newton-Schulz runs on the whole matrix with the batch-invariant gemm_f32, whose
+//    bits do not depend on the thread count (tests/ops/muon_cases.cpp). So a sharded run equals its unsharded twin
+//    BITWISE at every step when both reduce the gradient alike: ZeRO-1 (all-reduce, then slices) against zero = 0
+//    with the same dp and ep. This is the sharp check of the gather / orthogonalize / scatter scheme.
+//  - PP alone is bitwise the single-process run (each stage holds whole matrices; the gradients are the same bits).
+//  - DP, FSDP and EP reassociate the gradient sums (a few 1e-7 relative: kGradRel on step 1). Newton-Schulz carries
+//    a relative perturbation e of X to at most e (L^5 - 1) / (L - 1) ~ 300 e of its output (L = 3.88, the quintic's
+//    largest slope; muon_cases.cpp), i.e. ~3e-5 relative of an update of RMS 0.2 lr = 2e-4 per step, against
+//    parameters of RMS ~0.02: ~1.5e-6 relative after 5 steps. The DP bars of the sweep (loss 1e-4, parameters 1e-3
+//    relative L2, set by routing flips) hold with room; step 1's loss is bitwise (the same parameters).
+// Memory: the momentum has the layout of AdamW's first moment (padded flat runs, ZeRO-1 slices, FSDP shard blocks),
+// v only the AdamW parameters' elements: summed over a shard group they are the single-process figures exactly.
+// Not a benchmark.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "moetron/accounting.h"
+#include "moetron/comm.h"
+#include "moetron/config.h"
+#include "moetron/muon_params.h"
+#include "moetron/param_layout.h"
+#include "moetron/trainer.h"
+#include "train_check.h"
+
+using namespace moetron;
+using namespace mt_test;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kSteps = 5;
+constexpr double kGradRel = 1e-6, kLossRel = 1e-4, kParamRelL2 = 1e-3;
+
+JobConfig tiny(const std::string& dump, const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> ov = {"--job.dump_folder=" + dump, "--training.dataset=synthetic", "--metrics.peak_tflops=1.0",
+                                 "--metrics.log_interval=1", "--checkpoint.enable=false",
+                                 "--training.steps=" + std::to_string(kSteps), "--training.micro_batch_size=1",
+                                 "--training.global_batch_size=8", "--optimizer.name=muon"};
+  ov.insert(ov.end(), extra.begin(), extra.end());
+  return load_config(repo("configs/ds_tiny.toml"), ov);
+}
+
+std::string dir(const std::string& name) { return mt_test::shared_dir("moetron_mpi_muon_", name); }
+
+const TrainResult& reference() {
+  static Comm local = comm_local();
+  static TrainResult r = [] {
+    const std::string d = temp_dir("moetron_mpi_muon_ref_rank" + std::to_string(world().rank()), "");
+    fs::remove_all(d);
+    return train(tiny(d), recorded(&local));
+  }();
+  return r;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double d2 = 0, n2 = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const double d = double(a[i]) - double(b[i]);
+    d2 += d * d, n2 += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(d2 / n2);
+}
+
+bool bitwise_runs(const TrainResult& a, const TrainResult& b) {
+  if (a.history.size() != b.history.size() || a.final_params.size() != b.final_params.size()) return false;
+  for (size_t i = 0; i < a.history.size(); ++i)
+    if (std::memcmp(&a.history[i].loss, &b.history[i].loss, 8) != 0 || a.history[i].param_hash != b.history[i].param_hash)
+      return false;
+  return std::memcmp(a.final_params.data(), b.final_params.data(), a.final_params.size() * 4) == 0;
+}
+
+enum class Bar { Exact, Bitwise };
+
+struct Layout {
+  std::string name;
+  int world;
+  std::vector<std::string> args;
+  Bar bar;
+  std::string twin;  // a layout of the list that this one must equal bitwise ("" = none)
+};
+
+std::vector<Layout> layouts() {
+  const std::string dp = "--parallelism.dp_shard=", ep = "--parallelism.ep=", z = "--parallelism.zero=";
+  const std::string pp = "--parallelism.pp=", lay = "--parallelism.pp_layout=", sch = "--parallelism.pp_schedule=";
+  return {
+      {"dp2", 2, {dp + "2"}, Bar::Exact, ""},
+      {"dp2_zero1", 2, {dp + "2", z + "1"}, Bar::Exact, "dp2"},
+      {"dp2_fsdp", 2, {dp + "2", z + "3"}, Bar::Exact, ""},
+      {"ep2", 2, {dp + "2", ep + "2"}, Bar::Exact, ""},
+      {"ep2_fsdp", 2, {dp + "2", ep + "2", z + "3"}, Bar::Exact, ""},
+      {"pp2", 2, {pp + "2", lay + "Ett|tL"}, Bar::Bitwise, ""},
+      {"pp2_zbv", 2, {pp + "2", sch + "zbv", lay + "Et|t|t|L"}, Bar::Bitwise, ""},
+      {"dp4", 4, {dp + "4"}, Bar::Exact, ""},
+      {"dp4_zero1", 4, {dp + "4", z + "1"}, Bar::Exact, "dp4"},
+      {"dp4_fsdp", 4, {dp + "4", z + "3"}, Bar::Exact, ""},
+      {"ep2_np4", 4, {dp + "4", ep + "2"}, Bar::Exact, ""},
+      {"ep2_np4_zero1", 4, {dp + "4", ep + "2", z + "1"}, Bar::Exact, "ep2_np4"},
+      {"ep2_np4_fsdp", 4, {dp + "4", ep + "2", z + "3"}, Bar::Exact, ""},
+      {"hsdp2x2_ep2", 4, {"--parallelism.dp_replicate=2", dp + "2", ep + "2", z + "3"}, Bar::Exact, ""},
+      {"pp2_dp2_zero1", 4, {pp + "2", dp + "2", z + "1", lay + "Ett|tL"}, Bar::Exact, ""},
+      {"pp2_ep2", 4, {pp + "2", dp + "2", ep + "2", lay + "Et|ttL"}, Bar::Exact, ""},
+  };
+}
+
+// Runs of this process's world, by name (a twin is trained before the layouts that name it: list order).
+std::map<std::string, TrainResult>& runs() {
+  static std::map<std::string, TrainResult> m;
+  return m;
+}
+
+}  // namespace
+
+class MpiMuon : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(MpiMuon, MatchesOneProcess) {
+  const Layout& L = GetParam();
+  if (L.world != world().size()) GTEST_SKIP() << L.name << " needs " << L.world << " ranks";
+  const TrainResult& ref = reference();
+  const TrainResult& got = runs()[L.name] = train(tiny(dir(L.name), L.args), recorded(&world()));
+  ASSERT_EQ(got.history.size(), size_t(kSteps));
+  ASSERT_EQ(got.final_params.size(), ref.final_params.size());
+  expect_same_on_all_ranks(got.final_params.data(), int64_t(got.final_params.size() * 4), L.name + ": final params");
+  const double l1 = got.history[0].loss, r1 = ref.history[0].loss;
+  EXPECT_EQ(0, std::memcmp(&l1, &r1, 8)) << L.name << ": step 1 loss " << l1 << " vs one process " << r1;
+  if (L.bar == Bar::Bitwise) {
+    EXPECT_TRUE(bitwise_runs(got, ref)) << L.name << ": every step and parameter, bitwise";
+  }
+  const double gd = rel_l2(got.first_grads, ref.first_grads), pd = rel_l2(got.final_params, ref.final_params);
+  EXPECT_LE(gd, kGradRel) << L.name << ": step 1 gradient";
+  double worst = 0;
+  for (int i = 0; i < kSteps; ++i) {
+    const double a = got.history[size_t(i)].loss, b = ref.history[size_t(i)].loss;
+    worst = std::max(worst, std::abs(a - b) / std::abs(b));
+  }
+  EXPECT_LE(worst, kLossRel) << L.name << ": loss over " << kSteps << " steps";
+  EXPECT_LE(pd, kParamRelL2) << L.name << ": parameters after " << kSteps << " steps";
+  bool twin_bitwise = true;
+  if (!L.twin.empty()) {
+    ASSERT_TRUE(runs().count(L.twin)) << L.twin << " runs first";
+    twin_bitwise = bitwise_runs(got, runs()[L.twin]);
+    EXPECT_TRUE(twin_bitwise) << L.name << " vs " << L.twin << ": the sharded Muon step must give the same bits";
+  }
+  if (world().rank() == 0)
+    std::printf("[%-16s] step 1: loss %s, grad rel L2 %.2e; %d steps: loss max rel %.2e, params rel L2 %.2e%s\n",
+                L.name.c_str(), l1 == r1 ? "bitwise" : "differs", gd, kSteps, worst, pd,
+                L.twin.empty() ? "" : twin_bitwise ? "; bitwise equal to its unsharded twin" : "; NOT equal to its twin");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, MpiMuon, ::testing::ValuesIn(layouts()),
+                         [](const ::testing::TestParamInfo<Layout>& i) { return i.param.name; });
+
+// The optimizer state per rank: momentum in the m layout, v for the AdamW parameters only. Over the shard group the
+// v elements add up to the single-process AdamW count exactly, and so does the momentum (ZeRO-1; FSDP adds its
+// chunks' padding). estimate_memory: exact without sharding; the average rank under ZeRO-1 / FSDP.
+TEST(MpiMuonState, OptimizerMemoryPerRank) {
+  const int p = world().size();
+  const ModelSpec s = tiny("unused").model;
+  int64_t padded = 0, adam = 0;
+  for (const ParamEntry& e : model_param_layout(s)) {
+    padded += param_padded_numel(e.numel);
+    if (!muon_matrices(s, e.name, e.shape).muon()) adam += e.numel;
+  }
+  for (int zero : {0, 1, 3}) {
+    const std::vector<std::string> a = {"--parallelism.dp_shard=" + std::to_string(p), "--parallelism.zero=" + std::to_string(zero),
+                                        "--training.steps=1"};
+    const TrainResult r = train(tiny(dir("mem"), a), recorded(&world()));
+    int64_t sum = r.opt_state_bytes, mx = r.opt_state_bytes;
+    world().all_reduce(&sum, 1);
+    std::vector<int64_t> all(static_cast<size_t>(p));
+    world().all_gather(all.data(), &r.opt_state_bytes, 8);
+    for (int64_t v : all) mx = std::max(mx, v);
+    const double est = estimate_memory(tiny("unused", a), 2, 1).optimizer;
+    if (zero == 0) {
+      EXPECT_EQ(r.opt_state_bytes, 4 * (padded + adam)) << "zero = 0: the whole state on every rank";
+      EXPECT_EQ(est, double(r.opt_state_bytes));
+    } else if (zero == 1) {
+      EXPECT_EQ(sum, 4 * (padded + adam)) << "zero = 1: the slices partition m, and v's AdamW elements";
+      EXPECT_NEAR(est, double(sum) / p, 0.01 * double(sum) / p) << "zero = 1: the estimate is the average rank";
+    } else {
+      // FSDP: m is the shard (pad16 chunks of each unit's runs); v exactly the AdamW elements of this rank's shard.
+      EXPECT_GE(sum, 4 * (padded + adam) - 4 * 16 * 64) << "zero = 3";
+      EXPECT_LE(sum, 4 * (padded + adam) + 4 * 16 * 64 * p) << "zero = 3";
+      EXPECT_NEAR(est, double(sum) / p, 0.02 * double(sum) / p) << "zero = 3: the estimate is the average rank";
+    }
+    if (world().rank() == 0)
+      std::printf("[muon memory zero=%d np%d] optimizer per rank: max %lld, sum %lld (one process %lld), estimate %.0f\n",
+                  zero, p, (long long)mx, (long long)sum, (long long)(4 * (padded + adam)), est);
+  }
+}
+
+// Resume under ZeRO-1 and FSDP: the momentum of every matrix, gathered to the global layout and written, then sliced
+// back, continues bitwise.
+TEST(MpiMuonState, ResumeContinuesBitwise) {
+  const int p = world().size();
+  for (int zero : {1, 3}) {
+    const std::vector<std::string> ov = {"--parallelism.dp_shard=" + std::to_string(p), "--parallelism.zero=" + std::to_string(zero),
+                                         "--checkpoint.enable=true", "--checkpoint.interval=3", "--training.steps=6"};
+    const TrainResult full = train(tiny(dir("resume_full"), ov), recorded(&world()));
+    const std::string d = dir("resume_cut");
+    train(tiny(d, ov), recorded(&world()));
+    if (world().rank() == 0) fs::remove_all(fs::path(d) / "checkpoint" / "step-6");
+    world().barrier();
+    const TrainResult res = train(tiny(d, ov), recorded(&world()));
+    EXPECT_EQ(res.start_step, 3) << "zero=" << zero;
+    ASSERT_EQ(res.history.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(0, std::memcmp(&res.history[i].loss, &full.history[3 + i].loss, 8)) << "zero=" << zero << " step " << 4 + i;
+      EXPECT_EQ(res.history[i].param_hash, full.history[3 + i].param_hash) << "zero=" << zero << " step " << 4 + i;
+    }
+  }
+}
