@@ -126,6 +126,10 @@ struct is_vector : std::false_type {};
 template <class T>
 struct is_vector<std::vector<T>> : std::true_type {};
 
+#define MT_F(sec, key, member) make_field(sec, key, [](JobConfig& c) -> auto& { return c.member; })
+#define MT_E(sec, key, member, ...) \
+  make_enum(sec, key, [](JobConfig& c) -> auto& { return c.member; }, __VA_ARGS__)
+
 // acc: [](JobConfig& c) -> T& { return c.x.y; }
 template <class Acc>
 Field make_field(const char* sec, const char* key, Acc acc) {
@@ -190,10 +194,7 @@ Field make_enum(const char* sec, const char* key, Acc acc, std::vector<std::stri
   return f;
 }
 
-#define MT_F(sec, key, member) make_field(sec, key, [](JobConfig& c) -> auto& { return c.member; })
-#define MT_E(sec, key, member, ...) \
-  make_enum(sec, key, [](JobConfig& c) -> auto& { return c.member; }, __VA_ARGS__)
-
+// long: the field table, one line per key in file order (splitting it would split the key list).
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> t;
