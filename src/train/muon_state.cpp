@@ -2,6 +2,8 @@
 // the per-matrix Newton-Schulz. Not the kernels (src/kernels/muon.cpp) and not the state's layout (param_state.cpp).
 #include "train/muon_state.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -59,6 +61,8 @@ MuonState::MuonState(std::vector<MuonBlock> blocks, float momentum, bool nestero
       g.to_owner_at[size_t(q)] = g.to_owner_at[size_t(q - 1)] + g.to_owner[size_t(q - 1)];
       g.from_rank_at[size_t(q)] = g.from_rank_at[size_t(q - 1)] + g.from_rank[size_t(q - 1)];
     }
+    std::vector<int64_t> pos = g.to_owner_at;  // each piece's place in the send layout: by owner, matrix order
+    for (Slab& s : g.slabs) s.at = pos[size_t(s.owner)], pos[size_t(s.owner)] += overlap(s.lo, s.hi, blo, bhi);
     for (int q = 0; q < S; ++q) g.mine += g.to_owner[size_t(q)], g.owned_numel += g.from_rank[size_t(q)];
     max_mine = std::max(max_mine, g.mine), max_owned = std::max(max_owned, g.owned_numel);
     g.b = std::move(b);
@@ -66,7 +70,9 @@ MuonState::MuonState(std::vector<MuonBlock> blocks, float momentum, bool nestero
   }
   xbuf_.resize(size_t(std::max(max_mine, max_owned)));  // unsharded groups use it for both
   sbuf_.resize(size_t(2 * max_owned));
-  work_.resize(size_t(max_work));
+  threads_ = std::max(1, omp_get_max_threads());
+  work_per_thread_ = max_work;
+  work_.resize(size_t(max_work) * size_t(threads_));
 }
 
 void MuonState::step(float lr, float weight_decay, float grad_scale) {
@@ -79,13 +85,13 @@ void MuonState::group_step(Group& gr, float lr, float wd, float clip) {
   const int S = b.comm ? b.comm->size() : 1;
   const int64_t blo = b.bounds[size_t(b.me)], bhi = b.bounds[size_t(b.me) + 1];
   float* x = xbuf_.data();
-  // 1. Momentum and X of this rank's pieces, packed by owner in matrix order.
-  std::vector<int64_t> pos = gr.to_owner_at;
-  for (const Slab& s : gr.slabs) {
+  // 1. Momentum and X of this rank's pieces, packed by owner in matrix order (Slab::at), a matrix per work item.
+  const int64_t ns = int64_t(gr.slabs.size());
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_) if (ns > 1)
+  for (int64_t i = 0; i < ns; ++i) {
+    const Slab& s = gr.slabs[size_t(i)];
     const int64_t a = std::max(s.lo, blo), e = std::min(s.hi, bhi);
-    if (a >= e) continue;
-    muon_momentum(b.m + (a - blo), x + pos[size_t(s.owner)], b.g + (a - blo), e - a, mu_, nesterov_, clip);
-    pos[size_t(s.owner)] += e - a;
+    if (a < e) muon_momentum(b.m + (a - blo), x + s.at, b.g + (a - blo), e - a, mu_, nesterov_, clip);
   }
   // 2. The owned matrices, whole and in order (without sharding: x already is).
   float* mats = x;
@@ -115,19 +121,37 @@ void MuonState::group_step(Group& gr, float lr, float wd, float clip) {
     mats = sbuf_.data();
     walk_owned([&](int64_t r, int64_t m, int64_t n) { std::memcpy(mats + m, recv + r, size_t(n) * 4); });
   }
-  // 3. U = scale * NS(X) per column block of each owned matrix.
+  // 3. U = scale * NS(X) per column block of each owned matrix. Many matrices (the routed experts): one thread each,
+  // in one parallel region (its GEMMs then run on the calling thread: nested regions are inactive); few: one after
+  // the other, each GEMM over all threads. The bits are the same either way (gemm_f32 is thread-count invariant).
   {
     MT_TRACE("muon.newton_schulz");
+    struct Task {
+      float* x;
+      int64_t rows, seg, ld;
+    };
+    std::vector<Task> tasks;
     int64_t base = 0;
     for (const Slab& s : gr.slabs) {
       if (s.owner != b.me) continue;
       const MuonMatrices& mm = b.params[size_t(s.param)].mm;
       int64_t c0 = 0;
-      for (int64_t seg : mm.col_segs) {
-        newton_schulz(mats + base + c0, mm.rows, seg, mm.cols, steps_, muon_scale(mm.rows, seg), work_.data());
-        c0 += seg;
-      }
+      for (int64_t seg : mm.col_segs) tasks.push_back({mats + base + c0, mm.rows, seg, mm.cols}), c0 += seg;
       base += s.hi - s.lo;
+    }
+    const int64_t nt = int64_t(tasks.size());
+    auto run = [&](const Task& t, float* work) {
+      newton_schulz(t.x, t.rows, t.seg, t.ld, steps_, muon_scale(t.rows, t.seg), work);
+    };
+    if (nt >= 4 * threads_) {
+#pragma omp parallel num_threads(threads_)
+      {
+        float* work = work_.data() + size_t(omp_get_thread_num()) * size_t(work_per_thread_);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < nt; ++i) run(tasks[size_t(i)], work);
+      }
+    } else {
+      for (const Task& t : tasks) run(t, work_.data());
     }
   }
   // 4. The update's pieces back to their ranks, then applied.
@@ -137,12 +161,11 @@ void MuonState::group_step(Group& gr, float lr, float wd, float clip) {
     b.comm->all_to_all_v(x, bytes(0, gr.to_owner), bytes(1, gr.to_owner_at), recv, bytes(2, gr.from_rank),
                          bytes(3, gr.from_rank_at));
   }
-  pos = gr.to_owner_at;
-  for (const Slab& s : gr.slabs) {
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_) if (ns > 1)
+  for (int64_t i = 0; i < ns; ++i) {
+    const Slab& s = gr.slabs[size_t(i)];
     const int64_t a = std::max(s.lo, blo), e = std::min(s.hi, bhi);
-    if (a >= e) continue;
-    muon_apply(b.p + (a - blo), x + pos[size_t(s.owner)], e - a, lr, wd, b.params[size_t(s.param)].decay);
-    pos[size_t(s.owner)] += e - a;
+    if (a < e) muon_apply(b.p + (a - blo), x + s.at, e - a, lr, wd, b.params[size_t(s.param)].decay);
   }
 }
 

@@ -55,6 +55,7 @@ class MuonState {
     int param;       // into the block's params
     int64_t lo, hi;  // one stacked matrix's elements in the element space
     int owner;
+    int64_t at = 0;  // this rank's piece of it: its offset in the send layout (by owner, then matrix order)
   };
   struct Group {
     MuonBlock b;
@@ -69,6 +70,8 @@ class MuonState {
   bool nesterov_;
   int steps_;
   int64_t owned_ = 0;
+  int threads_ = 1;
+  int64_t work_per_thread_ = 0;
   std::vector<float> xbuf_, sbuf_, work_;
   std::vector<int64_t> bytes_[4];
 };
