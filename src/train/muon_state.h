@@ -43,9 +43,14 @@ struct MuonBlock {
   std::vector<Param> params;  // the Muon parameters of the space, ascending start
 };
 
+// The largest exchange of one group, in elements (a bigger matrix goes alone): the send, receive and matrix buffers
+// hold at most this much (3 x 16 MiB), outside the tracked categories like ZeRO-1's parameter staging.
+inline constexpr int64_t kMuonBatch = int64_t(1) << 22;
+
 class MuonState {
  public:
-  MuonState(std::vector<MuonBlock> blocks, float momentum, bool nesterov, int ns_steps);
+  // batch: the largest exchange of a group in elements (kMuonBatch; tests pass small ones to get many batches).
+  MuonState(std::vector<MuonBlock> blocks, float momentum, bool nesterov, int ns_steps, int64_t batch = kMuonBatch);
   // One step of every Muon matrix of this rank's blocks. Collective over each block's group.
   void step(float lr, float weight_decay, float grad_scale);
   int64_t owned_matrices() const { return owned_; }  // stacked matrices this rank orthogonalizes
@@ -57,7 +62,7 @@ class MuonState {
     int owner;
     int64_t at = 0;  // this rank's piece of it: its offset in the send layout (by owner, then matrix order)
   };
-  struct Group {
+  struct Group {  // one batch of a block's matrices
     MuonBlock b;
     std::vector<Slab> slabs;
     std::vector<int64_t> to_owner, to_owner_at, from_rank, from_rank_at;  // floats per peer (this rank's view)
