@@ -27,15 +27,16 @@ double ns_cost(const MuonMatrices& mm) {
 }
 }  // namespace
 
-MuonState::MuonState(std::vector<MuonBlock> blocks, float momentum, bool nesterov, int ns_steps)
+MuonState::MuonState(std::vector<MuonBlock> blocks, float momentum, bool nesterov, int ns_steps, int64_t batch)
     : mu_(momentum), nesterov_(nesterov), steps_(ns_steps) {
+  MT_CHECK(batch >= 1, "muon", "batch of ", batch, " elements");
   int64_t max_mine = 0, max_owned = 0, max_work = 0;
   for (auto& b : blocks) {
     const int S = b.comm ? b.comm->size() : 1;
     MT_CHECK(int(b.bounds.size()) == S + 1 && b.me >= 0 && b.me < S, "muon", "a block of ", b.bounds.size(),
              " bounds for a group of ", S);
     if (b.params.empty()) continue;
-    Group g;
+    std::vector<Slab> slabs;
     std::vector<double> load(size_t(S), 0.0);
     for (size_t j = 0; j < b.params.size(); ++j) {
       const MuonMatrices& mm = b.params[j].mm;
@@ -44,29 +45,39 @@ MuonState::MuonState(std::vector<MuonBlock> blocks, float momentum, bool nestero
       for (int64_t k = 0; k < mm.count; ++k) {
         const int o = int(std::min_element(load.begin(), load.end()) - load.begin());  // the least loaded, lowest
         load[size_t(o)] += cost;
-        g.slabs.push_back({int(j), b.params[j].start + k * sz, b.params[j].start + (k + 1) * sz, o});
+        slabs.push_back({int(j), b.params[j].start + k * sz, b.params[j].start + (k + 1) * sz, o});
       }
       for (int64_t s : mm.col_segs) max_work = std::max(max_work, muon_ns_workspace(mm.rows, s));
     }
-    g.to_owner.assign(size_t(S), 0), g.from_rank.assign(size_t(S), 0);
+    // Batches of consecutive matrices of at most `batch` elements (or one matrix), each exchanged and computed on
+    // its own: the buffers stay bounded whatever the model's size.
     const int64_t blo = b.bounds[size_t(b.me)], bhi = b.bounds[size_t(b.me) + 1];
-    for (const Slab& s : g.slabs) {
-      g.to_owner[size_t(s.owner)] += overlap(s.lo, s.hi, blo, bhi);
-      if (s.owner != b.me) continue;
-      ++owned_;
-      for (int q = 0; q < S; ++q) g.from_rank[size_t(q)] += overlap(s.lo, s.hi, b.bounds[size_t(q)], b.bounds[size_t(q) + 1]);
+    for (size_t s0 = 0; s0 < slabs.size();) {
+      size_t s1 = s0 + 1;
+      int64_t n = slabs[s0].hi - slabs[s0].lo;
+      while (s1 < slabs.size() && n + (slabs[s1].hi - slabs[s1].lo) <= batch) n += slabs[s1].hi - slabs[s1].lo, ++s1;
+      Group g;
+      g.b = b;
+      g.slabs.assign(slabs.begin() + long(s0), slabs.begin() + long(s1));
+      s0 = s1;
+      g.to_owner.assign(size_t(S), 0), g.from_rank.assign(size_t(S), 0);
+      for (const Slab& s : g.slabs) {
+        g.to_owner[size_t(s.owner)] += overlap(s.lo, s.hi, blo, bhi);
+        if (s.owner != b.me) continue;
+        ++owned_;
+        for (int q = 0; q < S; ++q) g.from_rank[size_t(q)] += overlap(s.lo, s.hi, b.bounds[size_t(q)], b.bounds[size_t(q) + 1]);
+      }
+      g.to_owner_at.assign(size_t(S), 0), g.from_rank_at.assign(size_t(S), 0);
+      for (int q = 1; q < S; ++q) {
+        g.to_owner_at[size_t(q)] = g.to_owner_at[size_t(q - 1)] + g.to_owner[size_t(q - 1)];
+        g.from_rank_at[size_t(q)] = g.from_rank_at[size_t(q - 1)] + g.from_rank[size_t(q - 1)];
+      }
+      std::vector<int64_t> pos = g.to_owner_at;  // each piece's place in the send layout: by owner, matrix order
+      for (Slab& s : g.slabs) s.at = pos[size_t(s.owner)], pos[size_t(s.owner)] += overlap(s.lo, s.hi, blo, bhi);
+      for (int q = 0; q < S; ++q) g.mine += g.to_owner[size_t(q)], g.owned_numel += g.from_rank[size_t(q)];
+      max_mine = std::max(max_mine, g.mine), max_owned = std::max(max_owned, g.owned_numel);
+      groups_.push_back(std::move(g));
     }
-    g.to_owner_at.assign(size_t(S), 0), g.from_rank_at.assign(size_t(S), 0);
-    for (int q = 1; q < S; ++q) {
-      g.to_owner_at[size_t(q)] = g.to_owner_at[size_t(q - 1)] + g.to_owner[size_t(q - 1)];
-      g.from_rank_at[size_t(q)] = g.from_rank_at[size_t(q - 1)] + g.from_rank[size_t(q - 1)];
-    }
-    std::vector<int64_t> pos = g.to_owner_at;  // each piece's place in the send layout: by owner, matrix order
-    for (Slab& s : g.slabs) s.at = pos[size_t(s.owner)], pos[size_t(s.owner)] += overlap(s.lo, s.hi, blo, bhi);
-    for (int q = 0; q < S; ++q) g.mine += g.to_owner[size_t(q)], g.owned_numel += g.from_rank[size_t(q)];
-    max_mine = std::max(max_mine, g.mine), max_owned = std::max(max_owned, g.owned_numel);
-    g.b = std::move(b);
-    groups_.push_back(std::move(g));
   }
   xbuf_.resize(size_t(std::max(max_mine, max_owned)));  // unsharded groups use it for both
   sbuf_.resize(size_t(2 * max_owned));
