@@ -57,6 +57,11 @@ struct TrainSpec {
   bool operator==(const TrainSpec&) const = default;
 };
 
+// [optimizer]: name "adamw" (every parameter) or "muon" (docs/optimizer.md): Muon updates the 2-D weight matrices of
+// the decoder blocks (attention projections, dense FFN, shared experts, each routed expert's matrices) with
+// momentum orthogonalized by Newton-Schulz, scaled to AdamW's update RMS (Moonlight's 0.2 * sqrt(max(A, B)));
+// AdamW (beta1, beta2, eps) updates the rest: embedding, head, norms, router. lr, the schedule and weight_decay
+// are shared by both (Moonlight's recipe). The muon_* keys apply to name = "muon" only (set otherwise: refused).
 struct OptimizerSpec {
   std::string name = "adamw";
   double lr = 3e-4;
@@ -64,6 +69,10 @@ struct OptimizerSpec {
   double beta2 = 0.95;
   double eps = 1e-8;
   double weight_decay = 0.1;
+  double muon_momentum = 0.95;  // m = muon_momentum * m + g
+  bool muon_nesterov = true;    // orthogonalize g + muon_momentum * m (else m)
+  int64_t muon_ns_steps = 5;    // Newton-Schulz iterations of the quintic (3.4445, -4.7750, 2.0315)
+  bool muon() const { return name == "muon"; }
   bool operator==(const OptimizerSpec&) const = default;
 };
 

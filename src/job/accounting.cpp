@@ -13,6 +13,7 @@
 
 #include "moetron/check.h"
 #include "moetron/kernel_sizes.h"
+#include "moetron/muon_params.h"
 
 namespace moetron {
 
@@ -513,6 +514,7 @@ struct ParamSplit {
   double max_unit = 0;   // FSDP: the largest unit (embedding, one layer with its local experts, norm + head)
   double max_dense_run = 0, max_expert_run = 0;  // FSDP: the largest non-expert / local-expert part of a unit
   double max_flat_run = 0;  // flat layout under EP: the largest range of non-expert parameters between experts
+  double muon_dense = 0;    // optimizer.name = "muon": the non-expert parameters Muon updates (muon_params.h)
   std::string keys;      // the config keys of the largest part
 };
 
@@ -557,6 +559,8 @@ ParamSplit param_split(const ModelSpec& s, const std::vector<char>& moe, double 
     experts += n * double(lp.routed_experts + lp.shared_experts);
     p.max_unit = std::max(p.max_unit, dense + local);
     p.max_dense_run = std::max(p.max_dense_run, dense), p.max_expert_run = std::max(p.max_expert_run, local);
+    const MuonLayerNumel mn = muon_layer_numel(s, int64_t(it - moe.begin()));
+    p.muon_dense += n * (double(mn.sliced) / tp + double(mn.replicated));
   }
   p.dense += emb + d;
   {  // The flat layout: embedding, layers in order (a MoE layer's routed experts between its router and its
@@ -642,7 +646,8 @@ struct MemoryTerms {
       const double slots = s.tie_embeddings ? 2 : 1;
       r.params = shard * 4 + slots * (ps.max_unit * (4 + copy) + packed_layer) + bias;
       r.grads = shard * 4 + slots * ps.max_unit * 4;
-      r.optimizer = shard * 8;
+      // AdamW: m and v of the shard; Muon: m of the shard, v of its AdamW part (every matrix is Muon's).
+      r.optimizer = c.optimizer.muon() ? shard * 4 + (ps.dense - ps.muon_dense) / Ds * 4 : shard * 8;
       // Reduce-scatter staging: the largest chunk of a unit's run. Over more than one rank, each group's
       // communicator keeps a workspace of its largest run (gather and reduce-scatter of a unit); HSDP's replicate
       // group one of its all-reduce segment (the gradient shard, at most 2^22 elements).
@@ -655,7 +660,12 @@ struct MemoryTerms {
       // With tied embeddings the head's gradient has a buffer of its own until it joins the embedding's (this
       // rank's vocabulary rows under TP).
       r.grads = local * 4 + (s.tie_embeddings ? V / double(par.tp) * d * 4 : 0);
-      r.optimizer = (par.zero == 1 && D > 1 ? (ps.dense + ps.experts) / D : local) * 8;
+      // AdamW: m and v; Muon: m of every parameter, v of the AdamW ones (the routed experts are all Muon's). Under
+      // ZeRO-1 both are 1/D of the whole (the average rank: a rank's slice of the flat runs holds more or less of the
+      // AdamW tensors; the sum over the ranks is exact).
+      const double share = par.zero == 1 && D > 1 ? 1.0 / D : 1.0;
+      r.optimizer = (par.zero == 1 && D > 1 ? (ps.dense + ps.experts) / D : local) * (c.optimizer.muon() ? 4 : 8) +
+                    (c.optimizer.muon() ? (ps.dense - ps.muon_dense) * share * 4 : 0.0);
       // The gradient all-reduce in segments of at most 2^22 elements: a workspace of the largest segment per
       // communicator (the DP group; under EP the expert-data-parallel group for the experts' runs).
       const double seg = double(int64_t(1) << 22);

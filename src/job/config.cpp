@@ -126,6 +126,10 @@ struct is_vector : std::false_type {};
 template <class T>
 struct is_vector<std::vector<T>> : std::true_type {};
 
+#define MT_F(sec, key, member) make_field(sec, key, [](JobConfig& c) -> auto& { return c.member; })
+#define MT_E(sec, key, member, ...) \
+  make_enum(sec, key, [](JobConfig& c) -> auto& { return c.member; }, __VA_ARGS__)
+
 // acc: [](JobConfig& c) -> T& { return c.x.y; }
 template <class Acc>
 Field make_field(const char* sec, const char* key, Acc acc) {
@@ -190,10 +194,7 @@ Field make_enum(const char* sec, const char* key, Acc acc, std::vector<std::stri
   return f;
 }
 
-#define MT_F(sec, key, member) make_field(sec, key, [](JobConfig& c) -> auto& { return c.member; })
-#define MT_E(sec, key, member, ...) \
-  make_enum(sec, key, [](JobConfig& c) -> auto& { return c.member; }, __VA_ARGS__)
-
+// long: the field table, one line per key in file order (splitting it would split the key list).
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> t;
@@ -257,12 +258,15 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("training", "memory_check", training.memory_check));
     t.push_back(MT_E("training", "nonfinite", training.nonfinite, {"halt", "skip"}));
     // [optimizer]
-    t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw"}));
+    t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw", "muon"}));
     t.push_back(MT_F("optimizer", "lr", optimizer.lr));
     t.push_back(MT_F("optimizer", "beta1", optimizer.beta1));
     t.push_back(MT_F("optimizer", "beta2", optimizer.beta2));
     t.push_back(MT_F("optimizer", "eps", optimizer.eps));
     t.push_back(MT_F("optimizer", "weight_decay", optimizer.weight_decay));
+    t.push_back(MT_F("optimizer", "muon_momentum", optimizer.muon_momentum));
+    t.push_back(MT_F("optimizer", "muon_nesterov", optimizer.muon_nesterov));
+    t.push_back(MT_F("optimizer", "muon_ns_steps", optimizer.muon_ns_steps));
     // [lr_scheduler]
     t.push_back(MT_F("lr_scheduler", "warmup_steps", lr_scheduler.warmup_steps));
     t.push_back(MT_E("lr_scheduler", "decay_type", lr_scheduler.decay_type, {"cosine", "linear", "none"}));

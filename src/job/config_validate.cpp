@@ -118,6 +118,25 @@ void JobConfig::validate() const {
   if (!(o.beta2 >= 0 && o.beta2 < 1)) invalid_config("optimizer.beta2", o.beta2, "must be in [0, 1)");
   if (!(o.eps > 0)) invalid_config("optimizer.eps", o.eps, "must be > 0");
   if (!(o.weight_decay >= 0)) invalid_config("optimizer.weight_decay", o.weight_decay, "must be >= 0");
+  if (!(o.muon_momentum >= 0 && o.muon_momentum < 1))
+    invalid_config("optimizer.muon_momentum", o.muon_momentum, "must be in [0, 1)");
+  if (o.muon_ns_steps < 1 || o.muon_ns_steps > 20)
+    invalid_config("optimizer.muon_ns_steps", o.muon_ns_steps, "must be in [1, 20] (Newton-Schulz iterations)");
+  if (!o.muon()) {  // the muon_* keys do nothing under AdamW: set, they are refused rather than ignored
+    const OptimizerSpec d;
+    auto moot = [&](const char* key, const auto& v) {
+      invalid_config(key, v, "applies to optimizer.name = \"muon\" only (optimizer.name = \"", o.name, "\")");
+    };
+    if (o.muon_momentum != d.muon_momentum) moot("optimizer.muon_momentum", o.muon_momentum);
+    if (o.muon_nesterov != d.muon_nesterov) moot("optimizer.muon_nesterov", o.muon_nesterov ? "true" : "false");
+    if (o.muon_ns_steps != d.muon_ns_steps) moot("optimizer.muon_ns_steps", o.muon_ns_steps);
+  } else {
+    // Newton-Schulz needs whole matrices; TP slices them over its ranks (gathering them first is not implemented).
+    if (p.tp > 1)
+      invalid_config("optimizer.name", "\"muon\"", "not implemented with parallelism.tp = ", p.tp,
+                     " (Muon orthogonalizes whole matrices; tensor parallelism slices them over the TP ranks): use "
+                     "tp = 1 or optimizer.name = \"adamw\"");
+  }
 
   const auto& l = lr_scheduler;
   if (l.warmup_steps < 0) invalid_config("lr_scheduler.warmup_steps", l.warmup_steps, "must be >= 0");

@@ -12,6 +12,7 @@
 
 #include "moetron/accounting.h"
 #include "moetron/check.h"
+#include "moetron/muon_params.h"
 #include "moetron/plan/pipeline.h"
 
 namespace moetron::plan {
@@ -44,6 +45,9 @@ namespace {
 struct ParamSplit {
   double tp_sharded = 0, replicated = 0, experts = 0;
   double aux_free_bias = 0;  // the aux-free routing bias: fp32 state beside the parameters, not trained
+  // optimizer.name = "muon": the parts of tp_sharded and replicated Muon updates (one moment; muon_params.h). The
+  // routed experts are all Muon's.
+  double muon_tp_sharded = 0, muon_replicated = 0;
 };
 
 ParamSplit split_layer(const ModelSpec& s, int64_t layer) {
@@ -63,6 +67,8 @@ ParamSplit split_layer(const ModelSpec& s, int64_t layer) {
   p.replicated = attn_rep + double(lp.norms + lp.router) - p.aux_free_bias;
   p.tp_sharded = double(lp.attention) - attn_rep + double(lp.dense_mlp + lp.shared_experts);
   p.experts = double(lp.routed_experts);
+  const MuonLayerNumel mn = muon_layer_numel(s, layer);
+  p.muon_tp_sharded = double(mn.sliced), p.muon_replicated = double(mn.replicated);
   return p;
 }
 
@@ -275,6 +281,7 @@ RankParams rank_params(const MemCtx& x, SplitCache& cache, RankMemory& rm) {
       if (!cache.have[km]) cache.split[km] = split_layer(s, layer), cache.have[km] = true;
       const ParamSplit& y = cache.split[km];
       p.ps.tp_sharded += count * y.tp_sharded, p.ps.replicated += count * y.replicated, p.ps.experts += count * y.experts;
+      p.ps.muon_tp_sharded += count * y.muon_tp_sharded, p.ps.muon_replicated += count * y.muon_replicated;
       p.ps.aux_free_bias += count * y.aux_free_bias;
       const double unit = y.tp_sharded / double(l.tp) + y.replicated + y.experts / double(l.ep * l.etp);
       if (unit > p.largest_unit)
@@ -340,6 +347,11 @@ void rank_state(const MemCtx& x, const RankParams& p, RankMemory& rm) {
   rm.optimizer_elements = Pd / shard_d + Pe / shard_e;
   rm.main_params = rm.optimizer_elements * rc.main;
   rm.optimizer = 2.0 * rc.moment * rm.optimizer_elements;
+  if (x.c.optimizer.muon()) {  // one moment (the momentum) for Muon's matrices, two for the AdamW parameters
+    const double adam_d = (rm.params_tp_sharded - p.ps.muon_tp_sharded / double(l.tp)) +
+                          (rm.params_replicated - p.ps.muon_replicated);
+    rm.optimizer = rc.moment * (rm.optimizer_elements + adam_d / shard_d);
+  }
 }
 
 // Activations: the simulator's peak of held sets, by module in the proportions of one micro-batch.

@@ -6,6 +6,8 @@
 // [s_lo, s_hi) of it over the run's group (ZeRO-1); the state buffers concatenate them. zero = 3: the state has
 // the layout of the parameter shard (fsdp->segments()); the runs are not used. Under HSDP (zero = 3 with
 // dp_replicate > 1) the shard is one replica's: the optimizer state is replicated like the parameters.
+// Muon (optimizer.name = "muon"): m holds the momentum of the Muon matrices in the same layout; v holds only the
+// AdamW parameters' elements, packed in state order (adam_); MuonState's blocks are the runs (or FSDP unit runs).
 #include "train/param_state.h"
 
 #include <limits>
@@ -59,7 +61,6 @@ ParamState::ParamState(Model& m, const JobConfig& cfg, const ParamStateComms& c,
   }
   ns_ = zero3_ ? fsdp_->shard_numel() : st;
   mbuf_ = Tensor::zeros({std::max<int64_t>(ns_, 1)}, DType::F32, MemCategory::Optimizer, "adam.m");
-  vbuf_ = Tensor::zeros({std::max<int64_t>(ns_, 1)}, DType::F32, MemCategory::Optimizer, "adam.v");
   if (sharded_) stage_.resize(size_t(ns_max));
 
   gparams_ = model_param_layout(cfg.model);
@@ -76,6 +77,74 @@ ParamState::ParamState(Model& m, const JobConfig& cfg, const ParamStateComms& c,
   }
   MT_CHECK(own_.param_rank.size() == gparams_.size(), "train", "ownership of ", own_.param_rank.size(),
            " parameters for ", gparams_.size());
+  build_optimizer(cfg);
+}
+
+// The AdamW pieces of the state (every parameter, or under Muon those that are not Muon matrices: v then holds
+// only theirs, packed) and the Muon blocks over the same state layout.
+void ParamState::build_optimizer(const JobConfig& cfg) {
+  const auto& ps = m_.params();
+  const bool muon = cfg.optimizer.muon();
+  std::vector<MuonMatrices> mm(ps.size());
+  if (muon)
+    for (size_t i = 0; i < ps.size(); ++i) mm[i] = muon_matrices(cfg.model, ps[i].name, ps[i].shape);
+  int64_t nv = 0;
+  auto add = [&](int64_t st, int64_t flat, int64_t n, int param) {
+    if (mm[size_t(param)].muon()) return;
+    adam_.push_back({st, muon ? nv : st, flat, n, param});
+    nv += n;
+  };
+  if (zero3_) {
+    for (auto& sg : fsdp_->segments()) add(sg.shard_offset, sg.shard_offset, sg.count, sg.param);
+  } else {
+    for (auto& r : runs_)
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const int64_t a = std::max(r.s_lo, ps[i].offset), b = std::min(r.s_hi, ps[i].offset + ps[i].numel);
+        if (a < b) add(r.st + (a - r.s_lo), a, b - a, int(i));
+      }
+  }
+  nv_ = muon ? nv : ns_;
+  vbuf_ = Tensor::zeros({std::max<int64_t>(nv_, 1)}, DType::F32, MemCategory::Optimizer, "adam.v");
+  if (!muon) return;
+  muon_global_.assign(gparams_.size(), 0);
+  for (size_t g = 0; g < gparams_.size(); ++g)
+    muon_global_[g] = muon_matrices(cfg.model, gparams_[g].name, gparams_[g].global_shape).muon();
+  float* mb = mbuf_.data<float>();
+  std::vector<MuonBlock> blocks;
+  auto add_params = [&](MuonBlock& b, const std::vector<int>& idx, auto&& start_of) {
+    for (int i : idx)
+      if (mm[size_t(i)].muon()) b.params.push_back({start_of(i), mm[size_t(i)], ps[size_t(i)].decay});
+  };
+  if (zero3_) {  // an FSDP unit's run: its element space, cut into equal blocks over the shard group
+    for (int u = 0; u < fsdp_->n_units(); ++u)
+      for (const FsdpRun& r : fsdp_->unit(u).runs) {
+        MuonBlock b;
+        b.comm = &r.comm, b.me = r.rank;
+        for (int q = 0; q <= r.size; ++q) b.bounds.push_back(int64_t(q) * r.chunk);
+        b.p = fsdp_->params() + r.shard_offset, b.g = fsdp_->grads() + r.shard_offset, b.m = mb + r.shard_offset;
+        add_params(b, r.params, [&](int i) { return fsdp_->local_offset(i) - r.slot_offset; });
+        blocks.push_back(std::move(b));
+      }
+  } else {  // a run of the flat layout: whole, or ZeRO-1 slices over the run's group
+    for (auto& r : runs_) {
+      MuonBlock b;
+      if (sharded_) {
+        b.comm = r.comm, b.me = r.comm->rank();
+        for (int64_t d : r.displs) b.bounds.push_back(r.lo + d / 4);
+        b.bounds.push_back(r.hi);
+      } else {
+        b.bounds = {r.lo, r.hi};
+      }
+      b.p = m_.param_data() + r.s_lo, b.g = m_.grad_data() + r.s_lo, b.m = mb + r.st;
+      std::vector<int> idx;
+      for (size_t i = 0; i < ps.size(); ++i)
+        if (ps[i].offset >= r.lo && ps[i].offset < r.hi) idx.push_back(int(i));
+      add_params(b, idx, [&](int i) { return ps[size_t(i)].offset; });
+      blocks.push_back(std::move(b));
+    }
+  }
+  const auto& o = cfg.optimizer;
+  muon_ = std::make_unique<MuonState>(std::move(blocks), float(o.muon_momentum), o.muon_nesterov, int(o.muon_ns_steps));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -146,24 +215,20 @@ double ParamState::grad_norm() {
   return std::sqrt(total);
 }
 
-// AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there.
-void ParamState::adamw(const AdamWConfig& ac, int64_t step, float clip) {
+// AdamW is element-wise: the update of this rank's slice is bitwise what the full update gives there. Muon's
+// matrices: MuonState (the owner scheme of muon_state.h gives every rank the single-process update).
+void ParamState::step(const AdamWConfig& ac, int64_t step, float clip) {
+  if (muon_) muon_->step(ac.lr, ac.weight_decay, clip);
   float* mb = mbuf_.data<float>();
   float* vb = vbuf_.data<float>();
   trace::Scope tr_adamw("optim.adamw");  // this rank's slice; the ZeRO-1 parameter gather is its own kernel scope
-  if (zero3_) {  // the shard's pieces of parameters (a piece has one decay flag; padding is not updated)
-    for (auto& sg : fsdp_->segments())
-      adamw_step(fsdp_->params() + sg.shard_offset, mb + sg.shard_offset, vb + sg.shard_offset,
-                 fsdp_->grads() + sg.shard_offset, sg.count, ac, step, clip, m_.params()[size_t(sg.param)].decay);
-    return;
-  }
-  for (auto& r : runs_)
-    for (auto& p : m_.params()) {
-      const int64_t a = std::max(r.s_lo, p.offset), b = std::min(r.s_hi, p.offset + p.numel);
-      if (a < b)
-        adamw_step(m_.param_data() + a, mb + r.st + (a - r.s_lo), vb + r.st + (a - r.s_lo), m_.grad_data() + a, b - a,
-                   ac, step, clip, p.decay);
-    }
+  // zero = 3: the shard's pieces of parameters (a piece has one decay flag; padding is not updated); else the
+  // run slices' pieces.
+  float* P = zero3_ ? fsdp_->params() : m_.param_data();
+  const float* G = zero3_ ? fsdp_->grads() : m_.grad_data();
+  for (const AdamPiece& a : adam_)
+    adamw_step(P + a.flat, mb + a.st, vb + a.v, G + a.flat, a.n, ac, step, clip, m_.params()[size_t(a.param)].decay);
+  if (zero3_) return;
   tr_adamw.stop();
   if (sharded_) {
     MT_TRACE("dp.all_gather_params");
@@ -281,8 +346,25 @@ void ParamState::from_global(float* local, const std::vector<float>& g) {
 std::vector<float> ParamState::global_params_values() { return to_global(local_params()); }
 std::vector<float> ParamState::global_grads() { return to_global(local_grads()); }
 std::vector<float> ParamState::global_moment(int which) {
+  if (which == 1 && muon_) {
+    const std::vector<float> st = v_state();
+    const std::vector<float> full = gather_state(st.data());
+    return to_global(full.data());
+  }
   const std::vector<float> full = gather_state((which == 0 ? mbuf_ : vbuf_).data<float>());
   return to_global(full.data());
+}
+
+std::vector<float> ParamState::v_state() const {
+  std::vector<float> st(size_t(ns_), 0.0f);
+  const float* vb = vbuf_.data<float>();
+  for (const AdamPiece& a : adam_) std::copy(vb + a.v, vb + a.v + a.n, st.begin() + a.st);
+  return st;
+}
+
+void ParamState::set_v_state(const std::vector<float>& st) {
+  float* vb = vbuf_.data<float>();
+  for (const AdamPiece& a : adam_) std::copy(st.begin() + a.st, st.begin() + a.st + a.n, vb + a.v);
 }
 
 std::vector<float> ParamState::global_biases() {
@@ -308,6 +390,11 @@ void ParamState::set_params(const std::vector<float>& g) {
 void ParamState::set_moment(int which, const std::vector<float>& g) {
   std::vector<float> full(static_cast<size_t>(np_));
   from_global(full.data(), g);
+  if (which == 1 && muon_) {
+    std::vector<float> st(size_t(std::max<int64_t>(ns_, 1)), 0.0f);
+    slice_state(st.data(), full);
+    return set_v_state(st);
+  }
   slice_state((which == 0 ? mbuf_ : vbuf_).data<float>(), full);
 }
 

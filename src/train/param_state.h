@@ -7,6 +7,7 @@
 // Not the forward / backward (the pipeline step) and not the file format (checkpoint.h).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "moetron/model.h"
 #include "moetron/optim.h"
 #include "moetron/tensor.h"
+#include "train/muon_state.h"
 
 namespace moetron {
 
@@ -35,7 +37,8 @@ class ParamState {
   // zero: 0, 1 (AdamW moments sliced over each run's group) or 3 (the model is in FSDP mode).
   ParamState(Model& m, const JobConfig& cfg, const ParamStateComms& c, const PipelineOwnership& own, int pp_rank);
 
-  int64_t state_bytes() const { return 2 * ns_ * 4; }  // AdamW m + v on this rank
+  // AdamW m + v on this rank; under Muon the momentum of its matrices (in m) and no v for them.
+  int64_t state_bytes() const { return (ns_ + nv_) * 4; }
   bool zero1() const { return sharded_; }
   bool zero3() const { return zero3_; }
 
@@ -50,7 +53,11 @@ class ParamState {
   // zero = 3: the FSDP shard norms, then summed over the pipeline ranks in rank order. TP: a sliced tensor's slices
   // summed over the TP group in rank order; an unsliced one (the same on every TP rank) counted once.
   double grad_norm();
-  void adamw(const AdamWConfig& ac, int64_t step, float clip);  // + the ZeRO-1 parameter all-gather
+  // The optimizer step: AdamW on every parameter, or (optimizer.name = "muon") Muon on the Muon matrices and AdamW
+  // on the rest, with ac.lr and ac.weight_decay for both; then the ZeRO-1 parameter all-gather.
+  void step(const AdamWConfig& ac, int64_t step, float clip);
+  // Muon: whether global parameter g is a Muon matrix (its checkpoint has no "v." tensor).
+  bool muon_param(size_t g) const { return !muon_global_.empty() && muon_global_[g]; }
   // Fault injection (fault.h): this rank's first gradient element (model or FSDP shard) becomes a quiet NaN.
   void poison_grad();
   // ... or its first parameter element (the master copy: model or FSDP shard).
@@ -61,7 +68,7 @@ class ParamState {
   const std::vector<ParamEntry>& global_params() const { return gparams_; }
   std::vector<float> global_params_values();  // the model's parameters
   std::vector<float> global_grads();          // the model's gradients
-  std::vector<float> global_moment(int which);  // AdamW m (0) or v (1)
+  std::vector<float> global_moment(int which);  // AdamW m (0; Muon's momentum for its matrices) or v (1; 0 there)
   std::vector<float> global_biases();          // [n_moe_total * E]: every MoE layer's expert bias
   // Loading: the local parts of global vectors (no communication).
   void set_params(const std::vector<float>& g);
@@ -77,6 +84,14 @@ class ParamState {
   };
   const float* local_params();
   const float* local_grads();
+  // An AdamW tensor piece: state index st (m), v index, flat offset (zero = 3: = st), count, local parameter.
+  struct AdamPiece {
+    int64_t st, v, flat, n;
+    int param;
+  };
+  void build_optimizer(const JobConfig& cfg);
+  std::vector<float> v_state() const;          // v in the m layout (zeros at the Muon matrices)
+  void set_v_state(const std::vector<float>& st);
   std::vector<float> gather_state(const float* st);  // local flat layout from the state buffers
   void slice_state(float* st, const std::vector<float>& flat);
   std::vector<float> to_global(const float* local);
@@ -92,8 +107,11 @@ class ParamState {
   int EP_;
   int64_t E_ = 0;  // routed experts (bias length)
   bool zero3_, sharded_;
-  int64_t np_ = 0, ns_ = 0;
+  int64_t np_ = 0, ns_ = 0, nv_ = 0;  // parameters, m elements, v elements on this rank
   std::vector<Run> runs_;
+  std::vector<AdamPiece> adam_;
+  std::unique_ptr<MuonState> muon_;
+  std::vector<char> muon_global_;  // [global params]
   Tensor mbuf_, vbuf_;
   std::vector<float> stage_, flat_;
   std::vector<ParamEntry> gparams_;

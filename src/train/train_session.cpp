@@ -230,10 +230,12 @@ namespace {
 
 // The checkpoint's tensors over global-layout vectors: parameters (or a moment, with a name prefix) and the
 // expert biases.
+// Under Muon its matrices have no second moment: no "v." tensor for them.
 std::vector<CheckpointTensor> global_tensors(const ParamState& st, const std::vector<float>& g, const std::string& pre) {
   std::vector<CheckpointTensor> v;
-  for (const auto& p : st.global_params())
-    v.push_back({pre + p.name, DType::F32, p.global_shape, g.data() + p.offset});
+  const auto& gp = st.global_params();
+  for (size_t i = 0; i < gp.size(); ++i)
+    if (pre != "v." || !st.muon_param(i)) v.push_back({pre + gp[i].name, DType::F32, gp[i].global_shape, g.data() + gp[i].offset});
   return v;
 }
 void add_biases(std::vector<CheckpointTensor>& v, const std::vector<float>& b, int64_t E) {
@@ -250,6 +252,9 @@ void TrainSession::resume() {
   LoadedCheckpoint ck = load_checkpoint(*latest);
   JobConfig saved = config_from_json(ck.state.at("config"));
   MT_CHECK(saved.model == cfg.model, "train", "checkpoint ", *latest, " was written for a different model spec");
+  MT_CHECK(saved.optimizer.name == cfg.optimizer.name, "train", "checkpoint ", *latest, " holds the state of optimizer.name = \"",
+           saved.optimizer.name, "\", this run is optimizer.name = \"", cfg.optimizer.name,
+           "\" (the moments do not carry over): resume with the same optimizer or start in another folder");
   const int64_t E = cfg.model.is_moe() ? cfg.model.moe.n_routed_experts : 0;
   std::vector<float> p(size_t(state->global_numel()), 0.0f), m(p.size(), 0.0f), v(p.size(), 0.0f);
   std::vector<float> bias(size_t(model->n_moe_layers_total() * E), 0.0f);

@@ -1,6 +1,6 @@
 // train_step.cpp: one optimizer step of TrainSession: the schedule (PipelineExecutor), the step-wide
 // quantities folded over micro-batches, pipeline stages and data-parallel ranks, the gradient norm and
-// clipping, AdamW, the aux-free bias update, the step record, its log line and its checkpoint; the non-finite
+// clipping, the optimizer (AdamW, or Muon and AdamW), the aux-free bias update, the step record, its log line and its checkpoint; the non-finite
 // decision (training.nonfinite, one answer on every rank) and the MOETRON_FAULT hook points (fault.h:
 // forward, backward, optimizer, checkpoint).
 //
@@ -104,7 +104,7 @@ void TrainSession::run_step() {
   adam.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
   if (!skip) {
     const float clip = tr.max_norm > 0 ? clip_coefficient(t.grad_norm, tr.max_norm) : 1.0f;
-    state->adamw(adam, step, clip);
+    state->step(adam, step, clip);  // AdamW, or Muon + AdamW
     model->update_expert_bias(t.counts);
     MT_TRACE("sync_weights");
     model->sync_weights();

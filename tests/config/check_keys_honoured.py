@@ -243,7 +243,10 @@ KEYS = {
                                                            any(r.get("skipped") for r in new.records)
                                                            else f"halt exit {ref.rc}, skip exit {new.rc}"),
                                          env={"MOETRON_FAULT": "nan:rank=0:step=2:phase=backward"})),
-    "optimizer.name": (None, None),  # one choice only: adamw
+    "optimizer.name": ("muon", loss()),
+    "optimizer.muon_momentum": (0.5, loss(["--optimizer.name=muon"])),
+    "optimizer.muon_nesterov": ("false", loss(["--optimizer.name=muon"])),
+    "optimizer.muon_ns_steps": (2, loss(["--optimizer.name=muon"])),
     "optimizer.lr": (0.01, loss()),
     "optimizer.beta1": (0.5, loss()),
     "optimizer.beta2": (0.5, loss()),

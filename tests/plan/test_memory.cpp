@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "moetron/accounting.h"
+#include "moetron/muon_params.h"
 #include "moetron/plan/memory.h"
 #include "moetron/plan/pipeline.h"
 #include "plan_test_util.h"
@@ -78,6 +79,44 @@ TEST(PlanMemory, EngineRecipeMatchesTheEnginesConvention) {
   EXPECT_DOUBLE_EQ(r.params, estimate_memory(c, 4, 1).params);
   EXPECT_DOUBLE_EQ(r.main_params, 0);
   EXPECT_THROW(plan::recipe_named("apex", c), Error);
+}
+
+// optimizer.name = "muon": one moment for Muon's matrices (every block weight and expert), two for the rest. With the
+// engine recipe the projection is the engine's estimate (estimate_memory) under zero 0, 1 and 3, with EP and PP, and
+// both equal the engine's measured state on one rank of ds_mini: 610,799,616 bytes (AdamW 1,152,585,728; `moetron
+// train configs/ds_mini.toml --optimizer.name=muon`, 2026-11-28). The megatron recipe saves 4 bytes per Muon element.
+TEST(PlanMemory, MuonCountsOneMomentForItsMatrices) {
+  for (const std::vector<std::string>& lay :
+       {std::vector<std::string>{}, {"--parallelism.dp_shard=2", "--parallelism.zero=1"},
+        {"--parallelism.dp_shard=2", "--parallelism.zero=3"}, {"--parallelism.dp_shard=2", "--parallelism.ep=2"},
+        {"--parallelism.pp=2"}}) {
+    std::vector<std::string> a = lay;
+    a.push_back("--optimizer.name=muon");
+    const auto c = cfg("ds_mini", a);
+    SCOPED_TRACE(lay.empty() ? "one rank" : lay.back());
+    plan::PlanOptions o;
+    o.recipe = plan::recipe_named("engine", c);
+    const int64_t world = c.parallelism.world_size();
+    const auto m = plan::plan_memory(c, plan::layout_from_config(c, world, false), plantest::round_gpu(), o);
+    if (c.parallelism.pp == 1) {
+      EXPECT_NEAR(m.per_rank.at(0).optimizer, estimate_memory(c, 2, 1).optimizer, 1e-9 * m.per_rank.at(0).optimizer);
+    }
+    if (lay.empty()) {
+      EXPECT_DOUBLE_EQ(m.per_rank.at(0).optimizer, 610799616.0);
+    }
+    // Against AdamW: 4 bytes less per Muon element held (its share under zero 1 / 3).
+    JobConfig ca = c;
+    ca.optimizer.name = "adamw";
+    const auto ma = plan::plan_memory(ca, plan::layout_from_config(ca, world, false), plantest::round_gpu(), o);
+    double muon = 0;
+    for (int64_t l = 0; l < c.model.n_layers; ++l) muon += double(muon_layer_numel(c.model, l).total());
+    const double got = m.per_rank.at(0).optimizer, adam = ma.per_rank.at(0).optimizer;  // pipeline rank 0
+    if (c.parallelism.ep == 1 && c.parallelism.pp == 1) {  // zero 1 / 3: its 1/dp share of every element
+      const double share = c.parallelism.zero >= 1 ? 1.0 / double(c.parallelism.dp_shard) : 1.0;
+      EXPECT_NEAR(adam - got, 4 * muon * share, 1e-6 * got);
+    }
+    EXPECT_LT(got, adam);
+  }
 }
 
 // Under tensor parallelism the engine recipe prices what the engine allocates (its gathered norm outputs, the
