@@ -141,13 +141,12 @@ struct MemCtx {
   ActivationCheckpointSpec ac;
   ActShard sh;
   double B = 0, S = 0;  // micro-batch rows, sequence length
-  double a = 0, g = 0;  // activation and GEMM-input element bytes
+  double a = 0, g = 0;  // activation and GEMM-input element bytes (engine recipe: g = the compute dtype's, 2 or 4)
   Fp8CachePlan f8;      // the engine's cached FP8 activations (replacing their copies in its terms)
   double held = 1;      // routed rows held over the balanced count
   // The engine recipe under tensor parallelism: its layer sets are priced as it allocates them
   // (accounting.h engine_tp_layer_bytes), not by the term list's sharding convention.
   bool engine_tp = false;
-  int64_t cb = 2;  // the engine's compute-dtype bytes (its copies and packed weights)
 };
 
 // The activation bytes of one layer kind (dense / MoE, recompute on / off): kept, and when fully recomputed all
@@ -164,12 +163,12 @@ struct LayerKind {
 void price_engine_tp_kind(const MemCtx& x, bool moe, bool on, LayerKind& k) {
   const ModelSpec& s = x.c.model;
   const double N = x.B * x.S / double(x.sh.cp), tp = double(x.sh.tp);
-  const double held = moe ? (x.held - 1.0) * engine_tp_routed_row_bytes(s, N, tp, x.cb) : 0.0;
+  const double held = moe ? (x.held - 1.0) * engine_tp_routed_row_bytes(s, N, tp, int64_t(x.g)) : 0.0;
   if (x.ac.mode == AcMode::Full && on) {
     k.bytes = N / tp * double(s.d_model) * 4;
-    k.all = engine_tp_layer_bytes(s, moe, N, tp, x.cb, false) + held;
+    k.all = engine_tp_layer_bytes(s, moe, N, tp, int64_t(x.g), false) + held;
   } else {
-    k.bytes = engine_tp_layer_bytes(s, moe, N, tp, x.cb) + held;
+    k.bytes = engine_tp_layer_bytes(s, moe, N, tp, int64_t(x.g)) + held;
   }
   if (x.o.detail) k.mods.by[x.ac.mode == AcMode::Full && on ? "checkpointed_inputs" : "engine_tp_layer"] += k.bytes;
 }
@@ -228,8 +227,9 @@ StageActivations stage_activations(const MemCtx& x) {
         // activations (held), not as a transient.
         k.shared_counted = true;
         const ActivationCheckpointSpec none;
+        const int64_t cb = int64_t(x.g);
         out.engine_shared += x.engine_tp ? k.all
-                                         : k.all + engine_activation_extras(s, layer, x.B * x.S, none, int64_t(x.g), x.f8) -
+                                         : k.all + engine_activation_extras(s, layer, x.B * x.S, none, cb, x.f8) -
                                                x.B * x.S * d_model * x.a;
       }
       if (o.detail)
@@ -239,7 +239,7 @@ StageActivations stage_activations(const MemCtx& x) {
     const bool first = x.sp.first[size_t(st)], last = x.sp.last[size_t(st)];
     if (x.engine_tp) {  // the engine's final norm under TP; its vocabulary-parallel loss is fused (no logits kept)
       if (last) {
-        const double fn = engine_tp_final_norm_bytes(s, x.B * x.S / double(x.sh.cp), double(x.sh.tp), x.cb);
+        const double fn = engine_tp_final_norm_bytes(s, x.B * x.S / double(x.sh.cp), double(x.sh.tp), int64_t(x.g));
         out.bytes[size_t(st)] += fn;
         if (o.detail) out.mods[size_t(st)].by["norms"] += fn;
       }
@@ -306,7 +306,7 @@ void rank_state(const MemCtx& x, const RankParams& p, RankMemory& rm) {
   // The engine packs each MoE layer's local experts for its grouped GEMMs, padded to the kernels' tiles
   // (accounting.h engine_packed_expert_bytes); other recipes price expert_packed bytes per element.
   const double packed_layer =
-      rc.engine_buffers && x.c.model.is_moe() ? engine_packed_expert_bytes(x.c.model, l.ep, l.etp, x.cb) : 0.0;
+      rc.engine_buffers && x.c.model.is_moe() ? engine_packed_expert_bytes(x.c.model, l.ep, l.etp, int64_t(x.g)) : 0.0;
   // The routing bias, fp32 on every rank: the engine keeps one per MoE layer whatever the balancing; a GPU framework
   // (Megatron-Core's expert_bias buffer) under aux-free balancing alone.
   const double bias = 4.0 * (rc.engine_buffers ? double(p.moe_layers) * double(x.c.model.moe.n_routed_experts)
@@ -417,7 +417,6 @@ MemoryPlan plan_memory(const JobConfig& c, const Layout& l, const Hardware& h, c
            " must be >= 1 (the busiest rank's routed rows over the balanced count)");
   x.held = held_rows_factor(l, o);
   x.engine_tp = o.recipe.engine_buffers && l.tp > 1;
-  x.cb = c.training.compute_dtype == ComputeDtype::FP32 ? 4 : 2;
   const StageActivations sa = stage_activations(x);
   const Inflight inf = inflight(sp, sa.bytes);
 
