@@ -106,6 +106,18 @@ struct Part {
   double f = 0, i = 0, w = 0;
 };
 
+// Kernels the host issues per part of a layer (F, I, W), for the host-bound spans (plan/cost.h). Counted from the
+// op list below: a GEMM is one kernel per pass and FP8 adds its quantization kernels (two inputs in F, the output
+// gradient in I); a memory-bound pass is one kernel forward and one backward; the exceptions are named where
+// they are counted.
+struct Launches {
+  double f = 0, i = 0, w = 0;
+};
+// The router of a Megatron-Core MoE layer with its fused kernels (`--moe-router-fusion`): 31 kernels, from 72
+// unfused (Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, section 2.1.4). Counted once in the forward
+// and, an assumption, as many in the backward (autograd mirrors the element-wise chain).
+constexpr double kRouterKernels = 31;
+
 struct LayerCost {
   Part op[kNumPlanOps];           // compute by op group
   Part gemm, attn, mem, quant;    // the same compute by kind (the breakdown)
@@ -114,18 +126,53 @@ struct LayerCost {
   double cp_f = 0, cp_b = 0;      // exposed CP exchange
   double a2a = 0;                 // one dispatch + one combine
   double recompute = 0;           // forward work redone in backward
+  Launches launch;                // kernels the host issues
   double sum_f() const { double t = 0; for (const Part& p : op) t += p.f; return t; }
   double sum_i() const { double t = 0; for (const Part& p : op) t += p.i; return t; }
   double sum_w() const { double t = 0; for (const Part& p : op) t += p.w; return t; }
   // A GEMM: dgrad (I) and wgrad (W) repeat its FLOPs; FP8 quantizes the inputs in F and again in I.
-  void add_gemm(int o, const GemmCost& g) {
+  // `kernels`: how many GEMMs g stands for (the local experts, one cuBLAS call each).
+  void add_gemm(int o, const GemmCost& g, double kernels = 1) {
     op[o].f += g.t + g.quant, op[o].i += g.t + g.quant, op[o].w += g.t;
     gemm.f += g.t, gemm.i += g.t, gemm.w += g.t, quant.f += g.quant, quant.i += g.quant;
     flops_f += g.flops;
+    count_gemm(g.quant > 0, kernels);
+  }
+  void count_gemm(bool fp8, double kernels) {
+    launch.f += kernels * (fp8 ? 3 : 1), launch.i += kernels * (fp8 ? 2 : 1), launch.w += kernels;
   }
   // A memory-bound pass: its backward reads and writes about twice the bytes.
-  void add_mem(int o, double t) { op[o].f += t, op[o].i += 2 * t, mem.f += t, mem.i += 2 * t; }
+  void add_mem(int o, double t) {
+    op[o].f += t, op[o].i += 2 * t, mem.f += t, mem.i += 2 * t;
+    if (t > 0) launch.f += 1, launch.i += 1;
+  }
 };
+
+// The routed experts' two grouped GEMMs (gate_up, then down) over `local` experts of `te` tokens each.
+void add_routed_experts(const Ctx& x, LayerCost& lc, double te, double local, double Im, double d) {
+  double ef = 0, eb = 0;
+  const bool curves = x.h.grouped_split_eff(te, &ef, &eb);
+  for (int part = 0; part < 2; ++part) {  // gate_up, then down, one GEMM per local expert
+    const GemmCost g = part == 0 ? gemm(x, te, 2 * Im, d) : gemm(x, te, d, Im);
+    GemmCost all{local * g.t, local * g.quant, local * g.flops};
+    // Kernels: one GEMM per local expert (Megatron-Core's grouped GEMM is cuBLAS on several streams, one call per
+    // expert: the GB200 write-up above, section 1, item 3).
+    if (!curves) {
+      lc.add_gemm(kOpExperts, all, local);
+      continue;
+    }
+    lc.count_gemm(all.quant > 0, local);
+    // Measured grouped-GEMM curves (by tokens per expert) replace the per-expert GEMM estimate: the forward at
+    // its own efficiency, dgrad + wgrad (twice the FLOPs) at the backward's, split evenly between I and W.
+    const double rate = x.fp8 ? x.h.achievable_fp8 : x.h.achievable_bf16;
+    const double tf = std::max(all.flops / (rate * ef), x.h.kernel_overhead);
+    const double tb = std::max(2 * all.flops / (rate * eb), 2 * x.h.kernel_overhead);
+    Part& p = lc.op[kOpExperts];
+    p.f += tf + all.quant, p.i += tb / 2 + all.quant, p.w += tb / 2;
+    lc.gemm.f += tf, lc.gemm.i += tb / 2, lc.gemm.w += tb / 2, lc.quant.f += all.quant, lc.quant.i += all.quant;
+    lc.flops_f += all.flops;
+  }
+}
 
 LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec& ac) {
   const ModelSpec& s = x.c.model;
@@ -160,10 +207,12 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     lc.op[kOpAttnCore].f += attn_fwd, lc.op[kOpAttnCore].i += 2 * attn_fwd;
     lc.attn.f += attn_fwd, lc.attn.i += 2 * attn_fwd;
     lc.flops_f += attn_flops;
+    lc.launch.f += 1, lc.launch.i += 2;  // the fused kernel; its backward with the row-sum preprocess
   } else {
     const UnfusedAttnCost u = unfused_attention(x);
-    lc.add_gemm(kOpAttnCore, u.gemm);
+    lc.add_gemm(kOpAttnCore, u.gemm, 2);  // QK^T and PV, one batched GEMM each
     lc.op[kOpAttnCore].f += u.mem_f, lc.op[kOpAttnCore].i += u.mem_b;
+    lc.launch.f += s.dropout > 0 ? 2 : 1, lc.launch.i += s.dropout > 0 ? 2 : 1;  // softmax (+ dropout)
     lc.mem.f += u.mem_f, lc.mem.i += u.mem_b;
     attn_fwd = u.gemm.t + u.mem_f;
   }
@@ -193,29 +242,14 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     const double local = E / double(l.ep);
     const double te = R / local;  // tokens per local expert
     cur = kOpRouter;
+    const Launches before = lc.launch;
     G(T / x.q, E, d);             // router
     lc.add_mem(kOpRouter, membound(x, T / x.q * E * 4 * 3));  // softmax / top-k over fp32 scores
-    double ef = 0, eb = 0;
-    const bool curves = x.h.grouped_split_eff(te, &ef, &eb);
-    for (int part = 0; part < 2; ++part) {  // gate_up, then down, one GEMM per local expert
-      const GemmCost g = part == 0 ? gemm(x, te, 2 * Im, d) : gemm(x, te, d, Im);
-      GemmCost all{local * g.t, local * g.quant, local * g.flops};
-      if (!curves) {
-        lc.add_gemm(kOpExperts, all);
-        continue;
-      }
-      // Measured grouped-GEMM curves (by tokens per expert) replace the per-expert GEMM estimate: the forward at
-      // its own efficiency, dgrad + wgrad (twice the FLOPs) at the backward's, split evenly between I and W.
-      const double rate = x.fp8 ? x.h.achievable_fp8 : x.h.achievable_bf16;
-      const double tf = std::max(all.flops / (rate * ef), x.h.kernel_overhead);
-      const double tb = std::max(2 * all.flops / (rate * eb), 2 * x.h.kernel_overhead);
-      Part& p = lc.op[kOpExperts];
-      p.f += tf + all.quant, p.i += tb / 2 + all.quant, p.w += tb / 2;
-      lc.gemm.f += tf, lc.gemm.i += tb / 2, lc.gemm.w += tb / 2, lc.quant.f += all.quant, lc.quant.i += all.quant;
-      lc.flops_f += all.flops;
-    }
+    lc.launch = before, lc.launch.f += kRouterKernels, lc.launch.i += kRouterKernels;
+    add_routed_experts(x, lc, te, local, Im, d);
     exp_act_bytes = 3 * Im * 2 * R;
     lc.add_mem(kOpPermute, membound(x, 2 * 2 * R * d * ab));  // permute and unpermute (read + write each)
+    lc.launch.f += 1, lc.launch.i += 1;                        // two kernels, counted once above
     if (m.n_shared_experts > 0) {
       cur = kOpFfn;
       const double Is = double(m.n_shared_experts * m.moe_inter_size) / tp;
@@ -236,6 +270,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
         return all_to_all_hierarchical(x.h, bytes, m.topk, npt, g);
       };
       lc.a2a = a2a(row_in) + a2a(d * ab);
+      lc.launch.f += 2, lc.launch.i += 2;  // dispatch and combine
     }
   }
   // The branches count SwiGLU bytes at 2 per element; the recipe's activations may be wider.
@@ -252,6 +287,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     const double one = l.sp ? 2 * (all_gather(x.h, bytes, g) + reduce_scatter(x.h, bytes, g))
                             : 2 * all_reduce(x.h, bytes, g);
     lc.tp_f = one, lc.tp_b = one;
+    lc.launch.f += l.sp ? 4 : 2, lc.launch.i += l.sp ? 4 : 2;
   }
   // CP: the ring passes K and V (backward also dK, dV) around cp ranks, overlapped with the core attention.
   if (l.cp > 1) {
@@ -264,7 +300,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   }
   // Recompute in backward.
   if (ac.applies_to(layer)) {
-    if (ac.mode == AcMode::Full) lc.recompute = lc.sum_f() + lc.tp_f;
+    if (ac.mode == AcMode::Full) lc.recompute = lc.sum_f() + lc.tp_f, lc.launch.i += lc.launch.f;
     else if (ac.mode == AcMode::Selective) {
       if (ac.has_module("attention_core")) lc.recompute += attn_fwd;
       if (ac.has_module("moe_act")) lc.recompute += membound(x, (act_bytes + exp_act_bytes) * ab / 2);
@@ -353,6 +389,15 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
   for (int st = 0; st < n_stages; ++st) {
     StageTime& t = out[size_t(st)];
     int moe_a2a_layers = 0;
+    // Host-bound spans (plan/cost.h): a forward span ends at each MoE layer's device-host synchronization (the
+    // tokens per expert); the backward, which has none, is one span. A span costs the slower of the GPU's work and
+    // the host's kernel issue: the host's excess is exposed.
+    const double hl = h.host_launch;
+    // sync_free sizes its buffers from a bound and never reads the counts back (Primus-Turbo's sync-free MoE: seed
+    // 001, "Sync-Free MoE"): its MoE layers end no span.
+    const bool syncs = c.parallelism.ep_dispatcher != EpDispatcher::SyncFree;
+    double span_gpu = 0, span_host = 0, bwd_gpu = 0, bwd_host = 0, host_f = 0;
+    auto close_span = [&] { host_f += std::max(0.0, span_host - span_gpu), span_gpu = span_host = 0; };
     for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool on, int count) {
       const int km = moe ? 1 : 0, kr = on ? 1 : 0;
       if (!have[km][kr]) cache[km][kr] = layer_cost(x, layer, ac), have[km][kr] = true;
@@ -372,7 +417,18 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
       t.recompute += n * lc.recompute;
       t.tp_comm += n * (lc.tp_f + lc.tp_b), t.cp_comm += n * (lc.cp_f + lc.cp_b);
       t.flops += n * 3 * lc.flops_f;
+      if (hl > 0) {
+        const double gf = lc.sum_f() + lc.tp_f + lc.cp_f + lc.a2a, hf = lc.launch.f * hl;
+        span_gpu += gf, span_host += hf;
+        if (moe && syncs) close_span(), host_f += (n - 1) * std::max(0.0, hf - gf);
+        else span_gpu += (n - 1) * gf, span_host += (n - 1) * hf;
+        bwd_gpu += n * (lc.sum_i() + lc.sum_w() + lc.tp_b + lc.cp_b + lc.recompute + lc.a2a);
+        bwd_host += n * (lc.launch.i + lc.launch.w) * hl;
+      }
     });
+    close_span();
+    t.host_f = host_f, t.host_b = std::max(0.0, bwd_host - bwd_gpu);
+    t.f += t.host_f, t.i += t.host_b;
     t.n_a2a = std::max(1, 2 * moe_a2a_layers);
     if (sp.last[size_t(st)]) {  // the head GEMM and the loss (fused: one pass over the logits chunks)
       const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
@@ -675,6 +731,7 @@ void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr,
       tp.ops_f[size_t(k)] += x.op_f[size_t(k)] * double(m), tp.ops_b[size_t(k)] += x.op_b[size_t(k)] * double(m);
     sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
     sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
+    sum.host_f += x.host_f, sum.host_b += x.host_b;
   }
   const double mm = double(m);
   auto& b = tp.breakdown;
@@ -685,6 +742,7 @@ void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr,
   b["compute.recompute"] = sum.recompute * mm;
   b["comm.tp"] = sum.tp_comm * mm;
   b["comm.cp"] = sum.cp_comm * mm;
+  b["host.exposed"] = (sum.host_f + sum.host_b) * mm;
   // Exposed EP: what the timed replay charged this rank beyond compute (under ep_overlap the unpaired warm-up
   // forwards and cool-down backwards, and each fused pair's exchange beyond its compute).
   b["comm.ep"] = pr.a2a_exposed[size_t(worst)];

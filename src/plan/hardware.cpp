@@ -46,6 +46,8 @@ constexpr Key kTop[] = {
     {"achievable_bf16_tflops", Kind::Number, kT, true, "measured large-GEMM BF16 rate, TFLOPS"},
     {"achievable_fp8_tflops", Kind::Number, kT, false, "measured large-GEMM FP8 rate, TFLOPS"},
     {"kernel_overhead_us", Kind::Number, kUs, false, "per-kernel floor, microseconds"},
+    {"host_launch_us", Kind::Number, kUs, false,
+     "host time to issue one kernel from the training framework, microseconds (0 = the host always runs ahead)"},
     {"attention_efficiency", Kind::Number, 1, false, "fused attention's rate as a fraction of achievable_bf16"},
     {"gemm_efficiency", Kind::Curve, 1, false, "[[min_dim, eff], ...] fraction of the achievable rate"},
     {"grouped_gemm_efficiency", Kind::Curve, 1, false,
@@ -175,6 +177,7 @@ double* number_field(Hardware& h, std::string_view key) {
   if (key == "achievable_bf16_tflops") return &h.achievable_bf16;
   if (key == "achievable_fp8_tflops") return &h.achievable_fp8;
   if (key == "kernel_overhead_us") return &h.kernel_overhead;
+  if (key == "host_launch_us") return &h.host_launch;
   if (key == "attention_efficiency") return &h.attention_efficiency;
   if (key == "loss_efficiency") return &h.loss_efficiency;
   if (key == "elementwise_bw_gbps") return &h.elementwise_bw;
@@ -453,6 +456,7 @@ std::string hardware_to_toml(const Hardware& h) {
   num("achievable_fp8_tflops", h.achievable_fp8, kT);
   num("kernel_overhead_us", h.kernel_overhead, kUs);
   num("attention_efficiency", h.attention_efficiency, 1);
+  if (h.host_launch > 0) num("host_launch_us", h.host_launch, kUs);
   // The measured per-op figures only when set (0 means "not measured": the cost model's generic pricing).
   if (h.loss_efficiency > 0) num("loss_efficiency", h.loss_efficiency, 1);
   if (h.elementwise_bw > 0) num("elementwise_bw_gbps", h.elementwise_bw, kGB);
@@ -504,6 +508,7 @@ void validate_hardware(const Hardware& h, std::string_view source) {
     c.fail("achievable_fp8_tflops", h.achievable_fp8 / kT,
            "must be <= peak_fp8_tflops = " + shortest(h.peak_fp8 / kT));
   c.non_negative("kernel_overhead_us", h.kernel_overhead, kUs);
+  c.non_negative("host_launch_us", h.host_launch, kUs);
   if (!(h.attention_efficiency > 0 && h.attention_efficiency <= 1))
     c.fail("attention_efficiency", h.attention_efficiency, "must lie in (0, 1]");
   if (!(h.loss_efficiency >= 0 && h.loss_efficiency <= 1))

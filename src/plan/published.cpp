@@ -365,6 +365,7 @@ PublishedResult project_row(const PublishedRow& r, const std::string& configs_di
       else if (k == "comm.ep") o.ep += v;
       else if (k == "comm.dp_exposed") o.dp += v;
       else if (k == "bubble_and_p2p") o.bubble += v;
+      else if (k == "host.exposed") o.host += v;
       else o.other += v;
     }
   } catch (const std::exception& e) {
@@ -439,7 +440,7 @@ std::string format_published(const std::vector<PublishedResult>& rs, const std::
   std::ostringstream os;
   os << "# published MoE runs: projected with plan time (megatron recipe, ep_imbalance 1); error = projected / "
         "measured - 1\n";
-  os << "# step split: % of the projected step (compute, exposed TP/CP, exposed EP, exposed DP, bubble+P2P, other)\n";
+  os << "# step split: % of the projected step (compute, exposed TP/CP, exposed EP, exposed DP, bubble+P2P, host, other)\n";
   for (const auto& r : rs) {
     os << r.id << " [" << r.split << "] " << r.publisher << " | " << r.model << " | " << r.hardware << " x" << r.world
        << " | " << r.precision;
@@ -450,7 +451,8 @@ std::string format_published(const std::vector<PublishedResult>& rs, const std::
       if (r.compared) os << " | error " << fmt("%+.1f%%", 100 * r.error);
       os << " | memory " << r.memory << " | step " << fmt("%.3f", r.step_s) << " s: compute " << pct(r.compute, r.step_s) << ", tp/cp "
          << pct(r.tp_cp, r.step_s) << ", ep " << pct(r.ep, r.step_s) << ", dp " << pct(r.dp, r.step_s)
-         << ", bubble " << pct(r.bubble, r.step_s) << ", other " << pct(r.other, r.step_s);
+         << ", bubble " << pct(r.bubble, r.step_s) << ", host " << pct(r.host, r.step_s)
+         << ", other " << pct(r.other, r.step_s);
     }
     if (!r.compared) os << " | " << r.status;
     os << "\n";
@@ -474,7 +476,8 @@ nlohmann::json published_json(const std::vector<PublishedResult>& rs, const std:
       x["projected_tokens_per_s_per_gpu"] = r.projected_tps;
       x["step_time_s"] = r.step_s;
       x["step_split_s"] = {{"compute", r.compute}, {"tp_cp_exposed", r.tp_cp}, {"ep_exposed", r.ep},
-                           {"dp_exposed", r.dp},   {"bubble_and_p2p", r.bubble}, {"other", r.other}};
+                           {"dp_exposed", r.dp},   {"bubble_and_p2p", r.bubble}, {"host", r.host},
+                           {"other", r.other}};
     }
     if (r.compared) x["error"] = r.error;
     j["rows"].push_back(x);

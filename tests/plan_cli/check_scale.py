@@ -44,7 +44,13 @@ def layout_flags(layout):
              f"--parallelism.pp_virtual_stages={kv.get('vpp', 1)}",
              f"--training.micro_batch_size={kv['mbs']}",
              f"--training.global_batch_size={kv['mbs'] * kv['m'] * kv['dp']}",
-             f"--activation_checkpoint.mode={kv.get('ac', 'none')}"]
+             ]
+    # ac=none | full | selective(attention_core,moe_act,...): the mode, and the modules when selective
+    ac = re.fullmatch(r"(\w+)(?:\(([\w,]*)\))?", kv.get("ac", "none"))
+    flags.append(f"--activation_checkpoint.mode={ac.group(1)}")
+    if ac.group(2) is not None:
+        mods = ",".join(f'"{x}"' for x in ac.group(2).split(",") if x)
+        flags.append(f"--activation_checkpoint.modules=[{mods}]")
     if "+a2a_overlap" in sched:
         flags.append("--parallelism.ep_overlap=true")
     if "etp" in kv:

@@ -4,6 +4,10 @@
 // communication a layer exposes, and the EP all-to-all per MoE layer; the timed schedule simulator replays the
 // pipeline with these durations (the EP exchange hides in FB actions under ep_overlap); then the data-parallel
 // gradient / parameter collectives with the overlap each layout allows, and the optimizer step.
+// Host-bound spans: a training framework issues every kernel from the host; the host runs ahead of the GPU except
+// after a device-host synchronization, which an MoE layer's forward has once (the tokens per expert are read back
+// to size the grouped GEMMs and the all-to-all; not under the sync_free dispatcher). Between synchronizations a span costs the slower of the GPU's work
+// and the host's issue time (kernels x Hardware::host_launch); the excess is StageTime::host_f / host_b.
 // Not a memory model (plan/memory.h) and not a search (plan/search.h).
 #pragma once
 #include <array>
@@ -43,6 +47,7 @@ struct StageTime {
   int n_a2a = 1;  // exchanges per chunk and direction: dispatch and combine of each MoE layer (at least 1)
   double gemm = 0, attention = 0, memory_bound = 0, quantize = 0, recompute = 0;  // compute parts (f+i+w)
   double tp_comm = 0, cp_comm = 0;  // exposed, included in f / i
+  double host_f = 0, host_b = 0;    // exposed host kernel issue (Hardware::host_launch), included in f / i
   double flops = 0;               // hardware FLOPs of F+B (incl. recompute)
   OpSeconds op_f{}, op_b{};       // compute by op group: forward, backward (I + W); recompute apart
 };

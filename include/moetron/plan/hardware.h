@@ -55,6 +55,9 @@ struct Hardware {
   // the achievable rate). Empty = each expert priced as its own GEMM through gemm_efficiency.
   std::vector<EffPoint> grouped_gemm_efficiency;
   double kernel_overhead = 0;  // seconds per kernel launch (a floor under every op)
+  // Seconds the host spends issuing one kernel (framework code + launch). It is exposed only where the host cannot
+  // run ahead of the GPU: after a device-host synchronization (plan/cost.h, "Host-bound spans"). 0 = never exposed.
+  double host_launch = 0;
   double attention_efficiency = 1;  // fused (flash) attention's FLOP rate as a fraction of achievable_bf16
   // Measured per-op figures (`plan calibrate` writes them for this machine; the catalog has none). Each one, when
   // set, replaces the generic pricing of its op; unset (empty / 0), the op is priced from the rates above.

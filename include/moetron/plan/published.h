@@ -69,8 +69,8 @@ struct PublishedResult {
   double projected_tps = 0;  // tokens/s/GPU
   double error = 0;        // projected / measured - 1 (compared rows)
   // The projected step: seconds, and its split (plan_time's breakdown grouped): compute (compute.*), exposed TP /
-  // CP, exposed EP, exposed DP, bubble (with P2P), other (optimizer, weight refresh, anything else).
-  double step_s = 0, compute = 0, tp_cp = 0, ep = 0, dp = 0, bubble = 0, other = 0;
+  // CP, exposed EP, exposed DP, bubble (with P2P), exposed host kernel issue, other (optimizer, weight refresh).
+  double step_s = 0, compute = 0, tp_cp = 0, ep = 0, dp = 0, bubble = 0, host = 0, other = 0;
 };
 // `configs_dir` holds the presets. Never throws for a row the planner refuses: the reason goes into status.
 PublishedResult project_row(const PublishedRow& r, const std::string& configs_dir);
