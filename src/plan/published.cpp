@@ -316,6 +316,19 @@ RowMapping map_row(const PublishedRow& r) {
     ac = {"--activation_checkpoint.mode=selective", "--activation_checkpoint.modules=[" + mods + "]"};
   }
 
+  // The EP dispatcher and the 1F1B all-to-all overlap, when the publisher states them (the optional `dispatcher` and
+  // `ep_overlap` columns): DeepEP -> hierarchical (each token crosses to a node once, then NVLink: moetron's
+  // node-deduplicated dispatcher), A2A / alltoall -> alltoall; ep_overlap yes -> parallelism.ep_overlap. Empty = not
+  // stated (the preset's); any other value is not guessed.
+  std::vector<std::string> ep_keys;
+  const std::string disp = lower(r.get("dispatcher"));
+  if (disp == "deepep") ep_keys.push_back("--parallelism.ep_dispatcher=hierarchical");
+  else if (disp == "a2a" || disp == "alltoall") ep_keys.push_back("--parallelism.ep_dispatcher=alltoall");
+  else if (!disp.empty()) return refuse("dispatcher '" + r.get("dispatcher") + "' has no planner counterpart");
+  const std::string ovl = lower(r.get("ep_overlap"));
+  if (ovl == "yes") ep_keys.push_back("--parallelism.ep_overlap=true");
+  else if (!ovl.empty() && ovl != "no") return refuse("ep_overlap '" + r.get("ep_overlap") + "' is neither yes nor no");
+
   auto kv = [](const char* k, int64_t v) { return std::string("--") + k + "=" + std::to_string(v); };
   m.overrides = {kv("parallelism.tp", tp), kv("parallelism.pp", pp), kv("parallelism.ep", ep),
                  kv("parallelism.cp", cp), kv("parallelism.expert_tp", etp),
@@ -326,6 +339,7 @@ RowMapping map_row(const PublishedRow& r) {
   for (auto& s : z) m.overrides.push_back(s);
   for (auto& s : q) m.overrides.push_back(s);
   for (auto& s : ac) m.overrides.push_back(s);
+  for (auto& s : ep_keys) m.overrides.push_back(s);
   m.tokens_per_step = seqs * seq;
   m.ok = true;
   return m;

@@ -218,6 +218,33 @@ TEST(PlanPublished, StatedRecomputeMapsOntoActivationCheckpointing) {
   for (const auto& o : map_row(r).overrides) EXPECT_EQ(o.find("activation_checkpoint"), std::string::npos) << o;
 }
 
+// The dispatcher and the 1F1B all-to-all overlap the publisher states map onto the planner's keys; a value it has
+// no counterpart for refuses the row by name; empty = not stated (the preset's).
+TEST(PlanPublished, StatedDispatcherAndOverlapMapOntoTheLayout) {
+  PublishedRow r = ds_h100();
+  r.f["dispatcher"] = "DeepEP";
+  r.f["ep_overlap"] = "yes";
+  RowMapping m = map_row(r);
+  ASSERT_TRUE(m.ok) << m.reason;
+  EXPECT_TRUE(has(m.overrides, "--parallelism.ep_dispatcher=hierarchical"));
+  EXPECT_TRUE(has(m.overrides, "--parallelism.ep_overlap=true"));
+  const JobConfig c = load_config(std::string(MOETRON_SOURCE_DIR) + "/configs/deepseek_v3.toml", m.overrides);
+  EXPECT_EQ(c.parallelism.ep_dispatcher, EpDispatcher::Hierarchical);
+  EXPECT_TRUE(c.parallelism.ep_overlap);
+  r.f["dispatcher"] = "A2A";
+  r.f["ep_overlap"] = "";
+  m = map_row(r);
+  EXPECT_TRUE(has(m.overrides, "--parallelism.ep_dispatcher=alltoall"));
+  for (const auto& o : m.overrides) EXPECT_EQ(o.find("ep_overlap"), std::string::npos) << o;
+  r.f["dispatcher"] = "HybridEP";
+  EXPECT_EQ(map_row(r).reason, "not projected: dispatcher 'HybridEP' has no planner counterpart");
+  r.f["dispatcher"] = "";
+  r.f["ep_overlap"] = "maybe";
+  EXPECT_EQ(map_row(r).reason, "not projected: ep_overlap 'maybe' is neither yes nor no");
+  r.f["ep_overlap"] = "";
+  for (const auto& o : map_row(r).overrides) EXPECT_EQ(o.find("ep_dispatcher"), std::string::npos) << o;
+}
+
 TEST(PlanPublished, SplitMedianAndWorst) {
   std::vector<PublishedResult> rs(6);
   const double errs[] = {0.10, -0.40, 0.20, -0.05, 0.30, 0.0};
