@@ -55,6 +55,7 @@ struct Round {
   std::vector<GemmRate> skinny;
   int64_t check_m = 0;
   double check_cold = 0, check_hot = 0;  // FLOP/s
+  double fp32_cube = 0;                  // FLOP/s of the reference cube in fp32 (gemm_f32: Muon's Newton-Schulz)
 
   std::vector<GroupedTime> grouped;      // ascending tokens per expert
   double kernel_overhead_s = 0;          // the smallest GEMM (8 x 8 x 8)

@@ -37,4 +37,16 @@ struct MuonLayerNumel {
 };
 MuonLayerNumel muon_layer_numel(const ModelSpec& spec, int64_t layer);
 
+// The logical matrices Muon orthogonalizes in one decoder layer (whole, before any TP slicing): `count` matrices of
+// rows x cols each, by the MuonLayerNumel kind they count under (muon_layer_numel sums these). wqkv's q, k and v and
+// w13's gate and up are separate matrices, as muon_matrices splits them.
+struct MuonShape {
+  enum class Kind { Sliced, Replicated, Experts } kind = Kind::Sliced;
+  int64_t count = 0, rows = 0, cols = 0;
+};
+std::vector<MuonShape> muon_layer_matrices(const ModelSpec& spec, int64_t layer);
+// FLOPs of `steps` Newton-Schulz iterations on one rows x cols matrix (muon.h's three GEMMs an iteration, on the
+// m x n orientation with m = min: A = X X^T, 2 m^2 n; B = b A + c A A, 2 m^3; X' = a X + B X, 2 m^2 n).
+double newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps);
+
 }  // namespace moetron

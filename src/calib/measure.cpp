@@ -461,6 +461,7 @@ Round measure_round(const Comm& w, bool quick) {
   r.big = quick ? 512 : 1024;
   auto ref = [&] { r.reference.push_back(gemm_rate(tm, dt, r.big, r.big, r.big, reps)); };
   ref();
+  r.fp32_cube = gemm_rate(tm, ComputeDtype::FP32, r.big, r.big, r.big, reps);
   measure_gemms(tm, dt, reps, r);
   ref();
   measure_grouped(tm, dt, quick, reps, r);

@@ -2,6 +2,7 @@
 // names of model_param_layout and the ModelSpec. Not the trainer's Muon state and not the kernels.
 #include "moetron/muon_params.h"
 
+#include <algorithm>
 #include <string>
 
 #include "moetron/check.h"
@@ -40,30 +41,50 @@ MuonMatrices muon_matrices(const ModelSpec& spec, std::string_view name, const s
   return m;
 }
 
-MuonLayerNumel muon_layer_numel(const ModelSpec& spec, int64_t layer) {
+std::vector<MuonShape> muon_layer_matrices(const ModelSpec& spec, int64_t layer) {
   ModelSpec s = spec;
   s.resolve();
-  MT_CHECK(layer >= 0 && layer < s.n_layers, "muon_layer_numel", "layer ", layer, " of ", s.n_layers);
-  MuonLayerNumel n;
+  MT_CHECK(layer >= 0 && layer < s.n_layers, "muon_layer_matrices", "layer ", layer, " of ", s.n_layers);
+  using K = MuonShape::Kind;
+  std::vector<MuonShape> out;
+  auto add = [&](K kind, int64_t count, int64_t rows, int64_t cols) {
+    if (count > 0 && rows > 0 && cols > 0) out.push_back({kind, count, rows, cols});
+  };
   const auto& a = s.attn;
   const int64_t d = s.d_model, H = a.n_heads;
   if (a.type != AttnType::MLA) {
-    n.sliced += d * (H + 2 * a.kv_heads()) * a.head_dim + H * a.head_dim * d;  // wqkv, wo
+    add(K::Sliced, 1, d, H * a.head_dim), add(K::Sliced, 2, d, a.kv_heads() * a.head_dim);  // wqkv: q, k, v
+    add(K::Sliced, 1, H * a.head_dim, d);                                                     // wo
   } else {
     const int64_t dqk = a.qk_head_dim();
-    if (a.q_lora_rank > 0) n.replicated += d * a.q_lora_rank, n.sliced += a.q_lora_rank * H * dqk;  // wdq, wuq
-    else n.sliced += d * H * dqk;                                                                   // wq
-    n.replicated += d * a.kv_lora_rank + d * a.qk_rope_head_dim;                                    // wdkv, wkr
-    n.sliced += a.kv_lora_rank * H * (a.qk_nope_head_dim + a.v_head_dim) + H * a.v_head_dim * d;    // wukv, wo
+    if (a.q_lora_rank > 0) add(K::Replicated, 1, d, a.q_lora_rank), add(K::Sliced, 1, a.q_lora_rank, H * dqk);
+    else add(K::Sliced, 1, d, H * dqk);                                         // wdq, wuq / wq
+    add(K::Replicated, 1, d, a.kv_lora_rank), add(K::Replicated, 1, d, a.qk_rope_head_dim);  // wdkv, wkr
+    add(K::Sliced, 1, a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim));             // wukv
+    add(K::Sliced, 1, H * a.v_head_dim, d);                                                  // wo
   }
   if (!s.is_moe_layer(layer)) {
-    n.sliced += (s.ffn == FfnKind::GELU ? 2 : 3) * d * s.inter_size;
+    add(K::Sliced, s.ffn == FfnKind::GELU ? 1 : 2, d, s.inter_size), add(K::Sliced, 1, s.inter_size, d);
   } else {
-    const int64_t per = 3 * d * s.moe.moe_inter_size;
-    n.sliced += s.moe.n_shared_experts * per;
-    n.experts += s.moe.n_routed_experts * per;
+    const int64_t Fe = s.moe.moe_inter_size, Fs = s.moe.n_shared_experts * Fe, E = s.moe.n_routed_experts;
+    add(K::Sliced, 2, d, Fs), add(K::Sliced, 1, Fs, d);                  // shared experts: gate, up; down
+    add(K::Experts, 2 * E, d, Fe), add(K::Experts, E, Fe, d);            // each routed expert's gate, up; down
+  }
+  return out;
+}
+
+MuonLayerNumel muon_layer_numel(const ModelSpec& spec, int64_t layer) {
+  MuonLayerNumel n;
+  for (const MuonShape& m : muon_layer_matrices(spec, layer)) {
+    const int64_t e = m.count * m.rows * m.cols;
+    (m.kind == MuonShape::Kind::Sliced ? n.sliced : m.kind == MuonShape::Kind::Replicated ? n.replicated : n.experts) += e;
   }
   return n;
+}
+
+double newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
+  const double m = double(std::min(rows, cols)), n = double(std::max(rows, cols));
+  return double(steps) * (4 * m * m * n + 2 * m * m * m);
 }
 
 }  // namespace moetron

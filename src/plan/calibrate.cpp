@@ -46,6 +46,7 @@ void compute_fractions(const calib::Round& r, double r_ref, Hardware& h) {
     h.attention_efficiency = eff;
   }
   h.loss_efficiency = r.loss_flops / r.loss_s / r_ref;
+  h.achievable_fp32 = r.fp32_cube;
 }
 
 // The memory-bound kernels' rate: the bytes the cost model counts for them (backward twice the forward) over the
@@ -118,7 +119,7 @@ void message_tiers(const calib::Round& r, Hardware& h) {
 // The source of every figure written.
 void set_sources(const calib::Round& r, const std::string& when, Hardware& h) {
   for (const char* k : {"hbm_gb", "hbm_bw_gbps", "hbm_efficiency", "peak_bf16_tflops", "achievable_bf16_tflops",
-                        "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "grouped_gemm_fwd_efficiency",
+                        "achievable_fp32_tflops", "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "grouped_gemm_fwd_efficiency",
                         "grouped_gemm_bwd_efficiency", "loss_efficiency", "elementwise_bw_gbps",
                         "optimizer_ns_per_param", "grad_norm_ns_per_param", "expert_pack_ns_per_param",
                         "attention_seq_efficiency", "scale_up.domain", "scale_up.bw_gbps", "scale_up.alpha_us",
@@ -208,7 +209,7 @@ Hardware combine_rounds(const std::vector<Hardware>& r) {
   };
   using H = Hardware;
   for (double H::*f : {&H::hbm_bw, &H::kernel_overhead, &H::elementwise_bw, &H::optimizer_per_param,
-                       &H::grad_norm_per_param, &H::expert_pack_per_param})
+                       &H::grad_norm_per_param, &H::expert_pack_per_param, &H::achievable_fp32})
     h.*f = med([&](const H& x) { return x.*f; });
   for (Tier H::*t : {&H::scale_up, &H::scale_out}) {
     (h.*t).bw = med([&](const H& x) { return (x.*t).bw; });

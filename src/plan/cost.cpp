@@ -13,6 +13,7 @@
 #include "moetron/check.h"
 #include "moetron/plan/comm_model.h"
 #include "moetron/plan/pipeline.h"
+#include "cost_rank.h"
 
 namespace moetron::plan {
 
@@ -684,35 +685,6 @@ DpCost dp_rank(const Layout& l, const Hardware& h, const TimeOptions& o, const S
   return dc;
 }
 
-// Optimizer of one rank: zero the gradient buffer once per step (write what the rank holds); the gradient norm
-// (read the gradients: the shard under a distributed optimizer or FSDP, every local one in the engine without
-// FSDP); AdamW over the shard (read and write parameters, main parameters and moments, read gradients), at the
-// measured per-element rate when the hardware file has one.
-double optimizer_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
-  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
-  const double bw = h.stream_bw();
-  const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
-  const double adamw = h.optimizer_per_param > 0 ? rm.optimizer_elements * h.optimizer_per_param
-                                                 : rm.optimizer_elements * per_elem / bw;
-  const double norm_elems = rc.engine_buffers && l.zero < 3 ? Pd + Pe : rm.optimizer_elements;
-  const double norm = h.grad_norm_per_param > 0 ? norm_elems * h.grad_norm_per_param : norm_elems * rc.grad / bw;
-  return rm.grads / bw + norm + adamw;
-}
-
-// Weight refresh of one rank (the engine's convention; a bf16 GPU recipe has none): every local weight's compute
-// copy (read the master, write the copy) and the routed experts' packed GEMM layouts, once per step; under FSDP
-// each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward).
-double refresh_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
-  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
-  const double bw = h.stream_bw();
-  const double copy = rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) / bw : 0.0;
-  const double pack = rc.expert_packed <= 0 ? 0.0
-                      : h.expert_pack_per_param > 0
-                          ? Pe * h.expert_pack_per_param
-                          : Pe * (rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param)) / bw;
-  const double refreshes = l.zero == 3 ? 2.0 * double(l.microbatches) : 1.0;
-  return refreshes * (copy + pack);
-}
 
 // Breakdown: the slowest rank's compute parts per micro-batch times m, exposed EP, p2p and bubble the rest.
 void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr, TimePlan& tp) {
@@ -788,7 +760,8 @@ TimePlan plan_time_with(const JobConfig& c, const Layout& l, const Hardware& h, 
     const RankMemory& rm = mp.per_rank[size_t(r)];
     const DpCost dc = dp_rank(l, h, o, sp, tp, pr, rm, r);
     if (dc.exposed > tp.dp_exposed) tp.dp_exposed = dc.exposed, tp.dp_total = dc.total;
-    tp.optimizer = std::max(tp.optimizer, optimizer_rank(l, h, o.memory.recipe, rm));
+    tp.optimizer = std::max(tp.optimizer, optimizer_rank(l, h, o.memory.recipe, rm) +
+                                              newton_schulz_rank(c, l, h, o.memory.recipe, sp, r));
     tp.weight_refresh = std::max(tp.weight_refresh, refresh_rank(l, h, o.memory.recipe, rm));
   }
   tp.step_time = tp.pipeline_time + tp.dp_exposed + tp.optimizer + tp.weight_refresh;

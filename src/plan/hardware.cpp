@@ -45,6 +45,8 @@ constexpr Key kTop[] = {
     {"peak_fp8_tflops", Kind::Number, kT, false, "dense FP8 datasheet peak, TFLOPS (0 = no FP8)"},
     {"achievable_bf16_tflops", Kind::Number, kT, true, "measured large-GEMM BF16 rate, TFLOPS"},
     {"achievable_fp8_tflops", Kind::Number, kT, false, "measured large-GEMM FP8 rate, TFLOPS"},
+    {"achievable_fp32_tflops", Kind::Number, kT, false,
+     "measured large-GEMM FP32 rate through the engine's fp32 GEMM (Muon's Newton-Schulz), TFLOPS (0 = not measured)"},
     {"kernel_overhead_us", Kind::Number, kUs, false, "per-kernel floor, microseconds"},
     {"host_launch_us", Kind::Number, kUs, false,
      "host time to issue one kernel from the training framework, microseconds (0 = the host always runs ahead)"},
@@ -176,6 +178,7 @@ double* number_field(Hardware& h, std::string_view key) {
   if (key == "peak_fp8_tflops") return &h.peak_fp8;
   if (key == "achievable_bf16_tflops") return &h.achievable_bf16;
   if (key == "achievable_fp8_tflops") return &h.achievable_fp8;
+  if (key == "achievable_fp32_tflops") return &h.achievable_fp32;
   if (key == "kernel_overhead_us") return &h.kernel_overhead;
   if (key == "host_launch_us") return &h.host_launch;
   if (key == "attention_efficiency") return &h.attention_efficiency;
@@ -454,6 +457,7 @@ std::string hardware_to_toml(const Hardware& h) {
   num("peak_fp8_tflops", h.peak_fp8, kT);
   num("achievable_bf16_tflops", h.achievable_bf16, kT);
   num("achievable_fp8_tflops", h.achievable_fp8, kT);
+  if (h.achievable_fp32 > 0) num("achievable_fp32_tflops", h.achievable_fp32, kT);
   num("kernel_overhead_us", h.kernel_overhead, kUs);
   num("attention_efficiency", h.attention_efficiency, 1);
   if (h.host_launch > 0) num("host_launch_us", h.host_launch, kUs);
@@ -502,6 +506,7 @@ void validate_hardware(const Hardware& h, std::string_view source) {
            "must be <= peak_bf16_tflops = " + shortest(h.peak_bf16 / kT) + " (a measured rate, not above the peak)");
   c.non_negative("peak_fp8_tflops", h.peak_fp8, kT);
   c.non_negative("achievable_fp8_tflops", h.achievable_fp8, kT);
+  c.non_negative("achievable_fp32_tflops", h.achievable_fp32, kT);
   if (h.achievable_fp8 > 0 && !(h.peak_fp8 > 0))
     c.fail("peak_fp8_tflops", h.peak_fp8 / kT, "must be > 0 when achievable_fp8_tflops is set");
   if (h.achievable_fp8 > h.peak_fp8)

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 
@@ -81,6 +82,25 @@ TEST(MuonParams, MatricesOfEveryAttentionKind) {
   sel.ep = 2, sel.ep_rank = 1;
   for (const ParamEntry& e : model_param_layout(s, sel))
     if (e.expert) EXPECT_EQ(muon_matrices(s, e.name, e.shape).count, s.moe.n_routed_experts / 2) << e.name;
+}
+
+// The planner prices Newton-Schulz from muon_layer_matrices (the spec alone): per layer the same matrices, by
+// shape and count, as the trainer orthogonalizes from the parameter table (muon_matrices' column blocks).
+TEST(MuonParams, LayerMatricesAreTheTablesMatrices) {
+  for (const auto& extra : {std::vector<std::string>{}, kMla, kGqa}) {
+    const ModelSpec s = tiny("unused", extra).model;
+    std::vector<std::map<std::pair<int64_t, int64_t>, int64_t>> table(size_t(s.n_layers)), spec(size_t(s.n_layers));
+    for (const ParamEntry& e : model_param_layout(s)) {
+      const MuonMatrices mm = muon_matrices(s, e.name, e.shape);
+      if (!mm.muon()) continue;
+      for (int64_t seg : mm.col_segs) table[size_t(e.layer)][{mm.rows, seg}] += mm.count;
+    }
+    for (int64_t l = 0; l < s.n_layers; ++l)
+      for (const MuonShape& m : muon_layer_matrices(s, l)) spec[size_t(l)][{m.rows, m.cols}] += m.count;
+    for (int64_t l = 0; l < s.n_layers; ++l) EXPECT_EQ(spec[size_t(l)], table[size_t(l)]) << "layer " << l;
+  }
+  EXPECT_DOUBLE_EQ(newton_schulz_flops(3, 5, 2), 2.0 * (4 * 9 * 5 + 2 * 27));
+  EXPECT_DOUBLE_EQ(newton_schulz_flops(5, 3, 2), newton_schulz_flops(3, 5, 2));
 }
 
 TEST(MuonConfig, KeysAndRefusals) {

@@ -50,6 +50,9 @@ struct Hardware {
   double peak_fp8 = 0;      // dense FLOP/s, datasheet
   double achievable_bf16 = 0;  // FLOP/s measured on large GEMMs (not the datasheet peak)
   double achievable_fp8 = 0;
+  // FLOP/s of a large fp32 GEMM through the engine's own fp32 GEMM (what Muon's Newton-Schulz runs on in the engine);
+  // `plan calibrate` measures it, the GPU entries have none (0: the engine recipe then prices fp32 at achievable_bf16).
+  double achievable_fp32 = 0;
   std::vector<EffPoint> gemm_efficiency;  // by the GEMM's smallest dimension
   // The routed experts' grouped GEMMs, forward + dgrad + wgrad together, by tokens per expert (fraction of
   // the achievable rate). Empty = each expert priced as its own GEMM through gemm_efficiency.

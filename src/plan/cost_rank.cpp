@@ -1,0 +1,75 @@
+// cost_rank.cpp: the per-rank step-time terms of cost_rank.h (the optimizer, Muon's Newton-Schulz, the weight
+// refresh), each priced from the rank's memory projection and the hardware's rates. Not the pipeline.
+#include "cost_rank.h"
+
+#include <algorithm>
+
+#include "moetron/muon_params.h"
+
+namespace moetron::plan {
+
+// Optimizer of one rank: zero the gradient buffer once per step (write what the rank holds); the gradient norm
+// (read the gradients: the shard under a distributed optimizer or FSDP, every local one in the engine without
+// FSDP); AdamW over the shard (read and write parameters, main parameters and moments, read gradients), at the
+// measured per-element rate when the hardware file has one.
+double optimizer_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
+  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+  const double bw = h.stream_bw();
+  const double per_elem = 2 * (rc.param + rc.compute_copy) + 2 * rc.main + 4 * rc.moment + rc.grad;
+  const double adamw = h.optimizer_per_param > 0 ? rm.optimizer_elements * h.optimizer_per_param
+                                                 : rm.optimizer_elements * per_elem / bw;
+  const double norm_elems = rc.engine_buffers && l.zero < 3 ? Pd + Pe : rm.optimizer_elements;
+  const double norm = h.grad_norm_per_param > 0 ? norm_elems * h.grad_norm_per_param : norm_elems * rc.grad / bw;
+  return rm.grads / bw + norm + adamw;
+}
+
+// Muon's Newton-Schulz on one pipeline rank (optimizer.name = "muon"; muon_params.h, docs/optimizer.md): every
+// matrix of its stages' layers (the routed experts: its E / ep), three GEMMs an iteration priced on the GEMM curve.
+// Under a distributed optimizer or FSDP the matrices are spread over their shard group's ranks by owner (the
+// non-expert ones over dp x cp, or the zero-3 shard group; the experts over their expert-data-parallel group): the
+// average rank's share, so the busiest rank may own one matrix more. Without sharding every rank computes every
+// matrix it holds. The engine recipe runs it in fp32 through its own fp32 GEMM (achievable_fp32 when measured);
+// a GPU recipe in bf16. Under TP the sliced matrices' work is divided over the TP ranks (an assumption: the engine
+// refuses Muon with tp > 1).
+double newton_schulz_rank(const JobConfig& c, const Layout& l, const Hardware& h, const Recipe& rc,
+                          const StagePlan& sp, int r) {
+  if (!c.optimizer.muon()) return 0;
+  const bool fp32 = rc.engine_buffers && h.achievable_fp32 > 0;
+  auto rate = [&](double m, double n, double k) {
+    return fp32 ? h.achievable_fp32 * h.gemm_eff(std::min({m, n, k})) : h.gemm_rate(m, n, k, false);
+  };
+  const int64_t shard = l.zero == 3 && l.dp_shard > 0 ? l.dp_shard : l.dp;
+  const double dense_div = l.zero == 0 ? 1.0 : double(shard * l.cp);
+  const double expert_div = l.zero == 0 ? 1.0 : std::max(1.0, double(l.edp()) * double(shard) / double(l.dp));
+  const double steps = double(c.optimizer.muon_ns_steps);
+  double t = 0;
+  for (int st : sp.rank_stages[size_t(r)])
+    for (int layer : sp.stage_layers[size_t(st)])
+      for (const MuonShape& m : muon_layer_matrices(c.model, layer)) {
+        const double a = double(std::min(m.rows, m.cols)), b = double(std::max(m.rows, m.cols));
+        const double one = steps * (2 * a * a * b / rate(a, a, b) + 2 * a * a * a / rate(a, a, a) +
+                                    2 * a * b * a / rate(a, b, a));
+        const bool expert = m.kind == MuonShape::Kind::Experts;
+        const double count = expert ? double(m.count) / double(l.ep) : double(m.count);
+        const double div = expert ? expert_div : dense_div * (m.kind == MuonShape::Kind::Sliced ? double(l.tp) : 1.0);
+        t += count * one / div;
+      }
+  return t;
+}
+
+// Weight refresh of one rank (the engine's convention; a bf16 GPU recipe has none): every local weight's compute
+// copy (read the master, write the copy) and the routed experts' packed GEMM layouts, once per step; under FSDP
+// each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward).
+double refresh_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
+  const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
+  const double bw = h.stream_bw();
+  const double copy = rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) / bw : 0.0;
+  const double pack = rc.expert_packed <= 0 ? 0.0
+                      : h.expert_pack_per_param > 0
+                          ? Pe * h.expert_pack_per_param
+                          : Pe * (rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param)) / bw;
+  const double refreshes = l.zero == 3 ? 2.0 * double(l.microbatches) : 1.0;
+  return refreshes * (copy + pack);
+}
+
+}  // namespace moetron::plan
