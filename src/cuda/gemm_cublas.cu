@@ -1,7 +1,7 @@
 // gemm_cublas.cu: dense GEMMs through cuBLAS (cuda/gemm.h): bf16 x bf16 -> fp32 or bf16 with fp32 accumulation,
 // and pedantic fp32, row-major by computing C^T = op(B)^T op(A)^T in cuBLAS's column-major terms; one cuBLAS handle
 // per device; and the version-guarded cuBLAS grouped GEMM (CUDA >= 12.5) used as a comparison point.
-// Not our grouped kernel (grouped_gemm.cu).
+// Not our grouped kernel (grouped_gemm_wmma.cu).
 #include <cublas_v2.h>
 
 #include <mutex>

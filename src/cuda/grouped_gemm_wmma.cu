@@ -1,4 +1,4 @@
-// grouped_gemm.cu: the MoE expert GEMMs over all experts in one launch each (cuda/gemm.h), with the per-expert
+// grouped_gemm_wmma.cu: the MoE expert GEMMs over all experts in one launch each (cuda/gemm.h), with the per-expert
 // counts read on the device: a one-block kernel turns counts into row offsets and tile offsets, and each block of
 // the GEMM finds its expert by a binary search over the tile offsets; blocks past the last tile exit. The grid is
 // sized by the bound sum_e ceil(m_e / BM) <= ceil(M / BM) + E, so the host never reads the counts.
