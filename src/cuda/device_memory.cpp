@@ -13,6 +13,13 @@
 
 namespace moetron::cuda {
 
+// The names of memory.h's categories (mem_category_name lives in the engine, which this library sits below).
+static const char* category_name(MemCategory c) {
+  static const char* names[kNumMemCategories] = {"params", "grads", "optimizer", "activations", "comm", "workspace",
+                                                 "other"};
+  return int(c) < kNumMemCategories ? names[int(c)] : "?";
+}
+
 DeviceMemoryTracker& DeviceMemoryTracker::global() {
   static DeviceMemoryTracker t;
   return t;
@@ -53,7 +60,7 @@ void* device_alloc(size_t bytes, MemCategory c) {
     (void)cudaGetLastError();
     size_t free_b = 0, total_b = 0;
     (void)cudaMemGetInfo(&free_b, &total_b);
-    MT_FAIL("cuda", "cudaMalloc of ", bytes, " bytes (", mem_category_name(c), ") failed: ", cudaGetErrorName(e),
+    MT_FAIL("cuda", "cudaMalloc of ", bytes, " bytes (", category_name(c), ") failed: ", cudaGetErrorName(e),
             "; device has ", free_b, " of ", total_b, " bytes free");
   }
   DeviceMemoryTracker::global().on_alloc(c, int64_t(bytes));
@@ -131,7 +138,7 @@ void* DeviceArena::alloc(size_t bytes, size_t align) {
   MT_CHECK(align > 0 && (align & (align - 1)) == 0, "DeviceArena", "alignment ", align, " is not a power of two");
   size_t start = (used_ + align - 1) / align * align;
   MT_CHECK(start + bytes <= capacity_, "DeviceArena", "out of space: ", bytes, " bytes requested, ", capacity_ - used_,
-           " of ", capacity_, " left (", mem_category_name(cat_), ")");
+           " of ", capacity_, " left (", category_name(cat_), ")");
   used_ = start + bytes;
   peak_used_ = std::max(peak_used_, used_);
   DeviceMemoryTracker::global().on_alloc(cat_, int64_t(used_ - charged_));
