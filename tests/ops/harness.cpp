@@ -241,7 +241,7 @@ int main(int argc, char** argv) {
   }
   moetron::init_threads();
   std::printf("op_harness mode=%s %s\n", mode.c_str(), moetron::runtime_summary().c_str());
-  if (device == "cuda") {
+  if (device == "cuda" && !list) {  // --list names the CUDA cases without a GPU
     std::string why;
     if (moetron::cuda::device_count(&why) == 0) {
       std::printf("op_harness: --device cuda: %s\n", why.c_str());
