@@ -3,7 +3,8 @@
 # and build it (Release).
 # Usage: scripts/setup.sh            -> build/ with tests and benchmarks
 # Env:   BUILD_DIR (default build), MOETRON_SKIP_APT=1 to skip the package step, MOETRON_SKIP_NPM=1 to skip
-#        the npm step (web/: the plotting library of `moetron report`).
+#        the npm step (web/: the plotting library of `moetron report`), MOETRON_CUDA=ON|OFF (passed to CMake when
+#        set: the CUDA backend, docs/gpu.md; unset keeps the build directory's choice, OFF in a new one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenmpi-dev openmpi-bin
@@ -40,5 +41,11 @@ if [[ "${MOETRON_SKIP_NPM:-0}" != 1 ]] && ! cmp -s web/package-lock.json web/nod
   rm -f "$npm_log"
 fi
 BUILD_DIR=${BUILD_DIR:-build}
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake_log=$(mktemp)
+if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${MOETRON_CUDA:+-DMOETRON_CUDA=$MOETRON_CUDA} \
+    >"$cmake_log" 2>&1; then
+  cat "$cmake_log"; rm -f "$cmake_log"; exit 1
+fi
+grep -E '^-- moetron: CUDA backend' "$cmake_log" || true  # which: ON (with nvcc's version) or OFF
+rm -f "$cmake_log"
 cmake --build "$BUILD_DIR" -j "$(nproc)"

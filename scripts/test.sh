@@ -3,6 +3,17 @@
 # The last lines are CTest's summary ("N% tests passed, N tests failed out of N").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The CUDA backend is compiled whenever an nvcc is on PATH (no GPU needed), so a break in the CUDA sources shows
+# in CI; its GPU tests then report "no CUDA device" (docs/gpu.md). MOETRON_CUDA=OFF (or ON) overrides. CMake is
+# given that same nvcc (CUDACXX), so its ptxas and headers are the ones PATH resolves.
+if [[ -z "${MOETRON_CUDA:-}" ]]; then
+  if command -v nvcc >/dev/null 2>&1; then MOETRON_CUDA=ON; else MOETRON_CUDA=OFF; fi
+fi
+if [[ $MOETRON_CUDA == ON && -z "${CUDACXX:-}" ]] && command -v nvcc >/dev/null 2>&1; then
+  export CUDACXX=$(command -v nvcc)
+fi
+echo "test: MOETRON_CUDA=$MOETRON_CUDA (nvcc: $(command -v nvcc || echo none))"
+export MOETRON_CUDA
 scripts/setup.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Two tests run at once, each with two OpenMP threads, on two cores: OpenMP threads that spin while they wait

@@ -54,6 +54,10 @@ struct TrainSpec {
   // parameter whose gradient is not finite) or "skip" (no optimizer step; counted in metrics.jsonl as
   // skipped_steps). Every rank takes the same decision (docs/reliability.md).
   std::string nonfinite = "halt";
+  // Where the engine computes: "cpu" (the CPU engine, unchanged) or "cuda" (the CUDA backend, docs/gpu.md). "cuda" is
+  // refused at start-up, naming the key: by a build without the backend, on a machine without a usable GPU, and,
+  // until the trainer runs on the GPU, everywhere (the backend has kernels and their tests, not yet a training step).
+  std::string device = "cpu";
   bool operator==(const TrainSpec&) const = default;
 };
 

@@ -257,6 +257,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("training", "threads", training.threads));
     t.push_back(MT_F("training", "memory_check", training.memory_check));
     t.push_back(MT_E("training", "nonfinite", training.nonfinite, {"halt", "skip"}));
+    t.push_back(MT_E("training", "device", training.device, {"cpu", "cuda"}));
     // [optimizer]
     t.push_back(MT_E("optimizer", "name", optimizer.name, {"adamw", "muon"}));
     t.push_back(MT_F("optimizer", "lr", optimizer.lr));

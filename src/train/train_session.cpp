@@ -15,6 +15,7 @@
 #include "moetron/accounting.h"
 #include "moetron/check.h"
 #include "moetron/checkpoint.h"
+#include "moetron/cuda/runtime.h"
 #include "moetron/env.h"
 #include "moetron/fsdp.h"
 #include "moetron/memcheck.h"
@@ -100,7 +101,18 @@ Comm hsdp_expert_group(const MeshComms& mcs, int ep) {
 // config key), then the [comm] MPI settings are applied: the waits' mode, and the thread level, which MPI_Init takes
 // as an argument, so it is set before comm_world() first starts MPI (in `moetron train` that is here, after the
 // config is read). A process whose MPI has already started at another level cannot honour comm.mpi_thread: refused.
+// training.device: "cpu" is the CPU engine; "cuda" is refused by name: without the backend or a usable GPU
+// (cuda::require_device says which), and, with both, because the trainer does not run on the GPU yet.
+void check_device(const JobConfig& cfg) {
+  if (cfg.training.device == "cpu") return;
+  const std::string what = "training.device = \"" + cfg.training.device + "\"";
+  cuda::require_device(what);
+  MT_FAIL("train", what, ": the CUDA backend has its kernels and their tests (docs/gpu.md), but the trainer does not "
+          "run on the GPU yet; use training.device = \"cpu\"");
+}
+
 Comm job_world(const JobConfig& cfg, const TrainOptions& o) {
+  check_device(cfg);
   refuse_retired_env();
   const CommSpec& c = cfg.comm;
   MT_CHECK(comm_request_mpi_thread(c.mpi_thread == "multiple"), "train", "comm.mpi_thread = ", c.mpi_thread,

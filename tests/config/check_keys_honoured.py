@@ -239,6 +239,7 @@ KEYS = {
     "training.compute_dtype": ("bf16", any_of(loss(), refuse())),
     "training.threads": (1, check(out_has(r"threads=1\b"))),
     "training.memory_check": ("false", check(out_has(r"memory check: off"))),
+    "training.device": ("cuda", refuse('training.device = "cuda"')),
     "training.nonfinite": ("skip", check(lambda new, ref: (None if new.rc == 0 and ref.rc != 0 and
                                                            any(r.get("skipped") for r in new.records)
                                                            else f"halt exit {ref.rc}, skip exit {new.rc}"),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""check_layers.py: the includes of src/, include/ and tools/ against the layer rule in docs/architecture.md.
+"""check_layers.py: the includes of src/, include/ and tools/ (.cpp, .h, .cu, .cuh) against the layer rule in docs/architecture.md.
 
 The rule is the table under "## Layering" in docs/architecture.md: one row per folder of src/ (and tools/),
 its layer's name and the layers it may include. A header in include/moetron/ belongs to the folder that holds
@@ -65,8 +65,8 @@ def main():
     cpp_home = {}  # basename -> folders holding a .cpp of that name (two folders: the table must say which)
     for d, _, fs in os.walk(os.path.join(root, "src")):
         for f in fs:
-            if f.endswith(".cpp"):
-                cpp_home.setdefault(f[:-4], set()).add(os.path.relpath(d, root))
+            if f.endswith((".cpp", ".cu")):
+                cpp_home.setdefault(f.rsplit(".", 1)[0], set()).add(os.path.relpath(d, root))
     owner = {}
     for folder, (_, headers) in rows.items():
         for h in headers:
@@ -99,7 +99,7 @@ def main():
     for top in ("src", "include", "tools"):
         for d, _, fs in os.walk(os.path.join(root, top)):
             for f in sorted(fs):
-                if not f.endswith((".cpp", ".h")):
+                if not f.endswith((".cpp", ".h", ".cu", ".cuh")):
                     continue
                 path = os.path.join(d, f)
                 rel = os.path.relpath(path, root)

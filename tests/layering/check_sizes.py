@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""check_sizes.py: no source file over 900 lines and no function over 150 lines in src/, include/ and tools/.
+"""check_sizes.py: no source file over 900 lines and no function over 150 lines in src/, include/ and tools/ (.cpp, .h, .cu, .cuh).
 
 A function may run longer only with a reason on the line before its signature, a comment that starts with
 "// long:" (say why one piece reads better than several). Files are counted in lines; a function from the line
@@ -88,7 +88,7 @@ def main():
     for top in ("src", "include", "tools"):
         for d, _, fs in os.walk(os.path.join(root, top)):
             for f in sorted(fs):
-                if not f.endswith((".cpp", ".h")):
+                if not f.endswith((".cpp", ".h", ".cu", ".cuh")):
                     continue
                 path = os.path.join(d, f)
                 rel = os.path.relpath(path, root)

@@ -1,6 +1,8 @@
 // harness.cpp: the op harness registry, comparison and finite-difference helpers, and main().
-//   op_harness --mode test|grad|perf [--family F] [--case SUBSTR] [--require-cases] [--list]
-// Ends with "N passed, N failed" and exits non-zero on any failure.
+//   op_harness --mode test|grad|perf [--device cpu|cuda] [--family F] [--case SUBSTR] [--seed N] [--require-cases]
+//              [--list]
+// Ends with "N passed, N failed" and exits 1 on any failure, 2 on bad usage, kExitNoDevice (4) when --device cuda
+// finds no usable GPU (or the build has no CUDA backend).
 #include "harness.h"
 
 #include <omp.h>
@@ -13,6 +15,7 @@
 #include <sstream>
 
 #include "moetron/check.h"
+#include "moetron/cuda/runtime.h"
 #include "moetron/rng.h"
 #include "moetron/runtime.h"
 
@@ -88,6 +91,31 @@ void Report::compare(std::string_view what, const int32_t* got, const int32_t* w
   if (bad) os << " mismatches=" << bad << " first at " << first << " (got " << got[first] << ", want " << want[first] << ")";
   record(bad == 0, os.str());
 }
+
+void Report::compare_rel(std::string_view what, const float* got, const double* want, int64_t n, double tol) {
+  double num = 0, den = 0, worst = 0;
+  int64_t bad = 0, worst_i = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = double(got[i]), w = want[i];
+    if (std::isfinite(w) && !std::isfinite(g)) {
+      if (bad++ == 0) worst_i = i;
+      continue;
+    }
+    const double d = std::isfinite(w) ? g - w : 0.0;
+    num += d * d;
+    den += w * w;
+    if (!bad && std::fabs(d) >= worst) worst = std::fabs(d), worst_i = i;
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  std::ostringstream os;
+  os << what << ": n=" << n << " rel=" << rel << " tol=" << tol;
+  if (bad) os << " non-finite=" << bad << " first at " << worst_i << " (got " << double(got[worst_i]) << ")";
+  else if (worst_i >= 0) os << " worst |err|=" << worst << " at " << worst_i;
+  record(bad == 0 && rel <= tol && n >= 0, os.str());
+}
+
+static uint64_t g_run_seed = 0;
+uint64_t run_seed() { return g_run_seed; }
 
 void Report::check(bool ok, std::string_view what, const std::string& detail) {
   record(ok, std::string(what) + (detail.empty() ? "" : ": " + detail));
@@ -174,7 +202,8 @@ double dot(const double* a, const double* b, int64_t n) {
 using namespace moetron::ops;
 
 int main(int argc, char** argv) {
-  std::string mode = "test", family, substr;
+  std::string mode = "test", family, substr, device = "cpu";
+  bool seed_given = false;
   bool require = false, list = false, verbose = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -187,12 +216,15 @@ int main(int argc, char** argv) {
     };
     if (a == "--mode") mode = next();
     else if (a == "--family") family = next();
+    else if (a == "--device") device = next();
+    else if (a == "--seed") g_run_seed = std::stoull(next()), seed_given = true;
     else if (a == "--case") substr = next();
     else if (a == "--require-cases") require = true;
     else if (a == "--list") list = true;
     else if (a == "-v" || a == "--verbose") verbose = true;
     else if (a == "--help" || a == "-h") {
-      std::printf("usage: op_harness [--mode test|grad|perf] [--family F] [--case SUBSTR] [--require-cases] [--list] [-v]\n");
+      std::printf("usage: op_harness [--mode test|grad|perf] [--device cpu|cuda] [--family F] [--case SUBSTR] [--seed N] "
+                  "[--require-cases] [--list] [-v]\n");
       return 0;
     } else {
       std::fprintf(stderr, "op_harness: unknown argument '%s'\n", a.c_str());
@@ -203,10 +235,29 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "op_harness: unknown mode '%s' (test, grad or perf)\n", mode.c_str());
     return 2;
   }
+  if (device != "cpu" && device != "cuda") {
+    std::fprintf(stderr, "op_harness: unknown device '%s' (cpu or cuda)\n", device.c_str());
+    return 2;
+  }
   moetron::init_threads();
   std::printf("op_harness mode=%s %s\n", mode.c_str(), moetron::runtime_summary().c_str());
+  if (device == "cuda" && !list) {  // --list names the CUDA cases without a GPU
+    std::string why;
+    if (moetron::cuda::device_count(&why) == 0) {
+      std::printf("op_harness: --device cuda: %s\n", why.c_str());
+      return kExitNoDevice;
+    }
+    if (!seed_given) g_run_seed = std::chrono::steady_clock::now().time_since_epoch().count() ^ 0x9e3779b97f4a7c15ull;
+    std::printf("op_harness device=cuda seed=%llu (fresh inputs; --seed repeats them)\n",
+                static_cast<unsigned long long>(g_run_seed));
+#ifdef MOETRON_WITH_CUDA
+    moetron::cuda::select_device(0);
+    std::printf("op_harness %s\n", moetron::cuda::describe(moetron::cuda::device_info(0)).c_str());
+#endif
+  }
   int passed = 0, failed = 0;
   for (auto& c : all_cases()) {
+    if (c->device != device) continue;
     if (!family.empty() && c->family() != family) continue;
     if (!substr.empty() && c->name.find(substr) == std::string::npos) continue;
     if (list) {

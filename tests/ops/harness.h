@@ -3,6 +3,9 @@
 //   test  optimized kernel vs its naive *_ref twin (forward and backward), within (atol, rtol);
 //   grad  the reference backward (instantiated in fp64) vs central finite differences;
 //   perf  one call of the optimized kernel, timed by the harness (GFLOPS or GB/s).
+// --device cuda runs the CUDA backend's cases instead (tests/ops/cuda/, built with -DMOETRON_CUDA=ON): the same
+// three modes against the same twins, with fresh random inputs (a new seed per run, printed; --seed repeats one)
+// and outputs poisoned with NaN before every call. Without a usable GPU it says why and exits kExitNoDevice.
 // A new op brings a new case in tests/ops/<family>_cases.cpp. Not a benchmark suite: the
 // side-by-side ratios against the machine's limits live in bench/.
 #pragma once
@@ -23,6 +26,9 @@ class Report {
   void compare(std::string_view what, const float* got, const float* want, int64_t n, double atol, double rtol);
   void compare(std::string_view what, const double* got, const double* want, int64_t n, double atol, double rtol);
   void compare(std::string_view what, const int32_t* got, const int32_t* want, int64_t n);
+  // Normwise: passes when every got[i] is finite where want[i] is (a NaN never passes) and
+  // ||got - want||_2 <= tol * ||want||_2 (want == 0 everywhere: ||got||_2 <= tol). The CUDA cases' comparison.
+  void compare_rel(std::string_view what, const float* got, const double* want, int64_t n, double tol);
   void check(bool ok, std::string_view what, const std::string& detail = {});
   // Passes when f() throws moetron::Error; the message is recorded with the check.
   template <class F>
@@ -62,6 +68,7 @@ struct OpCase {
   bool smooth = true;      // false: the op has kinks (top-k, clipping); grad mode avoids them
   double flops = 0;        // per perf() call (0 if the op is bandwidth-bound)
   double bytes = 0;        // bytes moved per perf() call
+  std::string device = "cpu";  // "cuda": a case of the CUDA backend (op_harness --device cuda)
   // Test-mode tolerances are passed to Report::compare by each case and printed with it.
 
   virtual ~OpCase() = default;
@@ -74,6 +81,11 @@ struct OpCase {
 using CaseFactory = std::function<std::vector<std::unique_ptr<OpCase>>()>;
 int register_cases(CaseFactory f);
 std::vector<std::unique_ptr<OpCase>> all_cases();
+
+// Exit code of `op_harness --device cuda` when no GPU can be used (no backend in the build, no driver, no device).
+inline constexpr int kExitNoDevice = 4;
+// The seed of this run's random inputs for the CUDA cases (fresh per run unless --seed is given).
+uint64_t run_seed();
 
 // Deterministic test data.
 std::vector<float> randn(int64_t n, uint64_t seed, float scale = 1.0f);

@@ -50,7 +50,7 @@ MODELLED = {
                   bias_update_rate=0.001, z_loss_coef=0.0, capacity_factor=0.0, drop_policy="probs"),
     "training": dict(seq_len=0, micro_batch_size=1, global_batch_size=0, steps=1, seed=0, max_norm=1.0,
                      dataset="synthetic", dataset_path="", val_interval=0, val_steps=0, compute_dtype="auto",
-                     threads=0, memory_check=True, nonfinite="halt"),
+                     threads=0, memory_check=True, nonfinite="halt", device="cpu"),
     "optimizer": dict(name="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, muon_momentum=0.95,
                       muon_nesterov=True, muon_ns_steps=5),
     "lr_scheduler": dict(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.1),
@@ -63,7 +63,8 @@ MODELLED = {
 #   model.drop_policy: matters only with capacity_factor > 0, which is refused;
 #   training.compute_dtype: the precision of the engine's run; `gen` writes its float64 and bf16-emulating
 #     sets whatever it says;
-#   training.nonfinite: what the engine does with a non-finite step; a finite step is the same either way.
+#   training.nonfinite: what the engine does with a non-finite step; a finite step is the same either way;
+#   training.device: where the engine computes (the same model; "cuda" is refused by the engine's trainer for now).
 CHOICES = {
     "model.ffn": ("swiglu", "gelu"),
     "model.attention_impl": ("flash", "unfused"),
@@ -73,6 +74,7 @@ CHOICES = {
     "model.drop_policy": ("probs", "position"),
     "training.compute_dtype": ("auto", "bf16", "fp32"),
     "training.nonfinite": ("halt", "skip"),
+    "training.device": ("cpu", "cuda"),
     "optimizer.name": ("adamw", "muon"),
     "lr_scheduler.decay_type": ("cosine", "linear", "none"),
 }
