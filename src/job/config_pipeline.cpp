@@ -199,7 +199,10 @@ ActivationCheckpointSpec resolve_checkpointing(const JobConfig& c) {
   for (int st : a.stage_ids) {
     MT_CHECK(st >= 0 && st < ps.layout.n_stages, "resolve_checkpointing", "stage ", st, " outside [0, ",
              ps.layout.n_stages, ")");
-    for (int l : ps.layout.layers(st))
+    std::vector<int> blocks = ps.layout.layers(st);
+    if (st == ps.layout.n_stages - 1)  // the MTP blocks live on the last stage
+      for (int64_t b = c.model.n_layers; b < c.model.n_blocks(); ++b) blocks.push_back(int(b));
+    for (int l : blocks)
       if (a.layer_ids.empty() || std::find(a.layer_ids.begin(), a.layer_ids.end(), l) != a.layer_ids.end())
         layers.push_back(l);
   }
