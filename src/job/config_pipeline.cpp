@@ -123,7 +123,7 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
   int vpp = int(p.pp_virtual_stages);
   if (vpp == 0 && !p.pp_layout.empty()) {
     try {
-      out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, 0, v_shape);
+      out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, 0, v_shape, c.model.mtp_layers);
     } catch (const Error& e) {
       layout_error(e);
     }
@@ -171,7 +171,7 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
   if (!p.pp_layout.empty()) {
     if (out.layout.stages.empty()) {  // not parsed above (pp_virtual_stages was given)
       try {
-        out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, n_stages, v_shape);
+        out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, n_stages, v_shape, c.model.mtp_layers);
       } catch (const Error& e) {
         layout_error(e);
       }
