@@ -61,6 +61,10 @@ struct ParamCounts {
   int64_t active_no_embed = 0;  // excl. input embedding (incl. head, or the tied table once)
   int64_t dense_part = 0;       // everything but the routed experts (replicated under EP)
   int64_t routed_experts = 0;   // sum over layers of all routed experts (sharded under EP)
+  // Multi-token prediction (model.mtp_layers, in total / active / dense_part / routed_experts): per depth one block
+  // of the last layer's kind plus enorm, hnorm, eh_proj [2d, d] and its norm; the embedding and head are shared.
+  // Not in `layers` (the decoder layers only). The memory estimate and the planner do not count them yet.
+  int64_t mtp = 0;
 };
 
 // Parameters of one expert (always SwiGLU: gate, up, down; model.ffn is the dense MLP's kind).

@@ -38,11 +38,16 @@ struct ForwardStats {
   // Per MoE layer (global MoE index; 0 for the layers this pass did not run): the router aux and z losses.
   // Pipeline stages report their layers here, so a step can fold the whole model's sum in layer order.
   std::vector<double> aux_by_layer, z_by_layer;
+  // Multi-token prediction (model.mtp_layers = D; the head stage's): per depth, the sum of its cross-entropy over
+  // its valid positions and their count, unweighted. The MTP loss is mtp_loss_weight * the mean over depths of
+  // mtp_ce[k] / mtp_n[k]; ce_sum / ce_count stay the main model's alone.
+  std::vector<double> mtp_ce;
+  std::vector<int64_t> mtp_n;
 };
 
 // One pipeline stage this rank holds (include/moetron/pp_layout.h decides which): its global stage id, its
 // decoder layers (ascending and contiguous, possibly none), whether it starts with the embedding and ends
-// with the final norm + head + loss, and how many micro-batches it keeps activations for at once (the
+// with the final norm + head + loss (and the MTP modules, model.mtp_layers, which live with the head), and how many micro-batches it keeps activations for at once (the
 // schedule's peak in-flight count for the stage).
 struct ModelStagePart {
   int stage = 0;

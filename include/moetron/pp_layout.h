@@ -6,6 +6,7 @@
 //
 // Grammar (Megatron-Core's `pipeline_model_parallel_layout`):
 //   E  embedding          t  one decoder layer          L  loss (final norm + head + loss)
+//   m  one MTP depth (model.mtp_layers): optional; if written, one per depth, right before L (Megatron's "mL")
 //   |  ends a stage       t*3  repeats one symbol (any of E t L |)
 //   (tt|)*4  repeats a group; groups nest, e.g. "((t|)*2t|)*3"
 //   commas and spaces are ignored ("Et*3|(tt|)*29,t|L" reads as "Et*3|(tt|)*29t|L").
@@ -14,14 +15,14 @@
 // 2*pp-1-s), which is how Primus reads a layout for V schedules.
 //
 // Rules (every violation throws moetron::Error whose text starts `pp_layout "<text>"` and names the rule):
-//   - grammar: unknown character (with its 1-based position; `m`, Megatron's MTP layer, is refused: moetron
-//     has no multi-token prediction), unbalanced parentheses (the position of the unmatched one), an empty
+//   - grammar: unknown character (with its 1-based position), unbalanced parentheses (the position of the unmatched one), an empty
 //     group "()", '*' not after a symbol or group, a missing / zero / oversized repeat count, nesting deeper
 //     than kMaxLayoutDepth, an expansion longer than kMaxLayoutItems symbols (refused before it is built);
 //   - E exactly once, as the first item of stage 0 (Megatron only asks for E first in layer order, which
 //     also admits an empty stage 0 followed by "E..."; moetron requires it in stage 0);
 //   - L exactly once, as the last item of the last stage;
 //   - the number of t equals model.n_layers;
+//   - m: as many as model.mtp_layers (or none: the MTP modules go with L anyway), all right before L;
 //   - the stage count is a multiple of pp, and equals pp * stages-per-rank when that is fixed.
 // Empty stages are allowed between the first and the last (Megatron allows them: such a stage only passes
 // activations on); stage 0 always holds E and the last stage L, so they are never empty.
@@ -69,7 +70,10 @@ std::vector<std::string> expand_pp_layout(std::string_view text);
 // Parse and check a layout for a model of `n_layers` decoder layers on `pp` ranks. `n_stages` > 0 fixes the
 // stage count (pp * stages per rank); 0 accepts any multiple of pp. `v_shape` selects the V placement
 // (needs exactly 2 stages per rank).
-PpLayout parse_pp_layout(std::string_view text, int64_t n_layers, int pp, int n_stages = 0, bool v_shape = false);
+// mtp_layers: model.mtp_layers, the number of m the text may hold (the m items are checked and dropped: the MTP
+// blocks live with L).
+PpLayout parse_pp_layout(std::string_view text, int64_t n_layers, int pp, int n_stages = 0, bool v_shape = false,
+                         int64_t mtp_layers = 0);
 
 // No layout given: split n_layers over n_stages = pp * vpp stages the way TorchTitan does. The embedding
 // counts as `first_less` layers and the head/loss as `last_less` layers (TorchTitan's

@@ -13,7 +13,11 @@
 //     described so that the accounting and the planner can project dense GPT runs (docs/planner.md);
 //   - attention mha / gqa: q [d -> H*hd], k,v [d -> Hkv*hd], o [H*hd -> d], RoPE on the full head_dim;
 //     mla (DeepSeek-V2/V3): q via q_lora_rank (0 = plain q projection), kv via kv_lora_rank, decoupled
-//     RoPE part of width qk_rope_head_dim shared by all heads.
+//     RoPE part of width qk_rope_head_dim shared by all heads;
+//   - multi-token prediction (DeepSeek-V3, mtp_layers = D > 0): D sequential MTP modules after the main model,
+//     each one transformer block of the last layer's kind (docs/model.md, "Multi-token prediction"). The blocks
+//     are numbered after the layers: block b in [0, n_blocks()) is layer b for b < n_layers, else MTP depth
+//     b - n_layers + 1.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -95,11 +99,20 @@ struct ModelSpec {
   double rope_theta = 10000.0;
   AttentionSpec attn;
   MoESpec moe;
+  // DeepSeek-V3 multi-token prediction: D MTP depths (0 = none) and the weight of their loss (the mean over depths
+  // of each depth's mean cross-entropy, times this, added to the main loss). Default 0.3: DeepSeek-V3's weight for
+  // its first 10T tokens (0.1 after).
+  int64_t mtp_layers = 0;
+  double mtp_loss_weight = 0.3;
 
   bool is_moe() const { return moe.n_routed_experts > 0; }
   bool is_moe_layer(int64_t layer) const;
-  int64_t n_moe_layers() const;
+  int64_t n_moe_layers() const;  // of the main model (the MTP blocks not counted)
   int64_t n_dense_layers() const { return n_layers - n_moe_layers(); }
+  // Blocks: the main layers, then one per MTP depth (of the last layer's kind: MoE when it is MoE).
+  int64_t n_blocks() const { return n_layers + mtp_layers; }
+  bool is_moe_block(int64_t b) const { return is_moe_layer(b < n_layers ? b : n_layers - 1); }
+  int64_t n_moe_blocks() const { return n_moe_layers() + (n_layers > 0 && is_moe_layer(n_layers - 1) ? mtp_layers : 0); }
 
   // Fill derived defaults (n_kv_heads, head_dim for mha/gqa) so that the stored spec is explicit.
   void resolve();
@@ -109,8 +122,8 @@ struct ModelSpec {
 };
 
 // ---- Hugging Face config.json ----------------------------------------------------------------------
-// Supported model_type: deepseek (DeepSeekMoE V1), deepseek_v2, deepseek_v3 (the MTP module, if
-// num_nextn_predict_layers > 0, is ignored), mixtral, qwen3_moe. Returns a resolved, validated spec.
+// Supported model_type: deepseek (DeepSeekMoE V1), deepseek_v2, deepseek_v3 (num_nextn_predict_layers is
+// mtp_layers), mixtral, qwen3_moe. Returns a resolved, validated spec.
 ModelSpec model_spec_from_hf_json(std::string_view json_text, std::string_view source = "config.json");
 ModelSpec load_hf_config(const std::string& path);
 // The inverse. Chooses deepseek_v3 (mla + sigmoid), deepseek_v2 (mla), deepseek (mha/gqa with shared

@@ -57,6 +57,9 @@ struct SeqRecord {
 struct StepRecord {
   int64_t step = 0;
   double loss = 0, aux_loss = 0, lr = 0, grad_norm = 0;
+  // model.mtp_layers > 0: the MTP loss added to the optimized loss (mtp_loss_weight * the mean over depths of each
+  // depth's mean cross-entropy); `loss` stays the main model's cross-entropy alone, comparable to runs without MTP.
+  double mtp_loss = 0;
   double val_loss = -1;  // -1 when not computed this step
   double seconds = 0;    // wall time of the step on this rank (forward, backward, optimizer, weight refresh)
   uint64_t param_hash = 0;  // FNV-1a of all parameters and expert biases after the step (record_param_hash)

@@ -86,6 +86,14 @@ ParamCounts count_params(const ModelSpec& s) {
     c.routed_experts += p.routed_experts;
     c.layers.push_back(p);
   }
+  if (s.mtp_layers > 0) {  // the MTP depths: a block like the last layer's, two input norms, eh_proj, a head norm
+    const LayerParams p = layer_params(s, s.n_layers - 1);
+    const int64_t extra = 2 * s.d_model * s.d_model + 3 * s.d_model;
+    c.mtp = s.mtp_layers * (p.total() + extra);
+    c.total += c.mtp;
+    c.active += s.mtp_layers * (p.active() + extra);
+    c.routed_experts += s.mtp_layers * p.routed_experts;
+  }
   // Without the input embedding; a tied table is still used (as the head) and stays in once.
   c.active_no_embed = c.active - (s.tie_embeddings ? 0 : c.embedding);
   c.dense_part = c.total - c.routed_experts;
@@ -111,6 +119,14 @@ FlopsPerToken flops_per_token(const ModelSpec& s, int64_t seq_len, bool causal, 
     }
   }
   f.fwd_matmul += 2.0 * double(s.vocab_size) * double(s.d_model);  // output head (tied or not)
+  if (s.mtp_layers > 0) {  // each MTP depth: eh_proj, a block like the last layer, the shared head again
+    const double D = double(s.mtp_layers), d = double(s.d_model);
+    f.fwd_matmul += D * (2.0 * double(layer_params(s, s.n_layers - 1).matmul_active) + 2.0 * 2 * d * d +
+                         2.0 * double(s.vocab_size) * d);
+    f.fwd_attention += D * attn_core;
+    if (ac.applies_to(s.n_layers) && ac.mode == AcMode::Full)
+      recompute += D * (2.0 * double(layer_params(s, s.n_layers - 1).matmul_active) + attn_core);
+  }
   f.train = 3.0 * f.fwd();
   f.hw_train = f.train + recompute;
   return f;

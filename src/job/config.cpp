@@ -242,6 +242,8 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("model", "z_loss_coef", model.moe.z_loss_coef));
     t.push_back(MT_F("model", "capacity_factor", model.moe.capacity_factor));
     t.push_back(MT_E("model", "drop_policy", model.moe.drop_policy, {"probs", "position"}));
+    t.push_back(MT_F("model", "mtp_layers", model.mtp_layers));
+    t.push_back(MT_F("model", "mtp_loss_weight", model.mtp_loss_weight));
     // [training]
     t.push_back(MT_F("training", "seq_len", training.seq_len));
     t.push_back(MT_F("training", "micro_batch_size", training.micro_batch_size));

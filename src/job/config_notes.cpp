@@ -28,6 +28,8 @@ std::vector<InertSetting> inert_settings(const JobConfig& c, const RunShape& run
          "model.aux_coef = 0 adds no balance loss");
     moot({"model.drop_policy"}, moe.capacity_factor == 0, "model.capacity_factor = 0 drops no token (dropless)");
   }
+  moot({"model.mtp_loss_weight"}, c.model.mtp_layers == 0,
+       "model.mtp_layers = 0 adds no multi-token prediction loss");
   moot({"model.inter_size"}, c.model.n_layers > 0 && c.model.n_dense_layers() == 0,
        "every layer is an MoE layer (inter_size is the dense layers' width; experts use moe_inter_size)");
   // [training]

@@ -123,7 +123,7 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
   int vpp = int(p.pp_virtual_stages);
   if (vpp == 0 && !p.pp_layout.empty()) {
     try {
-      out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, 0, v_shape);
+      out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, 0, v_shape, c.model.mtp_layers);
     } catch (const Error& e) {
       layout_error(e);
     }
@@ -171,7 +171,7 @@ PipelineSetup resolve_pipeline(const JobConfig& c) {
   if (!p.pp_layout.empty()) {
     if (out.layout.stages.empty()) {  // not parsed above (pp_virtual_stages was given)
       try {
-        out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, n_stages, v_shape);
+        out.layout = sched::parse_pp_layout(p.pp_layout, c.model.n_layers, pp, n_stages, v_shape, c.model.mtp_layers);
       } catch (const Error& e) {
         layout_error(e);
       }
@@ -199,7 +199,10 @@ ActivationCheckpointSpec resolve_checkpointing(const JobConfig& c) {
   for (int st : a.stage_ids) {
     MT_CHECK(st >= 0 && st < ps.layout.n_stages, "resolve_checkpointing", "stage ", st, " outside [0, ",
              ps.layout.n_stages, ")");
-    for (int l : ps.layout.layers(st))
+    std::vector<int> blocks = ps.layout.layers(st);
+    if (st == ps.layout.n_stages - 1)  // the MTP blocks live on the last stage
+      for (int64_t b = c.model.n_layers; b < c.model.n_blocks(); ++b) blocks.push_back(int(b));
+    for (int l : blocks)
       if (a.layer_ids.empty() || std::find(a.layer_ids.begin(), a.layer_ids.end(), l) != a.layer_ids.end())
         layers.push_back(l);
   }

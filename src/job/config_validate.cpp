@@ -167,10 +167,12 @@ void JobConfig::validate() const {
   if (c.enable && c.folder.empty()) invalid_config("checkpoint.folder", "\"\"", "must be set when checkpoints are enabled");
 
   const auto& a = activation_checkpoint;
-  std::vector<char> listed(size_t(model.n_layers), 0);  // linear in the list: it may be long
+  // The MTP blocks (model.mtp_layers) are ids n_layers .. n_layers + mtp_layers - 1.
+  std::vector<char> listed(size_t(model.n_blocks()), 0);  // linear in the list: it may be long
   for (int id : a.layer_ids) {
-    if (id < 0 || id >= model.n_layers)
-      invalid_config("activation_checkpoint.layer_ids", id, "layer id out of range [0, ", model.n_layers, ")");
+    if (id < 0 || id >= model.n_blocks())
+      invalid_config("activation_checkpoint.layer_ids", id, "layer id out of range [0, ", model.n_blocks(), ")",
+                     model.mtp_layers > 0 ? " (the MTP blocks follow the n_layers decoder layers)" : "");
     if (listed[size_t(id)]++) invalid_config("activation_checkpoint.layer_ids", id, "listed twice");
   }
   for (const auto& m : a.modules)

@@ -309,6 +309,15 @@ std::string to_hf_config_json(const ModelSpec& s) {
   else if (!s.is_moe() || m.n_shared_experts > 0 || s.n_dense_layers() > 0 || !m.norm_topk_prob) t = "deepseek";
   else t = "mixtral";
   const char* type = t.c_str();
+  // Multi-token prediction: DeepSeek-V3 checkpoints keep it (num_nextn_predict_layers and layer n_layers + k);
+  // moetron does not write its weights yet (hf_weights.cpp), so the export is refused for every type.
+  if (s.mtp_layers > 0)
+    throw Error("to_hf_config_json: model.mtp_layers = " + std::to_string(s.mtp_layers) + " cannot be written" +
+                (t == "deepseek_v3" ? std::string(": the export of the MTP modules (DeepSeek-V3's layer num_hidden_layers "
+                                                  "+ k, num_nextn_predict_layers) is not implemented yet")
+                                    : " as HF model_type " + t + ", which has no multi-token prediction (only "
+                                      "deepseek_v3 does)") +
+                "; export a model with mtp_layers = 0");
 
   json j;
   j["model_type"] = t;

@@ -18,8 +18,10 @@ bool ends_with(std::string_view s, std::string_view t) {
 MuonMatrices muon_matrices(const ModelSpec& spec, std::string_view name, const std::vector<int64_t>& shape) {
   MuonMatrices m;
   // Decoder-block weights only (the embedding, the head and the final norm are outside "layers."), 2-D or stacked
-  // experts, never the router.
-  if (name.substr(0, 7) != "layers." || ends_with(name, "moe.gate")) return m;
+  // experts, never the router; the MTP depths' blocks and projections likewise (mtp.<k>.block.*, mtp.<k>.eh_proj).
+  const bool mtp = name.substr(0, 4) == "mtp." &&
+                   (name.find(".block.") != std::string_view::npos || ends_with(name, ".eh_proj"));
+  if ((name.substr(0, 7) != "layers." && !mtp) || ends_with(name, "moe.gate")) return m;
   const bool stacked = name.find("moe.experts.") != std::string_view::npos;
   if (shape.size() != (stacked ? 3u : 2u)) return m;
   m.count = stacked ? shape[0] : 1;

@@ -79,6 +79,7 @@ void check_model_size_limits(const ModelSpec& s) {
   const auto& m = s.moe;
   at_most("n_layers", s.n_layers, kMaxLayersLog2);
   at_most("first_k_dense", s.first_k_dense, kMaxLayersLog2);
+  at_most("mtp_layers", s.mtp_layers, kMaxLayersLog2);
   for (const auto& [key, v] : {std::pair<const char*, int64_t>{"vocab_size", s.vocab_size},
                                {"d_model", s.d_model},
                                {"inter_size", s.inter_size},
@@ -137,7 +138,9 @@ void check_param_total(const ModelSpec& s, int64_t n_moe_layers) {
     attn = d * double(a.n_heads + 2 * a.n_kv_heads) * double(a.head_dim) + H * double(a.head_dim) * d;
   }
   const double n_moe = double(n_moe_layers), n_dense = double(s.n_layers) - n_moe;
-  const double L = double(s.n_layers);
+  const double L = double(s.n_layers), D = double(s.mtp_layers);
+  const double mtp_moe = s.mtp_layers > 0 && n_moe_layers > 0 && s.is_moe_layer(s.n_layers - 1) ? D : 0;
+  const double mtp_dense = D - mtp_moe;
   struct Part {
     double n;
     std::string keys;
@@ -145,15 +148,16 @@ void check_param_total(const ModelSpec& s, int64_t n_moe_layers) {
   auto kv = [](const char* k, auto v) { return std::string("model.") + k + " = " + std::to_string(v); };
   const std::vector<Part> parts = {
       {V * d * (s.tie_embeddings ? 1 : 2), kv("vocab_size", s.vocab_size) + ", " + kv("d_model", s.d_model)},
-      {L * attn, kv("n_layers", s.n_layers) + ", " + kv("d_model", s.d_model) + ", " + kv("n_heads", a.n_heads)},
-      {n_dense * (s.ffn == FfnKind::GELU ? 2 : 3) * d * double(s.inter_size),
+      {(L + D) * attn, kv("n_layers", s.n_layers) + ", " + kv("d_model", s.d_model) + ", " + kv("n_heads", a.n_heads)},
+      {D * (2 * d * d + 3 * d), kv("mtp_layers", s.mtp_layers) + ", " + kv("d_model", s.d_model)},
+      {(n_dense + mtp_dense) * (s.ffn == FfnKind::GELU ? 2 : 3) * d * double(s.inter_size),
        kv("n_layers", s.n_layers) + ", " + kv("d_model", s.d_model) + ", " + kv("inter_size", s.inter_size)},
-      {n_moe * (double(m.n_routed_experts + m.n_shared_experts) * 3 * d * double(m.moe_inter_size) +
+      {(n_moe + mtp_moe) * (double(m.n_routed_experts + m.n_shared_experts) * 3 * d * double(m.moe_inter_size) +
                 double(m.n_routed_experts) * (d + 1)),
        kv("n_layers", s.n_layers) + ", " + kv("n_routed_experts", m.n_routed_experts) + ", " +
            kv("d_model", s.d_model) + ", " + kv("moe_inter_size", m.moe_inter_size)},
   };
-  double total = L * 2 * d + d;
+  double total = (L + D) * 2 * d + d;
   const Part* big = &parts[0];
   for (const auto& p : parts) {
     total += p.n;
@@ -196,6 +200,9 @@ void ModelSpec::validate() const {
   if (n_dense > 0 && inter_size <= 0)
     bad("inter_size", inter_size, "must be > 0: the model has ", n_dense, " dense layer(s)");
   if (inter_size < 0) bad("inter_size", inter_size, "must be >= 0");
+  if (mtp_layers < 0) bad("mtp_layers", mtp_layers, "must be >= 0 (0 = no multi-token prediction)");
+  if (!(mtp_loss_weight >= 0 && mtp_loss_weight <= 1e6))
+    bad("mtp_loss_weight", mtp_loss_weight, "must be a finite number >= 0 (DeepSeek-V3 used 0.3, then 0.1)");
   if (!(dropout >= 0 && dropout < 1)) bad("dropout", dropout, "must be in [0, 1) (0 = no dropout)");
   if (ffn == FfnKind::GELU && is_moe())
     bad("ffn", to_string(ffn), "the gelu FFN is for dense models (n_routed_experts = 0); experts are SwiGLU");

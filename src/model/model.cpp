@@ -94,6 +94,17 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
     MT_CHECK(ac.mode != AcMode::Selective, "Model", "activation_checkpoint.mode = \"selective\"", why,
              "; use \"full\" or \"none\"");
   }
+  impl_->Dm = spec_.mtp_layers;
+  if (spec_.mtp_layers > 0) {  // multi-token prediction (model_mtp.cpp): what it is not implemented with yet
+    const std::string why = "model.mtp_layers = " + std::to_string(spec_.mtp_layers) + " is not implemented with ";
+    MT_CHECK(T > spec_.mtp_layers, "Model", why, "training.seq_len = ", T, ": depth k predicts the token k + 1 "
+             "positions ahead, so the sequence needs more than mtp_layers tokens");
+    MT_CHECK(impl_->tp == 1, "Model", why, "tensor parallelism (parallelism.tp = ", impl_->tp, ") yet; use tp = 1");
+    MT_CHECK(impl_->cp == 1, "Model", why, "context parallelism (parallelism.cp = ", impl_->cp, ") yet (a depth reads "
+             "the tokens ahead of each position, which CP places on other ranks); use cp = 1");
+    MT_CHECK(!par.ep_overlap, "Model", why, "parallelism.ep_overlap = true yet (the lanes share the MTP buffers); "
+             "use false");
+  }
   impl_->fs_opts = par.fsdp;
   MT_CHECK(!par.ep_overlap || (par.fsdp == nullptr && ac.mode == AcMode::None), "Model",
            "the EP overlap (parallelism.ep_overlap) runs two micro-batches at once on lanes that share the "
@@ -115,6 +126,7 @@ void Model::Impl::build() {
   build_params();
   build_buffers();
   build_slots();
+  mtp_build();
 }
 
 // Every buffer a pass uses, sized for the micro-batch: saved activations (shared between checkpointed
@@ -125,7 +137,7 @@ void Model::Impl::build_buffers() {
   // selected layer; each layer recomputes them right before its backward needs them.
   const bool selective = m.ac_.mode == AcMode::Selective;
   bool any_norm = false, any_attn = false, any_act = false;
-  for (int64_t l = 0; l < s.n_layers; ++l) {
+  for (int64_t l = 0; l < s.n_blocks(); ++l) {  // the MTP blocks too (their ids follow the layers')
     Layer& L = layers[l];
     if (!L.held) continue;
     L.recompute = m.ac_.mode == AcMode::Full && m.ac_.applies_to(l);
@@ -148,7 +160,7 @@ void Model::Impl::build_buffers() {
     if (fs_on) continue;  // FSDP: the packed expert weights live in the unit slots
     alloc_packed(L.p13f, L.p13d, L.p2f, L.p2d, "experts.packed");
   }
-  if (has_head && s.tie_embeddings) tied_hg = f32buf(Vl * d, MemCategory::Grads);
+  if (has_head && (s.tie_embeddings || Dm > 0)) tied_hg = f32buf(Vl * d, MemCategory::Grads);
 
   // rope tables
   int64_t R = s.attn.type == AttnType::MLA ? dr : hd;

@@ -71,6 +71,9 @@ void Model::set_quantize(const QuantizeSpec& q) {
   MT_CHECK(impl_->tp == 1, "Model::set_quantize", "[quantize] recipe = ", to_string(q.recipe), " is not implemented with "
            "tensor parallelism (parallelism.tp = ", impl_->tp, ") yet: the FP8 scales of a weight sliced over TP ranks "
            "would differ per rank; use recipe = \"none\"");
+  MT_CHECK(spec_.mtp_layers == 0, "Model::set_quantize", "[quantize] recipe = ", to_string(q.recipe), " is not "
+           "implemented with multi-token prediction (model.mtp_layers = ", spec_.mtp_layers, ") yet: the MTP blocks' "
+           "linears have no FP8 sites; use recipe = \"none\" or mtp_layers = 0");
   auto st = std::make_shared<Fp8State>();
   st->q = q;
   for (const ParamEntry& e : model_param_layout(spec_)) {  // the whole model, global order

@@ -24,8 +24,8 @@ void Model::Impl::fs_build() {
   for (size_t i = 0; i < m.params_.size(); ++i) fs_local[i] = m.fsdp_->local_offset(int(i));
   fs_slot_of.assign(size_t(nL + 2), -1);
   // Blocking collectives: one unit is in use at a time, plus unit 0 for the whole pass when the head is
-  // the embedding.
-  const int n_slots = head == emb ? 2 : 1;
+  // the embedding, or an MTP depth's unit with the head's (model_mtp.cpp).
+  const int n_slots = head == emb || Dm > 0 ? 2 : 1;
   const int64_t n = m.fsdp_->max_slot_numel();
   fs_slots.resize(size_t(n_slots));
   for (auto& sl : fs_slots) {

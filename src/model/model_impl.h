@@ -173,6 +173,7 @@ struct Layer {
 // A local pipeline stage at run time.
 struct StageRt {
   ModelStagePart part;
+  std::vector<int64_t> blocks;   // the layers it runs: part.layers, then the MTP blocks on the head stage
   std::vector<Tensor> head_g;    // head stage: dL/dx per slot, from the fused head in F until B
   std::vector<WArena> warena;    // per slot: the I half's deferred weight gradients
 };
@@ -220,7 +221,9 @@ struct Model::Impl {
   bool whole = true;                     // one local stage with everything (forward_backward works)
   bool has_emb = true, has_head = true;  // the embedding / head stage is local
   int n_moe_total = 0;
-  Tensor tied_hg;                        // tied embeddings (plain mode, head stage local): head gradient
+  // The head stage's embedding gradient [Vl, d] (tied embeddings: the head's; MTP: its depths' embedding rows),
+  // folded into the embedding's (fold_tied_head_grad, or FSDP's embed_backward).
+  Tensor tied_hg;
   float step_ce_scale = 0, step_aux_scale = 0;
   std::vector<double> cur_aux, cur_z;    // per global MoE layer, the current pass
   // The split backward: while an I half runs, weight-gradient GEMMs are recorded into this arena.
@@ -436,7 +439,7 @@ struct Model::Impl {
   void carry(WArena& a);  // iwcarry: a's recorded weight gradients join the carried queue (run later)
   void flush_carried(const WArena* upto = nullptr);  // runs carried weight gradients, oldest first (all, or up to upto)
   static bool fill_hook(void* self) { return static_cast<Impl*>(self)->fill_with_wgrad(); }
-  float* head_weight_grad() { return tied_hg.defined() ? tied_hg.data<float>() : G(head); }
+  float* head_weight_grad() { return head == emb ? tied_hg.data<float>() : G(head); }
 
   // ---- construction and buffers (model.cpp) ----
   void build();
@@ -544,6 +547,35 @@ struct Model::Impl {
   void sync_lane_from(const Impl& o);  // the per-layer packed-weight descriptors after sync_weights
   void alloc_bufs(LayerBufs& b, bool moe);
   void alloc_row_scratch(int64_t rows);
+
+  // ---- multi-token prediction (model_mtp.cpp; docs/model.md, "Multi-token prediction") ----
+  // Depth k (0-based) is the block layers[n_layers + k] (held with the head stage) and the parameters below; it reads
+  // the previous depth's output (the main model's last layer output for k = 0) and the embedding of the tokens k + 1
+  // ahead, and predicts the tokens k + 2 ahead through the shared head.
+  int64_t Dm = 0;  // MTP depths (model.mtp_layers)
+  struct MtpParams {
+    int enorm = -1, hnorm = -1, eh_proj = -1, norm = -1;
+  };
+  std::vector<MtpParams> mtp;
+  // Saved per activation slot and depth: the depth's input hidden state hin and embedding rows erows (the norms'
+  // inputs) with their rstd, the concatenation [N, 2d] in the compute dtype (eh_proj's input), hg = dL/d(depth
+  // output) (its head's, plus the next depth's through its hnorm), and the depth's input tokens and targets.
+  struct MtpBufs {
+    Tensor hin, erows, rstd_e, rstd_h, cat, hg;
+    std::vector<int32_t> tok, tgt;
+  };
+  std::vector<std::vector<MtpBufs>> mtp_slot;  // [slot][depth], the head stage's
+  Tensor mtp_x, mtp_a, mtp_b, mtp_hfc, mtp_rstd;  // scratch: [N, d], [N, 2d], [N, d] fp32; the head's norm output
+  void mtp_build();  // the buffers above (build, after build_slots)
+  // After the main head: the depths' forward and their fused heads (with backward, each depth's dL/d(output) kept in
+  // its hg); the per-depth cross-entropy sums into st.mtp_ce / mtp_n. targets: the whole micro-batch's.
+  void mtp_forward(int slot, const float* h0, const int32_t* targets, bool backward, float ce_scale, ForwardStats& st);
+  // The depths' backward, last first (block, eh_proj, the two norms, the embedding rows into tied_hg); the first
+  // depth's dL/dh0 is added into g.
+  void mtp_backward(int slot, float* g);
+  // One depth's head: its norm, the shared head's fused cross-entropy (scale: the loss gradient's), with backward
+  // dL/dx into g. Returns the cross-entropy sum over its targets.
+  double mtp_head(int64_t k, const float* x, const int32_t* tgt, bool backward, float scale, float* g);
 
   // ---- the pass (model.cpp): embedding, the layers in order, head + loss, and back ----
   ForwardStats run(const int32_t* tokens, const int32_t* targets, bool backward, float ce_scale, float aux_scale);

@@ -39,8 +39,8 @@ void Model::Impl::build_params() {
     else Hkv = H;
   }
   ParamSelection sel;
-  sel.layers.resize(layers.size());
-  for (size_t l = 0; l < layers.size(); ++l) sel.layers[l] = layers[l].held;
+  sel.layers.resize(size_t(s.n_layers));  // the decoder layers (the MTP blocks come with the head)
+  for (size_t l = 0; l < sel.layers.size(); ++l) sel.layers[l] = layers[l].held;
   sel.embedding = has_emb, sel.head = has_head, sel.ep = ep, sel.ep_rank = ep > 1 ? ep_comm.rank() : 0;
   sel.tp = tp, sel.tp_rank = tp_rank;
   m.params_ = model_param_layout(s, sel);
@@ -57,12 +57,13 @@ void Model::Impl::build_params() {
                  {"moe.experts.w13", &Layer::we13},    {"moe.experts.w2", &Layer::we2},   {"moe.shared.w13", &Layer::ws13},
                  {"moe.shared.w2", &Layer::ws2},       {"attn.q_head_norm", &Layer::q_head_norm},
                  {"attn.k_head_norm", &Layer::k_head_norm}};
-  int moe_i = 0;
-  for (int64_t l = 0; l < s.n_layers; ++l) {
+  int moe_i = 0;  // the MTP blocks' MoE layers are numbered after the main model's
+  for (int64_t l = 0; l < s.n_blocks(); ++l) {
     Layer& L = layers[size_t(l)];
-    L.moe = s.is_moe_layer(l);
+    L.moe = s.is_moe_block(l);
     if (L.moe) L.moe_index = moe_i++;
   }
+  mtp.assign(size_t(s.mtp_layers), MtpParams{});
   n_moe_total = moe_i;
   for (size_t i = 0; i < m.params_.size(); ++i) {
     const ParamEntry& e = m.params_[i];
@@ -72,7 +73,18 @@ void Model::Impl::build_params() {
       else if (e.name == "head") head = int(i);
       continue;
     }
-    const std::string pre = "layers." + std::to_string(e.layer) + ".";
+    const bool in_mtp = e.layer >= s.n_layers;  // mtp.<k>.block.<layer field> or mtp.<k>.<MtpParams field>
+    const std::string mpre = "mtp." + std::to_string(e.layer - s.n_layers) + ".";
+    const std::string pre = in_mtp ? mpre + "block." : "layers." + std::to_string(e.layer) + ".";
+    if (in_mtp && e.name.compare(0, pre.size(), pre) != 0) {
+      MtpParams& mp = mtp[size_t(e.layer - s.n_layers)];
+      const std::string f = e.name.substr(mpre.size());
+      int* slot = f == "enorm" ? &mp.enorm : f == "hnorm" ? &mp.hnorm : f == "eh_proj" ? &mp.eh_proj
+                  : f == "norm" ? &mp.norm : nullptr;
+      MT_CHECK(slot != nullptr, "Model", "parameter ", e.name, " has no MTP field");
+      *slot = int(i);
+      continue;
+    }
     const std::string suffix = e.name.substr(pre.size());
     bool found = false;
     for (const auto& f : kFields)

@@ -19,15 +19,15 @@ using model_detail::f32buf;
 
 void Model::Impl::build_stages() {
   const int64_t nL = s.n_layers;
-  layers.assign(size_t(nL), Layer{});
+  layers.assign(size_t(s.n_blocks()), Layer{});  // the decoder layers, then the MTP blocks (held with the head)
   const std::vector<ModelStagePart>* parts = par.stages;
   if (!parts || parts->empty()) {
     ModelStagePart all;
     all.stage = 0, all.embedding = true, all.head = true, all.slots = 1;
     for (int64_t l = 0; l < nL; ++l) all.layers.push_back(l);
-    stages.push_back(StageRt{all, {}, {}});
+    stages.push_back(StageRt{all, {}, {}, {}});
   } else {
-    for (const auto& p : *parts) stages.push_back(StageRt{p, {}, {}});
+    for (const auto& p : *parts) stages.push_back(StageRt{p, {}, {}, {}});
   }
   for (auto& L : layers) L.held = false;
   has_emb = has_head = false;
@@ -52,8 +52,17 @@ void Model::Impl::build_stages() {
              " must end at layer ", nL - 1, ", not ", p.layers.back());
     has_emb |= p.embedding, has_head |= p.head;
   }
+  for (auto& st : stages) {  // the blocks a stage runs: its layers, then the MTP blocks on the head stage
+    st.blocks = st.part.layers;
+    if (st.part.head)
+      for (int64_t b = nL; b < s.n_blocks(); ++b) st.blocks.push_back(b), layers[size_t(b)].held = true;
+  }
   whole = stages.size() == 1 && has_emb && has_head && int64_t(stages[0].part.layers.size()) == nL &&
           stages[0].part.slots == 1;
+  MT_CHECK(whole || !fs_opts || s.mtp_layers == 0, "Model(stages)",
+           "model.mtp_layers > 0 under FSDP (parallelism.zero = 3) needs the whole model in one stage with one micro-batch "
+           "in flight (the MTP depths' embedding gradient is folded into the embedding's unit at its backward); set "
+           "another parallelism.zero, or pp = 1 with pp_schedule = \"1f1b\"");
   MT_CHECK(whole || !fs_opts || !s.tie_embeddings, "Model(stages)",
            "tied embeddings under FSDP (parallelism.zero = 3) need the whole model in one stage with one micro-batch "
            "in flight: the tied weight's unit stays gathered from the embedding to the head (set "
@@ -84,7 +93,7 @@ void Model::Impl::build_slots() {
   };
   for (auto& st : stages) {
     const int S = st.part.slots;
-    for (int64_t l : st.part.layers) {
+    for (int64_t l : st.blocks) {
       Layer& L = layers[size_t(l)];
       for (int k = 0; k < S; ++k) {
         L.slot_x_in.push_back(f32buf(Nr * d));
@@ -123,7 +132,7 @@ void Model::Impl::build_slots() {
 void Model::Impl::use_slot(StageRt& st, int slot) {
   MT_CHECK(slot >= 0 && slot < st.part.slots, "Model::stage", "slot ", slot, " of stage ", st.part.stage,
            " outside [0, ", st.part.slots, ")");
-  for (int64_t l : st.part.layers) {
+  for (int64_t l : st.blocks) {
     Layer& L = layers[size_t(l)];
     L.x_in = L.slot_x_in[size_t(slot)];
     L.bufs = L.slot_bufs[size_t(slot)];
@@ -457,8 +466,10 @@ ForwardStats Model::stage_forward(int local, int slot, const int32_t* tokens, co
   }
   for (int64_t l : p.layers) I.forward_layer(l, xr);
   ForwardStats fs;
-  if (p.head)
+  if (p.head) {
     I.head_loss(xr, I.cp_rows(I.cp_tgt, targets), backward, I.step_ce_scale, st.head_g[size_t(slot)].data<float>(), fs);
+    if (I.Dm > 0) I.mtp_forward(slot, xr, targets, backward, I.step_ce_scale, fs);
+  }
   I.end_pass(fs);
   return fs;
 }
@@ -488,6 +499,7 @@ void Model::stage_backward(int local, int slot, const int32_t* tokens, const flo
     Impl& i;
     ~Undefer() { i.defer = nullptr; }
   } undefer{I};
+  if (p.head && I.Dm > 0) I.mtp_backward(slot, g);  // the MTP depths, last first; their dL/dh0 joins g
   for (auto it = p.layers.rbegin(); it != p.layers.rend(); ++it) I.backward_layer(*it, g);
   if (p.embedding) I.embed_backward(I.cp_rows(I.cp_tok, tokens), g);
   else std::memcpy(din, g, size_t(I.Nr * I.d) * 4);

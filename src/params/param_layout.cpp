@@ -128,12 +128,23 @@ std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSel
     P.push_back(e);
   };
   const TpKind Col = TpKind::Cols, Row = TpKind::Rows, Part = TpKind::Partial;
-  // The embedding on its stage, and on the head's when tied (the head multiplies by it).
-  if (sel.embedding || (sel.head && s.tie_embeddings)) add("embed", {V, d}, true, -1, false, false, Row, {V});
-  for (int64_t l = 0; l < s.n_layers; ++l) {
-    if (!sel.layers.empty() && !sel.layers[size_t(l)]) continue;
-    const std::string p = "layers." + std::to_string(l) + ".";
+  // The embedding on its stage, and on the head's when tied (the head multiplies by it) or with MTP (its depths
+  // embed the tokens ahead).
+  if (sel.embedding || (sel.head && (s.tie_embeddings || s.mtp_layers > 0))) add("embed", {V, d}, true, -1, false, false, Row, {V});
+  // The decoder layers, then (with the head) the MTP depths' blocks: block b >= n_layers is depth k = b - n_layers,
+  // its parameters named mtp.<k>.block.* and with ParamEntry::layer = b (one FSDP unit, one pipeline stage).
+  for (int64_t l = 0; l < s.n_blocks(); ++l) {
+    const bool mtp = l >= s.n_layers;
+    if (mtp ? !sel.head : !sel.layers.empty() && !sel.layers[size_t(l)]) continue;
+    const std::string p = mtp ? "mtp." + std::to_string(l - s.n_layers) + ".block." : "layers." + std::to_string(l) + ".";
     const int li = int(l);
+    if (mtp) {  // the depth's own: the norms of its two inputs, their projection 2d -> d, the norm before the head
+      const std::string q = "mtp." + std::to_string(l - s.n_layers) + ".";
+      add(q + "enorm", {d}, false, li, false, true);
+      add(q + "hnorm", {d}, false, li, false, true);
+      add(q + "eh_proj", {2 * d, d}, true, li);
+      add(q + "norm", {d}, false, li, false, true);
+    }
     add(p + "attn_norm", {d}, false, li, false, true, Part);
     if (s.attn.type == AttnType::MLA) {
       const int64_t dn = s.attn.qk_nope_head_dim, dr = s.attn.qk_rope_head_dim;
@@ -159,7 +170,7 @@ std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSel
     }
     add(p + "attn.wo", {H * Dv, d}, true, li, false, false, Row, {H * Dv});
     add(p + "ffn_norm", {d}, false, li, false, true, Part);
-    if (!s.is_moe_layer(l)) {
+    if (!s.is_moe_block(l)) {
       add(p + "mlp.w13", {d, 2 * F}, true, li, false, false, Col, {F, F});
       add(p + "mlp.w2", {F, d}, true, li, false, false, Row, {F});
     } else {

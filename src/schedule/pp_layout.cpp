@@ -31,7 +31,7 @@ std::string char_text(char c) {
 }
 
 bool ignorable(char c) { return c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
-bool is_symbol(char c) { return c == 'E' || c == 't' || c == 'L' || c == '|'; }
+bool is_symbol(char c) { return c == 'E' || c == 't' || c == 'L' || c == '|' || c == 'm'; }
 
 struct Sym {
   char c;
@@ -94,12 +94,9 @@ class Parser {
         fail("bad repeat: '*' at position ", pos(), " does not follow a symbol or a group (write t*3 or (tt|)*3)");
       } else if (c >= '0' && c <= '9') {
         fail("bad repeat count: digit '", c, "' at position ", pos(), " has no '*' before it (write t*3)");
-      } else if (c == 'm') {
-        fail("unknown character 'm' at position ", pos(),
-             ": Megatron's MTP layer is not supported (moetron has no multi-token prediction)");
       } else {
         fail("unknown character ", char_text(c), " at position ", pos(),
-             " (expected E, t, L, |, (, ), *, a repeat count, commas or spaces)");
+             " (expected E, t, m, L, |, (, ), *, a repeat count, commas or spaces)");
       }
       skip();
       if (i_ < t_.size() && t_[i_] == '*') {
@@ -253,7 +250,8 @@ std::vector<std::string> expand_pp_layout(std::string_view text) {
   return out;
 }
 
-PpLayout parse_pp_layout(std::string_view text, int64_t n_layers, int pp, int n_stages, bool v_shape) {
+PpLayout parse_pp_layout(std::string_view text, int64_t n_layers, int pp, int n_stages, bool v_shape,
+                         int64_t mtp_layers) {
   if (pp < 1) MT_FAIL(kOp, "pp = ", pp, " must be >= 1");
   if (n_stages < 0) MT_FAIL(kOp, "n_stages = ", n_stages, " must be >= 0 (0 = any multiple of pp)");
   const auto st = expand_stages(text);
@@ -277,6 +275,27 @@ PpLayout parse_pp_layout(std::string_view text, int64_t n_layers, int pp, int n_
       MT_FAIL(kOp, q, ": ", what, " at position ", at, " must be ", where, "; it is item ", idx, " (0-based) of stage ",
               stage);
   }
+  // m (an MTP depth, model.mtp_layers): optional, but if written one per depth, right before L on the last stage.
+  int64_t n_m = 0;
+  for (const auto& s : st)
+    for (const Sym& x : s) n_m += x.c == 'm';
+  if (n_m > 0) {
+    if (n_m != mtp_layers)
+      MT_FAIL(kOp, q, ": has ", n_m, " MTP layers (m), model.mtp_layers = ", mtp_layers,
+              mtp_layers == 0 ? " (set model.mtp_layers, or drop the m)" : " (one m per depth, or none)");
+    const auto& last = st[size_t(count - 1)];
+    for (size_t k = 0; k < last.size(); ++k) {
+      const bool should = k + 1 < last.size() && k + 1 + size_t(n_m) >= last.size();
+      if ((last[k].c == 'm') != should)
+        MT_FAIL(kOp, q, ": the MTP layers (m) must be the items right before L on the last stage (the MTP modules live "
+                "with the head), as in \"...t|mL\"");
+    }
+    for (size_t s = 0; s + 1 < st.size(); ++s)
+      for (const Sym& x : st[s])
+        if (x.c == 'm')
+          MT_FAIL(kOp, q, ": m at position ", x.pos, " is on stage ", s, "; the MTP layers live on the last stage, "
+                  "right before L");
+  }
   int64_t layers = 0;
   for (const auto& s : st)
     for (const Sym& x : s) layers += x.c == 't';
@@ -295,6 +314,7 @@ PpLayout parse_pp_layout(std::string_view text, int64_t n_layers, int pp, int n_
   int32_t next = 0;
   for (int s = 0; s < count; ++s)
     for (const Sym& x : st[size_t(s)]) {
+      if (x.c == 'm') continue;  // the MTP blocks go with L (ModelStagePart::head): not an item of their own
       LayoutItem it;
       if (x.c == 'E') it.kind = LayoutItem::Embedding;
       else if (x.c == 'L') it.kind = LayoutItem::Loss;

@@ -42,6 +42,8 @@ void MicroStats::add(const ForwardStats& s) {
   if (z_by_layer.size() < s.z_by_layer.size()) z_by_layer.resize(s.z_by_layer.size(), 0.0);
   for (size_t i = 0; i < s.aux_by_layer.size(); ++i) aux_by_layer[i] += s.aux_by_layer[i];
   for (size_t i = 0; i < s.z_by_layer.size(); ++i) z_by_layer[i] += s.z_by_layer[i];
+  if (mtp_ce.size() < s.mtp_ce.size()) mtp_ce.resize(s.mtp_ce.size(), 0.0), mtp_n.resize(s.mtp_ce.size(), 0);
+  for (size_t i = 0; i < s.mtp_ce.size(); ++i) mtp_ce[i] += s.mtp_ce[i], mtp_n[i] += s.mtp_n[i];
 }
 
 ModelStage::ModelStage(int local, const ModelStagePart& part, int64_t act_floats)
@@ -107,7 +109,8 @@ ForwardStats pipeline_forward_only(Model& m, const PipelinePlan& plan, const Com
 }
 
 void exchange_tied_grads(Model& m, const PipelinePlan& plan, const Comm& pp) {
-  if (!m.spec().tie_embeddings || m.fsdp()) return;
+  // Tied embeddings or MTP (its depths embed tokens on the head stage): the head stage's embedding gradient.
+  if ((!m.spec().tie_embeddings && m.spec().mtp_layers == 0) || m.fsdp()) return;
   if (plan.first_stage_rank == plan.last_stage_rank) {
     if (plan.pp_rank == plan.first_stage_rank) m.fold_tied_head_grad();
     return;

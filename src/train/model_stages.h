@@ -36,6 +36,8 @@ struct MicroStats {
   double ce_sum = 0;
   int64_t ce_count = 0, dropped = 0;
   std::vector<double> aux_by_layer, z_by_layer;  // global MoE index
+  std::vector<double> mtp_ce;                    // MTP: per depth (the head stage's)
+  std::vector<int64_t> mtp_n;
   void add(const ForwardStats& s);
 };
 
@@ -80,8 +82,9 @@ ForwardStats pipeline_forward_only(Model& m, const PipelinePlan& plan, const Com
 
 // Tied embeddings after the micro-batches of a step: the head's gradient joins the embedding's (rows first,
 // then the head's, whatever the layout), and the head stage's rank receives the same sum so both copies of the
-// tied weight take the same update. Collective between the two ranks (tag kPipelineTag + 2); a no-op when
-// the embeddings are not tied.
+// tied weight take the same update. The same for the MTP depths' embedding gradient (model.mtp_layers > 0: the
+// head stage holds a copy of the embedding). Collective between the two ranks (tag kPipelineTag + 2); a no-op when
+// the embeddings are not tied and there is no MTP.
 void exchange_tied_grads(Model& m, const PipelinePlan& plan, const Comm& pp);
 
 }  // namespace moetron

@@ -25,15 +25,16 @@ namespace moetron {
 PipelineOwnership pipeline_ownership(const ModelSpec& spec, const std::vector<ParamEntry>& gp,
                                      const std::vector<std::vector<int>>& stage_layers,
                                      const std::vector<int>& stage_rank, int first_stage_rank, int last_stage_rank) {
-  std::vector<int> layer_rank(size_t(spec.n_layers), -1);
+  std::vector<int> layer_rank(size_t(spec.n_blocks()), -1);
   for (size_t s = 0; s < stage_layers.size(); ++s)
     for (int l : stage_layers[s]) layer_rank[size_t(l)] = stage_rank[s];
+  for (int64_t b = spec.n_layers; b < spec.n_blocks(); ++b) layer_rank[size_t(b)] = last_stage_rank;  // MTP
   PipelineOwnership o;
   for (const auto& p : gp)
     o.param_rank.push_back(p.layer >= 0 ? layer_rank[size_t(p.layer)]
                                         : p.name == "embed" ? first_stage_rank : last_stage_rank);
-  for (int64_t l = 0; l < spec.n_layers; ++l)
-    if (spec.is_moe_layer(l)) o.moe_rank.push_back(layer_rank[size_t(l)]);
+  for (int64_t l = 0; l < spec.n_blocks(); ++l)
+    if (spec.is_moe_block(l)) o.moe_rank.push_back(layer_rank[size_t(l)]);
   return o;
 }
 

@@ -37,9 +37,9 @@ json expert_counts_json(const ModelSpec& ms, const std::vector<int>& moe_ids,
                         const std::vector<std::vector<int64_t>>& counts) {
   const int64_t L = int64_t(counts.size()), E = int64_t(counts[0].size());
   const int64_t cols = std::clamp<int64_t>(kMaxExpertCells / L, 1, E), bin = (E + cols - 1) / cols;
-  std::vector<int64_t> layer_of;  // model layer of each global MoE index
-  for (int64_t l = 0; l < ms.n_layers; ++l)
-    if (ms.is_moe_layer(l)) layer_of.push_back(l);
+  std::vector<int64_t> layer_of;  // model layer of each global MoE index (the MTP blocks' ids follow the layers')
+  for (int64_t l = 0; l < ms.n_blocks(); ++l)
+    if (ms.is_moe_block(l)) layer_of.push_back(l);
   json layers = json::array(), rows = json::array();
   for (int64_t k = 0; k < L; ++k) {
     layers.push_back(layer_of.at(size_t(moe_ids.at(size_t(k)))));
@@ -147,6 +147,7 @@ if (log_now) {
     for (int c = 0; c < kNumMemCategories; ++c) cat[std::string(mem_category_name(MemCategory(c)))] = snap.peak[c];
     j["mem_peak_by_category"] = cat;
     if (rec.val_loss >= 0) j["val_loss"] = rec.val_loss;
+    if (cfg.model.mtp_layers > 0) j["mtp_loss"] = rec.mtp_loss;  // not in "loss" (the main model's alone)
     j["skipped_steps"] = skipped_steps;  // training.nonfinite = "skip": steps without an update so far
     if (rec.skipped) j["skipped"] = true;
     if (!t.fp8.empty()) {  // [quantize]: per module and operand, the step's amax and the range of scales used
@@ -192,10 +193,11 @@ if (log_now) {
       char line[512];
       std::snprintf(line, sizeof line,
                     "step %5lld/%lld  loss %.4f  aux %.4f%s  lr %.2e  gnorm %.3f  %.0f tok/s  %.3f TFLOPS  MFU %.1f%%  "
-                    "mem %s  load cv %.2f",
+                    "mem %s  load cv %.2f%s",
                     (long long)step, (long long)tr.steps, rec.loss, rec.aux_loss,
                     rec.val_loss >= 0 ? ("  val " + std::to_string(rec.val_loss).substr(0, 6)).c_str() : "", rec.lr,
-                    gn, tps, tflops, mfu * 100, human_bytes(snap.total_peak).c_str(), cv);
+                    gn, tps, tflops, mfu * 100, human_bytes(snap.total_peak).c_str(), cv,
+                    cfg.model.mtp_layers > 0 ? ("  mtp " + std::to_string(rec.mtp_loss).substr(0, 6)).c_str() : "");
       if (tty) std::printf("\r\033[K%s%s", line, (step == tr.steps || do_val) ? "\n" : "");
       else std::printf("%s\n", line);
       std::fflush(stdout);

@@ -37,6 +37,8 @@ struct FsdpOptions;
 // What one step produced, folded over the step's micro-batches and every rank.
 struct StepTotals {
   double ce = 0, aux = 0;   // loss sums (aux already divided by the micro-batch count)
+  std::vector<double> mtp_ce;   // MTP: per depth, the cross-entropy sum and its positions over the step
+  std::vector<int64_t> mtp_n;
   int64_t ce_n = 0;
   double grad_norm = 0;
   std::vector<std::vector<int64_t>> counts;  // tokens per expert of this rank's MoE layers, summed over DP

@@ -60,6 +60,22 @@ StepTotals TrainSession::forward_backward() {
     for (int l = 0; l < n_moe; ++l) aux += per[size_t(mb) * w + 1 + size_t(l)];
     aux_parts[size_t(mb)] = aux / double(micro);
   }
+  // MTP: per micro-batch and depth [ce sums | counts], from the head stage (exact over pp), folded like ce over DP.
+  const int64_t Dm = cfg.model.mtp_layers;
+  if (Dm > 0) {
+    std::vector<double> mce(size_t(micro_local * Dm), 0.0);
+    std::vector<int64_t> mn(size_t(Dm), 0);
+    for (int64_t mb = 0; mb < micro_local; ++mb) {
+      const MicroStats& s = o.micro[size_t(mb)];
+      for (size_t k = 0; k < s.mtp_ce.size() && k < size_t(Dm); ++k)
+        mce[size_t(mb * Dm) + k] = s.mtp_ce[k], mn[k] += s.mtp_n[k];
+    }
+    if (PP > 1) mcs.pp.all_reduce(mce.data(), int64_t(mce.size())), mcs.pp.all_reduce(mn.data(), Dm);
+    t.mtp_ce.assign(size_t(Dm), 0.0);
+    mcs.dp.all_reduce_ordered(t.mtp_ce.data(), mce.data(), micro_local, Dm);
+    if (D > 1) mcs.dp.all_reduce(mn.data(), Dm);
+    t.mtp_n = mn;
+  }
   t.counts = model->take_expert_counts();
   {
     // DP: loss sums folded in global micro-batch order (= the single-process sum); gradients, token and
@@ -118,6 +134,9 @@ void TrainSession::run_step() {
 
   StepRecord rec;
   rec.step = step, rec.loss = loss, rec.skipped = skip, rec.aux_loss = t.aux, rec.lr = adam.lr;
+  for (size_t k = 0; k < t.mtp_ce.size(); ++k)  // weight * mean over depths of each depth's mean cross-entropy
+    rec.mtp_loss += t.mtp_n[k] ? t.mtp_ce[k] / double(t.mtp_n[k]) : 0.0;
+  if (!t.mtp_ce.empty()) rec.mtp_loss *= cfg.model.mtp_loss_weight / double(t.mtp_ce.size());
   rec.grad_norm = t.grad_norm;
   rec.seconds = dt;
   if (opt.record_param_hash) {

@@ -225,6 +225,8 @@ KEYS = {
     "model.z_loss_coef": (0.1, loss()),
     "model.capacity_factor": (0.5, loss()),
     "model.drop_policy": ("position", loss(["--model.capacity_factor=0.5"])),
+    "model.mtp_layers": (1, loss()),  # the MTP depths' gradients change the main model's losses from step 2
+    "model.mtp_loss_weight": (0.1, loss(["--model.mtp_layers=1"])),
     "training.seq_len": (16, loss()),
     "training.micro_batch_size": (2, check(peak_lower("activations"))),
     "training.global_batch_size": (16, loss()),

@@ -3,7 +3,7 @@
 // and 8 ranks, for every layout that fits the world: data parallel only, ZeRO-1, FSDP, expert parallel 2/4/8 with
 // the three dispatchers, with and without the FP8 dispatch payload, EP mixed with ZeRO-1 and dp_replicate, HSDP,
 // pipelines, tensor parallelism (with sequence parallelism), context parallelism and their combinations, and
-// qk_norm (Qwen3's per-head q/k RMSNorm) under DP and TP.
+// qk_norm (Qwen3's per-head q/k RMSNorm) under DP and TP, and multi-token prediction under DP, PP, EP and FSDP.
 // Every rank also trains the single-process reference (comm_local(), once per process) and each layout is
 // compared with it. Then every impossible layout is started and must fail with an error naming its rule.
 //
@@ -145,6 +145,9 @@ std::vector<Layout> layouts() {
     if (w == 2)
       v.push_back({"dp2_qk_norm", 2,
                    {dp + "2", "--model.attn_type=gqa", "--model.n_kv_heads=2", "--model.qk_norm=true"}, Bar::Exact});
+    // Multi-token prediction (model.mtp_layers): its block is one more MoE layer, its eh_proj and norms dense
+    // parameters; under DP, EP and FSDP they reduce like any other.
+    if (w == 2) v.push_back({"dp2_mtp", 2, {dp + "2", "--model.mtp_layers=2"}, Bar::Exact});
   }
   for (int w : {2, 4, 8})
     for (int ep : {2, 4, 8}) {
@@ -204,6 +207,12 @@ std::vector<Layout> layouts() {
                Bar::Bitwise});
   v.push_back({"pp2_tied", 2, {"--model.tie_embeddings=true", pp + "2", lay + "Ett|tL"}, Bar::Bitwise});
   v.push_back({"pp2_zbv_tied", 2, {"--model.tie_embeddings=true", pp + "2", sch + "zbv", lay + "Et|t|t|L"}, Bar::Bitwise});
+  // MTP on the last stage (with a copy of the embedding, whose gradient joins the first stage's like a tied head's):
+  // bitwise one process, with 1F1B and with the split backward; with EP and FSDP the DP bars.
+  v.push_back({"pp2_mtp", 2, {"--model.mtp_layers=2", pp + "2", lay + "Ett|tmmL"}, Bar::Bitwise});
+  v.push_back({"pp2_zbv_mtp", 2, {"--model.mtp_layers=1", pp + "2", sch + "zbv", lay + "Et|t|t|L"}, Bar::Bitwise});
+  v.push_back({"ep2_np2_mtp_fsdp", 2,
+               {dp + "2", "--parallelism.ep=2", "--parallelism.zero=3", "--model.mtp_layers=1"}, Bar::Exact});
   v.push_back({"pp2_aux_free", 2, {"--model.load_balance=aux_free", pp + "2", lay + "Et|ttL"}, Bar::Bitwise});
   v.push_back({"pp2_recompute_stage0", 2,
                {pp + "2", lay + "Ett|tL", "--activation_checkpoint.mode=full", "--activation_checkpoint.stage_ids=[0]"},

@@ -58,7 +58,6 @@ TEST(PpLayoutGrammar, ErrorsNameTheRuleAndThePosition) {
   };
   const std::vector<Case> cases = {
       {"Et*2|x", "pp_layout \"Et*2|x\": unknown character 'x' at position 6"},
-      {"Et*3|(tt|)*29,m|L", "unknown character 'm' at position 15: Megatron's MTP layer is not supported"},
       {"Et\x01L", "unknown character byte 0x1 at position 3"},
       {"E(tt|L", "unbalanced parentheses: '(' at position 2 is never closed"},
       {"E((t)*2|L", "unbalanced parentheses: '(' at position 2 is never closed"},
@@ -259,4 +258,26 @@ TEST(PpLayoutEven, ImpossibleSplitsNameTheKeys) {
   EXPECT_HAS(error_of([] { even_pp_layout(16, 1 << 20, 1 << 10); }), "cannot split model.n_layers = 16");
   EXPECT_HAS(error_of([] { even_pp_layout(int64_t(1) << 40, 2, 1); }), "must be <= 2^20 (size limit)");
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.5);
+}
+
+// Megatron's MTP token m (model.mtp_layers): one per depth right before L on the last stage, or none (the MTP blocks
+// go with L either way); dropped from the stages' items.
+TEST(PpLayoutMtp, MBeforeLOnTheLastStage) {
+  const PpLayout plain = parse_pp_layout("Et|tL", 2, 2);
+  EXPECT_EQ(parse_pp_layout("Et|tmL", 2, 2, 0, false, 1), plain);
+  EXPECT_EQ(parse_pp_layout("Et|tmmL", 2, 2, 0, false, 2), plain);
+  EXPECT_EQ(parse_pp_layout("Et|tL", 2, 2, 0, false, 1), plain);  // m may be left out
+  EXPECT_EQ(expand_pp_layout("Et|tm*2L"), (std::vector<std::string>{"Et", "tmmL"}));
+  auto err = [](const char* text, int64_t mtp) {
+    try {
+      parse_pp_layout(text, 2, 2, 0, false, mtp);
+    } catch (const moetron::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_NE(err("Et|tmL", 0).find("has 1 MTP layers (m), model.mtp_layers = 0"), std::string::npos) << err("Et|tmL", 0);
+  EXPECT_NE(err("Et|tmmL", 1).find("has 2 MTP layers (m), model.mtp_layers = 1"), std::string::npos);
+  EXPECT_NE(err("Et|mtL", 1).find("must be the items right before L on the last stage"), std::string::npos);
+  EXPECT_NE(err("Etm|tL", 1).find("right before L"), std::string::npos) << err("Etm|tL", 1);
 }

@@ -250,7 +250,9 @@ TEST_P(Reference, MatchesTorch) {
     write_safetensors((fs::path(dir) / (v + ".engine.safetensors")).string(), ents);
   };
   auto counts = model.take_expert_counts();
-  for (int i = 0; i < model.n_moe_layers(); ++i) {
+  // The logits pass has no targets: the MTP blocks (their MoE layers follow the main model's) route other tokens
+  // there, so only the main model's routing is compared here (every step's below covers all of them).
+  for (int i = 0; i < int(cfg.model.n_moe_layers()); ++i) {
     std::vector<int32_t> want(static_cast<size_t>(E));
     load_into(ref, run.counts_step1 + std::to_string(i), DType::I32, {E}, want.data());
     for (int64_t e = 0; e < E; ++e)
@@ -263,6 +265,24 @@ TEST_P(Reference, MatchesTorch) {
   ForwardStats fs1 = model.forward_backward(tokens.data(), targets.data(), float(1.0 / double(N)), 1.0f);
   ASSERT_EQ(fs1.ce_count, N);
   dump_engine();
+  // Multi-token prediction (model.mtp_layers): each depth's cross-entropy sum over its B (T - k) positions, and the
+  // MTP loss (weight * mean over depths of each depth's mean), held to the reference like the main loss.
+  const int64_t Dm = cfg.model.mtp_layers;
+  auto mtp_loss = [&](const ForwardStats& st) {
+    double l = 0;
+    for (int64_t k = 0; k < Dm; ++k) l += st.mtp_ce[size_t(k)] / double(st.mtp_n[size_t(k)]);
+    return Dm > 0 ? l * cfg.model.mtp_loss_weight / double(Dm) : 0.0;
+  };
+  if (Dm > 0) {
+    ASSERT_EQ(int64_t(fs1.mtp_ce.size()), Dm);
+    for (int64_t k = 0; k < Dm; ++k) ASSERT_EQ(fs1.mtp_n[size_t(k)], B * (T - k - 1)) << "MTP depth " << k + 1;
+    for (int s = 0; s < nsets; ++s) {
+      auto want = read_f32(ref, std::string(pre[s]) + "mtp_ce", Dm);
+      for (int64_t k = 0; k < Dm; ++k)
+        check_scalar(sets[s], ("mtp ce sum, depth " + std::to_string(k + 1)).c_str(), fs1.mtp_ce[size_t(k)],
+                     want[size_t(k)], tols[s]->loss);
+    }
+  }
   for (int s = 0; s < nsets; ++s) {
     const std::string p = pre[s];
     check_scalar(sets[s], "loss", fs1.ce_sum / double(fs1.ce_count), read_f32(ref, p + "loss", 1)[0], tols[s]->loss);
@@ -284,11 +304,12 @@ TEST_P(Reference, MatchesTorch) {
   AdamWConfig ac;
   ac.beta1 = float(cfg.optimizer.beta1), ac.beta2 = float(cfg.optimizer.beta2), ac.eps = float(cfg.optimizer.eps);
   ac.weight_decay = float(cfg.optimizer.weight_decay);
-  std::vector<double> losses;
+  std::vector<double> losses, mtp_losses;
   for (int64_t step = 1; step <= steps; ++step) {
     model.zero_grads();
     ForwardStats st = model.forward_backward(tokens.data(), targets.data(), float(1.0 / double(N)), 1.0f);
     losses.push_back(st.ce_sum / double(st.ce_count));
+    mtp_losses.push_back(mtp_loss(st));
     double gn = std::sqrt(grad_norm_sq(model.grad_data(), np));
     float clip = cfg.training.max_norm > 0 ? clip_coefficient(gn, cfg.training.max_norm) : 1.0f;
     ac.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, steps));
@@ -312,6 +333,12 @@ TEST_P(Reference, MatchesTorch) {
     for (int64_t i = 0; i < steps; ++i)
       check_scalar(sets[s], ("loss at step " + std::to_string(i + 1)).c_str(), losses[size_t(i)], want[size_t(i)],
                    tols[s]->loss);
+    if (Dm > 0) {
+      auto wm = read_f32(ref, p + "mtp_losses", steps);
+      for (int64_t i = 0; i < steps; ++i)
+        check_scalar(sets[s], ("mtp loss at step " + std::to_string(i + 1)).c_str(), mtp_losses[size_t(i)],
+                     wm[size_t(i)], tols[s]->loss);
+    }
     for (auto& pe : model.params())
       check(sets[s], "step5", pe.name,
             compare(model.param_data() + pe.offset, read_f32(ref, p + "step5." + pe.name).data(), pe.numel,
@@ -331,7 +358,7 @@ TEST_P(Reference, MatchesTorch) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, Reference,
                          ::testing::Combine(::testing::Values("mha", "gqa", "qk_norm", "mla", "mla_noq", "group",
-                                                              "sigmoid"),
+                                                              "sigmoid", "mtp"),
                                             ::testing::Values("bf16", "fp32")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 

@@ -133,8 +133,13 @@ def param_specs(m):
         dv = hd
     E, Fe = m["n_routed_experts"], m["moe_inter_size"]
     Fs = m["n_shared_experts"] * Fe
-    for l in range(m["n_layers"]):
-        p = f"layers.{l}."
+    L, D = m["n_layers"], m["mtp_layers"]
+    for l in range(L + D):  # the decoder layers, then the MTP depths' blocks (the last layer's kind)
+        p = f"layers.{l}." if l < L else f"mtp.{l - L}.block."
+        if l >= L:
+            q = f"mtp.{l - L}."
+            ps += [(q + "enorm", (d,), "ones"), (q + "hnorm", (d,), "ones"), (q + "eh_proj", (2 * d, d), "normal"),
+                   (q + "norm", (d,), "ones")]
         ps.append((p + "attn_norm", (d,), "ones"))
         if mla:
             if rq > 0:
@@ -150,7 +155,7 @@ def param_specs(m):
                 ps += [(p + "attn.q_head_norm", (hd,), "ones"), (p + "attn.k_head_norm", (hd,), "ones")]
         ps.append((p + "attn.wo", (H * dv, d), "normal"))
         ps.append((p + "ffn_norm", (d,), "ones"))
-        if not is_moe_layer(m, l):
+        if not is_moe_layer(m, min(l, L - 1)):
             F_ = m["inter_size"]
             ps += [(p + "mlp.w13", (d, 2 * F_), "normal"), (p + "mlp.w2", (F_, d), "normal")]
         else:
@@ -389,11 +394,63 @@ def forward(P, tokens, targets, cfg, prec, st, B, T):
     scale = 1.0 / math.sqrt(dqk)
     mm = prec.mm
     x = P["embed"][tokens]  # [N, d]
-    aux_sum = x.new_zeros(())
-    z_sum = x.new_zeros(())
-    moe_i = 0
-    for l in range(m["n_layers"]):
-        p = f"layers.{l}."
+    st.aux_sum = x.new_zeros(())
+    st.z_sum = x.new_zeros(())
+    st.moe_i = 0
+    L = m["n_layers"]
+    for l in range(L):
+        x = block(P, f"layers.{l}.", x, is_moe_layer(m, l), cfg, prec, st, B, T, cos, sin)
+    hf = rmsnorm(x, P["final_norm"], eps)
+    head = P["embed"] if m["tie_embeddings"] else P["head"]
+    logits = mm(hf, head.t())  # [N, V]
+    ce = F.cross_entropy(logits.float() if logits.dtype == torch.bfloat16 else logits, targets,
+                         ignore_index=-1, reduction="sum") / N
+    # Multi-token prediction (model_mtp.cpp): depth k = 1..D at position i reads t_{i+k} = targets[i+k-1] and
+    # predicts targets[i+k]; positions past the sequence (or with an ignored token) take token 0 and no target.
+    # Each depth's mean over its T - k positions per sequence; loss = weight * mean over depths.
+    D = m["mtp_layers"]
+    st.mtp_ce = []
+    mtp = x.new_zeros(())
+    h = x
+    tg = targets.view(B, T)
+    for k in range(1, D + 1):
+        q = f"mtp.{k - 1}."
+        tin = torch.full((B, T), -1, dtype=torch.int64)
+        tout = torch.full((B, T), -1, dtype=torch.int64)
+        tin[:, :T - k + 1] = tg[:, k - 1:]
+        tout[:, :T - k] = tg[:, k:]
+        tout = torch.where(tin >= 0, tout, torch.full_like(tout, -1)).view(-1)
+        tin = torch.where(tin >= 0, tin, torch.zeros_like(tin)).view(-1)
+        cat = torch.cat([rmsnorm(P["embed"][tin], P[q + "enorm"], eps), rmsnorm(h, P[q + "hnorm"], eps)], dim=-1)
+        h = block(P, q + "block.", mm(cat, P[q + "eh_proj"]), is_moe_layer(m, L - 1), cfg, prec, st, B, T, cos, sin)
+        lk = mm(rmsnorm(h, P[q + "norm"], eps), head.t())
+        cek = F.cross_entropy(lk.float() if lk.dtype == torch.bfloat16 else lk, tout, ignore_index=-1,
+                              reduction="sum")
+        st.mtp_ce.append(cek)
+        mtp = mtp + cek / (B * (T - k))
+    if D > 0:
+        mtp = mtp * (m["mtp_loss_weight"] / D)
+    st.mtp = mtp
+    total = ce + st.aux_sum + st.z_sum + mtp
+    return total, ce, st.aux_sum, st.z_sum, logits
+
+
+def block(P, p, x, moe, cfg, prec, st, B, T, cos, sin):
+    """One decoder layer (parameters under prefix p) on x [N, d]; MoE statistics into st."""
+    m = cfg["model"]
+    d, H, eps = m["d_model"], m["n_heads"], m["norm_eps"]
+    N = B * T
+    mla = m["attn_type"] == "mla"
+    if mla:
+        dn, dr, dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+        rq, rkv = m["q_lora_rank"], m["kv_lora_rank"]
+        dqk = dn + dr
+    else:
+        hd, hkv = m["head_dim"], m["n_kv_heads"]
+        dqk = dv = hd
+    scale = 1.0 / math.sqrt(dqk)
+    mm = prec.mm
+    if True:
         h = rmsnorm(x, P[p + "attn_norm"], eps)
         if not mla:
             qkv = mm(h, P[p + "attn.wqkv"]).view(B, T, H + 2 * hkv, hd)
@@ -423,21 +480,15 @@ def forward(P, tokens, targets, cfg, prec, st, B, T):
         ao = causal_attention(q, k, v, scale).reshape(N, H * dv)
         x = x + mm(ao, P[p + "attn.wo"])
         h2 = rmsnorm(x, P[p + "ffn_norm"], eps)
-        if not is_moe_layer(m, l):
+        if not moe:
             y = mm(swiglu(mm(h2, P[p + "mlp.w13"])), P[p + "mlp.w2"])
         else:
-            y = moe_ffn(P, p, h2, m, prec, st, moe_i, T)
-            aux_sum = aux_sum + st.last_aux
-            z_sum = z_sum + st.last_z
-            moe_i += 1
+            y = moe_ffn(P, p, h2, m, prec, st, st.moe_i, T)
+            st.aux_sum = st.aux_sum + st.last_aux
+            st.z_sum = st.z_sum + st.last_z
+            st.moe_i += 1
         x = x + y
-    hf = rmsnorm(x, P["final_norm"], eps)
-    head = P["embed"] if m["tie_embeddings"] else P["head"]
-    logits = mm(hf, head.t())  # [N, V]
-    ce = F.cross_entropy(logits.float() if logits.dtype == torch.bfloat16 else logits, targets,
-                         ignore_index=-1, reduction="sum") / N
-    total = ce + aux_sum + z_sum
-    return total, ce, aux_sum, z_sum, logits
+    return x
 
 
 def moe_ffn(P, p, h2, m, prec, st, moe_i, T):
@@ -602,7 +653,9 @@ def train_reference(cfg, P0, biases0, tokens, targets, B, T, mode, steps, forced
         gn = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
         clip = clip_coefficient(gn, cfg["training"]["max_norm"])
         lr = lr_at(cfg, step, steps)
+        out.setdefault("mtp_losses", []).append(float(st.mtp))
         if step == 1:
+            out["mtp_ce"] = [float(c) for c in st.mtp_ce]
             out["logits"] = logits.detach().clone()
             out["grads"] = grads
             out["loss"], out["aux_loss"], out["z_loss"] = float(ce), float(aux), float(z)
@@ -645,6 +698,7 @@ def gen(dump_path, out_path, steps=5, toml_path=None):
             raise SystemExit(f"{n}: engine shape {t['param.' + n].shape}, reference {shape}")
     P0 = {n: t["param." + n] for n in names}
     nmoe = sum(is_moe_layer(m, l) for l in range(m["n_layers"]))
+    nmoe += m["mtp_layers"] if is_moe_layer(m, m["n_layers"] - 1) else 0  # the MTP blocks' MoE layers follow
     biases0 = {i: t[f"expert_bias.{i}"] for i in range(nmoe)}
     tokens, targets = t["tokens"], t["targets"]
     torch.set_num_threads(1)
@@ -671,6 +725,9 @@ def gen(dump_path, out_path, steps=5, toml_path=None):
         o[prefix + "z_loss"] = f32([r["z_loss"]])
         o[prefix + "losses"] = f32(r["losses"])
         o[prefix + "grad_norms"] = f32(r["grad_norms"])
+        if m["mtp_layers"] > 0:  # the MTP loss per step and each depth's cross-entropy sum at step 1
+            o[prefix + "mtp_losses"] = f32(r["mtp_losses"])
+            o[prefix + "mtp_ce"] = f32(r["mtp_ce"])
         for n in names:
             o[prefix + "grad." + n] = f32(r["grads"][n])
             o[prefix + "step5." + n] = f32(r["params"][n])
