@@ -399,7 +399,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
     const bool syncs = c.parallelism.ep_dispatcher != EpDispatcher::SyncFree;
     double span_gpu = 0, span_host = 0, bwd_gpu = 0, bwd_host = 0, host_f = 0;
     auto close_span = [&] { host_f += std::max(0.0, span_host - span_gpu), span_gpu = span_host = 0; };
-    for_each_layer_group(sp, s, ac, st, [&](int layer, bool moe, bool on, int count) {
+    auto add_layers = [&](int layer, bool moe, bool on, int count) {
       const int km = moe ? 1 : 0, kr = on ? 1 : 0;
       if (!have[km][kr]) cache[km][kr] = layer_cost(x, layer, ac), have[km][kr] = true;
       const LayerCost& lc = cache[km][kr];
@@ -426,12 +426,33 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
         bwd_gpu += n * (lc.sum_i() + lc.sum_w() + lc.tp_b + lc.cp_b + lc.recompute + lc.a2a);
         bwd_host += n * (lc.launch.i + lc.launch.w) * hl;
       }
-    });
+    };
+    for_each_layer_group(sp, s, ac, st, add_layers);
+    // The MTP depths (model.mtp_layers; docs/model.md, "Multi-token prediction") on the last stage: each a block of
+    // the last layer's kind (and its recompute choice), eh_proj (T x 2d -> d) and three norms (the embedding's, the
+    // hidden state's, the head's); each depth's head and loss are counted with the main head below.
+    const bool last = sp.last[size_t(st)];
+    const double D = last ? double(s.mtp_layers) : 0.0;
+    if (D > 0) {
+      const int ll = int(s.n_layers - 1);
+      add_layers(ll, s.is_moe_layer(ll), ac.applies_to(ll), int(D));
+      LayerCost e;
+      const double dm = double(s.d_model);
+      e.add_gemm(kOpOther, gemm(x, x.T, dm, 2 * dm));
+      e.add_mem(kOpNorm, membound(x, 3 * 2 * dm * x.ab * x.T / x.q));
+      t.f += D * e.sum_f(), t.i += D * e.sum_i(), t.w += D * e.sum_w();
+      for (int k = 0; k < kNumPlanOps; ++k)
+        t.op_f[size_t(k)] += D * e.op[k].f, t.op_b[size_t(k)] += D * (e.op[k].i + e.op[k].w);
+      t.gemm += D * (e.gemm.f + e.gemm.i + e.gemm.w), t.memory_bound += D * (e.mem.f + e.mem.i);
+      t.quantize += D * (e.quant.f + e.quant.i), t.flops += D * 3 * e.flops_f;
+      span_gpu += D * e.sum_f(), span_host += D * e.launch.f * hl;
+      bwd_gpu += D * (e.sum_i() + e.sum_w()), bwd_host += D * (e.launch.i + e.launch.w) * hl;
+    }
     close_span();
     t.host_f = host_f, t.host_b = std::max(0.0, bwd_host - bwd_gpu);
     t.f += t.host_f, t.i += t.host_b;
     t.n_a2a = std::max(1, 2 * moe_a2a_layers);
-    if (sp.last[size_t(st)]) {  // the head GEMM and the loss (fused: one pass over the logits chunks)
+    if (last) {  // the head GEMM and the loss (fused: one pass over the logits chunks), once per head (1 + D)
       const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
       const GemmCost g = gemm(x, x.T, V, d);
       double f = g.t + g.quant, i = g.t + g.quant, w = g.t;
@@ -446,9 +467,12 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
         f += loss, i += loss;
         t.gemm += 3 * g.t, t.memory_bound += 2 * loss;
       }
-      t.f += f, t.i += i, t.w += w;
-      t.op_f[kOpLoss] += f, t.op_b[kOpLoss] += i + w;
-      t.quantize += 2 * g.quant, t.flops += 3 * g.flops;
+      const double heads = 1 + D;
+      if (h.loss_efficiency > 0) t.gemm += (heads - 1) * 3 * (f - g.quant);
+      else t.gemm += (heads - 1) * 3 * g.t, t.memory_bound += (heads - 1) * 2 * (f - g.t - g.quant);
+      t.f += heads * f, t.i += heads * i, t.w += heads * w;
+      t.op_f[kOpLoss] += heads * f, t.op_b[kOpLoss] += heads * (i + w);
+      t.quantize += heads * 2 * g.quant, t.flops += heads * 3 * g.flops;
     }
   }
   return out;

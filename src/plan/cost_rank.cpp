@@ -3,6 +3,8 @@
 #include "cost_rank.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "moetron/muon_params.h"
 
@@ -43,17 +45,27 @@ double newton_schulz_rank(const JobConfig& c, const Layout& l, const Hardware& h
   const double expert_div = l.zero == 0 ? 1.0 : std::max(1.0, double(l.edp()) * double(shard) / double(l.dp));
   const double steps = double(c.optimizer.muon_ns_steps);
   double t = 0;
-  for (int st : sp.rank_stages[size_t(r)])
+  // The matrices of the rank's layers; the last stage adds each MTP depth's block (the last layer's kind) and its
+  // eh_proj (2d x d).
+  std::vector<std::pair<MuonShape, double>> mats;  // a layer's matrices, how many such layers
+  for (int st : sp.rank_stages[size_t(r)]) {
     for (int layer : sp.stage_layers[size_t(st)])
-      for (const MuonShape& m : muon_layer_matrices(c.model, layer)) {
-        const double a = double(std::min(m.rows, m.cols)), b = double(std::max(m.rows, m.cols));
-        const double one = steps * (2 * a * a * b / rate(a, a, b) + 2 * a * a * a / rate(a, a, a) +
-                                    2 * a * b * a / rate(a, b, a));
-        const bool expert = m.kind == MuonShape::Kind::Experts;
-        const double count = expert ? double(m.count) / double(l.ep) : double(m.count);
-        const double div = expert ? expert_div : dense_div * (m.kind == MuonShape::Kind::Sliced ? double(l.tp) : 1.0);
-        t += count * one / div;
-      }
+      for (const MuonShape& m : muon_layer_matrices(c.model, layer)) mats.push_back({m, 1.0});
+    if (sp.last[size_t(st)] && c.model.mtp_layers > 0) {
+      const double D = double(c.model.mtp_layers);
+      for (const MuonShape& m : muon_layer_matrices(c.model, c.model.n_layers - 1)) mats.push_back({m, D});
+      mats.push_back({MuonShape{MuonShape::Kind::Sliced, 1, 2 * c.model.d_model, c.model.d_model}, D});
+    }
+  }
+  for (const auto& [m, layers] : mats) {
+    const double a = double(std::min(m.rows, m.cols)), b = double(std::max(m.rows, m.cols));
+    const double one =
+        steps * (2 * a * a * b / rate(a, a, b) + 2 * a * a * a / rate(a, a, a) + 2 * a * b * a / rate(a, b, a));
+    const bool expert = m.kind == MuonShape::Kind::Experts;
+    const double count = expert ? double(m.count) / double(l.ep) : double(m.count);
+    const double div = expert ? expert_div : dense_div * (m.kind == MuonShape::Kind::Sliced ? double(l.tp) : 1.0);
+    t += layers * count * one / div;
+  }
   return t;
 }
 

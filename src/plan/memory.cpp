@@ -295,6 +295,18 @@ RankParams rank_params(const MemCtx& x, SplitCache& cache, RankMemory& rm) {
       p.largest_unit = vd / double(l.tp), p.largest_unit_moe = false;
     if (x.sp.first[size_t(st)]) p.ps.tp_sharded += vd;
     if (x.sp.last[size_t(st)]) p.ps.tp_sharded += vd, p.ps.replicated += d;  // head (a copy when tied) + final norm
+    if (x.sp.last[size_t(st)] && s.mtp_layers > 0) {
+      // The MTP depths (docs/model.md, "Multi-token prediction"): each a block of the last layer's kind, eh_proj
+      // (2d x d, a Muon matrix) and three norms; under PP the last stage also holds a copy of the embedding (its
+      // gradient exchanged like a tied head's). Their activations are not counted here (docs/planner.md).
+      const double D = double(s.mtp_layers);
+      const ParamSplit y = split_layer(s, s.n_layers - 1);
+      p.ps.tp_sharded += D * (y.tp_sharded + 2 * d * d), p.ps.replicated += D * (y.replicated + 3 * d);
+      p.ps.experts += D * y.experts, p.ps.aux_free_bias += D * y.aux_free_bias;
+      p.ps.muon_tp_sharded += D * (y.muon_tp_sharded + 2 * d * d), p.ps.muon_replicated += D * y.muon_replicated;
+      if (s.is_moe_layer(s.n_layers - 1)) p.moe_here = true, p.moe_layers += int(D);
+      if (!x.sp.first[size_t(st)]) p.ps.tp_sharded += vd;
+    }
   }
   return p;
 }

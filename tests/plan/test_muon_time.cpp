@@ -46,3 +46,16 @@ TEST(PlanMuon, OwnersShareTheWorkUnderADistributedOptimizer) {
   EXPECT_NEAR(optimizer_s(m, 4, true) - optimizer_s(a, 4, true), whole / 4, 1e-9 * whole);
   EXPECT_NEAR(optimizer_s(m, 4, false) - optimizer_s(a, 4, false), whole, 1e-9 * whole);
 }
+
+TEST(PlanMuon, MtpDepthsAddTheirMatrices) {
+  // One MTP depth adds a block of the last layer's kind and eh_proj (2d x d) to Muon's matrices.
+  const JobConfig m0 = cfg("ds_mini", {"--optimizer.name=muon"});
+  const JobConfig m1 = cfg("ds_mini", {"--optimizer.name=muon", "--model.mtp_layers=1"});
+  const JobConfig a1 = cfg("ds_mini", {"--optimizer.name=adamw", "--model.mtp_layers=1"});
+  const int64_t steps = m1.optimizer.muon_ns_steps, d = m1.model.d_model;
+  double extra = newton_schulz_flops(2 * d, d, steps);
+  for (const MuonShape& m : muon_layer_matrices(m1.model, m1.model.n_layers - 1))
+    extra += double(m.count) * newton_schulz_flops(m.rows, m.cols, steps);
+  EXPECT_NEAR(optimizer_s(m1, 1, true) - optimizer_s(a1, 1, true), (ns_flops(m0) + extra) / 1000e12,
+              1e-9 * ns_flops(m0) / 1000e12);
+}
