@@ -29,12 +29,6 @@ namespace {
 
 using namespace cu;
 
-double dotd(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
-  return s;
-}
-
 // ---- dense GEMM (cuBLAS) -------------------------------------------------------------------------------------
 struct GemmBf16Case : OpCase {
   cuda::Op ta, tb;

@@ -20,12 +20,6 @@ namespace {
 
 using namespace cu;
 
-double dotd(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
-  return s;
-}
-
 struct NormCase : OpCase {
   int64_t N, C;
   NormCase(const char* nm, int64_t n, int64_t c) : N(n), C(c) {

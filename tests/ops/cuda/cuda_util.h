@@ -16,6 +16,13 @@ namespace moetron::ops::cu {
 
 namespace cuda = ::moetron::cuda;
 
+// The dot product of two host vectors in double (the gradient cases' <y, g> = <x, dx> identities).
+inline double dotd(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
+  return s;
+}
+
 // Fresh inputs: this run's seed mixed with a tag, so every tensor of every case gets its own draw.
 inline std::vector<float> rnd(int64_t n, const std::string& tag, float scale = 1.0f) {
   return randn(n, run_seed() ^ (std::hash<std::string>{}(tag) * 0x9e3779b97f4a7c15ull), scale);
