@@ -222,6 +222,8 @@ KEYS = {
     "model.aux_coef": (0.5, loss()),
     "model.aux_seq_wise": ("false", loss()),
     "model.bias_update_rate": (0.1, loss(["--model.load_balance=aux_free"])),
+    "model.sinkhorn_iters": (4, loss()),
+    "model.bias_update": ("proportional", loss(["--model.load_balance=aux_free", "--model.bias_update_rate=0.1"])),
     "model.z_loss_coef": (0.1, loss()),
     "model.capacity_factor": (0.5, loss()),
     "model.drop_policy": ("position", loss(["--model.capacity_factor=0.5"])),
