@@ -11,6 +11,11 @@
 //         c then divided by its mean; q_e = s_e * c_e + bias_e. Selection only: the weights, the losses and the
 //         backward use s. The column sums run in token order in fp64 (deterministic); a token's selection then
 //         depends on the other tokens of the call (not batch invariant).
+//   Capacity routing (capacity = f >= 1, n_group = 1): C = ceil(f N k / E); tokens in order n = 0 .. N-1 take
+//         their k largest q_e among the experts holding fewer than C of the call's assignments so far (a full
+//         expert passes the token to its next choice; no token is dropped). No expert exceeds C, so the load's
+//         cv is at most sqrt(C E / (N k) - 1) (Bhatia-Davis: variance <= (max - mean) (mean - min)). Depends on
+//         the other tokens of the call and their order.
 //   group-limited selection (n_group > 1): experts split into n_group contiguous groups of G = E / n_group;
 //         group score = max_{e in g} q_e (GroupScore::Max, DeepSeek-V2)
 //                    or sum of the top min(2, G) q_e in g (GroupScore::Top2Sum, DeepSeek-V3);
@@ -67,6 +72,7 @@ struct RouterConfig {
   int split = 1;
   std::function<void(int32_t* counts, int64_t n)> sum_counts;
   int sinkhorn_iters = 0;  // > 0: Sinkhorn selection (above); needs split = 1
+  float capacity = 0.0f;   // > 0 (>= 1): capacity routing (above); needs split = 1 and n_group = 1
 };
 
 // The largest n_group supported (per-token group scores live on the stack).

@@ -77,7 +77,10 @@ struct MoESpec {
   BiasUpdate bias_update = BiasUpdate::Sign;
   // > 0: the top-k selects on the scores scaled to equal column sums over the micro-batch's tokens by this many
   // Sinkhorn iterations (router.h; Megatron-LM's "sinkhorn"); weights and losses keep the scores. 0 = off.
-  int64_t sinkhorn_iters = 0;  // aux_free: the step's form (sign of the load error, or proportional)
+  int64_t sinkhorn_iters = 0;
+  // > 0 (>= 1): capacity routing: in token order, a token's top-k skips the experts that already hold
+  // ceil(route_capacity * N * topk / E) of the micro-batch's N tokens' assignments (router.h). 0 = off.
+  double route_capacity = 0.0;  // aux_free: the step's form (sign of the load error, or proportional)
   double z_loss_coef = 0.0;
   double capacity_factor = 0.0;    // 0 = dropless
   DropPolicy drop_policy = DropPolicy::Probs;

@@ -215,6 +215,7 @@ json extras(const ModelSpec& s) {
               {"bias_update_rate", m.bias_update_rate},
               {"bias_update", std::string(to_string(m.bias_update))},
               {"sinkhorn_iters", m.sinkhorn_iters},
+              {"route_capacity", m.route_capacity},
               {"z_loss_coef", m.z_loss_coef},
               {"capacity_factor", m.capacity_factor},
               {"drop_policy", std::string(to_string(m.drop_policy))}};
@@ -239,6 +240,7 @@ void apply_extras(ModelSpec& s, const Reader& r) {
   else if (bu == "proportional") m.bias_update = BiasUpdate::Proportional;
   else e.fail("bias_update", "must be sign or proportional, got " + bu);
   m.sinkhorn_iters = e.i("sinkhorn_iters", m.sinkhorn_iters);
+  m.route_capacity = e.f("route_capacity", m.route_capacity);
   m.z_loss_coef = e.f("z_loss_coef", m.z_loss_coef);
   m.capacity_factor = e.f("capacity_factor", m.capacity_factor);
   const std::string dp = e.s("drop_policy", std::string(to_string(m.drop_policy)));

@@ -146,6 +146,33 @@ void select_row(int32_t* idx, float* val, const float* s, const float* bias, con
   }
 }
 
+// Capacity routing (router.h): tokens in order take their top-k among the experts below C assignments; rewrites
+// topk_idx, topk_w and counts. q: the selection row s (* Sinkhorn factors) + bias.
+void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const float* scores, const float* skc,
+                    const float* bias, const RouterConfig& cfg, int64_t N) {
+  const int E = cfg.E, k = cfg.topk;
+  const int64_t C = int64_t(std::ceil(double(cfg.capacity) * double(N) * k / E - 1e-9));
+  std::memset(counts, 0, sizeof(int32_t) * size_t(E));
+  std::vector<float> q(static_cast<size_t>(E));
+  std::vector<char> used(static_cast<size_t>(E));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* s = scores + n * E;
+    for (int e = 0; e < E; ++e) q[size_t(e)] = (skc ? s[e] * skc[e] : s[e]) + (bias ? bias[e] : 0.0f);
+    int32_t* idx = topk_idx + n * k;
+    std::fill(used.begin(), used.end(), 0);
+    for (int j = 0; j < k; ++j) {  // the largest available q, ties to the lower index
+      int best = -1;
+      for (int e = 0; e < E; ++e)
+        if (!used[size_t(e)] && counts[e] < C && (best < 0 || q[size_t(e)] > q[size_t(best)])) best = e;
+      idx[j] = best, used[size_t(best)] = 1, ++counts[best];
+    }
+    float sum = 0;
+    for (int j = 0; j < k; ++j) sum += s[idx[j]];
+    for (int j = 0; j < k; ++j)
+      topk_w[n * k + j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
+  }
+}
+
 void check_ptrs(const char* op, const RouterConfig& cfg, int64_t N, void* ws, std::initializer_list<const void*> ps) {
   router_validate(cfg, N);
   if (N == 0) return;
@@ -172,6 +199,10 @@ void router_validate(const RouterConfig& c, int64_t N) {
   MT_CHECK(c.split >= 1, op, "split=", c.split, " must be >= 1");
   MT_CHECK(c.split == 1 || c.aux == AuxMode::None || c.sum_counts, op, "split=", c.split,
            " needs sum_counts (the aux loss's counts over the ranks holding the sequence)");
+  MT_CHECK(c.capacity == 0 || (std::isfinite(c.capacity) && c.capacity >= 1), op, "capacity=", c.capacity,
+           " must be 0 (off) or >= 1");
+  MT_CHECK(c.capacity == 0 || (c.split == 1 && c.n_group == 1), op, "capacity=", c.capacity,
+           " needs the whole micro-batch on this rank (split=", c.split, ") and no group limit (n_group=", c.n_group, ")");
   MT_CHECK(c.sinkhorn_iters >= 0, op, "sinkhorn_iters=", c.sinkhorn_iters, " must be >= 0");
   MT_CHECK(c.sinkhorn_iters == 0 || c.split == 1, op, "sinkhorn_iters=", c.sinkhorn_iters,
            " needs the whole micro-batch's tokens on this rank (split=", c.split, ")");
@@ -324,6 +355,19 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
     }
   }
   MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
+  if (cfg.capacity > 0) {  // the selection again, in token order under the capacity; then the aux loss's counts
+    capacity_route(topk_idx, topk_w, counts, scores, skc, bias, cfg, N);
+    if (want_aux)
+      for (int64_t b = 0; b < S; ++b) {
+        int32_t* c = w.cnt + b * E;
+        if (cfg.aux == AuxMode::Global) {
+          std::memcpy(c, counts, sizeof(int32_t) * size_t(E));
+        } else {
+          std::memset(c, 0, sizeof(int32_t) * size_t(E));
+          for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
+        }
+      }
+  }
   if (want_aux && cfg.split > 1) cfg.sum_counts(w.cnt, S * E);  // the whole sequences' counts (exact: integers)
   if (want_aux) {
 #pragma omp parallel for schedule(static)

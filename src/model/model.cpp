@@ -184,6 +184,7 @@ void Model::Impl::build_buffers() {
     rcfg.z_coef = float(s.moe.z_loss_coef);
     rcfg.seq_len = int(m.T_);
     rcfg.sinkhorn_iters = int(s.moe.sinkhorn_iters);
+    rcfg.capacity = float(s.moe.route_capacity);
     if (cp > 1)  // CP: a sequence's aux-loss counts span its chunks on every CP rank
       rcfg.split = cp, rcfg.sum_counts = [this](int32_t* c, int64_t n) { cp_comm.all_reduce(c, n); };
     router_validate(rcfg, N);

@@ -223,6 +223,7 @@ KEYS = {
     "model.aux_seq_wise": ("false", loss()),
     "model.bias_update_rate": (0.1, loss(["--model.load_balance=aux_free"])),
     "model.sinkhorn_iters": (4, loss()),
+    "model.route_capacity": (1.0, loss()),
     "model.bias_update": ("proportional", loss(["--model.load_balance=aux_free", "--model.bias_update_rate=0.1"])),
     "model.z_loss_coef": (0.1, loss()),
     "model.capacity_factor": (0.5, loss()),

@@ -523,6 +523,37 @@ class RouterSinkhorn : public OpCase {
                              std::to_string(max0) + ")");
       r.check(max1 <= 2 * N * k / E, "sinkhorn selection: no expert above twice the balanced load (" + tag +
                                          ", max " + std::to_string(max1) + ")");
+      // Capacity routing (capacity 1.5: C = ceil(1.5 * 256 * 2 / 16) = 48) on the same collapsed scores, without
+      // and with Sinkhorn: every expert at most C, k distinct experts per token, and the selection equal to a
+      // naive greedy twin (tokens in order, the largest available q, ties to the lower index).
+      for (int it : {0, iters}) {
+        RouterConfig cc = c;
+        cc.sinkhorn_iters = it, cc.capacity = 1.5f;
+        std::vector<char> ws3(router_workspace_bytes(cc, N));
+        std::vector<int32_t> cidx(static_cast<size_t>(N * k)), ccnt(static_cast<size_t>(E));
+        router_forward(cidx.data(), w.data(), ccnt.data(), s.data(), nullptr, logits.data(), nullptr, cc, N, ws3.data());
+        std::vector<double> fac(static_cast<size_t>(E), 1.0);
+        if (it > 0) router_sinkhorn_factors(fac.data(), s.data(), N, E, it, ws3.data());
+        const int C = 48;
+        std::vector<int32_t> want(static_cast<size_t>(N * k)), wcnt(static_cast<size_t>(E), 0);
+        for (int64_t n = 0; n < N; ++n)
+          for (int j = 0; j < k; ++j) {
+            int best = -1;
+            for (int e = 0; e < E; ++e) {
+              bool taken = false;
+              for (int i = 0; i < j; ++i) taken = taken || want[size_t(n * k + i)] == e;
+              const float qe = it > 0 ? s[size_t(n * E + e)] * float(fac[size_t(e)]) : s[size_t(n * E + e)];
+              const float qb = best < 0 ? 0.0f
+                                        : (it > 0 ? s[size_t(n * E + best)] * float(fac[size_t(best)]) : s[size_t(n * E + best)]);
+              if (!taken && wcnt[size_t(e)] < C && (best < 0 || qe > qb)) best = e;
+            }
+            want[size_t(n * k + j)] = best, ++wcnt[size_t(best)];
+          }
+        const std::string ctag = tag + (it > 0 ? ", sinkhorn" : "");
+        r.compare("capacity routing = greedy twin (" + ctag + ")", cidx.data(), want.data(), N * k);
+        r.compare("capacity routing counts (" + ctag + ")", ccnt.data(), wcnt.data(), E);
+        r.check(*std::max_element(ccnt.begin(), ccnt.end()) <= C, "capacity routing: no expert above C = 48 (" + ctag + ")");
+      }
     }
   }
   void test(Report& r) override { run(r); }

@@ -344,6 +344,21 @@ def route(logits, bias, m, T, forced_idx=None):
         gap = gap[torch.isfinite(gap)]
         if gap.numel():
             margin = min(margin, float(gap.min()))
+    cap = m.get("route_capacity", 0.0)
+    if cap > 0:  # capacity routing (router.h): tokens in order take their best experts below C assignments
+        C = math.ceil(cap * N * k / E - 1e-9)
+        cnt, qq, rows = [0] * E, q.tolist(), []
+        for n in range(N):
+            row = []
+            for _ in range(k):
+                best = -1
+                for e in range(E):
+                    if e not in row and cnt[e] < C and (best < 0 or qq[n][e] > qq[n][best]):
+                        best = e
+                row.append(best)
+                cnt[best] += 1
+            rows.append(row)
+        idx = torch.tensor(rows, dtype=torch.int64)
     if forced_idx is not None:
         idx = forced_idx
     w = s.gather(1, idx)

@@ -47,7 +47,7 @@ MODELLED = {
                   qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, n_routed_experts=0, n_shared_experts=0,
                   moe_inter_size=0, topk=0, score_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
                   route_scale=1.0, load_balance="aux_loss", aux_coef=0.001, aux_seq_wise=False,
-                  bias_update_rate=0.001, bias_update="sign", sinkhorn_iters=0, z_loss_coef=0.0, capacity_factor=0.0, drop_policy="probs"),
+                  bias_update_rate=0.001, bias_update="sign", sinkhorn_iters=0, route_capacity=0.0, z_loss_coef=0.0, capacity_factor=0.0, drop_policy="probs"),
     "training": dict(seq_len=0, micro_batch_size=1, global_batch_size=0, steps=1, seed=0, max_norm=1.0,
                      dataset="synthetic", dataset_path="", val_interval=0, val_steps=0, compute_dtype="auto",
                      threads=0, memory_check=True, nonfinite="halt"),
