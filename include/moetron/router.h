@@ -13,9 +13,11 @@
 //         depends on the other tokens of the call (not batch invariant).
 //   Capacity routing (capacity = f >= 1, n_group = 1): C = ceil(f N k / E); tokens in order n = 0 .. N-1 take
 //         their k largest q_e among the experts holding fewer than C of the call's assignments so far (a full
-//         expert passes the token to its next choice; no token is dropped). No expert exceeds C, so the load's
-//         cv is at most sqrt(C E / (N k) - 1) (Bhatia-Davis: variance <= (max - mean) (mean - min)). Depends on
-//         the other tokens of the call and their order.
+//         expert passes the token to its next choice; no token is dropped). With capacity >= E / (E - k + 1)
+//         some k experts always have room and no expert exceeds C, so the load's cv is at most
+//         sqrt(C E / (N k) - 1) (Bhatia-Davis: variance <= (max - mean) (mean - min)); below that, a token that
+//         finds fewer than k experts with room takes its best unused ones. Depends on the other tokens of the call
+//         and their order.
 //   group-limited selection (n_group > 1): experts split into n_group contiguous groups of G = E / n_group;
 //         group score = max_{e in g} q_e (GroupScore::Max, DeepSeek-V2)
 //                    or sum of the top min(2, G) q_e in g (GroupScore::Top2Sum, DeepSeek-V3);

@@ -164,6 +164,10 @@ void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const flo
       int best = -1;
       for (int e = 0; e < E; ++e)
         if (!used[size_t(e)] && counts[e] < C && (best < 0 || q[size_t(e)] > q[size_t(best)])) best = e;
+      // Fewer than k experts with room (possible only when capacity < E / (E - k + 1)): the best unused one.
+      if (best < 0)
+        for (int e = 0; e < E; ++e)
+          if (!used[size_t(e)] && (best < 0 || q[size_t(e)] > q[size_t(best)])) best = e;
       idx[j] = best, used[size_t(best)] = 1, ++counts[best];
     }
     float sum = 0;

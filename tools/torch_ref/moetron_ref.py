@@ -355,6 +355,10 @@ def route(logits, bias, m, T, forced_idx=None):
                 for e in range(E):
                     if e not in row and cnt[e] < C and (best < 0 or qq[n][e] > qq[n][best]):
                         best = e
+                if best < 0:  # fewer than k experts with room: the best unused one (router.cpp)
+                    for e in range(E):
+                        if e not in row and (best < 0 or qq[n][e] > qq[n][best]):
+                            best = e
                 row.append(best)
                 cnt[best] += 1
             rows.append(row)
