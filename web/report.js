@@ -184,6 +184,16 @@
     heatmap(c1, cells, xl.length, yl.length, xl, yl, 'step', 'layer', 1, hi, 'max / balanced');
     legendBar(c1.parentNode.parentNode, 1, hi, 'max load / balanced load');
 
+    if (ex.dead) {  // experts with no token over each record's logging window
+      let hiD = 1;
+      const dcells = [];
+      ex.dead.forEach((row, l) => row.forEach((v, k) => { if (v !== null) { dcells.push({ x: k, y: l, v: v }); hiD = Math.max(hiD, v); } }));
+      const cd = card(g, 'chart-expert-dead', 'Dead experts per layer',
+                      'experts that received no token in the steps since the previous logged step', true);
+      heatmap(cd, dcells, xl.length, yl.length, xl, yl, 'step', 'layer', 0, hiD, 'dead experts');
+      legendBar(cd.parentNode.parentNode, 0, hiD, 'dead experts (of ' + ex.experts + ')');
+    }
+
     const cols = ex.share[0][0].length;
     const el2 = card(g, 'chart-expert-detail', 'Load per expert', null, true);
     const pick = el('select', { id: 'expert-layer' });

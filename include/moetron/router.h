@@ -5,6 +5,19 @@
 // Per token n (logits l[n, 0..E), fp32):
 //   s_e   = softmax(l)_e                or sigmoid(l_e)               (ScoreFn)      -> scores [N, E]
 //   q_e   = s_e + bias_e                (bias may be null: 0)          selection scores; bias selects only
+//   Sinkhorn selection (sinkhorn_iters = I > 0; Megatron-LM's "sinkhorn" balancing, S-BASE): the score matrix
+//         s [N, E] of the call's N tokens is scaled to equal column sums by I fixed iterations of
+//           r_n = 1 / sum_e s_{n,e} c_e,   c_e = (N / E) / sum_n s_{n,e} r_n    (c_e = 1 before the first),
+//         c then divided by its mean; q_e = s_e * c_e + bias_e. Selection only: the weights, the losses and the
+//         backward use s. The column sums run in token order in fp64 (deterministic); a token's selection then
+//         depends on the other tokens of the call (not batch invariant).
+//   Capacity routing (capacity = f >= 1, n_group = 1): C = ceil(f N k / E); tokens in order n = 0 .. N-1 take
+//         their k largest q_e among the experts holding fewer than C of the call's assignments so far (a full
+//         expert passes the token to its next choice; no token is dropped). With capacity >= E / (E - k + 1)
+//         some k experts always have room and no expert exceeds C, so the load's cv is at most
+//         sqrt(C E / (N k) - 1) (Bhatia-Davis: variance <= (max - mean) (mean - min)); below that, a token that
+//         finds fewer than k experts with room takes its best unused ones. Depends on the other tokens of the call
+//         and their order.
 //   group-limited selection (n_group > 1): experts split into n_group contiguous groups of G = E / n_group;
 //         group score = max_{e in g} q_e (GroupScore::Max, DeepSeek-V2)
 //                    or sum of the top min(2, G) q_e in g (GroupScore::Top2Sum, DeepSeek-V3);
@@ -60,6 +73,8 @@ struct RouterConfig {
   // sequence's, so the ranks' losses add up to the single-rank loss. split = 1: sum_counts is not called.
   int split = 1;
   std::function<void(int32_t* counts, int64_t n)> sum_counts;
+  int sinkhorn_iters = 0;  // > 0: Sinkhorn selection (above); needs split = 1
+  float capacity = 0.0f;   // > 0 (>= 1): capacity routing (above); needs split = 1 and n_group = 1
 };
 
 // The largest n_group supported (per-token group scores live on the stack).
@@ -79,6 +94,11 @@ struct RouterLosses {
 // Workspace for router_forward / router_backward (both take the same size; 8-byte aligned).
 size_t router_workspace_bytes(const RouterConfig& cfg, int64_t N);
 
+// The Sinkhorn column factors c [E] (mean 1) of the score matrix s [N, E] after `iters` iterations (above).
+// ws: router_workspace_bytes of a config with sinkhorn_iters > 0.
+void router_sinkhorn_factors(double* c /* [E] */, const float* scores /* [N, E] */, int64_t N, int E, int iters,
+                             void* ws);
+
 // topk_idx, topk_w, counts, scores are written in full. losses may be null (the loss values are then not
 // computed; nothing else changes). bias may be null. ws: router_workspace_bytes(cfg, N) bytes.
 // Throws on invalid cfg, null pointers or non-finite logits.
@@ -96,6 +116,11 @@ void router_backward(float* dlogits /* [N, E] */, const float* dtopk_w /* [N, k]
 // mean_count = sum_e counts_e / E. counts may be all-reduced across ranks by the caller (hence int64).
 void router_update_bias(float* bias /* [E] */, const int64_t* counts /* [E] */, int E, float rate);
 void router_update_bias(float* bias /* [E] */, const int32_t* counts /* [E] */, int E, float rate);
+// The proportional form (model.bias_update = "proportional"): bias_e += rate * clamp((mean_count - counts_e) /
+// mean_count, -1, 1): an idle expert rises by rate, one at twice the balanced load or more falls by rate, and the
+// step shrinks with the error, so the bias settles where the sign form keeps jumping by +-rate. No step when no
+// token was routed (mean_count = 0).
+void router_update_bias_proportional(float* bias /* [E] */, const int64_t* counts /* [E] */, int E, float rate);
 
 struct LoadStats {
   int64_t min = 0, max = 0;

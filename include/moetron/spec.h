@@ -30,6 +30,9 @@ enum class AttnType : uint8_t { MHA, GQA, MLA };
 enum class ScoreFunc : uint8_t { Softmax, Sigmoid };
 enum class LoadBalance : uint8_t { None, AuxLoss, AuxFree };
 enum class DropPolicy : uint8_t { Probs, Position };
+// The aux-free bias update: DeepSeek-V3's fixed step in the sign of the load error, or a step proportional to
+// the load error over the balanced load, clipped to [-1, 1] (router.h, router_update_bias_proportional).
+enum class BiasUpdate : uint8_t { Sign, Proportional };
 enum class FfnKind : uint8_t { SwiGLU, GELU };
 enum class AttnImpl : uint8_t { Flash, Unfused };
 
@@ -37,6 +40,7 @@ std::string_view to_string(AttnType v);
 std::string_view to_string(ScoreFunc v);
 std::string_view to_string(LoadBalance v);
 std::string_view to_string(DropPolicy v);
+std::string_view to_string(BiasUpdate v);
 std::string_view to_string(FfnKind v);
 std::string_view to_string(AttnImpl v);
 
@@ -74,6 +78,13 @@ struct MoESpec {
   double aux_coef = 0.001;         // balance loss coefficient (aux_loss; complementary loss with aux_free)
   bool aux_seq_wise = false;       // balance loss per sequence (DeepSeek "seq_aux") rather than per batch
   double bias_update_rate = 0.001; // aux_free: step of the per-expert bias update
+  BiasUpdate bias_update = BiasUpdate::Sign;
+  // > 0: the top-k selects on the scores scaled to equal column sums over the micro-batch's tokens by this many
+  // Sinkhorn iterations (router.h; Megatron-LM's "sinkhorn"); weights and losses keep the scores. 0 = off.
+  int64_t sinkhorn_iters = 0;
+  // > 0 (>= 1): capacity routing: in token order, a token's top-k skips the experts that already hold
+  // ceil(route_capacity * N * topk / E) of the micro-batch's N tokens' assignments (router.h). 0 = off.
+  double route_capacity = 0.0;  // aux_free: the step's form (sign of the load error, or proportional)
   double z_loss_coef = 0.0;
   double capacity_factor = 0.0;    // 0 = dropless
   DropPolicy drop_policy = DropPolicy::Probs;

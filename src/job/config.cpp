@@ -239,6 +239,9 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("model", "aux_coef", model.moe.aux_coef));
     t.push_back(MT_F("model", "aux_seq_wise", model.moe.aux_seq_wise));
     t.push_back(MT_F("model", "bias_update_rate", model.moe.bias_update_rate));
+    t.push_back(MT_E("model", "bias_update", model.moe.bias_update, {"sign", "proportional"}));
+    t.push_back(MT_F("model", "sinkhorn_iters", model.moe.sinkhorn_iters));
+    t.push_back(MT_F("model", "route_capacity", model.moe.route_capacity));
     t.push_back(MT_F("model", "z_loss_coef", model.moe.z_loss_coef));
     t.push_back(MT_F("model", "capacity_factor", model.moe.capacity_factor));
     t.push_back(MT_E("model", "drop_policy", model.moe.drop_policy, {"probs", "position"}));

@@ -20,7 +20,7 @@ std::vector<InertSetting> inert_settings(const JobConfig& c, const RunShape& run
   const auto& moe = c.model.moe;
   // [model]: routing keys another routing key turns off.
   if (c.model.is_moe()) {
-    moot({"model.bias_update_rate"}, moe.load_balance != LoadBalance::AuxFree,
+    moot({"model.bias_update_rate", "model.bias_update"}, moe.load_balance != LoadBalance::AuxFree,
          "the expert bias is updated only with model.load_balance = \"aux_free\"");
     moot({"model.aux_coef", "model.aux_seq_wise"}, moe.load_balance == LoadBalance::None,
          "model.load_balance = \"none\" adds no balance loss");

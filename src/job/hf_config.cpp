@@ -213,6 +213,9 @@ json extras(const ModelSpec& s) {
               {"aux_coef", m.aux_coef},
               {"aux_seq_wise", m.aux_seq_wise},
               {"bias_update_rate", m.bias_update_rate},
+              {"bias_update", std::string(to_string(m.bias_update))},
+              {"sinkhorn_iters", m.sinkhorn_iters},
+              {"route_capacity", m.route_capacity},
               {"z_loss_coef", m.z_loss_coef},
               {"capacity_factor", m.capacity_factor},
               {"drop_policy", std::string(to_string(m.drop_policy))}};
@@ -232,6 +235,12 @@ void apply_extras(ModelSpec& s, const Reader& r) {
   m.aux_coef = e.f("aux_coef", m.aux_coef);
   m.aux_seq_wise = e.b("aux_seq_wise", m.aux_seq_wise);
   m.bias_update_rate = e.f("bias_update_rate", m.bias_update_rate);
+  const std::string bu = e.s("bias_update", std::string(to_string(m.bias_update)));
+  if (bu == "sign") m.bias_update = BiasUpdate::Sign;
+  else if (bu == "proportional") m.bias_update = BiasUpdate::Proportional;
+  else e.fail("bias_update", "must be sign or proportional, got " + bu);
+  m.sinkhorn_iters = e.i("sinkhorn_iters", m.sinkhorn_iters);
+  m.route_capacity = e.f("route_capacity", m.route_capacity);
   m.z_loss_coef = e.f("z_loss_coef", m.z_loss_coef);
   m.capacity_factor = e.f("capacity_factor", m.capacity_factor);
   const std::string dp = e.s("drop_policy", std::string(to_string(m.drop_policy)));

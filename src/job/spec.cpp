@@ -31,6 +31,7 @@ std::string_view to_string(LoadBalance v) {
   return "?";
 }
 std::string_view to_string(DropPolicy v) { return v == DropPolicy::Probs ? "probs" : "position"; }
+std::string_view to_string(BiasUpdate v) { return v == BiasUpdate::Sign ? "sign" : "proportional"; }
 std::string_view to_string(FfnKind v) { return v == FfnKind::SwiGLU ? "swiglu" : "gelu"; }
 std::string_view to_string(AttnImpl v) { return v == AttnImpl::Flash ? "flash" : "unfused"; }
 
@@ -265,6 +266,11 @@ void ModelSpec::validate() const {
   if (!(m.route_scale > 0)) bad("route_scale", m.route_scale, "must be > 0");
   if (!(m.aux_coef >= 0)) bad("aux_coef", m.aux_coef, "must be >= 0");
   if (!(m.bias_update_rate >= 0)) bad("bias_update_rate", m.bias_update_rate, "must be >= 0");
+  if (m.sinkhorn_iters < 0 || m.sinkhorn_iters > 1000) bad("sinkhorn_iters", m.sinkhorn_iters, "must be in [0, 1000]");
+  if (!(m.route_capacity == 0 || (m.route_capacity >= 1 && m.route_capacity <= 1e6)))
+    bad("route_capacity", m.route_capacity, "must be 0 (off) or in [1, 1e6]");
+  if (m.route_capacity > 0 && m.n_group > 1)
+    bad("route_capacity", m.route_capacity, "is not implemented with group-limited routing (n_group = ", m.n_group, ")");
   if (!(m.z_loss_coef >= 0)) bad("z_loss_coef", m.z_loss_coef, "must be >= 0");
   if (!(m.capacity_factor >= 0)) bad("capacity_factor", m.capacity_factor, "must be >= 0 (0 = dropless)");
   check_param_total(*this, n_moe);

@@ -7,6 +7,7 @@
 // histograms or fp64 sums taken in token order after the parallel part, so results never depend on the
 // thread count. With AVX-512 the score rows, the selection and the z-loss rows go through router_avx512.cpp;
 // the portable path below performs the same operations as router_forward_ref<float> (bitwise equal scores).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -37,9 +38,11 @@ int64_t aux_nseq(const RouterConfig& cfg, int64_t N) {
 }
 
 struct Ws {
-  double* tok_a;    // [N] per-token aux partial: sum_e c_e * s'_{n,e}
+  double* tok_a;    // [N] per-token aux partial: sum_e c_e * s'_{n,e}; Sinkhorn: the row factors r
   double* tok_z;    // [N] per-token lse^2
   int32_t* cnt;     // [S, E] per-sequence (or global, S = 1) counts for the aux loss
+  double* sk_c;     // [E] Sinkhorn column factors (sinkhorn_iters > 0)
+  float* sk_cf;     // [E] the same in fp32 (the selection multiplies by these)
 };
 Ws carve(void* ws, const RouterConfig& cfg, int64_t N) {
   char* p = static_cast<char*>(ws);
@@ -49,6 +52,10 @@ Ws carve(void* ws, const RouterConfig& cfg, int64_t N) {
   w.tok_z = reinterpret_cast<double*>(p);
   p += align_up(size_t(N) * sizeof(double));
   w.cnt = reinterpret_cast<int32_t*>(p);
+  p += align_up(size_t(std::max<int64_t>(aux_nseq(cfg, N), 1)) * size_t(cfg.E) * sizeof(int32_t));
+  w.sk_c = reinterpret_cast<double*>(p);
+  p += align_up(size_t(cfg.E) * sizeof(double));
+  w.sk_cf = reinterpret_cast<float*>(p);
   return w;
 }
 
@@ -139,6 +146,37 @@ void select_row(int32_t* idx, float* val, const float* s, const float* bias, con
   }
 }
 
+// Capacity routing (router.h): tokens in order take their top-k among the experts below C assignments; rewrites
+// topk_idx, topk_w and counts. q: the selection row s (* Sinkhorn factors) + bias.
+void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const float* scores, const float* skc,
+                    const float* bias, const RouterConfig& cfg, int64_t N) {
+  const int E = cfg.E, k = cfg.topk;
+  const int64_t C = int64_t(std::ceil(double(cfg.capacity) * double(N) * k / E - 1e-9));
+  std::memset(counts, 0, sizeof(int32_t) * size_t(E));
+  std::vector<float> q(static_cast<size_t>(E));
+  std::vector<char> used(static_cast<size_t>(E));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* s = scores + n * E;
+    for (int e = 0; e < E; ++e) q[size_t(e)] = (skc ? s[e] * skc[e] : s[e]) + (bias ? bias[e] : 0.0f);
+    int32_t* idx = topk_idx + n * k;
+    std::fill(used.begin(), used.end(), 0);
+    for (int j = 0; j < k; ++j) {  // the largest available q, ties to the lower index
+      int best = -1;
+      for (int e = 0; e < E; ++e)
+        if (!used[size_t(e)] && counts[e] < C && (best < 0 || q[size_t(e)] > q[size_t(best)])) best = e;
+      // Fewer than k experts with room (possible only when capacity < E / (E - k + 1)): the best unused one.
+      if (best < 0)
+        for (int e = 0; e < E; ++e)
+          if (!used[size_t(e)] && (best < 0 || q[size_t(e)] > q[size_t(best)])) best = e;
+      idx[j] = best, used[size_t(best)] = 1, ++counts[best];
+    }
+    float sum = 0;
+    for (int j = 0; j < k; ++j) sum += s[idx[j]];
+    for (int j = 0; j < k; ++j)
+      topk_w[n * k + j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
+  }
+}
+
 void check_ptrs(const char* op, const RouterConfig& cfg, int64_t N, void* ws, std::initializer_list<const void*> ps) {
   router_validate(cfg, N);
   if (N == 0) return;
@@ -165,6 +203,13 @@ void router_validate(const RouterConfig& c, int64_t N) {
   MT_CHECK(c.split >= 1, op, "split=", c.split, " must be >= 1");
   MT_CHECK(c.split == 1 || c.aux == AuxMode::None || c.sum_counts, op, "split=", c.split,
            " needs sum_counts (the aux loss's counts over the ranks holding the sequence)");
+  MT_CHECK(c.capacity == 0 || (std::isfinite(c.capacity) && c.capacity >= 1), op, "capacity=", c.capacity,
+           " must be 0 (off) or >= 1");
+  MT_CHECK(c.capacity == 0 || (c.split == 1 && c.n_group == 1), op, "capacity=", c.capacity,
+           " needs the whole micro-batch on this rank (split=", c.split, ") and no group limit (n_group=", c.n_group, ")");
+  MT_CHECK(c.sinkhorn_iters >= 0, op, "sinkhorn_iters=", c.sinkhorn_iters, " must be >= 0");
+  MT_CHECK(c.sinkhorn_iters == 0 || c.split == 1, op, "sinkhorn_iters=", c.sinkhorn_iters,
+           " needs the whole micro-batch's tokens on this rank (split=", c.split, ")");
   MT_CHECK(std::isfinite(c.z_coef) && c.z_coef >= 0, op, "z_coef=", c.z_coef, " must be >= 0");
   if (c.aux == AuxMode::SeqWise) {
     MT_CHECK(c.seq_len > 0, op, "AuxMode::SeqWise needs seq_len > 0, got ", c.seq_len);
@@ -176,7 +221,36 @@ size_t router_workspace_bytes(const RouterConfig& cfg, int64_t N) {
   int64_t S = std::max<int64_t>(aux_nseq(cfg, N), 1);
   return align_up(size_t(N) * sizeof(double))      // tok_a
          + align_up(size_t(N) * sizeof(double))    // tok_z
-         + align_up(size_t(S) * size_t(cfg.E) * sizeof(int32_t));  // cnt
+         + align_up(size_t(S) * size_t(cfg.E) * sizeof(int32_t))  // cnt
+         + (cfg.sinkhorn_iters > 0 ? align_up(size_t(cfg.E) * sizeof(double)) + align_up(size_t(cfg.E) * sizeof(float))
+                                   : 0);  // sk_c, sk_cf
+}
+
+void router_sinkhorn_factors(double* c, const float* s, int64_t N, int E, int iters, void* ws) {
+  MT_CHECK(c && E >= 1 && N >= 0 && iters >= 0 && (N == 0 || (s && ws)), "router_sinkhorn_factors", "E=", E, " N=", N,
+           " iters=", iters);
+  double* r = static_cast<double*>(ws);  // [N] row factors
+  for (int e = 0; e < E; ++e) c[e] = 1.0;
+  if (N == 0) return;
+  std::vector<double> col(static_cast<size_t>(E));
+  for (int it = 0; it < iters; ++it) {
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = s + n * E;
+      double t = 0;
+      for (int e = 0; e < E; ++e) t += double(row[e]) * c[e];
+      r[n] = t > 0 ? 1.0 / t : 0.0;
+    }
+    std::fill(col.begin(), col.end(), 0.0);
+    for (int64_t n = 0; n < N; ++n) {  // token order: the sums do not depend on the thread count
+      const float* row = s + n * E;
+      for (int e = 0; e < E; ++e) col[size_t(e)] += double(row[e]) * r[n];
+    }
+    for (int e = 0; e < E; ++e) c[e] = col[size_t(e)] > 0 ? (double(N) / E) / col[size_t(e)] : 1.0;
+  }
+  double mean = 0;
+  for (int e = 0; e < E; ++e) mean += c[e];
+  mean /= E;
+  for (int e = 0; e < E; ++e) c[e] /= mean;
 }
 
 void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* scores, RouterLosses* losses,
@@ -201,10 +275,27 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   const bool avx512 = active_isa() == Isa::Avx512;
   const int64_t T = aux_seq_len(cfg, N), S = aux_nseq(cfg, N);
   int64_t bad_row = -1;
+  const float* skc = nullptr;  // Sinkhorn column factors: the scores first (the main loop writes them again)
+  if (cfg.sinkhorn_iters > 0) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* l = logits + n * E;
+      float* s = scores + n * E;
+      bool finite = true;
+      for (int e = 0; e < E; ++e) finite &= std::isfinite(l[e]);
+      if (!finite) for (int e = 0; e < E; ++e) s[e] = 0;
+      else if (avx512) router_scores_row_avx512(s, l, E, softmax);
+      else scores_row_scalar(s, l, E, softmax);
+    }
+    router_sinkhorn_factors(w.sk_c, scores, N, E, cfg.sinkhorn_iters, w.tok_a);
+    for (int e = 0; e < E; ++e) w.sk_cf[e] = float(w.sk_c[e]);
+    skc = w.sk_cf;
+  }
 
 #pragma omp parallel
   {
     int64_t my_bad = -1;
+    std::vector<float> qrow(skc ? size_t(E) : 0);  // Sinkhorn: the selection row s * c
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const float* l = logits + n * E;
@@ -225,9 +316,14 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
       }
       int32_t* idx = topk_idx + n * k;
       float* wt = topk_w + n * k;
-      if (!avx512 || !router_select_row_avx512(idx, wt, s, bias, E, k, cfg.n_group, cfg.topk_group,
+      const float* sel = s;
+      if (skc) {
+        for (int e = 0; e < E; ++e) qrow[size_t(e)] = s[e] * skc[e];
+        sel = qrow.data();
+      }
+      if (!avx512 || !router_select_row_avx512(idx, wt, sel, bias, E, k, cfg.n_group, cfg.topk_group,
                                                cfg.group_score == GroupScore::Top2Sum))
-        select_row(idx, wt, s, bias, cfg);
+        select_row(idx, wt, sel, bias, cfg);
       float sum = 0;
       for (int j = 0; j < k; ++j) sum += s[idx[j]];
       for (int j = 0; j < k; ++j)
@@ -263,6 +359,19 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
     }
   }
   MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
+  if (cfg.capacity > 0) {  // the selection again, in token order under the capacity; then the aux loss's counts
+    capacity_route(topk_idx, topk_w, counts, scores, skc, bias, cfg, N);
+    if (want_aux)
+      for (int64_t b = 0; b < S; ++b) {
+        int32_t* c = w.cnt + b * E;
+        if (cfg.aux == AuxMode::Global) {
+          std::memcpy(c, counts, sizeof(int32_t) * size_t(E));
+        } else {
+          std::memset(c, 0, sizeof(int32_t) * size_t(E));
+          for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
+        }
+      }
+  }
   if (want_aux && cfg.split > 1) cfg.sum_counts(w.cnt, S * E);  // the whole sequences' counts (exact: integers)
   if (want_aux) {
 #pragma omp parallel for schedule(static)
@@ -393,6 +502,22 @@ void router_update_bias(float* bias, const int64_t* counts, int E, float rate) {
 }
 void router_update_bias(float* bias, const int32_t* counts, int E, float rate) {
   update_bias_impl(bias, counts, E, rate);
+}
+
+void router_update_bias_proportional(float* bias, const int64_t* counts, int E, float rate) {
+  MT_CHECK(E >= 1 && bias && counts, "router_update_bias_proportional", "E=", E, " bias=", (const void*)bias,
+           " counts=", (const void*)counts);
+  int64_t total = 0;
+  for (int e = 0; e < E; ++e) {
+    MT_CHECK(counts[e] >= 0, "router_update_bias_proportional", "negative counts[", e, "]=", counts[e]);
+    total += counts[e];
+  }
+  if (total == 0) return;
+  // (mean - c) / mean = (total - E c) / total: formed in integers, then one division (fp64), then clipped.
+  for (int e = 0; e < E; ++e) {
+    const double err = double(total - int64_t(E) * counts[e]) / double(total);
+    bias[e] += float(double(rate) * std::clamp(err, -1.0, 1.0));
+  }
 }
 
 template <class C>

@@ -195,6 +195,8 @@ void Model::Impl::build_buffers() {
     }
     rcfg.z_coef = float(s.moe.z_loss_coef);
     rcfg.seq_len = int(m.T_);
+    rcfg.sinkhorn_iters = int(s.moe.sinkhorn_iters);
+    rcfg.capacity = float(s.moe.route_capacity);
     if (cp > 1)  // CP: a sequence's aux-loss counts span its chunks on every CP rank
       rcfg.split = cp, rcfg.sum_counts = [this](int32_t* c, int64_t n) { cp_comm.all_reduce(c, n); };
     router_validate(rcfg, N);
@@ -394,7 +396,11 @@ void Model::update_expert_bias(const std::vector<std::vector<int64_t>>& counts) 
   int i = 0;
   for (auto& L : impl_->layers) {
     if (!L.moe || !L.held) continue;
-    router_update_bias(L.bias.data<float>(), counts[i++].data(), int(impl_->E), float(spec_.moe.bias_update_rate));
+    const float rate = float(spec_.moe.bias_update_rate);
+    if (spec_.moe.bias_update == BiasUpdate::Proportional)
+      router_update_bias_proportional(L.bias.data<float>(), counts[i++].data(), int(impl_->E), rate);
+    else
+      router_update_bias(L.bias.data<float>(), counts[i++].data(), int(impl_->E), rate);
   }
 }
 

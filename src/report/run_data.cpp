@@ -49,6 +49,14 @@ void check_expert_counts(const json& x, const Where& w, json& first) {
            "expert_counts.layers is missing or empty");
   MT_CHECK(x.contains("counts") && x["counts"].is_array(), "report", w, "expert_counts.counts is missing");
   const int64_t E = x["experts"], bin = x["bin"], cols = (E + bin - 1) / bin;
+  if (x.contains("dead")) {  // experts of each layer with no token over the logging window (optional: older runs)
+    const json& d = x["dead"];
+    MT_CHECK(d.is_array() && d.size() == x["layers"].size(), "report", w, "expert_counts.dead is not one count per layer (",
+             x["layers"].size(), " layers)");
+    for (size_t l = 0; l < d.size(); ++l)
+      MT_CHECK(d[l].is_number_integer() && d[l].get<int64_t>() >= 0 && d[l].get<int64_t>() <= E, "report", w,
+               "expert_counts.dead[", l, "] is ", d[l].dump(), ", not a count of 0 to ", E, " experts");
+  }
   const json& c = x["counts"];
   MT_CHECK(c.size() == x["layers"].size(), "report", w, "expert_counts.counts has ", c.size(), " rows for ",
            x["layers"].size(), " layers");
@@ -81,7 +89,8 @@ json numbers_or_null(const json& records, const char* key, double scale = 1) {
 double round3(double x) { return std::round(x * 1000) / 1000; }
 
 // Per MoE layer and sampled log step: each expert's (or bin's, per expert) share of the layer's tokens over the
-// balanced share (1 = balanced), and the layer's imbalance (the largest of those).
+// balanced share (1 = balanced), the layer's imbalance (the largest of those), and its dead experts (no token over
+// the record's logging window; null where a record has none, the whole series null when no record has them).
 json expert_series(const json& records) {
   std::vector<const json*> with;
   for (const json& r : records)
@@ -90,8 +99,9 @@ json expert_series(const json& records) {
   const json& x0 = with.front()->at("expert_counts");
   const int64_t E = x0["experts"], bin = x0["bin"], L = int64_t(x0["layers"].size()), cols = (E + bin - 1) / bin;
   const size_t stride = (with.size() + kMaxHeatmapSteps - 1) / kMaxHeatmapSteps;
-  json steps = json::array(), share = json::array(), imbalance = json::array();
-  for (int64_t l = 0; l < L; ++l) share.push_back(json::array()), imbalance.push_back(json::array());
+  json steps = json::array(), share = json::array(), imbalance = json::array(), dead = json::array();
+  for (int64_t l = 0; l < L; ++l) share.push_back(json::array()), imbalance.push_back(json::array()), dead.push_back(json::array());
+  bool any_dead = false;
   for (size_t i = 0; i < with.size(); i += stride) {
     const json& r = *with[i];
     steps.push_back(r["step"]);
@@ -110,10 +120,14 @@ json expert_series(const json& records) {
       }
       share[size_t(l)].push_back(row);
       imbalance[size_t(l)].push_back(round3(worst));
+      const json& x = r["expert_counts"];
+      dead[size_t(l)].push_back(x.contains("dead") ? x["dead"][size_t(l)] : json(nullptr));
+      any_dead = any_dead || x.contains("dead");
     }
   }
   return {{"layers", x0["layers"]}, {"experts", E},         {"bin", bin},          {"stride", stride},
-          {"steps", steps},         {"share", share},       {"imbalance", imbalance}, {"records", with.size()}};
+          {"steps", steps},         {"share", share},       {"imbalance", imbalance}, {"records", with.size()},
+          {"dead", any_dead ? dead : json(nullptr)}};
 }
 
 bool is_number(const json& j, const char* k) { return j.contains(k) && j[k].is_number(); }

@@ -50,6 +50,14 @@ json expert_counts_json(const ModelSpec& ms, const std::vector<int>& moe_ids,
   return {{"layers", layers}, {"experts", E}, {"bin", bin}, {"counts", rows}};
 }
 
+// Dead experts per MoE layer: experts that received no token in any step of the logging window (the steps since
+// the previous log record; validation excluded). One entry per row of `window` (global MoE order).
+json dead_experts_json(const std::vector<std::vector<int64_t>>& window) {
+  json dead = json::array();
+  for (const auto& c : window) dead.push_back(std::count(c.begin(), c.end(), int64_t(0)));
+  return dead;
+}
+
 // Under pipeline parallelism each rank holds its stages' MoE layers: every pipeline rank sends its
 // (MoE index, experts, counts...) rows and gets all of them, in global MoE order.
 void gather_stage_counts(const Comm& pp, std::vector<int>& ids, std::vector<std::vector<int64_t>>& counts) {
@@ -121,6 +129,12 @@ const bool log_now =
 auto& mt = MemoryTracker::global();
 const auto& counts = t.counts;
 const double gn = t.grad_norm;
+if (window_counts.size() != counts.size()) {
+  window_counts.assign(counts.size(), {});
+  for (size_t k = 0; k < counts.size(); ++k) window_counts[k].assign(counts[k].size(), 0);
+}
+for (size_t k = 0; k < counts.size(); ++k)
+  for (size_t e = 0; e < counts[k].size(); ++e) window_counts[k][e] += counts[k][e];
 if (log_now) {
     // A start-up measurement taken while the machine was busy understates the peak (and overstates MFU):
     // re-measure briefly at every log step, outside the timed window, and keep the best figure.
@@ -129,7 +143,7 @@ if (log_now) {
     double tflops = tps * fpt.train * 1e-12;
     double mfu = tflops * 1e3 / (res.peak_gflops * world.size());  // peak measured per rank
     // expert load over all MoE layers of this step
-    int64_t lmin = 0, lmax = 0;
+    int64_t lmin = 0, lmax = 0, dead_total = 0;
     double cv = 0;
     if (!counts.empty()) {
       lmin = INT64_MAX;
@@ -163,10 +177,17 @@ if (log_now) {
     }
     if (model->n_moe_layers_total() > 0) {  // every pipeline rank takes part in the gather
       std::vector<int> ids = model->local_moe_layers();
-      std::vector<std::vector<int64_t>> all = counts;
-      if (PP > 1) gather_stage_counts(mcs.pp, ids, all);
-      if (!all.empty()) j["expert_counts"] = expert_counts_json(cfg.model, ids, all);
+      std::vector<std::vector<int64_t>> all = counts, win = window_counts;
+      std::vector<int> win_ids = ids;
+      if (PP > 1) gather_stage_counts(mcs.pp, ids, all), gather_stage_counts(mcs.pp, win_ids, win);
+      if (!all.empty()) {
+        j["expert_counts"] = expert_counts_json(cfg.model, ids, all);
+        j["expert_counts"]["dead"] = dead_experts_json(win);
+        j["expert_counts"]["dead_window_steps"] = window_steps;
+        for (const auto& n : j["expert_counts"]["dead"]) dead_total += n.get<int64_t>();
+      }
     }
+    for (auto& c : window_counts) std::fill(c.begin(), c.end(), 0);
     if (PP > 1) {  // this rank's (rank 0: the first stage's) measured step: busy, waiting, bubble
       const auto& r = t.runtime;
       j["pp"] = {{"step_s", r.seconds}, {"compute_s", r.compute_seconds}, {"recv_wait_s", r.recv_seconds},
@@ -193,10 +214,10 @@ if (log_now) {
       char line[512];
       std::snprintf(line, sizeof line,
                     "step %5lld/%lld  loss %.4f  aux %.4f%s  lr %.2e  gnorm %.3f  %.0f tok/s  %.3f TFLOPS  MFU %.1f%%  "
-                    "mem %s  load cv %.2f%s",
+                    "mem %s  load cv %.2f  dead %lld%s",
                     (long long)step, (long long)tr.steps, rec.loss, rec.aux_loss,
                     rec.val_loss >= 0 ? ("  val " + std::to_string(rec.val_loss).substr(0, 6)).c_str() : "", rec.lr,
-                    gn, tps, tflops, mfu * 100, human_bytes(snap.total_peak).c_str(), cv,
+                    gn, tps, tflops, mfu * 100, human_bytes(snap.total_peak).c_str(), cv, (long long)dead_total,
                     cfg.model.mtp_layers > 0 ? ("  mtp " + std::to_string(rec.mtp_loss).substr(0, 6)).c_str() : "");
       if (tty) std::printf("\r\033[K%s%s", line, (step == tr.steps || do_val) ? "\n" : "");
       else std::printf("%s\n", line);

@@ -105,6 +105,9 @@ struct TrainSession {
   int64_t step = 0;
   double time_total = 0, window_t = 0;
   int64_t tokens_total = 0, window_tok = 0, window_steps = 0;
+  // Tokens per expert of this rank's MoE layers (summed over DP) over the steps since the last log record: an
+  // expert with none is "dead" in that record (metrics.jsonl expert_counts.dead).
+  std::vector<std::vector<int64_t>> window_counts;
   EpTraffic ep_window0, ep_run0;
   Model::EpExposed ep_exp_window0, ep_run0_exposed;
   std::vector<int32_t> vin, vtg;  // validation batch

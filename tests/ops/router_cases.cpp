@@ -432,6 +432,15 @@ class RouterHelpers : public OpCase {
     float bias64[E] = {0.5f, 0, 0, -1};
     router_update_bias(bias64, c64, E, 0.25f);
     r.compare("update_bias (int64 counts)", bias64, want, E, 0, 0);
+    // Proportional (model.bias_update = "proportional"): counts 10, 2, 4, 0 of mean 4: errors (4 - c) / 4 =
+    // -1.5 (clipped to -1), 0.5, 0, 1; rate 0.25: steps -0.25, 0.125, 0, 0.25 (exact in binary).
+    float biasp[E] = {0.5f, 0, 0, -1};
+    router_update_bias_proportional(biasp, c64, E, 0.25f);
+    const float wantp[E] = {0.25f, 0.125f, 0.0f, -0.75f};
+    r.compare("update_bias_proportional: bias += rate * clamp((mean - count) / mean, -1, 1)", biasp, wantp, E, 0, 0);
+    int64_t none[E] = {0, 0, 0, 0};
+    router_update_bias_proportional(biasp, none, E, 0.25f);
+    r.compare("update_bias_proportional: no token routed, no step", biasp, wantp, E, 0, 0);
     LoadStats st = router_load_stats(c32, E);
     // mean 4, deviations 6, -2, 0, -4: variance 56/4 = 14, cv = sqrt(14)/4
     r.check(st.min == 0 && st.max == 10 && st.mean == 4.0, "load stats min/max/mean");
@@ -439,6 +448,113 @@ class RouterHelpers : public OpCase {
     r.compare("load stats cv", &cv, &want_cv, 1, 0, 1e-15);
     int32_t zeros[E] = {0, 0, 0, 0};
     r.check(router_load_stats(zeros, E).cv == 0.0, "cv of all-zero counts is 0");
+  }
+  void test(Report& r) override { run(r); }
+  void grad(Report& r) override { run(r); }
+  void perf() override {}
+};
+
+// Sinkhorn selection (RouterConfig::sinkhorn_iters): the column factors vs a float64 twin written from the
+// definition in router.h, the selection vs the top-k of s * c, and the effect it exists for: N tokens that share
+// one score row up to a small per-token spread (the collapsed router input of docs/routing.md) all pick the same
+// k experts without it, and spread over the experts with it.
+class RouterSinkhorn : public OpCase {
+ public:
+  RouterSinkhorn() { name = "router/sinkhorn"; }
+  void run(Report& r) {
+    const int E = 16, k = 2, iters = 8;
+    const int64_t N = 256;
+    std::vector<float> logits(static_cast<size_t>(N * E));
+    uint64_t st = 12345;
+    auto unif = [&] {  // xorshift in [0, 1)
+      st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+      return double(st >> 11) / 9007199254740992.0;
+    };
+    std::vector<double> shared(static_cast<size_t>(E));
+    for (auto& x : shared) x = 0.5 * (unif() - 0.5);                   // per-expert level: spread 0.29
+    for (int64_t n = 0; n < N; ++n)
+      for (int e = 0; e < E; ++e) logits[size_t(n * E + e)] = float(shared[size_t(e)] + 0.02 * (unif() - 0.5));
+    for (ScoreFn fn : {ScoreFn::Softmax, ScoreFn::Sigmoid}) {
+      const std::string tag = fn == ScoreFn::Softmax ? "softmax" : "sigmoid";
+      RouterConfig c;
+      c.E = E, c.topk = k, c.score = fn, c.norm_topk = false;
+      std::vector<int32_t> idx(static_cast<size_t>(N * k)), cnt0(static_cast<size_t>(E)), cnt(static_cast<size_t>(E));
+      std::vector<float> w(static_cast<size_t>(N * k)), s(static_cast<size_t>(N * E));
+      std::vector<char> ws(router_workspace_bytes(RouterConfig{c}, N) + 4096);
+      router_forward(idx.data(), w.data(), cnt0.data(), s.data(), nullptr, logits.data(), nullptr, c, N, ws.data());
+      c.sinkhorn_iters = iters;
+      std::vector<char> ws2(router_workspace_bytes(c, N));
+      router_forward(idx.data(), w.data(), cnt.data(), s.data(), nullptr, logits.data(), nullptr, c, N, ws2.data());
+      // float64 twin of the factors on the same fp32 scores
+      std::vector<double> cf(static_cast<size_t>(E), 1.0), rr(static_cast<size_t>(N));
+      for (int it = 0; it < iters; ++it) {
+        for (int64_t n = 0; n < N; ++n) {
+          double t = 0;
+          for (int e = 0; e < E; ++e) t += double(s[size_t(n * E + e)]) * cf[size_t(e)];
+          rr[size_t(n)] = 1.0 / t;
+        }
+        for (int e = 0; e < E; ++e) {
+          double t = 0;
+          for (int64_t n = 0; n < N; ++n) t += double(s[size_t(n * E + e)]) * rr[size_t(n)];
+          cf[size_t(e)] = (double(N) / E) / t;
+        }
+      }
+      double mean = 0;
+      for (double x : cf) mean += x;
+      for (double& x : cf) x /= mean / E;
+      std::vector<double> got(static_cast<size_t>(E));
+      router_sinkhorn_factors(got.data(), s.data(), N, E, iters, ws2.data());
+      // The same fp64 operations in the same order: equal up to the compiler's contraction of a*b+c (one rounding
+      // of 2^-53 per term, N*E terms per factor, amplified at most ~E by the iteration): 1e-11 relative.
+      r.compare("sinkhorn factors vs float64 twin (" + tag + ")", got.data(), cf.data(), E, 0, 1e-11);
+      bool sel_ok = true;
+      for (int64_t n = 0; n < N && sel_ok; ++n) {  // the kernel's choice is the top-k of q = s * float(c)
+        std::vector<float> q(static_cast<size_t>(E));
+        for (int e = 0; e < E; ++e) q[size_t(e)] = s[size_t(n * E + e)] * float(got[size_t(e)]);
+        std::vector<int> order(static_cast<size_t>(E));
+        for (int e = 0; e < E; ++e) order[size_t(e)] = e;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return q[size_t(a)] > q[size_t(b)]; });
+        for (int j = 0; j < k; ++j) sel_ok = sel_ok && idx[size_t(n * k + j)] == order[size_t(j)];
+      }
+      r.check(sel_ok, "sinkhorn selection = top-k of s * c (" + tag + ")");
+      const int max0 = *std::max_element(cnt0.begin(), cnt0.end()), max1 = *std::max_element(cnt.begin(), cnt.end());
+      // Without it every token picks the same 2 experts (max N = 256); balanced is N k / E = 32 per expert.
+      r.check(max0 == N, "collapsed input: plain top-k puts every token on one expert (" + tag + ", max " +
+                             std::to_string(max0) + ")");
+      r.check(max1 <= 2 * N * k / E, "sinkhorn selection: no expert above twice the balanced load (" + tag +
+                                         ", max " + std::to_string(max1) + ")");
+      // Capacity routing (capacity 1.5: C = ceil(1.5 * 256 * 2 / 16) = 48) on the same collapsed scores, without
+      // and with Sinkhorn: every expert at most C, k distinct experts per token, and the selection equal to a
+      // naive greedy twin (tokens in order, the largest available q, ties to the lower index).
+      for (int it : {0, iters}) {
+        RouterConfig cc = c;
+        cc.sinkhorn_iters = it, cc.capacity = 1.5f;
+        std::vector<char> ws3(router_workspace_bytes(cc, N));
+        std::vector<int32_t> cidx(static_cast<size_t>(N * k)), ccnt(static_cast<size_t>(E));
+        router_forward(cidx.data(), w.data(), ccnt.data(), s.data(), nullptr, logits.data(), nullptr, cc, N, ws3.data());
+        std::vector<double> fac(static_cast<size_t>(E), 1.0);
+        if (it > 0) router_sinkhorn_factors(fac.data(), s.data(), N, E, it, ws3.data());
+        const int C = 48;
+        std::vector<int32_t> want(static_cast<size_t>(N * k)), wcnt(static_cast<size_t>(E), 0);
+        for (int64_t n = 0; n < N; ++n)
+          for (int j = 0; j < k; ++j) {
+            int best = -1;
+            for (int e = 0; e < E; ++e) {
+              bool taken = false;
+              for (int i = 0; i < j; ++i) taken = taken || want[size_t(n * k + i)] == e;
+              const float qe = it > 0 ? s[size_t(n * E + e)] * float(fac[size_t(e)]) : s[size_t(n * E + e)];
+              const float qb = best < 0 ? 0.0f
+                                        : (it > 0 ? s[size_t(n * E + best)] * float(fac[size_t(best)]) : s[size_t(n * E + best)]);
+              if (!taken && wcnt[size_t(e)] < C && (best < 0 || qe > qb)) best = e;
+            }
+            want[size_t(n * k + j)] = best, ++wcnt[size_t(best)];
+          }
+        const std::string ctag = tag + (it > 0 ? ", sinkhorn" : "");
+        r.compare("capacity routing = greedy twin (" + ctag + ")", cidx.data(), want.data(), N * k);
+        r.compare("capacity routing counts (" + ctag + ")", ccnt.data(), wcnt.data(), E);
+        r.check(*std::max_element(ccnt.begin(), ccnt.end()) <= C, "capacity routing: no expert above C = 48 (" + ctag + ")");
+      }
+    }
   }
   void test(Report& r) override { run(r); }
   void grad(Report& r) override { run(r); }
@@ -488,6 +604,7 @@ std::vector<std::unique_ptr<OpCase>> router_cases() {
   }
   v.push_back(std::make_unique<RouterBadInput>());
   v.push_back(std::make_unique<RouterHelpers>());
+  v.push_back(std::make_unique<RouterSinkhorn>());
   return v;
 }
 

@@ -136,6 +136,8 @@ def main():
             expect(d.get("finite") == cells, f"{tag}: {cid} has {d.get('finite')} cells, want {cells}")
             expect(c["painted_px"] >= 0.5 * c["area_px"],
                    f"{tag}: {cid} paints {c['painted_px']} of {c['area_px']} plot pixels")
+        dead = (chart("chart-expert-dead")["datasets"] or [{}])[0]  # dead experts per layer and logged step
+        expect(dead.get("finite") == layers * n, f"{tag}: chart-expert-dead has {dead.get('finite')} cells, want {layers * n}")
         expect("[model]" in html.unescape(dom) and 'id="config"' in dom, f"{tag}: the config is not on the page")
         if with_analysis:
             an = json.load(open(a.analysis))

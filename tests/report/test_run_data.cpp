@@ -149,6 +149,39 @@ TEST(ReportData, ExpertSharesWorkedByHand) {
   EXPECT_EQ(db["imbalance"][0][0], 1.667);
 }
 
+TEST(ReportData, DeadExpertsPerLayerAndStep) {
+  // Two MoE layers (1 and 2) of 4 experts, two records: dead counts [1, 0] then [4, 2] come through per layer and
+  // step; a record without "dead" (a run written before they were logged) gives null there.
+  const json a = json::parse(R"([
+    {"step": 5, "loss": 1, "expert_counts": {"layers": [1, 2], "experts": 4, "bin": 1, "counts": [[3, 3, 0, 2], [2, 2, 2, 2]],
+     "dead": [1, 0], "dead_window_steps": 5}},
+    {"step": 10, "loss": 1, "expert_counts": {"layers": [1, 2], "experts": 4, "bin": 1, "counts": [[0, 0, 0, 0], [4, 4, 0, 0]],
+     "dead": [4, 2], "dead_window_steps": 5}},
+    {"step": 15, "loss": 1, "expert_counts": {"layers": [1, 2], "experts": 4, "bin": 1, "counts": [[1, 1, 1, 1], [1, 1, 1, 1]]}}])");
+  const json e = rep::page_data(a, "run", nullptr, nullptr)["experts"];
+  EXPECT_EQ(e["dead"], json::parse("[[1, 4, null], [0, 2, null]]"));
+  // No record with "dead": the series is null (the page draws no dead-expert chart).
+  const json b = json::parse(R"([{"step": 1, "loss": 1, "expert_counts": {"layers": [3], "experts": 2, "bin": 1,
+                                 "counts": [[6, 2]]}}])");
+  EXPECT_TRUE(rep::page_data(b, "run", nullptr, nullptr)["experts"]["dead"].is_null());
+}
+
+TEST(ReportMetrics, DeadExpertsOfTheWrongShapeAreNamed) {
+  const std::string dir = ::testing::TempDir() + "/report_dead_bad";
+  std::filesystem::create_directories(dir);
+  for (const char* dead : {"[1]", "[1, 5]", "[1, -1]"}) {  // one entry for two layers; more than 4 experts; negative
+    std::ofstream(dir + "/metrics.jsonl")
+        << R"({"step": 1, "loss": 1, "expert_counts": {"layers": [1, 2], "experts": 4, "bin": 1, )"
+        << R"("counts": [[1, 1, 1, 1], [1, 1, 1, 1]], "dead": )" << dead << "}}\n";
+    try {
+      rep::read_metrics(dir + "/metrics.jsonl");
+      ADD_FAILURE() << "dead = " << dead << " was accepted";
+    } catch (const moetron::Error& err) {
+      EXPECT_NE(std::string(err.what()).find("expert_counts.dead"), std::string::npos) << err.what();
+    }
+  }
+}
+
 TEST(ReportData, LongRunsDrawEveryKthStepInTheHeatmaps) {
   json recs = json::array();
   const int n = 450;  // > kMaxHeatmapSteps = 200: every 3rd record, 150 columns

@@ -18,8 +18,8 @@ Everything mirrors model.cpp and the kernel headers:
     width n_shared * F;
   - RoPE half-split (rope.h) on the whole head (MHA/GQA) or on the decoupled rotary slice (MLA: q heads at
     offset qk_nope_head_dim, the single shared k_pe head);
-  - router (router.h): softmax / sigmoid scores, bias for selection only, group-limited top-k (group score
-    max for softmax, top-2 sum for sigmoid, as model.cpp chooses), ties to the lower index, norm_topk,
+  - router (router.h): softmax / sigmoid scores, Sinkhorn column factors and bias for selection only,
+    group-limited top-k (group score max for softmax, top-2 sum for sigmoid, as model.cpp chooses), ties to the lower index, norm_topk,
     route_scale, aux loss global or per sequence with f held constant, z-loss;
   - cross-entropy mean over the B*T tokens (ce_scale = 1/N), targets -1 ignored;
   - AdamW exactly as optim.h, with the trainer's clipping (clip_coefficient) and lr_at schedule, decay only
@@ -311,7 +311,17 @@ def route(logits, bias, m, T, forced_idx=None):
     k, ng, tg = m["topk"], m["n_group"], m["topk_group"]
     sigmoid = m["score_func"] == "sigmoid"
     s = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
-    q = s.detach() + (bias.to(s.dtype) if bias is not None else 0)
+    q = s.detach()
+    iters = m.get("sinkhorn_iters", 0)
+    if iters > 0:  # Sinkhorn selection (router.h): column factors c of the call's score matrix, mean 1; q = s * c
+        sd = s.detach().to(torch.float64)
+        c = torch.ones(E, dtype=torch.float64)
+        for _ in range(iters):
+            r = 1.0 / (sd * c).sum(dim=1)
+            c = (N / E) / (sd * r[:, None]).sum(dim=0)
+        c = c / c.mean()
+        q = q * c.to(torch.float32).to(q.dtype)
+    q = q + (bias.to(s.dtype) if bias is not None else 0)
     margin = math.inf
     if ng > 1:
         G = E // ng
@@ -339,6 +349,25 @@ def route(logits, bias, m, T, forced_idx=None):
         gap = gap[torch.isfinite(gap)]
         if gap.numel():
             margin = min(margin, float(gap.min()))
+    cap = m.get("route_capacity", 0.0)
+    if cap > 0:  # capacity routing (router.h): tokens in order take their best experts below C assignments
+        C = math.ceil(cap * N * k / E - 1e-9)
+        cnt, qq, rows = [0] * E, q.tolist(), []
+        for n in range(N):
+            row = []
+            for _ in range(k):
+                best = -1
+                for e in range(E):
+                    if e not in row and cnt[e] < C and (best < 0 or qq[n][e] > qq[n][best]):
+                        best = e
+                if best < 0:  # fewer than k experts with room: the best unused one (router.cpp)
+                    for e in range(E):
+                        if e not in row and (best < 0 or qq[n][e] > qq[n][best]):
+                            best = e
+                row.append(best)
+                cnt[best] += 1
+            rows.append(row)
+        idx = torch.tensor(rows, dtype=torch.int64)
     if forced_idx is not None:
         idx = forced_idx
     w = s.gather(1, idx)
@@ -618,10 +647,15 @@ def adamw_step(P, grads, M, Vv, cfg, step, lr, clip):
         p.sub_(lr / bc1 * M[name] / (Vv[name].sqrt() / math.sqrt(bc2) + eps))
 
 
-def update_bias(bias, counts, rate):
-    """router_update_bias: bias_e += rate * sign(mean_count - counts_e)."""
+def update_bias(bias, counts, rate, form="sign"):
+    """router_update_bias: bias_e += rate * sign(mean_count - counts_e); form "proportional"
+    (router_update_bias_proportional): bias_e += rate * clamp((mean - counts_e) / mean, -1, 1), no step at mean 0."""
     c = counts.to(torch.float64)
     mean = c.sum() / c.numel()
+    if form == "proportional":
+        if float(mean) > 0:
+            bias += rate * torch.clamp((mean - c) / mean, -1.0, 1.0).to(bias.dtype)
+        return
     bias += rate * torch.sign(mean - c).to(bias.dtype)
 
 
@@ -670,7 +704,7 @@ def train_reference(cfg, P0, biases0, tokens, targets, B, T, mode, steps, forced
         adamw_step(P, grads, M, Vv, cfg, step, lr, clip)
         if m["load_balance"] == "aux_free":
             for i, c in enumerate(st.counts):
-                update_bias(biases[i], c, m["bias_update_rate"])
+                update_bias(biases[i], c, m["bias_update_rate"], m.get("bias_update", "sign"))
     out["params"] = {n: p.detach().clone() for n, p in P.items()}
     out["biases"] = biases
     return out
