@@ -131,6 +131,8 @@ void attention_check(const AttnDims& d, const char* op) {
 
 bool attention_bf16_active(const AttnDims& d) { return d.prec == AttnPrec::BF16 && active_isa() == Isa::Avx512; }
 
+bool attention_bf16_preferred() { return active_isa() == Isa::Avx512 && !cpu_features().amx_bf16; }
+
 size_t attention_workspace_bytes(const AttnDims& d, int nthreads) {
   attention_check(d, "attention_workspace_bytes");
   MT_CHECK(nthreads >= 1, "attention_workspace_bytes", "num_threads=", nthreads);
