@@ -109,6 +109,7 @@ class Model {
 
   const ModelSpec& spec() const { return spec_; }
   ComputeDtype compute_dtype() const { return compute_; }  // resolved: BF16 or FP32
+  bool attention_bf16() const;  // attention's products in bf16 (ModelParallel::attention resolved)
   const std::vector<ParamEntry>& params() const { return params_; }
   const ParamEntry& param(const std::string& name) const;
   int64_t num_params() const { return n_params_; }

@@ -36,6 +36,8 @@ using model_detail::i32buf;
 // ---------------------------------------------------------------------------------------------------
 // construction
 
+bool Model::attention_bf16() const { return impl_->attn16; }
+
 ComputeDtype resolve_compute_dtype(ComputeDtype requested, std::string* why) {
   const CpuFeatures& cf = cpu_features();
   const bool isa_ok = active_isa() == Isa::Avx512;  // the project's bf16 kernels need AVX512-BF16

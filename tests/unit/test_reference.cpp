@@ -235,6 +235,7 @@ TEST_P(Reference, MatchesTorch) {
   ModelParallel mp;
   mp.attention = run.attention;
   Model model(cfg.model, B, T, {}, mp, run.dtype);
+  ASSERT_EQ(model.attention_bf16(), run.attention == ComputeDtype::BF16) << "the attention precision asked for";
   model.init_params(uint64_t(cfg.training.seed));
   const int64_t np = model.num_params();
   for (auto& p : model.params()) {
