@@ -47,6 +47,76 @@ inline float dot_bf16_row(const u32* a, const float* x, int64_t n) {
   return _mm512_reduce_add_ps(s);
 }
 
+// Pairs (a[i], b[i]) of two rows' 16 values in registers.
+inline __m512i pair_regs(__m512 a, __m512 b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                       5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// The forward's Avx512Ops::exp2_cols fused with the key-pair interleave of P: S^T[key, query] in (nk rows, mq
+// columns), P = 2^(S c - m[query]) goes straight to Pp[p*kTile + query] = (P[2p], P[2p+1]) (a missing odd key 0)
+// and sum[query] adds the fp32 P over keys ascending: the values and the order of exp2_cols + pair_rows.
+void exp2_pairs(u32* Pp, const float* St, int64_t nk, int64_t mq, float c, const float* m, float* sum) {
+  const __m512 vc = _mm512_set1_ps(c);
+  for (int64_t j = 0; j < mq; j += 16) {
+    const __mmask16 k = mask16(mq - j);
+    const __m512 vm = _mm512_maskz_loadu_ps(k, m + j);
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t p = 0; 2 * p < nk; ++p) {
+      const __m512 ea = exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, St + 2 * p * kTile + j), vc, vm));
+      s = _mm512_add_ps(s, ea);
+      __m512 eb = _mm512_setzero_ps();
+      if (2 * p + 1 < nk) {
+        eb = exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, St + (2 * p + 1) * kTile + j), vc, vm));
+        s = _mm512_add_ps(s, eb);
+      }
+      _mm512_mask_storeu_epi32(Pp + p * kTile + j, k, pair_regs(ea, eb));
+    }
+    _mm512_mask_storeu_ps(sum + j, k, s);
+  }
+}
+
+// The backward's Avx512Ops::ds_row (P = 2^(S c - lse2), dS = scale P (dP - D), 0 past the causal diagonal) for
+// two query rows at a time, written straight into the bf16 operands: Pp / dSp[p*kTile + key] = the rows' pairs
+// (kv), dSb[row*kHalf + key pair] = each row's bf16 dS (q). S, dP: [mq, nk] fp32 (ld kTile), read only.
+struct DsOut {
+  u32 *Pp, *dSp, *dSb;
+  bool kv, q;
+};
+void ds_pairs(const DsOut& o, const float* S, const float* dP, int64_t mq, int64_t nk, bool diag, float c,
+              const float* lse2, const float* Dr, float scale) {
+  const __m512 vc = _mm512_set1_ps(c), vs = _mm512_set1_ps(scale);
+  const int64_t np = half_up(nk);
+  for (int64_t p = 0; 2 * p < mq; ++p) {
+    __m512 pr[2][2], ds[2][2];  // [row a / b][16-column half]
+    for (int64_t c0 = 0; c0 < nk; c0 += 32) {
+      for (int64_t i = 0; i < 2; ++i) {
+        const int64_t r = 2 * p + i, nv = r >= mq ? 0 : diag ? std::min(nk, r + 1) : nk;
+        const __m512 vl = _mm512_set1_ps(r < mq ? lse2[r] : 0.0f), vd = _mm512_set1_ps(r < mq ? Dr[r] : 0.0f);
+        for (int64_t hh = 0; hh < 2; ++hh) {
+          const int64_t cc = c0 + 16 * hh;
+          const __mmask16 k = mask16(nv - cc);
+          const __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, S + r * kTile + cc), vc, vl));
+          const __m512 g = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dP + r * kTile + cc), vd);
+          pr[i][hh] = _mm512_maskz_mov_ps(k, e);
+          ds[i][hh] = _mm512_maskz_mov_ps(k, _mm512_mul_ps(_mm512_mul_ps(vs, e), g));
+        }
+      }
+      for (int64_t hh = 0; hh < 2 && o.kv; ++hh) {
+        const int64_t cc = c0 + 16 * hh;
+        const __mmask16 k = mask16(nk - cc);
+        _mm512_mask_storeu_epi32(o.Pp + p * kTile + cc, k, pair_regs(pr[0][hh], pr[1][hh]));
+        _mm512_mask_storeu_epi32(o.dSp + p * kTile + cc, k, pair_regs(ds[0][hh], ds[1][hh]));
+      }
+      for (int64_t i = 0; i < 2 && o.q; ++i)
+        if (2 * p + i < mq)
+          _mm512_mask_storeu_epi32(o.dSb + (2 * p + i) * kHalf + c0 / 2, mask16(np - c0 / 2),
+                                   (__m512i)_mm512_cvtne2ps_pbh(ds[i][1], ds[i][0]));
+    }
+  }
+}
+
 // bf16 rows: dst[r*ldd + p] = (src[r][2p], src[r][2p+1]), r < rows, p < ceil(cols / 2) (a missing odd column 0).
 void rows_bf16(u32* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols) {
   const int64_t np = half_up(cols);
@@ -236,12 +306,11 @@ void forward16(float* out, float* lse, const float* q, const float* k, const flo
           m[r] = mnew;
         }
         Avx512Ops::exp2_row(alpha, mq, 1.0f, 0.0f);
-        Avx512Ops::exp2_cols(St, kTile, nk, mq, c, m, sum);  // l sums the fp32 P; P V rounds P to bf16
+        exp2_pairs(Pp, St, nk, mq, c, m, sum);  // l sums the fp32 P; P V takes P rounded to bf16
         for (int64_t r = 0; r < mq; ++r) {
           l[r] = l[r] * alpha[r] + sum[r];
           if (kt > 0 && alpha[r] != 1.0f) Avx512Ops::scale_row(O + r * d.ldo, d.Dv, alpha[r]);
         }
-        pair_rows(Pp, kTile, St, kTile, nk, mq);
         tri16(diag ? Tri::KUpTo : Tri::None, kt > 0, true, mq, d.Dv, nk, Pp, kTile, Vp + ti * kHalf * d.Dv, d.Dv, O,
               d.ldo);
       }
@@ -284,22 +353,12 @@ void bwd_pair16(const Bwd16& w, const Ops16& o, bool first, bool do_kv, bool do_
             kfrom = diag ? Tri::KFrom : Tri::None;
   tri16(up, false, false, mq, nk, d.Dqk, o.Qb, dh, o.Kt, kTile, w.S, kTile);
   tri16(up, false, false, mq, nk, d.Dv, o.dOb, dvh, o.Vt, kTile, w.dP, kTile);
-  for (int64_t r = 0; r < mq; ++r) {
-    const int64_t nv = diag ? std::min(nk, r + 1) : nk;
-    Avx512Ops::ds_row(w.S + r * kTile, w.dP + r * kTile, nv, c, w.lse2[r], w.Dr[r], d.scale);
-    if (nv < nk) {
-      Avx512Ops::zero_row(w.S + r * kTile + nv, nk - nv);
-      Avx512Ops::zero_row(w.dP + r * kTile + nv, nk - nv);
-    }
-  }
+  ds_pairs(DsOut{w.Pp, w.dSp, w.dSb, do_kv, do_q}, w.S, w.dP, mq, nk, diag, c, w.lse2, w.Dr, d.scale);
   if (do_kv) {
-    pair_rows(w.Pp, kTile, w.S, kTile, mq, nk);
-    pair_rows(w.dSp, kTile, w.dP, kTile, mq, nk);
     tri16(kfrom, !first, true, nk, d.Dv, mq, w.Pp, kTile, o.dOp, d.Dv, w.dVa, Dv16);
     tri16(kfrom, !first, true, nk, d.Dqk, mq, w.dSp, kTile, o.Qp, d.Dqk, w.dKa, Dq16);
   }
   if (do_q) {
-    rows_bf16(w.dSb, kHalf, w.dP, kTile, mq, nk);
     float* dQ = dq + (b * d.T + i0) * d.ldq + h * d.head_q;
     tri16(kup, true, false, mq, d.Dqk, nk, w.dSb, kHalf, o.Kp, d.Dqk, dQ, d.ldq);
   }
