@@ -273,6 +273,7 @@ struct AttnCase : OpCase {
 
   struct Result {
     std::vector<float> out, lse, din;
+    bool ws_intact = true;  // the 256 bytes after attention_workspace_bytes untouched (with_ws)
   };
   Result run(const std::vector<float>& in, const std::vector<float>& dout, int threads, bool with_ws,
              const AttnDims* dims = nullptr) const {
@@ -281,13 +282,15 @@ struct AttnCase : OpCase {
     omp_set_num_threads(threads);
     Result res{std::vector<float>(s.out_size, 12345.0f), std::vector<float>(s.d.B * s.d.Hq * s.d.T),
                std::vector<float>(s.in_size, 777.0f)};
-    std::vector<char> ws(with_ws ? attention_workspace_bytes(d, threads) : 0);
+    const size_t wsb = with_ws ? attention_workspace_bytes(d, threads) : 0;
+    std::vector<char> ws(with_ws ? wsb + 256 : 0, char(0xA5));
     void* w = with_ws ? ws.data() : nullptr;
     const float* x = in.data();
     float* g = res.din.data();
     attention_forward(res.out.data(), res.lse.data(), x + s.qoff, x + s.koff, x + s.voff, d, w);
     attention_backward(g + s.qoff, g + s.koff, g + s.voff, dout.data(), res.out.data(), res.lse.data(), x + s.qoff,
                        x + s.koff, x + s.voff, d, w);
+    for (size_t i = wsb; i < ws.size(); ++i) res.ws_intact = res.ws_intact && ws[i] == char(0xA5);
     omp_set_num_threads(saved);
     return res;
   }
@@ -301,6 +304,8 @@ struct AttnCase : OpCase {
     const AttnDims& d = s.d;
     auto in = make_in(), dout = randn(s.out_size, seed(42));
     const int threads = omp_get_max_threads() > 1 ? omp_get_max_threads() : 2;
+    const Result one = run(in, dout, 1, true);  // first: its workspace has a guard (a short one would show there)
+    r.check(one.ws_intact, "nothing written past attention_workspace_bytes (a 256-byte guard after it)");
     Result res = run(in, dout, threads, false);
     double ub = 0, floor = 0.1, abs = 0;
     if (bf16) {
@@ -339,7 +344,6 @@ struct AttnCase : OpCase {
     for (int64_t i = 0; i < s.out_size; ++i) touched += !out_owned[i] && res.out[i] != 12345.0f;
     for (int64_t i = 0; i < s.in_size; ++i) touched += !in_owned[i] && res.din[i] != 777.0f;
     r.check(touched == 0, "elements outside the views untouched", std::to_string(touched) + " changed");
-    Result one = run(bf16 ? make_in() : in, bf16 ? randn(s.out_size, seed(42)) : dout, 1, true);
     r.check(same(one, res), "out, lse, dq, dk, dv bitwise equal with 1 thread (+ workspace) and 2 threads");
   }
 
