@@ -1,8 +1,8 @@
 // bench_dot_rate.cpp: the register-to-register rate of this CPU's two dot-product instructions the attention
 // kernels are built on: vfmadd231ps zmm (fp32, 32 FLOPs) and vdpbf16ps zmm (bf16 pairs into fp32, 64 FLOPs),
 // 24 independent accumulators each (no memory operands, no dependency stalls), one thread. Their ratio is what
-// attention_bf16_preferred() encodes per CPU kind (AMD Zen 4: vdpbf16ps at twice the FMAs' FLOP rate; Intel with
-// AMX: half). Not a kernel benchmark (bench_attention) and not a machine peak (bench_common's oneDNN matmul).
+// attention_bf16_preferred() encodes per CPU vendor (AMD Zen 4: vdpbf16ps at twice the FMAs' FLOP rate; Intel
+// Sapphire Rapids, AMX: half). Not a kernel benchmark (bench_attention) and not a machine peak (bench_common's oneDNN matmul).
 // GCC 12 warns about _mm512_undefined_*() inside its own intrinsic headers (a false positive).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>

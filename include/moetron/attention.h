@@ -58,10 +58,10 @@ void attention_check(const AttnDims& d, const char* op);
 // implies AVX512-BF16); false means the fp32 kernels run.
 bool attention_bf16_active(const AttnDims& d);
 // Whether bf16 attention is the faster choice here (what the model's automatic choice takes under bf16 compute):
-// the bf16 kernels run (active_isa() is Avx512) and this CPU's vdpbf16ps outruns its fp32 FMAs, which holds
-// where AVX512-BF16 comes without AMX-BF16 (AMD Zen 4 / 5: one vdpbf16ps zmm, 64 FLOPs, per cycle, twice the
-// FMAs' rate). CPUs with AMX-BF16 (Intel Sapphire Rapids on) issue vdpbf16ps at half their fp32 FMA rate
-// (docs/kernels/attention.md, measured), so the fp32 kernels are faster there. A CPU property, never a timing.
+// the bf16 kernels run (active_isa() is Avx512) and this CPU's vdpbf16ps outruns its fp32 FMAs, which holds on
+// AMD's AVX512-BF16 CPUs (Zen 4 / 5: one vdpbf16ps zmm, 64 FLOPs, per cycle, twice the FMAs' rate). Intel's
+// issue it at or below their FMAs' FLOP rate (Sapphire Rapids, AMX-BF16: half, measured in docs/benchmarks.md;
+// its bf16 speed is in AMX), so the fp32 kernels stay there. A CPU property (the vendor), never a timing.
 bool attention_bf16_preferred();
 
 // Scratch for the forward and the backward: per-thread tiles plus, when head_k or head_v is 0 with

@@ -30,6 +30,7 @@ const CpuFeatures& cpu_features() {
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
     unsigned a = 0, b = 0, cx = 0, dx = 0;
     if (__get_cpuid_count(7, 0, &a, &b, &cx, &dx)) c.amx_bf16 = (dx >> 22) & 1u;
+    if (__get_cpuid(0, &a, &b, &cx, &dx)) c.amd = b == 0x68747541u && dx == 0x69746e65u && cx == 0x444d4163u;
     return c;
   }();
   return f;

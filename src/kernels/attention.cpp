@@ -131,7 +131,7 @@ void attention_check(const AttnDims& d, const char* op) {
 
 bool attention_bf16_active(const AttnDims& d) { return d.prec == AttnPrec::BF16 && active_isa() == Isa::Avx512; }
 
-bool attention_bf16_preferred() { return active_isa() == Isa::Avx512 && !cpu_features().amx_bf16; }
+bool attention_bf16_preferred() { return active_isa() == Isa::Avx512 && cpu_features().amd; }
 
 size_t attention_workspace_bytes(const AttnDims& d, int nthreads) {
   attention_check(d, "attention_workspace_bytes");

@@ -94,7 +94,7 @@ void TrainSession::print_start() const {
     if (compute == ComputeDtype::BF16)
       std::printf("attention: %s\n", model->attention_bf16()
                                           ? "bf16 products (vdpbf16ps outruns fp32 FMAs on this CPU)"
-                                          : "fp32 products (this CPU runs vdpbf16ps at half its FMA rate: AMX-BF16)");
+                                          : "fp32 products (vdpbf16ps is no faster than fp32 FMAs on this CPU)");
     if (!cfg.training.memory_check)
       std::printf("memory check: off (training.memory_check = false): the estimate is not held to this node's memory\n");
     const CheckpointSpec& ck = cfg.checkpoint;
