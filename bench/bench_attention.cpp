@@ -1,8 +1,9 @@
-// bench_attention.cpp: causal flash attention forward and backward (fp32, AVX-512 when available) at
-// ds_mini shapes and a few others. FLOPs count only the causal (key <= query) pairs: forward 2 matmuls,
-// backward 5 (S recomputed, dP, dV, dK, dQ); see attention_forward_flops / attention_backward_flops.
-// Counters: GFLOPS, pct_bf16_peak (vs a large oneDNN bf16 matmul) and pct_f32_peak (vs oneDNN sgemm; the
-// kernel computes in fp32, so this is the like-for-like ratio).
+// bench_attention.cpp: causal flash attention forward and backward at ds_mini shapes and a few others, in
+// fp32 (bf16:0) and bf16 (bf16:1, AttnPrec::BF16: vdpbf16ps products where AVX512-BF16 is native, else the
+// fp32 kernels; the counter bf16_active says which ran), side by side in one run. FLOPs count only the causal
+// (key <= query) pairs: forward 2 matmuls, backward 5 (S recomputed, dP, dV, dK, dQ); see
+// attention_forward_flops / attention_backward_flops. Counters: GFLOPS, pct_bf16_peak (vs a large oneDNN bf16
+// matmul measured at the start of the same run) and pct_f32_peak (vs sgemm, the like-for-like ratio of fp32).
 #include <vector>
 
 #include "bench_common.h"
@@ -14,8 +15,9 @@ using namespace moetron;
 
 namespace {
 
-AttnDims dims(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dqk, int64_t Dv) {
+AttnDims dims(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dqk, int64_t Dv, bool bf16) {
   AttnDims d{};
+  d.prec = bf16 ? AttnPrec::BF16 : AttnPrec::F32;
   d.B = B, d.T = T, d.Hq = Hq, d.Hkv = Hkv, d.Dqk = Dqk, d.Dv = Dv;
   d.head_q = d.head_k = Dqk, d.head_v = d.head_o = Dv;
   d.ldq = Hq * Dqk, d.ldk = Hkv * Dqk, d.ldv = Hkv * Dv, d.ldo = Hq * Dv;
@@ -46,7 +48,7 @@ void add_f32_pct(benchmark::State& st, double flops) {
 }
 
 AttnDims from_args(const benchmark::State& st) {
-  return dims(st.range(0), st.range(1), st.range(2), st.range(3), st.range(4), st.range(5));
+  return dims(st.range(0), st.range(1), st.range(2), st.range(3), st.range(4), st.range(5), st.range(6) != 0);
 }
 
 void BM_attention_fwd(benchmark::State& st) {
@@ -55,6 +57,7 @@ void BM_attention_fwd(benchmark::State& st) {
   for (auto _ : st) attention_forward(b.out.data(), b.lse.data(), b.q.data(), b.k.data(), b.v.data(), d, b.ws.data());
   bench::report_flops(st, attention_forward_flops(d));
   add_f32_pct(st, attention_forward_flops(d));
+  st.counters["bf16_active"] = attention_bf16_active(d) ? 1 : 0;
 }
 
 void BM_attention_bwd(benchmark::State& st) {
@@ -66,16 +69,19 @@ void BM_attention_bwd(benchmark::State& st) {
                        b.k.data(), b.v.data(), d, b.ws.data());
   bench::report_flops(st, attention_backward_flops(d));
   add_f32_pct(st, attention_backward_flops(d));
+  st.counters["bf16_active"] = attention_bf16_active(d) ? 1 : 0;
 }
 
-// Args: B, T, Hq, Hkv, Dqk, Dv.
+// Args: B, T, Hq, Hkv, Dqk, Dv, bf16; each shape in fp32, then bf16.
 void shapes(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"B", "T", "Hq", "Hkv", "Dqk", "Dv"});
-  b->Args({8, 256, 8, 8, 64, 64});     // ds_mini
-  b->Args({8, 256, 8, 2, 64, 64});     // ds_mini with GQA 4:1
-  b->Args({2, 1024, 8, 8, 64, 64});    // longer sequence, same tokens
-  b->Args({2, 256, 8, 8, 192, 128});   // MLA head dims (DeepSeek-V3: dn 128 + dr 64, dv 128)
-  b->Args({1, 1024, 8, 1, 64, 64});    // one MQA sequence: the backward takes its two-pass schedule
+  b->ArgNames({"B", "T", "Hq", "Hkv", "Dqk", "Dv", "bf16"});
+  for (int64_t bf : {0, 1}) {
+    b->Args({8, 256, 8, 8, 64, 64, bf});     // ds_mini
+    b->Args({8, 256, 8, 2, 64, 64, bf});     // ds_mini with GQA 4:1
+    b->Args({2, 1024, 8, 8, 64, 64, bf});    // longer sequence, same tokens
+    b->Args({2, 256, 8, 8, 192, 128, bf});   // MLA head dims (DeepSeek-V3: dn 128 + dr 64, dv 128)
+    b->Args({1, 1024, 8, 1, 64, 64, bf});    // one MQA sequence: the backward takes its two-pass schedule
+  }
   b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 

@@ -7,6 +7,10 @@
 // with mask Full (every key visible: a key block wholly earlier in the sequence); the default mask Causal is
 // the diagonal block (Tk == T, query and key blocks at the same positions). The backward of a block takes the
 // merged lse and out of the whole row (see attention_backward), so the blocks' gradients sum to the row's.
+// Precision (AttnDims::prec): F32 computes every product in fp32; BF16 rounds the operands of the products
+// (q k^T, P v; backward dO v^T, P^T dO, dS k, dS^T q) to bf16 and accumulates in fp32 (vdpbf16ps), with the
+// softmax, lse, row sums and scaling in fp32. BF16 runs only where AVX512-BF16 is native (active_isa() is
+// Avx512); elsewhere a BF16 request runs the fp32 kernels, bitwise as F32 (attention_bf16_active says which).
 // Not: padding masks, sliding windows, dropout, KV caches or decoding.
 #pragma once
 #include <algorithm>
@@ -31,6 +35,10 @@ enum class AttnMask : uint8_t {
   Causal,  // key s visible to query t iff s <= t (query and key blocks start at the same position; Tk == T)
   Full,    // every key visible to every query (the key block ends before the query block starts)
 };
+enum class AttnPrec : uint8_t {
+  F32,   // fp32 products (every ISA)
+  BF16,  // bf16 operands, fp32 accumulation, fp32 softmax (AVX512-BF16; else the F32 kernels)
+};
 struct AttnDims {
   int64_t B, T, Hq, Hkv, Dqk, Dv;
   int64_t ldq, ldk, ldv, ldo;              // element stride between consecutive tokens
@@ -38,6 +46,7 @@ struct AttnDims {
   float scale;
   int64_t Tk = 0;                   // keys per sequence; 0: Tk = T (the default, plain causal attention)
   AttnMask mask = AttnMask::Causal;
+  AttnPrec prec = AttnPrec::F32;
   int64_t keys() const { return Tk > 0 ? Tk : T; }
   bool causal() const { return mask == AttnMask::Causal; }
 };
@@ -45,8 +54,19 @@ struct AttnDims {
 // Throws moetron::Error naming `op` and the offending value when d is inconsistent.
 void attention_check(const AttnDims& d, const char* op);
 
+// True when d.prec is BF16 and this CPU / ISA cap runs the bf16 kernels (active_isa() is Avx512, which
+// implies AVX512-BF16); false means the fp32 kernels run.
+bool attention_bf16_active(const AttnDims& d);
+// Whether bf16 attention is the faster choice here (what the model's automatic choice takes under bf16 compute):
+// the bf16 kernels run (active_isa() is Avx512) and this CPU's vdpbf16ps outruns its fp32 FMAs, which holds on
+// AMD's AVX512-BF16 CPUs (Zen 4 / 5: one vdpbf16ps zmm, 64 FLOPs, per cycle, twice the FMAs' rate). Intel's
+// issue it at or below their FMAs' FLOP rate (Sapphire Rapids, AMX-BF16: half, measured in docs/benchmarks.md;
+// its bf16 speed is in AMX), so the fp32 kernels stay there. A CPU property (the vendor), never a timing.
+bool attention_bf16_preferred();
+
 // Scratch for the forward and the backward: per-thread tiles plus, when head_k or head_v is 0 with
-// Hkv > 1, per-kv-head gradient partials. `num_threads` must be the OpenMP thread count the kernels
+// Hkv > 1, per-kv-head gradient partials; with prec BF16 also the call's bf16 copies of q, k, v, dout in the
+// layouts the bf16 tile GEMMs read (kernel_sizes.h), whether or not this CPU then runs the bf16 kernels. `num_threads` must be the OpenMP thread count the kernels
 // will run with (moetron::num_threads()). A ws of nullptr makes the kernel allocate it per call.
 size_t attention_workspace_bytes(const AttnDims& d, int num_threads);
 

@@ -15,17 +15,28 @@ namespace moetron {
 inline constexpr int64_t kAttnTile = 64;  // query rows and key columns per tile
 
 // The shape terms the attention workspace depends on (attention.h's AttnDims: B, T, Hkv, Dqk, Dv, and
-// whether k or v is one head shared by Hkv > 1 kv heads, i.e. head_k == 0 or head_v == 0).
+// whether k or v is one head shared by Hkv > 1 kv heads, i.e. head_k == 0 or head_v == 0); for bf16 (prec
+// BF16) also the query rows Tq and the q heads Hq.
 struct AttnWorkspaceShape {
-  int64_t B = 0, T = 0, Hkv = 1, Dqk = 1, Dv = 1;
+  int64_t B = 0, T = 0, Hkv = 1, Dqk = 1, Dv = 1;  // T: keys per sequence
   bool shared_k = false, shared_v = false;
+  bool bf16 = false;            // AttnPrec::BF16
+  int64_t Tq = 0, Hq = 0;       // queries per sequence and q heads (bf16 only; 0: Tq = T, Hq = Hkv)
 };
 // Floats of one thread's tiles: max of the forward's (Q^T tile, scores) and the backward's (K^T, V^T, dK,
 // dV accumulators, scores, dP, lse and D rows), head dims rounded up to 16.
 int64_t attention_thread_floats(int64_t Dqk, int64_t Dv);
 // Floats shared by all threads: per-kv-head gradient partials of a shared k (or v) head.
 int64_t attention_shared_floats(const AttnWorkspaceShape& s);
-// Bytes of the whole workspace for `threads` threads (>= 1), plus 64 for alignment.
+// bf16 (4-byte units: a bf16 pair or a float each). Per thread: the forward's Q^T pair tile, scores and P pair
+// tile, the backward's dK / dV accumulators, S, dP, the P / dS pair tiles, the bf16 dS rows, lse and D rows.
+int64_t attention_bf16_thread_words(int64_t Dqk, int64_t Dv);
+// Shared: the call's bf16 copies, per 64-row tile: the forward's k rows and v row pairs; the backward's k^T,
+// k row pairs and v^T of each key tile and the q rows, q row pairs, dout rows and dout row pairs of each query
+// tile (the larger of the two).
+int64_t attention_bf16_shared_words(const AttnWorkspaceShape& s);
+// Bytes of the whole workspace for `threads` threads (>= 1), plus 64 for alignment (bf16: the fp32 layout's
+// shared partials after the bf16 words, and the fp32 per-thread tiles fit in the bf16 ones).
 size_t attention_workspace_size(const AttnWorkspaceShape& s, int threads);
 
 // ---- grouped GEMM (src/kernels/grouped_gemm.cpp; layouts in docs/kernels/gemm.md)

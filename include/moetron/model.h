@@ -85,6 +85,10 @@ struct ModelParallel {
   // strict turns) and the paced link (one exchange in flight per rank; needs the turns).
   bool ep_free_order = true;
   bool ep_paced_link = false;
+  // The attention kernels' products under bf16 compute: Auto = bf16 where attention_bf16_preferred() (the
+  // faster choice on this CPU), else fp32; BF16 / FP32 force one (BF16 needs bf16 compute). fp32 compute always
+  // runs fp32 attention. Not a config key: the trainer takes Auto.
+  ComputeDtype attention = ComputeDtype::Auto;
 };
 
 // training.compute_dtype for this machine: Auto -> BF16 where bf16 GEMMs are native (the kernels run at
@@ -110,6 +114,7 @@ class Model {
 
   const ModelSpec& spec() const { return spec_; }
   ComputeDtype compute_dtype() const { return compute_; }  // resolved: BF16 or FP32
+  bool attention_bf16() const;  // attention's products in bf16 (ModelParallel::attention resolved)
   const std::vector<ParamEntry>& params() const { return params_; }
   const ParamEntry& param(const std::string& name) const;
   int64_t num_params() const { return n_params_; }

@@ -10,6 +10,8 @@ namespace moetron {
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false;
+  bool amx_bf16 = false;  // AMX-BF16 tiles (Intel Sapphire Rapids on): CPUID.(7,0):EDX[22]
+  bool amd = false;       // vendor "AuthenticAMD" (CPUID leaf 0)
 };
 const CpuFeatures& cpu_features();
 

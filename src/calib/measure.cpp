@@ -234,11 +234,14 @@ void measure_overhead(const Timer& tm, int reps, Round& r) {
   });
 }
 
-// Attention: causal, forward + backward, 8 heads of 64 over 512 tokens per call, by sequence length.
-void measure_attention(const Timer& tm, bool quick, int reps, Round& r) {
+// Attention: causal, forward + backward, 8 heads of 64 over 512 tokens per call, by sequence length; in the
+// precision the engine's attention runs in under this compute dtype (model.cpp: bf16 products with bf16 compute
+// where attention_bf16_preferred(), else fp32).
+void measure_attention(const Timer& tm, ComputeDtype dt, bool quick, int reps, Round& r) {
   for (int64_t T : {int64_t(128), quick ? int64_t(256) : int64_t(512)}) {
     const int64_t B = std::max<int64_t>(1, 512 / T), H = 8, D = 64;
     AttnDims d{B, T, H, H, D, D, H * D, H * D, H * D, H * D, D, D, D, D, 0.125f};
+    if (dt == ComputeDtype::BF16 && attention_bf16_preferred()) d.prec = AttnPrec::BF16;
     std::vector<float> q(size_t(B * T * H * D), 0.1f), k = q, v = q, o = q, dq = q, dk = q, dv = q, dout = q;
     std::vector<float> lse(size_t(B * H * T));
     Aligned ws(attention_workspace_bytes(d, num_threads()));
@@ -467,7 +470,7 @@ Round measure_round(const Comm& w, bool quick) {
   measure_grouped(tm, dt, quick, reps, r);
   measure_overhead(tm, reps, r);
   ref();
-  measure_attention(tm, quick, reps, r);
+  measure_attention(tm, dt, quick, reps, r);
   ref();
   measure_loss(tm, dt, reps, r);
   ref();

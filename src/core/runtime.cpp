@@ -2,6 +2,7 @@
 #include "moetron/env.h"
 #include "moetron/runtime.h"
 
+#include <cpuid.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -27,6 +28,9 @@ const CpuFeatures& cpu_features() {
     c.avx512vl = __builtin_cpu_supports("avx512vl");
     c.avx512dq = __builtin_cpu_supports("avx512dq");
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    unsigned a = 0, b = 0, cx = 0, dx = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &cx, &dx)) c.amx_bf16 = (dx >> 22) & 1u;
+    if (__get_cpuid(0, &a, &b, &cx, &dx)) c.amd = b == 0x68747541u && dx == 0x69746e65u && cx == 0x444d4163u;
     return c;
   }();
   return f;

@@ -824,6 +824,10 @@ struct MemoryTerms {
       AttnWorkspaceShape aw;  // the engine's k and v heads are never shared (no head stride of 0)
       aw.B = c.training.micro_batch_size, aw.T = c.training.seq_len / par.cp, aw.Hkv = at.kv_heads();
       aw.Dqk = at.qk_head_dim(), aw.Dv = at.v_dim();
+      // bf16 compute: the bf16 attention workspace (its operand copies), whichever kernels the CPU then runs;
+      // the heads are this rank's (TP divides them).
+      aw.bf16 = cb != 4, aw.Tq = aw.T, aw.Hq = std::max<int64_t>(1, at.n_heads / par.tp);
+      if (aw.bf16) aw.Hkv = std::max<int64_t>(1, at.kv_heads() / par.tp);
       kernel = std::max(kernel, double(attention_workspace_size(aw, threads)));
     }
     if (s.is_moe()) {

@@ -28,8 +28,28 @@ int64_t attention_shared_floats(const AttnWorkspaceShape& s) {
          (s.shared_v && s.Hkv > 1 ? s.B * s.Hkv * s.T * round16(s.Dv) : 0);
 }
 
+int64_t attention_bf16_thread_words(int64_t Dqk, int64_t Dv) {
+  const int64_t t = kAttnTile, dh16 = round16(ceil_div(Dqk, 2));
+  const int64_t fwd = dh16 * t + t * t + t / 2 * t;                         // Q^T pairs, S^T, P pairs
+  const int64_t bwd = (round16(Dqk) + round16(Dv)) * t + 2 * t * t + 3 * t / 2 * t + 2 * t;  // dK, dV, S, dP,
+  return std::max(fwd, bwd);                                               // P / dS pairs, dS rows, lse, D
+}
+
+int64_t attention_bf16_shared_words(const AttnWorkspaceShape& s) {
+  const int64_t t = kAttnTile, dh = ceil_div(s.Dqk, 2), dvh = ceil_div(s.Dv, 2);
+  const int64_t Tq = s.Tq > 0 ? s.Tq : s.T, Hq = s.Hq > 0 ? s.Hq : s.Hkv;
+  const int64_t ktiles = s.B * s.Hkv * ceil_div(s.T, t), qtiles = s.B * Hq * ceil_div(Tq, t);
+  const int64_t fwd = ktiles * (t * dh + t / 2 * s.Dv);                                     // k rows, v pairs
+  const int64_t bwd = ktiles * (dh * t + t / 2 * s.Dqk + dvh * t) +                          // k^T, k pairs, v^T
+                      qtiles * (t * dh + t / 2 * s.Dqk + t * dvh + t / 2 * s.Dv);            // q, q pairs, dO, dO pairs
+  return std::max(fwd, bwd);
+}
+
 size_t attention_workspace_size(const AttnWorkspaceShape& s, int threads) {
-  return sizeof(float) * size_t(attention_thread_floats(s.Dqk, s.Dv) * threads + attention_shared_floats(s)) + 64;
+  if (!s.bf16)
+    return sizeof(float) * size_t(attention_thread_floats(s.Dqk, s.Dv) * threads + attention_shared_floats(s)) + 64;
+  const int64_t per = std::max(attention_thread_floats(s.Dqk, s.Dv), attention_bf16_thread_words(s.Dqk, s.Dv));
+  return 4 * size_t(per * threads + attention_bf16_shared_words(s) + attention_shared_floats(s)) + 64;
 }
 
 // ---- grouped GEMM

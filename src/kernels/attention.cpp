@@ -1,6 +1,7 @@
 // attention.cpp: causal flash attention drivers (input checks, workspace, ISA dispatch) and the portable
 // backend of the tiled algorithm in attention_impl.h (plain loops the compiler vectorizes at the baseline
-// ISA). The AVX-512 backend is attention_avx512.cpp, the AVX2 + FMA one attention_avx2.cpp. Not the reference
+// ISA). The AVX-512 backend is attention_avx512.cpp, the AVX2 + FMA one attention_avx2.cpp, the bf16 one
+// (AttnPrec::BF16 on AVX512-BF16) attention_bf16_avx512.cpp. Not the reference
 // (attention_*_ref in attention.h).
 #include <cmath>
 #include <cstdint>
@@ -27,6 +28,12 @@ void forward(float* out, float* lse, const float* q, const float* k, const float
 void backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse, const float* q,
               const float* k, const float* v, const AttnDims& d, float* ws, int nthreads);
 }  // namespace attention_avx2
+namespace attention_bf16_avx512 {
+void forward(float* out, float* lse, const float* q, const float* k, const float* v, const AttnDims& d, float* ws,
+             int nthreads);
+void backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse, const float* q,
+              const float* k, const float* v, const AttnDims& d, float* ws, int nthreads);
+}  // namespace attention_bf16_avx512
 
 namespace {
 
@@ -95,6 +102,7 @@ void attention_check(const AttnDims& d, const char* op) {
   MT_CHECK(d.B >= 0 && d.T >= 0, op, "negative size B=", d.B, " T=", d.T);
   MT_CHECK(d.Tk >= 0, op, "negative key length Tk=", d.Tk);
   MT_CHECK(d.mask == AttnMask::Causal || d.mask == AttnMask::Full, op, "unknown mask ", int(d.mask));
+  MT_CHECK(d.prec == AttnPrec::F32 || d.prec == AttnPrec::BF16, op, "unknown precision ", int(d.prec));
   MT_CHECK(!d.causal() || d.keys() == d.T, op, "the causal mask needs as many keys as queries: Tk=", d.Tk,
            " T=", d.T, " (a key block before the queries takes mask Full)");
   MT_CHECK(d.Hq >= 1 && d.Hkv >= 1, op, "head counts must be >= 1: Hq=", d.Hq, " Hkv=", d.Hkv);
@@ -121,6 +129,10 @@ void attention_check(const AttnDims& d, const char* op) {
   }
 }
 
+bool attention_bf16_active(const AttnDims& d) { return d.prec == AttnPrec::BF16 && active_isa() == Isa::Avx512; }
+
+bool attention_bf16_preferred() { return active_isa() == Isa::Avx512 && cpu_features().amd; }
+
 size_t attention_workspace_bytes(const AttnDims& d, int nthreads) {
   attention_check(d, "attention_workspace_bytes");
   MT_CHECK(nthreads >= 1, "attention_workspace_bytes", "num_threads=", nthreads);
@@ -142,7 +154,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   }
   float* w = align64(ws);
   const Isa isa = active_isa();
-  if (isa == Isa::Avx512) attention_avx512::forward(out, lse, q, k, v, d, w, nt);
+  if (attention_bf16_active(d)) attention_bf16_avx512::forward(out, lse, q, k, v, d, w, nt);
+  else if (isa == Isa::Avx512) attention_avx512::forward(out, lse, q, k, v, d, w, nt);
   else if (isa == Isa::Avx2) attention_avx2::forward(out, lse, q, k, v, d, w, nt);
   else flash_forward<PortableOps>(out, lse, q, k, v, d, w, nt);
 }
@@ -171,7 +184,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   }
   float* w = align64(ws);
   const Isa isa = active_isa();
-  if (isa == Isa::Avx512) attention_avx512::backward(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
+  if (attention_bf16_active(d)) attention_bf16_avx512::backward(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
+  else if (isa == Isa::Avx512) attention_avx512::backward(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
   else if (isa == Isa::Avx2) attention_avx2::backward(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
   else flash_backward<PortableOps>(dq, dk, dv, dout, out, lse, q, k, v, d, w, nt);
 }

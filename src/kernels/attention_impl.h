@@ -45,6 +45,7 @@ inline moetron::AttnWorkspaceShape ws_shape(const moetron::AttnDims& d) {
   moetron::AttnWorkspaceShape s;
   s.B = d.B, s.T = d.keys(), s.Hkv = d.Hkv, s.Dqk = d.Dqk, s.Dv = d.Dv;
   s.shared_k = d.head_k == 0, s.shared_v = d.head_v == 0;
+  s.bf16 = d.prec == moetron::AttnPrec::BF16, s.Tq = d.T, s.Hq = d.Hq;
   return s;
 }
 // Per-thread scratch, in floats.

@@ -36,6 +36,8 @@ using model_detail::i32buf;
 // ---------------------------------------------------------------------------------------------------
 // construction
 
+bool Model::attention_bf16() const { return impl_->attn16; }
+
 ComputeDtype resolve_compute_dtype(ComputeDtype requested, std::string* why) {
   const CpuFeatures& cf = cpu_features();
   const bool isa_ok = active_isa() == Isa::Avx512;  // the project's bf16 kernels need AVX512-BF16
@@ -71,6 +73,10 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
            " is not implemented in the engine (its attention is flash; unfused is planned only: `moetron plan`)");
   impl_ = std::make_unique<Impl>(*this);
   impl_->f32 = compute_ == ComputeDtype::FP32;
+  MT_CHECK(par.attention != ComputeDtype::BF16 || !impl_->f32, "Model",
+           "bf16 attention needs bf16 compute (training.compute_dtype resolved to fp32 here)");
+  impl_->attn16 = !impl_->f32 && (par.attention == ComputeDtype::BF16 ||
+                                  (par.attention == ComputeDtype::Auto && attention_bf16_preferred()));
   impl_->par = par;
   if (par.ep && par.ep->size() > 1) impl_->ep_comm = *par.ep, impl_->ep = par.ep->size();
   MT_CHECK(impl_->ep == 1 || spec_.is_moe(), "Model", "expert parallelism (ep = ", impl_->ep,
@@ -176,7 +182,9 @@ void Model::Impl::build_buffers() {
   }
 
   // kernel workspace: the max over every call site
+  // bf16 compute sizes the bf16 attention workspace whichever kernels run (the accounting cannot know the CPU).
   AttnDims ad = attn_dims();
+  if (!f32) ad.prec = AttnPrec::BF16;
   size_t w = attention_workspace_bytes(ad, num_threads());
   if (has_head && tp == 1) w = std::max(w, linear_xent_workspace_bytes(N, V, linear_xent_default_chunk(V)));
   if (has_head && tp > 1)

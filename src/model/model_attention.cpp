@@ -28,6 +28,7 @@ AttnDims Model::Impl::attn_dims() const {
   }
   a.ldo = H * Dv, a.head_o = Dv;
   a.scale = float(1.0 / std::sqrt(double(Dqk)));
+  a.prec = attn16 ? AttnPrec::BF16 : AttnPrec::F32;
   return a;
 }
 

@@ -288,6 +288,7 @@ struct Model::Impl {
 
   // ---- the compute dtype: every call that depends on it goes through these ----
   bool f32 = false;  // compute dtype FP32 (else BF16)
+  bool attn16 = false;  // bf16 attention (AttnPrec::BF16; only with bf16 compute, see ModelParallel::attention)
   GemmPrec prec() const { return f32 ? GemmPrec::F32 : GemmPrec::BF16; }
   Tensor cbuf(int64_t n, MemCategory c = MemCategory::Activations) const {
     return Tensor::zeros({n}, f32 ? DType::F32 : DType::BF16, c);

@@ -318,6 +318,7 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.tied_hg = tied_hg, o.step_ce_scale = step_ce_scale, o.step_aux_scale = step_aux_scale;
   o.wc = wc, o.rope_cos = rope_cos, o.rope_sin = rope_sin;
   o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
+  o.attn16 = attn16;
   o.alloc_scratch();
   o.baton = baton;
   o.exposure = exposure;

@@ -99,6 +99,10 @@ void TrainSession::print_start() const {
                 (long long)B, (long long)T, runtime_summary().c_str(), res.peak_gflops,
                 std::string(to_string(compute)).c_str());
     std::printf("compute dtype: %s (%s)\n", std::string(to_string(compute)).c_str(), compute_why.c_str());
+    if (compute == ComputeDtype::BF16)
+      std::printf("attention: %s\n", model->attention_bf16()
+                                          ? "bf16 products (vdpbf16ps outruns fp32 FMAs on this CPU)"
+                                          : "fp32 products (vdpbf16ps is no faster than fp32 FMAs on this CPU)");
     if (!cfg.training.memory_check)
       std::printf("memory check: off (training.memory_check = false): the estimate is not held to this node's memory\n");
     const CheckpointSpec& ck = cfg.checkpoint;

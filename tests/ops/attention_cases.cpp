@@ -23,6 +23,24 @@
 //   dq_t:  sum_s (d_ts + (N + 2) u |dS_ts|) |k_s|;   dk_s: sum_(head, t) (d_ts + (N + 2) u |dS_ts|) |q_t|
 // Full mask: the same terms with every key of the block (n = Tk keys, ceil(Tk / 64) key tiles, N for dk_s / dv_s
 // the G T query rows).
+//
+// bf16 cases (bf16_*, AttnDims::prec = BF16; fresh inputs: seeds 141 - 143, none shared with the fp32 cases).
+// Where attention_bf16_active (AVX512-BF16 native, not capped): held to the twin, the same fp64 references fed
+// with the bf16-rounded q, k, v, dout (round to nearest even, subnormals flushed, as vcvtne*ps2bf16 does), so
+// the operand roundings cancel and what is left is the kernel's fp32 accumulation (the bounds above, with the
+// rounded operands in the sums) plus the two roundings the twin does not do, of P (before P v and P^T dO) and
+// of dS (before dS k and dS^T q). bf16 keeps 8 significant bits (7 stored): round to nearest moves x by at most
+// half a unit in the 8th bit, |bf16(x) - x| <= ub |x|, ub = 2^-8. A rounded
+// P_ts enters out_t and dv_s as one term of a sum, so it adds ub sum_s P_ts |v_s| to out_t's bound and
+// ub sum_t P_ts |dO_t| to dv_s's; a rounded dS_ts adds ub sum_s |dS_ts| |k_s| to dq_t's and ub sum_t |dS_ts|
+// |q_t| to dk_s's (the reduction length enters through these sums and the fp32 terms' (n + 2) u). The
+// products of bf16 pairs are exact in fp32; vdpbf16ps flushes subnormal products: at most 2^-126 per term,
+// covered by an absolute 2^-100 on every bound (sums of < 2^26 terms of operands < 2^0 .. 2^24 here). lse is
+// fp32 throughout (l sums the unrounded P): its bound is unchanged. Statistically: RNE errors are unbiased, so
+// an element's error is a random walk of size ub / sqrt(3) sqrt(sum a^2) <= ub / sqrt(3) sum |a|, at most
+// 1 / (2 sqrt(3)) = 0.29 of its (doubled) bound: rms(err) <= 0.3 rms(bound) (check_at's floor, rms_rel 0).
+// Elsewhere (MOETRON_ISA=avx2 / scalar, a CPU without AVX512-BF16): attention_bf16_active is false and the
+// results are bitwise those of the same call with prec F32. NaN fails every check (ratio <= 1 is false).
 #include <omp.h>
 
 #include <cmath>
@@ -31,11 +49,22 @@
 
 #include "harness.h"
 #include "moetron/attention.h"
+#include "moetron/dtype.h"
+#include "moetron/runtime.h"
 
 namespace moetron::ops {
 namespace {
 
 constexpr double kU = 5.9604644775390625e-08;  // 2^-24
+constexpr double kUb = 1.0 / 256;               // 2^-8, bf16's unit roundoff (8 significant bits)
+constexpr double kFtz = 7.888609052210118e-31;  // 2^-100, flushed subnormal products (bf16 cases)
+
+// fp32 -> bf16 -> fp32 as vcvtne*ps2bf16: round to nearest even, subnormal inputs flushed to 0.
+float bf16_hw(float x) { return std::fabs(x) < 1.1754943508222875e-38f ? 0.0f : round_bf16(x); }
+std::vector<float> bf16_hw(std::vector<float> v) {
+  for (float& x : v) x = bf16_hw(x);
+  return v;
+}
 
 struct Spec {
   std::string variant;
@@ -115,8 +144,9 @@ void each(int64_t nrows, int64_t off, int64_t ld, int64_t H, int64_t hs, int64_t
 struct Bounds {
   std::vector<double> out, lse, din;  // din: [in_size], at q/k/v positions
 };
+// ub > 0 (bf16 cases): P and dS are rounded to bf16 before their products (see the file comment).
 Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vector<double>& dout,
-                    const std::vector<double>& outv, int extra_tiles = 0) {
+                    const std::vector<double>& outv, int extra_tiles = 0, double ub = 0) {
   const AttnDims& d = s.d;
   const int64_t G = d.Hq / d.Hkv, T = d.T, Tk = d.keys();
   const double sc = d.scale;
@@ -159,7 +189,7 @@ Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vec
         for (int64_t e = 0; e < d.Dv; ++e) {
           double a = 0;
           for (int64_t j = 0; j < n; ++j) a += P[j] * std::fabs(V(j)[e]);
-          bo[e] = 2 * (2 * epmax + double(2 * n + 4) * kU) * a;
+          bo[e] = 2 * (2 * epmax + double(2 * n + 4) * kU + ub) * a;
         }
         // Backward.
         const double* dO = dout.data() + (b * T + t) * d.ldo + h * d.head_o;
@@ -177,10 +207,10 @@ Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vec
           const double Nq = double(n + 2), Nk = (rows_j + 2) * (s.d.head_k == 0 ? double(d.Hkv) : 1.0);
           const double Nv = (rows_j + 2) * (s.d.head_v == 0 ? double(d.Hkv) : 1.0);
           for (int64_t e = 0; e < d.Dqk; ++e) {
-            dQ(t)[e] += 2 * (dd + Nq * kU * std::fabs(dS)) * std::fabs(K(j)[e]);
-            dK(j)[e] += 2 * (dd + Nk * kU * std::fabs(dS)) * std::fabs(Q(t)[e]);
+            dQ(t)[e] += 2 * (dd + (Nq * kU + ub) * std::fabs(dS)) * std::fabs(K(j)[e]);
+            dK(j)[e] += 2 * (dd + (Nk * kU + ub) * std::fabs(dS)) * std::fabs(Q(t)[e]);
           }
-          for (int64_t e = 0; e < d.Dv; ++e) dV(j)[e] += 2 * (epj + Nv * kU) * P[j] * std::fabs(dO[e]);
+          for (int64_t e = 0; e < d.Dv; ++e) dV(j)[e] += 2 * (epj + Nv * kU + ub) * P[j] * std::fabs(dO[e]);
         }
       }
     }
@@ -191,31 +221,32 @@ Bounds error_bounds(const Spec& s, const std::vector<double>& in, const std::vec
 // Also, statistically: rms(err) <= rms_rel * rms(want) + 0.1 rms(bound) (the floor for outputs that
 // vanish by cancellation, where only the element-wise bound means something).
 void check_at(Report& r, const std::string& what, const std::vector<int64_t>& idx, const float* got,
-              const double* want, const double* bound, double rms_rel) {
+              const double* want, const double* bound, double rms_rel, double floor = 0.1, double abs = 0) {
   int64_t bad = 0, wi = -1;
   double worst = -1, se = 0, sw = 0, sb = 0;
   for (int64_t i : idx) {
-    const double e = std::fabs(double(got[i]) - want[i]), ratio = e == 0 ? 0 : e / (bound[i] + 1e-300);
-    se += e * e, sw += want[i] * want[i], sb += bound[i] * bound[i];
+    const double e = std::fabs(double(got[i]) - want[i]), b = bound[i] + abs, ratio = e == 0 ? 0 : e / (b + 1e-300);
+    se += e * e, sw += want[i] * want[i], sb += b * b;
     if (!(ratio <= 1)) ++bad;
     if (!(ratio <= worst)) worst = ratio, wi = i;
   }
   std::ostringstream os;
-  const bool rms_ok = std::sqrt(se) <= rms_rel * std::sqrt(sw) + 0.1 * std::sqrt(sb);
+  const bool rms_ok = std::sqrt(se) <= rms_rel * std::sqrt(sw) + floor * std::sqrt(sb);
   os << what << ": n=" << idx.size() << " rms(err)/rms(want)=" << std::sqrt(se / (sw + 1e-300)) / kU << "u (limit "
-     << rms_rel / kU << "u" << (rms_ok ? "" : " EXCEEDED") << "), element-wise bound";
+     << rms_rel / kU << "u + " << floor << " rms(bound)" << (rms_ok ? "" : " EXCEEDED") << "), element-wise bound";
   if (wi >= 0)
     os << ", worst at " << wi << " (got " << got[wi] << ", want " << want[wi] << ", " << worst << "x of bound "
-       << bound[wi] << ")";
+       << bound[wi] + abs << ")";
   if (bad) os << " violations=" << bad;
   r.check(bad == 0 && rms_ok, os.str());
 }
 
 struct AttnCase : OpCase {
   Spec s;
+  bool bf16;                            // prec BF16: the bf16 checks (file comment), seeds + 100
   std::vector<int64_t> qi, ki, vi, oi;  // buffer positions of the q, k, v, out views
   std::vector<char> in_owned, out_owned;
-  explicit AttnCase(Spec sp) : s(std::move(sp)) {
+  explicit AttnCase(Spec sp) : s(std::move(sp)), bf16(s.d.prec == AttnPrec::BF16) {
     name = "attention/" + s.variant;
     fd_eps = 1e-6;
     grad_tol = 1e-5;
@@ -233,35 +264,65 @@ struct AttnCase : OpCase {
     each(d.B * d.keys(), s.voff, d.ldv, d.Hkv, d.head_v, d.Dv, add(vi, in_owned));
     each(d.B * d.T, 0, d.ldo, d.Hq, d.head_o, d.Dv, add(oi, out_owned));
   }
+  uint64_t seed(uint64_t k) const { return bf16 ? k + 100 : k; }
   std::vector<float> make_in() const {
-    auto x = randn(s.in_size, 41);
+    auto x = randn(s.in_size, seed(41));
     for (int64_t i : qi) x[i] *= s.qscale;
     return x;
   }
 
   struct Result {
     std::vector<float> out, lse, din;
+    bool ws_intact = true;  // the 256 bytes after attention_workspace_bytes untouched (with_ws)
   };
-  Result run(const std::vector<float>& in, const std::vector<float>& dout, int threads, bool with_ws) const {
+  Result run(const std::vector<float>& in, const std::vector<float>& dout, int threads, bool with_ws,
+             const AttnDims* dims = nullptr) const {
+    const AttnDims& d = dims ? *dims : s.d;
     const int saved = omp_get_max_threads();
     omp_set_num_threads(threads);
     Result res{std::vector<float>(s.out_size, 12345.0f), std::vector<float>(s.d.B * s.d.Hq * s.d.T),
                std::vector<float>(s.in_size, 777.0f)};
-    std::vector<char> ws(with_ws ? attention_workspace_bytes(s.d, threads) : 0);
+    const size_t wsb = with_ws ? attention_workspace_bytes(d, threads) : 0;
+    std::vector<char> ws(with_ws ? wsb + 256 : 0, char(0xA5));
     void* w = with_ws ? ws.data() : nullptr;
     const float* x = in.data();
     float* g = res.din.data();
-    attention_forward(res.out.data(), res.lse.data(), x + s.qoff, x + s.koff, x + s.voff, s.d, w);
+    attention_forward(res.out.data(), res.lse.data(), x + s.qoff, x + s.koff, x + s.voff, d, w);
     attention_backward(g + s.qoff, g + s.koff, g + s.voff, dout.data(), res.out.data(), res.lse.data(), x + s.qoff,
-                       x + s.koff, x + s.voff, s.d, w);
+                       x + s.koff, x + s.voff, d, w);
+    for (size_t i = wsb; i < ws.size(); ++i) res.ws_intact = res.ws_intact && ws[i] == char(0xA5);
     omp_set_num_threads(saved);
     return res;
   }
 
+  static bool same(const std::vector<float>& a, const std::vector<float>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  }
+  static bool same(const Result& a, const Result& b) { return same(a.out, b.out) && same(a.lse, b.lse) && same(a.din, b.din); }
+
   void test(Report& r) override {
     const AttnDims& d = s.d;
-    auto in = make_in(), dout = randn(s.out_size, 42);
-    Result res = run(in, dout, omp_get_max_threads() > 1 ? omp_get_max_threads() : 2, false);
+    auto in = make_in(), dout = randn(s.out_size, seed(42));
+    const int threads = omp_get_max_threads() > 1 ? omp_get_max_threads() : 2;
+    const Result one = run(in, dout, 1, true);  // first: its workspace has a guard (a short one would show there)
+    r.check(one.ws_intact, "nothing written past attention_workspace_bytes (a 256-byte guard after it)");
+    Result res = run(in, dout, threads, false);
+    double ub = 0, floor = 0.1, abs = 0;
+    if (bf16) {
+      const bool active = attention_bf16_active(d);
+      r.check(active == (active_isa() == Isa::Avx512), std::string("prec BF16 at isa ") +
+              std::string(isa_name(active_isa())) + ": the bf16 kernels " + (active ? "run" : "do not run"));
+      AttnDims f = d;
+      f.prec = AttnPrec::F32;
+      const bool as_f32 = same(run(in, dout, threads, false, &f), res);
+      if (!active) {  // the fp32 path is taken: bitwise the F32 call (whose accuracy the fp32 cases hold)
+        r.check(as_f32, "prec BF16 without native bf16: out, lse, dq, dk, dv bitwise those of prec F32");
+        return;
+      }
+      r.check(!as_f32, "prec BF16 with native bf16: the bf16 kernels ran (results differ from prec F32)");
+      in = bf16_hw(in), dout = bf16_hw(dout);  // the twin's operands (the kernel rounds the same values)
+      ub = kUb, floor = 0.3, abs = kFtz;
+    }
     auto ind = to_f64(in), doutd = to_f64(dout), outd = to_f64(res.out);
     std::vector<double> out_ref(s.out_size, 0.0), lse_ref(d.B * d.Hq * d.T), din_ref(s.in_size, 0.0);
     attention_forward_ref<double>(out_ref.data(), lse_ref.data(), ind.data() + s.qoff, ind.data() + s.koff,
@@ -270,30 +331,26 @@ struct AttnCase : OpCase {
     attention_backward_ref<double>(din_ref.data() + s.qoff, din_ref.data() + s.koff, din_ref.data() + s.voff,
                                    doutd.data(), outd.data(), ind.data() + s.qoff, ind.data() + s.koff,
                                    ind.data() + s.voff, d);
-    Bounds bd = error_bounds(s, ind, doutd, outd);
-    const double rr = 2 * kU * std::sqrt(double(d.Dqk + d.Dv + std::max(d.T, d.keys())));
-    check_at(r, "out", oi, res.out.data(), out_ref.data(), bd.out.data(), rr);
+    Bounds bd = error_bounds(s, ind, doutd, outd, 0, ub);
+    const double rr = bf16 ? 0.0 : 2 * kU * std::sqrt(double(d.Dqk + d.Dv + std::max(d.T, d.keys())));
+    check_at(r, "out", oi, res.out.data(), out_ref.data(), bd.out.data(), rr, floor, abs);
     std::vector<int64_t> li(lse_ref.size());
     for (size_t i = 0; i < li.size(); ++i) li[i] = int64_t(i);
-    check_at(r, "lse", li, res.lse.data(), lse_ref.data(), bd.lse.data(), rr);
-    check_at(r, "dq", qi, res.din.data(), din_ref.data(), bd.din.data(), rr);
-    check_at(r, "dk", ki, res.din.data(), din_ref.data(), bd.din.data(), rr);
-    check_at(r, "dv", vi, res.din.data(), din_ref.data(), bd.din.data(), rr);
+    check_at(r, "lse", li, res.lse.data(), lse_ref.data(), bd.lse.data(), rr, floor, abs);
+    check_at(r, "dq", qi, res.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
+    check_at(r, "dk", ki, res.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
+    check_at(r, "dv", vi, res.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
     int64_t touched = 0;
     for (int64_t i = 0; i < s.out_size; ++i) touched += !out_owned[i] && res.out[i] != 12345.0f;
     for (int64_t i = 0; i < s.in_size; ++i) touched += !in_owned[i] && res.din[i] != 777.0f;
     r.check(touched == 0, "elements outside the views untouched", std::to_string(touched) + " changed");
-    Result one = run(in, dout, 1, true);
-    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-      return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-    };
-    r.check(same(one.out, res.out) && same(one.lse, res.lse) && same(one.din, res.din),
-            "out, lse, dq, dk, dv bitwise equal with 1 thread (+ workspace) and 2 threads");
+    r.check(same(one, res), "out, lse, dq, dk, dv bitwise equal with 1 thread (+ workspace) and 2 threads");
   }
 
   void grad(Report& r) override {
     const AttnDims& d = s.d;
-    auto in = to_f64(make_in()), R = to_f64(randn(s.out_size, 43));
+    // bf16 cases: the twin's gradient, at the bf16-rounded operands it is fed.
+    auto in = to_f64(bf16 ? bf16_hw(make_in()) : make_in()), R = to_f64(randn(s.out_size, seed(43)));
     std::vector<double> out(s.out_size, 0.0), lse(d.B * d.Hq * d.T), din(s.in_size, 0.0);
     auto fwd = [&] {
       attention_forward_ref<double>(out.data(), lse.data(), in.data() + s.qoff, in.data() + s.koff, in.data() + s.voff, d);
@@ -543,6 +600,32 @@ std::vector<std::unique_ptr<OpCase>> make_cases() {
   Spec fm = mla("mla_full", 2, 20, 3, 16, 8, 16);  // MLA shapes (Dqk 24, Dv 16) as a Full block, Tk = T
   fm.d.mask = AttnMask::Full;
   add(fm);
+  // bf16 (prec BF16): every shape family of the fp32 cases, with odd head dims (pair tails), odd T / Tk (row-pair
+  // tails), the one- and two-pass backward and T = 1024 (16 x 16 tiles).
+  auto b16 = [&](Spec s) {
+    s.variant = "bf16_" + s.variant, s.d.prec = AttnPrec::BF16;
+    add(std::move(s));
+  };
+  b16(separate("mha_B2_T37_H3_D16", 2, 37, 3, 3, 16, 16));
+  b16(separate("mha_T1", 3, 1, 2, 2, 8, 8));
+  b16(separate("mha_B8_T256_H2_D64", 8, 256, 2, 2, 64, 64));  // one-pass backward (B Hkv >= 2 threads)
+  b16(separate("gqa_Hq4_Hkv2_T70_padded", 2, 70, 4, 2, 16, 16, 3, 5));
+  b16(separate("mqa_Hq4_Hkv1_T65", 1, 65, 4, 1, 20, 20));
+  b16(separate("tails_T59_Dqk13_Dv11", 2, 59, 2, 1, 13, 11));
+  b16(separate("tails_T131_D9_padded", 1, 131, 2, 2, 9, 9, 1, 3));
+  b16(separate("tiny_dims_Dqk1_Dv3_T65", 2, 65, 2, 1, 1, 3));
+  b16(separate("shared_k_head_Hkv4", 1, 80, 4, 4, 16, 8, 0, 2, true));
+  b16(fused("fused_qkv_Hq4_Hkv2_T96", 2, 96, 4, 2, 16));
+  b16(mla("mla_dn16_dr8_dv16_T72", 1, 72, 3, 16, 8, 16));
+  b16(mla("mla_v3_dims_H1_T64", 1, 64, 1, 128, 64, 128));
+  b16(separate("long_T1024_Hq2_Hkv1_D32", 1, 1024, 2, 1, 32, 32));
+  Spec peaked16 = separate("peaked_scores_T64_x20", 1, 64, 2, 2, 16, 16);
+  peaked16.qscale = 20.0f;
+  b16(peaked16);
+  b16(full_block("full_T37_Tk20_H3", 2, 37, 20, 3, 3, 16, 16));
+  b16(full_block("full_T5_Tk131_gqa", 2, 5, 131, 4, 2, 15, 17, 1, 3));
+  b16(full_block("full_T70_Tk1_mqa", 1, 70, 1, 4, 1, 12, 12));
+  b16(full_block("full_shared_k_Hkv4", 1, 40, 29, 4, 4, 16, 8, 0, 2, true));
   v.push_back(std::make_unique<BlocksCase>("mha_T1_20_T2_17", separate("w", 2, 37, 3, 3, 16, 16), 20));
   v.push_back(std::make_unique<BlocksCase>("gqa_T1_70_T2_70", separate("w", 1, 140, 4, 2, 16, 16), 70));
   v.push_back(std::make_unique<BlocksCase>("shared_k_dqk24_dv16_T1_9_T2_5",

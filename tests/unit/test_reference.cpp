@@ -138,6 +138,23 @@ constexpr Tols kEmu{{1e-3, 5e-3}, {8e-3, 1.5e-2}, {3e-2, 1.0}, 1e-4};
 // A 0.999 scaling of one gradient (1e-3) or a single routing flip (~1e-2 on that layer) fails these.
 constexpr Tols kF32{{2e-6, 4e-6}, {1e-5, 1e-5}, {2e-3, 1.0}, 1e-6};
 
+// ---- exact reference vs the bf16 engine with bf16 attention ------------------------------------------------
+// bf16 attention rounds six more operands per layer and step to bf16 (q, k, v, P forward; dout, P, dS backward
+// besides them), products of the same kind as the ~20 rounded GEMMs the kExact budget counts along the gradient
+// path: 2 more per layer forward (q k^T, P v) and 5 backward. With the ref configs' 2 - 3 layers that is about
+// 1.5x the rounded products of the forward and 1.4x of the backward, so the predicted errors grow by about
+// sqrt(1.5) = 1.2x: logits ~2.8e-3 -> 3.4e-3, gradients 1.3e-2 -> 1.6e-2. Measured (seven variants, bf16 vs the
+// bf16 run with fp32 attention): logits 2.5e-3 - 3.4e-3 (was 2.4e-3 - 3.1e-3), gradients 5.7e-3 - 1.3e-2, max
+// element 1.4e-2 (was 1.2e-2), step5 1.3e-2 - 2.3e-2 (was 1.1e-2 - 2.7e-2).
+// kExact's budgets (1e-2 / 2e-2, 4e-2 / 4e-2, losses 3e-4) are 2.5x and more above those: kept unchanged.
+// Routing: the exact set replays the emu set's choice, which saw fp32 attention; bf16 attention moves the router's
+// input by ~1e-3 relative, which flips a token whose top-k margin is smaller. Step 1 (the same parameters) must
+// match exactly; from step 2 on the parameters differ by the previous steps' updates too, and up to 2 tokens per
+// MoE layer and step may land on another expert (measured: 1 token in MoE layers 0 and 1 at step 5 of qk_norm,
+// none elsewhere);
+// the losses, gradients and updates are held to the budgets above all the same.
+constexpr Tols kAttn16 = kExact;
+
 // What one engine run is compared with: the compute dtype and its reference sets.
 struct RefSet {
   const char* name;
@@ -146,13 +163,22 @@ struct RefSet {
 };
 struct RunSpec {
   ComputeDtype dtype;
+  ComputeDtype attention;  // ModelParallel::attention
   std::vector<RefSet> sets;
   std::string counts_step1;  // step-1 routing counts "<prefix><i>"
   std::string counts_step;   // per-step counts "<prefix><s>.<i>"
+  int64_t moves = 0;         // steps 2..5: tokens per MoE layer allowed on another expert than the reference's
 };
 RunSpec run_spec(const std::string& dt) {
-  if (dt == "bf16") return {ComputeDtype::BF16, {{"exact", "", &kExact}, {"emu", "emu.", &kEmu}}, "counts.", "emu.counts.step"};
-  return {ComputeDtype::FP32, {{"f64", "f64.", &kF32}}, "f64.counts.step1.", "f64.counts.step"};
+  // bf16: fp32 attention (the emu set rounds the GEMMs of model.cpp, not attention's products), on every CPU.
+  if (dt == "bf16")
+    return {ComputeDtype::BF16, ComputeDtype::FP32, {{"exact", "", &kExact}, {"emu", "emu.", &kEmu}}, "counts.",
+            "emu.counts.step"};
+  // bf16attn: bf16 attention too (AttnPrec::BF16, what Auto takes where attention_bf16_preferred()), held to the
+  // exact set with the bf16 budget (kAttn16 below) and to the emu set's routing.
+  if (dt == "bf16attn")
+    return {ComputeDtype::BF16, ComputeDtype::BF16, {{"exact", "", &kAttn16}}, "counts.", "emu.counts.step", 2};
+  return {ComputeDtype::FP32, ComputeDtype::FP32, {{"f64", "f64.", &kF32}}, "f64.counts.step1.", "f64.counts.step"};
 }
 
 struct Worst {
@@ -206,7 +232,10 @@ TEST_P(Reference, MatchesTorch) {
       << v << ": config differs from the one used: " << kStale;
 
   const int64_t B = cfg.training.micro_batch_size, T = cfg.training.seq_len, N = B * T, V = cfg.model.vocab_size;
-  Model model(cfg.model, B, T, {}, {}, run.dtype);
+  ModelParallel mp;
+  mp.attention = run.attention;
+  Model model(cfg.model, B, T, {}, mp, run.dtype);
+  ASSERT_EQ(model.attention_bf16(), run.attention == ComputeDtype::BF16) << "the attention precision asked for";
   model.init_params(uint64_t(cfg.training.seed));
   const int64_t np = model.num_params();
   for (auto& p : model.params()) {
@@ -320,9 +349,17 @@ TEST_P(Reference, MatchesTorch) {
     for (int i = 0; i < model.n_moe_layers(); ++i) {
       std::vector<int32_t> want(static_cast<size_t>(E));
       load_into(ref, run.counts_step + std::to_string(step) + "." + std::to_string(i), DType::I32, {E}, want.data());
-      for (int64_t e = 0; e < E; ++e)
-        EXPECT_EQ(step_counts[size_t(i)][size_t(e)], want[size_t(e)])
-            << "step " << step << " MoE layer " << i << " expert " << e << ": routing diverged from the reference";
+      int64_t moved = 0;  // a token on another expert changes two counts by one
+      for (int64_t e = 0; e < E; ++e) {
+        moved += std::abs(int64_t(step_counts[size_t(i)][size_t(e)]) - int64_t(want[size_t(e)]));
+        if (run.moves == 0 || step == 1)
+          EXPECT_EQ(step_counts[size_t(i)][size_t(e)], want[size_t(e)])
+              << "step " << step << " MoE layer " << i << " expert " << e << ": routing diverged from the reference";
+      }
+      EXPECT_LE(moved, 2 * run.moves) << "step " << step << " MoE layer " << i << ": " << moved / 2
+                                      << " tokens routed elsewhere than the reference (allowed " << run.moves << ")";
+      if (moved > 0 && kVerbose) std::printf("    step %lld MoE layer %d: %lld token(s) routed elsewhere\n",
+                                             (long long)step, i, (long long)(moved / 2));
     }
     model.update_expert_bias(step_counts);
     model.sync_weights();
@@ -359,7 +396,7 @@ TEST_P(Reference, MatchesTorch) {
 INSTANTIATE_TEST_SUITE_P(Variants, Reference,
                          ::testing::Combine(::testing::Values("mha", "gqa", "qk_norm", "mla", "mla_noq", "group",
                                                               "sigmoid", "mtp"),
-                                            ::testing::Values("bf16", "fp32")),
+                                            ::testing::Values("bf16", "bf16attn", "fp32")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 }  // namespace
