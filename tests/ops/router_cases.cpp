@@ -523,37 +523,60 @@ class RouterSinkhorn : public OpCase {
                              std::to_string(max0) + ")");
       r.check(max1 <= 2 * N * k / E, "sinkhorn selection: no expert above twice the balanced load (" + tag +
                                          ", max " + std::to_string(max1) + ")");
-      // Capacity routing (capacity 1.5: C = ceil(1.5 * 256 * 2 / 16) = 48) on the same collapsed scores, without
-      // and with Sinkhorn: every expert at most C, k distinct experts per token, and the selection equal to a
-      // naive greedy twin (tokens in order, the largest available q, ties to the lower index).
-      for (int it : {0, iters}) {
-        RouterConfig cc = c;
-        cc.sinkhorn_iters = it, cc.capacity = 1.5f;
-        std::vector<char> ws3(router_workspace_bytes(cc, N));
-        std::vector<int32_t> cidx(static_cast<size_t>(N * k)), ccnt(static_cast<size_t>(E));
-        router_forward(cidx.data(), w.data(), ccnt.data(), s.data(), nullptr, logits.data(), nullptr, cc, N, ws3.data());
-        std::vector<double> fac(static_cast<size_t>(E), 1.0);
-        if (it > 0) router_sinkhorn_factors(fac.data(), s.data(), N, E, it, ws3.data());
-        const int C = 48;
-        std::vector<int32_t> want(static_cast<size_t>(N * k)), wcnt(static_cast<size_t>(E), 0);
-        for (int64_t n = 0; n < N; ++n)
-          for (int j = 0; j < k; ++j) {
-            int best = -1;
-            for (int e = 0; e < E; ++e) {
-              bool taken = false;
-              for (int i = 0; i < j; ++i) taken = taken || want[size_t(n * k + i)] == e;
-              const float qe = it > 0 ? s[size_t(n * E + e)] * float(fac[size_t(e)]) : s[size_t(n * E + e)];
-              const float qb = best < 0 ? 0.0f
-                                        : (it > 0 ? s[size_t(n * E + best)] * float(fac[size_t(best)]) : s[size_t(n * E + best)]);
-              if (!taken && wcnt[size_t(e)] < C && (best < 0 || qe > qb)) best = e;
+      // Capacity routing on the same collapsed scores, without and with Sinkhorn, held to a naive greedy twin
+      // (tokens in order, the largest available q, ties to the lower index):
+      // - capacity 1.5: C = ceil(1.5 * 256 * 2 / 16) = 48 >= the bound E / (E - k + 1) = 16 / 15 needs, so every
+      //   token finds k experts with room: every expert at most C;
+      // - capacity 1.0: C = 32, below that bound: the last tokens find fewer than k experts with room and take their
+      //   best unused experts (the fallback); without Sinkhorn the twin must take it at least once, so it is exercised.
+      for (float capf : {1.5f, 1.0f})
+        for (int it : {0, iters}) {
+          RouterConfig cc = c;
+          cc.sinkhorn_iters = it, cc.capacity = capf;
+          std::vector<char> ws3(router_workspace_bytes(cc, N));
+          std::vector<int32_t> cidx(static_cast<size_t>(N * k)), ccnt(static_cast<size_t>(E));
+          router_forward(cidx.data(), w.data(), ccnt.data(), s.data(), nullptr, logits.data(), nullptr, cc, N,
+                         ws3.data());
+          std::vector<double> fac(static_cast<size_t>(E), 1.0);
+          if (it > 0) router_sinkhorn_factors(fac.data(), s.data(), N, E, it, ws3.data());
+          const int C = capf > 1.2f ? 48 : 32;
+          std::vector<int32_t> want(static_cast<size_t>(N * k)), wcnt(static_cast<size_t>(E), 0);
+          int fallbacks = 0;
+          auto qv = [&](int64_t n, int e) {
+            return it > 0 ? s[size_t(n * E + e)] * float(fac[size_t(e)]) : s[size_t(n * E + e)];
+          };
+          for (int64_t n = 0; n < N; ++n)
+            for (int j = 0; j < k; ++j) {
+              auto taken = [&](int e) {
+                for (int i = 0; i < j; ++i)
+                  if (want[size_t(n * k + i)] == e) return true;
+                return false;
+              };
+              int best = -1;
+              for (int e = 0; e < E; ++e)
+                if (!taken(e) && wcnt[size_t(e)] < C && (best < 0 || qv(n, e) > qv(n, best))) best = e;
+              if (best < 0) {
+                ++fallbacks;
+                for (int e = 0; e < E; ++e)
+                  if (!taken(e) && (best < 0 || qv(n, e) > qv(n, best))) best = e;
+              }
+              want[size_t(n * k + j)] = best, ++wcnt[size_t(best)];
             }
-            want[size_t(n * k + j)] = best, ++wcnt[size_t(best)];
-          }
-        const std::string ctag = tag + (it > 0 ? ", sinkhorn" : "");
-        r.compare("capacity routing = greedy twin (" + ctag + ")", cidx.data(), want.data(), N * k);
-        r.compare("capacity routing counts (" + ctag + ")", ccnt.data(), wcnt.data(), E);
-        r.check(*std::max_element(ccnt.begin(), ccnt.end()) <= C, "capacity routing: no expert above C = 48 (" + ctag + ")");
-      }
+          const std::string ctag = tag + ", capacity " + (capf > 1.2f ? "1.5" : "1.0") + (it > 0 ? ", sinkhorn" : "");
+          r.compare("capacity routing = greedy twin (" + ctag + ")", cidx.data(), want.data(), N * k);
+          r.compare("capacity routing counts (" + ctag + ")", ccnt.data(), wcnt.data(), E);
+          bool distinct = true;
+          for (int64_t n = 0; n < N; ++n)
+            for (int a = 0; a < k; ++a)
+              for (int b = a + 1; b < k; ++b) distinct = distinct && cidx[size_t(n * k + a)] != cidx[size_t(n * k + b)];
+          r.check(distinct, "capacity routing: k distinct experts per token (" + ctag + ")");
+          if (capf > 1.2f)
+            r.check(*std::max_element(ccnt.begin(), ccnt.end()) <= C,
+                    "capacity routing: no expert above C = 48 (" + ctag + ")");
+          else if (it == 0)  // (with Sinkhorn's spread choices the collapsed input leaves room to the end)
+            r.check(fallbacks > 0, "capacity 1.0 exercises the fallback (" + ctag + ", " +
+                                       std::to_string(fallbacks) + " fallbacks in the twin)");
+        }
     }
   }
   void test(Report& r) override { run(r); }
