@@ -467,22 +467,8 @@ void backward16(float* dq, float* dk, float* dv, const float* dout, const float*
 #pragma omp for schedule(static)
       for (int64_t bt = 0; bt < d.B * Tk; ++bt) {
         const int64_t b = bt / Tk, t = bt % Tk;
-        if (ak) {
-          float* dst = dk + bt * d.ldk;
-          std::copy(part_k + ((b * d.Hkv) * Tk + t) * Dq16, part_k + ((b * d.Hkv) * Tk + t) * Dq16 + d.Dqk, dst);
-          for (int64_t h = 1; h < d.Hkv; ++h) {
-            const float* src = part_k + ((b * d.Hkv + h) * Tk + t) * Dq16;
-            for (int64_t e = 0; e < d.Dqk; ++e) dst[e] += src[e];
-          }
-        }
-        if (av) {
-          float* dst = dv + bt * d.ldv;
-          std::copy(part_v + ((b * d.Hkv) * Tk + t) * Dv16, part_v + ((b * d.Hkv) * Tk + t) * Dv16 + d.Dv, dst);
-          for (int64_t h = 1; h < d.Hkv; ++h) {
-            const float* src = part_v + ((b * d.Hkv + h) * Tk + t) * Dv16;
-            for (int64_t e = 0; e < d.Dv; ++e) dst[e] += src[e];
-          }
-        }
+        if (ak) sum_kv_partials(dk + bt * d.ldk, part_k, b, t, d.Hkv, Tk, Dq16, d.Dqk);
+        if (av) sum_kv_partials(dv + bt * d.ldv, part_v, b, t, d.Hkv, Tk, Dv16, d.Dv);
       }
     }
   }

@@ -39,6 +39,18 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
+// Aliased k (v) head under GQA: the gradient row of key t of sequence b is the sum of the per-kv-head partials
+// part[(b, h, t)] (rows of `stride` floats, n used) in kv-head order h = 0 .. Hkv-1. Both precisions' backwards.
+inline void sum_kv_partials(float* dst, const float* part, int64_t b, int64_t t, int64_t Hkv, int64_t Tk,
+                            int64_t stride, int64_t n) {
+  const float* first = part + ((b * Hkv) * Tk + t) * stride;
+  std::copy(first, first + n, dst);
+  for (int64_t h = 1; h < Hkv; ++h) {
+    const float* src = part + ((b * Hkv + h) * Tk + t) * stride;
+    for (int64_t e = 0; e < n; ++e) dst[e] += src[e];
+  }
+}
+
 // Workspace sizes: one definition for the kernels and the accounting (kernel_sizes.h). The forward carves
 // [round16(Dqk), kTile] + [kTile, kTile] per thread, the backward the tiles listed in flash_backward.
 inline moetron::AttnWorkspaceShape ws_shape(const moetron::AttnDims& d) {
@@ -278,22 +290,8 @@ void flash_backward(float* dq, float* dk, float* dv, const float* dout, const fl
 #pragma omp for schedule(static)
       for (int64_t bt = 0; bt < d.B * Tk; ++bt) {
         const int64_t b = bt / Tk, t = bt % Tk;
-        if (ak) {
-          float* dst = dk + bt * d.ldk;
-          std::copy(part_k + ((b * d.Hkv) * Tk + t) * Dq16, part_k + ((b * d.Hkv) * Tk + t) * Dq16 + d.Dqk, dst);
-          for (int64_t h = 1; h < d.Hkv; ++h) {
-            const float* src = part_k + ((b * d.Hkv + h) * Tk + t) * Dq16;
-            for (int64_t e = 0; e < d.Dqk; ++e) dst[e] += src[e];
-          }
-        }
-        if (av) {
-          float* dst = dv + bt * d.ldv;
-          std::copy(part_v + ((b * d.Hkv) * Tk + t) * Dv16, part_v + ((b * d.Hkv) * Tk + t) * Dv16 + d.Dv, dst);
-          for (int64_t h = 1; h < d.Hkv; ++h) {
-            const float* src = part_v + ((b * d.Hkv + h) * Tk + t) * Dv16;
-            for (int64_t e = 0; e < d.Dv; ++e) dst[e] += src[e];
-          }
-        }
+        if (ak) sum_kv_partials(dk + bt * d.ldk, part_k, b, t, d.Hkv, Tk, Dq16, d.Dqk);
+        if (av) sum_kv_partials(dv + bt * d.ldv, part_v, b, t, d.Hkv, Tk, Dv16, d.Dv);
       }
     }
   }
