@@ -147,6 +147,11 @@ struct LayerCost {
     op[o].f += t, op[o].i += 2 * t, mem.f += t, mem.i += 2 * t;
     if (t > 0) launch.f += 1, launch.i += 1;
   }
+  // A memory-bound pass of the forward alone (no backward: e.g. a selection).
+  void add_mem_forward(int o, double t) {
+    op[o].f += t, mem.f += t;
+    if (t > 0) launch.f += 1;
+  }
 };
 
 // The routed experts' two grouped GEMMs (gate_up, then down) over `local` experts of `te` tokens each.
@@ -246,6 +251,11 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     const Launches before = lc.launch;
     G(T / x.q, E, d);             // router
     lc.add_mem(kOpRouter, membound(x, T / x.q * E * 4 * 3));  // softmax / top-k over fp32 scores
+    // Balanced selection (docs/routing.md), forward only (it chooses experts; no gradient flows through it): each
+    // Sinkhorn iteration reads the fp32 scores twice (row factors, then column sums); capacity routing reads them
+    // once more, tokens in order.
+    const double balance_passes = 2.0 * double(m.sinkhorn_iters) + (m.route_capacity > 0 ? 1.0 : 0.0);
+    lc.add_mem_forward(kOpRouter, membound(x, T / x.q * E * 4 * balance_passes));
     lc.launch = before, lc.launch.f += kRouterKernels, lc.launch.i += kRouterKernels;
     add_routed_experts(x, lc, te, local, Im, d);
     exp_act_bytes = 3 * Im * 2 * R;

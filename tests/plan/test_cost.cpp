@@ -544,3 +544,24 @@ TEST(PlanCost, InterleavedChunksReduceTheirGradientsDuringTheCoolDown) {
   ASSERT_GT(one.dp_exposed, 0);
   EXPECT_LT(two.dp_exposed, 0.9 * one.dp_exposed) << one.dp_exposed << " vs " << two.dp_exposed;
 }
+
+TEST(PlanCost, BalancedSelectionCostsItsPassesOverTheScoresInTheForward) {
+  // Sinkhorn selection (2 passes over the fp32 [tokens, E] scores an iteration) and capacity routing (1 pass):
+  // memory-bound, forward only. Each configuration's router forward exceeds the plain one's by its passes' bytes at
+  // the hardware's elementwise rate (or its kernel floor), and the backward is unchanged.
+  plan::Hardware h = plantest::round_gpu();
+  h.kernel_overhead = 0;  // the passes at their bytes alone
+  const JobConfig plain = cfg("ds_mini", {"--model.sinkhorn_iters=0", "--model.route_capacity=0"});
+  const JobConfig sk = cfg("ds_mini", {"--model.sinkhorn_iters=4", "--model.route_capacity=0"});
+  const JobConfig both = cfg("ds_mini", {"--model.sinkhorn_iters=4", "--model.route_capacity=1.5"});
+  auto t = [&](const JobConfig& c) { return plan::plan_time(c, plan::layout_from_config(c, 1), h, {}); };
+  const plan::TimePlan t0 = t(plain), t1 = t(sk), t2 = t(both);
+  double moe_layers = 0;
+  for (int64_t l = 0; l < plain.model.n_layers; ++l) moe_layers += plain.model.is_moe_layer(l) ? 1 : 0;
+  const double tokens = double(plain.training.global_batch_size * plain.training.seq_len);
+  const double pass = tokens * double(plain.model.moe.n_routed_experts) * 4 / h.elementwise_rate() * moe_layers;
+  EXPECT_NEAR(t1.ops_f[plan::kOpRouter] - t0.ops_f[plan::kOpRouter], 8 * pass, 1e-9 * t0.step_time);
+  EXPECT_NEAR(t2.ops_f[plan::kOpRouter] - t0.ops_f[plan::kOpRouter], 9 * pass, 1e-9 * t0.step_time);
+  EXPECT_DOUBLE_EQ(t2.ops_b[plan::kOpRouter], t0.ops_b[plan::kOpRouter]);
+  EXPECT_GT(t2.step_time, t0.step_time);
+}
