@@ -201,6 +201,8 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     const double hd = double(at.head_dim), Hkv = double(at.n_kv_heads) / tp;
     G(T, (H + 2 * Hkv) * hd, d);
     G(T, d, H * hd);
+    // QK-norm (Qwen3): a per-head RMSNorm of q and k before RoPE, read + write of H + Hkv heads a token.
+    if (at.qk_norm) lc.add_mem(kOpNorm, membound(x, 2 * (H + Hkv) * hd * T * ab));
   }
   lc.add_mem(kOpAttnProj, membound(x, 2 * 2 * H * double(at.qk_head_dim()) * T * ab));  // RoPE on q and k
   // Core attention: causal, each cp rank's queries see on average (seq + 1) / 2 keys (load-balanced chunks).

@@ -565,3 +565,20 @@ TEST(PlanCost, BalancedSelectionCostsItsPassesOverTheScoresInTheForward) {
   EXPECT_DOUBLE_EQ(t2.ops_b[plan::kOpRouter], t0.ops_b[plan::kOpRouter]);
   EXPECT_GT(t2.step_time, t0.step_time);
 }
+
+TEST(PlanCost, QkNormCostsItsPerHeadNormsOfQueriesAndKeys) {
+  // Qwen3's QK-norm: one memory-bound pass (read + write) over the H + Hkv heads of q and k a token and layer, in
+  // the norm group; its backward twice that, as every memory-bound pass of the planner.
+  plan::Hardware h = plantest::round_gpu();
+  h.kernel_overhead = 0;
+  const JobConfig on = cfg("qwen3_30b_a3b", {"--parallelism.ep=8"});
+  const JobConfig off = cfg("qwen3_30b_a3b", {"--parallelism.ep=8", "--model.qk_norm=false"});
+  auto t = [&](const JobConfig& c) { return plan::plan_time(c, plan::layout_from_config(c, 8), h, {}); };
+  const plan::TimePlan t1 = t(on), t0 = t(off);
+  const auto& a = on.model.attn;
+  const double tokens = double(on.training.global_batch_size * on.training.seq_len) / 8;  // per rank (dp 8)
+  const double bytes = 2.0 * double(a.n_heads + a.n_kv_heads) * double(a.head_dim) * tokens * 2 /* bf16 */;
+  const double want = bytes / h.elementwise_rate() * double(on.model.n_layers);
+  EXPECT_NEAR(t1.ops_f[plan::kOpNorm] - t0.ops_f[plan::kOpNorm], want, 1e-6 * want);
+  EXPECT_NEAR(t1.ops_b[plan::kOpNorm] - t0.ops_b[plan::kOpNorm], 2 * want, 1e-6 * want);
+}
