@@ -86,6 +86,25 @@ double membound(const Ctx& x, double bytes) {
   return bytes <= 0 ? 0.0 : std::max(bytes / x.h.elementwise_rate(), x.h.kernel_overhead);
 }
 
+// The SMs an overlapped exchange takes from the compute: DeepSeek-V3's dispatch / combine kernels run on 20 of an
+// H800's 132 SMs while the other stream computes (DeepSeek-V3 Technical Report, arXiv 2412.19437, section 3.2.2:
+// "only 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink"). A share of the SMs, taken for
+// every GPU and dispatcher (an assumption: the report measured its own kernels on H800; H100 has the same 132 SMs).
+constexpr double kCommSmShare = 20.0 / 132.0;
+// Under ep_overlap a chunk's compute runs beside another chunk's exchange (sched: an FB pair costs max(f + b, a2a)).
+// While the exchange of A seconds is in flight the compute runs on 1 - s of the SMs: a stage of C seconds of GPU
+// work then takes C + s A where C >= (1 - s) A, else C / (1 - s) (hidden under A): so the stage's compute grows by
+// min(s A, s C / (1 - s)), spread over F, I and W by their shares. The unpaired warm-up / cool-down chunks, whose
+// exchange is not overlapped, pay it too (an overstatement of their share of the chunks, small at many
+// micro-batches). Issue 33's fifth state; before it an overlapped exchange cost the compute nothing.
+void add_comm_sm_share(StageTime& t) {
+  const double A = t.a2a_f + t.a2a_b, C = t.f + t.i + t.w - t.host_f - t.host_b, s = kCommSmShare;
+  if (A <= 0 || C <= 0) return;
+  const double extra = std::min(s * A, s * C / (1 - s)), k = extra / C;
+  t.f += k * (t.f - t.host_f), t.i += k * (t.i - t.host_b), t.w += k * t.w;
+  t.comm_sm = extra;
+}
+
 // Ranks of a group inside one scale-up domain, for a group of `size` ranks laid out with `stride` between
 // neighbours (tp innermost: stride tp for dp / cp groups).
 Group place(const Hardware& h, int64_t size, int64_t stride) {
@@ -438,6 +457,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
     close_span();
     t.host_f = host_f, t.host_b = std::max(0.0, bwd_host - bwd_gpu);
     t.f += t.host_f, t.i += t.host_b;
+    if (l.ep_overlap) add_comm_sm_share(t);
     t.n_a2a = std::max(1, 2 * moe_a2a_layers);
     if (last) {  // the head GEMM and the loss (fused: one pass over the logits chunks), once per head (1 + D)
       const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
@@ -714,7 +734,7 @@ void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr,
       tp.ops_f[size_t(k)] += x.op_f[size_t(k)] * double(m), tp.ops_b[size_t(k)] += x.op_b[size_t(k)] * double(m);
     sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
     sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
-    sum.host_f += x.host_f, sum.host_b += x.host_b;
+    sum.host_f += x.host_f, sum.host_b += x.host_b, sum.comm_sm += x.comm_sm;
   }
   const double mm = double(m);
   auto& b = tp.breakdown;
@@ -726,6 +746,7 @@ void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr,
   b["comm.tp"] = sum.tp_comm * mm;
   b["comm.cp"] = sum.cp_comm * mm;
   b["host.exposed"] = (sum.host_f + sum.host_b) * mm;
+  if (sum.comm_sm > 0) b["compute.comm_sm_share"] = sum.comm_sm * mm;
   // Exposed EP: what the timed replay charged this rank beyond compute (under ep_overlap the unpaired warm-up
   // forwards and cool-down backwards, and each fused pair's exchange beyond its compute).
   b["comm.ep"] = pr.a2a_exposed[size_t(worst)];
