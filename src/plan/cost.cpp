@@ -32,30 +32,77 @@ struct Ctx {
 };
 
 // Time of a GEMM m x n x k on the hardware (flop-bound or byte-bound, floored by the launch overhead), and the
-// FP8 quantization passes over its two inputs when a recipe is set.
+// FP8 quantization passes over its two inputs when a recipe is set and FP8 applies to the GEMM (`fp8_here`; below).
 struct GemmCost {
   double t = 0, quant = 0, flops = 0;
 };
-GemmCost gemm(const Ctx& x, double m, double n, double k) {
+// Bytes an element of a GEMM input costs to quantize. Every recipe reads bf16 and writes fp8 (3). Row-, block- and
+// mx-scaled recipes also write the transposed copy the backward GEMMs read (1 more). Tensorwise (Megatron-Bridge's
+// FP8-CS, Transformer Engine's Float8CurrentScaling) under current scaling, the default: "two tensor reads per
+// quantization: one to compute amax, one to cast" (Transformer Engine docs, "FP8 Delayed Scaling"), 2 more; and as
+// Hopper's FP8 GEMMs take only the TN layout, "some tensors need to be physically transposed in memory" (Transformer
+// Engine docs, "Performance considerations: Handling transposes"), 1 more: 6 (5 before issue 33's fifth state, no
+// transpose); delayed scaling reads once: 4. The catalog has no architecture flag, so a Blackwell tensorwise run
+// (no transpose needed there) pays the transpose too; no published row is one.
+double quant_bytes(const QuantizeSpec& q) {
+  if (q.recipe != Fp8Recipe::Tensorwise) return 4.0;
+  return q.delayed() ? 4.0 : 6.0;
+}
+// Kernels one quantized GEMM input costs the host: current scaling's amax is a reduction over the whole tensor, a
+// kernel of its own before the cast (the same page's two reads), 2; a local or delayed scale casts in one, 1.
+double quant_kernels(const QuantizeSpec& q) {
+  return q.recipe == Fp8Recipe::Tensorwise && !q.delayed() ? 2.0 : 1.0;
+}
+GemmCost gemm(const Ctx& x, double m, double n, double k, bool fp8_here = true) {
   GemmCost g;
   if (m <= 0 || n <= 0 || k <= 0) return g;
+  const bool fp8 = x.fp8 && fp8_here;
+  const double gb = fp8 || !x.fp8 ? x.gb : 2.0;  // a BF16 GEMM inside an FP8 run reads bf16
   g.flops = 2 * m * n * k;
-  const double bytes = x.gb * (m * k + k * n) + x.ab * m * n;
+  const double bytes = gb * (m * k + k * n) + x.ab * m * n;
   const double bw = x.h.stream_bw();
-  g.t = std::max({g.flops / x.h.gemm_rate(m, n, k, x.fp8), bytes / bw, x.h.kernel_overhead});
-  if (x.fp8) {
-    // Quantizing both inputs: read bf16, write fp8 (3 bytes an element); tensorwise adds an amax pass (2 more);
-    // row-, block- and mx-scaled recipes also write the transposed copy the backward GEMMs read (1 more).
-    const Fp8Recipe r = x.c.quantize.recipe;
-    const double per = r == Fp8Recipe::Tensorwise ? 5.0 : 4.0;
-    g.quant = std::max(per * (m * k + k * n) / bw, x.h.kernel_overhead);
-  }
+  g.t = std::max({g.flops / x.h.gemm_rate(m, n, k, fp8), bytes / bw, x.h.kernel_overhead});
+  if (fp8) g.quant = std::max(quant_bytes(x.c.quantize) * (m * k + k * n) / bw, x.h.kernel_overhead);
   return g;
+}
+// Whether FP8 applies to a GEMM of op group `op`: the layer modules quantize.modules lists (attention: the
+// projections; dense_mlp; shared_experts; routed_experts), as the engine reads them (accounting.cpp). Never the router,
+// whose logits Megatron-Core computes with a plain matmul in the input / router dtype (megatron/core/transformer/moe/
+// moe_utils.py, router_gating_linear) and the engine in its compute dtype, nor the output head (Megatron-Core's
+// output_layer is its own ColumnParallelLinear, not a Transformer Engine module, so fp8_autocast does not reach it;
+// quantize.modules has no head); the core attention is priced in BF16 already. Before issue 33's fifth state every
+// GEMM of an FP8 run was priced in FP8 with its quantization.
+bool fp8_applies(const QuantizeSpec& q, int op, bool shared) {
+  switch (op) {
+    case kOpAttnProj: return q.has_module("attention");
+    case kOpFfn: return q.has_module(shared ? "shared_experts" : "dense_mlp");
+    case kOpExperts: return q.has_module("routed_experts");
+    default: return op == kOpOther;  // MTP's eh_proj: a Transformer Engine linear in Megatron-Core
+  }
 }
 
 // A memory-bound kernel over `bytes` (what it reads and writes) at the layer kernels' rate.
 double membound(const Ctx& x, double bytes) {
   return bytes <= 0 ? 0.0 : std::max(bytes / x.h.elementwise_rate(), x.h.kernel_overhead);
+}
+
+// The SMs an overlapped exchange takes from the compute: DeepSeek-V3's dispatch / combine kernels run on 20 of an
+// H800's 132 SMs while the other stream computes (DeepSeek-V3 Technical Report, arXiv 2412.19437, section 3.2.2:
+// "only 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink"). A share of the SMs, taken for
+// every GPU and dispatcher (an assumption: the report measured its own kernels on H800; H100 has the same 132 SMs).
+constexpr double kCommSmShare = 20.0 / 132.0;
+// Under ep_overlap a chunk's compute runs beside another chunk's exchange (sched: an FB pair costs max(f + b, a2a)).
+// While the exchange of A seconds is in flight the compute runs on 1 - s of the SMs: a stage of C seconds of GPU
+// work then takes C + s A where C >= (1 - s) A, else C / (1 - s) (hidden under A): so the stage's compute grows by
+// min(s A, s C / (1 - s)), spread over F, I and W by their shares. The unpaired warm-up / cool-down chunks, whose
+// exchange is not overlapped, pay it too (an overstatement of their share of the chunks, small at many
+// micro-batches). Issue 33's fifth state; before it an overlapped exchange cost the compute nothing.
+void add_comm_sm_share(StageTime& t) {
+  const double A = t.a2a_f + t.a2a_b, C = t.f + t.i + t.w - t.host_f - t.host_b, s = kCommSmShare;
+  if (A <= 0 || C <= 0) return;
+  const double extra = std::min(s * A, s * C / (1 - s)), k = extra / C;
+  t.f += k * (t.f - t.host_f), t.i += k * (t.i - t.host_b), t.w += k * t.w;
+  t.comm_sm = extra;
 }
 
 // Ranks of a group inside one scale-up domain, for a group of `size` ranks laid out with `stride` between
@@ -90,8 +137,8 @@ UnfusedAttnCost unfused_attention(const Ctx& x) {
   const auto& at = s.attn;
   const double S = double(x.c.training.seq_len), H = double(at.n_heads) / double(x.l.tp);
   const double n = H * x.T / (S / double(x.l.cp));  // batched GEMMs: local heads x micro-batch rows
-  const GemmCost qk = gemm(x, S / double(x.l.cp), S, double(at.qk_head_dim()));
-  const GemmCost pv = gemm(x, S / double(x.l.cp), double(at.v_dim()), S);
+  const GemmCost qk = gemm(x, S / double(x.l.cp), S, double(at.qk_head_dim()), false);  // BF16: fp8_applies
+  const GemmCost pv = gemm(x, S / double(x.l.cp), double(at.v_dim()), S, false);
   UnfusedAttnCost u;
   u.gemm.t = std::max(n * (qk.t + pv.t), x.h.kernel_overhead);
   u.gemm.quant = n * (qk.quant + pv.quant);
@@ -128,6 +175,7 @@ struct LayerCost {
   double a2a = 0;                 // one dispatch + one combine
   double recompute = 0;           // forward work redone in backward
   Launches launch;                // kernels the host issues
+  double qk = 1;                  // host kernels per quantized GEMM input (quant_kernels)
   double sum_f() const { double t = 0; for (const Part& p : op) t += p.f; return t; }
   double sum_i() const { double t = 0; for (const Part& p : op) t += p.i; return t; }
   double sum_w() const { double t = 0; for (const Part& p : op) t += p.w; return t; }
@@ -140,7 +188,7 @@ struct LayerCost {
     count_gemm(g.quant > 0, kernels);
   }
   void count_gemm(bool fp8, double kernels) {
-    launch.f += kernels * (fp8 ? 3 : 1), launch.i += kernels * (fp8 ? 2 : 1), launch.w += kernels;
+    launch.f += kernels * (fp8 ? 1 + 2 * qk : 1), launch.i += kernels * (fp8 ? 1 + qk : 1), launch.w += kernels;
   }
   // A memory-bound pass: its backward reads and writes about twice the bytes.
   void add_mem(int o, double t) {
@@ -159,7 +207,8 @@ void add_routed_experts(const Ctx& x, LayerCost& lc, double te, double local, do
   double ef = 0, eb = 0;
   const bool curves = x.h.grouped_split_eff(te, &ef, &eb);
   for (int part = 0; part < 2; ++part) {  // gate_up, then down, one GEMM per local expert
-    const GemmCost g = part == 0 ? gemm(x, te, 2 * Im, d) : gemm(x, te, d, Im);
+    const bool f8 = fp8_applies(x.c.quantize, kOpExperts, false);
+    const GemmCost g = part == 0 ? gemm(x, te, 2 * Im, d, f8) : gemm(x, te, d, Im, f8);
     GemmCost all{local * g.t, local * g.quant, local * g.flops};
     // Kernels: one GEMM per local expert (Megatron-Core's grouped GEMM is cuBLAS on several streams, one call per
     // expert: the GB200 write-up above, section 1, item 3).
@@ -188,7 +237,11 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   const double H = double(at.n_heads) / tp;
   LayerCost lc;
   int cur = kOpAttnProj;  // the op group the GEMMs below belong to
-  auto G = [&](double m, double n, double k) { lc.add_gemm(cur, gemm(x, m, n, k)); };
+  lc.qk = quant_kernels(x.c.quantize);
+  bool shared = false;  // the FFN GEMMs below are the shared experts'
+  auto G = [&](double m, double n, double k) {
+    lc.add_gemm(cur, gemm(x, m, n, k, fp8_applies(x.c.quantize, cur, shared)));
+  };
   // Attention projections (rows: the full sequence of this cp rank, after the SP all-gather).
   if (at.type == AttnType::MLA) {
     const double rq = double(at.q_lora_rank), rkv = double(at.kv_lora_rank), dqk = double(at.qk_head_dim());
@@ -264,7 +317,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     lc.add_mem(kOpPermute, membound(x, 2 * 2 * R * d * ab));  // permute and unpermute (read + write each)
     lc.launch.f += 1, lc.launch.i += 1;                        // two kernels, counted once above
     if (m.n_shared_experts > 0) {
-      cur = kOpFfn;
+      cur = kOpFfn, shared = true;
       const double Is = double(m.n_shared_experts * m.moe_inter_size) / tp;
       G(T, 2 * Is, d), G(T, d, Is);
       act_bytes += 3 * Is * 2 * T;
@@ -321,54 +374,6 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     }
   }
   return lc;
-}
-
-// The data-parallel collectives of one pipeline rank, stage by stage, on one communication stream (Megatron's
-// overlap_grad_reduce / overlap_param_gather issue them per model chunk in this order). A stage's gradients are
-// final during its last backward: their reduction may start when that action starts (buckets stream out as the
-// backward produces them). A stage's parameters must have arrived by the end of its first forward (buckets are
-// waited for layer by layer). Times are the pipeline replay's; `end` is the pipeline's last action.
-struct DpWindow {
-  double last_bwd_start = 0;  // start of the stage's last backward (B, W, the FB holding it, or a carried W)
-  double first_fwd_end = 0;   // end of the stage's first forward (F, or the FB holding it)
-  double share = 0;           // the stage's fraction of the rank's parameters
-};
-// Seconds the reduction runs past `end`: the stages in the order their gradients become final, each after the
-// previous one on the stream.
-double reduce_overrun(std::vector<DpWindow> w, double total, double end) {
-  std::sort(w.begin(), w.end(), [](const DpWindow& a, const DpWindow& b) { return a.last_bwd_start < b.last_bwd_start; });
-  double t = 0;
-  for (const DpWindow& x : w) t = std::max(t, x.last_bwd_start) + x.share * total;
-  return std::max(0.0, t - end);
-}
-// Seconds the rank's pipeline must wait for its parameters: the gathers issued at the start of the step in the
-// order the stages first run forward; the largest lateness against a first forward's end delays everything after.
-double gather_stall(std::vector<DpWindow> w, double total) {
-  std::sort(w.begin(), w.end(), [](const DpWindow& a, const DpWindow& b) { return a.first_fwd_end < b.first_fwd_end; });
-  double t = 0, stall = 0;
-  for (const DpWindow& x : w) t += x.share * total, stall = std::max(stall, t - x.first_fwd_end);
-  return stall;
-}
-// The windows read off a timed replay: per rank, per stage it owns.
-std::vector<std::vector<DpWindow>> dp_windows(const sched::TimedResult& r, int pp, int n_stages) {
-  std::vector<std::vector<DpWindow>> w(size_t(pp), std::vector<DpWindow>(size_t(n_stages), DpWindow{}));
-  std::vector<std::vector<char>> seen(size_t(pp), std::vector<char>(size_t(n_stages), char(0)));
-  for (const sched::TimedOp& op : r.ops) {
-    const sched::Action& a = op.action;
-    auto& row = w[size_t(op.rank)];
-    int fwd = -1, bwd = -1;
-    if (a.op == sched::Op::F) fwd = a.stage;
-    else if (a.op == sched::Op::B || a.op == sched::Op::W) bwd = a.stage;
-    else if (a.op == sched::Op::FB) fwd = a.stage, bwd = a.op2 == sched::Op::B ? a.stage2 : -1;
-    if (fwd >= 0 && !seen[size_t(op.rank)][size_t(fwd)]) row[size_t(fwd)].first_fwd_end = op.end, seen[size_t(op.rank)][size_t(fwd)] = 1;
-    if (bwd >= 0) row[size_t(bwd)].last_bwd_start = std::max(row[size_t(bwd)].last_bwd_start, op.start);
-  }
-  // Carried weight gradients (Durations::carry_w): a stage's gradients are final when its last one runs.
-  for (const sched::TimedOp& op : r.carried) {
-    double& t = w[size_t(op.rank)][size_t(op.action.stage)].last_bwd_start;
-    t = std::max(t, op.start);
-  }
-  return w;
 }
 
 }  // namespace
@@ -449,6 +454,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
       const int ll = int(s.n_layers - 1);
       add_layers(ll, s.is_moe_layer(ll), ac.applies_to(ll), int(D));
       LayerCost e;
+      e.qk = quant_kernels(c.quantize);
       const double dm = double(s.d_model);
       e.add_gemm(kOpOther, gemm(x, x.T, dm, 2 * dm));
       e.add_mem(kOpNorm, membound(x, 3 * 2 * dm * x.ab * x.T / x.q));
@@ -463,10 +469,11 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
     close_span();
     t.host_f = host_f, t.host_b = std::max(0.0, bwd_host - bwd_gpu);
     t.f += t.host_f, t.i += t.host_b;
+    if (l.ep_overlap) add_comm_sm_share(t);
     t.n_a2a = std::max(1, 2 * moe_a2a_layers);
     if (last) {  // the head GEMM and the loss (fused: one pass over the logits chunks), once per head (1 + D)
       const double V = double(s.vocab_size) / double(l.tp), d = double(s.d_model);
-      const GemmCost g = gemm(x, x.T, V, d);
+      const GemmCost g = gemm(x, x.T, V, d, false);  // BF16 under FP8 (fp8_applies)
       double f = g.t + g.quant, i = g.t + g.quant, w = g.t;
       if (h.loss_efficiency > 0) {
         // Measured: the fused head + loss, forward and backward (three GEMMs' FLOPs and the passes over the
@@ -739,7 +746,7 @@ void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr,
       tp.ops_f[size_t(k)] += x.op_f[size_t(k)] * double(m), tp.ops_b[size_t(k)] += x.op_b[size_t(k)] * double(m);
     sum.gemm += x.gemm, sum.attention += x.attention, sum.memory_bound += x.memory_bound, sum.quantize += x.quantize;
     sum.recompute += x.recompute, sum.tp_comm += x.tp_comm, sum.cp_comm += x.cp_comm;
-    sum.host_f += x.host_f, sum.host_b += x.host_b;
+    sum.host_f += x.host_f, sum.host_b += x.host_b, sum.comm_sm += x.comm_sm;
   }
   const double mm = double(m);
   auto& b = tp.breakdown;
@@ -751,6 +758,7 @@ void fill_breakdown(const Layout& l, const StagePlan& sp, const PipelineRun& pr,
   b["comm.tp"] = sum.tp_comm * mm;
   b["comm.cp"] = sum.cp_comm * mm;
   b["host.exposed"] = (sum.host_f + sum.host_b) * mm;
+  if (sum.comm_sm > 0) b["compute.comm_sm_share"] = sum.comm_sm * mm;
   // Exposed EP: what the timed replay charged this rank beyond compute (under ep_overlap the unpaired warm-up
   // forwards and cool-down backwards, and each fused pair's exchange beyond its compute).
   b["comm.ep"] = pr.a2a_exposed[size_t(worst)];

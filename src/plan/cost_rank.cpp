@@ -1,5 +1,6 @@
 // cost_rank.cpp: the per-rank step-time terms of cost_rank.h (the optimizer, Muon's Newton-Schulz, the weight
-// refresh), each priced from the rank's memory projection and the hardware's rates. Not the pipeline.
+// refresh), each priced from the rank's memory projection and the hardware's rates, and the data-parallel windows
+// read off a pipeline replay. Not the pipeline.
 #include "cost_rank.h"
 
 #include <algorithm>
@@ -82,6 +83,39 @@ double refresh_rank(const Layout& l, const Hardware& h, const Recipe& rc, const 
                           : Pe * (rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param)) / bw;
   const double refreshes = l.zero == 3 ? 2.0 * double(l.microbatches) : 1.0;
   return refreshes * (copy + pack);
+}
+
+double reduce_overrun(std::vector<DpWindow> w, double total, double end) {
+  std::sort(w.begin(), w.end(), [](const DpWindow& a, const DpWindow& b) { return a.last_bwd_start < b.last_bwd_start; });
+  double t = 0;
+  for (const DpWindow& x : w) t = std::max(t, x.last_bwd_start) + x.share * total;
+  return std::max(0.0, t - end);
+}
+double gather_stall(std::vector<DpWindow> w, double total) {
+  std::sort(w.begin(), w.end(), [](const DpWindow& a, const DpWindow& b) { return a.first_fwd_end < b.first_fwd_end; });
+  double t = 0, stall = 0;
+  for (const DpWindow& x : w) t += x.share * total, stall = std::max(stall, t - x.first_fwd_end);
+  return stall;
+}
+std::vector<std::vector<DpWindow>> dp_windows(const sched::TimedResult& r, int pp, int n_stages) {
+  std::vector<std::vector<DpWindow>> w(size_t(pp), std::vector<DpWindow>(size_t(n_stages), DpWindow{}));
+  std::vector<std::vector<char>> seen(size_t(pp), std::vector<char>(size_t(n_stages), char(0)));
+  for (const sched::TimedOp& op : r.ops) {
+    const sched::Action& a = op.action;
+    auto& row = w[size_t(op.rank)];
+    int fwd = -1, bwd = -1;
+    if (a.op == sched::Op::F) fwd = a.stage;
+    else if (a.op == sched::Op::B || a.op == sched::Op::W) bwd = a.stage;
+    else if (a.op == sched::Op::FB) fwd = a.stage, bwd = a.op2 == sched::Op::B ? a.stage2 : -1;
+    if (fwd >= 0 && !seen[size_t(op.rank)][size_t(fwd)]) row[size_t(fwd)].first_fwd_end = op.end, seen[size_t(op.rank)][size_t(fwd)] = 1;
+    if (bwd >= 0) row[size_t(bwd)].last_bwd_start = std::max(row[size_t(bwd)].last_bwd_start, op.start);
+  }
+  // Carried weight gradients (Durations::carry_w): a stage's gradients are final when its last one runs.
+  for (const sched::TimedOp& op : r.carried) {
+    double& t = w[size_t(op.rank)][size_t(op.action.stage)].last_bwd_start;
+    t = std::max(t, op.start);
+  }
+  return w;
 }
 
 }  // namespace moetron::plan

@@ -179,18 +179,20 @@ TEST(PlanScaleSnapshot, TwoTrillionOnMi300xWithTheSearchsReplica) {
   ASSERT_EQ(flat.size(), 3u);
   ASSERT_EQ(hier.size(), 3u);
   for (const auto* s : {&flat, &hier}) {
-    EXPECT_GT((*s)[1].efficiency, 0.95);                // near-linear at small scale
+    // near-linear at small scale: 0.95 until issue 33's fifth state, whose overlapped exchange SM share moved the
+    // flat search's 1K layout (now zero 3, full recompute, 8 micro-batches: 0.921 at 2K against it)
+    EXPECT_GT((*s)[1].efficiency, 0.9);
     EXPECT_LT((*s)[2].efficiency, (*s)[1].efficiency);  // the drop comes at 64K
     EXPECT_TRUE((*s)[2].best.layout.ep_overlap_split) << (*s)[2].best.layout.describe();
   }
   // The snapshot (split alternating at every exchange, each layout with or without carried weight gradients,
-  // whichever is faster): flat 1.012 at 2K and 0.743 at 64K; hierarchical 0.997 and 0.800. 0.02 is a regression
-  // band, not an error bar: it lets pricing changes below 2 points of efficiency through unrecorded and stops
-  // anything larger.
-  EXPECT_NEAR(flat[1].efficiency, 1.012, 0.02);
-  EXPECT_NEAR(flat[2].efficiency, 0.743, 0.02);
+  // whichever is faster): flat 0.921 at 2K and 0.695 at 64K; hierarchical 0.997 and 0.821 (issue 33's fifth state,
+  // the overlapped exchange's SM share; before it 1.012, 0.743, 0.997, 0.800). 0.02 is a regression band, not an
+  // error bar: it lets pricing changes below 2 points of efficiency through unrecorded and stops anything larger.
+  EXPECT_NEAR(flat[1].efficiency, 0.921, 0.02);
+  EXPECT_NEAR(flat[2].efficiency, 0.695, 0.02);
   EXPECT_NEAR(hier[1].efficiency, 0.997, 0.02);
-  EXPECT_NEAR(hier[2].efficiency, 0.800, 0.02);
+  EXPECT_NEAR(hier[2].efficiency, 0.821, 0.02);
   EXPECT_GT(hier[2].best.time.tokens_per_s_per_gpu, flat[2].best.time.tokens_per_s_per_gpu);
 }
 

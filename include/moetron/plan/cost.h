@@ -8,6 +8,8 @@
 // after a device-host synchronization, which an MoE layer's forward has once (the tokens per expert are read back
 // to size the grouped GEMMs and the all-to-all; not under the sync_free dispatcher). Between synchronizations a span costs the slower of the GPU's work
 // and the host's issue time (kernels x Hardware::host_launch); the excess is StageTime::host_f / host_b.
+// Under ep_overlap the exchange's kernels hold a share of the SMs (DeepSeek-V3: 20 of 132) while the compute beside
+// it runs: StageTime::comm_sm.
 // Not a memory model (plan/memory.h) and not a search (plan/search.h).
 #pragma once
 #include <array>
@@ -48,6 +50,7 @@ struct StageTime {
   double gemm = 0, attention = 0, memory_bound = 0, quantize = 0, recompute = 0;  // compute parts (f+i+w)
   double tp_comm = 0, cp_comm = 0;  // exposed, included in f / i
   double host_f = 0, host_b = 0;    // exposed host kernel issue (Hardware::host_launch), included in f / i
+  double comm_sm = 0;               // under ep_overlap: the compute slowed by the exchange's SMs, included in f+i+w
   double flops = 0;               // hardware FLOPs of F+B (incl. recompute)
   OpSeconds op_f{}, op_b{};       // compute by op group: forward, backward (I + W); recompute apart
 };
