@@ -826,7 +826,7 @@ struct MemoryTerms {
     if (s.mtp_layers > 0) ws += N * d * (16 + double(cb)) + N * 4;          // MTP: x, [e|h] rows, tmp, normed, rstd
     if (par.tp > 1) ws += N * d * (4 + double(cb));                          // TP: gathered rows / partial sums
     if (f8.any()) {  // cached FP8 activations: the shared scratch that replaces the cached inputs' copies
-      const bool any_dense = n_moe < double(s.n_layers), any_moe = n_moe > 0;
+      const bool any_dense = n_moe < double(moe.size()), any_moe = n_moe > 0;
       if (f8.attention) ws += N * (d + (mla ? rq + rkv : 0)) * double(cb);     // h1c (MLA: + the normed latents)
       if (f8.dense_mlp && any_dense) ws += N * d * (4 + (cb != 4 ? double(cb) : 0));  // h2 (+ its bf16 copy)
       ws += N * std::max(f8.dense_mlp && any_dense ? F : 0, f8.shared_experts && any_moe ? Fs : 0) * double(cb);  // actc
