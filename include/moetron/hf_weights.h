@@ -28,6 +28,10 @@
 //     when moetron routes with it and it is non-zero; import sets it to zero).
 //   - DeepSeek-V2/V3 without shared experts: config.json says n_shared_experts = 0 and the shared-expert
 //     tensors are written empty ([0, d] and [d, 0]), as transformers builds them.
+//   - multi-token prediction (deepseek_v3 only, model.mtp_layers = D): depth k + 1 is HF decoder layer
+//     n_layers + k (num_nextn_predict_layers = D): enorm, hnorm, eh_proj [d, 2d] (the transpose of the
+//     engine's mtp.<k>.eh_proj [2d, d]; both act on [enorm(embedding) ; hnorm(hidden)]), the block's tensors,
+//     shared_head.norm (mtp.<k>.norm) and copies of the embedding and the head (HfTensorMap::duplicate_of).
 //   - Qwen3 per-head q/k RMSNorm weights: the engine's qk_norm parameters
 //     layers.<l>.attn.q_head_norm / attn.k_head_norm [head_dim] (attn.q_norm is MLA's q-latent norm).
 #pragma once
@@ -71,6 +75,10 @@ struct HfTensorMap {
   Shape hf_shape;
   std::vector<HfPart> parts;  // concatenated along HF rows
   std::string how;            // human-readable transform, e.g. "T, cols [0, 64)" (docs, --list)
+  // Non-empty: a second copy of the HF tensor named here (DeepSeek-V3's MTP layer repeats the embedding and the
+  // head: model.layers.<L+k>.embed_tokens / shared_head.head). Export writes it like any other; import reads
+  // it only to check that it equals that tensor element for element, and refuses it by name if not.
+  std::string duplicate_of;
 };
 
 struct HfWeightMap {

@@ -331,6 +331,13 @@ std::vector<char> moe_map(const ModelSpec& s) {
     if (l >= 0 && l < s.n_layers) m[size_t(l)] = 0;
   return m;
 }
+// The same over the engine's blocks: the layers, then the MTP depths' blocks (model.mtp_layers), each of the last
+// layer's kind (ModelSpec::is_moe_block).
+std::vector<char> block_moe_map(const ModelSpec& s) {
+  std::vector<char> m = moe_map(s);
+  for (int64_t k = 0; k < s.mtp_layers; ++k) m.push_back(m.empty() ? 0 : m.back());
+  return m;
+}
 std::vector<char> ac_map(const ActivationCheckpointSpec& ac, int64_t n_layers) {
   std::vector<char> m(size_t(std::max<int64_t>(n_layers, 0)), ac.mode != AcMode::None && ac.layer_ids.empty());
   if (ac.mode != AcMode::None)
@@ -641,12 +648,17 @@ struct MemoryTerms {
         d(double(s.d_model)),
         V(double(s.vocab_size)), H(double(s.attn.n_heads)), E(double(m.n_routed_experts)), K(double(m.topk)),
         Fe(double(m.moe_inter_size)), rows(N * K),  // routed rows (the engine's buffers hold T * topk)
-        moe(moe_map(s)), on(ac_map(ac, s.n_layers)), n_moe(double(std::count(moe.begin(), moe.end(), char(1)))),
+        moe(block_moe_map(s)), on(ac_map(ac, s.n_blocks())), n_moe(double(std::count(moe.begin(), moe.end(), char(1)))),
         prec(cb == 4 ? GemmPrec::F32 : GemmPrec::BF16), copy(cb == 4 ? 0 : 2) {}
 
   // Parameters, gradients, optimizer state and communication buffers.
   void add_state(MemoryEstimate& r) const {
-    const ParamSplit ps = param_split(s, moe, EP, double(par.tp));
+    ParamSplit ps = param_split(s, moe, EP, double(par.tp));  // the MTP blocks are in `moe`
+    if (s.mtp_layers > 0) {  // each depth's own: eh_proj (2d x d, a Muon matrix), enorm, hnorm, its head norm
+      const double own = 2 * d * d + 3 * d, Dm = double(s.mtp_layers);
+      ps.dense += Dm * own, ps.muon_dense += Dm * 2 * d * d;
+      // (FSDP: a depth's unit is its block plus these 2d^2 + 3d, not added to max_unit: at most that much low.)
+    }
     const double local = ps.dense + ps.experts / EP;  // this rank's parameters (flat layout)
     // The packed expert weights of one MoE layer (forward and dgrad layouts of gate/up and down, in the
     // compute dtype, as the grouped GEMM kernels pad them).
@@ -675,7 +687,8 @@ struct MemoryTerms {
       r.params = local * (4 + copy) + packed + bias;
       // With tied embeddings the head's gradient has a buffer of its own until it joins the embedding's (this
       // rank's vocabulary rows under TP).
-      r.grads = local * 4 + (s.tie_embeddings ? V / double(par.tp) * d * 4 : 0);
+      // MTP (model.mtp_layers) keeps the same buffer for its depths' embedding rows (model.cpp tied_hg).
+      r.grads = local * 4 + (s.tie_embeddings || s.mtp_layers > 0 ? V / double(par.tp) * d * 4 : 0);
       // AdamW: m and v; Muon: m of every parameter, v of the AdamW ones (the routed experts are all Muon's). Under
       // ZeRO-1 both are 1/D of the whole (the average rank: a rank's slice of the flat runs holds more or less of the
       // AdamW tensors; the sum over the ranks is exact).
@@ -728,7 +741,7 @@ struct MemoryTerms {
     const bool has_act = ac.has_module("moe_act");
     double largest = 0;
     std::string largest_term;
-    for (int64_t l = 0; l < s.n_layers; ++l) {
+    for (int64_t l = 0; l < s.n_blocks(); ++l) {  // the MTP depths' blocks too, each like a layer
       const bool here = on[size_t(l)], is_moe = moe[size_t(l)];
       if (full && here) {
         r.activations += N * d * 4;  // the layer input
@@ -751,9 +764,12 @@ struct MemoryTerms {
     const double act_set = (rows * Fe + N * double(m.n_shared_experts) * Fe) * double(cb);  // eactc, actc
     r.activations += (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
     r.activations += N * d * (4 + double(cb)) + N * 4;  // final norm: input, rstd, output
+    // Each MTP depth (model_mtp.cpp mtp_build): its input h^{k-1}, the embedding rows, both rstd, the
+    // [enorm | hnorm] rows in the compute dtype and dL/dh^k.
+    r.activations += double(s.mtp_layers) * (N * d * (12 + 2 * double(cb)) + N * 8);
     if (selective) {  // the engine builds every layer's full set before the selected modules share theirs
       double sets = 0;
-      for (int64_t l = 0; l < s.n_layers; ++l) sets += full_layer_bytes(s, moe[size_t(l)], B, S, cb);
+      for (int64_t l = 0; l < s.n_blocks(); ++l) sets += full_layer_bytes(s, moe[size_t(l)], B, S, cb);
       const double shared = (sel_norm ? norm_set : 0) + (sel_attn ? attn_set : 0) + (sel_act ? act_set : 0);
       r.build_peak = r.params + r.grads + sets + shared;
     }
@@ -807,9 +823,10 @@ struct MemoryTerms {
     if (s.is_moe()) ws += N * (K + E) * 4;                                   // dtopk_w, dlogits
     if (EP > 1) ws += N * K * 4 + rows * 3 * 4;                              // send_idx, dwr, iota_r, zero_r
     if (full) ws += N * d * 4;                                               // recompute_out
+    if (s.mtp_layers > 0) ws += N * d * (16 + double(cb)) + N * 4;          // MTP: x, [e|h] rows, tmp, normed, rstd
     if (par.tp > 1) ws += N * d * (4 + double(cb));                          // TP: gathered rows / partial sums
     if (f8.any()) {  // cached FP8 activations: the shared scratch that replaces the cached inputs' copies
-      const bool any_dense = n_moe < double(s.n_layers), any_moe = n_moe > 0;
+      const bool any_dense = n_moe < double(moe.size()), any_moe = n_moe > 0;
       if (f8.attention) ws += N * (d + (mla ? rq + rkv : 0)) * double(cb);     // h1c (MLA: + the normed latents)
       if (f8.dense_mlp && any_dense) ws += N * d * (4 + (cb != 4 ? double(cb) : 0));  // h2 (+ its bf16 copy)
       ws += N * std::max(f8.dense_mlp && any_dense ? F : 0, f8.shared_experts && any_moe ? Fs : 0) * double(cb);  // actc

@@ -1,8 +1,8 @@
 // hf_config.cpp: ModelSpec <-> Hugging Face config.json for DeepSeek (V1, V2, V3), Mixtral and
 // Qwen3-MoE. Reads and writes the architecture fields only: weights and tokenizers are not here.
-// Not modelled (ignored on import): rope_scaling (YaRN), max_position_embeddings, the DeepSeek-V3 MTP
-// module (num_nextn_predict_layers), sliding windows. Training-only fields that HF formats do not carry
-// (load_balance, capacity_factor, ...) travel in an extra "moetron" object, which transformers ignores.
+// Not modelled (ignored on import): rope_scaling (YaRN), max_position_embeddings, sliding windows.
+// DeepSeek-V3's num_nextn_predict_layers is model.mtp_layers. Training-only fields that HF formats do not carry
+// (load_balance, capacity_factor, mtp_loss_weight, ...) travel in an extra "moetron" object, which transformers ignores.
 // Every other field written is one the type's modelling code reads, with moetron's meaning; a spec that
 // code would evaluate differently is refused with the rule (docs/hf_export.md lists them per type).
 #include <algorithm>
@@ -154,6 +154,10 @@ void import_deepseek(ModelSpec& s, const Reader& r, int version) {
       m.load_balance = LoadBalance::AuxFree;
     }
   }
+  if (version == 3) {  // the MTP depths: decoder layers num_hidden_layers + k of the checkpoint
+    s.mtp_layers = r.i("num_nextn_predict_layers", 0);
+    if (s.mtp_layers < 0) r.fail("num_nextn_predict_layers", "must be >= 0");
+  }
   const int64_t first_k = r.i("first_k_dense_replace", 0), freq = r.i("moe_layer_freq", 1);
   if (freq < 1) r.fail("moe_layer_freq", "must be >= 1");
   std::vector<bool> dense(size_t(std::max<int64_t>(s.n_layers, 0)));
@@ -209,7 +213,7 @@ void import_qwen3_moe(ModelSpec& s, const Reader& r) {
 // The "moetron" object: training-only fields (see the file comment).
 json extras(const ModelSpec& s) {
   const auto& m = s.moe;
-  return json{{"load_balance", std::string(to_string(m.load_balance))},
+  json x{{"load_balance", std::string(to_string(m.load_balance))},
               {"aux_coef", m.aux_coef},
               {"aux_seq_wise", m.aux_seq_wise},
               {"bias_update_rate", m.bias_update_rate},
@@ -219,6 +223,8 @@ json extras(const ModelSpec& s) {
               {"z_loss_coef", m.z_loss_coef},
               {"capacity_factor", m.capacity_factor},
               {"drop_policy", std::string(to_string(m.drop_policy))}};
+  if (s.mtp_layers > 0) x["mtp_loss_weight"] = s.mtp_loss_weight;
+  return x;
 }
 
 void apply_extras(ModelSpec& s, const Reader& r) {
@@ -247,6 +253,7 @@ void apply_extras(ModelSpec& s, const Reader& r) {
   if (dp == "probs") m.drop_policy = DropPolicy::Probs;
   else if (dp == "position") m.drop_policy = DropPolicy::Position;
   else e.fail("drop_policy", "must be probs or position, got " + dp);
+  s.mtp_loss_weight = e.f("mtp_loss_weight", s.mtp_loss_weight);
 }
 
 [[noreturn]] void cannot(const char* type, const std::string& why) {
@@ -318,15 +325,13 @@ std::string to_hf_config_json(const ModelSpec& s) {
   else if (!s.is_moe() || m.n_shared_experts > 0 || s.n_dense_layers() > 0 || !m.norm_topk_prob) t = "deepseek";
   else t = "mixtral";
   const char* type = t.c_str();
-  // Multi-token prediction: DeepSeek-V3 checkpoints keep it (num_nextn_predict_layers and layer n_layers + k);
-  // moetron does not write its weights yet (hf_weights.cpp), so the export is refused for every type.
-  if (s.mtp_layers > 0)
-    throw Error("to_hf_config_json: model.mtp_layers = " + std::to_string(s.mtp_layers) + " cannot be written" +
-                (t == "deepseek_v3" ? std::string(": the export of the MTP modules (DeepSeek-V3's layer num_hidden_layers "
-                                                  "+ k, num_nextn_predict_layers) is not implemented yet")
-                                    : " as HF model_type " + t + ", which has no multi-token prediction (only "
-                                      "deepseek_v3 does)") +
-                "; export a model with mtp_layers = 0");
+  // Multi-token prediction: DeepSeek-V3 checkpoints keep it (num_nextn_predict_layers, decoder layer n_layers + k;
+  // hf_weights.cpp); no other type has a field for it.
+  if (s.mtp_layers > 0 && t != "deepseek_v3")
+    throw Error("to_hf_config_json: model.mtp_layers = " + std::to_string(s.mtp_layers) +
+                " cannot be written as HF model_type " + t +
+                ", which has no multi-token prediction field (only deepseek_v3 has num_nextn_predict_layers; "
+                "that type needs MLA attention with sigmoid scores); export a model with mtp_layers = 0");
 
   json j;
   j["model_type"] = t;
@@ -378,6 +383,8 @@ std::string to_hf_config_json(const ModelSpec& s) {
     // Dense model: every layer below first_k_dense_replace (transformers' V2/V3 build an MoE block for
     // every layer at or after it, whatever n_routed_experts says).
     j["first_k_dense_replace"] = s.is_moe() ? s.first_k_dense : s.n_layers;
+    // DeepSeek's remote configuration_deepseek.py defaults it to 1: written always, 0 when there is no MTP.
+    if (t == "deepseek_v3") j["num_nextn_predict_layers"] = s.mtp_layers;
     j["moe_layer_freq"] = 1;
     if (mla) {
       j["q_lora_rank"] = a.q_lora_rank > 0 ? json(a.q_lora_rank) : json(nullptr);

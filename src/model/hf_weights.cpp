@@ -106,140 +106,180 @@ std::string hf_model_type(const ModelSpec& spec) {
   return json::parse(to_hf_config_json(spec)).at("model_type").get<std::string>();
 }
 
+namespace {
+
+// One decoder block's moetron tensors (model.cpp build() order) under prefix p ("layers.<l>." or
+// "mtp.<k>.block."); moe: the block has an MoE FFN.
+void block_moetron(MapBuilder& b, const ModelSpec& s, const std::string& p, bool moe) {
+  const int64_t d = s.d_model, H = s.attn.n_heads;
+  const int64_t Dqk = s.attn.qk_head_dim(), Dv = s.attn.v_dim();
+  const int64_t E = s.moe.n_routed_experts, Fe = s.moe.moe_inter_size, Fs = s.moe.n_shared_experts * Fe;
+  b.moetron(p + "attn_norm", {d});
+  if (s.attn.type == AttnType::MLA) {
+    const int64_t rq = s.attn.q_lora_rank, rkv = s.attn.kv_lora_rank, dr = s.attn.qk_rope_head_dim;
+    const int64_t dn = s.attn.qk_nope_head_dim;
+    if (rq > 0) {
+      b.moetron(p + "attn.wdq", {d, rq});
+      b.moetron(p + "attn.q_norm", {rq});
+      b.moetron(p + "attn.wuq", {rq, H * Dqk});
+    } else {
+      b.moetron(p + "attn.wq", {d, H * Dqk});
+    }
+    b.moetron(p + "attn.wdkv", {d, rkv});
+    b.moetron(p + "attn.wkr", {d, dr});
+    b.moetron(p + "attn.kv_norm", {rkv});
+    b.moetron(p + "attn.wukv", {rkv, H * (dn + Dv)});
+  } else {
+    const int64_t hd = s.attn.head_dim, Hkv = s.attn.kv_heads();
+    b.moetron(p + "attn.wqkv", {d, (H + 2 * Hkv) * hd});
+    if (s.attn.qk_norm) {
+      b.moetron(p + "attn.q_head_norm", {hd});
+      b.moetron(p + "attn.k_head_norm", {hd});
+    }
+  }
+  b.moetron(p + "attn.wo", {H * Dv, d});
+  b.moetron(p + "ffn_norm", {d});
+  if (!moe) {
+    b.moetron(p + "mlp.w13", {d, 2 * s.inter_size});
+    b.moetron(p + "mlp.w2", {s.inter_size, d});
+  } else {
+    b.moetron(p + "moe.gate", {d, E});
+    b.moetron(p + "moe.experts.w13", {E, d, 2 * Fe});
+    b.moetron(p + "moe.experts.w2", {E, Fe, d});
+    if (Fs > 0) {
+      b.moetron(p + "moe.shared.w13", {d, 2 * Fs});
+      b.moetron(p + "moe.shared.w2", {Fs, d});
+    }
+  }
+}
+
+// One decoder block's HF tensors: moetron prefix p, HF prefix h ("model.layers.<i>."); `bias` names the
+// block's expert_bias.<i> when it is MoE.
+void block_hf(MapBuilder& b, const ModelSpec& s, const std::string& p, const std::string& h, bool moe,
+              const std::string& bias) {
+  const std::string& type = b.m.model_type;
+  const bool mixtral = type == "mixtral", v3 = type == "deepseek_v3";
+  const bool mla_moe = type == "deepseek_v2" || v3;
+  const int64_t d = s.d_model, H = s.attn.n_heads;
+  const int64_t Dqk = s.attn.qk_head_dim(), Dv = s.attn.v_dim();
+  const int64_t E = s.moe.n_routed_experts, Fe = s.moe.moe_inter_size, Fs = s.moe.n_shared_experts * Fe;
+  const std::string at = h + "self_attn.";
+  b.copy(h + "input_layernorm.weight", p + "attn_norm");
+  if (s.attn.type == AttnType::MLA) {
+    const int64_t rq = s.attn.q_lora_rank, rkv = s.attn.kv_lora_rank, dr = s.attn.qk_rope_head_dim;
+    const int64_t dn = s.attn.qk_nope_head_dim;
+    // q: per head [nope (dn) | rope (dr, interleaved on the HF side)]
+    std::vector<int64_t> qcols;
+    for (int64_t hh = 0; hh < H; ++hh) {
+      auto nope = iota_cols(hh * Dqk, dn);
+      auto rope = rope_interleaved_cols(hh * Dqk + dn, dr);
+      qcols.insert(qcols.end(), nope.begin(), nope.end());
+      qcols.insert(qcols.end(), rope.begin(), rope.end());
+    }
+    const std::string qhow = "T, per head rope rows interleaved (2i <- i, 2i+1 <- i+dr/2)";
+    if (rq > 0) {
+      b.lin_cols(at + "q_a_proj.weight", p + "attn.wdq", -1, 0, rq);
+      b.copy(at + "q_a_layernorm.weight", p + "attn.q_norm");
+      b.linear(at + "q_b_proj.weight", {{p + "attn.wuq", -1, true, qcols}}, qhow);
+    } else {
+      b.linear(at + "q_proj.weight", {{p + "attn.wq", -1, true, qcols}}, qhow);
+    }
+    b.linear(at + "kv_a_proj_with_mqa.weight",
+             {{p + "attn.wdkv", -1, true, iota_cols(0, rkv)}, {p + "attn.wkr", -1, true, rope_interleaved_cols(0, dr)}},
+             "concat(wdkv^T, wkr^T with rope rows interleaved)");
+    b.copy(at + "kv_a_layernorm.weight", p + "attn.kv_norm");
+    b.lin_cols(at + "kv_b_proj.weight", p + "attn.wukv", -1, 0, H * (dn + Dv));
+  } else {
+    const int64_t hd = s.attn.head_dim, Hkv = s.attn.kv_heads();
+    b.lin_cols(at + "q_proj.weight", p + "attn.wqkv", -1, 0, H * hd);
+    b.lin_cols(at + "k_proj.weight", p + "attn.wqkv", -1, H * hd, Hkv * hd);
+    b.lin_cols(at + "v_proj.weight", p + "attn.wqkv", -1, (H + Hkv) * hd, Hkv * hd);
+    if (s.attn.qk_norm) {
+      b.copy(at + "q_norm.weight", p + "attn.q_head_norm");
+      b.copy(at + "k_norm.weight", p + "attn.k_head_norm");
+    }
+  }
+  b.lin_cols(at + "o_proj.weight", p + "attn.wo", -1, 0, d);
+  b.copy(h + "post_attention_layernorm.weight", p + "ffn_norm");
+  if (!moe) {
+    swiglu_tensors(b, h + "mlp.", p + "mlp.w13", p + "mlp.w2", s.inter_size, -1, "gate_proj", "up_proj", "down_proj");
+    return;
+  }
+  const std::string f = h + (mixtral ? "block_sparse_moe." : "mlp.");
+  b.lin_cols(f + "gate.weight", p + "moe.gate", -1, 0, E);
+  if (v3 && b.m.routes_with_bias) {
+    b.copy(f + "gate.e_score_correction_bias", bias, true);  // see hf_weights.h: masked groups score 0.0
+  } else {
+    if (v3) b.fixed(f + "gate.e_score_correction_bias", {E}, "zeros (load_balance != aux_free: no bias in routing)");
+    b.m.not_in_hf.push_back(bias);
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string ep = f + "experts." + std::to_string(e) + ".";
+    if (mixtral) swiglu_tensors(b, ep, p + "moe.experts.w13", p + "moe.experts.w2", Fe, e, "w1", "w3", "w2");
+    else swiglu_tensors(b, ep, p + "moe.experts.w13", p + "moe.experts.w2", Fe, e, "gate_proj", "up_proj", "down_proj");
+  }
+  if (Fs > 0) {
+    // to_hf_config_json only picks deepseek* types for shared experts.
+    swiglu_tensors(b, f + "shared_experts.", p + "moe.shared.w13", p + "moe.shared.w2", Fs, -1, "gate_proj", "up_proj",
+                   "down_proj");
+  } else if (mla_moe) {
+    // n_shared_experts = 0: transformers' V2/V3 still build (and call) a shared MLP of width 0.
+    b.fixed(f + "shared_experts.gate_proj.weight", {0, d}, "empty (n_shared_experts = 0)");
+    b.fixed(f + "shared_experts.up_proj.weight", {0, d}, "empty (n_shared_experts = 0)");
+    b.fixed(f + "shared_experts.down_proj.weight", {d, 0}, "empty (n_shared_experts = 0)");
+  }
+}
+
+}  // namespace
+
 HfWeightMap hf_weight_map(const ModelSpec& spec_in) {
   ModelSpec s = spec_in;
   s.resolve();
   MapBuilder b;
-  b.m.model_type = hf_model_type(s);  // validates and rejects specs no HF format can express
+  b.m.model_type = hf_model_type(s);  // validates and rejects specs no HF format can express (MTP: deepseek_v3 only)
   b.m.routes_with_bias = s.moe.load_balance == LoadBalance::AuxFree;
-  const std::string& type = b.m.model_type;
-  const bool mixtral = type == "mixtral";
-  const bool v3 = type == "deepseek_v3";
-  const bool mla_moe = type == "deepseek_v2" || v3;
-  const bool mla = s.attn.type == AttnType::MLA;
-  const int64_t d = s.d_model, V = s.vocab_size, H = s.attn.n_heads;
-  const int64_t Dqk = s.attn.qk_head_dim(), Dv = s.attn.v_dim();
-  const int64_t E = s.moe.n_routed_experts, Fe = s.moe.moe_inter_size, Fs = s.moe.n_shared_experts * Fe;
+  const int64_t d = s.d_model, V = s.vocab_size, L = s.n_layers;
+  auto mtp_pre = [](int64_t k) { return "mtp." + std::to_string(k) + "."; };
 
-  // moetron tensors, in Model order (model.cpp build()), then the expert biases.
+  // moetron tensors, in Model order (param_layout.cpp): the embedding, the layers, the MTP depths (their own
+  // tensors, then their blocks), the final norm and the head; then the expert biases (MTP blocks' after the layers').
   b.moetron("embed", {V, d});
-  for (int64_t l = 0; l < s.n_layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    b.moetron(p + "attn_norm", {d});
-    if (mla) {
-      const int64_t rq = s.attn.q_lora_rank, rkv = s.attn.kv_lora_rank, dr = s.attn.qk_rope_head_dim;
-      const int64_t dn = s.attn.qk_nope_head_dim;
-      if (rq > 0) {
-        b.moetron(p + "attn.wdq", {d, rq});
-        b.moetron(p + "attn.q_norm", {rq});
-        b.moetron(p + "attn.wuq", {rq, H * Dqk});
-      } else {
-        b.moetron(p + "attn.wq", {d, H * Dqk});
-      }
-      b.moetron(p + "attn.wdkv", {d, rkv});
-      b.moetron(p + "attn.wkr", {d, dr});
-      b.moetron(p + "attn.kv_norm", {rkv});
-      b.moetron(p + "attn.wukv", {rkv, H * (dn + Dv)});
-    } else {
-      const int64_t hd = s.attn.head_dim, Hkv = s.attn.kv_heads();
-      b.moetron(p + "attn.wqkv", {d, (H + 2 * Hkv) * hd});
-      if (s.attn.qk_norm) {
-        b.moetron(p + "attn.q_head_norm", {hd});
-        b.moetron(p + "attn.k_head_norm", {hd});
-      }
-    }
-    b.moetron(p + "attn.wo", {H * Dv, d});
-    b.moetron(p + "ffn_norm", {d});
-    if (!s.is_moe_layer(l)) {
-      b.moetron(p + "mlp.w13", {d, 2 * s.inter_size});
-      b.moetron(p + "mlp.w2", {s.inter_size, d});
-    } else {
-      b.moetron(p + "moe.gate", {d, E});
-      b.moetron(p + "moe.experts.w13", {E, d, 2 * Fe});
-      b.moetron(p + "moe.experts.w2", {E, Fe, d});
-      if (Fs > 0) {
-        b.moetron(p + "moe.shared.w13", {d, 2 * Fs});
-        b.moetron(p + "moe.shared.w2", {Fs, d});
-      }
-    }
+  for (int64_t l = 0; l < L; ++l) block_moetron(b, s, "layers." + std::to_string(l) + ".", s.is_moe_layer(l));
+  for (int64_t k = 0; k < s.mtp_layers; ++k) {
+    b.moetron(mtp_pre(k) + "enorm", {d});
+    b.moetron(mtp_pre(k) + "hnorm", {d});
+    b.moetron(mtp_pre(k) + "eh_proj", {2 * d, d});
+    b.moetron(mtp_pre(k) + "norm", {d});
+    block_moetron(b, s, mtp_pre(k) + "block.", s.is_moe_block(L + k));
   }
   b.moetron("final_norm", {d});
   if (!s.tie_embeddings) b.moetron("head", {V, d});
-  for (int64_t i = 0; i < s.n_moe_layers(); ++i) b.moetron("expert_bias." + std::to_string(i), {E});
+  for (int64_t i = 0; i < s.n_moe_blocks(); ++i) b.moetron("expert_bias." + std::to_string(i), {s.moe.n_routed_experts});
 
   // HF tensors.
   b.copy("model.embed_tokens.weight", "embed");
   int64_t moe_i = 0;
-  for (int64_t l = 0; l < s.n_layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    const std::string h = "model.layers." + std::to_string(l) + ".";
-    const std::string at = h + "self_attn.";
-    b.copy(h + "input_layernorm.weight", p + "attn_norm");
-    if (mla) {
-      const int64_t rq = s.attn.q_lora_rank, rkv = s.attn.kv_lora_rank, dr = s.attn.qk_rope_head_dim;
-      const int64_t dn = s.attn.qk_nope_head_dim;
-      // q: per head [nope (dn) | rope (dr, interleaved on the HF side)]
-      std::vector<int64_t> qcols;
-      for (int64_t hh = 0; hh < H; ++hh) {
-        auto nope = iota_cols(hh * Dqk, dn);
-        auto rope = rope_interleaved_cols(hh * Dqk + dn, dr);
-        qcols.insert(qcols.end(), nope.begin(), nope.end());
-        qcols.insert(qcols.end(), rope.begin(), rope.end());
-      }
-      const std::string qhow = "T, per head rope rows interleaved (2i <- i, 2i+1 <- i+dr/2)";
-      if (rq > 0) {
-        b.lin_cols(at + "q_a_proj.weight", p + "attn.wdq", -1, 0, rq);
-        b.copy(at + "q_a_layernorm.weight", p + "attn.q_norm");
-        b.linear(at + "q_b_proj.weight", {{p + "attn.wuq", -1, true, qcols}}, qhow);
-      } else {
-        b.linear(at + "q_proj.weight", {{p + "attn.wq", -1, true, qcols}}, qhow);
-      }
-      b.linear(at + "kv_a_proj_with_mqa.weight",
-               {{p + "attn.wdkv", -1, true, iota_cols(0, rkv)}, {p + "attn.wkr", -1, true, rope_interleaved_cols(0, dr)}},
-               "concat(wdkv^T, wkr^T with rope rows interleaved)");
-      b.copy(at + "kv_a_layernorm.weight", p + "attn.kv_norm");
-      b.lin_cols(at + "kv_b_proj.weight", p + "attn.wukv", -1, 0, H * (dn + Dv));
-    } else {
-      const int64_t hd = s.attn.head_dim, Hkv = s.attn.kv_heads();
-      b.lin_cols(at + "q_proj.weight", p + "attn.wqkv", -1, 0, H * hd);
-      b.lin_cols(at + "k_proj.weight", p + "attn.wqkv", -1, H * hd, Hkv * hd);
-      b.lin_cols(at + "v_proj.weight", p + "attn.wqkv", -1, (H + Hkv) * hd, Hkv * hd);
-      if (s.attn.qk_norm) {
-        b.copy(at + "q_norm.weight", p + "attn.q_head_norm");
-        b.copy(at + "k_norm.weight", p + "attn.k_head_norm");
-      }
-    }
-    b.lin_cols(at + "o_proj.weight", p + "attn.wo", -1, 0, d);
-    b.copy(h + "post_attention_layernorm.weight", p + "ffn_norm");
-    if (!s.is_moe_layer(l)) {
-      swiglu_tensors(b, h + "mlp.", p + "mlp.w13", p + "mlp.w2", s.inter_size, -1, "gate_proj", "up_proj", "down_proj");
-      continue;
-    }
-    const std::string f = h + (mixtral ? "block_sparse_moe." : "mlp.");
-    b.lin_cols(f + "gate.weight", p + "moe.gate", -1, 0, E);
-    const std::string bias = "expert_bias." + std::to_string(moe_i);
-    if (v3 && b.m.routes_with_bias) {
-      b.copy(f + "gate.e_score_correction_bias", bias, true);  // see hf_weights.h: masked groups score 0.0
-    } else {
-      if (v3) b.fixed(f + "gate.e_score_correction_bias", {E}, "zeros (load_balance != aux_free: no bias in routing)");
-      b.m.not_in_hf.push_back(bias);
-    }
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string ep = f + "experts." + std::to_string(e) + ".";
-      if (mixtral) swiglu_tensors(b, ep, p + "moe.experts.w13", p + "moe.experts.w2", Fe, e, "w1", "w3", "w2");
-      else swiglu_tensors(b, ep, p + "moe.experts.w13", p + "moe.experts.w2", Fe, e, "gate_proj", "up_proj", "down_proj");
-    }
-    if (Fs > 0) {
-      // to_hf_config_json only picks deepseek* types for shared experts.
-      swiglu_tensors(b, f + "shared_experts.", p + "moe.shared.w13", p + "moe.shared.w2", Fs, -1, "gate_proj", "up_proj",
-                     "down_proj");
-    } else if (mla_moe) {
-      // n_shared_experts = 0: transformers' V2/V3 still build (and call) a shared MLP of width 0.
-      b.fixed(f + "shared_experts.gate_proj.weight", {0, d}, "empty (n_shared_experts = 0)");
-      b.fixed(f + "shared_experts.up_proj.weight", {0, d}, "empty (n_shared_experts = 0)");
-      b.fixed(f + "shared_experts.down_proj.weight", {d, 0}, "empty (n_shared_experts = 0)");
-    }
-    ++moe_i;
+  auto bias_of = [&](bool moe) { return moe ? "expert_bias." + std::to_string(moe_i++) : std::string(); };
+  for (int64_t l = 0; l < L; ++l) {
+    const bool moe = s.is_moe_layer(l);
+    block_hf(b, s, "layers." + std::to_string(l) + ".", "model.layers." + std::to_string(l) + ".", moe, bias_of(moe));
+  }
+  // DeepSeek-V3's MTP depth k + 1 is decoder layer L + k: its own norms, eh_proj and block, the norm before the
+  // head (shared_head.norm), and copies of the embedding and the head (import checks they equal the main ones).
+  // eh_proj: HF [d, 2d] acts on [enorm(embedding) ; hnorm(hidden)], the engine's [2d, d] on the same order
+  // (model_mtp.cpp), so it is the plain transpose.
+  for (int64_t k = 0; k < s.mtp_layers; ++k) {
+    const std::string h = "model.layers." + std::to_string(L + k) + ".", q = mtp_pre(k);
+    b.copy(h + "embed_tokens.weight", "embed");
+    b.m.hf.back().duplicate_of = "model.embed_tokens.weight";
+    b.copy(h + "enorm.weight", q + "enorm");
+    b.copy(h + "hnorm.weight", q + "hnorm");
+    b.lin_cols(h + "eh_proj.weight", q + "eh_proj", -1, 0, d);
+    const bool moe = s.is_moe_block(L + k);
+    block_hf(b, s, q + "block.", h, moe, bias_of(moe));
+    b.copy(h + "shared_head.norm.weight", q + "norm");
+    b.copy(h + "shared_head.head.weight", s.tie_embeddings ? "embed" : "head");
+    b.m.hf.back().duplicate_of = s.tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
   }
   b.copy("model.norm.weight", "final_norm");
   if (!s.tie_embeddings) b.copy("lm_head.weight", "head");
@@ -348,6 +388,35 @@ void read_f32(const SafetensorsFile& f, const SafetensorsTensorInfo& info, std::
   }
 }
 
+using Found = std::vector<std::pair<const SafetensorsFile*, const SafetensorsTensorInfo*>>;
+
+// The copies (HfTensorMap::duplicate_of) must equal their originals element for element (fp32 bits after
+// widening); returns the number of problems written to `bad`. A missing original is reported elsewhere.
+int check_duplicates(const HfWeightMap& map, const std::vector<SafetensorsFile>& files, const Found& found,
+                     std::ostringstream& bad) {
+  int nbad = 0;
+  std::vector<float> a, b;
+  for (size_t k = 0; k < map.hf.size(); ++k) {
+    const HfTensorMap& t = map.hf[k];
+    if (t.duplicate_of.empty() || !found[k].first) continue;
+    size_t o = 0;
+    while (o < map.hf.size() && map.hf[o].hf_name != t.duplicate_of) ++o;
+    MT_CHECK(o < map.hf.size(), "load_hf_weights", "the map has no tensor ", t.duplicate_of, " for ", t.hf_name);
+    if (!found[o].first) continue;
+    read_f32(*found[k].first, *found[k].second, a);
+    read_f32(*found[o].first, *found[o].second, b);
+    int64_t ndiff = 0, first = -1;
+    for (size_t i = 0; i < a.size(); ++i)
+      if (std::memcmp(&a[i], &b[i], 4) != 0) ndiff += 1, first = first < 0 ? int64_t(i) : first;
+    if (ndiff == 0) continue;
+    bad << "\n  tensor '" << t.hf_name << "' differs from '" << t.duplicate_of << "' in " << ndiff << " of "
+        << a.size() << " elements (first at " << first << ": " << a[size_t(first)] << " vs " << b[size_t(first)]
+        << "); moetron shares one tensor for both, so the copy must be equal";
+    ++nbad;
+  }
+  return nbad;
+}
+
 }  // namespace
 
 std::vector<HfTensorData> export_hf_tensors(const HfWeightMap& map, const std::vector<HfTensorRef>& src,
@@ -387,7 +456,7 @@ void load_hf_weights(const ModelSpec& spec, const std::vector<SafetensorsFile>& 
   // Check the whole set first.
   std::ostringstream bad;
   int nbad = 0;
-  std::vector<std::pair<const SafetensorsFile*, const SafetensorsTensorInfo*>> found(map.hf.size());
+  Found found(map.hf.size());
   std::set<std::string> expected;
   for (size_t k = 0; k < map.hf.size(); ++k) {
     const HfTensorMap& t = map.hf[k];
@@ -426,6 +495,7 @@ void load_hf_weights(const ModelSpec& spec, const std::vector<SafetensorsFile>& 
     }
     found[k] = {f, &info};
   }
+  nbad += check_duplicates(map, files, found, bad);
   if (!opt.allow_unexpected) {
     for (const auto& file : files)
       for (const auto& info : file.tensors()) {
@@ -443,7 +513,7 @@ void load_hf_weights(const ModelSpec& spec, const std::vector<SafetensorsFile>& 
   std::vector<float> buf;
   for (size_t k = 0; k < map.hf.size(); ++k) {
     const auto [f, info] = found[k];
-    if (!f) continue;  // a tensor with no moetron source
+    if (!f || !map.hf[k].duplicate_of.empty()) continue;  // no moetron source, or a checked copy
     read_f32(*f, *info, buf);
     move_tensor(map.hf[k], refs, buf.data(), false);
   }

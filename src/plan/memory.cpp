@@ -237,6 +237,27 @@ StageActivations stage_activations(const MemCtx& x) {
       out.transient = std::max(out.transient, k.all);
     });
     const bool first = x.sp.first[size_t(st)], last = x.sp.last[size_t(st)];
+    if (last && s.mtp_layers > 0) {
+      // The MTP depths on the last stage (docs/model.md, "Multi-token prediction"): each a block of the last layer's
+      // kind (block n_layers + k for the recompute choice), and the depth's own buffers: the engine's (model_mtp.cpp:
+      // its input h^{k-1} and embedding rows fp32, two rstd, the [enorm | hnorm] rows in the compute dtype, dL/dh^k
+      // fp32); another recipe's the two norm inputs and the 2d-wide eh_proj input in the activation dtype.
+      const bool moe_last = s.is_moe_layer(s.n_layers - 1);
+      const double N = x.B * x.S / double(x.sh.cp), own = x.o.recipe.engine_buffers
+                                                              ? N * d_model * (12 + 2 * x.g) + N * 8
+                                                              : N * d_model * 4 * x.a;
+      for (int64_t k = 0; k < s.mtp_layers; ++k) {
+        const bool on = x.ac.applies_to(s.n_layers + k);
+        LayerKind& kd = kinds[moe_last ? 1 : 0][on ? 1 : 0];
+        if (!kd.have) price_kind(x, int(s.n_layers - 1), moe_last, on, kd);
+        out.bytes[size_t(st)] += kd.bytes + own;
+        if (o.detail) {
+          for (const auto& [name, v] : kd.mods.by) out.mods[size_t(st)].by[name] += v;
+          out.mods[size_t(st)].by["mtp"] += own;
+        }
+        out.transient = std::max(out.transient, kd.all);
+      }
+    }
     if (x.engine_tp) {  // the engine's final norm under TP; its vocabulary-parallel loss is fused (no logits kept)
       if (last) {
         const double fn = engine_tp_final_norm_bytes(s, x.B * x.S / double(x.sh.cp), double(x.sh.tp), int64_t(x.g));
@@ -298,7 +319,7 @@ RankParams rank_params(const MemCtx& x, SplitCache& cache, RankMemory& rm) {
     if (x.sp.last[size_t(st)] && s.mtp_layers > 0) {
       // The MTP depths (docs/model.md, "Multi-token prediction"): each a block of the last layer's kind, eh_proj
       // (2d x d, a Muon matrix) and three norms; under PP the last stage also holds a copy of the embedding (its
-      // gradient exchanged like a tied head's). Their activations are not counted here (docs/planner.md).
+      // gradient exchanged like a tied head's). Their activations: stage_activations.
       const double D = double(s.mtp_layers);
       const ParamSplit y = split_layer(s, s.n_layers - 1);
       p.ps.tp_sharded += D * (y.tp_sharded + 2 * d * d), p.ps.replicated += D * (y.replicated + 3 * d);

@@ -1,6 +1,6 @@
 // test_mtp_time.cpp: the MTP depths in the step-time projection (plan/cost.cpp, model.mtp_layers): they cost the
 // last stage alone, and what they add in FLOPs is what the accounting's flops_per_token adds for them. Not the
-// engine's MTP (tests/unit/test_mtp.cpp).
+// engine's MTP (tests/unit/test_mtp.cpp). Also their activations in the memory plan.
 #include <gtest/gtest.h>
 
 #include "moetron/accounting.h"
@@ -62,4 +62,36 @@ TEST(PlanMtp, DepthsParametersSitOnTheLastStage) {
         << "pp " << pp;
     if (pp > 1) EXPECT_DOUBLE_EQ(elems(m1.per_rank.front()), elems(m0.per_rank.front()));
   }
+}
+
+// The depths' activations (plan/memory.cpp stage_activations): with the engine recipe they add, on the last pipeline
+// rank alone, what they add to the engine's own estimate (estimate_memory, held to the engine's measured peaks by
+// MemCheck.MtpDepthsAreInTheEstimateOnDsMini): D blocks of the last layer's kind and each depth's own buffers.
+TEST(PlanMtp, DepthsActivationsAreTheEnginesOnTheLastStage) {
+  for (const char* dt : {"fp32", "bf16"})
+    for (const char* ac : {"none", "full"})
+      for (int depths : {1, 2}) {
+        SCOPED_TRACE(std::string(dt) + " recompute " + ac + ", " + std::to_string(depths) + " depths");
+        auto with = [&](int d, int pp) {
+          return cfg("ds_mini", {"--parallelism.pp=" + std::to_string(pp), "--parallelism.pp_schedule=1f1b",
+                                 std::string("--training.compute_dtype=") + dt,
+                                 std::string("--activation_checkpoint.mode=") + ac,
+                                 "--model.mtp_layers=" + std::to_string(d)});
+        };
+        plan::PlanOptions o;
+        o.recipe = plan::recipe_named("engine", with(0, 1));
+        const auto h = plantest::round_gpu();
+        const int64_t cb = std::string(dt) == "fp32" ? 4 : 2;
+        const double engine = estimate_memory(with(depths, 1), cb, 1).activations - estimate_memory(with(0, 1), cb, 1).activations;
+        EXPECT_GT(engine, 0);
+        for (int pp : {1, 2}) {
+          const JobConfig c0 = with(0, pp), c1 = with(depths, pp);
+          const plan::MemoryPlan m0 = plan::plan_memory(c0, plan::layout_from_config(c0, pp), h, o);
+          const plan::MemoryPlan m1 = plan::plan_memory(c1, plan::layout_from_config(c1, pp), h, o);
+          // The last stage of 1F1B keeps one micro-batch in flight, as one process does.
+          const double added = m1.per_rank.back().activations - m0.per_rank.back().activations;
+          EXPECT_NEAR(added, engine, 1e-9 * engine) << "pp " << pp;
+          if (pp > 1) EXPECT_DOUBLE_EQ(m1.per_rank.front().activations, m0.per_rank.front().activations);
+        }
+      }
 }

@@ -13,7 +13,9 @@
 //     Mixtral softmax over all experts, top-k, renormalized;
 //   - MLA q_a_layernorm / kv_a_layernorm with transformers' default eps 1e-6, every other RMSNorm with
 //     rms_norm_eps; MLA RoPE de-interleaves q_pe / k_pe, the other types use rotate_half directly;
-//   - every tensor's shape as the modules built from the config expect it (transformers' size check).
+//   - every tensor's shape as the modules built from the config expect it (transformers' size check);
+//   - DeepSeek-V3's MTP layers (num_nextn_predict_layers; decoder layer num_hidden_layers + k - 1 for depth k,
+//     with its enorm, hnorm, eh_proj, shared_head and own embed_tokens copy): Forward::mtp_logits.
 // It records the config keys it reads and the tensors it uses, so that a test can require that every
 // field the exporter writes is one the type reads, and that every tensor written is one it loads.
 // Numerics follow moetron's (GEMM operands rounded to bf16 when the model computes in bf16, fp32 router
@@ -113,6 +115,7 @@ struct Rules {
   int64_t n_group = 1, topk_group = 1;
   Norm norm = Norm::Never;
   double scale = 1.0;
+  int64_t mtp = 0;  // deepseek_v3: num_nextn_predict_layers (decoder layers L .. L + mtp - 1)
 };
 
 inline Rules parse_rules(Config& c) {
@@ -163,6 +166,13 @@ inline Rules parse_rules(Config& c) {
     // that the two agree below.)
     for (int64_t l = 0; l < r.L; ++l) r.moe_layer[size_t(l)] = l >= first_k;
     routed_null = c.is_null("n_routed_experts");
+    if (version == 3) {
+      // The MTP layers L + k (transformers builds none of them; DeepSeek's and the serving engines' MTP modules
+      // build a decoder layer with that index): MoE when n_routed_experts is set and the index >= first_k.
+      r.mtp = c.i("num_nextn_predict_layers");
+      if (r.mtp < 0) throw Fail(t + ": num_nextn_predict_layers < 0");
+      for (int64_t k = 0; k < r.mtp; ++k) r.moe_layer.push_back(!routed_null && r.L + k >= first_k);
+    }
     c.same_in_remote_code("moe_layer_freq", 1, "transformers ignores it; DeepSeek's remote code skips layers");
     if (r.Hkv != r.H) throw Fail(t + ": num_key_value_heads != num_attention_heads breaks MLA's repeat_kv");
     r.q_lora = c.is_null("q_lora_rank") ? 0 : c.i("q_lora_rank");
@@ -171,7 +181,7 @@ inline Rules parse_rules(Config& c) {
   }
   if (std::none_of(r.moe_layer.begin(), r.moe_layer.end(), [](bool x) { return x; })) return r;
 
-  if (routed_null)
+  if (routed_null && std::any_of(r.moe_layer.begin(), r.moe_layer.begin() + r.L, [](bool x) { return x; }))
     throw Fail(t + ": 'n_routed_experts' is null, but layers >= first_k_dense_replace build an MoE block "
                    "(range(None))");
   r.E = c.i("n_routed_experts"), r.K = c.i("num_experts_per_tok"), r.Fe = c.i("moe_intermediate_size");
@@ -414,23 +424,68 @@ struct Forward {
     }
     return y;
   }
-  Mat logits(const std::vector<int32_t>& tok) const {
+  Mat embed(const std::vector<int32_t>& tok, const std::string& name) const {
     const int64_t T = int64_t(tok.size()), d = R.d;
-    const auto& emb = w("model.embed_tokens.weight", {R.V, d});
+    const auto& emb = w(name, {R.V, d});
     Mat x(static_cast<size_t>(T * d));
     for (int64_t s = 0; s < T; ++s)
       for (int64_t i = 0; i < d; ++i) x[size_t(s * d + i)] = emb.data[size_t(tok[size_t(s)] * d + i)];
-    for (int64_t l = 0; l < R.L; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      Mat a = attention(rmsnorm(x, T, w(p + "input_layernorm.weight", {d}), R.eps), T, p + "self_attn.");
-      for (size_t i = 0; i < x.size(); ++i) x[i] += a[i];
-      Mat h = rmsnorm(x, T, w(p + "post_attention_layernorm.weight", {d}), R.eps);
-      Mat f = R.moe_layer[size_t(l)] ? moe(h, T, p + R.ffn)
-                                     : swiglu(h, T, p + "mlp.", R.inter, "gate_proj", "up_proj", "down_proj");
-      for (size_t i = 0; i < x.size(); ++i) x[i] += f[i];
-    }
-    Mat hf = rmsnorm(x, T, w("model.norm.weight", {d}), R.eps);
+    return x;
+  }
+  // One decoder layer (index l: its MoE-ness) on x [T, d] in place; p = "model.layers.<l>.".
+  void layer(Mat& x, int64_t T, int64_t l, const std::string& p) const {
+    const int64_t d = R.d;
+    Mat a = attention(rmsnorm(x, T, w(p + "input_layernorm.weight", {d}), R.eps), T, p + "self_attn.");
+    for (size_t i = 0; i < x.size(); ++i) x[i] += a[i];
+    Mat h = rmsnorm(x, T, w(p + "post_attention_layernorm.weight", {d}), R.eps);
+    Mat f = R.moe_layer[size_t(l)] ? moe(h, T, p + R.ffn)
+                                   : swiglu(h, T, p + "mlp.", R.inter, "gate_proj", "up_proj", "down_proj");
+    for (size_t i = 0; i < x.size(); ++i) x[i] += f[i];
+  }
+  // The last decoder layer's output (before model.norm), [T, d].
+  Mat hidden(const std::vector<int32_t>& tok) const {
+    const int64_t T = int64_t(tok.size());
+    Mat x = embed(tok, "model.embed_tokens.weight");
+    for (int64_t l = 0; l < R.L; ++l) layer(x, T, l, "model.layers." + std::to_string(l) + ".");
+    return x;
+  }
+  Mat logits(const std::vector<int32_t>& tok) const {
+    const int64_t T = int64_t(tok.size()), d = R.d;
+    Mat hf = rmsnorm(hidden(tok), T, w("model.norm.weight", {d}), R.eps);
     return linear(hf, T, w(R.tied ? "model.embed_tokens.weight" : "lm_head.weight", {R.V, d}));
+  }
+  // DeepSeek-V3's multi-token prediction (its report, section 2.2; num_nextn_predict_layers = D, depth k the
+  // decoder layer L + k - 1, which uses its OWN copies embed_tokens and shared_head.head):
+  //   h^0 = hidden(tok) (the main model's last layer output, before model.norm)
+  //   h'  = eh_proj( cat[ enorm(embed_tokens(t_{i+k})), hnorm(h^{k-1}_i) ] )     (the embedding FIRST)
+  //   h^k = decoder layer L + k - 1 (h')       logits_k = shared_head.head(shared_head.norm(h^k))
+  // over positions i < T - k. Returns logits [T - depth, V] of depth `depth` (1 .. D). hidden_first = true swaps
+  // the two halves of the concatenation (a wrong reading, for tests).
+  Mat mtp_logits(const std::vector<int32_t>& tok, int64_t depth, bool hidden_first = false) const {
+    const int64_t T = int64_t(tok.size()), d = R.d;
+    if (depth < 1 || depth > R.mtp) throw Fail("no MTP depth " + std::to_string(depth));
+    Mat h = hidden(tok);
+    Mat lg;
+    for (int64_t k = 1; k <= depth; ++k) {
+      const int64_t Tk = T - k, l = R.L + k - 1;
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      h.resize(size_t(Tk * d));  // causal: the first T - k positions do not depend on the later ones
+      Mat e = rmsnorm(embed(std::vector<int32_t>(tok.begin() + k, tok.end()), p + "embed_tokens.weight"), Tk,
+                      w(p + "enorm.weight", {d}), R.eps);
+      Mat hn = rmsnorm(h, Tk, w(p + "hnorm.weight", {d}), R.eps);
+      Mat cat(static_cast<size_t>(Tk * 2 * d));
+      for (int64_t s = 0; s < Tk; ++s)
+        for (int64_t i = 0; i < d; ++i) {
+          cat[size_t(s * 2 * d + (hidden_first ? d : 0) + i)] = e[size_t(s * d + i)];
+          cat[size_t(s * 2 * d + (hidden_first ? 0 : d) + i)] = hn[size_t(s * d + i)];
+        }
+      h = linear(cat, Tk, w(p + "eh_proj.weight", {d, 2 * d}));
+      layer(h, Tk, l, p);
+      if (k == depth)
+        lg = linear(rmsnorm(h, Tk, w(p + "shared_head.norm.weight", {d}), R.eps), Tk,
+                    w(p + "shared_head.head.weight", {R.V, d}));
+    }
+    return lg;
   }
 };
 

@@ -5,7 +5,8 @@
 // RoPE permutation by running HF's rotary convention on the exported weights; config.json re-imports to
 // the same spec; export from a real checkpoint; and the errors a user sees (missing tensor, wrong shape,
 // wrong dtype, unexpected tensor). Whether the export means the same model under each HF type's rules
-// is test_hf_semantics.cpp.
+// is test_hf_semantics.cpp. DeepSeek-V3's MTP layers: round trip (parameters and loss, bitwise), names and
+// values, and the import errors (a copy of the embedding / head that differs, a missing MTP tensor).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -616,5 +617,138 @@ TEST(HfExport, ImportErrorsNameTheTensor) {
   ModelSpec bad = s;
   bad.moe.n_shared_experts = 1;  // qwen3_moe (qk_norm) has no shared experts
   EXPECT_NE(error_of([&] { hf_weight_map(bad); }).find("no shared experts"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// ---- multi-token prediction (deepseek_v3, model.mtp_layers) -----------------------------------------
+TEST(HfExport, RoundTripBitwiseDeepSeekV3Mtp) {
+  roundtrip_model(cfg_of("configs/ds_tiny_mla.toml", {"--model.mtp_layers=2"}), "deepseek_v3", "ds_tiny_mla_mtp2");
+  roundtrip_model(cfg_of("configs/ds_tiny_mla.toml", {"--model.mtp_layers=1", "--model.tie_embeddings=true",
+                                                      "--model.mtp_loss_weight=0.1"}),
+                  "deepseek_v3", "ds_tiny_mla_mtp1_tied");
+}
+
+// Export -> import -> the same parameters and the same loss (main and MTP), bitwise. The bias is non-negative,
+// so it is exported unshifted and the imported model routes with the same bits.
+TEST(HfExport, MtpExportImportGivesTheSameLoss) {
+  const JobConfig c = cfg_of("configs/ds_tiny_mla.toml", {"--model.mtp_layers=2"});
+  const ModelSpec& s = c.model;
+  const int64_t T = 16;
+  Model a(s, 1, T), b(s, 1, T);
+  a.init_params(uint64_t(c.training.seed));
+  for (int i = 0; i < a.n_moe_layers(); ++i) {
+    float* e = a.expert_bias(i);
+    fill_normal(e, s.moe.n_routed_experts, rng_key(6, "b" + std::to_string(i)), 0, 0, 1);
+    for (int64_t j = 0; j < s.moe.n_routed_experts; ++j) e[j] = std::fabs(e[j]);
+  }
+  EXPECT_EQ(a.n_moe_layers(), int(s.n_moe_layers() + 2));  // the two MTP blocks are MoE
+  const std::string dir = fresh_dir("mtp_loss");
+  HfExportOptions opt;
+  opt.dtype = DType::F32;
+  write_hf_model(dir, s, model_tensor_refs(a), opt);
+  b.init_params(uint64_t(c.training.seed) + 1);
+  const ModelSpec back = load_hf_config(dir + "/config.json");
+  EXPECT_EQ(back, s);
+  load_hf_weights(back, open_hf_safetensors(dir), model_tensor_refs(b));
+  b.sync_weights();  // the packed expert weights (and bf16 copies) from the loaded masters
+  EXPECT_TRUE(bitwise_equal(a.param_data(), b.param_data(), a.num_params()));
+  std::vector<int32_t> seq(size_t(T + 1));
+  for (int64_t t = 0; t <= T; ++t) seq[size_t(t)] = int32_t((t * 53 + 7) % s.vocab_size);
+  const ForwardStats fa = a.forward(seq.data(), seq.data() + 1), fb = b.forward(seq.data(), seq.data() + 1);
+  EXPECT_EQ(fa.ce_sum, fb.ce_sum);
+  ASSERT_EQ(fa.mtp_ce.size(), 2u);
+  EXPECT_EQ(fa.mtp_ce, fb.mtp_ce);
+  EXPECT_GT(fa.mtp_ce[0], 0.0);
+  fs::remove_all(dir);
+}
+
+TEST(HfExport, MtpNamesShapesAndValues) {
+  const JobConfig c = cfg_of("configs/ds_tiny_mla.toml", {"--model.mtp_layers=1"});
+  const ModelSpec& s = c.model;
+  const int64_t d = s.d_model, L = s.n_layers;
+  HfWeightMap map = hf_weight_map(s);
+  std::vector<HfTensorRef> src;
+  auto bufs = random_tensors(map, src, 11);
+  const auto hf = export_hf_tensors(map, src);
+  const std::string h = "model.layers." + std::to_string(L) + ".";
+  EXPECT_FALSE(has(hf, "model.layers." + std::to_string(L + 1) + ".enorm.weight"));
+  // eh_proj [d, 2d]: row o, column j = the engine's [2d, d] element [j, o]; columns [0, d) take enorm(embedding).
+  const auto& eh = find(hf, h + "eh_proj.weight");
+  EXPECT_EQ(eh.shape, (Shape{d, 2 * d}));
+  const auto& me = find(src, "mtp.0.eh_proj");
+  for (int64_t o : {int64_t(0), int64_t(5), d - 1})
+    for (int64_t j : {int64_t(0), int64_t(3), d, 2 * d - 1}) EXPECT_EQ(eh.data[size_t(o * 2 * d + j)], me.data[j * d + o]);
+  for (const auto& [hn, mn] : std::vector<std::pair<std::string, std::string>>{
+           {"enorm.weight", "mtp.0.enorm"}, {"hnorm.weight", "mtp.0.hnorm"}, {"shared_head.norm.weight", "mtp.0.norm"},
+           {"embed_tokens.weight", "embed"}, {"shared_head.head.weight", "head"},
+           {"input_layernorm.weight", "mtp.0.block.attn_norm"}, {"self_attn.kv_a_layernorm.weight", "mtp.0.block.attn.kv_norm"}}) {
+    const auto& t = find(hf, h + hn);
+    const auto& m = find(src, mn);
+    ASSERT_EQ(int64_t(t.data.size()), shape_numel(m.shape)) << hn;
+    EXPECT_TRUE(bitwise_equal(t.data.data(), m.data, shape_numel(m.shape))) << hn;
+  }
+  // The block is the last layer's kind (MoE here), with the routing bias of MoE layer n_moe_layers() (the MTP
+  // blocks are numbered after the main model's), shifted like the others.
+  EXPECT_TRUE(has(hf, h + "mlp.experts.0.gate_proj.weight"));
+  EXPECT_TRUE(has(hf, h + "mlp.shared_experts.down_proj.weight"));
+  const auto& bias = find(hf, h + "mlp.gate.e_score_correction_bias");
+  const auto& mb = find(src, "expert_bias." + std::to_string(s.n_moe_layers()));
+  EXPECT_EQ(bias.data, v3_bias(mb.data, s.moe.n_routed_experts));
+  const auto j = nlohmann::json::parse(to_hf_config_json(s));
+  EXPECT_EQ(j["num_nextn_predict_layers"], 1);
+  EXPECT_EQ(j["num_hidden_layers"], L);
+  EXPECT_EQ(nlohmann::json::parse(to_hf_config_json(cfg_of("configs/ds_tiny_mla.toml").model))["num_nextn_predict_layers"], 0);
+}
+
+TEST(HfExport, MtpImportErrorsNameTheTensor) {
+  const JobConfig c = cfg_of("configs/ds_tiny_mla.toml", {"--model.mtp_layers=1"});
+  const ModelSpec& s = c.model;
+  const std::string h = "model.layers." + std::to_string(s.n_layers) + ".";
+  HfWeightMap map = hf_weight_map(s);
+  std::vector<HfTensorRef> src;
+  auto bufs = random_tensors(map, src, 12);
+  const auto good = export_hf_tensors(map, src);
+  const std::string dir = fresh_dir("mtp_errors");
+  fs::create_directories(dir);
+  const std::string path = dir + "/model.safetensors";
+  auto load = [&](const ModelSpec& spec, const std::vector<HfTensorData>& v, HfLoadOptions opt = {}) {
+    write_tensors(path, v);
+    HfWeightMap mm = hf_weight_map(spec);
+    std::vector<HfTensorRef> dst;
+    auto keep = random_tensors(mm, dst, 13);
+    return error_of([&] { load_hf_weights(spec, SafetensorsFile::open(path), dst, opt); });
+  };
+  EXPECT_EQ(load(s, good), "");
+  // Copies of the embedding and the head that differ from the main ones: refused by name.
+  std::vector<HfTensorData> v = good;
+  for (auto& t : v)
+    if (t.name == h + "embed_tokens.weight") t.data[7] += 1.0f;
+    else if (t.name == h + "shared_head.head.weight") t.data[0] = -t.data[0];
+  std::string m = load(s, v);
+  EXPECT_NE(m.find("2 problem(s)"), std::string::npos) << m;
+  EXPECT_NE(m.find("tensor '" + h + "embed_tokens.weight' differs from 'model.embed_tokens.weight' in 1 of"),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("(first at 7: "), std::string::npos) << m;
+  EXPECT_NE(m.find("tensor '" + h + "shared_head.head.weight' differs from 'lm_head.weight'"), std::string::npos) << m;
+  // A missing MTP tensor; the MTP layer of a checkpoint read into a spec without MTP: unexpected (tolerated
+  // with allow_unexpected, as for DeepSeek-V3's own checkpoint).
+  v.clear();
+  for (const auto& t : good)
+    if (t.name != h + "eh_proj.weight") v.push_back(t);
+  m = load(s, v);
+  EXPECT_NE(m.find("missing tensor '" + h + "eh_proj.weight' (expected [64, 128])"), std::string::npos) << m;
+  ModelSpec no_mtp = s;
+  no_mtp.mtp_layers = 0;
+  m = load(no_mtp, good);
+  EXPECT_NE(m.find("unexpected tensor '" + h + "eh_proj.weight' [64, 128]"), std::string::npos) << m;
+  HfLoadOptions lenient;
+  lenient.allow_unexpected = true;
+  EXPECT_EQ(load(no_mtp, good, lenient), "");
+  // A negative num_nextn_predict_layers.
+  auto j = nlohmann::json::parse(to_hf_config_json(s));
+  j["num_nextn_predict_layers"] = -1;
+  EXPECT_NE(error_of([&] { model_spec_from_hf_json(j.dump(), "cfg.json"); }).find("'num_nextn_predict_layers' must be >= 0"),
+            std::string::npos);
   fs::remove_all(dir);
 }

@@ -6,10 +6,12 @@
 // transformers would evaluate differently or not load (each either exported faithfully or refused with
 // the rule): deepseek_v2 with norm_topk_prob, V2/V3 without shared experts, MLA with norm_eps != 1e-6,
 // V1 top-1 with norm_topk_prob, dense MLA models; the V3 routing-bias shift; and that every field
-// written is one the type reads. Not the weight layout tests (test_hf_export.cpp).
+// written is one the type reads; DeepSeek-V3's MTP layers (the engine's depth losses against the reference's
+// MTP logits) and the refusal of MTP in the other types. Not the weight layout tests (test_hf_export.cpp).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -368,4 +370,94 @@ TEST(HfSemantics, EveryWrittenFieldIsOneTheTypeReads) {
   EXPECT_EQ(j3["model_type"], "deepseek");
   EXPECT_TRUE(j3["n_shared_experts"].is_null());
   expect_faithful(cfg_of(kMixtral, {"--model.norm_topk_prob=false"}), "deepseek");
+}
+
+// ---- multi-token prediction (DeepSeek-V3's MTP layers) ---------------------------------------------
+// The engine's depth losses (Model::forward's mtp_ce) against the reference's MTP logits (hf_reference.h
+// mtp_logits: DeepSeek-V3's rules on the exported layer L + k - 1, its own embed_tokens / shared_head copies).
+namespace {
+
+// Sum over positions of -log softmax(lg[i])[tgt[i]], in double.
+double ce_sum(const hfref::Mat& lg, int64_t n, int64_t V, const int32_t* tgt) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double* z = &lg[size_t(i * V)];
+    const double mx = *std::max_element(z, z + V);
+    double se = 0;
+    for (int64_t v = 0; v < V; ++v) se += std::exp(z[v] - mx);
+    s += mx + std::log(se) - z[tgt[i]];
+  }
+  return s;
+}
+
+void expect_mtp_faithful(const JobConfig& c) {
+  const int64_t D = c.model.mtp_layers, V = c.model.vocab_size, L = c.model.n_layers;
+  auto m = seeded(c);
+  HfExport x = export_of(c.model, *m);
+  EXPECT_EQ(x.config["model_type"], "deepseek_v3");
+  EXPECT_EQ(x.config["num_hidden_layers"], L);  // the MTP layers come after, as DeepSeek-V3's layer 61
+  EXPECT_EQ(x.config["num_nextn_predict_layers"], D);
+  // kT + 1 tokens: the engine reads tokens seq[0, kT) and targets seq[1, kT]; depth k predicts seq[i + k + 1] at
+  // positions i < kT - k from seq[i + k].
+  std::vector<int32_t> seq(size_t(kT + 1));
+  for (int64_t t = 0; t <= kT; ++t) seq[size_t(t)] = int32_t((t * 37 + 11) % V);
+  const ForwardStats st = m->forward(seq.data(), seq.data() + 1);
+  ASSERT_EQ(int64_t(st.mtp_ce.size()), D);
+
+  hfref::Config cf{x.config, "?", {}};
+  hfref::Rules r = hfref::parse_rules(cf);
+  EXPECT_EQ(r.mtp, D);
+  hfref::Forward f(r, x.tensors, false);
+  expect_same(diff(f.logits(tokens(V)), moetron_logits(*m)));  // the main model, as in the other cases
+  for (int64_t k = 1; k <= D; ++k) {
+    SCOPED_TRACE("MTP depth " + std::to_string(k));
+    const int64_t n = kT - k;
+    const hfref::Mat lg = f.mtp_logits(seq, k);  // kT + 1 - k positions; the last has no target in the engine
+    double maxabs = 0;
+    for (int64_t i = 0; i < n * V; ++i) maxabs = std::max(maxabs, std::fabs(lg[size_t(i)]));
+    EXPECT_GT(maxabs, 0.5);
+    const double want = ce_sum(lg, n, V, seq.data() + k + 1);
+    // CE_i = logsumexp(z) - z_y moves by at most 2 max_j |dz_j|; the logits are held to 1e-5 * max |z| (above),
+    // so the sum over n positions to 2 n 1e-5 max |z|.
+    const double tol = 2.0 * double(n) * 1e-5 * maxabs;
+    EXPECT_EQ(st.mtp_n[size_t(k - 1)], n);
+    EXPECT_NEAR(st.mtp_ce[size_t(k - 1)], want, tol) << "max |logit| " << maxabs;
+    std::printf("[ MTP      ] %s depth %lld: engine CE sum %.9g, HF reference %.9g, |diff| %.3g (bound %.3g)\n",
+                hf_model_type(c.model).c_str(), (long long)k, st.mtp_ce[size_t(k - 1)], want,
+                std::fabs(st.mtp_ce[size_t(k - 1)] - want), tol);
+    // The concatenation read the other way round ([hnorm(h) ; enorm(e)]) is a different model.
+    const double swapped = ce_sum(f.mtp_logits(seq, k, true), n, V, seq.data() + k + 1);
+    EXPECT_GT(std::fabs(swapped - want), 100 * tol) << "swapped " << swapped << ", right " << want;
+  }
+  std::vector<std::string> unused;
+  for (const auto& t : x.tensors)
+    if (!f.used.count(t.name)) unused.push_back(t.name);
+  EXPECT_TRUE(unused.empty()) << unused.size() << " HF tensors unused, first " << unused[0];
+  expect_fields_read(x.config, cf.read);
+}
+
+}  // namespace
+
+TEST(HfSemantics, DeepSeekV3MtpDepthsMatchTheEngine) {
+  expect_mtp_faithful(cfg_of(kMla, {"--model.mtp_layers=2"}));  // MoE blocks (the last layer is MoE)
+  // A dense MLA model: the MTP layer index L >= first_k_dense_replace = L, but n_routed_experts is null, so
+  // its block is dense in DeepSeek's MTP module as in the engine.
+  expect_mtp_faithful(cfg_of(kMla, {"--model.n_routed_experts=0", "--model.n_shared_experts=0",
+                                    "--model.first_k_dense=0", "--model.mtp_layers=1"}));
+}
+
+// Only deepseek_v3 has a field for the MTP layers: every other type the exporter writes refuses them by name.
+TEST(HfSemantics, MtpInOtherTypesIsRefused) {
+  for (const auto& [c, type] : std::vector<std::pair<JobConfig, std::string>>{
+           {cfg_of(kDs, {"--model.mtp_layers=1"}), "deepseek"},
+           {cfg_of(kMla, plus(kV2, {"--model.mtp_layers=1"})), "deepseek_v2"},
+           {cfg_of(kMixtral, {"--model.mtp_layers=1"}), "mixtral"},
+           {cfg_of(kQwen3, {"--model.mtp_layers=1"}), "qwen3_moe"}}) {
+    SCOPED_TRACE(type);
+    const std::string e = error_of([&] { hf_weight_map(c.model); });
+    EXPECT_NE(e.find("model.mtp_layers = 1 cannot be written as HF model_type " + type +
+                     ", which has no multi-token prediction field"),
+              std::string::npos)
+        << e;
+  }
 }

@@ -146,6 +146,42 @@ TEST(MemCheck, EstimateIsWithin25PercentOfTrackedAllocationsOnTinyConfigs) {
   }
 }
 
+// Multi-token prediction (model.mtp_layers = 1, 2) on ds_mini's shapes (d_model 512, 64 experts, vocab 8192; one
+// micro-batch of 2 x 256 tokens to keep the step short): the estimate counts the depths' blocks, their own buffers
+// (activations and workspace), their parameters and the embedding-gradient buffer. Same bars as above.
+TEST(MemCheck, MtpDepthsAreInTheEstimateOnDsMini) {
+  for (int depths : {1, 2}) {
+    for (const char* dt : {"fp32", "bf16"}) {
+      JobConfig c = tiny("ds_mini", {"--model.mtp_layers=" + std::to_string(depths), "--training.micro_batch_size=2",
+                                     "--training.global_batch_size=2", std::string("--training.compute_dtype=") + dt});
+      ComputeDtype cd;
+      try {
+        cd = resolve_compute_dtype(c.training.compute_dtype);
+      } catch (const Error&) {
+        continue;  // bf16 where the CPU has no native bf16
+      }
+      SCOPED_TRACE(std::string(dt) + ", mtp_layers = " + std::to_string(depths));
+      Measured m = measure(c);
+      ASSERT_GT(cat(m, MemCategory::Optimizer), 0) << "train() stopped before building the model: " << m.error;
+      EXPECT_EQ(m.error, "");
+      const MemoryEstimate e = estimate_memory(c, cd == ComputeDtype::FP32 ? 4 : 2, num_threads());
+      std::printf("ds_mini %s mtp_layers = %d: measured activations %lld, estimated %.0f (%+.4f%%); workspace %lld, "
+                  "%.0f; params %lld, %.0f; grads %lld, %.0f; total %lld, %.0f (%+.4f%%)\n",
+                  dt, depths, (long long)cat(m, MemCategory::Activations), e.activations,
+                  100 * (e.activations / double(cat(m, MemCategory::Activations)) - 1),
+                  (long long)cat(m, MemCategory::Workspace), e.workspace, (long long)cat(m, MemCategory::Params),
+                  e.params, (long long)cat(m, MemCategory::Grads), e.grads, (long long)m.total, e.total(),
+                  100 * (e.total() / double(m.total) - 1));
+      EXPECT_NEAR(double(m.total) / e.total(), 1.0, 0.05);
+      EXPECT_NEAR(double(cat(m, MemCategory::Params)) / e.params, 1.0, 0.05);
+      EXPECT_NEAR(double(cat(m, MemCategory::Grads)) / e.grads, 1.0, 0.05);
+      EXPECT_NEAR(double(cat(m, MemCategory::Optimizer)) / e.optimizer, 1.0, 0.05);
+      EXPECT_NEAR(double(cat(m, MemCategory::Activations)) / e.activations, 1.0, 0.05);
+      EXPECT_NEAR(double(cat(m, MemCategory::Workspace)) / e.workspace, 1.0, 0.05);
+    }
+  }
+}
+
 TEST(MemCheck, RejectsANeedAboveTheAvailableMemoryNamingBothNumbersAndTheKeys) {
   JobConfig c = tiny("ds_tiny");
   const MemoryEstimate e = estimate_memory(c, 2, 1);
