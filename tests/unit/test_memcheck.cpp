@@ -152,8 +152,11 @@ TEST(MemCheck, EstimateIsWithin25PercentOfTrackedAllocationsOnTinyConfigs) {
 TEST(MemCheck, MtpDepthsAreInTheEstimateOnDsMini) {
   for (int depths : {1, 2}) {
     for (const char* dt : {"fp32", "bf16"}) {
-      JobConfig c = tiny("ds_mini", {"--model.mtp_layers=" + std::to_string(depths), "--training.micro_batch_size=2",
-                                     "--training.global_batch_size=2", std::string("--training.compute_dtype=") + dt});
+      // ds_mini cut to 3 layers (the dense one and two MoE layers; the depths are blocks like the last, a MoE one):
+      // the MTP buffers are a larger share of the activations, and the four runs take seconds, not minutes.
+      JobConfig c = tiny("ds_mini", {"--model.n_layers=3", "--model.mtp_layers=" + std::to_string(depths),
+                                     "--training.micro_batch_size=2", "--training.global_batch_size=2",
+                                     std::string("--training.compute_dtype=") + dt});
       ComputeDtype cd;
       try {
         cd = resolve_compute_dtype(c.training.compute_dtype);
@@ -176,8 +179,10 @@ TEST(MemCheck, MtpDepthsAreInTheEstimateOnDsMini) {
       EXPECT_NEAR(double(cat(m, MemCategory::Params)) / e.params, 1.0, 0.05);
       EXPECT_NEAR(double(cat(m, MemCategory::Grads)) / e.grads, 1.0, 0.05);
       EXPECT_NEAR(double(cat(m, MemCategory::Optimizer)) / e.optimizer, 1.0, 0.05);
-      EXPECT_NEAR(double(cat(m, MemCategory::Activations)) / e.activations, 1.0, 0.05);
-      EXPECT_NEAR(double(cat(m, MemCategory::Workspace)) / e.workspace, 1.0, 0.05);
+      // The estimate prices what the engine allocates (measured: equal to the byte); 0.5 % is far below the depths'
+      // share of the activations (one depth of two MoE blocks' worth), so leaving them out fails.
+      EXPECT_NEAR(double(cat(m, MemCategory::Activations)) / e.activations, 1.0, 0.005);
+      EXPECT_NEAR(double(cat(m, MemCategory::Workspace)) / e.workspace, 1.0, 0.005);
     }
   }
 }
