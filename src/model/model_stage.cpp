@@ -320,6 +320,8 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
   o.attn16 = attn16;
   o.alloc_scratch();
+  o.Dm = Dm, o.mtp = mtp, o.mtp_home = const_cast<Impl*>(this);  // MTP: lane 0's per-slot buffers, its own scratch
+  o.mtp_scratch();
   o.baton = baton;
   o.exposure = exposure;
   o.wpool = wpool;
