@@ -178,6 +178,15 @@ void Model::Impl::mtp_backward(int slot, float* g) {
       }
     }
   }
+  // FSDP on a head stage without the embedding stage (PP): the depths' rows join the embedding copy's unit here, per
+  // micro-batch, before its reduce-scatter (with the embedding stage on this rank its backward folds them:
+  // embed_backward); the stages' shards are then exchanged after the step (exchange_tied_grads).
+  if (fs_on && !has_emb) {
+    fs_acquire(0, false, true);
+    model_detail::add_inplace(G(emb), tied_hg.data<float>(), Vl * d);
+    tied_hg.zero_();
+    fs_release(0);
+  }
 }
 
 }  // namespace moetron
