@@ -41,8 +41,8 @@ namespace {
 // The module a parameter belongs to, or false when it stays in high precision (embedding, norms, router, head).
 // The MTP blocks (mtp.<k>.block.*) are decoder layers like the main ones and get the same sites; the rest of an MTP
 // depth stays in high precision: its norms, and eh_proj (docs/fp8.md, "Multi-token prediction": the projection
-// that mixes the high-precision embedding rows into the depth's residual stream, kept in BF16 by DeepSeek-V3's
-// released FP8 checkpoint, whose loaders build it as a plain linear while the block's linears take the FP8 config).
+// that mixes the high-precision embedding rows into the depth's residual stream; inference engines load DeepSeek-V3's
+// FP8 checkpoint with eh_proj as a plain linear while the block's linears take the FP8 config).
 bool fp8_module_of(const std::string& name, Fp8Module* m) {
   auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
   const bool mtp_block = name.rfind("mtp.", 0) == 0 && has(".block.");
