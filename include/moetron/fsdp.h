@@ -109,7 +109,9 @@ class Fsdp {
   // Squared L2 norm of the gradient (collective): each rank's shard norm (grad_norm_sq), folded in rank
   // order over the shard group (double): one replica's shards, since replicas hold equal ones. Equals the
   // unsharded norm up to the order of the double additions.
-  double grad_norm_sq() const;
+  // skip_unit >= 0: without that unit's blocks (a copy counted where its original is: the pipeline's head-stage
+  // embedding copy under multi-token prediction).
+  double grad_norm_sq(int skip_unit = -1) const;
 
  private:
   const std::vector<ParamEntry>& params_;

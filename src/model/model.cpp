@@ -108,8 +108,10 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
     MT_CHECK(impl_->tp == 1, "Model", why, "tensor parallelism (parallelism.tp = ", impl_->tp, ") yet; use tp = 1");
     MT_CHECK(impl_->cp == 1, "Model", why, "context parallelism (parallelism.cp = ", impl_->cp, ") yet (a depth reads "
              "the tokens ahead of each position, which CP places on other ranks); use cp = 1");
-    MT_CHECK(!par.ep_overlap, "Model", why, "parallelism.ep_overlap = true yet (the lanes share the MTP buffers); "
-             "use false");
+    MT_CHECK(!par.ep_overlap || !spec_.tie_embeddings, "Model", why, "parallelism.ep_overlap = true and "
+             "model.tie_embeddings = true yet (on the head stage the two lanes would both add into the tied weight's "
+             "gradient at once: one lane's forward the head's, the other's backward the depths' embedding rows); use "
+             "tie_embeddings = false or ep_overlap = false");
   }
   impl_->fs_opts = par.fsdp;
   MT_CHECK(!par.ep_overlap || (par.fsdp == nullptr && ac.mode == AcMode::None), "Model",

@@ -39,9 +39,14 @@ const char* fp8_module_name(Fp8Module m) {
 namespace {
 
 // The module a parameter belongs to, or false when it stays in high precision (embedding, norms, router, head).
+// The MTP blocks (mtp.<k>.block.*) are decoder layers like the main ones and get the same sites; the rest of an MTP
+// depth stays in high precision: its norms, and eh_proj (docs/fp8.md, "Multi-token prediction": the projection
+// that mixes the high-precision embedding rows into the depth's residual stream; inference engines load DeepSeek-V3's
+// FP8 checkpoint with eh_proj as a plain linear while the block's linears take the FP8 config).
 bool fp8_module_of(const std::string& name, Fp8Module* m) {
   auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
-  if (name.rfind("layers.", 0) != 0 || has("norm")) return false;
+  const bool mtp_block = name.rfind("mtp.", 0) == 0 && has(".block.");
+  if ((name.rfind("layers.", 0) != 0 && !mtp_block) || has("norm")) return false;
   if (has(".attn.")) return *m = Fp8Module::Attention, true;
   if (has(".mlp.")) return *m = Fp8Module::DenseMlp, true;
   if (has(".moe.shared.")) return *m = Fp8Module::SharedExperts, true;
@@ -71,16 +76,13 @@ void Model::set_quantize(const QuantizeSpec& q) {
   MT_CHECK(impl_->tp == 1, "Model::set_quantize", "[quantize] recipe = ", to_string(q.recipe), " is not implemented with "
            "tensor parallelism (parallelism.tp = ", impl_->tp, ") yet: the FP8 scales of a weight sliced over TP ranks "
            "would differ per rank; use recipe = \"none\"");
-  MT_CHECK(spec_.mtp_layers == 0, "Model::set_quantize", "[quantize] recipe = ", to_string(q.recipe), " is not "
-           "implemented with multi-token prediction (model.mtp_layers = ", spec_.mtp_layers, ") yet: the MTP blocks' "
-           "linears have no FP8 sites; use recipe = \"none\" or mtp_layers = 0");
   auto st = std::make_shared<Fp8State>();
   st->q = q;
   for (const ParamEntry& e : model_param_layout(spec_)) {  // the whole model, global order
     Fp8Module m;
     if (!fp8_module_of(e.name, &m) || !q.has_module(fp8_module_name(m))) continue;
     Fp8Site s;
-    s.param = e.name, s.module = m;
+    s.param = e.name, s.module = m, s.mtp = e.name.rfind("mtp.", 0) == 0;
     s.hist.assign(3, Fp8AmaxHistory(q.amax_history_len));
     st->sites.push_back(std::move(s));
   }
@@ -130,9 +132,11 @@ std::vector<Model::Fp8Stat> Model::fp8_end_step(const Comm& world) {
       }
       if (st.q.delayed()) s.hist[size_t(op)].push(a);
       s.amax[op] = 0, s.smin[op] = 0, s.smax[op] = 0;
-      // per module: the max amax, the smallest and largest scale over its sites
-      auto it = std::find_if(out.begin(), out.end(), [&](const Fp8Stat& x) { return x.module == fp8_module_name(s.module); });
-      if (it == out.end()) out.push_back(Fp8Stat{fp8_module_name(s.module), {}, {}, {}}), it = out.end() - 1;
+      // per module: the max amax, the smallest and largest scale over its sites (the MTP blocks' apart, as
+      // "mtp.<module>": a depth's block sees other activations than the main layers)
+      const std::string mod = std::string(s.mtp ? "mtp." : "") + fp8_module_name(s.module);
+      auto it = std::find_if(out.begin(), out.end(), [&](const Fp8Stat& x) { return x.module == mod; });
+      if (it == out.end()) out.push_back(Fp8Stat{mod, {}, {}, {}}), it = out.end() - 1;
       it->amax[op] = std::max(it->amax[op], a);
       if (lo > 0 && (it->scale_min[op] == 0 || lo < it->scale_min[op])) it->scale_min[op] = lo;
       it->scale_max[op] = std::max(it->scale_max[op], hi);

@@ -62,6 +62,7 @@ enum Fp8Operand : int { kFp8X = 0, kFp8W = 1, kFp8G = 2 };
 struct Fp8Site {
   std::string param;
   Fp8Module module = Fp8Module::Attention;
+  bool mtp = false;                  // a linear of an MTP block (mtp.<k>.block.*): its statistics go to "mtp.<module>"
   std::vector<Fp8AmaxHistory> hist;  // [3] delayed scaling: the last amax_history_len step amaxes per operand
   float amax[3] = {0, 0, 0};         // this step: the max over every quantization of the operand
   float smin[3] = {0, 0, 0}, smax[3] = {0, 0, 0};  // this step: the smallest and largest scale used (0 = none)
@@ -566,8 +567,12 @@ struct Model::Impl {
     std::vector<int32_t> tok, tgt;
   };
   std::vector<std::vector<MtpBufs>> mtp_slot;  // [slot][depth], the head stage's
+  Impl* mtp_home = nullptr;  // the EP overlap's lane 1: the lane whose mtp_slot it uses (a slot's forward and backward
+                             // may run on different lanes)
+  MtpBufs& mtp_buf(int slot, int64_t k) { return (mtp_home ? mtp_home : this)->mtp_slot[size_t(slot)][size_t(k)]; }
   Tensor mtp_x, mtp_a, mtp_b, mtp_hfc, mtp_rstd;  // scratch: [N, d], [N, 2d], [N, d] fp32; the head's norm output
   void mtp_build();  // the buffers above (build, after build_slots)
+  void mtp_scratch();  // the scratch of the line above it (mtp_x .. mtp_rstd): one set per lane
   // After the main head: the depths' forward and their fused heads (with backward, each depth's dL/d(output) kept in
   // its hg); the per-depth cross-entropy sums into st.mtp_ce / mtp_n. targets: the whole micro-batch's.
   void mtp_forward(int slot, const float* h0, const int32_t* targets, bool backward, float ce_scale, ForwardStats& st);

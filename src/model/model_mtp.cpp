@@ -34,6 +34,13 @@ void Model::Impl::mtp_build() {
       b.cat = cbuf(N * 2 * d), b.hg = f32buf(N * d);
       b.tok.assign(size_t(N), 0), b.tgt.assign(size_t(N), -1);
     }
+  mtp_scratch();
+}
+
+// The lane's own scratch (the EP overlap's lane 1 gets its own in make_lane; it uses lane 0's per-slot buffers, as
+// it does the layers' saved activations: a slot's forward and backward may run on different lanes).
+void Model::Impl::mtp_scratch() {
+  if (Dm == 0 || !has_head) return;
   mtp_x = f32buf(N * d, MemCategory::Workspace), mtp_a = f32buf(N * 2 * d, MemCategory::Workspace);
   mtp_b = f32buf(N * d, MemCategory::Workspace);
   mtp_hfc = cbuf(N * d, MemCategory::Workspace), mtp_rstd = f32buf(N, MemCategory::Workspace);
@@ -84,7 +91,7 @@ void Model::Impl::mtp_forward(int slot, const float* h0, const int32_t* targets,
   for (int64_t k = 0; k < Dm; ++k) {
     const int64_t l = s.n_layers + k;
     MT_TRACE_MODULE("mtp", int(l));
-    MtpBufs& b = mtp_slot[size_t(slot)][size_t(k)];
+    MtpBufs& b = mtp_buf(slot, k);
     const MtpParams& mp = mtp[size_t(k)];
     std::memcpy(b.hin.data<float>(), hprev, size_t(N * d) * 4);
     // Depth k + 1 at position i: input t_{i+k+1} = targets[i + k], target t_{i+k+2} = targets[i + k + 1].
@@ -138,7 +145,7 @@ void Model::Impl::mtp_backward(int slot, float* g) {
   for (int64_t k = Dm - 1; k >= 0; --k) {
     const int64_t l = s.n_layers + k;
     MT_TRACE_MODULE("mtp", int(l));
-    MtpBufs& b = mtp_slot[size_t(slot)][size_t(k)];
+    MtpBufs& b = mtp_buf(slot, k);
     const MtpParams& mp = mtp[size_t(k)];
     float* gk = b.hg.data<float>();  // dL/dh^{k+1}: its head's, plus depth k + 2's through its hnorm
     backward_layer(l, gk);           // now dL/d(eh_proj output)
@@ -149,7 +156,7 @@ void Model::Impl::mtp_backward(int slot, float* g) {
       lin_dgrad(dcat, gk_c, mp.eh_proj, N, 2 * d, d);
       lin_wgrad(mp.eh_proj, b.cat.raw(), gk_c, N, 2 * d, d);
     }
-    float* dprev = k > 0 ? mtp_slot[size_t(slot)][size_t(k - 1)].hg.data<float>() : g;
+    float* dprev = k > 0 ? mtp_buf(slot, k - 1).hg.data<float>() : g;
     float* de = mtp_x.data<float>();
     {
       MT_TRACE("bwd.norm");
@@ -170,6 +177,15 @@ void Model::Impl::mtp_backward(int slot, float* g) {
         for (int64_t i = 0; i < d; ++i) dst[i] += src[i];
       }
     }
+  }
+  // FSDP on a head stage without the embedding stage (PP): the depths' rows join the embedding copy's unit here, per
+  // micro-batch, before its reduce-scatter (with the embedding stage on this rank its backward folds them:
+  // embed_backward); the stages' shards are then exchanged after the step (exchange_tied_grads).
+  if (fs_on && !has_emb) {
+    fs_acquire(0, false, true);
+    model_detail::add_inplace(G(emb), tied_hg.data<float>(), Vl * d);
+    tied_hg.zero_();
+    fs_release(0);
   }
 }
 

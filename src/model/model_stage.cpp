@@ -59,10 +59,6 @@ void Model::Impl::build_stages() {
   }
   whole = stages.size() == 1 && has_emb && has_head && int64_t(stages[0].part.layers.size()) == nL &&
           stages[0].part.slots == 1;
-  MT_CHECK(whole || !fs_opts || s.mtp_layers == 0, "Model(stages)",
-           "model.mtp_layers > 0 under FSDP (parallelism.zero = 3) needs the whole model in one stage with one micro-batch "
-           "in flight (the MTP depths' embedding gradient is folded into the embedding's unit at its backward); set "
-           "another parallelism.zero, or pp = 1 with pp_schedule = \"1f1b\"");
   MT_CHECK(whole || !fs_opts || !s.tie_embeddings, "Model(stages)",
            "tied embeddings under FSDP (parallelism.zero = 3) need the whole model in one stage with one micro-batch "
            "in flight: the tied weight's unit stays gathered from the embedding to the head (set "
@@ -320,6 +316,8 @@ std::unique_ptr<Model::Impl> Model::Impl::make_lane() const {
   o.emb = emb, o.head = head, o.final_norm = final_norm, o.rcfg = rcfg, o.f32 = f32, o.ws_bytes = ws_bytes;
   o.attn16 = attn16;
   o.alloc_scratch();
+  o.Dm = Dm, o.mtp = mtp, o.mtp_home = const_cast<Impl*>(this);  // MTP: lane 0's per-slot buffers, its own scratch
+  o.mtp_scratch();
   o.baton = baton;
   o.exposure = exposure;
   o.wpool = wpool;

@@ -125,8 +125,21 @@ void Fsdp::slice_flat(float* shard, const float* flat) const {
 // The shards partition the global gradient over the dense (shard) group: a dense element lives in one of its
 // ranks' shards, and under EP an expert element in one (ep, expert shard) rank's shard, so one sum over the shard
 // group counts each once. Under HSDP the other replicas hold the same shards and are not added.
-double Fsdp::grad_norm_sq() const {
-  double s = moetron::grad_norm_sq(g_.data<float>(), shard_numel_);
+double Fsdp::grad_norm_sq(int skip_unit) const {
+  double s = 0;
+  if (skip_unit < 0) {
+    s = moetron::grad_norm_sq(g_.data<float>(), shard_numel_);
+  } else {  // the shard without the unit's blocks: the norms of the pieces between them, in shard order
+    std::vector<std::pair<int64_t, int64_t>> cut;
+    for (const FsdpRun& r : units_[size_t(skip_unit)].runs) cut.push_back({r.shard_offset, r.shard_offset + r.chunk});
+    std::sort(cut.begin(), cut.end());
+    int64_t at = 0;
+    for (const auto& [lo, hi] : cut) {
+      if (lo > at) s += moetron::grad_norm_sq(g_.data<float>() + at, lo - at);
+      at = std::max(at, hi);
+    }
+    if (shard_numel_ > at) s += moetron::grad_norm_sq(g_.data<float>() + at, shard_numel_ - at);
+  }
   dense_.all_reduce(&s, 1);
   return s;
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "moetron/check.h"
+#include "moetron/fsdp.h"
 
 namespace moetron {
 
@@ -108,9 +109,39 @@ ForwardStats pipeline_forward_only(Model& m, const PipelinePlan& plan, const Com
   return total;
 }
 
+namespace {
+
+// FSDP (zero = 3) with MTP: the head stage folded its depths' embedding rows into its embedding copy's unit during the
+// backward (model_mtp.cpp), so each rank holds its block of that copy's gradient shard. The copy and the original are
+// one parameter each, sharded over the same group, so rank r of the first stage and rank r of the last hold the same
+// elements: the first adds the last's block after its own and sends the sum back; both copies update alike.
+void exchange_fsdp_copy(Model& m, const PipelinePlan& plan, const Comm& pp) {
+  if (plan.first_stage_rank == plan.last_stage_rank) return;  // the embedding's backward folded them (embed_backward)
+  if (plan.pp_rank != plan.first_stage_rank && plan.pp_rank != plan.last_stage_rank) return;
+  Fsdp& f = *m.fsdp();
+  const FsdpUnit& u = f.unit(0);
+  MT_CHECK(u.runs.size() == 1 && u.runs[0].params.size() == 1 && m.params()[size_t(u.runs[0].params[0])].name == "embed",
+           "exchange_tied_grads", "FSDP unit 0 of pipeline rank ", plan.pp_rank, " is not the embedding alone");
+  const int tag = pipeline::kPipelineTag + 2;
+  float* g = f.grads() + u.runs[0].shard_offset;
+  const int64_t n = u.runs[0].chunk, bytes = n * 4;
+  if (plan.pp_rank == plan.last_stage_rank) {
+    pp.send(g, bytes, plan.first_stage_rank, tag);
+    pp.recv(g, bytes, plan.first_stage_rank, tag);  // the sum: both copies update alike
+  } else {
+    std::vector<float> last(static_cast<size_t>(n));
+    pp.recv(last.data(), bytes, plan.last_stage_rank, tag);
+    for (int64_t i = 0; i < n; ++i) g[i] += last[size_t(i)];
+    pp.send(g, bytes, plan.last_stage_rank, tag);
+  }
+}
+
+}  // namespace
+
 void exchange_tied_grads(Model& m, const PipelinePlan& plan, const Comm& pp) {
   // Tied embeddings or MTP (its depths embed tokens on the head stage): the head stage's embedding gradient.
-  if ((!m.spec().tie_embeddings && m.spec().mtp_layers == 0) || m.fsdp()) return;
+  if (!m.spec().tie_embeddings && m.spec().mtp_layers == 0) return;
+  if (m.fsdp()) return exchange_fsdp_copy(m, plan, pp);  // tied under FSDP: one stage only (refused otherwise)
   if (plan.first_stage_rank == plan.last_stage_rank) {
     if (plan.pp_rank == plan.first_stage_rank) m.fold_tied_head_grad();
     return;

@@ -84,7 +84,8 @@ ForwardStats pipeline_forward_only(Model& m, const PipelinePlan& plan, const Com
 // then the head's, whatever the layout), and the head stage's rank receives the same sum so both copies of the
 // tied weight take the same update. The same for the MTP depths' embedding gradient (model.mtp_layers > 0: the
 // head stage holds a copy of the embedding). Collective between the two ranks (tag kPipelineTag + 2); a no-op when
-// the embeddings are not tied and there is no MTP.
+// the embeddings are not tied and there is no MTP. Under FSDP (zero = 3; MTP only, tied embeddings need one stage)
+// the two ranks exchange their blocks of the embedding's gradient shard (the head stage's copy is its own unit).
 void exchange_tied_grads(Model& m, const PipelinePlan& plan, const Comm& pp);
 
 }  // namespace moetron

@@ -174,7 +174,15 @@ void ParamState::reduce_grads() {
 
 double ParamState::grad_norm() {
   if (zero3_) {
-    double sq = fsdp_->grad_norm_sq();
+    int copy_unit = -1;  // the head stage's embedding copy (MTP under PP): counted on the first stage
+    const auto& ps = m_.params();
+    for (size_t i = 0; i < ps.size(); ++i)
+      if (own_.param_rank[size_t(gidx_[i])] != pp_rank_) {
+        copy_unit = fsdp_->unit_of(int(i));
+        MT_CHECK(fsdp_->unit(copy_unit).runs.size() == 1 && fsdp_->unit(copy_unit).runs[0].params.size() == 1, "train",
+                 "the pipeline copy of ", ps[i].name, " shares its FSDP unit with other parameters");
+      }
+    double sq = fsdp_->grad_norm_sq(copy_unit);
     if (c_.pp.size() > 1) {
       double tot = 0;
       c_.pp.all_reduce_ordered(&tot, &sq, 1, 1);

@@ -213,6 +213,14 @@ std::vector<Layout> layouts() {
   v.push_back({"pp2_zbv_mtp", 2, {"--model.mtp_layers=1", pp + "2", sch + "zbv", lay + "Et|t|t|L"}, Bar::Bitwise});
   v.push_back({"ep2_np2_mtp_fsdp", 2,
                {dp + "2", "--parallelism.ep=2", "--parallelism.zero=3", "--model.mtp_layers=1"}, Bar::Exact});
+  // FSDP with MTP under PP: the last stage's embedding copy is its own FSDP unit; the depths' rows join it per
+  // micro-batch before its reduce-scatter, and the two stages' shards are exchanged after the step (the DP bars).
+  // With the V-shape schedule the first and last stage share a rank and its embedding's backward folds them.
+  v.push_back({"pp2_dp2_fsdp_mtp", 4,
+               {pp + "2", dp + "2", "--parallelism.zero=3", "--model.mtp_layers=1", lay + "Ett|tmL"}, Bar::Exact});
+  v.push_back({"pp2_dp2_fsdp_zbv_mtp", 4,
+               {pp + "2", dp + "2", "--parallelism.zero=3", "--model.mtp_layers=1", sch + "zbv", lay + "Et|t|t|L"},
+               Bar::Exact});
   v.push_back({"pp2_aux_free", 2, {"--model.load_balance=aux_free", pp + "2", lay + "Et|ttL"}, Bar::Bitwise});
   v.push_back({"pp2_recompute_stage0", 2,
                {pp + "2", lay + "Ett|tL", "--activation_checkpoint.mode=full", "--activation_checkpoint.stage_ids=[0]"},
@@ -240,6 +248,14 @@ std::vector<Layout> layouts() {
   v.push_back({"pp2_fp8_mxfp8", 2, {pp + "2", lay + "Ett|tL", rec + "mxfp8", fmt}, Bar::Bitwise});
   v.push_back({"pp2_fp8_delayed", 2,
                {pp + "2", lay + "Ett|tL", rec + "tensorwise", "--quantize.scaling=delayed"}, Bar::Bitwise});
+  // FP8 with MTP: the MTP blocks' FP8 linears on the last stage, their delayed-scaling amaxes reduced over every rank
+  // with the others (the scales every rank uses are one process's), and the split backward's deferred FP8 weight
+  // gradients of the MTP block and eh_proj: bitwise one process.
+  v.push_back({"pp2_fp8_delayed_mtp", 2,
+               {"--model.mtp_layers=1", pp + "2", lay + "Ett|tmL", rec + "tensorwise", "--quantize.scaling=delayed"},
+               Bar::Bitwise});
+  v.push_back({"pp2_zbv_fp8_blockwise_mtp", 2,
+               {"--model.mtp_layers=1", pp + "2", sch + "zbv", lay + "Et|t|t|L", rec + "blockwise", fmt}, Bar::Bitwise});
   // HSDP (zero = 3 with dp_replicate > 1): parameters sharded over dp_shard and replicated over dp_replicate; a
   // unit's gradient reduce-scattered in its shard group, the step's shard then all-reduced over the replicas (a
   // different association of the same rank-order sums: the DP bars). Under EP the expert runs are sharded over
@@ -794,6 +810,74 @@ TEST(MpiLayoutOverlap, EpOverlapIsBitwiseThePlainInterleavedRun) {
       EXPECT_EQ(0, std::memcmp(ov.final_params.data(), plain.final_params.data(), plain.final_params.size() * 4));
       EXPECT_GT(ov.ep_bytes_inter_per_step + ov.ep_bytes_intra_per_step + plain.ep_bytes_intra_per_step, 0.0);
     }
+  }
+}
+
+// The overlap with multi-token prediction (model.mtp_layers): the MTP depths run on the head stage's lanes like its
+// layers (lane 1 has its own MTP scratch and uses lane 0's per-slot buffers: a slot's forward and backward may run
+// on different lanes), BITWISE the plain interleaved run: every step's loss, MTP loss, aux, gradient norm and
+// parameter hash, the final parameters. Two lane variants: the default (free order, iwcarry) and turns with b.
+TEST(MpiLayoutOverlap, EpOverlapWithMtpIsBitwiseThePlainRun) {
+  const int w = world().size();
+  if (w != 4) GTEST_SKIP() << "pp 2 x dp 2 with EP 2";
+  const std::vector<std::string> base = {
+      "--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.ep=2", "--parallelism.pp_schedule=interleaved_1f1b",
+      "--parallelism.pp_layout=Et|t|t|L", "--training.global_batch_size=" + std::to_string(4 * w),
+      "--parallelism.ep_dispatcher=alltoall", "--training.compute_dtype=fp32", "--model.mtp_layers=2"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const TrainResult plain = train(tiny(shared_dir("ovl_mtp_plain"), with({"--parallelism.ep_overlap=false"})),
+                                  recorded(&world()));
+  for (const std::vector<std::string>& lanes :
+       {std::vector<std::string>{}, std::vector<std::string>{"--parallelism.ep_baton=turn",
+                                                             "--parallelism.ep_pair_backward=b"}}) {
+    SCOPED_TRACE(lanes.empty() ? "default lanes" : "turn, b");
+    std::vector<std::string> a = {"--parallelism.ep_overlap=true"};
+    a.insert(a.end(), lanes.begin(), lanes.end());
+    const TrainResult ov = train(tiny(shared_dir("ovl_mtp_on" + std::to_string(lanes.size())), with(a)),
+                                 recorded(&world()));
+    ASSERT_EQ(ov.history.size(), plain.history.size());
+    for (size_t i = 0; i < plain.history.size(); ++i) {
+      const StepRecord &x = ov.history[i], &y = plain.history[i];
+      EXPECT_GT(y.mtp_loss, 0.0);
+      EXPECT_EQ(0, std::memcmp(&x.loss, &y.loss, sizeof(double))) << "step " << i + 1 << ": " << x.loss << " vs " << y.loss;
+      EXPECT_EQ(0, std::memcmp(&x.mtp_loss, &y.mtp_loss, sizeof(double))) << "step " << i + 1;
+      EXPECT_EQ(0, std::memcmp(&x.aux_loss, &y.aux_loss, sizeof(double))) << "step " << i + 1;
+      EXPECT_EQ(0, std::memcmp(&x.grad_norm, &y.grad_norm, sizeof(double))) << "step " << i + 1;
+      EXPECT_EQ(x.param_hash, y.param_hash) << "step " << i + 1;
+    }
+    ASSERT_EQ(ov.final_params.size(), plain.final_params.size());
+    EXPECT_EQ(0, std::memcmp(ov.final_params.data(), plain.final_params.data(), plain.final_params.size() * 4));
+  }
+}
+
+// FSDP with MTP under PP: the last stage's embedding copy (its own FSDP unit, its shards exchanged with the first
+// stage's after each step) is restored from the checkpoint like the original: 2 steps + resume + 2 equal 4 straight
+// (losses, MTP losses, parameter hashes). Control: the first run's step 3 differs from its step 2 (a real resume).
+TEST(MpiLayoutFsdp, PpMtpResumesBitwise) {
+  if (world().size() != 4) GTEST_SKIP() << "pp 2 x dp 2";
+  const std::vector<std::string> ov = {"--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.zero=3",
+                                       "--model.mtp_layers=1", "--parallelism.pp_layout=Ett|tmL",
+                                       "--checkpoint.enable=true", "--checkpoint.interval=2", "--training.steps=4"};
+  const TrainResult full = train(tiny(shared_dir("fsdp_pp_mtp_full"), ov), recorded(&world()));
+  const std::string d = shared_dir("fsdp_pp_mtp_cut");
+  train(tiny(d, ov), recorded(&world()));
+  if (world().rank() == 0) fs::remove_all(fs::path(d) / "checkpoint" / "step-4");
+  world().barrier();
+  const TrainResult res = train(tiny(d, ov), recorded(&world()));
+  EXPECT_EQ(res.start_step, 2);
+  ASSERT_EQ(res.history.size(), 2u);
+  EXPECT_NE(full.history[2].loss, full.history[1].loss);
+  for (size_t i = 0; i < 2; ++i) {
+    const StepRecord &a = res.history[i], &b = full.history[2 + i];
+    EXPECT_GT(b.mtp_loss, 0.0);
+    EXPECT_EQ(0, std::memcmp(&a.loss, &b.loss, sizeof(double))) << "step " << 3 + i;
+    EXPECT_EQ(0, std::memcmp(&a.mtp_loss, &b.mtp_loss, sizeof(double))) << "step " << 3 + i;
+    EXPECT_EQ(0, std::memcmp(&a.grad_norm, &b.grad_norm, sizeof(double))) << "step " << 3 + i;
+    EXPECT_EQ(a.param_hash, b.param_hash) << "step " << 3 + i;
   }
 }
 

@@ -19,9 +19,11 @@ struct Fp8Pass {
 // `cfg` (a path in the source tree, e.g. configs/ds_tiny.toml) at B = 2, T = 32, seed 7, fixed tokens; `twin` runs
 // the FP8 GEMMs' float64 twins; `reps` passes on the same model (a later pass reads what an earlier one cached),
 // the last one's loss and gradients returned.
+// `extra`: more config overrides (e.g. --model.mtp_layers=1).
 inline Fp8Pass fp8_pass(const QuantizeSpec& q, const std::string& cfg, const ActivationCheckpointSpec& ac = {},
-                        bool twin = false, int reps = 1) {
-  const JobConfig c = load_config(repo_path(cfg), {"--training.compute_dtype=fp32"});
+                        bool twin = false, int reps = 1, std::vector<std::string> extra = {}) {
+  extra.insert(extra.begin(), "--training.compute_dtype=fp32");
+  const JobConfig c = load_config(repo_path(cfg), extra);
   const int64_t B = 2, T = 32, V = c.model.vocab_size;
   Model m(c.model, B, T, ac, {}, ComputeDtype::FP32);
   m.init_params(7);
