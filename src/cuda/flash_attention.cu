@@ -1,4 +1,4 @@
-// attention.cu: causal flash-style attention on the GPU (cuda/attention.h), forward and backward, the device twin
+// flash_attention.cu: causal flash-style attention on the GPU (cuda/attention.h), forward and backward, the device twin
 // of attention.h's Causal fp32 path. Correct-first: fp32 SIMT tiles in shared memory (32 queries x 32 keys; the
 // dk/dv kernel takes 16 queries at a time), online softmax in the forward, P recomputed from lse in the backward.
 // Shared-memory rows read across a warp's lanes are padded by one float (no bank conflicts). Not tensor cores

@@ -1,4 +1,4 @@
-// permute.cu: MoE dispatch on the GPU (cuda/moe.h), the device twin of permute.h with capacity factor 0: the
+// moe_dispatch.cu: MoE dispatch on the GPU (cuda/moe.h), the device twin of permute.h with capacity factor 0: the
 // expert-major, stable plan (counts, offsets, row_of, token_of, slot_of) computed entirely on the device, and the
 // gather / weighted scatter kernels with their backwards. The plan runs in three launches over chunks of 256
 // (token, slot) assignments: per-chunk expert histograms, one scan (per expert over the chunks in order, then

@@ -1,4 +1,4 @@
-// fp8.cu: tensorwise current-scaled E4M3 quantization on the GPU and the cuBLASLt FP8 GEMM (cuda/fp8.h). The
+// fp8_cublaslt.cu: tensorwise current-scaled E4M3 quantization on the GPU and the cuBLASLt FP8 GEMM (cuda/fp8.h). The
 // amax is an integer atomicMax over the bit patterns of |x| (non-negative floats order like their bits: exact and
 // independent of the order); the scale follows on the device; the codec repeats dtype.cpp's steps (frexp, scale
 // to M mantissa bits, round to nearest even, saturate) in fp32, where every step is exact, so it is bitwise the

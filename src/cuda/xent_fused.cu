@@ -1,4 +1,4 @@
-// loss.cu: the fused linear cross-entropy on the GPU (cuda/loss.h), the device twin of loss.h's linear_xent:
+// xent_fused.cu: the fused linear cross-entropy on the GPU (cuda/loss.h), the device twin of loss.h's linear_xent:
 // chunked logits GEMM through cuBLAS, one row kernel per chunk (softmax, row loss, dlogits in place or as bf16),
 // the two backward GEMMs through cuBLAS, and a fixed-order sum of the fp64 row losses. Not vocabulary-sharded.
 #include <type_traits>

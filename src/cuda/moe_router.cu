@@ -1,4 +1,4 @@
-// router.cu: the MoE router on the GPU (cuda/moe.h), the device twin of router.h's forward selection, weights,
+// moe_router.cu: the MoE router on the GPU (cuda/moe.h), the device twin of router.h's forward selection, weights,
 // counts, backward of the weights, and the aux-loss-free bias update. One warp per token; a token's scores and
 // selection scores live in shared memory; top-k and the group choice are k (topk_group) rounds of a warp argmax
 // under router.h's order (larger value first, equal values to the lower index), so given the same scores the
