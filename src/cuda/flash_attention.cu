@@ -1,8 +1,9 @@
-// flash_attention.cu: causal flash-style attention on the GPU (cuda/attention.h), forward and backward, the device twin
-// of attention.h's Causal fp32 path. Correct-first: fp32 SIMT tiles in shared memory (32 queries x 32 keys; the
+// flash_attention.cu: causal flash-style attention on the GPU (cuda/attention.h), forward and backward, the device
+// twin of attention.h's Causal fp32 path. Correct-first: fp32 SIMT tiles in shared memory (32 queries x 32 keys; the
 // dk/dv kernel takes 16 queries at a time), online softmax in the forward, P recomputed from lse in the backward.
-// Shared-memory rows read across a warp's lanes are padded by one float (no bank conflicts). Not tensor cores
-// (WMMA) yet, not key blocks (Full mask), not a shared k/v head (head_k / head_v = 0).
+// Shared-memory rows read across a warp's lanes are padded by one float (no bank conflicts). The entry points
+// hand DeviceAttnDims::bf16 to the tensor-core kernels (flash_attention_wmma.cu); D_t is computed here for both.
+// Not key blocks (Full mask), not a shared k/v head (head_k / head_v = 0).
 #include "cuda_common.cuh"
 #include "moetron/cuda/attention.h"
 
@@ -271,19 +272,31 @@ void check_dims(const DeviceAttnDims& d, const char* op) {
   MT_CUDA_ARG(d.ldq >= 1 && d.ldk >= 1 && d.ldv >= 1 && d.ldo >= 1, op, "needs positive token strides");
 }
 
-// Opts the kernel in to `bytes` of dynamic shared memory, refusing what the device cannot give.
-void smem_optin(const void* kernel, size_t bytes, const char* op) {
+}  // namespace
+
+void detail::smem_optin(const void* kernel, size_t bytes, const char* op) {
   int dev = 0, optin = 0;
   MT_CUDA_CHECK(cudaGetDevice(&dev));
   MT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  MT_CUDA_ARG(bytes <= size_t(optin), op, "head dimensions need more shared memory per block than this device has");
+  MT_CUDA_ARG(bytes <= size_t(optin), op, "needs more shared memory per block than this device has (head dims?)");
   MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-}  // namespace
+// The tensor-core variant (flash_attention_wmma.cu).
+namespace attn_wmma {
+size_t fwd_bytes(const DeviceAttnDims& d);
+size_t bwd_bytes(const DeviceAttnDims& d);
+void forward(float* out, float* lse, const float* q, const float* k, const float* v, const DeviceAttnDims& d,
+             cudaStream_t st);
+void backward(float* dq, float* dk, float* dv, const float* dout, const float* lse, const float* D, const float* q,
+              const float* k, const float* v, const DeviceAttnDims& d, cudaStream_t st);
+}  // namespace attn_wmma
 
-size_t attention_forward_smem_bytes(const DeviceAttnDims& d) { return fwd_bytes(d); }
+size_t attention_forward_smem_bytes(const DeviceAttnDims& d) {
+  return d.bf16 ? attn_wmma::fwd_bytes(d) : fwd_bytes(d);
+}
 size_t attention_backward_smem_bytes(const DeviceAttnDims& d) {
+  if (d.bf16) return attn_wmma::bwd_bytes(d);
   return dkv_bytes(d) > dq_bytes(d) ? dkv_bytes(d) : dq_bytes(d);
 }
 size_t attention_backward_workspace_bytes(const DeviceAttnDims& d) {
@@ -294,8 +307,9 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
                        void* stream) {
   check_dims(d, "cuda.attention_forward");
   if (d.T == 0) return;
+  if (d.bf16) return attn_wmma::forward(out, lse, q, k, v, d, static_cast<cudaStream_t>(stream));
   const size_t bytes = fwd_bytes(d);
-  smem_optin(reinterpret_cast<const void*>(&attn_fwd_kernel), bytes, "cuda.attention_forward");
+  detail::smem_optin(reinterpret_cast<const void*>(&attn_fwd_kernel), bytes, "cuda.attention_forward");
   const dim3 grid(unsigned((d.T + FQ - 1) / FQ), unsigned(d.Hq), unsigned(d.B));
   attn_fwd_kernel<<<grid, kThr, bytes, static_cast<cudaStream_t>(stream)>>>(out, lse, q, k, v, d);
   MT_CUDA_LAUNCHED("attn_fwd_kernel");
@@ -313,9 +327,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   const int64_t rows = d.B * d.T * d.Hq;
   attn_dsum_kernel<<<unsigned((rows * 32 + kThr - 1) / kThr), kThr, 0, st>>>(D, dout, out, d);
   MT_CUDA_LAUNCHED("attn_dsum_kernel");
+  if (d.bf16) return attn_wmma::backward(dq, dk, dv, dout, lse, D, q, k, v, d, st);
   const size_t b1 = dkv_bytes(d), b2 = dq_bytes(d);
-  smem_optin(reinterpret_cast<const void*>(&attn_dkv_kernel), b1, op);
-  smem_optin(reinterpret_cast<const void*>(&attn_dq_kernel), b2, op);
+  detail::smem_optin(reinterpret_cast<const void*>(&attn_dkv_kernel), b1, op);
+  detail::smem_optin(reinterpret_cast<const void*>(&attn_dq_kernel), b2, op);
   attn_dkv_kernel<<<dim3(unsigned((d.T + BKk - 1) / BKk), unsigned(d.Hkv), unsigned(d.B)), kThr, b1, st>>>(
       dk, dv, dout, lse, D, q, k, v, d);
   MT_CUDA_LAUNCHED("attn_dkv_kernel");

@@ -1,5 +1,5 @@
 // cuda/attention.h: the CUDA backend's causal flash-style attention, forward and backward, the device twin of
-// attention.h (mask Causal, Tk = T, fp32 operands and products): MHA, GQA/MQA (q head h reads kv head
+// attention.h (mask Causal, Tk = T; fp32 or bf16 products): MHA, GQA/MQA (q head h reads kv head
 // h / (Hq / Hkv)) and MLA-shaped heads (Dqk != Dv, e.g. 192 / 128), on strided views with attention.h's layout:
 //   q  [(b*T + t)*ldq + h*head_q + d] (h < Hq, d < Dqk), k like q with ldk/head_k (h < Hkv), v with ldv/head_v
 //   (d < Dv), out with ldo/head_o (h < Hq, d < Dv); lse [B, Hq, T].
@@ -7,8 +7,9 @@
 // Backward (FlashAttention-2's): D_t = rowsum(dout * out), then one kernel per key tile and kv head for dk, dv
 // (looping over the group's q heads and the query tiles in order) and one per query tile and q head for dq: every
 // gradient element is written by one block in a fixed order, no atomics: deterministic.
-// Correct-first SIMT fp32 tiles (no tensor cores yet). Dqk, Dv <= 256. Not: head_k / head_v = 0 (a shared head:
-// expand it first), key blocks (Full mask, cp_attention.h), dropout, bf16 operands. C++17-clean.
+// Two variants, same tiling and order: fp32 SIMT tiles (default: fp32 products, attention.h's AttnPrec::F32) and
+// bf16 tensor-core tiles (bf16 = true, WMMA). Correct-first, not tuned. Dqk, Dv <= 256. Not: head_k / head_v = 0
+// (a shared head: expand it first), key blocks (Full mask, cp_attention.h), dropout. C++17-clean.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -20,6 +21,9 @@ struct DeviceAttnDims {
   int64_t ldq = 0, ldk = 0, ldv = 0, ldo = 0;
   int64_t head_q = 0, head_k = 0, head_v = 0, head_o = 0;
   float scale = 1.0f;
+  // true: every product on tensor cores (WMMA bf16 x bf16 -> fp32) with its operands rounded to bf16 (q, k, v, dO,
+  // P, dS: attention.h's AttnPrec::BF16 semantics); softmax, lse, D_t, accumulators fp32. Needs sm_80+.
+  bool bf16 = false;
 };
 inline constexpr int64_t kDeviceAttnMaxHeadDim = 256;
 

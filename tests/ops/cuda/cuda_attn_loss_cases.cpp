@@ -6,6 +6,10 @@
 //     shapes here, held to 2e-5; lse (values ~ log T, one logf): 1e-5.
 //   attention backward: P recomputed from lse (error ~1e-6 relative), dP - D_t cancels (D_t is P's average of dP),
 //     and dk/dv sum over G heads x T queries: ~1e-5, held to 1e-4.
+//   attention on tensor cores (bf16 = true), against the fp64 twin on the same bf16-rounded q, k, v, dout: their
+//     products are exact in fp32; P (forward) and P, dS (backward) are rounded to bf16 for the next product
+//     (2^-9 relative per element, ~1.1e-3 RMS): out and the gradients held to 1e-2 (the bf16 band), lse (no bf16
+//     rounding after the exact products) to 1e-5.
 //   loss, fp32: logits GEMM (pedantic fp32, K = C), fp64 row sums: loss and row losses ~1e-6, held to 1e-5;
 //     dh, dW: two chained fp32 GEMMs (K = V, K = N): ~ (sqrt(V) + sqrt(C)) 2^-24 ~ 3e-6, held to 2e-5.
 //   loss, bf16 (against the fp64 twin on the same bf16 h, W): logits exact products with fp32 accumulation
@@ -51,10 +55,10 @@ std::vector<T> heads(const std::vector<double>& buf, int64_t rows, int64_t H, in
 
 struct AttnCase : OpCase {
   int64_t B, T, Hq, Hkv, Dqk, Dv, pad;
-  bool big, time_bwd;
+  bool bf, big, time_bwd;
   AttnCase(const char* nm, int64_t b, int64_t t, int64_t hq, int64_t hkv, int64_t dqk, int64_t dv, int64_t p,
-           bool bg = false, bool tb = false)
-      : B(b), T(t), Hq(hq), Hkv(hkv), Dqk(dqk), Dv(dv), pad(p), big(bg), time_bwd(tb) {
+           bool bf16 = false, bool bg = false, bool tb = false)
+      : B(b), T(t), Hq(hq), Hkv(hkv), Dqk(dqk), Dv(dv), pad(p), bf(bf16), big(bg), time_bwd(tb) {
     name = nm;
     device = "cuda";
     flops = tb ? attention_backward_flops(hd()) : attention_forward_flops(hd());
@@ -65,6 +69,7 @@ struct AttnCase : OpCase {
     d.ldq = Hq * Dqk + pad, d.ldk = Hkv * Dqk + pad, d.ldv = Hkv * Dv + pad, d.ldo = Hq * Dv + pad;
     d.head_q = Dqk, d.head_k = Dqk, d.head_v = Dv, d.head_o = Dv;
     d.scale = float(1.0 / std::sqrt(double(Dqk)));
+    d.bf16 = bf;
     return d;
   }
   AttnDims hd() const {
@@ -82,6 +87,9 @@ struct AttnCase : OpCase {
     const auto d = dd();
     const AttnDims a = hd();
     auto q = rnd(nq(), name + "q"), k = rnd(nk(), name + "k"), v = rnd(nv(), name + "v"), g = rnd(no(), name + "g");
+    if (bf)  // the operands the tensor cores see: the twin runs on the same bf16 values
+      for (auto* x : {&q, &k, &v, &g}) *x = bf_f32(to_bf(*x));
+    const double to = bf ? 1e-2 : 2e-5, tg = bf ? 1e-2 : 1e-4;
     auto dq_ = up(q), dk_ = up(k), dv_ = up(v), dg = up(g);
     auto out = poisoned<float>(no()), lse = poisoned<float>(B * Hq * T);
     cuda::attention_forward(out.as<float>(), lse.as<float>(), dq_.as<float>(), dk_.as<float>(), dv_.as<float>(), d,
@@ -92,7 +100,7 @@ struct AttnCase : OpCase {
     const int64_t rows = B * T;
     auto o_got = down<float>(out, no());
     r.compare_rel("out vs fp64 twin", heads<float>(o_got, rows, Hq, Dv, d.ldo, Dv).data(),
-                  heads<double>(outr, rows, Hq, Dv, d.ldo, Dv).data(), rows * Hq * Dv, 2e-5);
+                  heads<double>(outr, rows, Hq, Dv, d.ldo, Dv).data(), rows * Hq * Dv, to);
     r.compare_rel("lse vs fp64 twin", down<float>(lse, B * Hq * T).data(), lser.data(), B * Hq * T, 1e-5);
     cuda::DeviceBuffer ws(cuda::attention_backward_workspace_bytes(d), MemCategory::Workspace);
     auto dq = poisoned<float>(nq()), dk = poisoned<float>(nk()), dv = poisoned<float>(nv());
@@ -102,14 +110,15 @@ struct AttnCase : OpCase {
     attention_backward_ref<double>(dqr.data(), dkr.data(), dvr.data(), gd.data(), outr.data(), qd.data(), kd.data(),
                                    vd.data(), a);
     r.compare_rel("dq vs fp64 twin", heads<float>(down<float>(dq, nq()), rows, Hq, Dqk, d.ldq, Dqk).data(),
-                  heads<double>(dqr, rows, Hq, Dqk, d.ldq, Dqk).data(), rows * Hq * Dqk, 1e-4);
+                  heads<double>(dqr, rows, Hq, Dqk, d.ldq, Dqk).data(), rows * Hq * Dqk, tg);
     r.compare_rel("dk vs fp64 twin", heads<float>(down<float>(dk, nk()), rows, Hkv, Dqk, d.ldk, Dqk).data(),
-                  heads<double>(dkr, rows, Hkv, Dqk, d.ldk, Dqk).data(), rows * Hkv * Dqk, 1e-4);
+                  heads<double>(dkr, rows, Hkv, Dqk, d.ldk, Dqk).data(), rows * Hkv * Dqk, tg);
     r.compare_rel("dv vs fp64 twin", heads<float>(down<float>(dv, nv()), rows, Hkv, Dv, d.ldv, Dv).data(),
-                  heads<double>(dvr, rows, Hkv, Dv, d.ldv, Dv).data(), rows * Hkv * Dv, 1e-4);
+                  heads<double>(dvr, rows, Hkv, Dv, d.ldv, Dv).data(), rows * Hkv * Dv, tg);
   }
   void grad(Report& r) override {
     if (big) return r.check(true, "large shape: perf only");
+    if (bf) return r.check(true, "directional derivative: on the fp32 cases (bf16 inputs cannot take a 1e-2 step)");
     const auto d = dd();
     const int64_t rows = B * T;
     auto q = rnd(nq(), name + "gq"), k = rnd(nk(), name + "gk"), v = rnd(nv(), name + "gv"), g = rnd(no(), name + "gg");
@@ -285,8 +294,15 @@ MT_REGISTER_OP_CASES([] {
   v.push_back(std::make_unique<AttnCase>("attention/cuda_gqa_strided", 1, 130, 8, 2, 128, 128, 24));
   v.push_back(std::make_unique<AttnCase>("attention/cuda_mla_192_128", 1, 100, 4, 4, 192, 128, 0));
   v.push_back(std::make_unique<AttnCase>("attention/cuda_mqa_odd_dims", 2, 33, 3, 1, 40, 24, 5));
-  v.push_back(std::make_unique<AttnCase>("attention/cuda_fwd_mla_4k", 1, 4096, 16, 16, 192, 128, 0, true, false));
-  v.push_back(std::make_unique<AttnCase>("attention/cuda_bwd_mla_4k", 1, 4096, 16, 16, 192, 128, 0, true, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_bf16_mha", 2, 77, 4, 4, 64, 64, 0, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_bf16_gqa_strided", 1, 130, 8, 2, 128, 128, 24, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_bf16_mla_192_128", 1, 100, 4, 4, 192, 128, 0, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_bf16_mqa_odd_dims", 2, 33, 3, 1, 40, 24, 5, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_fwd_mla_4k", 1, 4096, 16, 16, 192, 128, 0, false, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_bwd_mla_4k", 1, 4096, 16, 16, 192, 128, 0, false, true, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_bf16_fwd_mla_4k", 1, 4096, 16, 16, 192, 128, 0, true, true));
+  v.push_back(std::make_unique<AttnCase>("attention/cuda_bf16_bwd_mla_4k", 1, 4096, 16, 16, 192, 128, 0, true, true,
+                                         true));
   v.push_back(std::make_unique<XentCase>("loss/cuda_xent_f32", 200, 96, 1000, 64, false));
   v.push_back(std::make_unique<XentCase>("loss/cuda_xent_bf16", 200, 96, 1000, 64, true));
   v.push_back(std::make_unique<XentCase>("loss/cuda_xent_bf16_default_chunk", 37, 40, 333, 0, true));
