@@ -158,7 +158,7 @@ size_t moe_plan_workspace_bytes(int64_t N, int k, int E) {
 void moe_plan(int32_t* counts, int32_t* offsets, int32_t* row_of, int32_t* token_of, int32_t* slot_of,
               const int32_t* topk_idx, int64_t N, int k, int E, void* ws, void* stream) {
   check_rows("cuda.moe_plan", N, k, 1);
-  MT_CUDA_ARG(E >= 1 && E <= 12 * 1024, "cuda.moe_plan", "needs 1 <= E <= 12288 (shared-memory histogram)");
+  MT_CUDA_ARG(E >= 1 && E <= 8192, "cuda.moe_plan", "needs 1 <= E <= 8192 (shared-memory histogram and scan)");
   MT_CUDA_ARG(ws != nullptr, "cuda.moe_plan", "needs a workspace of moe_plan_workspace_bytes(N, k, E)");
   auto st = static_cast<cudaStream_t>(stream);
   const int64_t total = N * k, nc = nchunks(N, k);

@@ -156,9 +156,9 @@ struct AttnCase : OpCase {
     static std::unique_ptr<cuda::DeviceBuffer> q, k, v, o, l, dq, dk, dv, ws;
     const auto d = dd();
     if (!q || q->bytes() < size_t(nq() * 4) || o->bytes() < size_t(no() * 4)) {
-      q = std::make_unique<cuda::DeviceBuffer>(up(rnd(nq(), "pq")));
-      k = std::make_unique<cuda::DeviceBuffer>(up(rnd(nk(), "pk")));
-      v = std::make_unique<cuda::DeviceBuffer>(up(rnd(nv(), "pv")));
+      q = std::make_unique<cuda::DeviceBuffer>(up(cheap(nq())));
+      k = std::make_unique<cuda::DeviceBuffer>(up(cheap(nk())));
+      v = std::make_unique<cuda::DeviceBuffer>(up(cheap(nv())));
       o = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(no()));
       l = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(B * Hq * T));
       dq = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(nq()));
@@ -275,12 +275,13 @@ struct XentCase : OpCase {
     static const XentCase* owner = nullptr;
     if (owner != this) {
       owner = this;
-      h = std::make_unique<cuda::DeviceBuffer>(bf ? up(to_bf(rnd(N * C, "ph"))) : up(rnd(N * C, "ph")));
-      W = std::make_unique<cuda::DeviceBuffer>(bf ? up(to_bf(rnd(V * C, "pW", 0.02f))) : up(rnd(V * C, "pW", 0.02f)));
+      h = std::make_unique<cuda::DeviceBuffer>(bf ? up(to_bf(cheap(N * C))) : up(cheap(N * C)));
+      W = std::make_unique<cuda::DeviceBuffer>(bf ? up(to_bf(cheap(V * C, 0.02f))) : up(cheap(V * C, 0.02f)));
       t = std::make_unique<cuda::DeviceBuffer>(up(targets("pt")));
       loss = std::make_unique<cuda::DeviceBuffer>(poisoned<double>(1));
       dh = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(N * C));
-      dW = std::make_unique<cuda::DeviceBuffer>(up(std::vector<float>(size_t(V * C), 0.0f)));
+      dW = std::make_unique<cuda::DeviceBuffer>(size_t(V * C) * 4, MemCategory::Workspace);
+      dW->zero();
       ws = std::make_unique<cuda::DeviceBuffer>(cuda::linear_xent_workspace_bytes(N, V, chunk), MemCategory::Workspace);
     }
     call(*loss, nullptr, dh.get(), dW.get(), *h, *W, *t, *ws);

@@ -102,7 +102,7 @@ struct Fp8QuantCase : OpCase {
     static int64_t size = 0;
     if (size != R * C) {
       size = R * C;
-      x = std::make_unique<cuda::DeviceBuffer>(up(rnd(size, "px")));
+      x = std::make_unique<cuda::DeviceBuffer>(up(cheap(size)));
       q = std::make_unique<cuda::DeviceBuffer>(poisoned<uint8_t>(size));
       sc = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(1));
       ws = std::make_unique<cuda::DeviceBuffer>(cuda::fp8_quantize_workspace_bytes(), MemCategory::Workspace);
@@ -194,8 +194,8 @@ struct Fp8GemmCase : OpCase {
     static std::unique_ptr<cuda::DeviceBuffer> c, ws;
     if (!cuda::fp8_gemm_available()) return;
     if (!a) {
-      a = std::make_unique<Q>(quant(rnd(M * K, "pA")));
-      b = std::make_unique<Q>(quant(rnd(N * K, "pB")));
+      a = std::make_unique<Q>(quant(cheap(M * K)));
+      b = std::make_unique<Q>(quant(cheap(N * K)));
       c = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(M * N));
       ws = std::make_unique<cuda::DeviceBuffer>(cuda::fp8_gemm_workspace_bytes(), MemCategory::Workspace);
     }

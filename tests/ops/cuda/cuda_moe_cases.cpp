@@ -173,7 +173,7 @@ struct RouterCase : OpCase {
   void perf() override {
     static std::unique_ptr<cuda::DeviceBuffer> l, idx, w, cnt, sc;
     if (!l || l->bytes() < size_t(N * dc.E * 4)) {
-      l = std::make_unique<cuda::DeviceBuffer>(up(rnd(N * dc.E, "pl")));
+      l = std::make_unique<cuda::DeviceBuffer>(up(cheap(N * dc.E, 2.0f)));
       idx = std::make_unique<cuda::DeviceBuffer>(poisoned<int32_t>(N * dc.topk));
       w = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(N * dc.topk));
       cnt = std::make_unique<cuda::DeviceBuffer>(poisoned<int32_t>(dc.E));
@@ -294,7 +294,7 @@ struct PermuteCase : OpCase {
     const int64_t R = N * k;
     if (!idx) {
       idx = std::make_unique<cuda::DeviceBuffer>(up(random_routing(N, k, E, "pidx")));
-      x = std::make_unique<cuda::DeviceBuffer>(up(rnd(N * D, "px")));
+      x = std::make_unique<cuda::DeviceBuffer>(up(cheap(N * D)));
       xp = std::make_unique<cuda::DeviceBuffer>(poisoned<bf16>(R * D));
       cnt = std::make_unique<cuda::DeviceBuffer>(poisoned<int32_t>(E));
       off = std::make_unique<cuda::DeviceBuffer>(poisoned<int32_t>(E + 1));
