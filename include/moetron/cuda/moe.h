@@ -19,7 +19,8 @@
 //
 // Dispatch (permute.h's plan with capacity factor 0, and its kernels):
 //   moe_plan: counts, offsets [E+1] (exclusive scan), row_of [N, k], token_of [R], slot_of [R] from topk_idx:
-//     expert-major, stable in (token, slot) order, exactly moe_permute_plan_ref's; R = N * k.
+//     expert-major, stable in (token, slot) order, exactly moe_permute_plan_ref's; R = N * k. An index outside
+//     [0, E) cannot be reported by name from the device: it traps (a launch error at chunk_hist_kernel).
 //   moe_permute: xp[r] = x[token_of[r]] (fp32 -> fp32 or bf16);  moe_dispatch = moe_plan + moe_permute.
 //   moe_permute_backward: dx[t] = sum_s dxp[row_of[t, s]] (slot order).
 //   moe_unpermute: y[t] = sum_s w[t, s] * yp[row_of[t, s]] (slot order).
