@@ -15,7 +15,8 @@
 //   loss, bf16 (against the fp64 twin on the same bf16 h, W): logits exact products with fp32 accumulation
 //     (~1e-6): loss 1e-5; dlogits are rounded to bf16 for the backward GEMMs as on the CPU (2^-9 relative per
 //     element, ~1.1e-3 RMS): dh, dW held to 1e-2 (the bf16 band of cuda_dense_cases.cpp).
-//   dW accumulates (+=): a second call gives 2 dW (exact doubling of equal addends: held to 1e-6).
+//   dW accumulates (+=): a second call gives 2 dW (the same chunk products added again: a few fp32 roundings of
+//     partial sums, ~1e-7: held to 1e-6).
 // Grad mode: directional derivatives of the device forward (central differences in fp32, step 1e-2 along random
 //   directions: truncation ~h^2 = 1e-4, rounding ~1e-7 / 1e-2 = 1e-5, held to 2e-3) for attention (q, k, v
 //   together against <out, g>) and the fp32 loss (h and W together).
