@@ -2,7 +2,8 @@
 # gpu_check.sh: issue 32's device check, for the minutes when an H100/H200 machine is lent (CUDA 13, cuBLAS, CMake,
 # ninja, PyTorch; no apt, no network). In one call, under 8 minutes: a GPU-only build (MOETRON_CUDA=ON, no MPI, no
 # benchmarks; the Debian libraries the image lacks come as .deb files unpacked with dpkg -x into /tmp/mtdeps, never
-# /), the CUDA op tests (op_harness --device cuda, test and grad modes), the micro-benchmark (bench/cuda_bench.cpp)
+# /), the CUDA op tests (op_harness --device cuda, test and grad modes per family, perf mode with every case's
+# time in the table), the micro-benchmark (bench/cuda_bench.cpp)
 # and the PyTorch proxy (bench/torch_gpu_proxy.py, eager and torch.compile). Logs go to $OUT (the device tool brings
 # them back); a short table is printed last. Not a training check: the trainer does not run on the GPU yet.
 # Before the call, here:   scripts/gpu_debs.sh            (fills .gpu_debs/, ~9 MiB)
@@ -56,21 +57,47 @@ if [[ $cfg -ne 0 || $build -ne 0 ]]; then
 fi
 
 if [[ -x $BUILD/tests/op_harness ]]; then
+  # One process per family in test and grad modes (a device fault in one family cannot take the others' results
+  # with it) with MOETRON_CUDA_SYNC=1 (a fault is reported at its kernel); every CUDA case runs, the new families
+  # (router, permute, loss, attention, fp8) included. Failures get a row each.
+  FAMS=$($BUILD/tests/op_harness --device cuda --list 2>/dev/null | grep -E '^[a-z0-9_]+/' | cut -d/ -f1 | sort -u | tr '\n' ' ')
+  say "families: $FAMS"
   for mode in test grad; do
-    say "op_harness --device cuda --mode $mode"
-    timeout 120 $BUILD/tests/op_harness --device cuda --mode $mode >"$OUT/ops_$mode.log" 2>&1
-    rc=$?
-    grep -E "^(FAIL|    FAIL|    error)|passed, .* failed|seed=|op_harness cuda" "$OUT/ops_$mode.log" | tee -a "$LOG"
-    row "ops $mode" "rc=$rc $(grep -E 'passed, .* failed' "$OUT/ops_$mode.log" | tail -n 1)"
+    say "op_harness --device cuda --mode $mode (per family), $(left) s left"
+    : >"$OUT/ops_$mode.log"
+    np=0 nf=0
+    for fam in $FAMS; do
+      budget=$(( $(left) - 150 )); (( budget > 60 )) && budget=60
+      if (( budget < 10 )); then say "  $fam: skipped (time)"; row "ops $mode $fam" "SKIPPED (time)"; continue; fi
+      MOETRON_CUDA_SYNC=1 timeout $budget $BUILD/tests/op_harness --device cuda --mode $mode --family "$fam" \
+        >"$OUT/ops_${mode}_$fam.log" 2>&1
+      rc=$?
+      cat "$OUT/ops_${mode}_$fam.log" >>"$OUT/ops_$mode.log"
+      p=$(grep -c '^PASS' "$OUT/ops_${mode}_$fam.log"); f=$(grep -c '^FAIL' "$OUT/ops_${mode}_$fam.log")
+      np=$((np + p)); nf=$((nf + f))
+      grep -E "^(FAIL|    FAIL|    error)|seed=" "$OUT/ops_${mode}_$fam.log" | tee -a "$LOG"
+      [[ $rc -ne 0 ]] && row "ops $mode $fam" "rc=$rc pass=$p fail=$f"
+      while read -r _ cname _; do row "  FAIL $mode" "$cname"; done < <(grep '^FAIL' "$OUT/ops_${mode}_$fam.log")
+    done
+    row "ops $mode" "$np passed, $nf failed"
   done
-  say "op_harness --device cuda --mode perf"
-  timeout 60 $BUILD/tests/op_harness --device cuda --mode perf >"$OUT/ops_perf.log" 2>&1
-  grep PERF "$OUT/ops_perf.log" | tee -a "$LOG"
+  budget=$(( $(left) - 60 )); (( budget > 150 )) && budget=150
+  if (( budget >= 20 )); then
+    say "op_harness --device cuda --mode perf, $budget s"
+    timeout $budget $BUILD/tests/op_harness --device cuda --mode perf >"$OUT/ops_perf.log" 2>&1
+    row "ops perf" "rc=$?"
+    grep -E "PERF|error" "$OUT/ops_perf.log" | tee -a "$LOG"
+    # every case's time in the table: name, median ms, GFLOPS or GB/s
+    while read -r _ cname ms _ rest; do row "perf $cname" "$ms ms ${rest}"; done < <(grep '^PERF' "$OUT/ops_perf.log")
+  else
+    row "ops perf" "SKIPPED (time)"
+  fi
 fi
 
 if [[ -x $BUILD/cuda_bench ]]; then
-  say "cuda_bench"
-  timeout 120 $BUILD/cuda_bench >"$OUT/bench.log" 2>&1
+  say "cuda_bench, $(left) s left"
+  budget=$(( $(left) - 70 )); (( budget > 120 )) && budget=120; (( budget < 10 )) && budget=10
+  timeout $budget $BUILD/cuda_bench >"$OUT/bench.log" 2>&1
   row "cuda_bench" "rc=$?"
   tee -a "$LOG" <"$OUT/bench.log" >/dev/null
   while read -r _ name val unit rest; do row "$name" "$val $unit ${rest:0:40}"; done < <(grep '^BENCH' "$OUT/bench.log")

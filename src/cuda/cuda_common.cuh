@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace moetron::cuda::detail {
@@ -16,6 +17,9 @@ namespace moetron::cuda::detail {
 // is reported at the kernel that caused it. `kernel` names it in the error.
 void launched(const char* file, int line, const char* kernel);
 inline int blocks_for(int64_t n, int threads) { return int((n + threads - 1) / threads); }
+// Opts `kernel` in to `bytes` of dynamic shared memory per block, refusing (naming `op`) what the current device
+// cannot give (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+void smem_optin(const void* kernel, size_t bytes, const char* op);
 }  // namespace moetron::cuda::detail
 
 #define MT_CUDA_CHECK(call)                                                                                   \

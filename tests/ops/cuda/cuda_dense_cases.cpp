@@ -95,7 +95,9 @@ struct GemmBf16Case : OpCase {
   }
   void perf() override {
     static std::unique_ptr<cuda::DeviceBuffer> a, b, c;
-    if (!a || a->bytes() < size_t(M * K * 2)) {
+    static const void* owner = nullptr;
+    if (owner != this) {
+      owner = this;
       a = std::make_unique<cuda::DeviceBuffer>(up(to_bf(rnd(M * K, "pa"))));
       b = std::make_unique<cuda::DeviceBuffer>(up(to_bf(rnd(K * N, "pb"))));
       c = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(M * N));
@@ -184,7 +186,9 @@ struct GroupedCase : OpCase {
   void perf() override {
     static std::unique_ptr<cuda::DeviceBuffer> x, w, y, c, ws;
     const int64_t Mr = M();
-    if (!x) {
+    static const void* owner = nullptr;
+    if (owner != this) {
+      owner = this;
       x = std::make_unique<cuda::DeviceBuffer>(up(to_bf(rnd(Mr * K, "px"))));
       w = std::make_unique<cuda::DeviceBuffer>(up(to_bf(rnd(E * K * N, "pw"))));
       y = std::make_unique<cuda::DeviceBuffer>(poisoned<float>(Mr * N));

@@ -30,6 +30,14 @@ inline std::vector<float> rnd(int64_t n, const std::string& tag, float scale = 1
 inline std::vector<float> rnd_u(int64_t n, const std::string& tag, float lo, float hi) {
   return randu(n, run_seed() ^ (std::hash<std::string>{}(tag) * 0x9e3779b97f4a7c15ull), lo, hi);
 }
+// Cheap filler for the perf cases' large inputs (the values do not matter for timing; randn of 10^8 values would
+// take seconds of the device check): a hash of the index, uniform-ish in [-scale, scale].
+inline std::vector<float> cheap(int64_t n, float scale = 1.0f) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    v[size_t(i)] = float(int64_t((uint64_t(i) * 2654435761u >> 7) % 2001) - 1000) * (scale * 1e-3f);
+  return v;
+}
 template <class T>
 cuda::DeviceBuffer up(const std::vector<T>& v) {
   cuda::DeviceBuffer d(v.size() * sizeof(T) + 16, MemCategory::Workspace);
