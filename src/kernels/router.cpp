@@ -202,6 +202,53 @@ void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const flo
   }
 }
 
+// Balanced routing's first pass: the score rows (the main loop writes them again, bitwise the same); with split > 1
+// the micro-batch's rows of every rank in its global token order (w.whole); the Sinkhorn factors over the call's
+// (or the whole micro-batch's) tokens. Returns the fp32 factors, or null without Sinkhorn.
+const float* balance_prepass(const Ws& w, float* scores, const float* logits, const RouterConfig& cfg, int64_t N) {
+  const bool split = whole_split(cfg);
+  if (cfg.sinkhorn_iters == 0 && !split) return nullptr;
+  const int E = cfg.E;
+  const bool softmax = cfg.score == ScoreFn::Softmax, avx512 = active_isa() == Isa::Avx512;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* l = logits + n * E;
+    float* s = scores + n * E;
+    bool finite = true;
+    for (int e = 0; e < E; ++e) finite &= std::isfinite(l[e]);
+    if (!finite) for (int e = 0; e < E; ++e) s[e] = 0;
+    else if (avx512) router_scores_row_avx512(s, l, E, softmax);
+    else scores_row_scalar(s, l, E, softmax);
+  }
+  const int64_t Nw = split ? N * cfg.split : N;
+  if (split) {  // the micro-batch's score rows from every rank, put in its global token order
+    cfg.gather_rows(w.gath, scores, N * E);
+    for (int64_t g = 0; g < Nw; ++g)
+      std::memcpy(w.whole + cfg.split_rows[size_t(g)] * E, w.gath + g * E, sizeof(float) * size_t(E));
+  }
+  if (cfg.sinkhorn_iters == 0) return nullptr;
+  router_sinkhorn_factors(w.sk_c, split ? w.whole : scores, Nw, E, cfg.sinkhorn_iters, split ? w.wr : w.tok_a);
+  for (int e = 0; e < E; ++e) w.sk_cf[e] = float(w.sk_c[e]);
+  return w.sk_cf;
+}
+
+// Capacity routing of the whole micro-batch (split > 1, w.whole from balance_prepass); this rank keeps its rows'
+// experts and weights and counts their assignments.
+void capacity_route_split(int32_t* topk_idx, float* topk_w, int32_t* counts, const Ws& w, const float* skc,
+                          const float* bias, const RouterConfig& cfg, int64_t N) {
+  const int E = cfg.E, k = cfg.topk;
+  capacity_route(w.widx, w.ww, w.wcnt, w.whole, skc, bias, cfg, N * cfg.split);
+  const int64_t base = int64_t(cfg.split_rank) * N;
+  std::memset(counts, 0, sizeof(int32_t) * size_t(E));
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = cfg.split_rows[size_t(base + n)];
+    for (int j = 0; j < k; ++j) {
+      topk_idx[n * k + j] = w.widx[g * k + j], topk_w[n * k + j] = w.ww[g * k + j];
+      ++counts[topk_idx[n * k + j]];
+    }
+  }
+}
+
 void check_ptrs(const char* op, const RouterConfig& cfg, int64_t N, void* ws, std::initializer_list<const void*> ps) {
   router_validate(cfg, N);
   if (N == 0) return;
@@ -318,31 +365,8 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   const bool avx512 = active_isa() == Isa::Avx512;
   const int64_t T = aux_seq_len(cfg, N), S = aux_nseq(cfg, N);
   int64_t bad_row = -1;
-  const float* skc = nullptr;  // Sinkhorn column factors: the scores first (the main loop writes them again)
   const bool split = whole_split(cfg);
-  const int64_t Nw = split ? N * cfg.split : N;  // the tokens the selection balances over
-  if (cfg.sinkhorn_iters > 0 || split) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* l = logits + n * E;
-      float* s = scores + n * E;
-      bool finite = true;
-      for (int e = 0; e < E; ++e) finite &= std::isfinite(l[e]);
-      if (!finite) for (int e = 0; e < E; ++e) s[e] = 0;
-      else if (avx512) router_scores_row_avx512(s, l, E, softmax);
-      else scores_row_scalar(s, l, E, softmax);
-    }
-    if (split) {  // the micro-batch's score rows from every rank, put in its global token order
-      cfg.gather_rows(w.gath, scores, N * E);
-      for (int64_t g = 0; g < Nw; ++g)
-        std::memcpy(w.whole + cfg.split_rows[size_t(g)] * E, w.gath + g * E, sizeof(float) * size_t(E));
-    }
-    if (cfg.sinkhorn_iters > 0) {
-      router_sinkhorn_factors(w.sk_c, split ? w.whole : scores, Nw, E, cfg.sinkhorn_iters, split ? w.wr : w.tok_a);
-      for (int e = 0; e < E; ++e) w.sk_cf[e] = float(w.sk_c[e]);
-      skc = w.sk_cf;
-    }
-  }
+  const float* skc = balance_prepass(w, scores, logits, cfg, N);  // Sinkhorn column factors, or null
 
 #pragma omp parallel
   {
@@ -412,20 +436,8 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   }
   MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
   if (cfg.capacity > 0) {  // the selection again, in token order under the capacity; then the aux loss's counts
-    if (split) {  // the whole micro-batch's routing; this rank keeps its rows and counts their assignments
-      capacity_route(w.widx, w.ww, w.wcnt, w.whole, skc, bias, cfg, Nw);
-      const int64_t base = int64_t(cfg.split_rank) * N;
-      std::memset(counts, 0, sizeof(int32_t) * size_t(E));
-      for (int64_t n = 0; n < N; ++n) {
-        const int64_t g = cfg.split_rows[size_t(base + n)];
-        for (int j = 0; j < k; ++j) {
-          topk_idx[n * k + j] = w.widx[g * k + j], topk_w[n * k + j] = w.ww[g * k + j];
-          ++counts[topk_idx[n * k + j]];
-        }
-      }
-    } else {
-      capacity_route(topk_idx, topk_w, counts, scores, skc, bias, cfg, N);
-    }
+    if (split) capacity_route_split(topk_idx, topk_w, counts, w, skc, bias, cfg, N);
+    else capacity_route(topk_idx, topk_w, counts, scores, skc, bias, cfg, N);
     if (want_aux)
       for (int64_t b = 0; b < S; ++b) {
         int32_t* c = w.cnt + b * E;
