@@ -308,6 +308,9 @@ std::vector<Layout> layouts() {
   v.push_back({"cp2_balanced", 2, cpw({cp + "2", bal[0], bal[1]}), Bar::Tp});
   v.push_back({"cp4_balanced", 4, cpw({cp + "4", bal[0], bal[1]}), Bar::Tp});
   v.push_back({"cp2_dp2_ep2_balanced", 4, cpw({cp + "2", dp + "2", "--parallelism.ep=2", bal[0], bal[1]}), Bar::Tp});
+  v.push_back({"cp2_recompute_balanced", 2, cpw({cp + "2", "--activation_checkpoint.mode=full", bal[0], bal[1]}),
+               Bar::Tp});
+  v.push_back({"cp2_pp2_balanced", 4, cpw({cp + "2", pp + "2", lay + "Ett|tL", bal[0], bal[1]}), Bar::Tp});
   // Every schedule with TP and with CP (the stages exchange each rank's rows; the split backward records the TP /
   // CP layers' weight gradients like any others), the other EP dispatcher over CP ranks, HSDP under a pipeline.
   for (const char* name : {"gpipe", "zbv", "dualpipev"}) {
