@@ -10,7 +10,7 @@
 //           r_n = 1 / sum_e s_{n,e} c_e,   c_e = (N / E) / sum_n s_{n,e} r_n    (c_e = 1 before the first),
 //         c then divided by its mean; q_e = s_e * c_e + bias_e. Selection only: the weights, the losses and the
 //         backward use s. The column sums run in token order in fp64 (deterministic); a token's selection then
-//         depends on the other tokens of the call (not batch invariant).
+//         depends on the other tokens of the call (not batch invariant; with split > 1, of the whole micro-batch).
 //   Capacity routing (capacity = f >= 1, n_group = 1): C = ceil(f N k / E); tokens in order n = 0 .. N-1 take
 //         their k largest q_e among the experts holding fewer than C of the call's assignments so far (a full
 //         expert passes the token to its next choice; no token is dropped). With capacity >= E / (E - k + 1)
@@ -73,8 +73,19 @@ struct RouterConfig {
   // sequence's, so the ranks' losses add up to the single-rank loss. split = 1: sum_counts is not called.
   int split = 1;
   std::function<void(int32_t* counts, int64_t n)> sum_counts;
-  int sinkhorn_iters = 0;  // > 0: Sinkhorn selection (above); needs split = 1
-  float capacity = 0.0f;   // > 0 (>= 1): capacity routing (above); needs split = 1 and n_group = 1
+  int sinkhorn_iters = 0;  // > 0: Sinkhorn selection (above)
+  float capacity = 0.0f;   // > 0 (>= 1): capacity routing (above); needs n_group = 1
+  // Balanced routing with split > 1 (sinkhorn_iters > 0 or capacity > 0): the selection is that of the whole
+  // micro-batch, N * split tokens in its global order (the single-process call's). gather_rows(gathered, local, n)
+  // writes every rank's `local` [n floats] one after the other in rank order (the same on every rank; the router
+  // passes its score rows [N, E]); split_rows [N * split] names the global row of each gathered row (gathered row
+  // g is rank g / N's local row g % N), a permutation of 0 .. N * split - 1; split_rank is this rank. Every rank
+  // then runs the same Sinkhorn factors and capacity greedy over the whole score matrix and keeps its own rows'
+  // experts and weights. counts stays this rank's (its rows' assignments: summed over the ranks by the caller, as
+  // for the aux loss with sum_counts); C = ceil(f N split k / E). The backward needs only the local rows.
+  int split_rank = 0;
+  std::vector<int64_t> split_rows;
+  std::function<void(float* gathered, const float* local, int64_t n)> gather_rows;
 };
 
 // The largest n_group supported (per-token group scores live on the stack).

@@ -848,7 +848,12 @@ struct MemoryTerms {
       kernel = std::max(kernel, double(attention_workspace_size(aw, threads)));
     }
     if (s.is_moe()) {
-      kernel = std::max(kernel, N * 16 + (m.aux_seq_wise ? B : 1) * E * 4);
+      double router = N * 16 + (m.aux_seq_wise ? B : 1) * E * 4;
+      if (par.cp > 1 && (m.sinkhorn_iters > 0 || m.route_capacity > 0)) {  // the whole micro-batch's rows (router.h)
+        const double Nw = N * par.cp;
+        router += E * 12 + Nw * (2 * E * 4 + 8 + 2 * K * 4) + E * 4;
+      }
+      kernel = std::max(kernel, router);
       const int64_t el = m.n_routed_experts / par.ep, dm = s.d_model, fe = m.moe_inter_size / par.tp;  // TP: its width
       for (GroupedOp op : {GroupedOp::Fwd, GroupedOp::Dgrad, GroupedOp::Wgrad})
         for (auto [k_in, n_out] : {std::pair<int64_t, int64_t>{dm, 2 * fe}, {fe, dm}})

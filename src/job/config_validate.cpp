@@ -151,12 +151,6 @@ void JobConfig::validate() const {
            .sp = p.sequence_parallel, .zero = p.zero});
       !e.empty())
     throw Error("invalid config: " + e);
-  if (model.moe.route_capacity > 0 && p.cp > 1)
-    invalid_config("model.route_capacity", model.moe.route_capacity,
-                   "needs each micro-batch's tokens on one rank: not with context parallelism (parallelism.cp = ", p.cp, ")");
-  if (model.moe.sinkhorn_iters > 0 && p.cp > 1)
-    invalid_config("model.sinkhorn_iters", model.moe.sinkhorn_iters,
-                   "needs each micro-batch's tokens on one rank: not with context parallelism (parallelism.cp = ", p.cp, ")");
   if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
 
   const auto& pr = profiling;

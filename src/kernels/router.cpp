@@ -36,6 +36,12 @@ int64_t aux_seq_len(const RouterConfig& cfg, int64_t N) { return cfg.aux == AuxM
 int64_t aux_nseq(const RouterConfig& cfg, int64_t N) {
   return cfg.aux == AuxMode::None || N == 0 ? 0 : N / aux_seq_len(cfg, N);
 }
+// Balanced routing over a micro-batch split across ranks: the whole score matrix is gathered (router.h).
+bool whole_split(const RouterConfig& cfg) { return cfg.split > 1 && (cfg.sinkhorn_iters > 0 || cfg.capacity > 0); }
+size_t split_ws_bytes(int64_t Nw, int E, int k) {  // gath, whole, wr, widx, ww, wcnt (carve)
+  return 2 * align_up(size_t(Nw) * size_t(E) * sizeof(float)) + align_up(size_t(Nw) * sizeof(double)) +
+         2 * align_up(size_t(Nw) * size_t(k) * 4) + align_up(size_t(E) * sizeof(int32_t));
+}
 
 struct Ws {
   double* tok_a;    // [N] per-token aux partial: sum_e c_e * s'_{n,e}; Sinkhorn: the row factors r
@@ -43,6 +49,13 @@ struct Ws {
   int32_t* cnt;     // [S, E] per-sequence (or global, S = 1) counts for the aux loss
   double* sk_c;     // [E] Sinkhorn column factors (sinkhorn_iters > 0)
   float* sk_cf;     // [E] the same in fp32 (the selection multiplies by these)
+  // whole_split only, Nw = N * split rows of the micro-batch:
+  float* gath;      // [Nw, E] the ranks' score rows in rank order (gather_rows)
+  float* whole;     // [Nw, E] the same in the micro-batch's global order
+  double* wr;       // [Nw] Sinkhorn row factors
+  int32_t* widx;    // [Nw, k] capacity routing of the whole micro-batch
+  float* ww;        // [Nw, k]
+  int32_t* wcnt;    // [E]
 };
 Ws carve(void* ws, const RouterConfig& cfg, int64_t N) {
   char* p = static_cast<char*>(ws);
@@ -56,6 +69,18 @@ Ws carve(void* ws, const RouterConfig& cfg, int64_t N) {
   w.sk_c = reinterpret_cast<double*>(p);
   p += align_up(size_t(cfg.E) * sizeof(double));
   w.sk_cf = reinterpret_cast<float*>(p);
+  p += align_up(size_t(cfg.E) * sizeof(float));
+  if (whole_split(cfg)) {
+    const size_t Nw = size_t(N) * size_t(cfg.split), E = size_t(cfg.E), k = size_t(cfg.topk);
+    w.gath = reinterpret_cast<float*>(p), p += align_up(Nw * E * sizeof(float));
+    w.whole = reinterpret_cast<float*>(p), p += align_up(Nw * E * sizeof(float));
+    w.wr = reinterpret_cast<double*>(p), p += align_up(Nw * sizeof(double));
+    w.widx = reinterpret_cast<int32_t*>(p), p += align_up(Nw * k * sizeof(int32_t));
+    w.ww = reinterpret_cast<float*>(p), p += align_up(Nw * k * sizeof(float));
+    w.wcnt = reinterpret_cast<int32_t*>(p);
+  } else {
+    w.gath = w.whole = w.ww = nullptr, w.wr = nullptr, w.widx = w.wcnt = nullptr;
+  }
   return w;
 }
 
@@ -177,6 +202,53 @@ void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const flo
   }
 }
 
+// Balanced routing's first pass: the score rows (the main loop writes them again, bitwise the same); with split > 1
+// the micro-batch's rows of every rank in its global token order (w.whole); the Sinkhorn factors over the call's
+// (or the whole micro-batch's) tokens. Returns the fp32 factors, or null without Sinkhorn.
+const float* balance_prepass(const Ws& w, float* scores, const float* logits, const RouterConfig& cfg, int64_t N) {
+  const bool split = whole_split(cfg);
+  if (cfg.sinkhorn_iters == 0 && !split) return nullptr;
+  const int E = cfg.E;
+  const bool softmax = cfg.score == ScoreFn::Softmax, avx512 = active_isa() == Isa::Avx512;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* l = logits + n * E;
+    float* s = scores + n * E;
+    bool finite = true;
+    for (int e = 0; e < E; ++e) finite &= std::isfinite(l[e]);
+    if (!finite) for (int e = 0; e < E; ++e) s[e] = 0;
+    else if (avx512) router_scores_row_avx512(s, l, E, softmax);
+    else scores_row_scalar(s, l, E, softmax);
+  }
+  const int64_t Nw = split ? N * cfg.split : N;
+  if (split) {  // the micro-batch's score rows from every rank, put in its global token order
+    cfg.gather_rows(w.gath, scores, N * E);
+    for (int64_t g = 0; g < Nw; ++g)
+      std::memcpy(w.whole + cfg.split_rows[size_t(g)] * E, w.gath + g * E, sizeof(float) * size_t(E));
+  }
+  if (cfg.sinkhorn_iters == 0) return nullptr;
+  router_sinkhorn_factors(w.sk_c, split ? w.whole : scores, Nw, E, cfg.sinkhorn_iters, split ? w.wr : w.tok_a);
+  for (int e = 0; e < E; ++e) w.sk_cf[e] = float(w.sk_c[e]);
+  return w.sk_cf;
+}
+
+// Capacity routing of the whole micro-batch (split > 1, w.whole from balance_prepass); this rank keeps its rows'
+// experts and weights and counts their assignments.
+void capacity_route_split(int32_t* topk_idx, float* topk_w, int32_t* counts, const Ws& w, const float* skc,
+                          const float* bias, const RouterConfig& cfg, int64_t N) {
+  const int E = cfg.E, k = cfg.topk;
+  capacity_route(w.widx, w.ww, w.wcnt, w.whole, skc, bias, cfg, N * cfg.split);
+  const int64_t base = int64_t(cfg.split_rank) * N;
+  std::memset(counts, 0, sizeof(int32_t) * size_t(E));
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = cfg.split_rows[size_t(base + n)];
+    for (int j = 0; j < k; ++j) {
+      topk_idx[n * k + j] = w.widx[g * k + j], topk_w[n * k + j] = w.ww[g * k + j];
+      ++counts[topk_idx[n * k + j]];
+    }
+  }
+}
+
 void check_ptrs(const char* op, const RouterConfig& cfg, int64_t N, void* ws, std::initializer_list<const void*> ps) {
   router_validate(cfg, N);
   if (N == 0) return;
@@ -205,11 +277,25 @@ void router_validate(const RouterConfig& c, int64_t N) {
            " needs sum_counts (the aux loss's counts over the ranks holding the sequence)");
   MT_CHECK(c.capacity == 0 || (std::isfinite(c.capacity) && c.capacity >= 1), op, "capacity=", c.capacity,
            " must be 0 (off) or >= 1");
-  MT_CHECK(c.capacity == 0 || (c.split == 1 && c.n_group == 1), op, "capacity=", c.capacity,
-           " needs the whole micro-batch on this rank (split=", c.split, ") and no group limit (n_group=", c.n_group, ")");
+  MT_CHECK(c.capacity == 0 || c.n_group == 1, op, "capacity=", c.capacity, " needs no group limit (n_group=",
+           c.n_group, ")");
   MT_CHECK(c.sinkhorn_iters >= 0, op, "sinkhorn_iters=", c.sinkhorn_iters, " must be >= 0");
-  MT_CHECK(c.sinkhorn_iters == 0 || c.split == 1, op, "sinkhorn_iters=", c.sinkhorn_iters,
-           " needs the whole micro-batch's tokens on this rank (split=", c.split, ")");
+  if (whole_split(c)) {  // the whole micro-batch's selection: its score rows gathered and put in global order
+    const int64_t Nw = N * c.split;
+    MT_CHECK(c.gather_rows != nullptr, op, "split=", c.split, " with sinkhorn_iters=", c.sinkhorn_iters,
+             " / capacity=", c.capacity, " needs gather_rows (the micro-batch's score rows from every rank)");
+    MT_CHECK(c.split_rank >= 0 && c.split_rank < c.split, op, "split_rank=", c.split_rank, " outside [0, split=",
+             c.split, ")");
+    MT_CHECK(int64_t(c.split_rows.size()) == Nw, op, "split_rows has ", c.split_rows.size(),
+             " entries, need N * split = ", Nw);
+    std::vector<char> seen(size_t(Nw), 0);
+    for (int64_t g = 0; g < Nw; ++g) {
+      const int64_t r = c.split_rows[size_t(g)];
+      MT_CHECK(r >= 0 && r < Nw && !seen[size_t(r)], op, "split_rows[", g, "]=", r,
+               " is not a permutation of 0 .. N * split - 1 = ", Nw - 1);
+      seen[size_t(r)] = 1;
+    }
+  }
   MT_CHECK(std::isfinite(c.z_coef) && c.z_coef >= 0, op, "z_coef=", c.z_coef, " must be >= 0");
   if (c.aux == AuxMode::SeqWise) {
     MT_CHECK(c.seq_len > 0, op, "AuxMode::SeqWise needs seq_len > 0, got ", c.seq_len);
@@ -223,7 +309,11 @@ size_t router_workspace_bytes(const RouterConfig& cfg, int64_t N) {
          + align_up(size_t(N) * sizeof(double))    // tok_z
          + align_up(size_t(S) * size_t(cfg.E) * sizeof(int32_t))  // cnt
          + (cfg.sinkhorn_iters > 0 ? align_up(size_t(cfg.E) * sizeof(double)) + align_up(size_t(cfg.E) * sizeof(float))
-                                   : 0);  // sk_c, sk_cf
+                                   : 0)  // sk_c, sk_cf
+         + (whole_split(cfg) ? (cfg.sinkhorn_iters > 0 ? 0 : align_up(size_t(cfg.E) * sizeof(double)) +
+                                                             align_up(size_t(cfg.E) * sizeof(float))) +
+                                   split_ws_bytes(N * cfg.split, cfg.E, cfg.topk)
+                             : 0);
 }
 
 void router_sinkhorn_factors(double* c, const float* s, int64_t N, int E, int iters, void* ws) {
@@ -275,22 +365,8 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   const bool avx512 = active_isa() == Isa::Avx512;
   const int64_t T = aux_seq_len(cfg, N), S = aux_nseq(cfg, N);
   int64_t bad_row = -1;
-  const float* skc = nullptr;  // Sinkhorn column factors: the scores first (the main loop writes them again)
-  if (cfg.sinkhorn_iters > 0) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* l = logits + n * E;
-      float* s = scores + n * E;
-      bool finite = true;
-      for (int e = 0; e < E; ++e) finite &= std::isfinite(l[e]);
-      if (!finite) for (int e = 0; e < E; ++e) s[e] = 0;
-      else if (avx512) router_scores_row_avx512(s, l, E, softmax);
-      else scores_row_scalar(s, l, E, softmax);
-    }
-    router_sinkhorn_factors(w.sk_c, scores, N, E, cfg.sinkhorn_iters, w.tok_a);
-    for (int e = 0; e < E; ++e) w.sk_cf[e] = float(w.sk_c[e]);
-    skc = w.sk_cf;
-  }
+  const bool split = whole_split(cfg);
+  const float* skc = balance_prepass(w, scores, logits, cfg, N);  // Sinkhorn column factors, or null
 
 #pragma omp parallel
   {
@@ -360,7 +436,8 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   }
   MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
   if (cfg.capacity > 0) {  // the selection again, in token order under the capacity; then the aux loss's counts
-    capacity_route(topk_idx, topk_w, counts, scores, skc, bias, cfg, N);
+    if (split) capacity_route_split(topk_idx, topk_w, counts, w, skc, bias, cfg, N);
+    else capacity_route(topk_idx, topk_w, counts, scores, skc, bias, cfg, N);
     if (want_aux)
       for (int64_t b = 0; b < S; ++b) {
         int32_t* c = w.cnt + b * E;

@@ -209,6 +209,20 @@ void Model::Impl::build_buffers() {
     rcfg.capacity = float(s.moe.route_capacity);
     if (cp > 1)  // CP: a sequence's aux-loss counts span its chunks on every CP rank
       rcfg.split = cp, rcfg.sum_counts = [this](int32_t* c, int64_t n) { cp_comm.all_reduce(c, n); };
+    if (cp > 1 && (rcfg.sinkhorn_iters > 0 || rcfg.capacity > 0)) {
+      // Balanced routing selects over the whole micro-batch: the CP ranks' score rows, gathered in rank order,
+      // each rank's rows being its chunks of every sequence (cp_positions), go to position b * seq_len + t.
+      rcfg.split_rank = cp_rank;
+      rcfg.split_rows.reserve(size_t(N * cp));
+      for (int r = 0; r < cp; ++r) {
+        const std::vector<int64_t> pos = cp_positions(m.seq_len_, cp, r);
+        for (int64_t b = 0; b < m.B_; ++b)
+          for (int64_t t : pos) rcfg.split_rows.push_back(b * m.seq_len_ + t);
+      }
+      rcfg.gather_rows = [this](float* all, const float* mine, int64_t n) {
+        cp_comm.all_gather(all, mine, n * int64_t(sizeof(float)));
+      };
+    }
     router_validate(rcfg, N);
     w = std::max(w, router_workspace_bytes(rcfg, N));
     w = std::max(w, grouped_ws_bytes(Rmax));

@@ -318,6 +318,15 @@ std::vector<Layout> layouts() {
   v.push_back({"cp2_pp2", 4, cpw({cp + "2", pp + "2", lay + "Ett|tL"}), Bar::Tp});
   v.push_back({"cp2_dp2_zero1", 4, cpw({cp + "2", dp + "2", "--parallelism.zero=1"}), Bar::Tp});
   v.push_back({"cp2_dp2_fsdp_ep2", 4, cpw({cp + "2", dp + "2", "--parallelism.zero=3", "--parallelism.ep=2"}), Bar::Tp});
+  // Balanced routing (ds_mini's: Sinkhorn selection and capacity routing over the micro-batch's tokens): every CP
+  // rank gathers the micro-batch's score rows and routes the whole of it in its global order, as one process does.
+  const std::vector<std::string> bal = {"--model.sinkhorn_iters=4", "--model.route_capacity=1.5"};
+  v.push_back({"cp2_balanced", 2, cpw({cp + "2", bal[0], bal[1]}), Bar::Tp});
+  v.push_back({"cp4_balanced", 4, cpw({cp + "4", bal[0], bal[1]}), Bar::Tp});
+  v.push_back({"cp2_dp2_ep2_balanced", 4, cpw({cp + "2", dp + "2", "--parallelism.ep=2", bal[0], bal[1]}), Bar::Tp});
+  v.push_back({"cp2_recompute_balanced", 2, cpw({cp + "2", "--activation_checkpoint.mode=full", bal[0], bal[1]}),
+               Bar::Tp});
+  v.push_back({"cp2_pp2_balanced", 4, cpw({cp + "2", pp + "2", lay + "Ett|tL", bal[0], bal[1]}), Bar::Tp});
   // Every schedule with TP and with CP (the stages exchange each rank's rows; the split backward records the TP /
   // CP layers' weight gradients like any others), the other EP dispatcher over CP ranks, HSDP under a pipeline.
   for (const char* name : {"gpipe", "zbv", "dualpipev"}) {
