@@ -14,6 +14,7 @@
 #include "moetron/plan/comm_model.h"
 #include "moetron/plan/pipeline.h"
 #include "cost_rank.h"
+#include "cost_terms.h"
 
 namespace moetron::plan {
 
@@ -128,8 +129,7 @@ Group place(const Hardware& h, int64_t size, int64_t stride) {
 // so 2a + (dropout ? 2a + 1 : 0) bytes an element forward and 3a + (dropout ? 2a + 1 : 0) backward.
 struct UnfusedAttnCost {
   GemmCost gemm;          // both score GEMMs, the forward (dgrad + wgrad repeat it)
-  double mem_f = 0;       // the forward's softmax / dropout passes
-  double mem_b = 0;       // the backward's
+  double mem_f = 0, mem_b = 0;  // the forward's softmax / dropout passes, the backward's
   double elements = 0;    // score elements per rank per micro-batch
 };
 UnfusedAttnCost unfused_attention(const Ctx& x) {
@@ -263,7 +263,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   if (s.attention_impl == AttnImpl::Flash) {
     const double ctx = (double(x.c.training.seq_len) + 1) / 2;
     const double attn_flops = 2.0 * H * double(at.qk_head_dim() + at.v_dim()) * T * ctx;
-    const double attn_rate = x.h.achievable_bf16 * x.h.attention_eff(double(x.c.training.seq_len));
+    const double attn_rate = fused_attention_rate(x.h, double(x.c.training.seq_len), double(at.qk_head_dim()));
     attn_fwd = std::max(attn_flops / attn_rate, x.h.kernel_overhead);
     lc.op[kOpAttnCore].f += attn_fwd, lc.op[kOpAttnCore].i += 2 * attn_fwd;
     lc.attn.f += attn_fwd, lc.attn.i += 2 * attn_fwd;
