@@ -11,6 +11,7 @@
 // A CPU without AVX2 (override clamps below Avx2) records a skipped check. Not the comparison with the fp64
 // references (the other families do that, at every ISA level through ops.test.all.*), not a benchmark.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -126,9 +127,11 @@ struct PermuteCase : IsaCase {
     const int64_t R = off[E];
     auto x = randn(N * D, 51), dxp = randn(R * D, 52), yp = randn(R * D, 53), dy = randn(N * D, 54);
     const auto w = randu(N * k, 55, 0.05f, 1.0f);
-    // Values whose bf16 rounding is delicate: NaN, +-inf, subnormals, exact ties to even, the largest finite.
-    const float special[] = {NAN, INFINITY, -INFINITY, 1e-40f, -3e-39f, 1.00390625f, 1.01171875f, 3.4028235e38f};
-    for (int i = 0; i < 8 && i < N * D; ++i) x[(i * 7) % (N * D)] = special[i];
+    // Values whose bf16 rounding is delicate: NaNs (the quiet one; payloads that plain rounding would carry into
+    // the exponent or turn into -0), +-inf, subnormals, exact ties to even, the largest finite.
+    const float special[] = {NAN, std::bit_cast<float>(0x7fffffffu), std::bit_cast<float>(0x7f800001u), INFINITY,
+                             -INFINITY, 1e-40f, -3e-39f, 1.00390625f, 1.01171875f, 3.4028235e38f};
+    for (int i = 0; i < 10 && i < N * D; ++i) x[(i * 7) % (N * D)] = special[i];
     std::vector<bf16> xp16[2] = {std::vector<bf16>(R * D), std::vector<bf16>(R * D)};
     std::vector<bf16> dyp16[2] = {std::vector<bf16>(R * D), std::vector<bf16>(R * D)};
     std::vector<float> dx[2], y[2], dyp[2], dw[2], dw16[2];
