@@ -4,7 +4,8 @@
 # per CPU-second of the running thread (rate * real_time / cpu_time: for 1-thread runs on a shared machine, where
 # other jobs steal the core). Also prints pct_memcpy's median where the benchmark reports it. Not a benchmark
 # itself, and it never changes the binary's arguments beyond the output format.
-# usage: rep_stats.py N cmd [args...]      (environment passed through: MOETRON_ISA, OMP_NUM_THREADS)
+# usage: rep_stats.py N cmd [args...]      (--benchmark_repetitions=K in args: N x K samples per benchmark)
+# The environment is passed through (MOETRON_ISA, OMP_NUM_THREADS).
 import json, os, statistics, subprocess, sys
 
 n = int(sys.argv[1])
@@ -15,6 +16,7 @@ for i in range(n):
     head = out[:out.index('{')].strip()
     if head: limits.append(head.splitlines()[-1])
     for b in json.loads(out[out.index('{'):])['benchmarks']:
+        if b.get('run_type') == 'aggregate': continue  # --benchmark_repetitions: keep the single runs
         key = 'GBps' if 'GBps' in b else 'GFLOPS' if 'GFLOPS' in b else None
         if key is None: continue
         name = b['name']
