@@ -83,9 +83,10 @@ void adamw_step(float* p, float* m, float* v, const float* g, int64_t n, const A
   const AdamWScalars s = adamw_scalars(c, step);
   const Isa isa = active_isa();
   auto run = [&](int64_t i0, int64_t i1) {
-    if (isa == Isa::Avx512) optim_avx512::adamw_range(p + i0, m + i0, v + i0, g + i0, i1 - i0, s, grad_scale, apply_decay);
-    else if (isa == Isa::Avx2) optim_avx2::adamw_range(p + i0, m + i0, v + i0, g + i0, i1 - i0, s, grad_scale, apply_decay);
-    else adamw_range_scalar(p + i0, m + i0, v + i0, g + i0, i1 - i0, s, grad_scale, apply_decay);
+    const int64_t len = i1 - i0;
+    if (isa == Isa::Avx512) optim_avx512::adamw_range(p + i0, m + i0, v + i0, g + i0, len, s, grad_scale, apply_decay);
+    else if (isa == Isa::Avx2) optim_avx2::adamw_range(p + i0, m + i0, v + i0, g + i0, len, s, grad_scale, apply_decay);
+    else adamw_range_scalar(p + i0, m + i0, v + i0, g + i0, len, s, grad_scale, apply_decay);
   };
   if (n < kAdamWParallelMin) {
     run(0, n);

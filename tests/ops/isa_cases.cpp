@@ -170,7 +170,9 @@ struct PermuteCase : IsaCase {
 
 struct NormCase : IsaCase {
   int64_t N, C;
-  NormCase(int64_t N_, int64_t C_) : N(N_), C(C_) { name = "isa/norm_N" + std::to_string(N) + "_C" + std::to_string(C); }
+  NormCase(int64_t N_, int64_t C_) : N(N_), C(C_) {
+    name = "isa/norm_N" + std::to_string(N) + "_C" + std::to_string(C);
+  }
   void test(Report& r) override {
     auto x = randn(N * C, 61), w = randn(C, 62, 0.3f), dy = randn(N * C, 63);
     for (auto& v : w) v += 1.0f;
@@ -242,7 +244,8 @@ struct RouterCase : IsaCase {
     std::vector<float> wt[2], s[2];
     RouterLosses L[2];
     std::vector<char> ws(router_workspace_bytes(c, N));
-    for (int i = 0; i < 2; ++i) idx[i].assign(N * k, 0), cnt[i].assign(E, 0), wt[i].assign(N * k, 0), s[i].assign(N * E, 0);
+    for (int i = 0; i < 2; ++i)
+      idx[i].assign(N * k, 0), cnt[i].assign(E, 0), wt[i].assign(N * k, 0), s[i].assign(N * E, 0);
     if (!both(r, [&](bool a) {
           const int i = a ? 0 : 1;
           router_forward(idx[i].data(), wt[i].data(), cnt[i].data(), s[i].data(), &L[i], logits.data(),
