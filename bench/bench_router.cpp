@@ -1,6 +1,6 @@
 // bench_router.cpp: the MoE router (forward + backward) and the permute / unpermute kernels at the ds_mini
 // shape (N = 2048 tokens, E = 64 experts, k = 6, D = 512), as GB/s and percent of this machine's memcpy.
-// The last argument selects the ISA path (0 = portable scalar, 2 = AVX-512), so one run gives the ratio.
+// The isa argument selects the path (0 = portable scalar, 1 = AVX2, 2 = AVX-512), so one run gives the ratios.
 // Bytes counted: every array read or written once (a row read k times from cache is counted once).
 // Note: at this shape the permuted buffer is 25 MB and x is 4 MB, so the working set lives largely in the
 // 32 MB L3, while the memcpy limit is measured on 256 MB (DRAM): pct_memcpy above 100 is possible.
@@ -76,7 +76,7 @@ void BM_router_fwd_bwd(benchmark::State& st) {
   }
   bench::report_bytes(st, kRouterFwdBytes + kRouterBwdBytes);
 }
-BENCHMARK(BM_router_fwd_bwd)->ArgNames({"dsv", "isa"})->Args({3, 2})->Args({3, 0})->Args({2, 2})->Args({2, 0})
+BENCHMARK(BM_router_fwd_bwd)->ArgNames({"dsv", "isa"})->Args({3, 2})->Args({3, 0})->Args({3, 1})->Args({2, 2})->Args({2, 0})->Args({2, 1})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_router_fwd(benchmark::State& st) {
@@ -85,7 +85,7 @@ void BM_router_fwd(benchmark::State& st) {
   for (auto _ : st) d.fwd();
   bench::report_bytes(st, kRouterFwdBytes);
 }
-BENCHMARK(BM_router_fwd)->ArgNames({"dsv", "isa"})->Args({3, 2})->Args({3, 0})->Args({2, 2})
+BENCHMARK(BM_router_fwd)->ArgNames({"dsv", "isa"})->Args({3, 2})->Args({3, 0})->Args({3, 1})->Args({2, 2})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_router_bwd(benchmark::State& st) {
@@ -95,7 +95,7 @@ void BM_router_bwd(benchmark::State& st) {
   for (auto _ : st) d.bwd();
   bench::report_bytes(st, kRouterBwdBytes);
 }
-BENCHMARK(BM_router_bwd)->ArgNames({"dsv", "isa"})->Args({3, 2})->Args({3, 0})->Args({2, 2})
+BENCHMARK(BM_router_bwd)->ArgNames({"dsv", "isa"})->Args({3, 2})->Args({3, 0})->Args({3, 1})->Args({2, 2})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 // Permute data: a real routing (ds_mini V3 router on random logits) and its dropless plan.
@@ -149,7 +149,7 @@ void BM_moe_permute_f32(benchmark::State& st) {
   for (auto _ : st) moe_permute(d.xp.data(), d.x.data(), d.token_of.data(), d.R, kN, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 * 2);
 }
-BENCHMARK(BM_moe_permute_f32)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_permute_f32)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({1, 2048})->Args({2, 16384})->Args({0, 16384})->Args({1, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_permute_bf16(benchmark::State& st) {
   IsaScope isa(st.range(0));
@@ -158,7 +158,7 @@ void BM_moe_permute_bf16(benchmark::State& st) {
   for (auto _ : st) moe_permute(d.xb.data(), d.x.data(), d.token_of.data(), d.R, kN, kD);
   bench::report_bytes(st, double(d.R) * kD * (4 + 2));
 }
-BENCHMARK(BM_moe_permute_bf16)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_permute_bf16)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({1, 2048})->Args({2, 16384})->Args({0, 16384})->Args({1, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_permute_backward(benchmark::State& st) {
   IsaScope isa(st.range(0));
@@ -167,7 +167,7 @@ void BM_moe_permute_backward(benchmark::State& st) {
   for (auto _ : st) moe_permute_backward(d.dx.data(), d.yp.data(), d.row_of.data(), kN, kK, d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 + double(kN) * kD * 4);
 }
-BENCHMARK(BM_moe_permute_backward)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_permute_backward)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({1, 2048})->Args({2, 16384})->Args({0, 16384})->Args({1, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_unpermute(benchmark::State& st) {
   IsaScope isa(st.range(0));
@@ -176,7 +176,7 @@ void BM_moe_unpermute(benchmark::State& st) {
   for (auto _ : st) moe_unpermute(d.y.data(), d.yp.data(), d.row_of.data(), d.w.data(), kN, kK, d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 + double(kN) * kD * 4);
 }
-BENCHMARK(BM_moe_unpermute)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_unpermute)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({1, 2048})->Args({2, 16384})->Args({0, 16384})->Args({1, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_unpermute_backward(benchmark::State& st) {
   IsaScope isa(st.range(0));
@@ -187,7 +187,7 @@ void BM_moe_unpermute_backward(benchmark::State& st) {
                            d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * 4 * 2 + double(kN) * kD * 4);  // yp read, dyp written, dy read
 }
-BENCHMARK(BM_moe_unpermute_backward)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_moe_unpermute_backward)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({1, 2048})->Args({2, 16384})->Args({0, 16384})->Args({1, 16384})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void BM_moe_unpermute_backward_bf16(benchmark::State& st) {
   IsaScope isa(st.range(0));
@@ -198,7 +198,7 @@ void BM_moe_unpermute_backward_bf16(benchmark::State& st) {
                            d.R, kD);
   bench::report_bytes(st, double(d.R) * kD * (4 + 2) + double(kN) * kD * 4);
 }
-BENCHMARK(BM_moe_unpermute_backward_bf16)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({2, 16384})->Args({0, 16384})->Unit(benchmark::kMicrosecond)
+BENCHMARK(BM_moe_unpermute_backward_bf16)->ArgNames({"isa", "N"})->Args({2, 2048})->Args({0, 2048})->Args({1, 2048})->Args({2, 16384})->Args({0, 16384})->Args({1, 16384})->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
 }  // namespace

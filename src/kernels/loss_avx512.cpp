@@ -11,31 +11,15 @@
 
 #include <cstdint>
 
+#include "exp_avx512.h"
 #include "loss_row.h"
 
 namespace moetron::loss_avx512 {
 
 namespace {
 
-// exp(x) for x <= ~88: x = n ln2 + r with |r| <= ln2 / 2 (n = round(x log2 e), two-step Cody-Waite
-// reduction), e^r by its degree-7 Taylor polynomial (truncation error < 2^-26 relative), times 2^n by
-// scalef (which also produces the subnormals and 0 for very negative x). Inputs below -104 give 0.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2_hi: 15 significant bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);    // ln2_lo = ln2 - ln2_hi
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp(x) for x <= ~88 (exp_avx512.h's variant clamped only below, at -104: those inputs give 0).
+inline __m512 exp16(__m512 x) { return exp_ps<false>(x); }
 
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u); }
 

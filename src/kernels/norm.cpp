@@ -1,6 +1,6 @@
 // norm.cpp: RMSNorm forward/backward drivers: input checks, OpenMP over rows, the fixed row blocking of
-// the dw reduction, and the portable row kernels. The AVX-512 row kernels are in norm_avx512.cpp and are
-// chosen by active_isa(). Not the reference (that is rmsnorm_*_ref in norm.h).
+// the dw reduction, and the portable row kernels. The AVX-512 and AVX2 row kernels are in norm_avx512.cpp and
+// norm_avx2.cpp and are chosen by active_isa(). Not the reference (that is rmsnorm_*_ref in norm.h).
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -20,6 +20,13 @@ void rmsnorm_bwd_row(float* dx, float* dwacc, const float* dy, const float* x, c
 void rmsnorm_dw_row(float* dwacc, const float* dy, const float* x, float r, int64_t C);
 void add_rows(float* acc, const float* x, int64_t n);
 }  // namespace norm_avx512
+// AVX2 row kernels (norm_avx2.cpp), the same signatures.
+namespace norm_avx2 {
+void rmsnorm_fwd_row(float* y, bf16* y16, float* rstd, const float* x, const float* w, int64_t C, float eps);
+void rmsnorm_bwd_row(float* dx, float* dwacc, const float* dy, const float* x, const float* w, float r, int64_t C);
+void rmsnorm_dw_row(float* dwacc, const float* dy, const float* x, float r, int64_t C);
+void add_rows(float* acc, const float* x, int64_t n);
+}  // namespace norm_avx2
 
 namespace {
 
@@ -80,7 +87,7 @@ void backward_impl(const char* op, float* dx, float* dw, const float* dy, const 
   // Per element: about 4 flops for dx, 2 for dw; dy and x read, dx written, dw's partials.
   MT_TRACE_COST(double(N * C) * ((dx ? 4.0 : 0.0) + (dw ? 2.0 : 0.0)),
                 double(N * C) * (8.0 + (dx ? 4.0 : 0.0)) + (dw ? 4.0 * double(C) : 0.0));
-  const bool simd = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
   const int64_t nblk = num_blocks(N), rows = (N + nblk - 1) / nblk, ldp = pad16(C);
   std::unique_ptr<float[]> own;
   float* part = static_cast<float*>(ws);
@@ -98,10 +105,12 @@ void backward_impl(const char* op, float* dx, float* dw, const float* dy, const 
         const float* dyr = dy + n * C;
         const float* xr = x + n * C;
         if (dx) {
-          if (simd) norm_avx512::rmsnorm_bwd_row(dx + n * C, acc, dyr, xr, w, rstd[n], C);
+          if (isa == Isa::Avx512) norm_avx512::rmsnorm_bwd_row(dx + n * C, acc, dyr, xr, w, rstd[n], C);
+          else if (isa == Isa::Avx2) norm_avx2::rmsnorm_bwd_row(dx + n * C, acc, dyr, xr, w, rstd[n], C);
           else bwd_row(dx + n * C, acc, dyr, xr, w, rstd[n], C);
         } else {
-          if (simd) norm_avx512::rmsnorm_dw_row(acc, dyr, xr, rstd[n], C);
+          if (isa == Isa::Avx512) norm_avx512::rmsnorm_dw_row(acc, dyr, xr, rstd[n], C);
+          else if (isa == Isa::Avx2) norm_avx2::rmsnorm_dw_row(acc, dyr, xr, rstd[n], C);
           else dw_row(acc, dyr, xr, rstd[n], C);
         }
       }
@@ -113,7 +122,8 @@ void backward_impl(const char* op, float* dx, float* dw, const float* dy, const 
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t c0 = ch * 256, nc = std::min<int64_t>(256, C - c0);
         for (int64_t blk = 0; blk < nblk && blk * rows < N; ++blk) {
-          if (simd) norm_avx512::add_rows(dw + c0, part + blk * ldp + c0, nc);
+          if (isa == Isa::Avx512) norm_avx512::add_rows(dw + c0, part + blk * ldp + c0, nc);
+          else if (isa == Isa::Avx2) norm_avx2::add_rows(dw + c0, part + blk * ldp + c0, nc);
           else add_rows(dw + c0, part + blk * ldp + c0, nc);
         }
       }
@@ -131,11 +141,12 @@ void rmsnorm_forward(float* y, bf16* y16, float* rstd, const float* x, const flo
   MT_CHECK(y && rstd && x && w, "rmsnorm_forward", "null pointer (y, rstd, x and w are required)");
   // Per element: square-add, scale, weight (about 4 flops); x read, y (and its bf16 copy) written.
   MT_TRACE_COST(4.0 * double(N * C), double(N * C) * (8.0 + (y16 ? 2.0 : 0.0)) + 4.0 * double(C + N));
-  const bool simd = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     bf16* y16r = y16 ? y16 + n * C : nullptr;
-    if (simd) norm_avx512::rmsnorm_fwd_row(y + n * C, y16r, rstd + n, x + n * C, w, C, eps);
+    if (isa == Isa::Avx512) norm_avx512::rmsnorm_fwd_row(y + n * C, y16r, rstd + n, x + n * C, w, C, eps);
+    else if (isa == Isa::Avx2) norm_avx2::rmsnorm_fwd_row(y + n * C, y16r, rstd + n, x + n * C, w, C, eps);
     else fwd_row(y + n * C, y16r, rstd + n, x + n * C, w, C, eps);
   }
 }

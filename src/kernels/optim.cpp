@@ -1,5 +1,5 @@
 // optim.cpp: AdamW step and global gradient norm: argument checks, the per-step scalars, the scalar
-// path and the dispatch to optim_avx512.cpp (AdamW, norm) and optim_avx2.cpp (norm). The scalar and vector
+// path and the dispatch to optim_avx512.cpp and optim_avx2.cpp (AdamW, norm). The scalar and vector
 // paths compute bitwise the same results (same operation order; the vector files use non-contracting
 // intrinsics).
 // Not an optimizer object (see src/train).
@@ -20,6 +20,8 @@ void adamw_range(float* p, float* m, float* v, const float* g, int64_t n, const 
 double norm_block(const float* g, int64_t n);
 }  // namespace optim_avx512
 namespace optim_avx2 {
+void adamw_range(float* p, float* m, float* v, const float* g, int64_t n, const AdamWScalars& s, float grad_scale,
+                 bool apply_decay);
 double norm_block(const float* g, int64_t n);
 }  // namespace optim_avx2
 
@@ -79,10 +81,12 @@ void adamw_step(float* p, float* m, float* v, const float* g, int64_t n, const A
   MT_CHECK(std::isfinite(grad_scale), "adamw_step", "grad_scale must be finite, got ", grad_scale);
   MT_TRACE_COST(15.0 * double(n), 28.0 * double(n));  // p, m, v, g read; p, m, v written
   const AdamWScalars s = adamw_scalars(c, step);
-  const bool vec = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
   auto run = [&](int64_t i0, int64_t i1) {
-    if (vec) optim_avx512::adamw_range(p + i0, m + i0, v + i0, g + i0, i1 - i0, s, grad_scale, apply_decay);
-    else adamw_range_scalar(p + i0, m + i0, v + i0, g + i0, i1 - i0, s, grad_scale, apply_decay);
+    const int64_t len = i1 - i0;
+    if (isa == Isa::Avx512) optim_avx512::adamw_range(p + i0, m + i0, v + i0, g + i0, len, s, grad_scale, apply_decay);
+    else if (isa == Isa::Avx2) optim_avx2::adamw_range(p + i0, m + i0, v + i0, g + i0, len, s, grad_scale, apply_decay);
+    else adamw_range_scalar(p + i0, m + i0, v + i0, g + i0, len, s, grad_scale, apply_decay);
   };
   if (n < kAdamWParallelMin) {
     run(0, n);

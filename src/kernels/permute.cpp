@@ -6,7 +6,8 @@
 // integer, so it is exactly the reference). The data kernels are parallel over rows (permute) or tokens
 // (the others); each output row is produced by one thread from a fixed sequence of operations, so results
 // are bitwise independent of the thread count. The portable path is plain loops (the compiler vectorizes
-// them at the baseline ISA); AVX-512 kernels live in permute_avx512.cpp.
+// them at the baseline ISA); AVX-512 kernels live in permute_avx512.cpp, AVX2 ones (bitwise this path except
+// the dw dot product) in permute_avx2.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -30,9 +31,19 @@ void moe_unpermute_backward_avx512(float* dyp32, bf16* dyp16, float* dw, const f
                                    const int32_t* row_of, const int32_t* token_of, const int32_t* slot_of,
                                    const float* w, int64_t N, int k, int64_t R, int64_t D);
 
+// permute_avx2.cpp (the fp32 gather has none: the portable memcpy is glibc's vector copy)
+void moe_permute_bf16_avx2(bf16* xp, const float* x, const int32_t* token_of, int64_t R, int64_t D);
+void moe_permute_backward_avx2(float* dx, const float* dxp, const int32_t* row_of, int64_t N, int k, int64_t D);
+void moe_unpermute_avx2(float* y, const float* yp, const int32_t* row_of, const float* w, int64_t N, int k,
+                        int64_t D);
+void moe_unpermute_backward_avx2(float* dyp32, bf16* dyp16, float* dw, const float* dy, const float* yp,
+                                 const int32_t* row_of, const int32_t* token_of, const int32_t* slot_of,
+                                 const float* w, int64_t N, int k, int64_t R, int64_t D);
+
 namespace {
 
 bool use_avx512() { return active_isa() == Isa::Avx512; }
+bool use_avx2() { return active_isa() == Isa::Avx2; }
 
 void check_sizes(const char* op, int64_t N, int k, int64_t R, int64_t D) {
   MT_CHECK(N >= 0 && D >= 0, op, "negative size N=", N, " D=", D);
@@ -76,6 +87,13 @@ void unpermute_backward_impl(TO* dyp, float* dw, const float* dy, const float* y
       moe_unpermute_backward_avx512(nullptr, dyp, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
     else
       moe_unpermute_backward_avx512(dyp, nullptr, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
+    return;
+  }
+  if (use_avx2()) {
+    if constexpr (std::is_same_v<TO, bf16>)
+      moe_unpermute_backward_avx2(nullptr, dyp, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
+    else
+      moe_unpermute_backward_avx2(dyp, nullptr, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
     return;
   }
   // Portable path: per permuted row, in order (sequential over the two large buffers).
@@ -221,6 +239,7 @@ void moe_permute(bf16* xp, const float* x, const int32_t* token_of, int64_t R, i
   MT_CHECK(xp && x, op, "null xp or x");
   MT_TRACE_COST(0, 6.0 * double(R * D));
   if (use_avx512()) return moe_permute_bf16_avx512(xp, x, token_of, R, D);
+  if (use_avx2()) return moe_permute_bf16_avx2(xp, x, token_of, R, D);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
     const float* src = x + int64_t(token_of[r]) * D;
@@ -238,6 +257,7 @@ void moe_permute_backward(float* dx, const float* dxp, const int32_t* row_of, in
   MT_CHECK(dx && (R == 0 || dxp), op, "null dx or dxp");
   MT_TRACE_COST(double(R * D), 4.0 * double(R * D + N * D));  // each kept row added to its token
   if (use_avx512()) return moe_permute_backward_avx512(dx, dxp, row_of, N, k, D);
+  if (use_avx2()) return moe_permute_backward_avx2(dx, dxp, row_of, N, k, D);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
     float* o = dx + t * D;
@@ -260,6 +280,7 @@ void moe_unpermute(float* y, const float* yp, const int32_t* row_of, const float
   MT_CHECK(y && w && (R == 0 || yp), op, "null y, w or yp");
   MT_TRACE_COST(2.0 * double(R * D), 4.0 * double(R * D + N * D));  // weighted sum of each token's rows
   if (use_avx512()) return moe_unpermute_avx512(y, yp, row_of, w, N, k, D);
+  if (use_avx2()) return moe_unpermute_avx2(y, yp, row_of, w, N, k, D);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
     float* o = y + t * D;

@@ -1,6 +1,6 @@
 // rope.cpp: RoPE table, and the in-place rotation of a strided view (forward and inverse): input checks,
-// OpenMP over tokens, a portable head kernel. The AVX-512 head kernel is in rope_avx512.cpp, chosen by
-// active_isa(). Not the reference (rope_*_ref in rope.h).
+// OpenMP over tokens, a portable head kernel. The AVX-512 and AVX2 head kernels are in rope_avx512.cpp and
+// rope_avx2.cpp (bitwise this file's), chosen by active_isa(). Not the reference (rope_*_ref in rope.h).
 #include <cmath>
 
 #include "moetron/check.h"
@@ -11,6 +11,9 @@
 namespace moetron {
 
 namespace rope_avx512 {
+void rotate(float* p, int64_t half, const float* c, const float* s, bool inverse);
+}
+namespace rope_avx2 {
 void rotate(float* p, int64_t half, const float* c, const float* s, bool inverse);
 }
 
@@ -37,7 +40,7 @@ void apply(const char* op, float* x, int64_t B, int64_t T, int64_t H, int64_t ld
   if (B * T * H == 0) return;
   MT_CHECK(x && cos && sin, op, "null pointer");
   MT_TRACE_COST(3.0 * double(B * T * H * R), 8.0 * double(B * T * H * R));  // 6 flops per rotated pair, in place
-  const bool simd = active_isa() == Isa::Avx512;
+  const Isa isa = active_isa();
   const int64_t half = R / 2;
 #pragma omp parallel for schedule(static) if (B * T * H * R >= 32768)
   for (int64_t bt = 0; bt < B * T; ++bt) {
@@ -46,7 +49,8 @@ void apply(const char* op, float* x, int64_t B, int64_t T, int64_t H, int64_t ld
     const float* s = sin + t * half;
     for (int64_t h = 0; h < H; ++h) {
       float* p = x + bt * ld_token + h * ld_head + offset;
-      if (simd) rope_avx512::rotate(p, half, c, s, inverse);
+      if (isa == Isa::Avx512) rope_avx512::rotate(p, half, c, s, inverse);
+      else if (isa == Isa::Avx2) rope_avx2::rotate(p, half, c, s, inverse);
       else rotate(p, half, c, s, inverse);
     }
   }

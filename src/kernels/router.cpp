@@ -5,7 +5,8 @@
 // Parallel over tokens (one OpenMP region per call); each token's outputs depend only on its own logits.
 // The only cross-token quantities (counts, the loss values, per-sequence counts for the aux loss) are integer
 // histograms or fp64 sums taken in token order after the parallel part, so results never depend on the
-// thread count. With AVX-512 the score rows, the selection and the z-loss rows go through router_avx512.cpp;
+// thread count. With AVX-512 (AVX2) the score rows, the selection and the z-loss rows go through
+// router_avx512.cpp (router_avx2.cpp);
 // the portable path below performs the same operations as router_forward_ref<float> (bitwise equal scores).
 #include <algorithm>
 #include <cmath>
@@ -25,6 +26,12 @@ bool router_select_row_avx512(int32_t* idx, float* val, const float* s, const fl
                               int n_group, int topk_group, bool top2sum);
 float router_lse_row_avx512(const float* l, int E);
 void router_zgrad_row_avx512(float* dl, const float* l, int E, float coef);
+// router_avx2.cpp (the same signatures)
+void router_scores_row_avx2(float* s, const float* l, int E, bool softmax);
+bool router_select_row_avx2(int32_t* idx, float* val, const float* s, const float* bias, int E, int k,
+                            int n_group, int topk_group, bool top2sum);
+float router_lse_row_avx2(const float* l, int E);
+void router_zgrad_row_avx2(float* dl, const float* l, int E, float coef);
 
 namespace {
 
@@ -209,7 +216,8 @@ const float* balance_prepass(const Ws& w, float* scores, const float* logits, co
   const bool split = whole_split(cfg);
   if (cfg.sinkhorn_iters == 0 && !split) return nullptr;
   const int E = cfg.E;
-  const bool softmax = cfg.score == ScoreFn::Softmax, avx512 = active_isa() == Isa::Avx512;
+  const bool softmax = cfg.score == ScoreFn::Softmax, avx512 = active_isa() == Isa::Avx512,
+             avx2 = active_isa() == Isa::Avx2;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* l = logits + n * E;
@@ -218,6 +226,7 @@ const float* balance_prepass(const Ws& w, float* scores, const float* logits, co
     for (int e = 0; e < E; ++e) finite &= std::isfinite(l[e]);
     if (!finite) for (int e = 0; e < E; ++e) s[e] = 0;
     else if (avx512) router_scores_row_avx512(s, l, E, softmax);
+    else if (avx2) router_scores_row_avx2(s, l, E, softmax);
     else scores_row_scalar(s, l, E, softmax);
   }
   const int64_t Nw = split ? N * cfg.split : N;
@@ -362,7 +371,7 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   const bool want_aux = losses && cfg.aux != AuxMode::None;
   const bool want_z = losses && cfg.z_coef > 0;
   const bool softmax = cfg.score == ScoreFn::Softmax;
-  const bool avx512 = active_isa() == Isa::Avx512;
+  const bool avx512 = active_isa() == Isa::Avx512, avx2 = active_isa() == Isa::Avx2;
   const int64_t T = aux_seq_len(cfg, N), S = aux_nseq(cfg, N);
   int64_t bad_row = -1;
   const bool split = whole_split(cfg);
@@ -387,6 +396,8 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
         for (int e = 0; e < E; ++e) s[e] = 0;
       } else if (avx512) {
         router_scores_row_avx512(s, l, E, softmax);
+      } else if (avx2) {
+        router_scores_row_avx2(s, l, E, softmax);
       } else {
         scores_row_scalar(s, l, E, softmax);
       }
@@ -397,15 +408,16 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
         for (int e = 0; e < E; ++e) qrow[size_t(e)] = s[e] * skc[e];
         sel = qrow.data();
       }
-      if (!avx512 || !router_select_row_avx512(idx, wt, sel, bias, E, k, cfg.n_group, cfg.topk_group,
-                                               cfg.group_score == GroupScore::Top2Sum))
+      const bool top2 = cfg.group_score == GroupScore::Top2Sum;
+      if (!(avx512 && router_select_row_avx512(idx, wt, sel, bias, E, k, cfg.n_group, cfg.topk_group, top2)) &&
+          !(avx2 && router_select_row_avx2(idx, wt, sel, bias, E, k, cfg.n_group, cfg.topk_group, top2)))
         select_row(idx, wt, sel, bias, cfg);
       float sum = 0;
       for (int j = 0; j < k; ++j) sum += s[idx[j]];
       for (int j = 0; j < k; ++j)
         wt[j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
-      if (want_z && avx512 && finite) {
-        const double lse = router_lse_row_avx512(l, E);
+      if (want_z && (avx512 || avx2) && finite) {
+        const double lse = avx512 ? router_lse_row_avx512(l, E) : router_lse_row_avx2(l, E);
         w.tok_z[n] = lse * lse;
       } else if (want_z) {
         double z = 0;
@@ -493,7 +505,7 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
   const float aux_scale = aux ? float(double(cfg.aux_coef) * E / (Tt * Tt * k * double(S))) : 0.0f;
   const float rs = cfg.route_scale;
   const double zc = 2.0 * double(cfg.z_coef) / (double(N) * cfg.split);
-  const bool avx512 = active_isa() == Isa::Avx512;
+  const bool avx512 = active_isa() == Isa::Avx512, avx2 = active_isa() == Isa::Avx2;
 
   if (aux) {
 #pragma omp parallel for schedule(static)
@@ -545,6 +557,8 @@ void router_backward(float* dlogits, const float* dtopk_w, const float* scores, 
       // 4. z-loss
       if (cfg.z_coef > 0 && avx512) {
         router_zgrad_row_avx512(ds, logits + n * E, E, float(zc));
+      } else if (cfg.z_coef > 0 && avx2) {
+        router_zgrad_row_avx2(ds, logits + n * E, E, float(zc));
       } else if (cfg.z_coef > 0) {
         const float* l = logits + n * E;
         float m = l[0];

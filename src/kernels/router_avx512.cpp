@@ -1,6 +1,6 @@
 // router_avx512.cpp: AVX-512 row kernels for the router: score rows (softmax or sigmoid over E experts),
 // the group-limited top-k of a row, and the logsumexp / z-loss gradient rows. Not the loop over tokens,
-// the validation or the losses (router.cpp). The exp is a degree-7 polynomial after a
+// the validation or the losses (router.cpp). The exp (exp_avx512.h) is a degree-7 polynomial after a
 // Cody-Waite reduction, within 2 ulp of the correctly rounded expf on the router's input range, so the scores
 // differ from router_scores_ref<float> by a few ulp (the tolerance rationale is in docs/kernels/moe.md).
 // GCC 12 warns falsely about _mm512_undefined_* inside its own intrinsic headers.
@@ -11,31 +11,15 @@
 #include <cmath>
 #include <cstdint>
 
+#include "exp_avx512.h"
 #include "router_topk.h"
 
 namespace moetron {
 
 namespace {
 
-inline __m512 exp512(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  // e^r, |r| <= 0.35: Taylor to r^7 (truncation < 5e-9 relative).
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);  // p * 2^n, with exact underflow to 0 / overflow to inf
-}
+// exp_avx512.h's variant clamped to [-104, 88.7] with the 9-bit ln2 split (this file's historic exp).
+inline __m512 exp512(__m512 x) { return exp_ps<true>(x, 88.7f, kLn2Cephes); }
 
 inline __mmask16 tail_mask(int rem) { return rem >= 16 ? __mmask16(0xffff) : __mmask16((1u << rem) - 1); }
 

@@ -1,5 +1,5 @@
-// router_topk.h: the top-k insertion shared by the router's portable and AVX-512 paths (router.cpp,
-// router_avx512.cpp). Scalar code in an anonymous namespace, so each ISA file keeps its own copy.
+// router_topk.h: the top-k insertion shared by the router's portable, AVX-512 and AVX2 paths (router.cpp,
+// router_avx512.cpp, router_avx2.cpp). Scalar code in an anonymous namespace, so each ISA file keeps its own copy.
 #pragma once
 #include <cstdint>
 

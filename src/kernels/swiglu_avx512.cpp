@@ -1,5 +1,5 @@
 // swiglu_avx512.cpp: AVX-512 row kernels for SwiGLU (called by swiglu.cpp when active_isa() is Avx512),
-// with a vector exp (Cody-Waite range reduction, degree-7 polynomial, scalef; about 2 ulp).
+// with the vector exp of exp_avx512.h (Cody-Waite range reduction, degree-7 polynomial, scalef; about 2 ulp).
 // Not a driver: no threading or input checks here.
 // GCC 12 warns about _mm512_undefined_ps() inside its own intrinsic headers (a false positive).
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "exp_avx512.h"
 #include "moetron/dtype.h"
 
 namespace moetron::swiglu_avx512 {
@@ -15,23 +16,6 @@ namespace moetron::swiglu_avx512 {
 namespace {
 inline __mmask16 tail_mask(int64_t rem) { return rem >= 16 ? __mmask16(0xffff) : __mmask16((1u << rem) - 1u); }
 
-// exp(x) for x in [-104, 89] (clamped outside: below gives 0, above +inf).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 hi (exact in n*hi)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);   // ln2 lo
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 inline __m512 sigmoid_ps(__m512 g) {
   const __m512 one = _mm512_set1_ps(1.0f);
   return _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
