@@ -786,7 +786,7 @@ struct MemoryTerms {
   void add_tp_activations(MemoryEstimate& r) const {
     const double tp = double(par.tp), Nr = N / tp;
     bool shared[2] = {false, false};
-    for (int64_t l = 0; l < s.n_layers; ++l) {
+    for (int64_t l = 0; l < s.n_blocks(); ++l) {  // the MTP depths' blocks too, each a TP layer
       const bool is_moe = moe[size_t(l)];
       if (ac.mode == AcMode::Full && on[size_t(l)]) {
         r.activations += Nr * d * 4;
@@ -796,6 +796,8 @@ struct MemoryTerms {
       }
     }
     r.activations += engine_tp_final_norm_bytes(s, N, tp, cb);
+    // Each MTP depth's own buffers (model_mtp.cpp mtp_build) on the rank's rows, as without TP.
+    r.activations += double(s.mtp_layers) * (Nr * d * (12 + 2 * double(cb)) + Nr * 8);
     r.activation_keys = kv("training.micro_batch_size", c.training.micro_batch_size) + ", " +
                         kv("training.seq_len", c.training.seq_len) + ", " + kv("model.n_layers", s.n_layers) + ", " +
                         kv("parallelism.tp", par.tp);

@@ -105,9 +105,6 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
     const std::string why = "model.mtp_layers = " + std::to_string(spec_.mtp_layers) + " is not implemented with ";
     MT_CHECK(T > spec_.mtp_layers, "Model", why, "training.seq_len = ", T, ": depth k predicts the token k + 1 "
              "positions ahead, so the sequence needs more than mtp_layers tokens");
-    MT_CHECK(impl_->tp == 1, "Model", why, "tensor parallelism (parallelism.tp = ", impl_->tp, ") yet; use tp = 1");
-    MT_CHECK(impl_->cp == 1, "Model", why, "context parallelism (parallelism.cp = ", impl_->cp, ") yet (a depth reads "
-             "the tokens ahead of each position, which CP places on other ranks); use cp = 1");
     MT_CHECK(!par.ep_overlap || !spec_.tie_embeddings, "Model", why, "parallelism.ep_overlap = true and "
              "model.tie_embeddings = true yet (on the head stage the two lanes would both add into the tied weight's "
              "gradient at once: one lane's forward the head's, the other's backward the depths' embedding rows); use "

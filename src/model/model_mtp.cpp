@@ -9,13 +9,21 @@
 // k's loss when i + k < T and both tokens are valid (else its input token is 0 and its target ignored). The depth's
 // loss gradient is scaled by mtp_loss_weight / D / (the step's positions the depth has: ce_scale's T over T - k).
 // Like the main head, each depth's fused head runs its backward in the forward and keeps dL/dh^k for the backward.
+// Tensor parallelism (sequence parallel): the depth works on the rank's Nr rows like the main layers (its block is a
+// TP block; enorm, hnorm, eh_proj and norm are whole on every rank, their gradients partial over the rows and summed
+// over TP once per step); the embedding rows of the tokens ahead are the vocabulary-parallel lookup of every rank's
+// token ids, reduce-scattered to its rows; the loss is the vocabulary-parallel fused kernel on the gathered rows.
+// Context parallelism: the stage gets the whole sequences' targets, so the tokens ahead of each position are built
+// on the whole sequence and the rank takes its chunks' rows of them (no communication: every CP rank has the ids).
 // Not the block math (model_layer.cpp and the blocks) and not where the stage runs it (model_stage.cpp).
 #include <algorithm>
 #include <cstring>
 
 #include "model/model_impl.h"
+#include "moetron/cp_attention.h"
 #include "moetron/loss.h"
 #include "moetron/trace.h"
+#include "moetron/vocab_parallel.h"
 
 namespace moetron {
 
@@ -30,8 +38,9 @@ void Model::Impl::mtp_build() {
   mtp_slot.assign(size_t(slots), std::vector<MtpBufs>(size_t(Dm)));
   for (auto& per : mtp_slot)
     for (auto& b : per) {
-      b.hin = f32buf(N * d), b.erows = f32buf(N * d), b.rstd_e = f32buf(N), b.rstd_h = f32buf(N);
-      b.cat = cbuf(N * 2 * d), b.hg = f32buf(N * d);
+      // the rank's residual rows (TP: Nr = N / tp); the token ids of every row of the micro-batch (CP: its rows)
+      b.hin = f32buf(Nr * d), b.erows = f32buf(Nr * d), b.rstd_e = f32buf(Nr), b.rstd_h = f32buf(Nr);
+      b.cat = cbuf(Nr * 2 * d), b.hg = f32buf(Nr * d);
       b.tok.assign(size_t(N), 0), b.tgt.assign(size_t(N), -1);
     }
   mtp_scratch();
@@ -54,26 +63,35 @@ double Model::Impl::mtp_head(int64_t k, const float* x, const int32_t* tgt, bool
   if (own_h) fs_acquire(hu, true, backward && head != emb);
   {
     MT_TRACE("fwd.norm");
-    norm_fwd_c(mtp_hfc, mtp_rstd.data<float>(), x, P(mp.norm), N, d);
+    norm_fwd_c(tp == 1 ? mtp_hfc : tp_fullc, mtp_rstd.data<float>(), x, P(mp.norm), Nr, d);
   }
-  const int64_t chunk = linear_xent_default_chunk(V);
+  if (tp > 1) tp_gather_rows(mtp_hfc.raw(), tp_fullc.raw(), d * (f32 ? 4 : 2));  // the head sees every row
+  const int64_t chunk = tp > 1 ? vocab_xent_default_chunk(V, tp) : linear_xent_default_chunk(V);
   const bf16* Wb = f32 ? nullptr : static_cast<const bf16*>(W(head));
   trace::Scope tr_loss("loss.fused_linear_xent");
   double ce = 0;
-  if (!backward) {
+  if (!backward && tp > 1) {  // vocabulary-parallel (vocab_parallel.h): every TP rank gets the whole loss
+    ce = f32 ? vocab_xent_fwd_f32(nullptr, mtp_hfc.data<float>(), P(head), tgt, N, d, V, tp_comm, 1.0f, chunk, wsp())
+             : vocab_xent_fwd_bf16(nullptr, mtp_hfc.data<bf16>(), Wb, tgt, N, d, V, tp_comm, 1.0f, chunk, wsp());
+  } else if (!backward) {
     ce = f32 ? linear_xent_fwd_f32(nullptr, mtp_hfc.data<float>(), P(head), tgt, N, d, V, 1.0f, chunk, wsp())
              : linear_xent_fwd_bf16(nullptr, mtp_hfc.data<bf16>(), Wb, tgt, N, d, V, 1.0f, chunk, wsp());
   } else {
-    float* dhf = dh.data<float>();
+    float* dhf = dh.data<float>();  // TP: dL/dh reduce-scattered to the rank's rows
+    const auto RS = TpReduce::ReduceScatter;
     const double scaled =
-        f32 ? linear_xent_fwd_bwd_f32(dhf, head_weight_grad(), mtp_hfc.data<float>(), P(head), tgt, N, d, V, scale,
-                                      chunk, wsp())
-            : linear_xent_fwd_bwd_bf16(dhf, head_weight_grad(), mtp_hfc.data<bf16>(), Wb, tgt, N, d, V, scale, chunk,
-                                       wsp());
+        tp > 1 ? (f32 ? vocab_xent_fwd_bwd_f32(dhf, head_weight_grad(), mtp_hfc.data<float>(), P(head), tgt, N, d, V,
+                                               tp_comm, RS, scale, chunk, wsp())
+                      : vocab_xent_fwd_bwd_bf16(dhf, head_weight_grad(), mtp_hfc.data<bf16>(), Wb, tgt, N, d, V,
+                                                tp_comm, RS, scale, chunk, wsp()))
+        : f32  ? linear_xent_fwd_bwd_f32(dhf, head_weight_grad(), mtp_hfc.data<float>(), P(head), tgt, N, d, V, scale,
+                                         chunk, wsp())
+               : linear_xent_fwd_bwd_bf16(dhf, head_weight_grad(), mtp_hfc.data<bf16>(), Wb, tgt, N, d, V, scale,
+                                          chunk, wsp());
     ce = scale != 0 ? scaled / scale : 0;
     tr_loss.stop();
     MT_TRACE("bwd.norm");
-    rmsnorm_backward(g, G(mp.norm), dhf, x, P(mp.norm), mtp_rstd.data<float>(), N, d, wsp());
+    rmsnorm_backward(g, G(mp.norm), dhf, x, P(mp.norm), mtp_rstd.data<float>(), Nr, d, wsp());
   }
   if (own_h) fs_release(hu);
   fs_release(lu);
@@ -82,7 +100,7 @@ double Model::Impl::mtp_head(int64_t k, const float* x, const int32_t* tgt, bool
 
 void Model::Impl::mtp_forward(int slot, const float* h0, const int32_t* targets, bool backward, float ce_scale,
                               ForwardStats& st) {
-  const int64_t T = m.seq_len_, Bn = m.B_;
+  const int64_t T = m.seq_len_, Bn = m.B_;  // the whole sequences (CP: this rank holds its chunks' rows of them)
   st.mtp_ce.assign(size_t(Dm), 0.0), st.mtp_n.assign(size_t(Dm), 0);
   const float* hprev = h0;
   float* xk = mtp_x.data<float>();
@@ -93,9 +111,16 @@ void Model::Impl::mtp_forward(int slot, const float* h0, const int32_t* targets,
     MT_TRACE_MODULE("mtp", int(l));
     MtpBufs& b = mtp_buf(slot, k);
     const MtpParams& mp = mtp[size_t(k)];
-    std::memcpy(b.hin.data<float>(), hprev, size_t(N * d) * 4);
-    // Depth k + 1 at position i: input t_{i+k+1} = targets[i + k], target t_{i+k+2} = targets[i + k + 1].
-    int64_t n_valid = 0;
+    std::memcpy(b.hin.data<float>(), hprev, size_t(Nr * d) * 4);
+    // Depth k + 1 at position i: input t_{i+k+1} = targets[i + k], target t_{i+k+2} = targets[i + k + 1], built on the
+    // whole sequences (CP: then this rank's rows of them are taken).
+    std::vector<int32_t> full_tok, full_tgt;
+    int32_t* tok = b.tok.data();
+    int32_t* tgt = b.tgt.data();
+    if (cp > 1) {
+      full_tok.resize(size_t(Bn * T)), full_tgt.resize(size_t(Bn * T));
+      tok = full_tok.data(), tgt = full_tgt.data();
+    }
     for (int64_t q = 0; q < Bn; ++q)
       for (int64_t i = 0; i < T; ++i) {
         const int64_t t = q * T + i;
@@ -103,32 +128,42 @@ void Model::Impl::mtp_forward(int slot, const float* h0, const int32_t* targets,
         const int32_t out = i + k + 1 < T ? targets[t + k + 1] : -1;
         MT_CHECK(in < V && out < V, "Model::forward (mtp)", "target ", std::max(in, out), " outside the vocabulary [0, ",
                  V, ")");
-        b.tok[size_t(t)] = in >= 0 ? in : 0;
-        b.tgt[size_t(t)] = in >= 0 ? out : -1;
-        n_valid += b.tgt[size_t(t)] >= 0;
+        tok[t] = in >= 0 ? in : 0;
+        tgt[t] = in >= 0 ? out : -1;
       }
-    {  // the embedding rows of the input tokens
+    if (cp > 1) {
+      cp_take_rows(b.tok.data(), tok, Bn, T, 4, cp, cp_rank);
+      cp_take_rows(b.tgt.data(), tgt, Bn, T, 4, cp, cp_rank);
+    }
+    int64_t n_valid = 0;  // this rank's positions in the depth's loss (CP: summed over the group by the trainer)
+    for (int64_t t = 0; t < N; ++t) n_valid += b.tgt[size_t(t)] >= 0;
+    {  // the embedding rows of the input tokens (TP: the vocabulary-parallel lookup, reduce-scattered to the rows)
       MT_TRACE("fwd.embed");
       const bool own0 = fs_on && fs_slot_of[0] < 0;
       if (own0) fs_acquire(0, true, false);
       const float* E0 = P(emb);
       float* er = b.erows.data<float>();
+      if (tp > 1) {
+        vocab_embed_forward(er, E0, b.tok.data(), N, d, V, tp_comm, TpReduce::ReduceScatter, tp_full.raw());
+      } else {
 #pragma omp parallel for schedule(static)
-      for (int64_t t = 0; t < N; ++t) std::memcpy(er + t * d, E0 + int64_t(b.tok[size_t(t)]) * d, size_t(d) * 4);
+        for (int64_t t = 0; t < N; ++t) std::memcpy(er + t * d, E0 + int64_t(b.tok[size_t(t)]) * d, size_t(d) * 4);
+      }
       if (own0) fs_release(0);
     }
     fs_acquire(layer_unit(l), true, false);
     {
       MT_TRACE("fwd.norm");  // [enorm(e) | hnorm(h)] rows of 2d, then its compute copy
-      rmsnorm_forward(tmp, nullptr, b.rstd_e.data<float>(), b.erows.data<float>(), P(mp.enorm), N, d, float(s.norm_eps));
-      for (int64_t t = 0; t < N; ++t) std::memcpy(cat + t * 2 * d, tmp + t * d, size_t(d) * 4);
-      rmsnorm_forward(tmp, nullptr, b.rstd_h.data<float>(), b.hin.data<float>(), P(mp.hnorm), N, d, float(s.norm_eps));
-      for (int64_t t = 0; t < N; ++t) std::memcpy(cat + t * 2 * d + d, tmp + t * d, size_t(d) * 4);
-      copy_c(b.cat, cat, N * 2 * d);
+      const float eps = float(s.norm_eps);
+      rmsnorm_forward(tmp, nullptr, b.rstd_e.data<float>(), b.erows.data<float>(), P(mp.enorm), Nr, d, eps);
+      for (int64_t t = 0; t < Nr; ++t) std::memcpy(cat + t * 2 * d, tmp + t * d, size_t(d) * 4);
+      rmsnorm_forward(tmp, nullptr, b.rstd_h.data<float>(), b.hin.data<float>(), P(mp.hnorm), Nr, d, eps);
+      for (int64_t t = 0; t < Nr; ++t) std::memcpy(cat + t * 2 * d + d, tmp + t * d, size_t(d) * 4);
+      copy_c(b.cat, cat, Nr * 2 * d);
     }
     {
-      MT_TRACE("fwd.mtp.eh_proj");
-      lin_fwd(xk, b.cat.raw(), mp.eh_proj, N, 2 * d, d);
+      MT_TRACE("fwd.mtp.eh_proj");  // TP: whole on every rank, on its rows
+      lin_fwd(xk, b.cat.raw(), mp.eh_proj, Nr, 2 * d, d);
     }
     fs_release(layer_unit(l));
     forward_layer(l, xk);  // xk: h^{k+1}
@@ -152,25 +187,27 @@ void Model::Impl::mtp_backward(int slot, float* g) {
     fs_acquire(layer_unit(l), true, true);
     {
       MT_TRACE("bwd.mtp.eh_proj");
-      const void* gk_c = to_c(dyc, gk, N * d);
-      lin_dgrad(dcat, gk_c, mp.eh_proj, N, 2 * d, d);
-      lin_wgrad(mp.eh_proj, b.cat.raw(), gk_c, N, 2 * d, d);
+      const void* gk_c = to_c(dyc, gk, Nr * d);
+      lin_dgrad(dcat, gk_c, mp.eh_proj, Nr, 2 * d, d);
+      lin_wgrad(mp.eh_proj, b.cat.raw(), gk_c, Nr, 2 * d, d);  // TP: partial over the rows (summed over TP)
     }
     float* dprev = k > 0 ? mtp_buf(slot, k - 1).hg.data<float>() : g;
     float* de = mtp_x.data<float>();
     {
       MT_TRACE("bwd.norm");
-      for (int64_t t = 0; t < N; ++t) std::memcpy(tmp + t * d, dcat + t * 2 * d + d, size_t(d) * 4);
-      rmsnorm_backward(de, G(mp.hnorm), tmp, b.hin.data<float>(), P(mp.hnorm), b.rstd_h.data<float>(), N, d, wsp());
-      add_inplace(dprev, de, N * d);
-      for (int64_t t = 0; t < N; ++t) std::memcpy(tmp + t * d, dcat + t * 2 * d, size_t(d) * 4);
-      rmsnorm_backward(de, G(mp.enorm), tmp, b.erows.data<float>(), P(mp.enorm), b.rstd_e.data<float>(), N, d, wsp());
+      for (int64_t t = 0; t < Nr; ++t) std::memcpy(tmp + t * d, dcat + t * 2 * d + d, size_t(d) * 4);
+      rmsnorm_backward(de, G(mp.hnorm), tmp, b.hin.data<float>(), P(mp.hnorm), b.rstd_h.data<float>(), Nr, d, wsp());
+      add_inplace(dprev, de, Nr * d);
+      for (int64_t t = 0; t < Nr; ++t) std::memcpy(tmp + t * d, dcat + t * 2 * d, size_t(d) * 4);
+      rmsnorm_backward(de, G(mp.enorm), tmp, b.erows.data<float>(), P(mp.enorm), b.rstd_e.data<float>(), Nr, d, wsp());
     }
     fs_release(layer_unit(l));
     {  // the embedding rows' gradient, in token order (deterministic), into the head stage's embedding gradient
       MT_TRACE("bwd.embed");
       float* gE = tied_hg.data<float>();
-      for (int64_t t = 0; t < N; ++t) {
+      // TP: the rows all-gathered, then this rank's vocabulary rows in the same order (vocab_parallel.h)
+      if (tp > 1) vocab_embed_backward(gE, de, b.tok.data(), N, d, V, tp_comm, TpReduce::ReduceScatter, tp_full.raw());
+      for (int64_t t = 0; t < N && tp == 1; ++t) {
         float* dst = gE + int64_t(b.tok[size_t(t)]) * d;
         const float* src = de + t * d;
 #pragma omp simd

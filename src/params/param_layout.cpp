@@ -139,11 +139,12 @@ std::vector<ParamEntry> model_param_layout(const ModelSpec& spec, const ParamSel
     const std::string p = mtp ? "mtp." + std::to_string(l - s.n_layers) + ".block." : "layers." + std::to_string(l) + ".";
     const int li = int(l);
     if (mtp) {  // the depth's own: the norms of its two inputs, their projection 2d -> d, the norm before the head
+      // (TP: whole on every rank, applied to its sequence-parallel rows, so each gradient is partial over them)
       const std::string q = "mtp." + std::to_string(l - s.n_layers) + ".";
-      add(q + "enorm", {d}, false, li, false, true);
-      add(q + "hnorm", {d}, false, li, false, true);
-      add(q + "eh_proj", {2 * d, d}, true, li);
-      add(q + "norm", {d}, false, li, false, true);
+      add(q + "enorm", {d}, false, li, false, true, Part);
+      add(q + "hnorm", {d}, false, li, false, true, Part);
+      add(q + "eh_proj", {2 * d, d}, true, li, false, false, Part);
+      add(q + "norm", {d}, false, li, false, true, Part);
     }
     add(p + "attn_norm", {d}, false, li, false, true, Part);
     if (s.attn.type == AttnType::MLA) {

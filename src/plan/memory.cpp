@@ -243,9 +243,9 @@ StageActivations stage_activations(const MemCtx& x) {
       // its input h^{k-1} and embedding rows fp32, two rstd, the [enorm | hnorm] rows in the compute dtype, dL/dh^k
       // fp32); another recipe's the two norm inputs and the 2d-wide eh_proj input in the activation dtype.
       const bool moe_last = s.is_moe_layer(s.n_layers - 1);
-      const double N = x.B * x.S / double(x.sh.cp), own = x.o.recipe.engine_buffers
-                                                              ? N * d_model * (12 + 2 * x.g) + N * 8
-                                                              : N * d_model * 4 * x.a;
+      // Under TP the engine's are the rank's sequence-parallel rows (N / tp).
+      const double N = x.B * x.S / double(x.sh.cp), Nr = x.engine_tp ? N / double(x.sh.tp) : N;
+      const double own = x.o.recipe.engine_buffers ? Nr * d_model * (12 + 2 * x.g) + Nr * 8 : N * d_model * 4 * x.a;
       for (int64_t k = 0; k < s.mtp_layers; ++k) {
         const bool on = x.ac.applies_to(s.n_layers + k);
         LayerKind& kd = kinds[moe_last ? 1 : 0][on ? 1 : 0];
@@ -322,9 +322,10 @@ RankParams rank_params(const MemCtx& x, SplitCache& cache, RankMemory& rm) {
       // gradient exchanged like a tied head's). Their activations: stage_activations.
       const double D = double(s.mtp_layers);
       const ParamSplit y = split_layer(s, s.n_layers - 1);
-      p.ps.tp_sharded += D * (y.tp_sharded + 2 * d * d), p.ps.replicated += D * (y.replicated + 3 * d);
+      // (eh_proj and the norms whole on every TP rank: model_param_layout)
+      p.ps.tp_sharded += D * y.tp_sharded, p.ps.replicated += D * (y.replicated + 2 * d * d + 3 * d);
       p.ps.experts += D * y.experts, p.ps.aux_free_bias += D * y.aux_free_bias;
-      p.ps.muon_tp_sharded += D * (y.muon_tp_sharded + 2 * d * d), p.ps.muon_replicated += D * y.muon_replicated;
+      p.ps.muon_tp_sharded += D * y.muon_tp_sharded, p.ps.muon_replicated += D * (y.muon_replicated + 2 * d * d);
       if (s.is_moe_layer(s.n_layers - 1)) p.moe_here = true, p.moe_layers += int(D);
       if (!x.sp.first[size_t(st)]) p.ps.tp_sharded += vd;
     }

@@ -288,17 +288,26 @@ void TrainSession::finish() {
       const int64_t cb = compute == ComputeDtype::BF16 ? 2 : 4;
       const double tp = double(mesh.tp());
       bool shared[2] = {false, false};  // TP with full recompute: one re-materialization set per layer kind
+      auto tp_block = [&](int64_t l) {  // a TP layer (or MTP block, of the last layer's kind) on the rank's rows
+        const bool moe = cfg.model.is_moe_block(l), rec = acr.mode == AcMode::Full && acr.applies_to(l);
+        per_mb += rec ? int64_t(double(B * Tl) / tp * double(cfg.model.d_model) * 4)
+                      : int64_t(engine_tp_layer_bytes(cfg.model, moe, double(B * Tl), tp, cb));
+        if (rec && !shared[moe]) pred += int64_t(engine_tp_layer_bytes(cfg.model, moe, double(B * Tl), tp, cb, false)),
+                                  shared[moe] = true;
+      };
       for (int64_t l : p.layers) {
         if (tp == 1) {
           per_mb += ab.layers[size_t(l)].total() + int64_t(engine_activation_extras(cfg.model, l, double(B * Tl), acr, cb, f8));
           continue;
         }
-        const bool moe = cfg.model.is_moe_layer(l), rec = acr.mode == AcMode::Full && acr.applies_to(l);
-        per_mb += rec ? int64_t(double(B * Tl) / tp * double(cfg.model.d_model) * 4)
-                      : int64_t(engine_tp_layer_bytes(cfg.model, moe, double(B * Tl), tp, cb));
-        if (rec && !shared[moe]) pred += int64_t(engine_tp_layer_bytes(cfg.model, moe, double(B * Tl), tp, cb, false)),
-                                  shared[moe] = true;
+        tp_block(l);
       }
+      if (p.head && tp > 1)  // the MTP depths under TP (model_mtp.cpp): their blocks and own buffers, the rank's rows
+        for (int64_t k = 0; k < cfg.model.mtp_layers; ++k) {
+          tp_block(cfg.model.n_layers + k);
+          const int64_t Nr = B * Tl / mesh.tp(), dm = cfg.model.d_model;
+          per_mb += Nr * dm * (12 + 2 * cb) + Nr * 8;
+        }
       pred += int64_t(p.slots) * per_mb;
       for (const ActTerm& t : ab.outside.terms) {  // embed.* on the embedding stage, the rest on the head stage;
         // loss.dx is kept per micro-batch in flight

@@ -71,6 +71,8 @@ StepTotals TrainSession::forward_backward() {
         mce[size_t(mb * Dm) + k] = s.mtp_ce[k], mn[k] += s.mtp_n[k];
     }
     if (PP > 1) mcs.pp.all_reduce(mce.data(), int64_t(mce.size())), mcs.pp.all_reduce(mn.data(), Dm);
+    // CP: each rank's sums are over its chunks' positions (rank-order sum over the CP group, as the main loss's)
+    if (mesh.cp() > 1) mcs.cp.all_reduce(mce.data(), int64_t(mce.size())), mcs.cp.all_reduce(mn.data(), Dm);
     t.mtp_ce.assign(size_t(Dm), 0.0);
     mcs.dp.all_reduce_ordered(t.mtp_ce.data(), mce.data(), micro_local, Dm);
     if (D > 1) mcs.dp.all_reduce(mn.data(), Dm);

@@ -349,6 +349,12 @@ std::vector<Layout> layouts() {
   v.push_back({"hsdp2x2_fp32", 4, {"--parallelism.dp_replicate=2", dp + "2", "--parallelism.zero=3", f32}, Bar::Tp});
   v.push_back({"hsdp2x2_pp2_zb1p", 8, {pp + "2", "--parallelism.dp_replicate=2", dp + "2", "--parallelism.zero=3",
                                        sch + "zb1p", lay + "Ett|tL"}, Bar::Exact});
+  // Multi-token prediction under TP (its blocks TP blocks; eh_proj and the depth's norms whole, their gradients partial
+  // over the sequence-parallel rows; the tokens ahead through the vocabulary-parallel embedding and fused loss) and
+  // under CP (the tokens ahead taken from the whole sequences' targets; the depth's losses summed over the CP group).
+  v.push_back({"tp2_mtp", 2, tpw({"--model.mtp_layers=2"}), Bar::Tp});
+  v.push_back({"cp2_mtp", 2, cpw({cp + "2", "--model.mtp_layers=2"}), Bar::Tp});
+  v.push_back({"tp2_cp2_mtp", 4, tpw({cp + "2", "--model.mtp_layers=1"}), Bar::Tp});
   // The seeds' shape at small scale: tp x cp x pp with EP over the data (and context) ranks.
   v.push_back({"tp2_cp2_pp2_ep2", 8, tpw({cp + "2", pp + "2", "--parallelism.ep=2", lay + "Et|ttL"}), Bar::Tp});
   return v;
@@ -433,6 +439,21 @@ TEST_P(MpiLayout, MatchesOneProcess) {
     worst = std::max(worst, rel);
     EXPECT_LE(rel, loss_tol) << L.name << " step " << i + 1 << ": " << a << " vs one process " << b;
   }
+  // Multi-token prediction: the logged MTP term (its per-depth sums and position counts folded over PP, CP and DP) is
+  // held to the same bar as the main loss: a depth's count or sum missing a rank's share is off by a factor ~2.
+  double worst_mtp = 0;
+  for (int i = 0; i < kSteps; ++i) {
+    const double a = got.history[size_t(i)].mtp_loss, b = ref.history[size_t(i)].mtp_loss;
+    if (b == 0) {
+      EXPECT_EQ(a, 0.0) << L.name << " step " << i + 1 << ": mtp_loss without MTP";
+      continue;
+    }
+    worst_mtp = std::max(worst_mtp, std::abs(a - b) / std::abs(b));
+    EXPECT_LE(std::abs(a - b) / std::abs(b), loss_tol) << L.name << " step " << i + 1 << ": mtp_loss " << a
+                                                       << " vs one process " << b;
+  }
+  if (worst_mtp > 0 || ref.history[0].mtp_loss != 0)
+    if (world().rank() == 0) std::printf("[%-28s] mtp_loss: 5 steps max rel diff %.2e\n", L.name.c_str(), worst_mtp);
   // Memory: with EP the routed experts are 1/ep per rank, so (zero = 0) the optimizer state drops by exactly
   // 8 bytes per expert element not held here; ZeRO-1 / FSDP shard what remains (test_mpi_train.cpp).
   int ep = 1, zero = 0, pp_size = 1, tp = 1, cpn = 1;

@@ -12,6 +12,7 @@
 #include "moetron/config.h"
 #include "moetron/config_notes.h"
 #include "moetron/model.h"
+#include "moetron/param_layout.h"
 #include "moetron/rng.h"
 #include "moetron/spec.h"
 #include "test_util.h"
@@ -107,8 +108,34 @@ TEST(Mtp, RecomputeIsBitwise) {
                                   "--activation_checkpoint.modules=[\"norm\", \"attention_core\", \"moe_act\"]"})));
 }
 
+// Tensor and context parallelism are implemented (no longer refused): the MPI layout sweep holds tp2_mtp, cp2_mtp and
+// tp2_cp2_mtp to one process (tests/mpi/test_mpi_layouts.cpp). Under TP a depth's own tensors (enorm, hnorm, eh_proj,
+// norm) are whole on every rank and see its sequence-parallel rows, so their gradients are partial sums (summed over
+// TP once per step); its block is sliced like a main layer.
+TEST(Mtp, DepthTensorsUnderTensorParallelism) {
+  const ModelSpec s = tiny({"--model.mtp_layers=2"}).model;
+  ParamSelection sel;
+  sel.tp = 2, sel.tp_rank = 1;
+  int own = 0, sliced = 0;
+  for (const ParamEntry& e : model_param_layout(s, sel)) {
+    if (e.name.rfind("mtp.", 0) != 0) continue;
+    const bool depth_own = e.name.find(".block.") == std::string::npos;
+    if (depth_own) {
+      ++own;
+      EXPECT_TRUE(e.tp_partial && !e.tp_sliced()) << e.name;
+      EXPECT_EQ(e.numel, e.tp_whole_numel) << e.name;
+    }
+    sliced += e.tp_sliced();
+    if (e.name.find(".block.attn.wqkv") != std::string::npos || e.name.find(".block.attn.wo") != std::string::npos)
+      EXPECT_TRUE(e.tp_sliced()) << e.name;
+  }
+  EXPECT_EQ(own, 2 * 4);
+  EXPECT_GT(sliced, 0);
+}
+
 TEST(Mtp, UnimplementedCombinationsAreRefusedByName) {
   const JobConfig c = tiny({"--model.mtp_layers=1"});
+  // (TP and CP: implemented, see Mtp.DepthTensorsUnderTensorParallelism and the MPI layout sweep.)
   {  // FP8 training is implemented (test_mtp_fp8.cpp)
     Model m(c.model, kB, kT, {}, {}, ComputeDtype::FP32);
     QuantizeSpec q;
