@@ -12,6 +12,7 @@
 
 #include "exp_avx2.h"
 #include "moetron/dtype.h"
+#include "permute_walk.h"
 
 namespace moetron {
 
@@ -114,20 +115,10 @@ void moe_unpermute_avx2(float* y, const float* yp, const int32_t* row_of, const 
 void moe_unpermute_backward_avx2(float* dyp32, bf16* dyp16, float* dw, const float* dy, const float* yp,
                                  const int32_t* row_of, const int32_t* token_of, const int32_t* slot_of,
                                  const float* w, int64_t N, int k, int64_t R, int64_t D) {
-#pragma omp parallel
-  {
-#pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < N * k; ++i)
-      if (row_of[i] < 0) dw[i] = 0;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = int64_t(token_of[r]) * k + slot_of[r];
-      const float* g = dy + int64_t(token_of[r]) * D;
-      const float* v = yp + r * D;
-      dw[i] = dyp32 ? scale_and_dot<false>(dyp32 + r * D, g, v, w[i], D)
-                    : scale_and_dot<true>(dyp16 + r * D, g, v, w[i], D);
-    }
-  }
+  unpermute_backward_walk(dyp32, dyp16, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D,
+                          [](float* d32, bf16* d16, const float* g, const float* v, float wi, int64_t n) {
+                            return d32 ? scale_and_dot<false>(d32, g, v, wi, n) : scale_and_dot<true>(d16, g, v, wi, n);
+                          });
 }
 
 }  // namespace moetron
