@@ -377,6 +377,16 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
   const bool split = whole_split(cfg);
   const float* skc = balance_prepass(w, scores, logits, cfg, N);  // Sinkhorn column factors, or null
 
+  // The aux loss's counts of sequence b (SeqWise) or of the micro-batch (Global), from the selection.
+  auto aux_counts = [&](int64_t b) {
+    int32_t* c = w.cnt + b * E;
+    if (cfg.aux == AuxMode::Global) {
+      std::memcpy(c, counts, sizeof(int32_t) * size_t(E));
+    } else {
+      std::memset(c, 0, sizeof(int32_t) * size_t(E));
+      for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
+    }
+  };
 #pragma omp parallel
   {
     int64_t my_bad = -1;
@@ -435,15 +445,7 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
 
     if (want_aux) {
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < S; ++b) {
-        int32_t* c = w.cnt + b * E;
-        if (cfg.aux == AuxMode::Global) {
-          std::memcpy(c, counts, sizeof(int32_t) * size_t(E));
-        } else {
-          std::memset(c, 0, sizeof(int32_t) * size_t(E));
-          for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
-        }
-      }
+      for (int64_t b = 0; b < S; ++b) aux_counts(b);
     }
   }
   MT_CHECK(bad_row < 0, op, "non-finite logits in token ", bad_row);
@@ -451,15 +453,7 @@ void router_forward(int32_t* topk_idx, float* topk_w, int32_t* counts, float* sc
     if (split) capacity_route_split(topk_idx, topk_w, counts, w, skc, bias, cfg, N);
     else capacity_route(topk_idx, topk_w, counts, scores, skc, bias, cfg, N);
     if (want_aux)
-      for (int64_t b = 0; b < S; ++b) {
-        int32_t* c = w.cnt + b * E;
-        if (cfg.aux == AuxMode::Global) {
-          std::memcpy(c, counts, sizeof(int32_t) * size_t(E));
-        } else {
-          std::memset(c, 0, sizeof(int32_t) * size_t(E));
-          for (int64_t i = b * T * k; i < (b + 1) * T * k; ++i) ++c[topk_idx[i]];
-        }
-      }
+      for (int64_t b = 0; b < S; ++b) aux_counts(b);
   }
   if (want_aux && cfg.split > 1) cfg.sum_counts(w.cnt, S * E);  // the whole sequences' counts (exact: integers)
   if (want_aux) {
