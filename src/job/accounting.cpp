@@ -888,7 +888,7 @@ double engine_activation_extras(const ModelSpec& s, int64_t layer, double tokens
   const bool here = ac.applies_to(layer);
   if (here && ac.mode == AcMode::Full) return 0;  // the layer keeps its input only
   const bool sel = here && ac.mode == AcMode::Selective;
-  return engine_extras(s, s.is_moe_layer(layer), tokens, sel && ac.has_module("norm"),
+  return engine_extras(s, s.is_moe_block(layer), tokens, sel && ac.has_module("norm"),
                        sel && ac.has_module("attention_core"), compute_bytes, f8);
 }
 

@@ -295,19 +295,45 @@ void TrainSession::finish() {
         if (rec && !shared[moe]) pred += int64_t(engine_tp_layer_bytes(cfg.model, moe, double(B * Tl), tp, cb, false)),
                                   shared[moe] = true;
       };
+      // Without TP, full recompute: the one re-materialization set per layer kind the engine shares (a block's
+      // saved buffers when not recomputed, less its input, which the recomputed block keeps).
+      const ActivationBytes ab_none = engine_activation_bytes(cfg.model, B, Tl, cb, ActivationCheckpointSpec{}, f8);
+      auto full_set = [&](int64_t l) {
+        const bool moe = cfg.model.is_moe_block(l);
+        if (tp > 1 || acr.mode != AcMode::Full || !acr.applies_to(l) || shared[moe]) return;
+        const int64_t like = l < cfg.model.n_layers ? l : cfg.model.n_layers - 1;
+        pred += ab_none.layers[size_t(like)].total() +
+                int64_t(engine_activation_extras(cfg.model, like, double(B * Tl), ActivationCheckpointSpec{}, cb, f8)) -
+                B * Tl * cfg.model.d_model * 4;
+        shared[moe] = true;
+      };
       for (int64_t l : p.layers) {
         if (tp == 1) {
           per_mb += ab.layers[size_t(l)].total() + int64_t(engine_activation_extras(cfg.model, l, double(B * Tl), acr, cb, f8));
+          full_set(l);
           continue;
         }
         tp_block(l);
       }
-      if (p.head && tp > 1)  // the MTP depths under TP (model_mtp.cpp): their blocks and own buffers, the rank's rows
-        for (int64_t k = 0; k < cfg.model.mtp_layers; ++k) {
-          tp_block(cfg.model.n_layers + k);
-          const int64_t Nr = B * Tl / mesh.tp(), dm = cfg.model.d_model;
-          per_mb += Nr * dm * (12 + 2 * cb) + Nr * 8;
+      // The MTP depths (model_mtp.cpp) on the head stage: each a block of the last layer's kind (with its own
+      // recompute choice, by block id) and the depth's own buffers, on the rank's rows.
+      const int64_t nL = cfg.model.n_layers;
+      for (int64_t k = 0; p.head && k < cfg.model.mtp_layers; ++k) {
+        const int64_t blk = nL + k;
+        if (tp > 1) {
+          tp_block(blk);
+        } else {  // the last layer's terms under the depth's own recompute choice
+          ActivationCheckpointSpec ac_d = acr;
+          ac_d.layer_ids.clear(), ac_d.stage_ids.clear();
+          if (!acr.applies_to(blk)) ac_d = ActivationCheckpointSpec{};
+          const ActivationBytes ab_d = engine_activation_bytes(cfg.model, B, Tl, cb, ac_d, f8);
+          per_mb += ab_d.layers[size_t(nL - 1)].total() +
+                    int64_t(engine_activation_extras(cfg.model, blk, double(B * Tl), acr, cb, f8));
+          full_set(blk);
         }
+        const int64_t Nr = B * Tl / mesh.tp(), dm = cfg.model.d_model;
+        per_mb += Nr * dm * (12 + 2 * cb) + Nr * 8;
+      }
       pred += int64_t(p.slots) * per_mb;
       for (const ActTerm& t : ab.outside.terms) {  // embed.* on the embedding stage, the rest on the head stage;
         // loss.dx is kept per micro-batch in flight

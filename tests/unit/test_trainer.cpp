@@ -263,3 +263,34 @@ TEST(ComputeDtype, Fp32TrainsDeterministicallyAndAgreesWithBf16) {
   for (size_t i = 0; i < 4; ++i)
     EXPECT_NEAR(b.history[i].loss, f1.history[i].loss, 1e-2 * f1.history[i].loss) << "step " << i + 1;
 }
+
+TEST(Trainer, RunReportPredictsTheMtpDepthsActivations) {
+  // The run report's activation prediction against the measured peak (one process, tp = 1): the engine's buffers to
+  // the byte plus the embedding's token ids, which the report counts and the engine keeps untracked. Adding MTP depths
+  // must not change that difference; the depths' blocks follow their own recompute choice (by block id: the MTP
+  // blocks follow the n_layers decoder layers), and full recompute's shared re-materialization set is counted.
+  const JobConfig base = tiny("unused");
+  const std::string mtp_ids = "[" + std::to_string(base.model.n_layers) + ", " + std::to_string(base.model.n_layers + 1) + "]";
+  for (const std::vector<std::string>& ac :
+       {std::vector<std::string>{}, {"--activation_checkpoint.mode=full"},
+        {"--activation_checkpoint.mode=full", "--activation_checkpoint.layer_ids=" + mtp_ids}}) {
+    std::vector<std::string> plain_args = {"--training.steps=1"}, mtp_args = {"--training.steps=1", "--model.mtp_layers=2"};
+    plain_args.insert(plain_args.end(), ac.begin(), ac.end());
+    mtp_args.insert(mtp_args.end(), ac.begin(), ac.end());
+    if (ac.size() == 2) plain_args.pop_back();  // the MTP block ids do not exist without MTP: recompute nothing there
+    if (ac.size() == 2) plain_args.pop_back();
+    const TrainResult plain = train(tiny(fresh_dir("mtp_pred_plain"), plain_args), quiet());
+    const TrainResult mtp = train(tiny(fresh_dir("mtp_pred"), mtp_args), quiet());
+    SCOPED_TRACE(ac.empty() ? std::string("no recompute") : ac.back());
+    std::printf("%s: plain predicted %lld measured %lld; mtp predicted %lld measured %lld\n",
+                ac.empty() ? "no recompute" : ac.back().c_str(), (long long)plain.act_predicted_bytes,
+                (long long)plain.act_peak_bytes, (long long)mtp.act_predicted_bytes, (long long)mtp.act_peak_bytes);
+    EXPECT_GT(mtp.act_peak_bytes, plain.act_peak_bytes);
+    // Exactly the token ids apart (4 bytes a token of the micro-batch), with and without full recompute.
+    const JobConfig c = tiny("unused");
+    EXPECT_EQ(plain.act_predicted_bytes - plain.act_peak_bytes, 4 * c.training.micro_batch_size * c.training.seq_len);
+    EXPECT_EQ(mtp.act_predicted_bytes - mtp.act_peak_bytes, plain.act_predicted_bytes - plain.act_peak_bytes)
+        << "plain: predicted " << plain.act_predicted_bytes << " measured " << plain.act_peak_bytes << "; mtp: predicted "
+        << mtp.act_predicted_bytes << " measured " << mtp.act_peak_bytes;
+  }
+}
