@@ -1,7 +1,9 @@
 // fp8_test_util.h: one forward + backward of a ds_tiny model in fp32 with a given [quantize], the loss and every
 // gradient: what the FP8 unit tests (test_fp8_train.cpp, test_fp8_cache.cpp) compare between recipes, the float64
-// twin and the cached operands. Not a trainer-level helper (train_test_util.h is).
+// twin and the cached operands; and the delayed-scaling resume both FP8 training tests run. Not a trainer-level
+// helper (train_test_util.h is).
 #pragma once
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,27 @@ inline Fp8Pass fp8_pass(const QuantizeSpec& q, const std::string& cfg, const Act
   const ParamEntry& last = m.params().back();
   p.grads.assign(m.grad_data(), m.grad_data() + last.offset + last.numel);
   return p;
+}
+
+// Delayed tensorwise scaling (history 3) with a checkpoint every 2 steps: 4 steps straight in `dir_full`, and 2
+// steps + resume + 2 steps in `dir_split` (the step-4 checkpoint removed before the resume); param hashes recorded.
+// `tiny(dir, overrides)` builds the test file's config. The callers compare the resumed steps with steps 3-4.
+struct DelayedResume {
+  TrainResult full, resumed;
+};
+template <class Tiny>
+inline DelayedResume train_delayed_and_resume(Tiny tiny, const std::string& dir_full, const std::string& dir_split) {
+  const std::vector<std::string> q = {"--quantize.recipe=tensorwise", "--quantize.scaling=delayed",
+                                      "--quantize.amax_history_len=3", "--checkpoint.enable=true",
+                                      "--checkpoint.interval=2", "--training.steps=4"};
+  TrainOptions o = quiet_options();
+  o.record_param_hash = true;
+  DelayedResume r;
+  r.full = train(tiny(dir_full, q), o);
+  train(tiny(dir_split, q), o);
+  std::filesystem::remove_all(std::filesystem::path(dir_split) / "checkpoint" / "step-4");
+  r.resumed = train(tiny(dir_split, q), o);
+  return r;
 }
 
 }  // namespace moetron::testing

@@ -133,18 +133,9 @@ TEST(Fp8Train, ShortRunsStayCloseToFp32) {
 
 // Delayed scaling: the amax histories travel in the checkpoint; 2 steps + resume + 2 steps equals 4 straight.
 TEST(Fp8Train, DelayedScalingResumesBitwise) {
-  const std::vector<std::string> q = {"--quantize.recipe=tensorwise", "--quantize.scaling=delayed",
-                                      "--quantize.amax_history_len=3", "--checkpoint.enable=true",
-                                      "--checkpoint.interval=2", "--training.steps=4"};
-  TrainOptions o = quiet();
-  o.record_param_hash = true;
-  const std::string d1 = fresh_dir("delayed_full"), d2 = fresh_dir("delayed_split");
-  const auto full = train(tiny(d1, q), o);
-  {
-    auto r = train(tiny(d2, q), o);
-    fs::remove_all(fs::path(d2) / "checkpoint" / "step-4");
-  }
-  const auto resumed = train(tiny(d2, q), o);
+  const auto [full, resumed] = moetron::testing::train_delayed_and_resume(
+      [](const std::string& d, const std::vector<std::string>& q) { return tiny(d, q); }, fresh_dir("delayed_full"),
+      fresh_dir("delayed_split"));
   ASSERT_EQ(resumed.start_step, 2);
   ASSERT_EQ(resumed.history.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
