@@ -1,13 +1,18 @@
 // fp8_test_util.h: one forward + backward of a ds_tiny model in fp32 with a given [quantize], the loss and every
 // gradient: what the FP8 unit tests (test_fp8_train.cpp, test_fp8_cache.cpp) compare between recipes, the float64
-// twin and the cached operands; and the delayed-scaling resume both FP8 training tests run. Not a trainer-level
+// twin and the cached operands; and the delayed-scaling resume and the metrics check both FP8 training tests run. Not a trainer-level
 // helper (train_test_util.h is).
 #pragma once
+#include <gtest/gtest.h>
+
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "moetron/config.h"
+#include "moetron/fp8.h"
 #include "moetron/model.h"
 #include "train_test_util.h"
 
@@ -63,6 +68,37 @@ inline DelayedResume train_delayed_and_resume(Tiny tiny, const std::string& dir_
   std::filesystem::remove_all(std::filesystem::path(dir_split) / "checkpoint" / "step-4");
   r.resumed = train(tiny(dir_split, q), o);
   return r;
+}
+
+// metrics.jsonl of a tensorwise current-scaling run in `dir`: every record has an "fp8" object with each of
+// `modules`, and each module's x, w, dy statistics have amax > 0, scale_max exactly the scale of that amax (E4M3 for
+// x and w, E5M2 for dy: the hybrid format) and scale_min <= scale_max; none of `absent` is there. Returns the number
+// of records.
+inline int expect_fp8_module_metrics(const std::string& dir, const std::vector<const char*>& modules,
+                                     const std::vector<const char*>& absent = {}) {
+  std::ifstream f(std::filesystem::path(dir) / "metrics.jsonl");
+  std::string line;
+  int n = 0;
+  while (std::getline(f, line)) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_TRUE(j.contains("fp8")) << line;
+    if (!j.contains("fp8")) return n;
+    for (const char* mod : absent) EXPECT_FALSE(j["fp8"].contains(mod)) << mod;
+    for (const char* mod : modules) {
+      EXPECT_TRUE(j["fp8"].contains(mod)) << mod;
+      if (!j["fp8"].contains(mod)) continue;
+      for (const char* op : {"x", "w", "dy"}) {
+        const auto& o = j["fp8"][mod][op];
+        const float amax = o["amax"].get<float>();
+        EXPECT_GT(amax, 0.0f) << mod << "." << op;
+        const Fp8Format fmt = std::string(op) == "dy" ? Fp8Format::E5M2 : Fp8Format::E4M3;
+        EXPECT_EQ(o["scale_max"].get<float>(), fp8_scale_from_amax(amax, fmt, false)) << mod << "." << op;
+        EXPECT_LE(o["scale_min"].get<float>(), o["scale_max"].get<float>());
+      }
+    }
+    ++n;
+  }
+  return n;
 }
 
 }  // namespace moetron::testing

@@ -147,24 +147,5 @@ TEST(MtpFp8, DelayedScalingResumesBitwise) {
 TEST(MtpFp8, MetricsRecordTheMtpBlocksAmaxApart) {
   const std::string d = fresh_dir("metrics");
   train(tiny(d, {"--training.steps=2", "--quantize.recipe=tensorwise", "--quantize.format=hybrid"}), quiet());
-  std::ifstream f(fs::path(d) / "metrics.jsonl");
-  std::string line;
-  int n = 0;
-  while (std::getline(f, line)) {
-    const auto j = nlohmann::json::parse(line);
-    ASSERT_TRUE(j.contains("fp8")) << line;
-    EXPECT_FALSE(j["fp8"].contains("mtp.dense_mlp"));
-    for (const char* mod : {"attention", "dense_mlp", "mtp.attention", "mtp.shared_experts", "mtp.routed_experts"}) {
-      ASSERT_TRUE(j["fp8"].contains(mod)) << mod;
-      for (const char* op : {"x", "w", "dy"}) {
-        const auto& o = j["fp8"][mod][op];
-        const float amax = o["amax"].get<float>();
-        EXPECT_GT(amax, 0.0f) << mod << "." << op;
-        const Fp8Format fmt = std::string(op) == "dy" ? Fp8Format::E5M2 : Fp8Format::E4M3;
-        EXPECT_EQ(o["scale_max"].get<float>(), fp8_scale_from_amax(amax, fmt, false)) << mod << "." << op;
-      }
-    }
-    ++n;
-  }
-  EXPECT_EQ(n, 2);
+  EXPECT_EQ(moetron::testing::expect_fp8_module_metrics(d, {"attention", "dense_mlp", "mtp.attention", "mtp.shared_experts", "mtp.routed_experts"}, {"mtp.dense_mlp"}), 2);
 }
