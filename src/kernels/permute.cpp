@@ -18,6 +18,7 @@
 #include "moetron/permute.h"
 #include "moetron/runtime.h"
 #include "moetron/trace.h"
+#include "permute_walk.h"
 
 namespace moetron {
 
@@ -96,25 +97,14 @@ void unpermute_backward_impl(TO* dyp, float* dw, const float* dy, const float* y
       moe_unpermute_backward_avx2(dyp, nullptr, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D);
     return;
   }
-  // Portable path: per permuted row, in order (sequential over the two large buffers).
-#pragma omp parallel
-  {
-#pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < N * k; ++i)
-      if (row_of[i] < 0) dw[i] = 0;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = int64_t(token_of[r]) * k + slot_of[r];
-      const float* g = dy + int64_t(token_of[r]) * D;
-      const float* v = yp + r * D;
-      const float ws = w[i];
-      TO* o = dyp + r * D;
-      float acc = 0;
-      for (int64_t d = 0; d < D; ++d) o[d] = permute_detail::cvt<TO>(ws * g[d]);
-      for (int64_t d = 0; d < D; ++d) acc += g[d] * v[d];
-      dw[i] = acc;
-    }
-  }
+  // Portable path: the vector paths' walk with a scalar row.
+  unpermute_backward_walk(dyp, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D,
+                          [](TO* o, const float* g, const float* v, float ws, int64_t n) {
+                            float acc = 0;
+                            for (int64_t d = 0; d < n; ++d) o[d] = permute_detail::cvt<TO>(ws * g[d]);
+                            for (int64_t d = 0; d < n; ++d) acc += g[d] * v[d];
+                            return acc;
+                          });
 }
 
 }  // namespace

@@ -115,10 +115,16 @@ void moe_unpermute_avx2(float* y, const float* yp, const int32_t* row_of, const 
 void moe_unpermute_backward_avx2(float* dyp32, bf16* dyp16, float* dw, const float* dy, const float* yp,
                                  const int32_t* row_of, const int32_t* token_of, const int32_t* slot_of,
                                  const float* w, int64_t N, int k, int64_t R, int64_t D) {
-  unpermute_backward_walk(dyp32, dyp16, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D,
-                          [](float* d32, bf16* d16, const float* g, const float* v, float wi, int64_t n) {
-                            return d32 ? scale_and_dot<false>(d32, g, v, wi, n) : scale_and_dot<true>(d16, g, v, wi, n);
-                          });
+  if (dyp32)
+    unpermute_backward_walk(dyp32, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D,
+                            [](float* o, const float* g, const float* v, float wi, int64_t n) {
+                              return scale_and_dot<false>(o, g, v, wi, n);
+                            });
+  else
+    unpermute_backward_walk(dyp16, dw, dy, yp, row_of, token_of, slot_of, w, N, k, R, D,
+                            [](bf16* o, const float* g, const float* v, float wi, int64_t n) {
+                              return scale_and_dot<true>(o, g, v, wi, n);
+                            });
 }
 
 }  // namespace moetron
