@@ -13,45 +13,10 @@
 
 namespace moetron::cuda {
 
-// The names of memory.h's categories (mem_category_name lives in the engine, which this library sits below).
-static const char* category_name(MemCategory c) {
-  static const char* names[kNumMemCategories] = {"params", "grads", "optimizer", "activations", "comm", "workspace",
-                                                 "other"};
-  return int(c) < kNumMemCategories ? names[int(c)] : "?";
-}
-
 DeviceMemoryTracker& DeviceMemoryTracker::global() {
   static DeviceMemoryTracker t;
   return t;
 }
-static void raise_peak(std::atomic<int64_t>& peak, int64_t v) {
-  int64_t p = peak.load(std::memory_order_relaxed);
-  while (v > p && !peak.compare_exchange_weak(p, v, std::memory_order_relaxed)) {
-  }
-}
-void DeviceMemoryTracker::on_alloc(MemCategory c, int64_t bytes) {
-  raise_peak(peak_[int(c)], cur_[int(c)].fetch_add(bytes, std::memory_order_relaxed) + bytes);
-  raise_peak(total_peak_, total_.fetch_add(bytes, std::memory_order_relaxed) + bytes);
-}
-void DeviceMemoryTracker::on_free(MemCategory c, int64_t bytes) {
-  cur_[int(c)].fetch_sub(bytes, std::memory_order_relaxed);
-  total_.fetch_sub(bytes, std::memory_order_relaxed);
-}
-MemSnapshot DeviceMemoryTracker::snapshot() const {
-  MemSnapshot s;
-  for (int i = 0; i < kNumMemCategories; ++i) {
-    s.current[i] = cur_[i].load(std::memory_order_relaxed);
-    s.peak[i] = peak_[i].load(std::memory_order_relaxed);
-  }
-  s.total_current = total_current();
-  s.total_peak = total_peak();
-  return s;
-}
-void DeviceMemoryTracker::reset_peaks() {
-  for (int i = 0; i < kNumMemCategories; ++i) peak_[i].store(cur_[i].load());
-  total_peak_.store(total_.load());
-}
-
 void* device_alloc(size_t bytes, MemCategory c) {
   if (bytes == 0) return nullptr;
   void* p = nullptr;
@@ -60,7 +25,7 @@ void* device_alloc(size_t bytes, MemCategory c) {
     (void)cudaGetLastError();
     size_t free_b = 0, total_b = 0;
     (void)cudaMemGetInfo(&free_b, &total_b);
-    MT_FAIL("cuda", "cudaMalloc of ", bytes, " bytes (", category_name(c), ") failed: ", cudaGetErrorName(e),
+    MT_FAIL("cuda", "cudaMalloc of ", bytes, " bytes (", mem_category_name(c), ") failed: ", cudaGetErrorName(e),
             "; device has ", free_b, " of ", total_b, " bytes free");
   }
   DeviceMemoryTracker::global().on_alloc(c, int64_t(bytes));
@@ -138,7 +103,7 @@ void* DeviceArena::alloc(size_t bytes, size_t align) {
   MT_CHECK(align > 0 && (align & (align - 1)) == 0, "DeviceArena", "alignment ", align, " is not a power of two");
   size_t start = (used_ + align - 1) / align * align;
   MT_CHECK(start + bytes <= capacity_, "DeviceArena", "out of space: ", bytes, " bytes requested, ", capacity_ - used_,
-           " of ", capacity_, " left (", category_name(cat_), ")");
+           " of ", capacity_, " left (", mem_category_name(cat_), ")");
   used_ = start + bytes;
   peak_used_ = std::max(peak_used_, used_);
   DeviceMemoryTracker::global().on_alloc(cat_, int64_t(used_ - charged_));

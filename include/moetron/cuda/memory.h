@@ -5,8 +5,6 @@
 // Plain cudaMalloc, never managed memory. Copies and fills take an optional stream (nullptr: the legacy default
 // stream, and the call waits for the copy). Not a caching allocator. C++17-clean.
 #pragma once
-#include <array>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -14,21 +12,10 @@
 
 namespace moetron::cuda {
 
-class DeviceMemoryTracker {
+// The device-wide tracker: MemoryTracker's implementation (memory.h), a second instance for device bytes.
+class DeviceMemoryTracker : public MemoryTracker {
  public:
   static DeviceMemoryTracker& global();
-  void on_alloc(MemCategory c, int64_t bytes);
-  void on_free(MemCategory c, int64_t bytes);
-  int64_t current(MemCategory c) const { return cur_[int(c)].load(std::memory_order_relaxed); }
-  int64_t peak(MemCategory c) const { return peak_[int(c)].load(std::memory_order_relaxed); }
-  int64_t total_current() const { return total_.load(std::memory_order_relaxed); }
-  int64_t total_peak() const { return total_peak_.load(std::memory_order_relaxed); }
-  MemSnapshot snapshot() const;
-  void reset_peaks();
-
- private:
-  std::array<std::atomic<int64_t>, kNumMemCategories> cur_{}, peak_{};
-  std::atomic<int64_t> total_{0}, total_peak_{0};
 };
 
 inline constexpr size_t kDeviceAlignment = 256;
