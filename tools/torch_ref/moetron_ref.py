@@ -119,18 +119,20 @@ DEFAULTS = MODELLED
 # ---------------------------------------------------------------------------------------------------------
 # parameters: the engine's list (model.cpp Impl::build), in its order
 
+def attn_dims(m):
+    """The attention widths of model section m: (mla, dn, dr, dv, rq, rkv, dqk, hd, hkv); the other family's are 0."""
+    if m["attn_type"] == "mla":
+        dn, dr, dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+        return True, dn, dr, dv, m["q_lora_rank"], m["kv_lora_rank"], dn + dr, 0, 0
+    hd = m["head_dim"]
+    return False, 0, 0, hd, 0, 0, hd, hd, m["n_kv_heads"]
+
+
 def param_specs(m):
     """[(name, shape, kind)] with kind 'ones' (RMSNorm weights, no decay) or 'normal' (matrices, decay)."""
     V, d, H = m["vocab_size"], m["d_model"], m["n_heads"]
     ps = [("embed", (V, d), "normal")]
-    mla = m["attn_type"] == "mla"
-    if mla:
-        dn, dr, dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
-        rq, rkv = m["q_lora_rank"], m["kv_lora_rank"]
-        dqk = dn + dr
-    else:
-        hd, hkv = m["head_dim"], m["n_kv_heads"]
-        dv = hd
+    mla, dn, dr, dv, rq, rkv, dqk, hd, hkv = attn_dims(m)
     E, Fe = m["n_routed_experts"], m["moe_inter_size"]
     Fs = m["n_shared_experts"] * Fe
     L, D = m["n_layers"], m["mtp_layers"]
@@ -409,17 +411,9 @@ def forward(P, tokens, targets, cfg, prec, st, B, T):
     m = cfg["model"]
     V, d, H, eps = m["vocab_size"], m["d_model"], m["n_heads"], m["norm_eps"]
     N = B * T
-    mla = m["attn_type"] == "mla"
     pdt = P["embed"].dtype
-    if mla:
-        dn, dr, dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
-        rq, rkv = m["q_lora_rank"], m["kv_lora_rank"]
-        dqk = dn + dr
-        cos, sin = rope_tables(T, dr, m["rope_theta"], pdt)
-    else:
-        hd, hkv = m["head_dim"], m["n_kv_heads"]
-        dqk = dv = hd
-        cos, sin = rope_tables(T, hd, m["rope_theta"], pdt)
+    mla, dn, dr, dv, rq, rkv, dqk, hd, hkv = attn_dims(m)
+    cos, sin = rope_tables(T, dr if mla else hd, m["rope_theta"], pdt)
     scale = 1.0 / math.sqrt(dqk)
     mm = prec.mm
     x = P["embed"][tokens]  # [N, d]
@@ -469,14 +463,7 @@ def block(P, p, x, moe, cfg, prec, st, B, T, cos, sin):
     m = cfg["model"]
     d, H, eps = m["d_model"], m["n_heads"], m["norm_eps"]
     N = B * T
-    mla = m["attn_type"] == "mla"
-    if mla:
-        dn, dr, dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
-        rq, rkv = m["q_lora_rank"], m["kv_lora_rank"]
-        dqk = dn + dr
-    else:
-        hd, hkv = m["head_dim"], m["n_kv_heads"]
-        dqk = dv = hd
+    mla, dn, dr, dv, rq, rkv, dqk, hd, hkv = attn_dims(m)
     scale = 1.0 / math.sqrt(dqk)
     mm = prec.mm
     if True:
