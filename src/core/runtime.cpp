@@ -4,6 +4,7 @@
 
 #include <cpuid.h>
 #include <omp.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -47,7 +48,7 @@ static Isa cpu_best_isa() {
 // naming the variable, rather than a termination before main); never raises the ISA above the CPU's.
 static Isa env_isa() {
   const Isa best = cpu_best_isa();
-  const std::string s = env_choice("MOETRON_ISA", "", {"scalar", "avx2", "avx512"}, "kernel ISA");
+  const std::string s = env_choice("MOETRON_ISA", "", {"scalar", "avx2", "avx512", "amx"}, "kernel ISA");
   if (s.empty()) return best;
   const Isa want = s == "scalar" ? Isa::Scalar : s == "avx2" ? Isa::Avx2 : Isa::Avx512;
   return want < best ? want : best;
@@ -64,6 +65,29 @@ void set_isa_override(Isa isa) {
   const Isa best = cpu_best_isa();
   g_isa_override.store(int(isa < best ? isa : best), std::memory_order_relaxed);
 }
+
+bool amx_available() {
+  static const bool ok = [] {
+    if (!cpu_features().amx_bf16 || cpu_best_isa() != Isa::Avx512) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    // Linux 5.16+: the tile data state (XFEATURE 18) must be requested before the first tile instruction.
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+static std::atomic<int> g_amx_override{-1};
+bool amx_active() {
+  if (active_isa() != Isa::Avx512 || !amx_available()) return false;
+  const int o = g_amx_override.load(std::memory_order_relaxed);
+  if (o >= 0) return o == 1;
+  static const bool from_env = env_choice("MOETRON_ISA", "", {"scalar", "avx2", "avx512", "amx"}, "kernel ISA") != "avx512";
+  return from_env;
+}
+void set_amx_override(int mode) { g_amx_override.store(mode < 0 ? -1 : mode > 0 ? 1 : 0, std::memory_order_relaxed); }
 
 std::string_view isa_name(Isa isa) {
   switch (isa) {
@@ -94,7 +118,7 @@ int num_threads() { return omp_get_max_threads(); }
 std::string runtime_summary() {
   const dnnl_version_t* v = dnnl_version();
   std::ostringstream os;
-  os << "isa=" << isa_name(active_isa()) << " threads=" << num_threads() << " onednn=" << v->major << "."
+  os << "isa=" << isa_name(active_isa()) << (amx_active() ? "+amx" : "") << " threads=" << num_threads() << " onednn=" << v->major << "."
      << v->minor << "." << v->patch;
   return os.str();
 }

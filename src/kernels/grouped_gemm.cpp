@@ -1,6 +1,7 @@
 // grouped_gemm.cpp: grouped GEMM for MoE experts: validation, weight packing, workspace layout, the work-item
-// schedule (one OpenMP parallel region per call), and the portable (scalar) tile kernel. The AVX-512 and AVX2
-// tile kernels live in grouped_gemm_avx512.cpp / grouped_gemm_avx2.cpp and are chosen by active_isa(). Not a
+// schedule (one OpenMP parallel region per call), and the portable (scalar) tile kernel. The AMX, AVX-512 and
+// AVX2 tile kernels live in grouped_gemm_amx.cpp / _avx512.cpp / _avx2.cpp and are chosen by active_isa() and
+// amx_active(). Not a
 // dense GEMM (that is gemm.cpp, through oneDNN).
 //
 // Work items. forward / dgrad: (expert, mt-row tile, nt-column tile); wgrad: (expert, mt-row tile of dW[e],
@@ -85,6 +86,7 @@ void tile_f32_scalar(const Tile& t) {
 
 gg::TileFn gg::tile_fn(bool bf) {
   const Isa isa = active_isa();
+  if (bf && gg::use_amx()) return tile_bf16_amx;
   if (bf) return isa == Isa::Avx512 ? tile_bf16_avx512 : isa == Isa::Avx2 ? tile_bf16_avx2 : tile_bf16_scalar;
   return isa == Isa::Avx512 ? tile_f32_avx512 : isa == Isa::Avx2 ? tile_f32_avx2 : tile_f32_scalar;
 }
@@ -303,6 +305,7 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
       bf ? std::min<int64_t>(num_threads(), int64_t((ws_bytes - l.fixed) / l.slot_bytes)) : num_threads();
   const int64_t mc = plan.mc;
   const bool wpack = !bf && active_isa() == Isa::Avx2 && gg::tuning().wpack_avx2;
+  const bool amx = bf && gg::use_amx();  // X^T packed as rows of token pairs (pack_xt_pairs_amx)
   const int64_t wmc = std::max<int64_t>(1, gg::tuning().wmc_f32);
   char* w = static_cast<char*>(ws);
 #pragma omp parallel num_threads(int(std::max <int64_t>(1, std::min <int64_t>(nslots, nitems))))
@@ -361,14 +364,17 @@ void run_wgrad(const char* op, GemmPrec prec, float* dW, const void* X, const vo
         const bf16* xr = static_cast<const bf16*>(X) + (row0 + r) * K + k0;
         const bf16* yr = static_cast<const bf16*>(dY) + (row0 + r) * N;
         if (nr > 0) {
-          pack_pairs(abuf, hp * 2 * kPanel, xr, K, nr, t.rows);
+          if (amx)
+            gg::pack_xt_pairs_amx(abuf, 2 * hp, xr, K, nr, t.rows);
+          else
+            pack_pairs(abuf, hp * 2 * kPanel, xr, K, nr, t.rows);
           pack_pairs(bbuf, hp * 2 * kPanel, yr, N, nr, N);
         }
         t.A = abuf;
-        t.a_rb = kPanel;
-        t.a_bs = hp * 2 * kPanel;
-        t.a_rs = 2;
-        t.a_ss = 2 * kPanel;
+        t.a_rb = amx ? 1 : kPanel;
+        t.a_bs = amx ? 2 * hp : hp * 2 * kPanel;
+        t.a_rs = amx ? 2 * hp : 2;
+        t.a_ss = amx ? 2 : 2 * kPanel;
         t.B = bbuf;
         t.b_ps = hp * 2 * kPanel;
         t.b_ss = 2 * kPanel;

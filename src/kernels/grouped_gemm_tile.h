@@ -19,6 +19,7 @@
 
 #include "moetron/dtype.h"
 #include "moetron/kernel_sizes.h"
+#include "moetron/runtime.h"
 
 namespace moetron::gg {
 
@@ -87,12 +88,22 @@ struct Tile {
   bool cprefetch = true;  // AVX2: prefetch the next microkernel call's block of C
 };
 
-// The tile kernel of the active ISA (active_isa()): AVX-512, AVX2 or scalar; bf16 or fp32 steps.
+// The tile kernel of the active ISA (active_isa()): AMX (bf16, amx_active()), AVX-512, AVX2 or scalar.
 using TileFn = void (*)(const Tile&);
 TileFn tile_fn(bool bf16);
 
 // Entry points of the ISA files (plain functions; everything else there is file-local).
 void tile_bf16_avx512(const Tile& t);
+// AMX-BF16 (amx_active()): tiles whose A rows are uniformly strided with adjacent pairs (amx_tile_fits:
+// a_ss == 2, a_bs == a_rb * a_rs, 64-column panels); others go to tile_bf16_avx512.
+void tile_bf16_amx(const Tile& t);
+bool amx_tile_fits(const Tile& t);
+bool amx_kernels_built();  // false where the compiler had no -mamx-tile / -mamx-bf16
+inline bool use_amx() { return amx_kernels_built() && amx_active(); }
+// The wgrad A operand for the AMX kernel, X^T as rows of token pairs:
+//   out[r * ldo + 2 s + j] = in[(2 s + j) * ld + r]  for r < rows, s < ceil(n_rows / 2); zero where 2 s + j >= n_rows.
+void pack_xt_pairs_amx(bf16* out, int64_t ldo, const bf16* in /* [n_rows, ld] */, int64_t ld, int64_t n_rows,
+                       int64_t rows);
 void tile_f32_avx512(const Tile& t);
 void tile_bf16_avx2(const Tile& t);
 void tile_f32_avx2(const Tile& t);

@@ -1,6 +1,7 @@
 // grouped_gemm_cases.cpp: op-harness cases for the grouped (MoE expert) GEMM: forward, dgrad and wgrad
 // (=, +=), bf16 and fp32, against the naive twins grouped_gemm_*_ref, on uniform, skewed, zero-size-group,
-// single-expert and odd-shaped groups; determinism across thread counts; fp32 results bitwise equal to the
+// single-expert and odd-shaped groups (bf16 on an AMX CPU: the AMX tile kernel, and the AVX-512 one beside it);
+// determinism across thread counts; fp32 results bitwise equal to the
 // batch-invariant dense gemm_f32 run per expert; bad input throws.
 // Grad mode checks the three reference ops against each other as vector-Jacobian products, by finite
 // differences in double. Not a benchmark: see bench/bench_grouped_gemm.cpp.
@@ -175,6 +176,15 @@ struct GroupedCase : OpCase {
     compare_bound(r, "dgrad dX vs ref (gamma_N bound)", o.dX.data(), dX.data(), bdX.data(), M * K);
     compare_bound(r, "wgrad dW vs ref (gamma_m bound)", o.dW.data(), dW.data(), bdW.data(), E * K * N);
     compare_bound(r, "wgrad dW += vs ref", o.dWacc.data(), dWacc.data(), bdWacc.data(), E * K * N);
+    if (bf && amx_active()) {  // the AMX tiles ran above; the vdpbf16ps kernel is held to the same bounds
+      set_amx_override(0);
+      Out q = run(X, W, dY, dW0);
+      set_amx_override(-1);
+      compare_bound(r, "AVX-512 beside AMX: fwd Y vs ref", q.Y.data(), Y.data(), bY.data(), M * N);
+      compare_bound(r, "AVX-512 beside AMX: dgrad dX vs ref", q.dX.data(), dX.data(), bdX.data(), M * K);
+      compare_bound(r, "AVX-512 beside AMX: wgrad dW vs ref", q.dW.data(), dW.data(), bdW.data(), E * K * N);
+      compare_bound(r, "AVX-512 beside AMX: wgrad dW += vs ref", q.dWacc.data(), dWacc.data(), bdWacc.data(), E * K * N);
+    }
     if (bf) {
       // The bf16 copies are the fp32 outputs rounded to nearest even.
       std::vector<float> yb(M * N), yr(M * N), xb(M * K), xr(M * K);
