@@ -60,5 +60,8 @@ void f32_to_bf16(bf16* out, const float* in, int64_t n);
 void bf16_to_f32(float* out, const bf16* in, int64_t n);
 void f32_to_bf16_serial(bf16* out, const float* in, int64_t n);
 void bf16_to_f32_serial(float* out, const bf16* in, int64_t n);
+// Zeroes `bytes` bytes, split over the OpenMP threads like the conversions (one thread's stores do not reach
+// the memory bandwidth of two cores).
+void zero_bytes(void* p, size_t bytes);
 
 }  // namespace moetron

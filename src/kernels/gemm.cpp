@@ -2,9 +2,10 @@
 // (a matmul primitive cached per shape, alpha and beta, since oneDNN primitive creation costs far more than a
 // small matmul; alpha is an output scale and beta a sum post-op, strides and transposes are memory-descriptor
 // strides, so nothing is copied; where oneDNN has no bf16 matmul, the operands are widened to fp32 and go
-// through gemm_f32). Also the bf16 <-> fp32 vector conversions. Not the batch-invariant gemm_f32 (that is
+// through gemm_f32). Also the bf16 <-> fp32 vector conversions and a threaded zero fill. Not the batch-invariant gemm_f32 (that is
 // gemm_f32.cpp) nor the grouped (MoE) GEMM (grouped_gemm.cpp).
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
@@ -169,6 +170,12 @@ void f32_to_bf16(bf16* out, const float* in, int64_t n) {
 
 void bf16_to_f32(float* out, const bf16* in, int64_t n) {
   chunked(n, [&](int64_t o, int64_t m) { bf16_to_f32_serial(out + o, in + o, m); });
+}
+
+void zero_bytes(void* p, size_t bytes) {
+  char* c = static_cast<char*>(p);
+  chunked(int64_t(bytes / 4), [&](int64_t o, int64_t m) { std::memset(c + 4 * o, 0, size_t(m) * 4); });
+  if (bytes % 4) std::memset(c + bytes / 4 * 4, 0, bytes % 4);
 }
 
 }  // namespace moetron

@@ -21,6 +21,7 @@
 #include "model/model_impl.h"
 #include "moetron/cp_attention.h"
 #include "moetron/fsdp.h"
+#include "moetron/gemm.h"
 #include "moetron/loss.h"
 #include "moetron/rng.h"
 #include "moetron/rope.h"
@@ -328,7 +329,7 @@ void Model::sync_weights() {
 void Model::zero_grads() {
   MT_TRACE("optim.zero_grads");  // the planner's optimizer row counts it (plan validate)
   if (fsdp_) fsdp_->zero_grads();
-  else gbuf_.zero_();
+  else zero_bytes(gbuf_.raw(), gbuf_.nbytes());
   if (impl_->tied_hg.defined()) impl_->tied_hg.zero_();
 }
 
