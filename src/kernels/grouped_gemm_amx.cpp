@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "kernels/grouped_gemm_tile.h"
+#include "kernels/transpose_avx512.h"
 
 namespace moetron::gg {
 
@@ -195,30 +196,10 @@ void pack_xt_pairs_amx(bf16* out, int64_t ldo, const bf16* in, int64_t ld, int64
                                : _mm512_setzero_si512();
         v[k] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));  // lane i: the pair of row r0 + i at step s0 + k
       }
-      // Transpose: w[c] lane k = v[k] lane c.
-      __m512i t[16], u[16];
-      for (int m = 0; m < 8; ++m) {
-        t[2 * m] = _mm512_unpacklo_epi32(v[2 * m], v[2 * m + 1]);
-        t[2 * m + 1] = _mm512_unpackhi_epi32(v[2 * m], v[2 * m + 1]);
-      }
-      for (int g = 0; g < 4; ++g) {  // u[4g + j] 128-bit lane L = lanes 4L + j of v[4g .. 4g + 3]
-        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-      }
+      __m512i w[16];  // w[c] lane k = v[k] lane c: row r0 + c's pairs at steps s0 .. s0 + 15
+      transpose16x16_epi32(v, w);
       const __mmask16 sm = col_mask(sn);
-      for (int j = 0; j < 4; ++j) {
-        const __m512i y01 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), y23 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
-        const __m512i z01 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-        const __m512i z23 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
-        const __m512i w[4] = {_mm512_shuffle_i32x4(y01, z01, 0x88), _mm512_shuffle_i32x4(y01, z01, 0xdd),
-                              _mm512_shuffle_i32x4(y23, z23, 0x88), _mm512_shuffle_i32x4(y23, z23, 0xdd)};
-        for (int L = 0; L < 4; ++L) {
-          const int c = 4 * L + j;  // row r0 + c of the output
-          if (c < rn) _mm512_mask_storeu_epi32(out + (r0 + c) * ldo + 2 * s0, sm, w[L]);
-        }
-      }
+      for (int c = 0; c < rn; ++c) _mm512_mask_storeu_epi32(out + (r0 + c) * ldo + 2 * s0, sm, w[c]);
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "kernels/grouped_gemm_tile.h"
+#include "kernels/transpose_avx512.h"
 
 namespace moetron::gg {
 
@@ -254,33 +255,30 @@ void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_
     }
     return;
   }
-  // dgrad: word (q, c) = (W[c0+c][2q], W[c0+c][2q+1]) = word q of row c0+c converted to bf16: convert the row,
-  // then scatter its words down column c of the panel (the panel, steps*256 B, stays in L1).
-  alignas(64) uint32_t row[2048 + 16];
-  for (int64_t c = 0; c < kPanel; ++c) {
-    if (c >= pc) {
-      for (int64_t q = 0; q < steps; ++q) o[q * kPanel + c] = 0;
-      continue;
-    }
-    const float* w = We + (c0 + c) * N;
-    for (int64_t q0 = 0; q0 < steps; q0 += 2048) {
-      const int64_t nq = std::min<int64_t>(2048, steps - q0);
-      for (int64_t q = 0; q < nq; q += 16) {  // 16 words = 32 floats of the row
-        const int64_t j = 2 * (q0 + q);
-        const __mmask16 ma = col_mask(std::max<int64_t>(0, N - j)), mb = col_mask(std::max<int64_t>(0, N - j - 16));
-        const __m512i a = rne_bf16_epi32(_mm512_maskz_loadu_ps(ma, w + j));       // elements j .. j+15
-        const __m512i b = rne_bf16_epi32(_mm512_maskz_loadu_ps(mb, w + j + 16));  // elements j+16 .. j+31
-        // words: (a0,a1) (a2,a3) ... (b14,b15): even lanes low, odd lanes high
-        const __m512i packed =
-            _mm512_permutex2var_epi16(a,
-                                      _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
-                                                       30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
-                                      b);
-        _mm512_store_si512(row + q, packed);
+  // dgrad: word (q, c) = (W[c0+c][2q], W[c0+c][2q+1]) = word q of row c0+c converted to bf16. Blocks of 16
+  // columns x 16 words: each row's 16 words in one zmm, then a 16 x 16 transpose gives 16 steps' 64-byte runs
+  // of the panel, stored whole (was one 32-bit store per word).
+  const __m512i evens = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26,
+                                         24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (int64_t cb = 0; cb < kPanel; cb += 16)
+    for (int64_t q0 = 0; q0 < steps; q0 += 16) {
+      __m512i v[16], w[16];
+      const int64_t j = 2 * q0;  // first element of the block's words in each row
+      const __mmask16 ma = col_mask(std::max<int64_t>(0, N - j)), mb = col_mask(std::max<int64_t>(0, N - j - 16));
+      for (int k = 0; k < 16; ++k) {
+        if (cb + k >= pc) {
+          v[k] = _mm512_setzero_si512();
+          continue;
+        }
+        const float* row = We + (c0 + cb + k) * N + j;
+        const __m512i a = rne_bf16_epi32(_mm512_maskz_loadu_ps(ma, row));       // elements j .. j+15
+        const __m512i b = rne_bf16_epi32(_mm512_maskz_loadu_ps(mb, row + 16));  // elements j+16 .. j+31
+        v[k] = _mm512_permutex2var_epi16(a, evens, b);  // words (a0,a1) .. (b14,b15): even lanes low, odd high
       }
-      for (int64_t q = 0; q < nq; ++q) o[(q0 + q) * kPanel + c] = row[q];
+      transpose16x16_epi32(v, w);
+      const int64_t nq = std::min<int64_t>(16, steps - q0);
+      for (int64_t q = 0; q < nq; ++q) _mm512_storeu_si512(o + (q0 + q) * kPanel + cb, w[q]);
     }
-  }
 }
 
 }  // namespace moetron::gg
