@@ -25,6 +25,7 @@ void router_scores_row_avx512(float* s, const float* l, int E, bool softmax);
 bool router_select_row_avx512(int32_t* idx, float* val, const float* s, const float* bias, int E, int k,
                               int n_group, int topk_group, bool top2sum);
 float router_lse_row_avx512(const float* l, int E);
+bool router_capacity_pick_avx512(int32_t* idx, const float* q, int32_t* counts, int64_t C, int E, int k);
 void router_zgrad_row_avx512(float* dl, const float* l, int E, float coef);
 // router_avx2.cpp (the same signatures)
 void router_scores_row_avx2(float* s, const float* l, int E, bool softmax);
@@ -178,11 +179,19 @@ void select_row(int32_t* idx, float* val, const float* s, const float* bias, con
   }
 }
 
+// The combine weights of a token's chosen experts, from its raw scores s.
+void capacity_weights(float* w, const int32_t* idx, const float* s, const RouterConfig& cfg) {
+  float sum = 0;
+  for (int j = 0; j < cfg.topk; ++j) sum += s[idx[j]];
+  for (int j = 0; j < cfg.topk; ++j) w[j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
+}
+
 // Capacity routing (router.h): tokens in order take their top-k among the experts below C assignments; rewrites
 // topk_idx, topk_w and counts. q: the selection row s (* Sinkhorn factors) + bias.
 void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const float* scores, const float* skc,
                     const float* bias, const RouterConfig& cfg, int64_t N) {
   const int E = cfg.E, k = cfg.topk;
+  const bool avx512 = active_isa() == Isa::Avx512;  // the pick on 16 lanes (router_capacity_pick_avx512), same choices
   const int64_t C = int64_t(std::ceil(double(cfg.capacity) * double(N) * k / E - 1e-9));
   std::memset(counts, 0, sizeof(int32_t) * size_t(E));
   std::vector<float> q(static_cast<size_t>(E));
@@ -191,6 +200,10 @@ void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const flo
     const float* s = scores + n * E;
     for (int e = 0; e < E; ++e) q[size_t(e)] = (skc ? s[e] * skc[e] : s[e]) + (bias ? bias[e] : 0.0f);
     int32_t* idx = topk_idx + n * k;
+    if (avx512 && router_capacity_pick_avx512(idx, q.data(), counts, C, E, k)) {
+      capacity_weights(topk_w + n * k, idx, s, cfg);
+      continue;
+    }
     std::fill(used.begin(), used.end(), 0);
     for (int j = 0; j < k; ++j) {  // the largest available q, ties to the lower index
       int best = -1;
@@ -202,10 +215,7 @@ void capacity_route(int32_t* topk_idx, float* topk_w, int32_t* counts, const flo
           if (!used[size_t(e)] && (best < 0 || q[size_t(e)] > q[size_t(best)])) best = e;
       idx[j] = best, used[size_t(best)] = 1, ++counts[best];
     }
-    float sum = 0;
-    for (int j = 0; j < k; ++j) sum += s[idx[j]];
-    for (int j = 0; j < k; ++j)
-      topk_w[n * k + j] = cfg.route_scale * (cfg.norm_topk ? s[idx[j]] / (sum + kNormEps) : s[idx[j]]);
+    capacity_weights(topk_w + n * k, idx, s, cfg);
   }
 }
 

@@ -1,5 +1,6 @@
 // router_avx512.cpp: AVX-512 row kernels for the router: score rows (softmax or sigmoid over E experts),
-// the group-limited top-k of a row, and the logsumexp / z-loss gradient rows. Not the loop over tokens,
+// the group-limited top-k of a row, capacity routing's pick for one token, and the logsumexp / z-loss gradient
+// rows. Not the loop over tokens,
 // the validation or the losses (router.cpp). The exp (exp_avx512.h) is a degree-7 polynomial after a
 // Cody-Waite reduction, within 2 ulp of the correctly rounded expf on the router's input range, so the scores
 // differ from router_scores_ref<float> by a few ulp (the tolerance rationale is in docs/kernels/moe.md).
@@ -8,6 +9,8 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -164,6 +167,49 @@ void router_zgrad_row_avx512(float* dl, const float* l, int E, float coef) {
     __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, l + e), mv));
     _mm512_mask_storeu_ps(dl + e, k, _mm512_fmadd_ps(f, p, _mm512_maskz_loadu_ps(k, dl + e)));
   }
+}
+
+// Capacity routing's choice for one token (router.cpp capacity_route): k times the largest q among the experts
+// not yet taken with counts below C, ties to the lower index; with none left below C, the largest not yet taken.
+// Each pick increments counts. The same choices as the scalar loop; returns false, writing nothing, when a q is
+// NaN (the scalar loop decides those) or E > 1024.
+bool router_capacity_pick_avx512(int32_t* idx, const float* q, int32_t* counts, int64_t C, int E, int k) {
+  const int nv = (E + 15) / 16;
+  if (nv > 64) return false;
+  __m512 x[64];
+  __mmask16 valid[64], used[64];
+  for (int v = 0; v < nv; ++v) {
+    const int n = E - 16 * v;
+    valid[v] = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
+    used[v] = 0;
+    x[v] = _mm512_maskz_loadu_ps(valid[v], q + 16 * v);
+    if (_mm512_mask_cmp_ps_mask(valid[v], x[v], x[v], _CMP_UNORD_Q)) return false;
+  }
+  const __m512i vc = _mm512_set1_epi32(int32_t(std::min<int64_t>(C, INT32_MAX)));
+  __mmask16 avail[64];
+  for (int j = 0; j < k; ++j) {
+    bool any = false;
+    for (int v = 0; v < nv; ++v) {
+      const __mmask16 room = _mm512_mask_cmplt_epi32_mask(valid[v], _mm512_maskz_loadu_epi32(valid[v], counts + 16 * v), vc);
+      avail[v] = room & __mmask16(~used[v]);
+      any |= avail[v] != 0;
+    }
+    if (!any)
+      for (int v = 0; v < nv; ++v) avail[v] = valid[v] & __mmask16(~used[v]);
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int v = 0; v < nv; ++v) vmax = _mm512_mask_max_ps(vmax, avail[v], vmax, x[v]);
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    int best = -1;
+    for (int v = 0; v < nv && best < 0; ++v) {
+      const __mmask16 hit = _mm512_mask_cmp_ps_mask(avail[v], x[v], mx, _CMP_EQ_OQ);
+      if (hit) best = 16 * v + __builtin_ctz(unsigned(hit));
+    }
+    if (best < 0) return false;  // unreachable: k <= E leaves an expert not yet taken
+    idx[j] = best;
+    used[best / 16] |= __mmask16(1u << (best % 16));
+    ++counts[best];
+  }
+  return true;
 }
 
 }  // namespace moetron
