@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "model/model_impl.h"
 #include "moetron/cp_attention.h"
@@ -318,7 +319,25 @@ void Model::init_params(uint64_t seed) {
 void Model::sync_weights() {
   auto& I = *impl_;
   if (fsdp_) return;  // FSDP: a unit's bf16 copy and packed experts are made when it is gathered
-  if (!I.f32) f32_to_bf16(I.wc.data<bf16>(), pbuf_.data<float>(), n_params_);
+  if (!I.f32) {
+    // The bf16 copy of every parameter but the held routed experts, whose GEMMs read only their packed copies
+    // (pack_experts below; W() is never asked for them): contiguous runs of parameters in offset order.
+    std::vector<char> packed_only(params_.size(), 0);
+    for (auto& L : I.layers)
+      if (L.moe && L.held) packed_only[size_t(L.we13)] = packed_only[size_t(L.we2)] = 1;
+    std::vector<int> order(params_.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return params_[a].offset < params_[b].offset; });
+    bf16* wc = I.wc.data<bf16>();
+    const float* p = pbuf_.data<float>();
+    int64_t run0 = 0;  // start of the run being gathered
+    for (int i : order) {
+      if (!packed_only[size_t(i)]) continue;
+      if (params_[i].offset > run0) f32_to_bf16(wc + run0, p + run0, params_[i].offset - run0);
+      run0 = params_[i].offset + params_[i].numel;
+    }
+    if (n_params_ > run0) f32_to_bf16(wc + run0, p + run0, n_params_ - run0);
+  }
   for (auto& L : I.layers) {
     if (!L.moe || !L.held) continue;
     I.pack_experts(L, L.p13f, L.p13d, L.p2f, L.p2d);
