@@ -361,7 +361,7 @@ void measure_optimizer(const Timer& tm, ComputeDtype dt, bool quick, int reps, R
   r.optimizer_params = double(n);
   r.adamw_s = tm.best_of(reps, [&] { adamw_step(p.data(), m1.data(), v1.data(), g.data(), n, ac, ++step, 1.f, true); });
   r.grad_norm_s = tm.best_of(reps, [&] { volatile double s2 = grad_norm_sq(g.data(), n); (void)s2; });
-  r.zero_s = tm.best_of(reps, [&] { std::memset(g.data(), 0, size_t(n) * 4); });
+  r.zero_s = tm.best_of(reps, [&] { zero_bytes(g.data(), size_t(n) * 4); });  // as Model::zero_grads
   const GemmPrec prec = dt == ComputeDtype::BF16 ? GemmPrec::BF16 : GemmPrec::F32;
   const int64_t El = 64, d = 512, F = 192;  // larger than the caches, as a layer's experts are
   std::vector<float> w13(static_cast<size_t>(El * d * 2 * F), 0.01f), w2(static_cast<size_t>(El * F * d), 0.01f);

@@ -229,7 +229,8 @@ struct Model::Impl {
   std::vector<double> cur_aux, cur_z;    // per global MoE layer, the current pass
   // The split backward: while an I half runs, weight-gradient GEMMs are recorded into this arena.
   WArena* defer = nullptr;
-  Tensor wc;  // bf16 copy of every parameter (bf16 mode only: fp32 mode multiplies the masters)
+  Tensor wc;  // bf16 copy of every parameter (bf16 mode only: fp32 mode multiplies the masters); the held routed
+              // experts' part is not refreshed (sync_weights): their GEMMs read the packed copies, never W()
   Tensor rope_cos, rope_sin;
   Tensor xf, rstdf, hfc;  // final norm
   int emb = -1, head = -1, final_norm = -1;

@@ -71,12 +71,16 @@ double newton_schulz_rank(const JobConfig& c, const Layout& l, const Hardware& h
 }
 
 // Weight refresh of one rank (the engine's convention; a bf16 GPU recipe has none): every local weight's compute
-// copy (read the master, write the copy) and the routed experts' packed GEMM layouts, once per step; under FSDP
+// copy (read the master, write the copy; not of the routed experts outside FSDP) and the routed experts' packed
+// GEMM layouts, once per step; under FSDP
 // each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward).
 double refresh_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
   const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
   const double bw = h.stream_bw();
-  const double copy = rc.compute_copy > 0 ? (Pd + Pe) * (rc.param + rc.compute_copy) / bw : 0.0;
+  // The engine's sync_weights converts every parameter but the routed experts, which their GEMMs read only in the
+  // packed layouts; FSDP converts each gathered unit whole.
+  const double copied = l.zero == 3 ? Pd + Pe : Pd;
+  const double copy = rc.compute_copy > 0 ? copied * (rc.param + rc.compute_copy) / bw : 0.0;
   const double pack = rc.expert_packed <= 0 ? 0.0
                       : h.expert_pack_per_param > 0
                           ? Pe * h.expert_pack_per_param

@@ -457,6 +457,24 @@ TEST(PlanCost, MeasuredLossOptimizerAndRefreshFigures) {
   const auto tf = time_with(cf, 2, h, of);
   const auto rf = plan::plan_memory(cf, tf.layout, h, of.memory).per_rank.at(0);
   EXPECT_NEAR(tf.weight_refresh, 2.0 * double(tf.layout.microbatches) * rf.params_experts * 3e-9, 1e-9 * tf.weight_refresh);
+  // bf16: the compute copy (read 4 B, write 2 B) of every parameter but the routed experts, as the engine's
+  // sync_weights makes it; under FSDP each gathered unit is converted whole, experts included.
+  const auto cb = cfg("ds_mini", {"--training.compute_dtype=bf16"});
+  plan::TimeOptions ob = o;
+  ob.memory.recipe = plan::recipe_named("engine", cb);
+  const auto tb = time_with(cb, 1, h, ob);
+  const auto rb = plan::plan_memory(cb, tb.layout, h, ob.memory).per_rank.at(0);
+  const double dense = rb.params_tp_sharded + rb.params_replicated;
+  EXPECT_NEAR(tb.weight_refresh, dense * 6.0 / h.stream_bw() + rb.params_experts * 3e-9, 1e-9 * tb.weight_refresh);
+  auto cbf = cfg("ds_mini", {"--training.compute_dtype=bf16", "--parallelism.dp_shard=2", "--parallelism.zero=3"});
+  plan::TimeOptions obf = o;
+  obf.memory.recipe = plan::recipe_named("engine", cbf);
+  const auto tbf = time_with(cbf, 2, h, obf);
+  const auto rbf = plan::plan_memory(cbf, tbf.layout, h, obf.memory).per_rank.at(0);
+  const double all = rbf.params_tp_sharded + rbf.params_replicated + rbf.params_experts;
+  EXPECT_NEAR(tbf.weight_refresh,
+              2.0 * double(tbf.layout.microbatches) * (all * 6.0 / h.stream_bw() + rbf.params_experts * 3e-9),
+              1e-9 * tbf.weight_refresh);
 }
 
 TEST(PlanCost, EngineAllReducesGradientsUnderZero1) {
