@@ -46,9 +46,13 @@ static Isa cpu_best_isa() {
 
 // MOETRON_ISA, read on first use (not at static initialisation, so a bad value is an Error the caller reports,
 // naming the variable, rather than a termination before main); never raises the ISA above the CPU's.
+static const std::string& env_isa_choice() {
+  static const std::string s = env_choice("MOETRON_ISA", "", {"scalar", "avx2", "avx512", "amx"}, "kernel ISA");
+  return s;
+}
 static Isa env_isa() {
   const Isa best = cpu_best_isa();
-  const std::string s = env_choice("MOETRON_ISA", "", {"scalar", "avx2", "avx512", "amx"}, "kernel ISA");
+  const std::string& s = env_isa_choice();
   if (s.empty()) return best;
   const Isa want = s == "scalar" ? Isa::Scalar : s == "avx2" ? Isa::Avx2 : Isa::Avx512;
   return want < best ? want : best;
@@ -84,8 +88,7 @@ bool amx_active() {
   if (active_isa() != Isa::Avx512 || !amx_available()) return false;
   const int o = g_amx_override.load(std::memory_order_relaxed);
   if (o >= 0) return o == 1;
-  static const bool from_env = env_choice("MOETRON_ISA", "", {"scalar", "avx2", "avx512", "amx"}, "kernel ISA") != "avx512";
-  return from_env;
+  return env_isa_choice() != "avx512";
 }
 void set_amx_override(int mode) { g_amx_override.store(mode < 0 ? -1 : mode > 0 ? 1 : 0, std::memory_order_relaxed); }
 

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "attention_impl.h"
+#include "transpose_avx512.h"
 
 namespace {
 
@@ -85,31 +86,12 @@ const std::array<std::array<MicroFn, kNV>, kMR> kMicro[2][2] = {
     {table_of<true, false>(std::make_integer_sequence<int, kMR>()),
      table_of<true, true>(std::make_integer_sequence<int, kMR>())}};
 
-// dst[c*ldd + r] = src[r*lds + c] for a full 16 x 16 block.
+// dst[c*ldd + r] = src[r*lds + c] for a full 16 x 16 block (the register transpose of transpose_avx512.h).
 inline void transpose16(float* dst, int64_t ldd, const float* src, int64_t lds) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4g + c'] holds, in 128-bit lane L, column 4L + c' of rows 4g .. 4g+3.
-  for (int g = 0; g < 4; ++g) {
-    r[4 * g + 0] = _mm512_shuffle_ps(t[4 * g + 0], t[4 * g + 2], 0x44);
-    r[4 * g + 1] = _mm512_shuffle_ps(t[4 * g + 0], t[4 * g + 2], 0xEE);
-    r[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    r[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  for (int cp = 0; cp < 4; ++cp) {
-    const __m512 v0 = _mm512_shuffle_f32x4(r[cp], r[4 + cp], 0x44);
-    const __m512 v1 = _mm512_shuffle_f32x4(r[cp], r[4 + cp], 0xEE);
-    const __m512 v2 = _mm512_shuffle_f32x4(r[8 + cp], r[12 + cp], 0x44);
-    const __m512 v3 = _mm512_shuffle_f32x4(r[8 + cp], r[12 + cp], 0xEE);
-    _mm512_storeu_ps(dst + (0 + cp) * ldd, _mm512_shuffle_f32x4(v0, v2, 0x88));
-    _mm512_storeu_ps(dst + (4 + cp) * ldd, _mm512_shuffle_f32x4(v0, v2, 0xDD));
-    _mm512_storeu_ps(dst + (8 + cp) * ldd, _mm512_shuffle_f32x4(v1, v3, 0x88));
-    _mm512_storeu_ps(dst + (12 + cp) * ldd, _mm512_shuffle_f32x4(v1, v3, 0xDD));
-  }
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(_mm512_loadu_ps(src + i * lds));
+  transpose16x16_epi32(r, t);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, _mm512_castsi512_ps(t[i]));
 }
 
 struct Avx512Ops {

@@ -105,9 +105,9 @@ inline void c_finish(int T, float* C, bf16* Cb, int64_t ldc, int rows, int cols,
 }
 #undef MT_TILE_CASES
 
-}  // namespace
-
 bool amx_tile_fits(const Tile& t) { return t.a_ss == 2 && t.a_bs == t.a_rb * t.a_rs && t.b_pw == kPanel; }
+
+}  // namespace
 
 void tile_bf16_amx(const Tile& t) {
   if (t.rows <= 0 || t.cols <= 0) return;
@@ -207,7 +207,6 @@ void pack_xt_pairs_amx(bf16* out, int64_t ldo, const bf16* in, int64_t ld, int64
 #else  // a compiler without the tile instructions: never chosen (amx_kernels_built() is false)
 
 bool amx_kernels_built() { return false; }
-bool amx_tile_fits(const Tile&) { return false; }
 void tile_bf16_amx(const Tile& t) { tile_bf16_avx512(t); }
 void pack_xt_pairs_amx(bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t) {}
 

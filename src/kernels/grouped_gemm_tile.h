@@ -94,10 +94,9 @@ TileFn tile_fn(bool bf16);
 
 // Entry points of the ISA files (plain functions; everything else there is file-local).
 void tile_bf16_avx512(const Tile& t);
-// AMX-BF16 (amx_active()): tiles whose A rows are uniformly strided with adjacent pairs (amx_tile_fits:
-// a_ss == 2, a_bs == a_rb * a_rs, 64-column panels); others go to tile_bf16_avx512.
+// AMX-BF16 (amx_active()): tiles whose A rows are uniformly strided with adjacent pairs (a_ss == 2,
+// a_bs == a_rb * a_rs, 64-column panels); others go to tile_bf16_avx512.
 void tile_bf16_amx(const Tile& t);
-bool amx_tile_fits(const Tile& t);
 bool amx_kernels_built();  // false where the compiler had no -mamx-tile / -mamx-bf16
 inline bool use_amx() { return amx_kernels_built() && amx_active(); }
 // The wgrad A operand for the AMX kernel, X^T as rows of token pairs:

@@ -1,5 +1,6 @@
 // transpose_avx512.h: the one 16 x 16 transpose of 32-bit lanes in AVX-512 registers, for the packers that turn
-// rows into columns (the AMX wgrad operand, the grouped GEMM's dgrad weight panels): after the call, lane k of
+// rows into columns (the AMX wgrad operand, the grouped GEMM's dgrad weight panels, the attention kernels'
+// transpose16 of attention_avx512_ops.h): after the call, lane k of
 // w[c] is lane c of v[k]. Four stages: 32-bit and 64-bit unpacks inside 128-bit lanes, then two rounds of
 // 128-bit lane shuffles. Include only from files compiled with the AVX-512 flags; everything here is in an
 // anonymous namespace. Not a matrix kernel.

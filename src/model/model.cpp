@@ -321,22 +321,26 @@ void Model::sync_weights() {
   if (fsdp_) return;  // FSDP: a unit's bf16 copy and packed experts are made when it is gathered
   if (!I.f32) {
     // The bf16 copy of every parameter but the held routed experts, whose GEMMs read only their packed copies
-    // (pack_experts below; W() is never asked for them): contiguous runs of parameters in offset order.
-    std::vector<char> packed_only(params_.size(), 0);
-    for (auto& L : I.layers)
-      if (L.moe && L.held) packed_only[size_t(L.we13)] = packed_only[size_t(L.we2)] = 1;
-    std::vector<int> order(params_.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](int a, int b) { return params_[a].offset < params_[b].offset; });
+    // (pack_experts below; W() is never asked for them): contiguous runs of parameters in offset order, found
+    // once (the layout does not change).
+    if (I.wc_runs.empty()) {
+      std::vector<char> packed_only(params_.size(), 0);
+      for (auto& L : I.layers)
+        if (L.moe && L.held) packed_only[size_t(L.we13)] = packed_only[size_t(L.we2)] = 1;
+      std::vector<int> order(params_.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return params_[a].offset < params_[b].offset; });
+      int64_t run0 = 0;  // start of the run being gathered
+      for (int i : order) {
+        if (!packed_only[size_t(i)]) continue;
+        if (params_[i].offset > run0) I.wc_runs.emplace_back(run0, params_[i].offset);
+        run0 = params_[i].offset + params_[i].numel;
+      }
+      if (n_params_ > run0) I.wc_runs.emplace_back(run0, n_params_);
+    }
     bf16* wc = I.wc.data<bf16>();
     const float* p = pbuf_.data<float>();
-    int64_t run0 = 0;  // start of the run being gathered
-    for (int i : order) {
-      if (!packed_only[size_t(i)]) continue;
-      if (params_[i].offset > run0) f32_to_bf16(wc + run0, p + run0, params_[i].offset - run0);
-      run0 = params_[i].offset + params_[i].numel;
-    }
-    if (n_params_ > run0) f32_to_bf16(wc + run0, p + run0, n_params_ - run0);
+    for (const auto& [b, e] : I.wc_runs) f32_to_bf16(wc + b, p + b, e - b);
   }
   for (auto& L : I.layers) {
     if (!L.moe || !L.held) continue;

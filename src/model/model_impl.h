@@ -22,6 +22,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "model/ep_exposure.h"
@@ -231,6 +232,7 @@ struct Model::Impl {
   WArena* defer = nullptr;
   Tensor wc;  // bf16 copy of every parameter (bf16 mode only: fp32 mode multiplies the masters); the held routed
               // experts' part is not refreshed (sync_weights): their GEMMs read the packed copies, never W()
+  std::vector<std::pair<int64_t, int64_t>> wc_runs;  // [begin, end) element ranges sync_weights converts (made once)
   Tensor rope_cos, rope_sin;
   Tensor xf, rstdf, hfc;  // final norm
   int emb = -1, head = -1, final_norm = -1;
