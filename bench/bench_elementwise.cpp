@@ -16,11 +16,7 @@ using namespace moetron;
 
 namespace {
 
-std::vector<float> randv(int64_t n, const char* name) {
-  std::vector<float> v(n);
-  fill_normal(v.data(), n, rng_key(1, name), 0, 0, 1);
-  return v;
-}
+std::vector<float> randv(int64_t n, const char* name) { return bench::normal_vec(n, 1, name); }
 
 void BM_rmsnorm_fwd(benchmark::State& st) {
   const int64_t N = st.range(0), C = st.range(1);

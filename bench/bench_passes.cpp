@@ -18,17 +18,8 @@ using namespace moetron;
 
 namespace {
 
-struct IsaScope {
-  explicit IsaScope(int64_t isa) : saved(active_isa()) { set_isa_override(Isa(isa)); }
-  ~IsaScope() { set_isa_override(saved); }
-  Isa saved;
-};
-
-std::vector<float> randv(int64_t n, const char* name, float sd = 1.0f) {
-  std::vector<float> v(n);
-  fill_normal(v.data(), n, rng_key(3, name), 0, 0, sd);
-  return v;
-}
+using bench::IsaScope;
+std::vector<float> randv(int64_t n, const char* name, float sd = 1.0f) { return bench::normal_vec(n, 3, name, sd); }
 
 // memcpy of `mib` MiB (read + write counted), in this process's conditions.
 void BM_memcpy(benchmark::State& st) {

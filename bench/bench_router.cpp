@@ -34,17 +34,8 @@ RouterConfig ds_mini_v2() {
   return c;
 }
 
-struct IsaScope {
-  explicit IsaScope(int64_t isa) : saved(active_isa()) { set_isa_override(Isa(isa)); }
-  ~IsaScope() { set_isa_override(saved); }
-  Isa saved;
-};
-
-std::vector<float> normal(int64_t n, const char* name, float sd = 1.0f) {
-  std::vector<float> v(n);
-  fill_normal(v.data(), n, rng_key(7, name), 0, 0.0f, sd);
-  return v;
-}
+using bench::IsaScope;
+std::vector<float> normal(int64_t n, const char* name, float sd = 1.0f) { return bench::normal_vec(n, 7, name, sd); }
 
 struct RouterData {
   RouterConfig cfg;
