@@ -8,8 +8,9 @@
 // the diagonal block (Tk == T, query and key blocks at the same positions). The backward of a block takes the
 // merged lse and out of the whole row (see attention_backward), so the blocks' gradients sum to the row's.
 // Precision (AttnDims::prec): F32 computes every product in fp32; BF16 rounds the operands of the products
-// (q k^T, P v; backward dO v^T, P^T dO, dS k, dS^T q) to bf16 and accumulates in fp32 (vdpbf16ps), with the
-// softmax, lse, row sums and scaling in fp32. BF16 runs only where AVX512-BF16 is native (active_isa() is
+// (q k^T, P v; backward dO v^T, P^T dO, dS k, dS^T q) to bf16 and accumulates in fp32 (vdpbf16ps, or the AMX
+// tiles where amx_active()), with the softmax, lse, row sums and scaling in fp32. BF16 runs only where
+// AVX512-BF16 is native (active_isa() is
 // Avx512); elsewhere a BF16 request runs the fp32 kernels, bitwise as F32 (attention_bf16_active says which).
 // Not: padding masks, sliding windows, dropout, KV caches or decoding.
 #pragma once
@@ -58,10 +59,10 @@ void attention_check(const AttnDims& d, const char* op);
 // implies AVX512-BF16); false means the fp32 kernels run.
 bool attention_bf16_active(const AttnDims& d);
 // Whether bf16 attention is the faster choice here (what the model's automatic choice takes under bf16 compute):
-// the bf16 kernels run (active_isa() is Avx512) and this CPU's vdpbf16ps outruns its fp32 FMAs, which holds on
-// AMD's AVX512-BF16 CPUs (Zen 4 / 5: one vdpbf16ps zmm, 64 FLOPs, per cycle, twice the FMAs' rate). Intel's
-// issue it at or below their FMAs' FLOP rate (Sapphire Rapids, AMX-BF16: half, measured in docs/benchmarks.md;
-// its bf16 speed is in AMX), so the fp32 kernels stay there. A CPU property (the vendor), never a timing.
+// the bf16 kernels run (active_isa() is Avx512) and their products outrun the fp32 FMAs: on AMD's AVX512-BF16
+// CPUs (Zen 4 / 5: one vdpbf16ps zmm, 64 FLOPs, per cycle, twice the FMAs' rate), and where the products go to
+// the AMX-BF16 tiles (amx_active(): Intel Sapphire Rapids on, whose vdpbf16ps runs at half its FMAs' FLOP rate;
+// docs/benchmarks.md, "bf16 attention" and "Attention on the AMX tiles"). A CPU property, never a timing.
 bool attention_bf16_preferred();
 
 // Scratch for the forward and the backward: per-thread tiles plus, when head_k or head_v is 0 with

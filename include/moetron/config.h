@@ -48,6 +48,10 @@ struct TrainSpec {
   int64_t val_interval = 0;  // 0 = no validation
   int64_t val_steps = 0;
   ComputeDtype compute_dtype = ComputeDtype::Auto;  // replaces the retired `dtype` key
+  // The attention kernels' products under bf16 compute: "auto" = bf16 where attention_bf16_preferred() (the
+  // faster choice on this CPU: AMD's AVX512-BF16, Intel's AMX), else fp32; "bf16" / "fp32" force one ("bf16"
+  // needs bf16 compute: an error naming both keys otherwise). fp32 compute always runs fp32 attention.
+  ComputeDtype attention_dtype = ComputeDtype::Auto;
   int64_t threads = 0;  // 0 = all hardware threads
   bool memory_check = true;  // reject at start-up a job that needs more memory than the node has (memcheck.h)
   // A step whose loss or global gradient norm is not finite: "halt" (stop with an error naming the first

@@ -87,7 +87,7 @@ struct ModelParallel {
   bool ep_paced_link = false;
   // The attention kernels' products under bf16 compute: Auto = bf16 where attention_bf16_preferred() (the
   // faster choice on this CPU), else fp32; BF16 / FP32 force one (BF16 needs bf16 compute). fp32 compute always
-  // runs fp32 attention. Not a config key: the trainer takes Auto.
+  // runs fp32 attention. The trainer takes [training] attention_dtype.
   ComputeDtype attention = ComputeDtype::Auto;
 };
 

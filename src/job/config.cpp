@@ -259,6 +259,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("training", "val_interval", training.val_interval));
     t.push_back(MT_F("training", "val_steps", training.val_steps));
     t.push_back(MT_E("training", "compute_dtype", training.compute_dtype, {"auto", "bf16", "fp32"}));
+    t.push_back(MT_E("training", "attention_dtype", training.attention_dtype, {"auto", "bf16", "fp32"}));
     t.push_back(MT_F("training", "threads", training.threads));
     t.push_back(MT_F("training", "memory_check", training.memory_check));
     t.push_back(MT_E("training", "nonfinite", training.nonfinite, {"halt", "skip"}));

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "attention_impl.h"
+#include "kernels/attention_amx.h"
 #include "moetron/attention.h"
 #include "moetron/check.h"
 #include "moetron/runtime.h"
@@ -131,7 +132,9 @@ void attention_check(const AttnDims& d, const char* op) {
 
 bool attention_bf16_active(const AttnDims& d) { return d.prec == AttnPrec::BF16 && active_isa() == Isa::Avx512; }
 
-bool attention_bf16_preferred() { return active_isa() == Isa::Avx512 && cpu_features().amd; }
+bool attention_bf16_preferred() {
+  return active_isa() == Isa::Avx512 && (cpu_features().amd || (attn_amx::built() && amx_active()));
+}
 
 size_t attention_workspace_bytes(const AttnDims& d, int nthreads) {
   attention_check(d, "attention_workspace_bytes");

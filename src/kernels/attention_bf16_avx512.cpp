@@ -1,6 +1,7 @@
 // attention_bf16_avx512.cpp: the bf16 flash attention (AttnPrec::BF16) on AVX512-BF16: the same tiling,
 // causal tile skipping, online softmax, schedules and summation order as the fp32 algorithm of attention_impl.h,
-// with the products on vdpbf16ps (bf16 operand pairs, fp32 accumulation): forward S^T = K Q^T and O += P V;
+// with the products on vdpbf16ps (bf16 operand pairs, fp32 accumulation), or on the AMX tiles where amx_active()
+// (attention_amx.h, same operands, trimmed per 16 rows): forward S^T = K Q^T and O += P V;
 // backward S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K. Softmax, lse, the running max and
 // sums, D = rowsum(dO * O), the rescaling and the accumulators stay fp32 (Avx512Ops of attention_avx512_ops.h).
 // Operands: each call first converts q, k, v (and dout) once into the workspace, per 64-row tile, in the layout
@@ -13,6 +14,8 @@
 #include <cstring>
 
 #include "attention_avx512_ops.h"
+#include "kernels/attention_amx.h"
+#include "moetron/runtime.h"
 
 namespace {
 
@@ -218,9 +221,17 @@ void gemm16(bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, const u32* 
 
 // tri_gemm (attention_impl.h) for gemm16: the same trimming per kMR-row block. KFrom starts at k0 = m0, even
 // (kMR is), so at a whole pair; KUpTo's K = m0 + mr may be odd: its last pair's second element is a masked 0.
+// On AMX (amx_active() and the tile kernel built) every product goes to the tiles (attention_amx.h), which
+// trim per 16 rows.
 static_assert(kMR % 2 == 0, "KFrom needs pair-aligned row blocks");
+static_assert(int(Tri::NUpTo) == moetron::attn_amx::kNUpTo && int(Tri::NFrom) == moetron::attn_amx::kNFrom &&
+                  int(Tri::KUpTo) == moetron::attn_amx::kKUpTo && int(Tri::KFrom) == moetron::attn_amx::kKFrom &&
+                  int(Tri::None) == moetron::attn_amx::kNone,
+              "attention_amx.h numbers the trims as Tri does");
 void tri16(Tri tri, bool acc, bool ta, int64_t M, int64_t N, int64_t K, const u32* A, int64_t lda, const u32* B,
            int64_t ldb, float* C, int64_t ldc) {
+  if (moetron::attn_amx::built() && moetron::amx_active())
+    return moetron::attn_amx::gemm(int(tri), acc, ta, M, N, K, A, lda, B, ldb, C, ldc);
   if (tri == Tri::None) return gemm16(acc, ta, M, N, K, A, lda, B, ldb, C, ldc);
   for (int64_t m0 = 0; m0 < M; m0 += kMR) {
     const int64_t mr = std::min<int64_t>(kMR, M - m0);

@@ -76,7 +76,8 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   impl_ = std::make_unique<Impl>(*this);
   impl_->f32 = compute_ == ComputeDtype::FP32;
   MT_CHECK(par.attention != ComputeDtype::BF16 || !impl_->f32, "Model",
-           "bf16 attention needs bf16 compute (training.compute_dtype resolved to fp32 here)");
+           "training.attention_dtype = \"bf16\" needs bf16 compute, but training.compute_dtype resolved to fp32 here; "
+           "use attention_dtype \"auto\" or \"fp32\"");
   impl_->attn16 = !impl_->f32 && (par.attention == ComputeDtype::BF16 ||
                                   (par.attention == ComputeDtype::Auto && attention_bf16_preferred()));
   impl_->par = par;

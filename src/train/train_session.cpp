@@ -183,6 +183,7 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
                                             cfg.parallelism.ep_pair_backward);
 
   ModelParallel mpar;
+  mpar.attention = cfg.training.attention_dtype;
   if (EP > 1) {
     mpar.ep = &mcs.ep, mpar.dispatcher = cfg.parallelism.ep_dispatcher, mpar.fp8_dispatch = cfg.parallelism.fp8_dispatch;
     mpar.ep_ranks_per_node = mesh.ep_ranks_per_node();

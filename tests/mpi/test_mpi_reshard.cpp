@@ -83,7 +83,13 @@ JobConfig tiny(const std::string& dump, const std::vector<std::string>& extra) {
                                  "--model.load_balance=aux_free",
                                  "--checkpoint.enable=true",
                                  "--checkpoint.interval=" + std::to_string(kSaved),
-                                 "--checkpoint.keep_latest_k=0"};
+                                 "--checkpoint.keep_latest_k=0",
+                                 // The bounds above are the sweep's for a forward whose bf16 roundings are the
+                                 // weights'; bf16 attention (auto on AMD AVX512-BF16 and Intel AMX CPUs) also
+                                 // rounds q, k, v, P and dS, and the first rounding a reassociation flips sends
+                                 // the runs apart (measured: 2.4e-3 parameters here). test_mpi_layouts.cpp holds
+                                 // auto, bf16 attention included, to its own bounds.
+                                 "--training.attention_dtype=fp32"};
   ov.insert(ov.end(), extra.begin(), extra.end());
   return load_config(repo("configs/ds_tiny.toml"), ov);
 }

@@ -84,7 +84,14 @@ JobConfig tiny(const std::string& dump, std::vector<std::string> extra = {}) {
                                  "--metrics.log_interval=1",
                                  "--training.steps=" + std::to_string(kSteps),
                                  "--training.micro_batch_size=" + std::to_string(kMicro),
-                                 "--training.global_batch_size=" + std::to_string(kGlobal)};
+                                 "--training.global_batch_size=" + std::to_string(kGlobal),
+                                 // The bounds below are derived for a forward whose only bf16 roundings are the
+                                 // weights' (they absorb the ~1e-8 reassociation differences); bf16 attention
+                                 // (auto on AMD AVX512-BF16 and Intel AMX CPUs) also rounds q, k, v, P and dS,
+                                 // and once a reassociation flips one of those roundings the runs part
+                                 // (measured, zero 3 on 2 ranks: loss 9.5e-6 and parameters 8.9e-5 at step 5).
+                                 // test_mpi_layouts.cpp holds auto, bf16 attention included, to its own bounds.
+                                 "--training.attention_dtype=fp32"};
   for (auto& e : extra) ov.push_back(e);
   return load_config(repo("configs/ds_tiny.toml"), ov);
 }

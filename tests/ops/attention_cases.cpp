@@ -303,6 +303,7 @@ struct AttnCase : OpCase {
   void test(Report& r) override {
     const AttnDims& d = s.d;
     auto in = make_in(), dout = randn(s.out_size, seed(42));
+    const auto in_raw = in, dout_raw = dout;  // the kernels' inputs (the bf16 checks round `in` for the twin)
     const int threads = omp_get_max_threads() > 1 ? omp_get_max_threads() : 2;
     const Result one = run(in, dout, 1, true);  // first: its workspace has a guard (a short one would show there)
     r.check(one.ws_intact, "nothing written past attention_workspace_bytes (a 256-byte guard after it)");
@@ -323,23 +324,35 @@ struct AttnCase : OpCase {
       in = bf16_hw(in), dout = bf16_hw(dout);  // the twin's operands (the kernel rounds the same values)
       ub = kUb, floor = 0.3, abs = kFtz;
     }
-    auto ind = to_f64(in), doutd = to_f64(dout), outd = to_f64(res.out);
-    std::vector<double> out_ref(s.out_size, 0.0), lse_ref(d.B * d.Hq * d.T), din_ref(s.in_size, 0.0);
+    auto ind = to_f64(in), doutd = to_f64(dout);
+    std::vector<double> out_ref(s.out_size, 0.0), lse_ref(d.B * d.Hq * d.T);
     attention_forward_ref<double>(out_ref.data(), lse_ref.data(), ind.data() + s.qoff, ind.data() + s.koff,
                                   ind.data() + s.voff, d);
-    // The reference backward takes the optimized forward's out (it enters D_t = rowsum(dout * out)).
-    attention_backward_ref<double>(din_ref.data() + s.qoff, din_ref.data() + s.koff, din_ref.data() + s.voff,
-                                   doutd.data(), outd.data(), ind.data() + s.qoff, ind.data() + s.koff,
-                                   ind.data() + s.voff, d);
-    Bounds bd = error_bounds(s, ind, doutd, outd, 0, ub);
     const double rr = bf16 ? 0.0 : 2 * kU * std::sqrt(double(d.Dqk + d.Dv + std::max(d.T, d.keys())));
-    check_at(r, "out", oi, res.out.data(), out_ref.data(), bd.out.data(), rr, floor, abs);
     std::vector<int64_t> li(lse_ref.size());
     for (size_t i = 0; i < li.size(); ++i) li[i] = int64_t(i);
-    check_at(r, "lse", li, res.lse.data(), lse_ref.data(), bd.lse.data(), rr, floor, abs);
-    check_at(r, "dq", qi, res.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
-    check_at(r, "dk", ki, res.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
-    check_at(r, "dv", vi, res.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
+    // One kernel's results against the twin. The reference backward takes that kernel's forward out (it
+    // enters D_t = rowsum(dout * out)), and so do its bounds.
+    auto hold = [&](const Result& x, const std::string& who) {
+      const auto outd = to_f64(x.out);
+      std::vector<double> din_ref(s.in_size, 0.0);
+      attention_backward_ref<double>(din_ref.data() + s.qoff, din_ref.data() + s.koff, din_ref.data() + s.voff,
+                                     doutd.data(), outd.data(), ind.data() + s.qoff, ind.data() + s.koff,
+                                     ind.data() + s.voff, d);
+      const Bounds bd = error_bounds(s, ind, doutd, outd, 0, ub);
+      check_at(r, who + "out", oi, x.out.data(), out_ref.data(), bd.out.data(), rr, floor, abs);
+      check_at(r, who + "lse", li, x.lse.data(), lse_ref.data(), bd.lse.data(), rr, floor, abs);
+      check_at(r, who + "dq", qi, x.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
+      check_at(r, who + "dk", ki, x.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
+      check_at(r, who + "dv", vi, x.din.data(), din_ref.data(), bd.din.data(), rr, floor, abs);
+    };
+    hold(res, "");
+    if (bf16 && amx_active()) {  // the AMX tiles ran above; the vdpbf16ps products are held to the same bounds
+      set_amx_override(0);
+      const Result vec = run(in_raw, dout_raw, threads, false);
+      set_amx_override(-1);
+      hold(vec, "AVX-512 beside AMX: ");
+    }
     int64_t touched = 0;
     for (int64_t i = 0; i < s.out_size; ++i) touched += !out_owned[i] && res.out[i] != 12345.0f;
     for (int64_t i = 0; i < s.in_size; ++i) touched += !in_owned[i] && res.din[i] != 777.0f;

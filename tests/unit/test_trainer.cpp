@@ -12,6 +12,7 @@
 #include <sstream>
 #include <string>
 
+#include "moetron/attention.h"
 #include "moetron/check.h"
 #include "moetron/config.h"
 #include "moetron/env.h"
@@ -197,6 +198,39 @@ TEST(ComputeDtype, AutoPicksNativeBf16OrFp32AndBf16ElsewhereNamesFeatureAndKey) 
   EXPECT_THROW(train(tiny(fresh_dir("bf16_refused"), {"--training.compute_dtype=bf16", "--training.steps=1"}), quiet()),
                Error);
   set_isa_override(before);
+}
+
+// training.attention_dtype reaches the attention kernels: under bf16 compute "fp32" and "bf16" train differently
+// (the bf16 products round q, k, v, P, dS) and "auto" is the one attention_bf16_preferred() names; under fp32
+// compute "bf16" is refused naming both keys and "auto" equals "fp32" bitwise.
+TEST(ComputeDtype, AttentionDtypeKeyChoosesTheAttentionProducts) {
+  auto run = [](const std::string& name, std::vector<std::string> ov) {
+    ov.push_back("--training.steps=2");
+    return train(tiny(fresh_dir(name), ov), quiet()).history;
+  };
+  auto same = [](const std::vector<StepRecord>& a, const std::vector<StepRecord>& b) {
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i].loss != b[i].loss) return false;
+    return a.size() == b.size();
+  };
+  const auto f_auto = run("attn_f_auto", {"--training.compute_dtype=fp32"});
+  EXPECT_TRUE(same(f_auto, run("attn_f_f32", {"--training.compute_dtype=fp32", "--training.attention_dtype=fp32"})));
+  try {
+    run("attn_f_bf16", {"--training.compute_dtype=fp32", "--training.attention_dtype=bf16"});
+    ADD_FAILURE() << "bf16 attention accepted under fp32 compute";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("training.attention_dtype = \"bf16\" needs bf16 compute"), std::string::npos) << m;
+    EXPECT_NE(m.find("training.compute_dtype"), std::string::npos) << m;
+  }
+  if (!(gemm_bf16_native() && active_isa() == Isa::Avx512)) GTEST_SKIP() << "bf16 is not native here";
+  const auto b32 = run("attn_b_f32", {"--training.compute_dtype=bf16", "--training.attention_dtype=fp32"});
+  const auto b16 = run("attn_b_bf16", {"--training.compute_dtype=bf16", "--training.attention_dtype=bf16"});
+  const auto bau = run("attn_b_auto", {"--training.compute_dtype=bf16"});
+  EXPECT_FALSE(same(b32, b16)) << "attention_dtype fp32 and bf16 gave the same losses";
+  EXPECT_TRUE(same(bau, attention_bf16_preferred() ? b16 : b32)) << "auto is not the preferred choice";
+  for (size_t i = 0; i < b32.size(); ++i)  // both train the same model: bf16-level agreement
+    EXPECT_NEAR(b16[i].loss, b32[i].loss, 1e-2 * std::fabs(b32[i].loss)) << "step " << i + 1;
 }
 
 // Keys the planner reads and the engine does not implement yet are refused by name, not ignored.
