@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/amx_tiles.h"
 #include "kernels/transpose_avx512.h"
 
 namespace moetron::attn_amx {
@@ -31,14 +32,8 @@ constexpr int kCols = 64;   // output columns per block: four C tiles
 
 // Tile registers: 0-3 the C tiles of a 16 x 64 block, 4 the A chunk, 5 the B chunk. Every tile is 16 rows
 // of 64 bytes; edges are padded in scratch, so the configuration never changes inside a call.
-struct alignas(64) TileCfg {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 void configure() {
-  TileCfg c;
+  AmxTileCfg c;
   for (int t = 0; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
@@ -51,14 +46,8 @@ struct Scratch {
 
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
 
-// GCC's tile intrinsics paste the register number into the assembly text: it must be a literal.
-#define MT_C_CASES(OP)    \
-  switch (j) {            \
-    case 0: OP(0); break; \
-    case 1: OP(1); break; \
-    case 2: OP(2); break; \
-    default: OP(3); break; \
-  }
+// C tile j named by a literal (amx_tiles.h).
+#define MT_C_CASES(OP) MT_AMX_C_CASES(j, OP)
 
 // C tile j of rows x cols at C: zero, or loaded (through scratch when cut).
 inline void c_start(int j, bool acc, const float* C, int64_t ldc, int rows, int cols, Scratch& s) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/amx_tiles.h"
 #include "kernels/grouped_gemm_tile.h"
 #include "kernels/transpose_avx512.h"
 
@@ -36,17 +37,10 @@ namespace {
 enum : int { kC00 = 0, kC01 = 1, kC10 = 2, kC11 = 3, kA0 = 4, kA1 = 5, kB0 = 6, kB1 = 7 };
 constexpr int kChunk = 16;  // pairs per tile instruction (64-byte tile rows)
 
-struct alignas(64) TileCfg {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // The configuration for a row block of ra0 + ra1 rows (ra0 <= 16, ra1 = 0 when the block has <= 16 rows).
 // Loading a configuration zeroes every tile, so it changes only between blocks.
 void configure(int ra0, int ra1) {
-  TileCfg c;
+  AmxTileCfg c;
   auto set = [&](int t, int rows) { c.rows[t] = uint8_t(rows), c.colsb[t] = 64; };
   set(kC00, ra0), set(kC01, ra0), set(kA0, ra0);
   if (ra1 > 0) set(kC10, ra1), set(kC11, ra1), set(kA1, ra1);
@@ -62,15 +56,8 @@ struct Scratch {
 
 inline __mmask16 col_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
 
-// GCC's tile intrinsics paste the register number into the assembly text: it must be a literal, so the
-// C sub-tiles are named through these switches.
-#define MT_TILE_CASES(OP) \
-  switch (T) {            \
-    case 0: OP(0); break; \
-    case 1: OP(1); break; \
-    case 2: OP(2); break; \
-    default: OP(3); break; \
-  }
+// The C sub-tiles are named through amx_tiles.h's switch on T.
+#define MT_TILE_CASES(OP) MT_AMX_C_CASES(T, OP)
 
 // One C sub-tile (T, 0-3) of rows x cols at C: start (zero or C) and finish (store, bf16 copy).
 inline void c_start(int T, float* C, int64_t ldc, int rows, int cols, bool acc, Scratch& s) {
