@@ -32,10 +32,16 @@ constexpr int kCols = 64;   // output columns per block: four C tiles
 
 // Tile registers: 0-3 the C tiles of a 16 x 64 block, 4 the A chunk, 5 the B chunk. Every tile is 16 rows
 // of 64 bytes; edges are padded in scratch, so the configuration never changes inside a call.
+// One static record: built once, so no compiler can drop its stores as dead (GCC 12 did, for a local record
+// whose only reader was the inlined _tile_loadconfig: the tiles came up unconfigured and the first tile
+// instruction faulted).
 void configure() {
-  AmxTileCfg c;
-  for (int t = 0; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  static const AmxTileCfg cfg = [] {
+    AmxTileCfg c;
+    for (int t = 0; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
 }
 
 struct Scratch {
@@ -117,13 +123,23 @@ inline void load_b(const uint32_t* B, int64_t ldb, int64_t p0, int ps, int64_t n
   _tile_loadd(5, s.b, 64);
 }
 
+thread_local bool t_session = false;  // a Session holds this thread's configuration
+
 }  // namespace
+
+Session::Session(bool on) : on_(on && !t_session) {
+  if (on_) configure(), t_session = true;
+}
+Session::~Session() {
+  if (on_) _tile_release(), t_session = false;
+}
 
 void gemm(int tri, bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, const uint32_t* A, int64_t lda,
           const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   static thread_local Scratch s;
-  configure();
+  const bool own = !t_session;
+  if (own) configure();
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int mr = int(std::min<int64_t>(16, M - m0));
     const int64_t last = m0 + mr;  // the block's bound: its last row's (attention_amx.h)
@@ -153,12 +169,14 @@ void gemm(int tri, bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, cons
         c_finish(j, C + m0 * ldc + n0 + 16 * j, ldc, mr, int(std::min<int64_t>(16, nn - 16 * j)), s);
     }
   }
-  _tile_release();
+  if (own) _tile_release();
 }
 
 #else  // a compiler without the tile instructions: never chosen (built() is false)
 
 bool built() { return false; }
+Session::Session(bool) : on_(false) {}
+Session::~Session() {}
 void gemm(int, bool, bool, int64_t, int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, float*,
           int64_t) {}
 

@@ -228,9 +228,10 @@ static_assert(int(Tri::NUpTo) == moetron::attn_amx::kNUpTo && int(Tri::NFrom) ==
                   int(Tri::KUpTo) == moetron::attn_amx::kKUpTo && int(Tri::KFrom) == moetron::attn_amx::kKFrom &&
                   int(Tri::None) == moetron::attn_amx::kNone,
               "attention_amx.h numbers the trims as Tri does");
+inline bool use_amx() { return moetron::attn_amx::built() && moetron::amx_active(); }
 void tri16(Tri tri, bool acc, bool ta, int64_t M, int64_t N, int64_t K, const u32* A, int64_t lda, const u32* B,
            int64_t ldb, float* C, int64_t ldc) {
-  if (moetron::attn_amx::built() && moetron::amx_active())
+  if (use_amx())
     return moetron::attn_amx::gemm(int(tri), acc, ta, M, N, K, A, lda, B, ldb, C, ldc);
   if (tri == Tri::None) return gemm16(acc, ta, M, N, K, A, lda, B, ldb, C, ldc);
   for (int64_t m0 = 0; m0 < M; m0 += kMR) {
@@ -283,6 +284,7 @@ void forward16(float* out, float* lse, const float* q, const float* k, const flo
   u32* Vp = Kb + tl.ktiles * kTile * tl.dh;          // [ktiles][kHalf][Dv]     v row pairs
 #pragma omp parallel num_threads(nthreads)
   {
+    const moetron::attn_amx::Session amx_session(use_amx());  // the tiles configured once per thread
     u32* Qt = reinterpret_cast<u32*>(ws + per * omp_get_thread_num());  // [dh16][kTile] q^T pairs
     float* St = reinterpret_cast<float*>(Qt + dh16 * kTile);            // [kTile keys][kTile queries]
     u32* Pp = reinterpret_cast<u32*>(St + kTile * kTile);               // [kHalf][kTile] P key pairs
@@ -406,6 +408,7 @@ void backward16(float* dq, float* dk, float* dv, const float* dout, const float*
   };
 #pragma omp parallel num_threads(nthreads)
   {
+    const moetron::attn_amx::Session amx_session(use_amx());  // the tiles configured once per thread
     Bwd16 w;
     w.dKa = ws + per * omp_get_thread_num();              // [kTile, Dq16]
     w.dVa = w.dKa + kTile * Dq16;                         // [kTile, Dv16]
