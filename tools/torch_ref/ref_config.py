@@ -51,7 +51,7 @@ MODELLED = {
                   capacity_factor=0.0, drop_policy="probs", mtp_layers=0, mtp_loss_weight=0.3),
     "training": dict(seq_len=0, micro_batch_size=1, global_batch_size=0, steps=1, seed=0, max_norm=1.0,
                      dataset="synthetic", dataset_path="", val_interval=0, val_steps=0, compute_dtype="auto",
-                     threads=0, memory_check=True, nonfinite="halt", device="cpu"),
+                     attention_dtype="auto", threads=0, memory_check=True, nonfinite="halt", device="cpu"),
     "optimizer": dict(name="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, muon_momentum=0.95,
                       muon_nesterov=True, muon_ns_steps=5),
     "lr_scheduler": dict(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.1),
@@ -64,6 +64,8 @@ MODELLED = {
 #   model.drop_policy: matters only with capacity_factor > 0, which is refused;
 #   training.compute_dtype: the precision of the engine's run; `gen` writes its float64 and bf16-emulating
 #     sets whatever it says;
+#   training.attention_dtype: the precision of the engine's attention products (bf16 rounds q, k, v, P, dS),
+#     a rounding like compute_dtype's, not the model;
 #   training.nonfinite: what the engine does with a non-finite step; a finite step is the same either way;
 #   training.device: where the engine computes (the same model; "cuda" is refused by the engine's trainer for now).
 CHOICES = {
@@ -75,6 +77,7 @@ CHOICES = {
     "model.bias_update": ("sign", "proportional"),
     "model.drop_policy": ("probs", "position"),
     "training.compute_dtype": ("auto", "bf16", "fp32"),
+    "training.attention_dtype": ("auto", "bf16", "fp32"),
     "training.nonfinite": ("halt", "skip"),
     "training.device": ("cpu", "cuda"),
     "optimizer.name": ("adamw", "muon"),
