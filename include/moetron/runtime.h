@@ -22,7 +22,8 @@ Isa active_isa();
 void set_isa_override(Isa isa);  // for tests; clamps to what the CPU supports
 std::string_view isa_name(Isa isa);
 
-// The AMX-BF16 tile unit for the hand-written bf16 kernels (the grouped GEMM): true when the CPU has it, the
+// The AMX-BF16 tile unit for the hand-written bf16 kernels (the grouped GEMM, bf16 attention's products): true
+// when the CPU has it, the
 // kernel granted this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), the active ISA is
 // Avx512, and MOETRON_ISA is unset or "amx" ("avx512" keeps the kernels on vdpbf16ps). oneDNN's matmuls
 // choose AMX on their own (DNNL_MAX_CPU_ISA caps them).
