@@ -23,10 +23,9 @@ void set_isa_override(Isa isa);  // for tests; clamps to what the CPU supports
 std::string_view isa_name(Isa isa);
 
 // The AMX-BF16 tile unit for the hand-written bf16 kernels (the grouped GEMM, bf16 attention's products): true
-// when the CPU has it, the
-// kernel granted this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), the active ISA is
-// Avx512, and MOETRON_ISA is unset or "amx" ("avx512" keeps the kernels on vdpbf16ps). oneDNN's matmuls
-// choose AMX on their own (DNNL_MAX_CPU_ISA caps them).
+// when the CPU has it, the kernel granted this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked
+// once), the active ISA is Avx512, and MOETRON_ISA is unset or "amx" ("avx512" keeps the kernels on vdpbf16ps).
+// oneDNN's matmuls choose AMX on their own (DNNL_MAX_CPU_ISA caps them).
 bool amx_active();
 bool amx_available();            // the CPU has it and the OS granted it (whatever the caps)
 void set_amx_override(int mode);  // for tests and benchmarks: 1 on (if available), 0 off, -1 the environment's choice
