@@ -10,8 +10,8 @@
 // Precision (AttnDims::prec): F32 computes every product in fp32; BF16 rounds the operands of the products
 // (q k^T, P v; backward dO v^T, P^T dO, dS k, dS^T q) to bf16 and accumulates in fp32 (vdpbf16ps, or the AMX
 // tiles where amx_active()), with the softmax, lse, row sums and scaling in fp32. BF16 runs only where
-// AVX512-BF16 is native (active_isa() is
-// Avx512); elsewhere a BF16 request runs the fp32 kernels, bitwise as F32 (attention_bf16_active says which).
+// AVX512-BF16 is native (active_isa() is Avx512); elsewhere a BF16 request runs the fp32 kernels, bitwise as
+// F32 (attention_bf16_active says which).
 // Not: padding masks, sliding windows, dropout, KV caches or decoding.
 #pragma once
 #include <algorithm>

@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "kernels/amx_tiles.h"
+#include "kernels/mask_avx512.h"
 #include "kernels/transpose_avx512.h"
 
 namespace moetron::attn_amx {
@@ -49,8 +50,6 @@ struct Scratch {
   alignas(64) uint32_t b[kChunk * 16];  // a B chunk: 16 pairs of 16 columns
   alignas(64) float c[16 * 16];         // a C tile cut by the block's edge
 };
-
-inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
 
 // C tile j named by a literal (amx_tiles.h).
 #define MT_C_CASES(OP) MT_AMX_C_CASES(j, OP)
@@ -91,6 +90,14 @@ inline void c_dot(int j) {
 }
 #undef MT_C_CASES
 
+// A 16 x 16 block of 32-bit words from src (rows ld words apart) into dst, only rows [0, rows) and columns
+// [0, cols) read, the rest 0: an operand chunk cut by an edge, padded for a 16-row tile load.
+inline void pad16(uint32_t* dst, const uint32_t* src, int64_t ld, int rows, int cols) {
+  for (int r = 0; r < 16; ++r)
+    _mm512_store_si512(dst + 16 * r, r < rows ? _mm512_maskz_loadu_epi32(mask16(cols), src + r * ld)
+                                              : _mm512_setzero_si512());
+}
+
 // The A chunk of rows [m0, m0 + mr) and pairs [p0, p0 + ps) into tile 4.
 inline void load_a(bool ta, const uint32_t* A, int64_t lda, int64_t m0, int mr, int64_t p0, int ps, Scratch& s) {
   if (!ta) {
@@ -98,9 +105,7 @@ inline void load_a(bool ta, const uint32_t* A, int64_t lda, int64_t m0, int mr, 
       _tile_loadd(4, A + m0 * lda + p0, lda * 4);
       return;
     }
-    for (int r = 0; r < 16; ++r)
-      _mm512_store_si512(s.a + 16 * r, r < mr ? _mm512_maskz_loadu_epi32(mask16(ps), A + (m0 + r) * lda + p0)
-                                              : _mm512_setzero_si512());
+    pad16(s.a, A + m0 * lda + p0, lda, mr, ps);
   } else {  // A[p*lda + m]: 16 pair rows of 16 row lanes, transposed into 16 rows of 16 pairs
     __m512i v[16], w[16];
     for (int p = 0; p < 16; ++p)
@@ -117,9 +122,7 @@ inline void load_b(const uint32_t* B, int64_t ldb, int64_t p0, int ps, int64_t n
     _tile_loadd(5, B + p0 * ldb + n0, ldb * 4);
     return;
   }
-  for (int p = 0; p < 16; ++p)
-    _mm512_store_si512(s.b + 16 * p, p < ps ? _mm512_maskz_loadu_epi32(mask16(nc), B + (p0 + p) * ldb + n0)
-                                            : _mm512_setzero_si512());
+  pad16(s.b, B + p0 * ldb + n0, ldb, ps, nc);
   _tile_loadd(5, s.b, 64);
 }
 
@@ -155,18 +158,18 @@ void gemm(int tri, bool acc, bool trans_a, int64_t M, int64_t N, int64_t K, cons
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += kCols) {
       const int64_t nn = std::min<int64_t>(kCols, n_hi - n0);
       const int nt = int((nn + 15) / 16);
-      for (int j = 0; j < nt; ++j)
-        c_start(j, acc, C + m0 * ldc + n0 + 16 * j, ldc, mr, int(std::min<int64_t>(16, nn - 16 * j)), s);
+      int cols[kCols / 16];  // columns of each C tile of the block
+      for (int j = 0; j < nt; ++j) cols[j] = int(std::min<int64_t>(16, nn - 16 * j));
+      for (int j = 0; j < nt; ++j) c_start(j, acc, C + m0 * ldc + n0 + 16 * j, ldc, mr, cols[j], s);
       for (int64_t p0 = p_lo; p0 < p_hi; p0 += kChunk) {
         const int ps = int(std::min<int64_t>(kChunk, p_hi - p0));
         load_a(trans_a, A, lda, m0, mr, p0, ps, s);
         for (int j = 0; j < nt; ++j) {
-          load_b(B, ldb, p0, ps, n0 + 16 * j, int(std::min<int64_t>(16, nn - 16 * j)), s);
+          load_b(B, ldb, p0, ps, n0 + 16 * j, cols[j], s);
           c_dot(j);
         }
       }
-      for (int j = 0; j < nt; ++j)
-        c_finish(j, C + m0 * ldc + n0 + 16 * j, ldc, mr, int(std::min<int64_t>(16, nn - 16 * j)), s);
+      for (int j = 0; j < nt; ++j) c_finish(j, C + m0 * ldc + n0 + 16 * j, ldc, mr, cols[j], s);
     }
   }
   if (own) _tile_release();

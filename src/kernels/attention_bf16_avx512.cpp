@@ -15,6 +15,7 @@
 
 #include "attention_avx512_ops.h"
 #include "kernels/attention_amx.h"
+#include "kernels/mask_avx512.h"
 #include "moetron/runtime.h"
 
 namespace {
@@ -22,7 +23,6 @@ namespace {
 using u32 = uint32_t;  // one bf16 pair: the element at the lower index in the low half
 constexpr int64_t kHalf = kTile / 2;
 
-inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u); }
 inline int64_t half_up(int64_t n) { return (n + 1) / 2; }
 
 // Floats p[0, n) (n <= 32; missing ones are 0) as 16 bf16 pairs (p[2i], p[2i+1]).

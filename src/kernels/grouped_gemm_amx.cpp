@@ -22,6 +22,7 @@
 
 #include "kernels/amx_tiles.h"
 #include "kernels/grouped_gemm_tile.h"
+#include "kernels/mask_avx512.h"
 #include "kernels/transpose_avx512.h"
 
 namespace moetron::gg {
@@ -54,8 +55,6 @@ struct Scratch {
   alignas(64) float c[16 * 16];         // a C sub-tile whose columns are cut by the tile's edge
 };
 
-inline __mmask16 col_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
-
 // The C sub-tiles are named through amx_tiles.h's switch on T.
 #define MT_TILE_CASES(OP) MT_AMX_C_CASES(T, OP)
 
@@ -64,7 +63,7 @@ inline void c_start(int T, float* C, int64_t ldc, int rows, int cols, bool acc, 
   const void* src = C;
   int64_t lds = ldc * int64_t(sizeof(float));
   if (acc && cols < 16) {
-    for (int r = 0; r < rows; ++r) _mm512_store_ps(s.c + 16 * r, _mm512_maskz_loadu_ps(col_mask(cols), C + r * ldc));
+    for (int r = 0; r < rows; ++r) _mm512_store_ps(s.c + 16 * r, _mm512_maskz_loadu_ps(mask16(cols), C + r * ldc));
     src = s.c, lds = 64;
   }
 #define MT_ZERO(n) _tile_zero(n)
@@ -78,7 +77,7 @@ inline void c_start(int T, float* C, int64_t ldc, int rows, int cols, bool acc, 
 #undef MT_LOAD
 }
 inline void c_finish(int T, float* C, bf16* Cb, int64_t ldc, int rows, int cols, Scratch& s) {
-  const __mmask16 m = col_mask(cols);
+  const __mmask16 m = mask16(cols);
   float* dst = cols == 16 ? C : s.c;
   const int64_t ldd = cols == 16 ? ldc : 16;
 #define MT_STORE(n) _tile_stored(n, dst, ldd * int64_t(sizeof(float)))
@@ -170,7 +169,7 @@ void pack_xt_pairs_amx(bf16* out, int64_t ldo, const bf16* in, int64_t ld, int64
   const int64_t np = (n_rows + 1) / 2;
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const int rn = int(std::min<int64_t>(16, rows - r0));
-    const __mmask16 rm = col_mask(rn);
+    const __mmask16 rm = mask16(rn);
     for (int64_t s0 = 0; s0 < np; s0 += 16) {
       const int sn = int(std::min<int64_t>(16, np - s0));
       __m512i v[16];
@@ -185,7 +184,7 @@ void pack_xt_pairs_amx(bf16* out, int64_t ldo, const bf16* in, int64_t ld, int64
       }
       __m512i w[16];  // w[c] lane k = v[k] lane c: row r0 + c's pairs at steps s0 .. s0 + 15
       transpose16x16_epi32(v, w);
-      const __mmask16 sm = col_mask(sn);
+      const __mmask16 sm = mask16(sn);
       for (int c = 0; c < rn; ++c) _mm512_mask_storeu_epi32(out + (r0 + c) * ldo + 2 * s0, sm, w[c]);
     }
   }

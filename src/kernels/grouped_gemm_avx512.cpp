@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "kernels/grouped_gemm_tile.h"
+#include "kernels/mask_avx512.h"
 #include "kernels/transpose_avx512.h"
 
 namespace moetron::gg {
@@ -25,8 +26,6 @@ inline int32_t load_i32(const void* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
-
-inline __mmask16 col_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
 
 // Store one accumulator row block: C (fp32) and optionally Cb (bf16).
 template <int MR, int NV>
@@ -173,7 +172,7 @@ void run_tile(const Tile& t, int64_t kc_max, int64_t step_elems) {
       if (pf_next < pf_lines) prefetch_some();
       const int64_t pc = std::min(kPanel, t.cols - p * kPanel);
       const int nv = int((pc + 15) / 16);
-      const __mmask16 mlast = col_mask(pc - 16 * (nv - 1));
+      const __mmask16 mlast = mask16(pc - 16 * (nv - 1));
       const E* Bp = B + p * t.b_ps + s0 * t.b_ss;
       const int mr = int(std::min<int64_t>(kMR, ge - r0));
       pick<E, K>(mr, nv)(A + (g0 / t.a_rb) * t.a_bs + (r0 - g0) * t.a_rs + s0 * t.a_ss, t.a_rs, t.a_ss, Bp, t.b_ss, ns,
@@ -247,7 +246,7 @@ void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_
       const float* r0 = We + 2 * s * N + c0;
       const float* r1 = 2 * s + 1 < K ? r0 + N : nullptr;
       for (int v = 0; v < 4; ++v) {
-        const __mmask16 m = col_mask(std::max<int64_t>(0, pc - 16 * v));
+        const __mmask16 m = mask16(std::max<int64_t>(0, pc - 16 * v));
         const __m512i lo = rne_bf16_epi32(_mm512_maskz_loadu_ps(m, r0 + 16 * v));
         const __m512i hi = r1 ? rne_bf16_epi32(_mm512_maskz_loadu_ps(m, r1 + 16 * v)) : _mm512_setzero_si512();
         _mm512_storeu_si512(o + s * kPanel + 16 * v, _mm512_maskz_or_epi32(m, lo, _mm512_slli_epi32(hi, 16)));
@@ -264,7 +263,7 @@ void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_
     for (int64_t q0 = 0; q0 < steps; q0 += 16) {
       __m512i v[16], w[16];
       const int64_t j = 2 * q0;  // first element of the block's words in each row
-      const __mmask16 ma = col_mask(std::max<int64_t>(0, N - j)), mb = col_mask(std::max<int64_t>(0, N - j - 16));
+      const __mmask16 ma = mask16(std::max<int64_t>(0, N - j)), mb = mask16(std::max<int64_t>(0, N - j - 16));
       for (int k = 0; k < 16; ++k) {
         if (cb + k >= pc) {
           v[k] = _mm512_setzero_si512();
