@@ -5,9 +5,13 @@
 //
 //   mpirun --oversubscribe -np 4 build/bench/mpi_bench_dispatch [--tokens 2048] [--hidden 512] [--topk 6]
 //          [--experts 64] [--rpn 2] [--iters 8] [--warmup 2]
-//          [--only alltoall,direct,sync_free,hierarchical] [--payloads f32,bf16,e4m3]
-//          [--mpi-thread multiple|funneled]
+//          [--only alltoall,direct,sync_free,hierarchical] [--payloads f32,bf16,e4m3,bf16f32]
+//          [--land no|yes|both] [--mpi-thread multiple|funneled]
 //
+// Payloads (dispatch/combine): f32 f32/f32, bf16 bf16/bf16, e4m3 e4m3/bf16, bf16f32 bf16/f32 (what the trainer
+// sends under bf16 compute). --land: with f32 or bf16 dispatch rows, also (yes: only) the land_rows form, where
+// the rows land undecoded in a buffer of the caller's (the trainer's experts' input) instead of fp32 recv_x;
+// the "experts" then read an fp32 buffer of R rows of their own for the combine.
 // --mpi-thread: the thread level MPI_Init is asked for (the trainer's [comm] mpi_thread; default multiple).
 // Per configuration, per iteration: barrier; dispatch; combine (the "experts" are the identity: yr = recv_x);
 // the iteration time is the slowest rank's. bytes = what one rank sends in dispatch + combine, averaged over
@@ -62,7 +66,7 @@ double sum_over_ranks(double v) {
 struct Args {
   int64_t tokens = 2048, hidden = 512;
   int topk = 6, experts = 64, rpn = 2, iters = 8, warmup = 2;
-  std::string only = "alltoall,direct,sync_free,hierarchical", payloads = "f32,bf16,e4m3";
+  std::string only = "alltoall,direct,sync_free,hierarchical", payloads = "f32,bf16,e4m3,bf16f32", land = "both";
   std::string mpi_thread = "multiple";
 };
 
@@ -73,6 +77,7 @@ Args parse(int argc, char** argv) {
     long long v = std::atoll(argv[i + 1]);
     if (k == "--only") a.only = argv[i + 1];
     else if (k == "--payloads") a.payloads = argv[i + 1];
+    else if (k == "--land") a.land = argv[i + 1];
     else if (k == "--mpi-thread") a.mpi_thread = argv[i + 1];
     else if (k == "--tokens") a.tokens = v;
     else if (k == "--hidden") a.hidden = v;
@@ -85,6 +90,10 @@ Args parse(int argc, char** argv) {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       std::exit(2);
     }
+  }
+  if (a.land != "no" && a.land != "yes" && a.land != "both") {
+    std::fprintf(stderr, "--land must be no, yes or both, not '%s'\n", a.land.c_str());
+    std::exit(2);
   }
   if (a.mpi_thread != "multiple" && a.mpi_thread != "funneled") {
     std::fprintf(stderr, "--mpi-thread must be multiple or funneled, not '%s'\n", a.mpi_thread.c_str());
@@ -144,7 +153,7 @@ int main(int argc, char** argv) {
   struct Case {
     EpDispatcher kind;
     EpPayload dp, cp;
-    bool direct;
+    bool direct, land;
   };
   std::vector<Case> cases;
   auto listed = [](const std::string& list, std::string_view name) {  // name is an item of the comma list
@@ -156,13 +165,19 @@ int main(int argc, char** argv) {
     }
     return false;
   };
+  struct Pay {
+    const char* name;
+    EpPayload dp, cp;
+  };
   for (EpDispatcher kd : {EpDispatcher::AllToAll, EpDispatcher::SyncFree, EpDispatcher::Hierarchical})
-    for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16},
-                          std::pair{EpPayload::E4M3, EpPayload::BF16}})
-      if (listed(a.payloads, to_string(dp))) {
-        if (listed(a.only, to_string(kd))) cases.push_back({kd, dp, cp, false});
-        if (kd == EpDispatcher::AllToAll && listed(a.only, "direct")) cases.push_back({kd, dp, cp, true});
-      }
+    for (Pay y : {Pay{"f32", EpPayload::F32, EpPayload::F32}, Pay{"bf16", EpPayload::BF16, EpPayload::BF16},
+                  Pay{"e4m3", EpPayload::E4M3, EpPayload::BF16}, Pay{"bf16f32", EpPayload::BF16, EpPayload::F32}})
+      if (listed(a.payloads, y.name))
+        for (bool land : {false, true}) {
+          if (land ? (a.land == "no" || y.dp == EpPayload::E4M3) : (a.land == "yes" && y.dp != EpPayload::E4M3)) continue;
+          if (listed(a.only, to_string(kd))) cases.push_back({kd, y.dp, y.cp, false, land});
+          if (kd == EpDispatcher::AllToAll && listed(a.only, "direct")) cases.push_back({kd, y.dp, y.cp, true, land});
+        }
 
   // Routing facts (all ranks): nodes touched per token (nodes = groups of rpn ranks), slots on another node
   // than the token's home, and remote nodes per token. Flat sends one row per remote slot across nodes,
@@ -205,10 +220,29 @@ int main(int argc, char** argv) {
     cfg.dispatch_payload = c.dp;
     cfg.combine_payload = c.cp;
     cfg.alltoall_direct = c.direct;
+    cfg.land_rows = c.land;
     EpDispatch ep(world, cfg);
+    // land_rows: the caller's buffer for the rows (as the trainer's experts' input) and the experts' fp32
+    // output the combine reads (any values: the combine's cost does not depend on them).
+    std::vector<char> landing;
+    std::vector<float> yr_own;
+    const size_t wire_row = size_t(D) * (c.dp == EpPayload::BF16 ? 2 : 4);
+    const EpDispatch::RowLanding land = [&](int64_t r) -> void* {
+      if (landing.size() < size_t(r) * wire_row) landing.resize(size_t(r) * wire_row);
+      if (yr_own.size() < size_t(r * D)) yr_own.resize(size_t(r * D), 0.5f);
+      return landing.data();
+    };
+    auto dispatch_combine = [&] {
+      if (!c.land) {
+        ep.dispatch(x.data(), idx.data(), w.data(), N);
+        ep.combine(y.data(), ep.recv_x(), true);
+      } else {
+        ep.dispatch(x.data(), idx.data(), w.data(), N, land);
+        ep.combine(y.data(), yr_own.data(), true);
+      }
+    };
     // One call to size things and count bytes.
-    ep.dispatch(x.data(), idx.data(), w.data(), N);
-    ep.combine(y.data(), ep.recv_x(), true);
+    dispatch_combine();
     const EpStats st0 = ep.stats();
     const EpTraffic& d0 = st0.last_dispatch;
     const EpTraffic& c0 = st0.last_combine;
@@ -217,7 +251,7 @@ int main(int argc, char** argv) {
     const double avg_bytes = sum_over_ranks(bytes) / P, avg_inter = sum_over_ranks(inter) / P;
     // Payload error (bf16 / e4m3) of what the experts received: max |x' - x| / amax of the 128-block.
     double err = 0;
-    if (c.dp != EpPayload::F32) {
+    if (c.dp != EpPayload::F32 && !c.land) {
       // Recompute from the source's inputs is not possible here (other ranks' x); use local rows: the tokens
       // this rank sent to itself come back in recv_x with src == me.
       const int64_t R = ep.recv_rows();
@@ -252,8 +286,7 @@ int main(int argc, char** argv) {
     for (int it = 0; it < a.warmup + a.iters; ++it) {
       MPI_Barrier(MPI_COMM_WORLD);
       double t0 = now();
-      ep.dispatch(x.data(), idx.data(), w.data(), N);
-      ep.combine(y.data(), ep.recv_x(), true);
+      dispatch_combine();
       const double te = max_over_ranks(now() - t0);
       const EpStats sti = ep.stats();
       const double tc = max_over_ranks(sti.last_dispatch.seconds_comm + sti.last_combine.seconds_comm);
@@ -278,11 +311,12 @@ int main(int argc, char** argv) {
     }
     const Timing te = summarize(t_ep), tr = summarize(t_raw), tcm = summarize(t_comm), trr = summarize(t_rawr);
     const double raw_r = double(per_peer_r * nrounds * P) / trr.best * 1e-9;
-    if (!c.direct) rows.push_back({c.kind, c.dp, avg_inter, te.best * 1e3});
+    if (!c.direct && !c.land && c.cp == (c.dp == EpPayload::F32 ? EpPayload::F32 : EpPayload::BF16))
+      rows.push_back({c.kind, c.dp, avg_inter, te.best * 1e3});
     const double gbs = avg_bytes / te.best * 1e-9, raw = avg_bytes / tr.best * 1e-9;
     const double buf = max_over_ranks(double(ep.buffer_bytes())) / 1048576.0;
     if (me == 0) {
-      std::string pl = std::string(to_string(c.dp)) + "/" + std::string(to_string(c.cp));
+      std::string pl = std::string(to_string(c.dp)) + "/" + std::string(to_string(c.cp)) + (c.land ? "+L" : "");
       char errs[32] = "-";
       if (c.dp != EpPayload::F32) std::snprintf(errs, sizeof errs, "%.4f", err);
       std::printf("%-15s %-10s %8.2f %8.2f %8.2f %8.1f %7.2f %8.2f %6.2f %7d %8.2f %6.2f %6.1f%% %8.1f  rel_err %s\n",

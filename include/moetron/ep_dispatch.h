@@ -8,7 +8,7 @@
 // Three dispatchers (EpDispatcher in job_enums.h); all give the SAME received rows in the same order:
 //   alltoall      count round (all_to_all of El counts per peer), then one all_to_all_v of the records (a
 //                 message per peer: metadata, then payload rows), copied / decoded block by block into
-//                 place. alltoall_direct (fp32 rows): the rows land in place instead, one all_to_all_v per
+//                 place. alltoall_direct (fp32 or landed rows): the rows land in place instead, one all_to_all_v per
 //                 local expert (no unpack / combine pack copy; El + 2 rounds instead of 2).
 //   sync_free     one exchange, no count round: every peer slot is a fixed worst-case region
 //                 (header with the El counts + capacity max_tokens * min(k, El) records) and all buffers are
@@ -56,6 +56,7 @@
 // topk_w of a dropped slot is ignored.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -85,6 +86,11 @@ struct EpDispatchConfig {
   // unpack / pack copy, but El + 2 (dispatch) and El (combine) synchronizations instead of 2 and 1. Wins when
   // copies cost more than synchronizations; on an oversubscribed machine they usually do not (docs/parallel.md).
   bool alltoall_direct = false;
+  // The caller names where the grouped rows go (dispatch with a RowLanding): rows land in the dispatch
+  // payload's own type (F32 or BF16; E4M3 is refused), as they crossed, with no decode to fp32; recv_x() is
+  // then null. What a trainer wants when the payload is its compute dtype: the rows land where the grouped
+  // GEMM reads them. alltoall_direct then lands bf16 rows in place too.
+  bool land_rows = false;
 };
 
 // What one rank did in one call (or a sum of calls). Bytes are the bytes this rank SENT, split by where
@@ -128,11 +134,19 @@ class EpDispatch {
   int first_expert() const;   // ep_rank * El
 
   // x [N, D]; topk_idx [N, k] global expert ids; topk_w [N, k] or null (all weights 1). Returns R.
+  // Needs cfg.land_rows false.
   int64_t dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N);
+  // cfg.land_rows: land(R) is called once R is known (inside the call, before any row lands) and returns room
+  // for R rows of the payload's type (R * D elements, bf16 or fp32), or null when it has none now: the rows
+  // then land in the dispatcher's own buffer, recv_x_wire(), for the caller to move after the call.
+  using RowLanding = std::function<void*(int64_t R)>;
+  int64_t dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N, const RowLanding& land);
 
   // Results of the last dispatch (valid until the next dispatch).
   int64_t recv_rows() const;
-  const float* recv_x() const;          // [R, D]
+  const float* recv_x() const;          // [R, D] fp32 (null with cfg.land_rows)
+  const void* recv_x_wire() const;      // cfg.land_rows: [R, D] of the payload type when the landing gave no
+                                        // room in the last dispatch; else null
   const int64_t* recv_counts() const;   // [El] rows per local expert
   const int64_t* recv_offsets() const;  // [El + 1]
   const int32_t* recv_src() const;      // [R] source EP rank

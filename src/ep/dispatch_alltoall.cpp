@@ -1,7 +1,8 @@
 // dispatch_alltoall.cpp: the alltoall dispatcher's dispatch over the flat layout: a count round (El counts to
 // every peer), then either one all_to_all_v of per-peer messages (metadata in front of the payload rows),
-// copied or decoded block by block into the grouped outputs ("staged"), or, with alltoall_direct and fp32
-// rows, the metadata in one round and the rows straight into recv_x, one round per local expert ("direct").
+// copied or decoded block by block into the grouped outputs ("staged"), or, with alltoall_direct and rows that
+// need no decode (fp32, or land_rows), the metadata in one round and the rows straight into their grouped place,
+// one round per local expert ("direct").
 // Not the combine and backward helpers (dispatch_flat.cpp, shared with sync_free) and not the other
 // dispatchers.
 #include <algorithm>
@@ -29,10 +30,11 @@ class AllToAllDispatcher final : public FlatDispatcher {
 
 void AllToAllDispatcher::dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
   plan_send(idx, n);
-  const bool f32 = cfg.dispatch_payload == EpPayload::F32 && direct;
+  // direct: rows that need no decode (fp32, or landed as they crossed) go straight to their grouped place
+  const bool in_place = direct && (cfg.dispatch_payload == EpPayload::F32 || cfg.land_rows);
   char* ps = nullptr;
   WireMeta* ms = nullptr;
-  if (f32) {
+  if (in_place) {
     ps = send1.get(std::max<int64_t>(S1 * pb, 1));
     ms = msend.get<WireMeta>(std::max<int64_t>(S1, 1));
     pack_records(
@@ -44,7 +46,7 @@ void AllToAllDispatcher::dispatch(const float* x, const int32_t* idx, int64_t n,
   tr.rows_sent += S1;
   count_round(tr);
   plan_recv();
-  if (!f32) return dispatch_staged(ps, tr);  // wire payload, or not direct
+  if (!in_place) return dispatch_staged(ps, tr);  // rows to decode, or not direct
   dispatch_direct(ps, ms, tr);
 }
 
@@ -71,12 +73,12 @@ void AllToAllDispatcher::dispatch_staged(char* sb, EpTraffic& tr) {
   unpack_messages([&](int q) { return q == me ? sb + sd[size_t(q)] : rb + rd[size_t(q)]; }, 0);
 }
 
-// fp32 rows: metadata in one round, then the rows straight into recv_x, one round per local expert.
+// fp32 or landed rows: metadata in one round, then the rows straight into their grouped place, one round per
+// local expert.
 void AllToAllDispatcher::dispatch_direct(const char* ps, const WireMeta* ms, EpTraffic& tr) {
   WireMeta* mr = mrecv.get<WireMeta>(std::max<int64_t>(R, 1));
   staged_round(reinterpret_cast<char*>(mr), reinterpret_cast<const char*>(ms), 8, true, tr);
-  float* ox = alloc_outputs();
-  direct_rounds(reinterpret_cast<char*>(ox), ps, pb, true, tr);
+  direct_rounds(alloc_outputs(), ps, pb, true, tr);
   const int64_t nblk = int64_t(P) * El;
   for (int64_t b = 0; b < nblk; ++b)
     MT_CHECK(scatter_meta(b, reinterpret_cast<const char*>(mr + poff[size_t(b)])), "ep_dispatch",

@@ -62,13 +62,13 @@ void FlatDispatcher::plan_recv() {
   peer_major(rcnt, poff, peer_recv);
 }
 
-float* FlatDispatcher::alloc_outputs() {
+char* FlatDispatcher::alloc_outputs() {
   const int64_t Rm = std::max<int64_t>(R, 1);
   out_src.get<int32_t>(Rm);
   out_tok.get<int32_t>(Rm);
   out_slot.get<int32_t>(Rm);
   out_w.get<float>(Rm);
-  return out_x.get<float>(Rm * D);
+  return open_rows(R);
 }
 
 bool FlatDispatcher::scatter_meta(int64_t b, const char* mb) {

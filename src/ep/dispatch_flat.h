@@ -72,7 +72,7 @@ class FlatDispatcher : public EpDispatch::Impl {
       }
   }
 
-  float* alloc_outputs();  // the grouped outputs for R rows; returns recv_x
+  char* alloc_outputs();  // the grouped outputs for R rows; returns where the rows go (open_rows)
   // Metadata of block b's rows (mb = the block's first WireMeta) into the grouped outputs. Returns false on a
   // corrupt record (callable inside a parallel loop: the caller checks).
   bool scatter_meta(int64_t b, const char* mb);
@@ -83,7 +83,7 @@ class FlatDispatcher : public EpDispatch::Impl {
   // The received messages (region(q) = peer q's message) into the grouped outputs: whole blocks, decoded.
   template <class Region>
   void unpack_messages(Region region, int64_t hdr) {
-    float* ox = alloc_outputs();
+    char* ox = alloc_outputs();
     const int64_t nblk = int64_t(P) * El;
     int64_t bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : bad) if (R * D >= kParMin)
@@ -91,13 +91,7 @@ class FlatDispatcher : public EpDispatch::Impl {
       const int q = int(b / El);
       const char* reg = region(q);
       const int64_t first = poff[size_t(b)] - poff[size_t(q) * El];
-      const char* pay = reg + hdr + round_up(peer_recv[size_t(q)] * 8, 64) + first * pb;
-      float* o = ox + fpos[size_t(b)] * D;
-      if (cfg.dispatch_payload == EpPayload::F32) {
-        if (rcnt[size_t(b)] > 0) std::memcpy(o, pay, size_t(rcnt[size_t(b)] * pb));
-      } else {
-        for (int64_t i = 0; i < rcnt[size_t(b)]; ++i) read_payload(o + i * D, pay + i * pb);
-      }
+      put_rows(ox, fpos[size_t(b)], reg + hdr + round_up(peer_recv[size_t(q)] * 8, 64) + first * pb, rcnt[size_t(b)]);
       bad += !scatter_meta(b, reg + hdr + first * 8);
     }
     MT_CHECK(bad == 0, "ep_dispatch", bad, " block(s) with corrupt record metadata");

@@ -324,7 +324,7 @@ void HierDispatcher::unpack(const char* op) {
   }
   offsets[size_t(El)] = acc;
   const int64_t Rm = std::max<int64_t>(R, 1);
-  float* ox = out_x.get<float>(Rm * D);
+  char* ox = open_rows(R);
   int32_t* os = out_src.get<int32_t>(Rm);
   int32_t* ot = out_tok.get<int32_t>(Rm);
   int32_t* ol = out_slot.get<int32_t>(Rm);
@@ -348,7 +348,7 @@ void HierDispatcher::unpack(const char* op) {
     ot[p] = m.token;
     ol[p] = m.slot;
     ow[p] = m.w;
-    read_payload(ox + p * D, ptr[i] + 16);
+    put_rows(ox, p, ptr[i] + 16, 1);
   }
 }
 

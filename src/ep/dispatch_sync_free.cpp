@@ -48,7 +48,7 @@ void SyncFreeDispatcher::allocate_worst_case() {
   const int64_t Rmax = int64_t(P) * cap_rows;             // rows one rank can receive
   send1.get(int64_t(P) * (H + 128) + Nm * k * (8 + pb));  // every (token, slot) once + headers + padding
   recv1.get(int64_t(P) * slot_bytes);
-  out_x.get<float>(Rmax * D);
+  out_x.get(Rmax * row_out());
   out_src.get<int32_t>(Rmax);
   out_tok.get<int32_t>(Rmax);
   out_slot.get<int32_t>(Rmax);

@@ -46,6 +46,8 @@ EpDispatch::Impl::Impl(const Comm& ep_comm, const EpDispatchConfig& config) : co
     case EpPayload::E4M3: pb = nb * 4 + D; break;
   }
   cb = cfg.combine_payload == EpPayload::BF16 ? D * 2 : D * 4;
+  MT_CHECK(!cfg.land_rows || cfg.dispatch_payload != EpPayload::E4M3, op,
+           "land_rows needs an f32 or bf16 dispatch payload (e4m3 rows are decoded to fp32, not landed)");
   counts.assign(size_t(El), 0);
   offsets.assign(size_t(El) + 1, 0);
 }
@@ -81,6 +83,18 @@ void EpDispatch::Impl::encode_tokens(const float* x, int64_t n) {
     fp8_quantize(qbuf.get<uint8_t>(n * D), sbuf.get<float>(n * nb), x, n, D, Fp8Format::E4M3, Fp8Scaling::Block, 1,
                  ep::kFp8Block);
   }
+}
+
+char* EpDispatch::Impl::open_rows(int64_t rows) {
+  landed_in_caller = false;
+  if (land) {
+    void* at = (*land)(rows);
+    if (at) {
+      landed_in_caller = true;
+      return static_cast<char*>(at);
+    }
+  }
+  return out_x.get(std::max<int64_t>(rows, 1) * row_out());
 }
 
 void EpDispatch::Impl::encode_rows(char* dst, const float* src, int64_t n) const {

@@ -57,7 +57,8 @@ struct EpDispatch::Impl {
 
   // Expert side (outputs of dispatch).
   int64_t R = 0;
-  ep::Buf out_x{"expert.recv_x [R,D] f32"}, out_src{"expert.recv_src [R] i32"},
+  // out_x: recv_x, fp32; with cfg.land_rows the rows in the payload's type when the caller's landing had no room.
+  ep::Buf out_x{"expert.recv_x [R,D] f32 (land_rows: payload type)"}, out_src{"expert.recv_src [R] i32"},
       out_tok{"expert.recv_token [R] i32"}, out_slot{"expert.recv_slot [R] i32"}, out_w{"expert.recv_weight [R] f32"};
   std::vector<int64_t> counts, offsets;  // [El], [El + 1]
 
@@ -104,6 +105,23 @@ struct EpDispatch::Impl {
         break;
       }
     }
+  }
+
+  // The grouped rows of a dispatch. open_rows(R): where they go (recv_x; with cfg.land_rows the caller's
+  // landing, else out_x in the payload's type), row_out bytes a row there; put_rows: n wire rows of pb bytes from
+  // src to rows p.. of it, copied as they crossed (fp32 payload, or landed) or decoded to fp32.
+  const EpDispatch::RowLanding* land = nullptr;  // set for the span of a landed dispatch
+  bool landed_in_caller = false;                 // the last dispatch's rows went to the caller's landing
+  int64_t row_out() const { return cfg.land_rows ? pb : D * 4; }
+  char* open_rows(int64_t rows);
+  void put_rows(char* dst, int64_t p, const char* src, int64_t n) const {
+    if (n <= 0) return;
+    if (cfg.land_rows || cfg.dispatch_payload == EpPayload::F32) {
+      std::memcpy(dst + p * pb, src, size_t(n * pb));
+      return;
+    }
+    float* o = reinterpret_cast<float*>(dst) + p * D;
+    for (int64_t i = 0; i < n; ++i) read_payload(o + i * D, src + i * pb);
   }
 
   // Combine payload: fp32 rows [n, D] <-> wire rows [n, cb bytes].

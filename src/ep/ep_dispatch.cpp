@@ -9,7 +9,8 @@
 // Shape of one call (flat): encode token rows once -> count -> plan (row_of = record index, blocks per
 //   (peer, local expert)) -> pack payload rows + 8-byte metadata straight into the per-peer messages
 //   (OpenMP over tokens) -> [count round] -> exchange -> whole blocks copied / decoded into the grouped
-//   output. alltoall_direct: fp32 rows land in the grouped output (one all_to_all_v per local expert).
+//   output (recv_x, or with land_rows the caller's landing, undecoded). alltoall_direct: fp32 or landed rows
+//   land in the grouped output (one all_to_all_v per local expert).
 // Combine: the expert rows go back block by block (staged: packed peer-major; direct: straight from yr), the
 //   home rank sums them with moe_unpermute (bf16 rows decoded per token chunk inside the sum).
 // Hierarchical: two exchanges (rail, then node) and a forwarding step in between; its stage 2 arrives as
@@ -67,7 +68,21 @@ int EpDispatch::local_experts() const { return p_->El; }
 int EpDispatch::first_expert() const { return p_->me * p_->El; }
 
 int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N) {
+  MT_CHECK(!p_->cfg.land_rows, "ep_dispatch", "land_rows is set: dispatch needs a RowLanding");
+  return dispatch(x, topk_idx, topk_w, N, RowLanding{});
+}
+
+int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N,
+                             const RowLanding& land) {
   Impl& I = *p_;
+  MT_CHECK(I.cfg.land_rows == bool(land), "ep_dispatch",
+           I.cfg.land_rows ? "land_rows is set: dispatch needs a RowLanding"
+                           : "a RowLanding needs land_rows in the dispatch configuration");
+  I.land = land ? &land : nullptr;
+  struct Clear {
+    Impl& i;
+    ~Clear() { i.land = nullptr; }
+  } clear{I};
   ep::record_call(I.st.last_dispatch, I.st.dispatch, [&](EpTraffic& tr) {
     I.validate(x, topk_idx, N);
     I.N = -1;
@@ -81,7 +96,10 @@ int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const floa
 }
 
 int64_t EpDispatch::recv_rows() const { return p_->R; }
-const float* EpDispatch::recv_x() const { return p_->out_x.data<float>(); }
+const float* EpDispatch::recv_x() const { return p_->cfg.land_rows ? nullptr : p_->out_x.data<float>(); }
+const void* EpDispatch::recv_x_wire() const {
+  return p_->cfg.land_rows && !p_->landed_in_caller ? p_->out_x.data() : nullptr;
+}
 const int64_t* EpDispatch::recv_counts() const { return p_->counts.data(); }
 const int64_t* EpDispatch::recv_offsets() const { return p_->offsets.data(); }
 const int32_t* EpDispatch::recv_src() const { return p_->out_src.data<int32_t>(); }

@@ -5,6 +5,7 @@
 // Not the router, the capacity plan or the shared experts (model_moe.cpp, before and after this), and not
 // the dispatcher's communication (src/parallel/, include/moetron/ep_dispatch.h).
 #include <algorithm>
+#include <cstring>
 
 #include "model/model_impl.h"
 #include "moetron/permute.h"
@@ -16,7 +17,8 @@ using model_detail::f32buf;
 
 // Routed experts under expert parallelism. The home rank has routed (and, with a capacity, dropped) its
 // tokens; the kept (token, slot) rows go to the ranks owning their experts in the compute dtype (bitwise
-// what the single-process permute feeds the GEMMs: bf16, or fp32 in fp32 mode) or E4M3, the experts run
+// what the single-process permute feeds the GEMMs: bf16, or fp32 in fp32 mode, landed in the experts' input
+// buffer as they crossed) or E4M3 (decoded, then rounded to the compute dtype), the experts run
 // on the received rows (grouped by local expert, ordered by source rank, token, slot), and combine brings
 // fp32 rows back and sums them in slot order on the home rank: the single-process moe_unpermute. The backward mirrors it with the dispatcher's
 // redispatch / combine_scalars / combine (see ep_dispatch.h).
@@ -30,19 +32,29 @@ void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
     send = si;
   }
   int64_t R;
+  const bool land = L.disp->config().land_rows;
   {
     MT_TRACE("fwd.ep.dispatch");
     EpYield y(*this);
-    R = L.disp->dispatch(b.h2.data<float>(), send, b.topk_w.data<float>(), N);
+    const float* h2 = b.h2.data<float>();
+    const float* w = b.topk_w.data<float>();
+    // Rows in the compute dtype land in xpc, where the experts' GEMMs read them, when it has room; growing it
+    // waits for the baton (the other lane computes during the exchange), so a larger R lands in the
+    // dispatcher and is copied below.
+    R = land ? L.disp->dispatch(h2, send, w, N, [&b](int64_t r) { return r <= b.rows_cap ? b.xpc.raw() : nullptr; })
+             : L.disp->dispatch(h2, send, w, N);
   }
   ensure_rows(L, R);
   b.R = R;
   int32_t* kept = b.kept.data<int32_t>();
   const int64_t* rc = L.disp->recv_counts();
   for (int64_t e = 0; e < El; ++e) kept[e] = int32_t(rc[e]);
-  {
+  if (!land) {
     MT_TRACE("fwd.permute");
     copy_c(b.xpc, L.disp->recv_x(), R * d);
+  } else if (const void* wire = L.disp->recv_x_wire()) {
+    MT_TRACE("fwd.permute");
+    std::memcpy(b.xpc.raw(), wire, size_t(R * d) * (f32 ? 4 : 2));
   }
   experts_forward(L, b, R);
   MT_TRACE("fwd.ep.combine");

@@ -140,9 +140,38 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
     seen_rows(seen_all[size_t(src)].data(), all[size_t(src)].x.data(), all[size_t(src)].N, D, cfg.dispatch_payload);
   }
 
-  const int64_t R = ep.dispatch(mine.x.data(), mine.idx.data(), mine.w.data(), mine.N);
+  // land_rows: the rows land in a buffer of this check's (odd seeds) or, when the landing has no room (even
+  // seeds), in the dispatcher's own; either way undecoded, in the payload's type. rx: them as fp32.
+  std::vector<char> landing;
+  int64_t land_calls = 0, land_R = -1;
+  const bool room = seed % 2 == 1;
+  const int64_t R = !cfg.land_rows ? ep.dispatch(mine.x.data(), mine.idx.data(), mine.w.data(), mine.N)
+                                   : ep.dispatch(mine.x.data(), mine.idx.data(), mine.w.data(), mine.N,
+                                                 [&](int64_t r) -> void* {
+                                                   ++land_calls, land_R = r;
+                                                   if (!room) return nullptr;
+                                                   const size_t wb = cfg.dispatch_payload == EpPayload::BF16 ? 2 : 4;
+                                                   landing.assign(size_t(std::max<int64_t>(r, 1) * D) * wb, char(0x7f));
+                                                   return landing.data();
+                                                 });
   res.R = R;
   res.dispatch = ep.stats().last_dispatch;
+  std::vector<float> rx(size_t(std::max<int64_t>(R, 1) * D));
+  if (!cfg.land_rows) {
+    if (R > 0) std::memcpy(rx.data(), ep.recv_x(), size_t(R * D) * 4);
+  } else {
+    EXPECT_EQ(land_calls, 1) << "rank " << me << ": the landing is asked once per dispatch";
+    EXPECT_EQ(land_R, R) << "rank " << me << ": the landing is asked for R rows";
+    EXPECT_EQ(ep.recv_x(), nullptr) << "rank " << me << ": no fp32 rows with land_rows";
+    EXPECT_EQ(ep.recv_x_wire() == nullptr, room) << "rank " << me << ": recv_x_wire only when the landing had no room";
+    const void* rows = room ? static_cast<const void*>(landing.data()) : ep.recv_x_wire();
+    if (R > 0 && rows) {
+      if (cfg.dispatch_payload == EpPayload::BF16)
+        for (int64_t i = 0; i < R * D; ++i) rx[size_t(i)] = from_bf16(static_cast<const bf16*>(rows)[i]);
+      else
+        std::memcpy(rx.data(), rows, size_t(R * D) * 4);
+    }
+  }
 
   // ---- expected rows: (local expert, source, token, slot) order ----
   struct Row {
@@ -186,7 +215,7 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
                         << ", " << w.s << ")";
         continue;
       }
-      const float* got = ep.recv_x() + r * D;
+      const float* got = rx.data() + r * D;
       const float* seen = seen_all[size_t(w.src)].data() + int64_t(w.t) * D;
       if (std::memcmp(got, seen, size_t(D * 4)) != 0) {
         if (bad_payload++ < 3) ADD_FAILURE() << "rank " << me << " row " << r << ": payload differs";
@@ -221,7 +250,7 @@ inline Result check_ep(const Comm& comm, EpDispatch& ep, Route route, int64_t n_
   for (int le = 0; le < El; ++le) {
     const float f = float(me * El + le + 1);
     for (int64_t r = ep.recv_offsets()[le]; r < ep.recv_offsets()[le + 1]; ++r)
-      for (int64_t d = 0; d < D; ++d) yr[size_t(r * D + d)] = ep.recv_x()[r * D + d] * f;
+      for (int64_t d = 0; d < D; ++d) yr[size_t(r * D + d)] = rx[size_t(r * D + d)] * f;
   }
   std::vector<float> y(size_t(std::max<int64_t>(mine.N, 1) * D), -7.0f), yu(y.size(), -7.0f);
   ep.combine(y.data(), yr.data(), true);

@@ -339,11 +339,18 @@ void dispatcher_suite(EpDispatcher kind, bool direct = false) {
   Comm& c = world();
   const int p = c.size();
   const int rpn = kind == EpDispatcher::Hierarchical ? std::max(1, p / 2) : 0;  // 2 "nodes"
-  for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16},
-                        std::pair{EpPayload::E4M3, EpPayload::F32}}) {
-    SCOPED_TRACE(std::string(to_string(kind)) + " " + std::string(to_string(dp)) + "/" + std::string(to_string(cp)));
-    EpDispatchConfig cf = cfg(kind, 4 * p, 3, 160, rpn, dp, cp);
+  struct Pay {
+    EpPayload dp, cp;
+    bool land;
+  };
+  for (Pay y : {Pay{EpPayload::F32, EpPayload::F32, false}, Pay{EpPayload::BF16, EpPayload::BF16, false},
+                Pay{EpPayload::E4M3, EpPayload::F32, false}, Pay{EpPayload::F32, EpPayload::F32, true},
+                Pay{EpPayload::BF16, EpPayload::F32, true}}) {
+    SCOPED_TRACE(std::string(to_string(kind)) + " " + std::string(to_string(y.dp)) + "/" +
+                 std::string(to_string(y.cp)) + (y.land ? " landed" : ""));
+    EpDispatchConfig cf = cfg(kind, 4 * p, 3, 160, rpn, y.dp, y.cp);
     cf.alltoall_direct = direct;
+    cf.land_rows = y.land;
     EpDispatch ep(c, cf);
     run_routes(c, ep, kind == EpDispatcher::Hierarchical);
   }
@@ -448,11 +455,15 @@ TEST(MpiEp, BigEnoughForThePackingThreads) {
   // the checks are bitwise against the single-process computation, so they also hold with OMP_NUM_THREADS > 1.
   Comm& c = world();
   for (int v = 0; v < 4; ++v)
-    for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16}}) {
+    for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16},
+                          std::pair{EpPayload::BF16, EpPayload::F32}}) {
       const EpDispatcher kind = v == 1 ? EpDispatcher::SyncFree : v == 2 ? EpDispatcher::Hierarchical : EpDispatcher::AllToAll;
-      SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct " : " ") + std::string(to_string(dp)));
+      const bool land = cp == EpPayload::F32 && dp == EpPayload::BF16;  // the trainer's bf16 configuration
+      SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct " : " ") + std::string(to_string(dp)) +
+                   (land ? " landed" : ""));
       EpDispatchConfig cf = cfg(kind, 4 * c.size(), 4, 256, std::max(1, c.size() / 2), dp, cp, 160);
       cf.alltoall_direct = v == 3;
+      cf.land_rows = land;
       EpDispatch ep(c, cf);
       ep_check::check_ep(c, ep, ep_check::Route::Dropped, 150, 40);
       ep_check::check_ep(c, ep, ep_check::Route::Random, 150, 41);

@@ -378,17 +378,23 @@ namespace {
 void all_payloads_and_routes(EpDispatcher kind) {
   Comm c = comm_local();
   for (EpPayload dp : {EpPayload::F32, EpPayload::BF16, EpPayload::E4M3})
-    for (EpPayload cp : {EpPayload::F32, EpPayload::BF16}) {
-      SCOPED_TRACE(std::string(to_string(kind)) + " " + std::string(to_string(dp)) + "/" + std::string(to_string(cp)));
-      EpDispatch ep(c, ep_cfg(kind, dp, cp));
-      // Several calls on one object: buffers are reused, N changes.
-      for (auto route : {ep_check::Route::Random, ep_check::Route::Skewed, ep_check::Route::Empty})
-        ep_check::check_ep(c, ep, route, 37, 11);
-      ep_check::check_ep(c, ep, ep_check::Route::Random, 3, 12);
-      EXPECT_EQ(ep.stats().dispatch.calls, 4);
-      EXPECT_EQ(ep.stats().combine.calls, 8);
-      EXPECT_EQ(ep.stats().dispatch.bytes_inter + ep.stats().dispatch.bytes_intra, 0);  // all to self
-    }
+    for (EpPayload cp : {EpPayload::F32, EpPayload::BF16})
+      for (bool land : {false, true}) {
+        if (land && dp == EpPayload::E4M3) continue;  // refused (EpDispatchLocal.BadInput)
+        SCOPED_TRACE(std::string(to_string(kind)) + " " + std::string(to_string(dp)) + "/" + std::string(to_string(cp)) +
+                     (land ? " landed" : ""));
+        EpDispatchConfig cf = ep_cfg(kind, dp, cp);
+        cf.land_rows = land;
+        EpDispatch ep(c, cf);
+        // Several calls on one object: buffers are reused, N changes; with land_rows the odd seeds land in the
+        // check's buffer, the even ones in the dispatcher's.
+        for (auto route : {ep_check::Route::Random, ep_check::Route::Skewed, ep_check::Route::Empty})
+          ep_check::check_ep(c, ep, route, 37, 11);
+        ep_check::check_ep(c, ep, ep_check::Route::Random, 3, 12);
+        EXPECT_EQ(ep.stats().dispatch.calls, 4);
+        EXPECT_EQ(ep.stats().combine.calls, 8);
+        EXPECT_EQ(ep.stats().dispatch.bytes_inter + ep.stats().dispatch.bytes_intra, 0);  // all to self
+      }
 }
 }  // namespace
 
@@ -445,6 +451,23 @@ TEST(EpDispatchLocal, BadInput) {
   bad = cfg;
   bad.hidden = 0;
   EXPECT_NE(error_of([&] { EpDispatch e(c, bad); }).find("hidden=0"), std::string::npos);
+  // land_rows: not with e4m3 rows; the landing is required with it and refused without it.
+  bad = cfg;
+  bad.land_rows = true;
+  bad.dispatch_payload = EpPayload::E4M3;
+  EXPECT_NE(error_of([&] { EpDispatch e(c, bad); }).find("land_rows needs an f32 or bf16 dispatch payload"),
+            std::string::npos);
+  std::vector<int32_t> ok = {0, 1, 2, 3};
+  float room[2 * 2 * 16];
+  const EpDispatch::RowLanding land = [&](int64_t) -> void* { return room; };
+  EXPECT_NE(error_of([&] { ep.dispatch(x.data(), ok.data(), nullptr, 2, land); }).find("needs land_rows"),
+            std::string::npos);
+  bad = cfg;
+  bad.land_rows = true;
+  EpDispatch landed(c, bad);
+  EXPECT_NE(error_of([&] { landed.dispatch(x.data(), ok.data(), nullptr, 2); }).find("dispatch needs a RowLanding"),
+            std::string::npos);
+  EXPECT_EQ(landed.dispatch(x.data(), ok.data(), nullptr, 2, land), 4);
 }
 
 // ---------------------------------------------------------------------------------------------------------
