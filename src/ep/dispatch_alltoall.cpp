@@ -31,7 +31,7 @@ class AllToAllDispatcher final : public FlatDispatcher {
 void AllToAllDispatcher::dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
   plan_send(idx, n);
   // direct: rows that need no decode (fp32, or landed as they crossed) go straight to their grouped place
-  const bool in_place = direct && (cfg.dispatch_payload == EpPayload::F32 || cfg.land_rows);
+  const bool in_place = direct && rows_as_crossed();
   char* ps = nullptr;
   WireMeta* ms = nullptr;
   if (in_place) {

@@ -112,11 +112,12 @@ struct EpDispatch::Impl {
   // src to rows p.. of it, copied as they crossed (fp32 payload, or landed) or decoded to fp32.
   const EpDispatch::RowLanding* land = nullptr;  // set for the span of a landed dispatch
   bool landed_in_caller = false;                 // the last dispatch's rows went to the caller's landing
+  bool rows_as_crossed() const { return cfg.land_rows || cfg.dispatch_payload == EpPayload::F32; }  // no decode
   int64_t row_out() const { return cfg.land_rows ? pb : D * 4; }
   char* open_rows(int64_t rows);
   void put_rows(char* dst, int64_t p, const char* src, int64_t n) const {
     if (n <= 0) return;
-    if (cfg.land_rows || cfg.dispatch_payload == EpPayload::F32) {
+    if (rows_as_crossed()) {
       std::memcpy(dst + p * pb, src, size_t(n * pb));
       return;
     }

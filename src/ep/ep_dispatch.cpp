@@ -68,8 +68,7 @@ int EpDispatch::local_experts() const { return p_->El; }
 int EpDispatch::first_expert() const { return p_->me * p_->El; }
 
 int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N) {
-  MT_CHECK(!p_->cfg.land_rows, "ep_dispatch", "land_rows is set: dispatch needs a RowLanding");
-  return dispatch(x, topk_idx, topk_w, N, RowLanding{});
+  return dispatch(x, topk_idx, topk_w, N, RowLanding{});  // refused there when land_rows is set
 }
 
 int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const float* topk_w, int64_t N,

@@ -20,8 +20,8 @@ using model_detail::f32buf;
 // what the single-process permute feeds the GEMMs: bf16, or fp32 in fp32 mode, landed in the experts' input
 // buffer as they crossed) or E4M3 (decoded, then rounded to the compute dtype), the experts run
 // on the received rows (grouped by local expert, ordered by source rank, token, slot), and combine brings
-// fp32 rows back and sums them in slot order on the home rank: the single-process moe_unpermute. The backward mirrors it with the dispatcher's
-// redispatch / combine_scalars / combine (see ep_dispatch.h).
+// fp32 rows back and sums them in slot order on the home rank: the single-process moe_unpermute. The backward
+// mirrors it with the dispatcher's redispatch / combine_scalars / combine (see ep_dispatch.h).
 void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
   const int32_t* idx = b.topk_idx.data<int32_t>();
   const int32_t* send = idx;
@@ -54,7 +54,7 @@ void Model::Impl::ep_ffn_forward(Layer& L, LayerBufs& b, float* y) {
     copy_c(b.xpc, L.disp->recv_x(), R * d);
   } else if (const void* wire = L.disp->recv_x_wire()) {
     MT_TRACE("fwd.permute");
-    std::memcpy(b.xpc.raw(), wire, size_t(R * d) * (f32 ? 4 : 2));
+    std::memcpy(b.xpc.raw(), wire, size_t(R * d) * dtype_size(b.xpc.dtype()));
   }
   experts_forward(L, b, R);
   MT_TRACE("fwd.ep.combine");
