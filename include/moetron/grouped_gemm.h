@@ -39,8 +39,10 @@ struct GroupedPackedWeights {
 size_t grouped_packed_bytes(GroupedPackKind kind, GemmPrec prec, int64_t E, int64_t K, int64_t N);
 // Pack fp32 W[E, K, N] into `data` (grouped_packed_bytes(kind, prec, E, K, N) bytes), rounding to bf16 for
 // GemmPrec::BF16. Parallel over (expert, panel). Returns the descriptor to pass to forward / dgrad.
+// [e0, e1): pack only those experts (e1 < 0: to E); the rest of `data` is left as it is, the descriptor is the
+// whole tensor's. Packing the experts in any split of [0, E) gives the same bytes as one call.
 GroupedPackedWeights grouped_pack_weights(void* data, const float* W /* [E, K, N] */, int64_t E, int64_t K, int64_t N,
-                                          GemmPrec prec, GroupedPackKind kind);
+                                          GemmPrec prec, GroupedPackKind kind, int64_t e0 = 0, int64_t e1 = -1);
 
 // Workspace for one call: the schedule (O(E)) and, for bf16 wgrad, one packing slot (~0.3 MiB at d=512) per
 // thread. Valid for any counts; `threads` <= 0 means num_threads(). Pass it as ws / ws_bytes (64-byte aligned);

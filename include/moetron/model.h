@@ -13,6 +13,7 @@
 // Not the trainer (no optimizer, no data).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -127,6 +128,15 @@ class Model {
   void init_params(uint64_t seed);
   // Refresh the bf16 weight copies and the packed expert weights from the fp32 masters.
   void sync_weights();
+  // The optimizer step fused with the refresh: update(lo, hi) must apply the step to the master elements [lo, hi)
+  // of the flat parameter buffer (and leave alone those it does not own); the model calls it once for every piece of
+  // [0, num_params()) in offset order and refreshes the piece's compute copies right after, while its masters are
+  // still in cache. The same bits as updating everything and then sync_weights(). Not for FSDP models (a unit is
+  // refreshed where it is gathered).
+  void update_and_sync(const std::function<void(int64_t lo, int64_t hi)>& update);
+  // The refresh's pieces: at most `elems` flat elements (a piece of routed experts: whole experts, at least one);
+  // 2^19 unless set (tests use small pieces to cut every tensor).
+  void set_sync_piece_elems(int64_t elems);
   void zero_grads();
 
   // One micro-batch: forward and backward, gradients accumulated (+=). tokens/targets are [B*T];
@@ -279,6 +289,9 @@ class Model {
   std::vector<ParamEntry> params_;
   int64_t n_params_ = 0;
   Tensor pbuf_, gbuf_;
+  int64_t sync_piece_elems_ = int64_t(1) << 19;
+  void plan_sync_pieces();       // Impl::sync_pieces, once
+  void refresh_piece(size_t k);  // the compute copies made from piece k
   std::unique_ptr<Fsdp> fsdp_;
   double recompute_s_ = 0;
   std::unique_ptr<Impl> impl_;

@@ -427,18 +427,21 @@ size_t grouped_packed_bytes(GroupedPackKind kind, GemmPrec prec, int64_t E, int6
 }
 
 GroupedPackedWeights grouped_pack_weights(void* data, const float* W, int64_t E, int64_t K, int64_t N, GemmPrec prec,
-                                          GroupedPackKind kind) {
+                                          GroupedPackKind kind, int64_t e0, int64_t e1) {
   const size_t bytes = grouped_packed_bytes(kind, prec, E, K, N);
   MT_CHECK((data && W) || bytes == 0, "grouped_pack_weights", "null data or W");
   MT_CHECK(reinterpret_cast<uintptr_t>(data) % 64 == 0, "grouped_pack_weights", "data ", data,
            " is not 64-byte aligned");
+  if (e1 < 0) e1 = E;
+  MT_CHECK(0 <= e0 && e0 <= e1 && e1 <= E, "grouped_pack_weights", "expert range [", e0, ", ", e1,
+           ") is not within [0, ", E, "]");
   const PackGeom g = pack_geom(kind, prec, K, N);
   const bool fwd = kind == GroupedPackKind::Fwd;
   const bool avx512 = active_isa() == Isa::Avx512;
-  const int64_t items = E * g.npanels;
-#pragma omp parallel for schedule(static) if (items > 1 && E * K * N > 65536)
+  const int64_t items = (e1 - e0) * g.npanels;
+#pragma omp parallel for schedule(static) if (items > 1 && (e1 - e0) * K * N > 65536)
   for (int64_t it = 0; it < items; ++it) {
-    const int64_t e = it / g.npanels, p = it % g.npanels;
+    const int64_t e = e0 + it / g.npanels, p = it % g.npanels;
     const float* We = W + e * K * N;
     const int64_t c0 = p * kPanel, pc = std::min(kPanel, g.Nc - c0);
     // B(k, c) = W_e[k][c0 + c] (Fwd) or W_e[c0 + c][k] (Dgrad); zero outside [0, Kc) x [0, pc).

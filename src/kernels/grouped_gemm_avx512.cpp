@@ -238,6 +238,8 @@ inline __m512i rne_bf16_epi32(__m512 x) {
 }
 }  // namespace
 
+// The panel's 64-byte lines are written with streaming stores (no read for ownership: a packed tensor is written
+// whole and read later by the GEMMs, from memory for all but the smallest), then fenced. out: 64-byte aligned.
 void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_t N, bool fwd, int64_t c0, int64_t pc,
                                    int64_t steps) {
   uint32_t* o = reinterpret_cast<uint32_t*>(out);  // one 32-bit word per (step, column) pair
@@ -249,9 +251,11 @@ void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_
         const __mmask16 m = mask16(std::max<int64_t>(0, pc - 16 * v));
         const __m512i lo = rne_bf16_epi32(_mm512_maskz_loadu_ps(m, r0 + 16 * v));
         const __m512i hi = r1 ? rne_bf16_epi32(_mm512_maskz_loadu_ps(m, r1 + 16 * v)) : _mm512_setzero_si512();
-        _mm512_storeu_si512(o + s * kPanel + 16 * v, _mm512_maskz_or_epi32(m, lo, _mm512_slli_epi32(hi, 16)));
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(o + s * kPanel + 16 * v),
+                            _mm512_maskz_or_epi32(m, lo, _mm512_slli_epi32(hi, 16)));
       }
     }
+    _mm_sfence();
     return;
   }
   // dgrad: word (q, c) = (W[c0+c][2q], W[c0+c][2q+1]) = word q of row c0+c converted to bf16. Blocks of 16
@@ -276,8 +280,10 @@ void pack_weight_panel_bf16_avx512(bf16* out, const float* We, int64_t K, int64_
       }
       transpose16x16_epi32(v, w);
       const int64_t nq = std::min<int64_t>(16, steps - q0);
-      for (int64_t q = 0; q < nq; ++q) _mm512_storeu_si512(o + (q0 + q) * kPanel + cb, w[q]);
+      for (int64_t q = 0; q < nq; ++q)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(o + (q0 + q) * kPanel + cb), w[q]);
     }
+  _mm_sfence();
 }
 
 }  // namespace moetron::gg

@@ -317,37 +317,76 @@ void Model::init_params(uint64_t seed) {
   sync_weights();
 }
 
-void Model::sync_weights() {
+void Model::set_sync_piece_elems(int64_t elems) {
+  MT_CHECK(elems >= 1, "Model::set_sync_piece_elems", "a piece needs at least one element, got ", elems);
+  sync_piece_elems_ = elems;
+  impl_->sync_pieces.clear();
+}
+
+// The refresh's pieces, in flat-offset order: the held routed experts' matrices in groups of experts (their GEMMs
+// read only the packed panels; W() is never asked for them, so they have no bf16 copy), everything else in runs of
+// at most sync_piece_elems_ (bf16 mode: converted to the bf16 copy; fp32 mode: nothing to make). By default 2 MiB of
+// fp32 masters a piece: the optimizer's update of a piece streams four such arrays (p, m, v, g) through the caches,
+// and the refresh that follows finds the piece's masters still there (the 32 MiB L3 of the machines measured).
+void Model::plan_sync_pieces() {
   auto& I = *impl_;
-  if (fsdp_) return;  // FSDP: a unit's bf16 copy and packed experts are made when it is gathered
-  if (!I.f32) {
-    // The bf16 copy of every parameter but the held routed experts, whose GEMMs read only their packed copies
-    // (pack_experts below; W() is never asked for them): contiguous runs of parameters in offset order, found
-    // once (the layout does not change).
-    if (I.wc_runs.empty()) {
-      std::vector<char> packed_only(params_.size(), 0);
-      for (auto& L : I.layers)
-        if (L.moe && L.held) packed_only[size_t(L.we13)] = packed_only[size_t(L.we2)] = 1;
-      std::vector<int> order(params_.size());
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](int a, int b) { return params_[a].offset < params_[b].offset; });
-      int64_t run0 = 0;  // start of the run being gathered
-      for (int i : order) {
-        if (!packed_only[size_t(i)]) continue;
-        if (params_[i].offset > run0) I.wc_runs.emplace_back(run0, params_[i].offset);
-        run0 = params_[i].offset + params_[i].numel;
-      }
-      if (n_params_ > run0) I.wc_runs.emplace_back(run0, n_params_);
-    }
-    bf16* wc = I.wc.data<bf16>();
-    const float* p = pbuf_.data<float>();
-    for (const auto& [b, e] : I.wc_runs) f32_to_bf16(wc + b, p + b, e - b);
-  }
-  for (auto& L : I.layers) {
+  if (!I.sync_pieces.empty() || fsdp_) return;
+  const int64_t piece = sync_piece_elems_;
+  using Piece = Impl::SyncPiece;
+  std::vector<Piece> experts;  // the packed-only ranges, one piece per group of experts
+  for (size_t l = 0; l < I.layers.size(); ++l) {
+    Layer& L = I.layers[l];
     if (!L.moe || !L.held) continue;
-    I.pack_experts(L, L.p13f, L.p13d, L.p2f, L.p2d);
+    for (int mat = 0; mat < 2; ++mat) {
+      const ParamEntry& e = params_[size_t(mat == 0 ? L.we13 : L.we2)];
+      const int64_t per = e.numel / std::max<int64_t>(I.El, 1);
+      const int64_t group = std::max<int64_t>(1, piece / std::max<int64_t>(per, 1));
+      for (int64_t e0 = 0; e0 < I.El; e0 += group) {
+        const int64_t e1 = std::min(I.El, e0 + group);
+        experts.push_back(Piece{e.offset + e0 * per, e.offset + e1 * per, int(l), mat, e0, e1});
+      }
+    }
   }
-  if (lane1_) lane1_->sync_lane_from(I);
+  std::sort(experts.begin(), experts.end(), [](const Piece& a, const Piece& b) { return a.lo < b.lo; });
+  auto plain = [&](int64_t lo, int64_t hi) {
+    for (int64_t a = lo; a < hi; a += piece) I.sync_pieces.push_back(Piece{a, std::min(hi, a + piece)});
+  };
+  int64_t at = 0;
+  for (const Piece& x : experts) {
+    plain(at, x.lo);
+    I.sync_pieces.push_back(x);
+    at = x.hi;
+  }
+  plain(at, n_params_);
+}
+
+void Model::refresh_piece(size_t k) {
+  auto& I = *impl_;
+  const Impl::SyncPiece& x = I.sync_pieces[k];
+  if (x.layer >= 0) I.pack_expert_range(I.layers[size_t(x.layer)], x.mat, x.e0, x.e1);
+  else if (!I.f32) f32_to_bf16(I.wc.data<bf16>() + x.lo, pbuf_.data<float>() + x.lo, x.hi - x.lo);
+}
+
+void Model::sync_weights() {
+  if (fsdp_) return;  // FSDP: a unit's bf16 copy and packed experts are made when it is gathered
+  plan_sync_pieces();
+  for (size_t k = 0; k < impl_->sync_pieces.size(); ++k) refresh_piece(k);
+  if (lane1_) lane1_->sync_lane_from(*impl_);
+}
+
+void Model::update_and_sync(const std::function<void(int64_t lo, int64_t hi)>& update) {
+  MT_CHECK(!fsdp_, "Model::update_and_sync", "FSDP models refresh a unit where it is gathered (use sync_weights)");
+  plan_sync_pieces();
+  for (size_t k = 0; k < impl_->sync_pieces.size(); ++k) {
+    const Impl::SyncPiece& x = impl_->sync_pieces[k];
+    {
+      MT_TRACE("optim.adamw");
+      update(x.lo, x.hi);
+    }
+    MT_TRACE("sync_weights");
+    refresh_piece(k);
+  }
+  if (lane1_) lane1_->sync_lane_from(*impl_);
 }
 
 void Model::zero_grads() {

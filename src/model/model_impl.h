@@ -232,7 +232,16 @@ struct Model::Impl {
   WArena* defer = nullptr;
   Tensor wc;  // bf16 copy of every parameter (bf16 mode only: fp32 mode multiplies the masters); the held routed
               // experts' part is not refreshed (sync_weights): their GEMMs read the packed copies, never W()
-  std::vector<std::pair<int64_t, int64_t>> wc_runs;  // [begin, end) element ranges sync_weights converts (made once)
+  // The weight refresh in pieces (made once, in flat-offset order, covering [0, n_params)): a piece of flat elements
+  // [lo, hi) and what is made from it: the bf16 copy of its elements (layer < 0; bf16 mode), or the packed panels of
+  // experts [e0, e1) of a held MoE layer's w13 (mat 0) or w2 (mat 1). Sized to stay in cache between an optimizer
+  // update of the piece and its refresh (Model::update_and_sync).
+  struct SyncPiece {
+    int64_t lo = 0, hi = 0;
+    int layer = -1, mat = 0;
+    int64_t e0 = 0, e1 = 0;
+  };
+  std::vector<SyncPiece> sync_pieces;
   Tensor rope_cos, rope_sin;
   Tensor xf, rstdf, hfc;  // final norm
   int emb = -1, head = -1, final_norm = -1;
@@ -646,6 +655,8 @@ struct Model::Impl {
   // buffers, and packing a layer's fp32 expert weights into them (the layer's pk* handles point there).
   void alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d, const char* name);
   void pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d);
+  // Experts [e0, e1) of L's w13 (mat 0) or w2 (mat 1) into their forward and dgrad panels (the held layer's own).
+  void pack_expert_range(Layer& L, int mat, int64_t e0, int64_t e1);
   size_t grouped_ws_bytes(int64_t rows) const;
 
   // ---- the routed experts under expert parallelism (model_ep.cpp; after the router, before the shared

@@ -151,6 +151,15 @@ void Model::Impl::pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f
   L.pk2d = grouped_pack_weights(p2d.raw(), w2, El, Fe, d, prec(), GroupedPackKind::Dgrad);
 }
 
+void Model::Impl::pack_expert_range(Layer& L, int mat, int64_t e0, int64_t e1) {
+  const int64_t K = mat == 0 ? d : Fe, N = mat == 0 ? 2 * Fe : d;
+  const float* w = P(mat == 0 ? L.we13 : L.we2);
+  Tensor& pf = mat == 0 ? L.p13f : L.p2f;
+  Tensor& pd = mat == 0 ? L.p13d : L.p2d;
+  (mat == 0 ? L.pk13f : L.pk2f) = grouped_pack_weights(pf.raw(), w, El, K, N, prec(), GroupedPackKind::Fwd, e0, e1);
+  (mat == 0 ? L.pk13d : L.pk2d) = grouped_pack_weights(pd.raw(), w, El, K, N, prec(), GroupedPackKind::Dgrad, e0, e1);
+}
+
 // The grouped GEMMs' workspace (every op, both expert matmuls) for `rows` routed rows.
 size_t Model::Impl::grouped_ws_bytes(int64_t rows) const {
   size_t w = 0;

@@ -104,6 +104,9 @@ void ParamState::build_optimizer(const JobConfig& cfg) {
         if (a < b) add(r.st + (a - r.s_lo), a, b - a, int(i));
       }
   }
+  if (!zero3_ && !sharded_)  // step() walks the pieces along the flat layout
+    for (size_t k = 1; k < adam_.size(); ++k)
+      MT_CHECK(adam_[k - 1].flat + adam_[k - 1].n <= adam_[k].flat, "train", "AdamW pieces out of flat order at ", k);
   nv_ = muon ? nv : ns_;
   vbuf_ = Tensor::zeros({std::max<int64_t>(nv_, 1)}, DType::F32, MemCategory::Optimizer, "adam.v");
   if (!muon) return;
@@ -235,17 +238,33 @@ void ParamState::step(const AdamWConfig& ac, int64_t step, float clip) {
   // run slices' pieces.
   float* P = zero3_ ? fsdp_->params() : m_.param_data();
   const float* G = zero3_ ? fsdp_->grads() : m_.grad_data();
-  for (const AdamPiece& a : adam_)
-    adamw_step(P + a.flat, mb + a.st, vb + a.v, G + a.flat, a.n, ac, step, clip, m_.params()[size_t(a.param)].decay);
-  if (zero3_) return;
+  auto adamw = [&](const AdamPiece& a, int64_t lo, int64_t hi) {  // the piece's elements [lo, hi) of the flat layout
+    const int64_t o = lo - a.flat;
+    const bool decay = m_.params()[size_t(a.param)].decay;
+    adamw_step(P + lo, mb + a.st + o, vb + a.v + o, G + lo, hi - lo, ac, step, clip, decay);
+  };
+  if (!zero3_ && !sharded_) {  // every master is this rank's: each piece updated, then refreshed while in cache
+    tr_adamw.stop();
+    size_t next = 0;  // adam_ is in flat order here (build_optimizer checks it): the first piece not yet done
+    m_.update_and_sync([&](int64_t lo, int64_t hi) {
+      while (next < adam_.size() && adam_[next].flat + adam_[next].n <= lo) ++next;
+      for (size_t k = next; k < adam_.size() && adam_[k].flat < hi; ++k)
+        adamw(adam_[k], std::max(lo, adam_[k].flat), std::min(hi, adam_[k].flat + adam_[k].n));
+    });
+    return;
+  }
+  for (const AdamPiece& a : adam_) adamw(a, a.flat, a.flat + a.n);
+  if (zero3_) return;  // FSDP: the units' copies are made where they are gathered
   tr_adamw.stop();
-  if (sharded_) {
+  {
     MT_TRACE("dp.all_gather_params");
     for (auto& r : runs_) {
       std::copy(m_.param_data() + r.s_lo, m_.param_data() + r.s_hi, stage_.data());
       r.comm->all_gather_v(m_.param_data() + r.lo, r.counts.data(), r.displs.data(), stage_.data());
     }
   }
+  MT_TRACE("sync_weights");
+  m_.sync_weights();
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -54,7 +54,8 @@ class ParamState {
   // summed over the TP group in rank order; an unsliced one (the same on every TP rank) counted once.
   double grad_norm();
   // The optimizer step: AdamW on every parameter, or (optimizer.name = "muon") Muon on the Muon matrices and AdamW
-  // on the rest, with ac.lr and ac.weight_decay for both; then the ZeRO-1 parameter all-gather.
+  // on the rest, with ac.lr and ac.weight_decay for both; then the ZeRO-1 parameter all-gather; then the model's
+  // compute copies (Model::sync_weights; with every master on this rank, fused: Model::update_and_sync).
   void step(const AdamWConfig& ac, int64_t step, float clip);
   // Muon: whether global parameter g is a Muon matrix (its checkpoint has no "v." tensor).
   bool muon_param(size_t g) const { return !muon_global_.empty() && muon_global_[g]; }

@@ -122,10 +122,8 @@ void TrainSession::run_step() {
   adam.lr = float(lr_at(cfg.optimizer, cfg.lr_scheduler, step, tr.steps));
   if (!skip) {
     const float clip = tr.max_norm > 0 ? clip_coefficient(t.grad_norm, tr.max_norm) : 1.0f;
-    state->step(adam, step, clip);  // AdamW, or Muon + AdamW
+    state->step(adam, step, clip);  // AdamW, or Muon + AdamW; then the weights' compute copies
     model->update_expert_bias(t.counts);
-    MT_TRACE("sync_weights");
-    model->sync_weights();
   }
   t.fp8 = model->fp8_end_step(world);  // collective: the step's amaxes over every rank (delayed: the histories)
   tr_opt.stop();

@@ -84,12 +84,15 @@ JobConfig tiny(const std::string& dump, const std::vector<std::string>& extra) {
                                  "--checkpoint.enable=true",
                                  "--checkpoint.interval=" + std::to_string(kSaved),
                                  "--checkpoint.keep_latest_k=0",
-                                 // The bounds above are the sweep's for a forward whose bf16 roundings are the
-                                 // weights'; bf16 attention (auto on AMD AVX512-BF16 and Intel AMX CPUs) also
-                                 // rounds q, k, v, P and dS, and the first rounding a reassociation flips sends
-                                 // the runs apart (measured: 2.4e-3 parameters here). test_mpi_layouts.cpp holds
-                                 // auto, bf16 attention included, to its own bounds.
-                                 "--training.attention_dtype=fp32"};
+                                 // fp32 compute: the bounds above are the sweep's, derived for fp32 wherever a
+                                 // layout reassociates (TP / CP: the sweep runs them in fp32). In bf16 a TP partial
+                                 // sum's reassociation can flip the bf16 rounding of an activation, and bf16
+                                 // attention (auto on AMD AVX512-BF16 and Intel AMX CPUs) rounds q, k, v, P and dS
+                                 // too: the runs then part by more (measured on an AMD EPYC: tp2_dp2 4.7e-6 against
+                                 // one process, 1.03e-3 against its own run; bf16 attention 2.4e-3). The
+                                 // checkpoints hold fp32 masters whatever the compute dtype; test_mpi_layouts.cpp
+                                 // holds the bf16 layouts to their own bounds.
+                                 "--training.compute_dtype=fp32"};
   ov.insert(ov.end(), extra.begin(), extra.end());
   return load_config(repo("configs/ds_tiny.toml"), ov);
 }

@@ -227,6 +227,30 @@ struct GroupedCase : OpCase {
       pack_same = pack_same && std::memcmp(a.p, b.p, nb) == 0;
     }
     r.check(pack_same, "packed weights identical to the scalar packer");
+    // Packed by expert ranges (the weight refresh's pieces), last range first: the same bytes as one call, and
+    // a range leaves the other experts' bytes alone.
+    bool ranges_same = true, others_kept = true;
+    for (GroupedPackKind kind : {GroupedPackKind::Fwd, GroupedPackKind::Dgrad}) {
+      const size_t nb = grouped_packed_bytes(kind, prec, E, K, N);
+      Buf a(nb), b(nb), c(nb);
+      std::memset(a.p, 0xab, nb), std::memset(b.p, 0xcd, nb), std::memset(c.p, 0xef, nb);
+      grouped_pack_weights(a.p, W.data(), E, K, N, prec, kind);
+      const int64_t cut = E / 2 + 1;
+      grouped_pack_weights(b.p, W.data(), E, K, N, prec, kind, cut, E);
+      grouped_pack_weights(b.p, W.data(), E, K, N, prec, kind, 0, cut);
+      ranges_same = ranges_same && std::memcmp(a.p, b.p, nb) == 0;
+      grouped_pack_weights(c.p, W.data(), E, K, N, prec, kind, cut, E);
+      const size_t split = nb / size_t(E) * size_t(cut);  // the experts' packed blocks are equal and in order
+      for (size_t i = 0; i < split; ++i) others_kept = others_kept && static_cast<unsigned char*>(c.p)[i] == 0xef;
+      others_kept = others_kept && std::memcmp(static_cast<char*>(c.p) + split, static_cast<char*>(a.p) + split,
+                                               nb - split) == 0;
+    }
+    r.check(ranges_same, "packed by expert ranges [cut, E) then [0, cut): identical to one call");
+    r.check(others_kept, "a range's pack leaves the other experts' bytes as they were");
+    r.expect_throw("expert range past E", [&] {
+      Buf a(grouped_packed_bytes(GroupedPackKind::Fwd, prec, E, K, N));
+      grouped_pack_weights(a.p, W.data(), E, K, N, prec, GroupedPackKind::Fwd, 1, E + 1);
+    });
   }
 
   // fp32: each expert's rows are bitwise what the batch-invariant dense gemm_f32 gives for that expert alone
