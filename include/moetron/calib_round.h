@@ -64,9 +64,11 @@ struct Round {
   std::vector<MemoryKernel> memory_bound;
 
   // Per parameter element (fp32): AdamW, the gradient norm and zeroing over optimizer_params elements; the
-  // experts' re-packing (forward and dgrad layouts) over pack_params elements.
+  // experts' re-packing (forward and dgrad layouts) over pack_params elements: alone (pack_s, the masters read from
+  // memory) and fused with AdamW piece by piece as Model::update_and_sync runs it (pack_fused_s: the fused pass's
+  // time beyond AdamW's alone over the same masters; 0 when not measured).
   double optimizer_params = 0, adamw_s = 0, grad_norm_s = 0, zero_s = 0;
-  double pack_params = 0, pack_s = 0;
+  double pack_params = 0, pack_s = 0, pack_fused_s = 0;
   double copy_bytes = 0, copy_s = 0;  // a memcpy of copy_bytes (read and written)
 
   // Messages, with two ranks or more (else zero): ping-pong round trips between ranks 0 and 1 at two sizes,

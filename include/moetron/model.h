@@ -135,7 +135,8 @@ class Model {
   // refreshed where it is gathered).
   void update_and_sync(const std::function<void(int64_t lo, int64_t hi)>& update);
   // The refresh's pieces: at most `elems` flat elements (a piece of routed experts: whole experts, at least one);
-  // 2^19 unless set (tests use small pieces to cut every tensor).
+  // kSyncPieceElems unless set (tests use small pieces to cut every tensor).
+  static constexpr int64_t kSyncPieceElems = int64_t(1) << 19;
   void set_sync_piece_elems(int64_t elems);
   void zero_grads();
 
@@ -289,7 +290,7 @@ class Model {
   std::vector<ParamEntry> params_;
   int64_t n_params_ = 0;
   Tensor pbuf_, gbuf_;
-  int64_t sync_piece_elems_ = int64_t(1) << 19;
+  int64_t sync_piece_elems_ = kSyncPieceElems;
   void plan_sync_pieces();       // Impl::sync_pieces, once
   void refresh_piece(size_t k);  // the compute copies made from piece k
   std::unique_ptr<Fsdp> fsdp_;

@@ -351,8 +351,8 @@ void measure_memory_bound(const Timer& tm, int reps, Round& r) {
 }
 
 // AdamW per parameter element (optim.h, fp32 masters and moments), the gradient norm and zeroing, and re-packing
-// the experts' grouped-GEMM layouts (forward and dgrad) per expert parameter, as after every optimizer step
-// (Model::sync_weights).
+// the experts' grouped-GEMM layouts (forward and dgrad) per expert parameter, as after every optimizer step: alone
+// (Model::sync_weights) and fused with AdamW (Model::update_and_sync).
 void measure_optimizer(const Timer& tm, ComputeDtype dt, bool quick, int reps, Round& r) {
   const int64_t n = quick ? (int64_t(1) << 21) : (int64_t(1) << 23);
   std::vector<float> p(static_cast<size_t>(n), 0.1f), m1(p.size()), v1(p.size()), g(p.size(), 0.01f);
@@ -376,6 +376,31 @@ void measure_optimizer(const Timer& tm, ComputeDtype dt, bool quick, int reps, R
     grouped_pack_weights(e.get(), w2.data(), El, F, d, prec, GroupedPackKind::Dgrad);
   });
   r.pack_params = double(w13.size() + w2.size());
+  // Fused, as the trainer runs it where every master is on the rank: AdamW over a piece of whole experts, then the
+  // piece's panels, piece after piece; what it adds to AdamW over the same masters alone.
+  std::vector<float> m13(w13.size()), v13(w13.size()), g13(w13.size(), 0.01f), m2(w2.size()), v2(w2.size()),
+      g2(w2.size(), 0.01f);
+  struct Mat {
+    float *w, *m, *v, *g;
+    int64_t K, N;
+    void *f, *d;
+  };
+  const Mat mats[2] = {{w13.data(), m13.data(), v13.data(), g13.data(), d, 2 * F, a.get(), b.get()},
+                       {w2.data(), m2.data(), v2.data(), g2.data(), F, d, c2.get(), e.get()}};
+  auto pass = [&](bool pack) {
+    for (const Mat& x : mats) {
+      const int64_t per = x.K * x.N, group = std::max<int64_t>(1, Model::kSyncPieceElems / per);
+      for (int64_t e0 = 0; e0 < El; e0 += group) {
+        const int64_t e1 = std::min(El, e0 + group), o = e0 * per, len = (e1 - e0) * per;
+        adamw_step(x.w + o, x.m + o, x.v + o, x.g + o, len, ac, ++step, 1.f, true);
+        if (!pack) continue;
+        grouped_pack_weights(x.f, x.w, El, x.K, x.N, prec, GroupedPackKind::Fwd, e0, e1);
+        grouped_pack_weights(x.d, x.w, El, x.K, x.N, prec, GroupedPackKind::Dgrad, e0, e1);
+      }
+    }
+  };
+  const double adamw_alone = tm.best_of(reps, [&] { pass(false); });
+  r.pack_fused_s = std::max(0.0, tm.best_of(reps, [&] { pass(true); }) - adamw_alone);
 }
 
 // Streaming bandwidth: a copy of 64 MiB (--quick: 16 MiB), read + write.

@@ -69,6 +69,7 @@ std::string per_param_rates(const calib::Round& r, Hardware& h) {
   h.optimizer_per_param = r.adamw_s / n;
   h.grad_norm_per_param = r.grad_norm_s / n;
   h.expert_pack_per_param = r.pack_s / r.pack_params;
+  h.expert_pack_fused_per_param = r.pack_fused_s / r.pack_params;
   h.hbm_bw = 2.0 * r.copy_bytes / r.copy_s;
   h.hbm_efficiency = 1.0;
   return fmt("# AdamW %.2f ns/param; gradient norm %.2f GB/s, zeroing %.2f GB/s (read / write 4 B a parameter)\n",
@@ -122,7 +123,7 @@ void set_sources(const calib::Round& r, const std::string& when, Hardware& h) {
                         "achievable_fp32_tflops", "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "grouped_gemm_fwd_efficiency",
                         "grouped_gemm_bwd_efficiency", "loss_efficiency", "elementwise_bw_gbps",
                         "optimizer_ns_per_param", "grad_norm_ns_per_param", "expert_pack_ns_per_param",
-                        "attention_seq_efficiency", "scale_up.domain", "scale_up.bw_gbps", "scale_up.alpha_us",
+                        "expert_pack_fused_ns_per_param", "attention_seq_efficiency", "scale_up.domain", "scale_up.bw_gbps", "scale_up.alpha_us",
                         "scale_up.topology"})
     h.sources[k] = when;
   h.sources["hbm_gb"] = "MemTotal of /proc/meminfo over the ranks on this node";
@@ -209,7 +210,8 @@ Hardware combine_rounds(const std::vector<Hardware>& r) {
   };
   using H = Hardware;
   for (double H::*f : {&H::hbm_bw, &H::kernel_overhead, &H::elementwise_bw, &H::optimizer_per_param,
-                       &H::grad_norm_per_param, &H::expert_pack_per_param, &H::achievable_fp32})
+                       &H::grad_norm_per_param, &H::expert_pack_per_param, &H::expert_pack_fused_per_param,
+                       &H::achievable_fp32})
     h.*f = med([&](const H& x) { return x.*f; });
   for (Tier H::*t : {&H::scale_up, &H::scale_out}) {
     (h.*t).bw = med([&](const H& x) { return (x.*t).bw; });

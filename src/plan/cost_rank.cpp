@@ -73,18 +73,23 @@ double newton_schulz_rank(const JobConfig& c, const Layout& l, const Hardware& h
 // Weight refresh of one rank (the engine's convention; a bf16 GPU recipe has none): every local weight's compute
 // copy (read the master, write the copy; not of the routed experts outside FSDP) and the routed experts' packed
 // GEMM layouts, once per step; under FSDP
-// each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward).
+// each gathered unit is refreshed where it is gathered, twice per micro-batch (forward and backward). Where every
+// master is on the rank (zero 0, or zero 1 without a group to shard over) the engine refreshes each piece of masters
+// right after its AdamW update (Model::update_and_sync): the masters are read from cache, not memory, and the
+// packs cost what the calibration measured fused.
 double refresh_rank(const Layout& l, const Hardware& h, const Recipe& rc, const RankMemory& rm) {
   const double Pd = rm.params_tp_sharded + rm.params_replicated, Pe = rm.params_experts;
   const double bw = h.stream_bw();
-  // The engine's sync_weights converts every parameter but the routed experts, which their GEMMs read only in the
+  const bool fused = l.zero == 0 || (l.zero == 1 && l.dp * l.cp == 1);
+  // The engine's refresh converts every parameter but the routed experts, which their GEMMs read only in the
   // packed layouts; FSDP converts each gathered unit whole.
   const double copied = l.zero == 3 ? Pd + Pe : Pd;
-  const double copy = rc.compute_copy > 0 ? copied * (rc.param + rc.compute_copy) / bw : 0.0;
-  const double pack = rc.expert_packed <= 0 ? 0.0
-                      : h.expert_pack_per_param > 0
-                          ? Pe * h.expert_pack_per_param
-                          : Pe * (rc.expert_packed + (rc.compute_copy > 0 ? rc.compute_copy : rc.param)) / bw;
+  const double copy = rc.compute_copy > 0 ? copied * ((fused ? 0.0 : rc.param) + rc.compute_copy) / bw : 0.0;
+  const double read = fused ? 0.0 : rc.compute_copy > 0 ? rc.compute_copy : rc.param;
+  const double pack = rc.expert_packed <= 0                               ? 0.0
+                      : fused && h.expert_pack_fused_per_param > 0        ? Pe * h.expert_pack_fused_per_param
+                      : h.expert_pack_per_param > 0                       ? Pe * h.expert_pack_per_param
+                                                                          : Pe * (rc.expert_packed + read) / bw;
   const double refreshes = l.zero == 3 ? 2.0 * double(l.microbatches) : 1.0;
   return refreshes * (copy + pack);
 }

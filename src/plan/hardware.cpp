@@ -67,6 +67,8 @@ constexpr Key kTop[] = {
     {"grad_norm_ns_per_param", Kind::Number, kNs, false, "the gradient-norm pass per gradient element, nanoseconds"},
     {"expert_pack_ns_per_param", Kind::Number, kNs, false,
      "re-packing the routed experts' GEMM layouts per expert parameter, nanoseconds"},
+    {"expert_pack_fused_ns_per_param", Kind::Number, kNs, false,
+     "the same re-packing fused with AdamW's update of the same masters: what it adds to AdamW, nanoseconds"},
 };
 constexpr Key kTier[] = {
     {"domain", Kind::Integer, 1, true, "GPUs reachable at this tier"},
@@ -187,6 +189,7 @@ double* number_field(Hardware& h, std::string_view key) {
   if (key == "optimizer_ns_per_param") return &h.optimizer_per_param;
   if (key == "grad_norm_ns_per_param") return &h.grad_norm_per_param;
   if (key == "expert_pack_ns_per_param") return &h.expert_pack_per_param;
+  if (key == "expert_pack_fused_ns_per_param") return &h.expert_pack_fused_per_param;
   return nullptr;
 }
 template <class H>  // Hardware or const Hardware
@@ -467,6 +470,7 @@ std::string hardware_to_toml(const Hardware& h) {
   if (h.optimizer_per_param > 0) num("optimizer_ns_per_param", h.optimizer_per_param, kNs);
   if (h.grad_norm_per_param > 0) num("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
   if (h.expert_pack_per_param > 0) num("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
+  if (h.expert_pack_fused_per_param > 0) num("expert_pack_fused_ns_per_param", h.expert_pack_fused_per_param, kNs);
   for (const char* key : kCurveKeys) {
     const std::vector<EffPoint>& cv = *curve_field(h, key);
     if (cv.empty() && std::string_view(key) != "gemm_efficiency") continue;
@@ -522,6 +526,7 @@ void validate_hardware(const Hardware& h, std::string_view source) {
   c.non_negative("optimizer_ns_per_param", h.optimizer_per_param, kNs);
   c.non_negative("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
   c.non_negative("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
+  c.non_negative("expert_pack_fused_ns_per_param", h.expert_pack_fused_per_param, kNs);
   for (const char* key : kCurveKeys) {
     const std::vector<EffPoint>* cv = curve_field(h, key);
     for (size_t i = 0; i < cv->size(); ++i) {

@@ -45,7 +45,7 @@ calib::Round round_one_rank() {
   // norm: 3 x 1 MB in 100 us (30 GB/s); swiglu: 3 x 2 MB in 300 us (20 GB/s); together 9 MB in 400 us.
   r.memory_bound = {{"norm", 1e6, 1e-4}, {"swiglu", 2e6, 3e-4}};
   r.optimizer_params = 1e6, r.adamw_s = 2e-3, r.grad_norm_s = 4e-4, r.zero_s = 2e-4;
-  r.pack_params = 2e6, r.pack_s = 1e-3;
+  r.pack_params = 2e6, r.pack_s = 1e-3, r.pack_fused_s = 6e-4;
   r.copy_bytes = 16e6, r.copy_s = 2e-3;  // 32 MB moved in 2 ms: 16 GB/s
   return r;
 }
@@ -120,6 +120,7 @@ TEST(Calibrate, OneRoundRatesAndOneRankMessages) {
   EXPECT_NEAR(h.optimizer_per_param, 2e-9, 1e-21);
   EXPECT_NEAR(h.grad_norm_per_param, 4e-10, 1e-21);
   EXPECT_NEAR(h.expert_pack_per_param, 5e-10, 1e-21);
+  EXPECT_NEAR(h.expert_pack_fused_per_param, 3e-10, 1e-21);
   EXPECT_NEAR(h.hbm_bw, 16e9, 1);
   EXPECT_DOUBLE_EQ(h.hbm_efficiency, 1.0);
   EXPECT_DOUBLE_EQ(h.hbm_bytes, 32e9);  // 64 GB over 2 local ranks

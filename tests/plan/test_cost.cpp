@@ -457,15 +457,31 @@ TEST(PlanCost, MeasuredLossOptimizerAndRefreshFigures) {
   const auto tf = time_with(cf, 2, h, of);
   const auto rf = plan::plan_memory(cf, tf.layout, h, of.memory).per_rank.at(0);
   EXPECT_NEAR(tf.weight_refresh, 2.0 * double(tf.layout.microbatches) * rf.params_experts * 3e-9, 1e-9 * tf.weight_refresh);
-  // bf16: the compute copy (read 4 B, write 2 B) of every parameter but the routed experts, as the engine's
-  // sync_weights makes it; under FSDP each gathered unit is converted whole, experts included.
+  // bf16: the compute copy of every parameter but the routed experts. One process holds every master, so the
+  // engine refreshes each piece right after its update (Model::update_and_sync): the copy writes 2 B (the master
+  // comes from cache), and the packs cost the fused figure where it was measured.
   const auto cb = cfg("ds_mini", {"--training.compute_dtype=bf16"});
   plan::TimeOptions ob = o;
   ob.memory.recipe = plan::recipe_named("engine", cb);
   const auto tb = time_with(cb, 1, h, ob);
   const auto rb = plan::plan_memory(cb, tb.layout, h, ob.memory).per_rank.at(0);
   const double dense = rb.params_tp_sharded + rb.params_replicated;
-  EXPECT_NEAR(tb.weight_refresh, dense * 6.0 / h.stream_bw() + rb.params_experts * 3e-9, 1e-9 * tb.weight_refresh);
+  EXPECT_NEAR(tb.weight_refresh, dense * 2.0 / h.stream_bw() + rb.params_experts * 3e-9, 1e-9 * tb.weight_refresh);
+  auto hf = h;
+  hf.expert_pack_fused_per_param = 1e-9;
+  const auto tbx = time_with(cb, 1, hf, ob);
+  EXPECT_NEAR(tbx.weight_refresh, dense * 2.0 / h.stream_bw() + rb.params_experts * 1e-9, 1e-9 * tbx.weight_refresh);
+  // ZeRO-1 over 2 ranks: the masters are all-gathered after AdamW and refreshed in a pass of their own (read 4 B,
+  // write 2 B; the packs at the unfused figure).
+  auto cz = cfg("ds_mini", {"--training.compute_dtype=bf16", "--parallelism.dp_shard=2", "--parallelism.zero=1"});
+  plan::TimeOptions oz = o;
+  oz.memory.recipe = plan::recipe_named("engine", cz);
+  const auto tz = time_with(cz, 2, hf, oz);
+  const auto rz = plan::plan_memory(cz, tz.layout, hf, oz.memory).per_rank.at(0);
+  EXPECT_NEAR(tz.weight_refresh,
+              (rz.params_tp_sharded + rz.params_replicated) * 6.0 / h.stream_bw() + rz.params_experts * 3e-9,
+              1e-9 * tz.weight_refresh);
+  // FSDP: each gathered unit is converted whole, experts included.
   auto cbf = cfg("ds_mini", {"--training.compute_dtype=bf16", "--parallelism.dp_shard=2", "--parallelism.zero=3"});
   plan::TimeOptions obf = o;
   obf.memory.recipe = plan::recipe_named("engine", cbf);

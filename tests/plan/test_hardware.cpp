@@ -90,6 +90,7 @@ void expect_same(const Hardware& a, const Hardware& b) {
   EXPECT_DOUBLE_EQ(a.optimizer_per_param, b.optimizer_per_param);
   EXPECT_DOUBLE_EQ(a.grad_norm_per_param, b.grad_norm_per_param);
   EXPECT_DOUBLE_EQ(a.expert_pack_per_param, b.expert_pack_per_param);
+  EXPECT_DOUBLE_EQ(a.expert_pack_fused_per_param, b.expert_pack_fused_per_param);
   for (auto cv : {&Hardware::grouped_gemm_efficiency, &Hardware::grouped_fwd_efficiency,
                   &Hardware::grouped_bwd_efficiency, &Hardware::attention_seq_efficiency}) {
     ASSERT_EQ((a.*cv).size(), (b.*cv).size());
@@ -327,7 +328,9 @@ TEST(HardwareToml, MeasuredPerOpFiguresRoundTrip) {
   h.optimizer_per_param = 2.6e-9;
   h.grad_norm_per_param = 1.6e-9;
   h.expert_pack_per_param = 4.3e-9;
+  h.expert_pack_fused_per_param = 1.7e-9;
   const std::string text = hardware_to_toml(h);
+  EXPECT_NE(text.find("expert_pack_fused_ns_per_param = "), std::string::npos) << text;
   EXPECT_NE(text.find("elementwise_bw_gbps = 13.5\n"), std::string::npos) << text;
   EXPECT_NE(text.find("optimizer_ns_per_param = 2.6\n"), std::string::npos) << text;
   const Hardware back = hardware_from_toml(text, "lab.toml");

@@ -72,6 +72,9 @@ struct Hardware {
   double optimizer_per_param = 0;  // seconds per AdamW element update (0: its bytes at stream_bw)
   double grad_norm_per_param = 0;  // seconds per gradient element of the global-norm pass (0: 4 B at stream_bw)
   double expert_pack_per_param = 0;  // seconds per routed-expert parameter to rebuild its packed GEMM layouts
+  // ... when fused with the optimizer's update of the same masters (the engine where every master is on the rank):
+  // what the rebuild adds to AdamW (0: not measured; then expert_pack_per_param)
+  double expert_pack_fused_per_param = 0;
   double elementwise_rate() const { return elementwise_bw > 0 ? elementwise_bw : stream_bw(); }
   Tier scale_up;
   Tier scale_out;
