@@ -16,6 +16,10 @@ void swiglu_forward(float* h /* [N, F] */, bf16* h16 /* [N, F] or nullptr */, co
 // dgu is overwritten.
 void swiglu_backward(float* dgu /* [N, 2F] */, const float* dh /* [N, F] */, const float* gu /* [N, 2F] */,
                      int64_t N, int64_t F);
+// The same gradient rounded to bf16 as each row is made (bitwise to_bf16 of swiglu_backward's dgu), with no fp32
+// copy written: what a bf16 GEMM reads next.
+void swiglu_backward_bf16(bf16* dgu16 /* [N, 2F] */, const float* dh /* [N, F] */, const float* gu /* [N, 2F] */,
+                          int64_t N, int64_t F);
 
 // Row-scaled variant: s[n] multiplies row n (e.g. the router weight of the token in this expert).
 // Backward: dgu = s * (the unscaled local gradient); ds[n] = sum_f dh[n, f] * silu(g) * u (overwritten;

@@ -3,8 +3,10 @@
 // The unscaled ops are the scaled ones with s = 1 (multiplying by 1 is exact). Not the reference
 // (swiglu_*_ref in swiglu.h).
 #include <cmath>
+#include <vector>
 
 #include "moetron/check.h"
+#include "moetron/gemm.h"
 #include "moetron/runtime.h"
 #include "moetron/swiglu.h"
 #include "moetron/trace.h"
@@ -64,18 +66,25 @@ void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t 
   }
 }
 
-void backward_impl(float* dgu, float* ds, const float* dh, const float* gu, const float* s, int64_t N, int64_t F) {
-  MT_TRACE_COST(10.0 * double(N * F), 20.0 * double(N * F));  // dh, g, u read; dg, du written
+// dgu16 set: each row is made in a thread's own fp32 row and rounded into dgu16 (dgu unused).
+void backward_impl(float* dgu, bf16* dgu16, float* ds, const float* dh, const float* gu, const float* s, int64_t N,
+                   int64_t F) {
+  MT_TRACE_COST(10.0 * double(N * F), (dgu16 ? 16.0 : 20.0) * double(N * F));  // dh, g, u read; dg, du written
   const Isa isa = active_isa();
-#pragma omp parallel for schedule(static) if (N * F >= 16384)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* g = gu + n * 2 * F;
-    float* dg = dgu + n * 2 * F;
-    float sc = s ? s[n] : 1.0f;
-    float acc = isa == Isa::Avx512 ? swiglu_avx512::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
-                : isa == Isa::Avx2 ? swiglu_avx2::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
-                                   : bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F);
-    if (ds) ds[n] = acc;
+#pragma omp parallel if (N * F >= 16384)
+  {
+    std::vector<float> own(dgu16 ? size_t(2 * F) : 0);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* g = gu + n * 2 * F;
+      float* dg = dgu16 ? own.data() : dgu + n * 2 * F;
+      float sc = s ? s[n] : 1.0f;
+      float acc = isa == Isa::Avx512 ? swiglu_avx512::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
+                  : isa == Isa::Avx2 ? swiglu_avx2::bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F)
+                                     : bwd_row(dg, dg + F, dh + n * F, g, g + F, sc, F);
+      if (dgu16) f32_to_bf16_serial(dgu16 + n * 2 * F, dg, 2 * F);
+      if (ds) ds[n] = acc;
+    }
   }
 }
 
@@ -88,7 +97,12 @@ void swiglu_forward(float* h, bf16* h16, const float* gu, int64_t N, int64_t F) 
 
 void swiglu_backward(float* dgu, const float* dh, const float* gu, int64_t N, int64_t F) {
   check_args("swiglu_backward", dgu, dh, gu, N, F);
-  backward_impl(dgu, nullptr, dh, gu, nullptr, N, F);
+  backward_impl(dgu, nullptr, nullptr, dh, gu, nullptr, N, F);
+}
+
+void swiglu_backward_bf16(bf16* dgu16, const float* dh, const float* gu, int64_t N, int64_t F) {
+  check_args("swiglu_backward_bf16", dgu16, dh, gu, N, F);
+  backward_impl(nullptr, dgu16, nullptr, dh, gu, nullptr, N, F);
 }
 
 void swiglu_scaled_forward(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
@@ -100,7 +114,7 @@ void swiglu_scaled_backward(float* dgu, float* ds, const float* dh, const float*
                             int64_t F) {
   check_args("swiglu_scaled_backward", dgu, dh, gu, N, F);
   MT_CHECK(N == 0 || s, "swiglu_scaled_backward", "null pointer s");
-  backward_impl(dgu, ds, dh, gu, s, N, F);
+  backward_impl(dgu, nullptr, ds, dh, gu, s, N, F);
 }
 
 }  // namespace moetron

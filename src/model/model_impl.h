@@ -314,6 +314,16 @@ struct Model::Impl {
     f32_to_bf16(dst.data<bf16>(), src, n);
     return dst.raw();
   }
+  // SwiGLU's backward in the compute dtype: fp32 mode into out32 (returned), bf16 mode rounded into dst row by row
+  // (no fp32 copy made; the bits to_c of the fp32 gradient gives).
+  const void* swiglu_backward_c(Tensor& dst, float* out32, const float* dh, const float* gu, int64_t rows, int64_t F) {
+    if (f32) {
+      swiglu_backward(out32, dh, gu, rows, F);
+      return out32;
+    }
+    swiglu_backward_bf16(dst.data<bf16>(), dh, gu, rows, F);
+    return dst.raw();
+  }
   // src copied into the compute-dtype buffer dst (rounded to bf16 in bf16 mode).
   void copy_c(Tensor& dst, const float* src, int64_t n) {
     if (f32) std::memcpy(dst.raw(), src, size_t(n) * 4);

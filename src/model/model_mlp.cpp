@@ -18,9 +18,7 @@ void Model::Impl::swiglu_mlp_backward(LayerBufs& b, int w13, int w2, int64_t Fw,
   lin_wgrad(w2, b.actc.raw(), dy_c, N, Fw, d);
   float* dact = s_f1.data<float>();
   lin_dgrad(dact, dy_c, w2, N, Fw, d);
-  float* dgu = s_f2.data<float>();
-  swiglu_backward(dgu, dact, b.gu.data<float>(), N, Fw);
-  const void* dgu_c = to_c(s_c1, dgu, N * 2 * Fw);
+  const void* dgu_c = swiglu_backward_c(s_c1, s_f2.data<float>(), dact, b.gu.data<float>(), N, Fw);
   lin_wgrad(w13, b.h2c.raw(), dgu_c, N, d, 2 * Fw);
   lin_dgrad(dh2out, dgu_c, w13, N, d, 2 * Fw, acc);
 }

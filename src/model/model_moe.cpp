@@ -122,9 +122,7 @@ float* Model::Impl::experts_backward(Layer& L, LayerBufs& b, const void* dz, int
   float* deact = s_f1.data<float>();
   if (const int s = fp8_site(L.we2); s >= 0) fp8_gg_dgrad(s, deact, dz, L.we2, kept, R, Fe, d);
   else gg_dgrad(deact, dz, L.pk2d, kept, R, Fe, d);
-  float* degu = s_f2.data<float>();
-  swiglu_backward(degu, deact, b.egu.data<float>(), R, Fe);
-  const void* degu_c = to_c(s_c1, degu, R * 2 * Fe);
+  const void* degu_c = swiglu_backward_c(s_c1, s_f2.data<float>(), deact, b.egu.data<float>(), R, Fe);
   gg_wgrad(L.we13, b.xpc.raw(), degu_c, kept, R, d, 2 * Fe);
   float* dxp = s_f1.data<float>();
   if (const int s = fp8_site(L.we13); s >= 0) fp8_gg_dgrad(s, dxp, degu_c, L.we13, kept, R, d, 2 * Fe);

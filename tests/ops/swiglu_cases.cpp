@@ -89,6 +89,13 @@ struct SwigluCase : OpCase {
     compare_bound(r, "h16", h16d, hr, b16);
     compare_bound(r, "dgu", to_f64(dgu), dgur, bg);
     if (scaled) compare_bound(r, "ds", to_f64(ds), dsr, bds);
+    if (!scaled) {  // the bf16 form: bitwise the fp32 gradient rounded (to_bf16), poisoned output first
+      std::vector<bf16> dgu16(size_t(N * 2 * F), bf16{0xffff});
+      swiglu_backward_bf16(dgu16.data(), dh.data(), gu.data(), N, F);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < N * 2 * F; ++i) bad += dgu16[size_t(i)].bits != to_bf16(dgu[size_t(i)]).bits;
+      r.check(bad == 0, "dgu16 = to_bf16(dgu) bit for bit (" + std::to_string(bad) + " differ)");
+    }
   }
 
   void grad(Report& r) override {
