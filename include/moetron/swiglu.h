@@ -11,7 +11,8 @@
 
 namespace moetron {
 
-void swiglu_forward(float* h /* [N, F] */, bf16* h16 /* [N, F] or nullptr */, const float* gu /* [N, 2F] */,
+// h may be null when h16 is not: then only the bf16 copy is written (the same bits).
+void swiglu_forward(float* h /* [N, F] or nullptr */, bf16* h16 /* [N, F] or nullptr */, const float* gu /* [N, 2F] */,
                     int64_t N, int64_t F);
 // dgu is overwritten.
 void swiglu_backward(float* dgu /* [N, 2F] */, const float* dh /* [N, F] */, const float* gu /* [N, 2F] */,

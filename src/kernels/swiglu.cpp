@@ -51,18 +51,25 @@ void check_args(const char* op, const void* a, const void* b, const void* c, int
   MT_CHECK(N == 0 || (a && b && c), op, "null pointer");
 }
 
+// h null (h16 set): each row's fp32 values go to the thread's own row, only the bf16 copy is written.
 void forward_impl(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
   // Per output: silu(g) * u (about 5 flops with the exp as one); g and u read, h (and its bf16 copy) written.
-  MT_TRACE_COST(double(N * F) * (s ? 6.0 : 5.0), double(N * F) * (12.0 + (h16 ? 2.0 : 0.0)) + (s ? 4.0 * double(N) : 0.0));
+  MT_TRACE_COST(double(N * F) * (s ? 6.0 : 5.0),
+                double(N * F) * ((h ? 12.0 : 8.0) + (h16 ? 2.0 : 0.0)) + (s ? 4.0 * double(N) : 0.0));
   const Isa isa = active_isa();
-#pragma omp parallel for schedule(static) if (N * F >= 16384)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* g = gu + n * 2 * F;
-    bf16* h16r = h16 ? h16 + n * F : nullptr;
-    float sc = s ? s[n] : 1.0f;
-    if (isa == Isa::Avx512) swiglu_avx512::fwd_row(h + n * F, h16r, g, g + F, sc, F);
-    else if (isa == Isa::Avx2) swiglu_avx2::fwd_row(h + n * F, h16r, g, g + F, sc, F);
-    else fwd_row(h + n * F, h16r, g, g + F, sc, F);
+#pragma omp parallel if (N * F >= 16384)
+  {
+    std::vector<float> own(h ? 0 : size_t(F));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* g = gu + n * 2 * F;
+      float* hr = h ? h + n * F : own.data();
+      bf16* h16r = h16 ? h16 + n * F : nullptr;
+      float sc = s ? s[n] : 1.0f;
+      if (isa == Isa::Avx512) swiglu_avx512::fwd_row(hr, h16r, g, g + F, sc, F);
+      else if (isa == Isa::Avx2) swiglu_avx2::fwd_row(hr, h16r, g, g + F, sc, F);
+      else fwd_row(hr, h16r, g, g + F, sc, F);
+    }
   }
 }
 
@@ -91,7 +98,7 @@ void backward_impl(float* dgu, bf16* dgu16, float* ds, const float* dh, const fl
 }  // namespace
 
 void swiglu_forward(float* h, bf16* h16, const float* gu, int64_t N, int64_t F) {
-  check_args("swiglu_forward", h, gu, gu, N, F);
+  check_args("swiglu_forward", h ? static_cast<const void*>(h) : h16, gu, gu, N, F);
   forward_impl(h, h16, gu, nullptr, N, F);
 }
 
@@ -106,7 +113,7 @@ void swiglu_backward_bf16(bf16* dgu16, const float* dh, const float* gu, int64_t
 }
 
 void swiglu_scaled_forward(float* h, bf16* h16, const float* gu, const float* s, int64_t N, int64_t F) {
-  check_args("swiglu_scaled_forward", h, gu, s, N, F);
+  check_args("swiglu_scaled_forward", h ? static_cast<const void*>(h) : h16, gu, s, N, F);
   forward_impl(h, h16, gu, s, N, F);
 }
 

@@ -371,9 +371,9 @@ struct Model::Impl {
     else rmsnorm_forward(s_f3.data<float>(), yc.data<bf16>(), rstd, x, w, rows, C, float(s.norm_eps));
   }
   // SwiGLU whose output only feeds the down GEMM: into hc in the compute dtype (scratch: fp32 in bf16 mode).
-  void swiglu_c(Tensor& hc, float* scratch, const float* gu, int64_t rows, int64_t Fw) {
+  void swiglu_c(Tensor& hc, const float* gu, int64_t rows, int64_t Fw) {
     if (f32) swiglu_forward(hc.data<float>(), nullptr, gu, rows, Fw);
-    else swiglu_forward(scratch, hc.data<bf16>(), gu, rows, Fw);
+    else swiglu_forward(nullptr, hc.data<bf16>(), gu, rows, Fw);  // only the bf16 copy: its fp32 values unused
   }
   // Grouped expert GEMMs on compute-dtype rows (weights packed in prec()).
   void gg_fwd(float* Y, const void* X, const GroupedPackedWeights& W, const int32_t* kept, int64_t R, int64_t in,

@@ -140,8 +140,8 @@ void Model::Impl::recompute_selected_ffn(Layer& L, LayerBufs& b) {
   if (L.sel_norm)
     norm_fwd(b.h2.data<float>(), b.h2c, b.rstd2.data<float>(), b.x_mid.data<float>(), P(L.ffn_norm), N, d);
   if (L.sel_act) {
-    swiglu_c(b.eactc, s_f1.data<float>(), b.egu.data<float>(), b.R, Fe);
-    if (Fs > 0) swiglu_c(b.actc, s_f1.data<float>(), b.gu.data<float>(), N, Fs);
+    swiglu_c(b.eactc, b.egu.data<float>(), b.R, Fe);
+    if (Fs > 0) swiglu_c(b.actc, b.gu.data<float>(), N, Fs);
   }
   m.recompute_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

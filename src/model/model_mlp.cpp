@@ -8,7 +8,7 @@ namespace moetron {
 
 void Model::Impl::swiglu_mlp_forward(LayerBufs& b, int w13, int w2, int64_t Fw, float* y, bool acc) {
   lin_fwd(b.gu.data<float>(), b.h2c.raw(), w13, N, d, 2 * Fw);
-  swiglu_c(b.actc, s_f3.data<float>(), b.gu.data<float>(), N, Fw);  // (s_f3 read here: EP may regrow it)
+  swiglu_c(b.actc, b.gu.data<float>(), N, Fw);
   lin_fwd(y, b.actc.raw(), w2, N, Fw, d, acc);
 }
 

@@ -110,7 +110,7 @@ void Model::Impl::experts_forward(Layer& L, LayerBufs& b, int64_t R) {
   const int32_t* kept = b.kept.data<int32_t>();
   if (const int s = fp8_site(L.we13); s >= 0) fp8_gg_fwd(s, b.egu.data<float>(), b.xpc.raw(), L.we13, kept, R, d, 2 * Fe);
   else gg_fwd(b.egu.data<float>(), b.xpc.raw(), L.pk13f, kept, R, d, 2 * Fe);
-  swiglu_c(b.eactc, s_f1.data<float>(), b.egu.data<float>(), R, Fe);
+  swiglu_c(b.eactc, b.egu.data<float>(), R, Fe);
   if (const int s = fp8_site(L.we2); s >= 0) fp8_gg_fwd(s, b.ez.data<float>(), b.eactc.raw(), L.we2, kept, R, Fe, d);
   else gg_fwd(b.ez.data<float>(), b.eactc.raw(), L.pk2f, kept, R, Fe, d);
 }

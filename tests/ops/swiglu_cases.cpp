@@ -89,6 +89,14 @@ struct SwigluCase : OpCase {
     compare_bound(r, "h16", h16d, hr, b16);
     compare_bound(r, "dgu", to_f64(dgu), dgur, bg);
     if (scaled) compare_bound(r, "ds", to_f64(ds), dsr, bds);
+    {  // the forward with only its bf16 copy asked for (h null): the same bits, poisoned output first
+      std::vector<bf16> only16(size_t(N * F), bf16{0xffff});
+      if (scaled) swiglu_scaled_forward(nullptr, only16.data(), gu.data(), s.data(), N, F);
+      else swiglu_forward(nullptr, only16.data(), gu.data(), N, F);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < N * F; ++i) bad += only16[size_t(i)].bits != h16[size_t(i)].bits;
+      r.check(bad == 0, "h16 alone (h null) = h16 bit for bit (" + std::to_string(bad) + " differ)");
+    }
     if (!scaled) {  // the bf16 form: bitwise the fp32 gradient rounded (to_bf16), poisoned output first
       std::vector<bf16> dgu16(size_t(N * 2 * F), bf16{0xffff});
       swiglu_backward_bf16(dgu16.data(), dh.data(), gu.data(), N, F);
