@@ -93,6 +93,11 @@ def print_setup(threads):
           f"mkldnn available {torch.backends.mkldnn.is_available()} (v{dnnl.group(1) if dnnl else '?'}); "
           f"CPU capability {cap.group(1) if cap else '?'}; threads torch {torch.get_num_threads()} "
           f"(asked {threads}) OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}", flush=True)
+    # Debian's torch takes whichever libblas.so.3 the alternatives system points at: without an OpenBLAS package
+    # that is the reference (netlib) BLAS, some 30x slower, and the comparison would not give torch its best.
+    if any(re.search(r"/blas/libblas\.so", p) for p in libs):
+        print("WARNING: torch runs on the reference (netlib) BLAS, not OpenBLAS: install libopenblas0-pthread; "
+              "this run does not give PyTorch its best", flush=True)
     env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "OPENBLAS_CORETYPE")
            if k in os.environ}
     if env:
