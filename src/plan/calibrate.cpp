@@ -123,8 +123,8 @@ void set_sources(const calib::Round& r, const std::string& when, Hardware& h) {
                         "achievable_fp32_tflops", "kernel_overhead_us", "attention_efficiency", "gemm_efficiency", "grouped_gemm_fwd_efficiency",
                         "grouped_gemm_bwd_efficiency", "loss_efficiency", "elementwise_bw_gbps",
                         "optimizer_ns_per_param", "grad_norm_ns_per_param", "expert_pack_ns_per_param",
-                        "expert_pack_fused_ns_per_param", "attention_seq_efficiency", "scale_up.domain", "scale_up.bw_gbps", "scale_up.alpha_us",
-                        "scale_up.topology"})
+                        "expert_pack_fused_ns_per_param", "attention_seq_efficiency", "scale_up.domain",
+                        "scale_up.bw_gbps", "scale_up.alpha_us", "scale_up.topology"})
     h.sources[k] = when;
   h.sources["hbm_gb"] = "MemTotal of /proc/meminfo over the ranks on this node";
   h.sources["peak_bf16_tflops"] = when + "; a CPU has no datasheet figure here: the best measured rate, in the "
