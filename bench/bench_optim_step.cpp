@@ -3,8 +3,8 @@
 // experts' packed panels), against the same work fused piece by piece (Model::update_and_sync: each piece refreshed
 // right after its update, while its masters are in cache). Each iteration runs both, alternating which goes first,
 // so the two figures share the machine's conditions, then AdamW alone (what the refresh adds); counters are the
-// medians (ms) and fused / separate. The
-// results are bitwise the same (the trainer's tests hold that); this is not a correctness check.
+// medians (ms) and fused / separate. The results are bitwise the same (the trainer's tests hold that); this is not
+// a correctness check.
 #include <algorithm>
 #include <chrono>
 #include <vector>

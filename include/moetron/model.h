@@ -12,6 +12,7 @@
 // the gradients (expert ones over the expert-data-parallel group).
 // Not the trainer (no optimizer, no data).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -138,6 +139,10 @@ class Model {
   // kSyncPieceElems unless set (tests use small pieces to cut every tensor).
   static constexpr int64_t kSyncPieceElems = int64_t(1) << 19;
   void set_sync_piece_elems(int64_t elems);
+  // Whole experts of expert_elems masters each in one piece of at most `piece` elements (at least one).
+  static int64_t sync_experts_per_piece(int64_t expert_elems, int64_t piece = kSyncPieceElems) {
+    return std::max<int64_t>(1, piece / std::max<int64_t>(expert_elems, 1));
+  }
   void zero_grads();
 
   // One micro-batch: forward and backward, gradients accumulated (+=). tokens/targets are [B*T];

@@ -389,7 +389,7 @@ void measure_optimizer(const Timer& tm, ComputeDtype dt, bool quick, int reps, R
                        {w2.data(), m2.data(), v2.data(), g2.data(), F, d, c2.get(), e.get()}};
   auto pass = [&](bool pack) {
     for (const Mat& x : mats) {
-      const int64_t per = x.K * x.N, group = std::max<int64_t>(1, Model::kSyncPieceElems / per);
+      const int64_t per = x.K * x.N, group = Model::sync_experts_per_piece(per);
       for (int64_t e0 = 0; e0 < El; e0 += group) {
         const int64_t e1 = std::min(El, e0 + group), o = e0 * per, len = (e1 - e0) * per;
         adamw_step(x.w + o, x.m + o, x.v + o, x.g + o, len, ac, ++step, 1.f, true);

@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 
 #include "model/model_impl.h"
 #include "moetron/cp_attention.h"
@@ -340,7 +339,7 @@ void Model::plan_sync_pieces() {
     for (int mat = 0; mat < 2; ++mat) {
       const ParamEntry& e = params_[size_t(mat == 0 ? L.we13 : L.we2)];
       const int64_t per = e.numel / std::max<int64_t>(I.El, 1);
-      const int64_t group = std::max<int64_t>(1, piece / std::max<int64_t>(per, 1));
+      const int64_t group = sync_experts_per_piece(per, piece);
       for (int64_t e0 = 0; e0 < I.El; e0 += group) {
         const int64_t e1 = std::min(I.El, e0 + group);
         experts.push_back(Piece{e.offset + e0 * per, e.offset + e1 * per, int(l), mat, e0, e1});
@@ -363,7 +362,10 @@ void Model::plan_sync_pieces() {
 void Model::refresh_piece(size_t k) {
   auto& I = *impl_;
   const Impl::SyncPiece& x = I.sync_pieces[k];
-  if (x.layer >= 0) I.pack_expert_range(I.layers[size_t(x.layer)], x.mat, x.e0, x.e1);
+  if (x.layer >= 0) {
+    Layer& L = I.layers[size_t(x.layer)];
+    I.pack_expert_range(L, x.mat, x.e0, x.e1, x.mat == 0 ? L.p13f : L.p2f, x.mat == 0 ? L.p13d : L.p2d);
+  }
   else if (!I.f32) f32_to_bf16(I.wc.data<bf16>() + x.lo, pbuf_.data<float>() + x.lo, x.hi - x.lo);
 }
 

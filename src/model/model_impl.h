@@ -370,7 +370,7 @@ struct Model::Impl {
     if (f32) rmsnorm_forward(yc.data<float>(), nullptr, rstd, x, w, rows, C, float(s.norm_eps));
     else rmsnorm_forward(s_f3.data<float>(), yc.data<bf16>(), rstd, x, w, rows, C, float(s.norm_eps));
   }
-  // SwiGLU whose output only feeds the down GEMM: into hc in the compute dtype (scratch: fp32 in bf16 mode).
+  // SwiGLU whose output only feeds the down GEMM: into hc in the compute dtype (bf16 mode writes no fp32 copy).
   void swiglu_c(Tensor& hc, const float* gu, int64_t rows, int64_t Fw) {
     if (f32) swiglu_forward(hc.data<float>(), nullptr, gu, rows, Fw);
     else swiglu_forward(nullptr, hc.data<bf16>(), gu, rows, Fw);  // only the bf16 copy: its fp32 values unused
@@ -665,8 +665,9 @@ struct Model::Impl {
   // buffers, and packing a layer's fp32 expert weights into them (the layer's pk* handles point there).
   void alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d, const char* name);
   void pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d);
-  // Experts [e0, e1) of L's w13 (mat 0) or w2 (mat 1) into their forward and dgrad panels (the held layer's own).
-  void pack_expert_range(Layer& L, int mat, int64_t e0, int64_t e1);
+  // Experts [e0, e1) of L's w13 (mat 0) or w2 (mat 1) into the forward and dgrad panels pf, pd (L's pk* handles
+  // point there); pack_experts is all experts of both.
+  void pack_expert_range(Layer& L, int mat, int64_t e0, int64_t e1, Tensor& pf, Tensor& pd);
   size_t grouped_ws_bytes(int64_t rows) const;
 
   // ---- the routed experts under expert parallelism (model_ep.cpp; after the router, before the shared

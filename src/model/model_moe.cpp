@@ -141,19 +141,13 @@ void Model::Impl::alloc_packed(Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& 
 }
 
 void Model::Impl::pack_experts(Layer& L, Tensor& p13f, Tensor& p13d, Tensor& p2f, Tensor& p2d) {
-  const float* w13 = P(L.we13);
-  const float* w2 = P(L.we2);
-  L.pk13f = grouped_pack_weights(p13f.raw(), w13, El, d, 2 * Fe, prec(), GroupedPackKind::Fwd);
-  L.pk13d = grouped_pack_weights(p13d.raw(), w13, El, d, 2 * Fe, prec(), GroupedPackKind::Dgrad);
-  L.pk2f = grouped_pack_weights(p2f.raw(), w2, El, Fe, d, prec(), GroupedPackKind::Fwd);
-  L.pk2d = grouped_pack_weights(p2d.raw(), w2, El, Fe, d, prec(), GroupedPackKind::Dgrad);
+  pack_expert_range(L, 0, 0, El, p13f, p13d);
+  pack_expert_range(L, 1, 0, El, p2f, p2d);
 }
 
-void Model::Impl::pack_expert_range(Layer& L, int mat, int64_t e0, int64_t e1) {
+void Model::Impl::pack_expert_range(Layer& L, int mat, int64_t e0, int64_t e1, Tensor& pf, Tensor& pd) {
   const int64_t K = mat == 0 ? d : Fe, N = mat == 0 ? 2 * Fe : d;
   const float* w = P(mat == 0 ? L.we13 : L.we2);
-  Tensor& pf = mat == 0 ? L.p13f : L.p2f;
-  Tensor& pd = mat == 0 ? L.p13d : L.p2d;
   (mat == 0 ? L.pk13f : L.pk2f) = grouped_pack_weights(pf.raw(), w, El, K, N, prec(), GroupedPackKind::Fwd, e0, e1);
   (mat == 0 ? L.pk13d : L.pk2d) = grouped_pack_weights(pd.raw(), w, El, K, N, prec(), GroupedPackKind::Dgrad, e0, e1);
 }

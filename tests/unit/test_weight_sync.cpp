@@ -84,9 +84,13 @@ void check_fused_is_separate(ComputeDtype dt, int64_t piece) {
     EXPECT_EQ(seen.back().second, n);
     for (size_t k = 0; k < seen.size(); ++k) {
       EXPECT_LT(seen[k].first, seen[k].second) << "piece " << k;
-      if (k) EXPECT_EQ(seen[k - 1].second, seen[k].first) << "pieces " << k - 1 << " and " << k << " do not abut";
+      if (k) {
+        EXPECT_EQ(seen[k - 1].second, seen[k].first) << "pieces " << k - 1 << " and " << k << " do not abut";
+      }
     }
-    if (piece > 0) EXPECT_GT(seen.size(), sep.m.params().size()) << "small pieces should cut the tensors";
+    if (piece > 0) {
+      EXPECT_GT(seen.size(), sep.m.params().size()) << "small pieces should cut the tensors";
+    }
     ASSERT_EQ(0, std::memcmp(sep.m.param_data(), fus.m.param_data(), size_t(n) * 4)) << "masters after step " << step;
   }
 }
