@@ -32,6 +32,11 @@ double scale_up_bw(const Hardware& h, int64_t ranks) {
   return bw;
 }
 
+// The fraction of a tier's bandwidth an exchange of `leg` reaches with `ranks` taking part at that tier.
+double ep_share(const Tier& t, EpLeg leg, double ranks) {
+  return leg == EpLeg::None ? 1.0 : t.ep_eff(leg == EpLeg::Combine, ranks);
+}
+
 // Per-step latency of a ring over g: a step ends when its slowest hop does.
 double ring_alpha(const Hardware& h, Group g) {
   if (g.nodes() == 1) return h.scale_up.alpha;
@@ -97,7 +102,7 @@ double all_reduce(const Hardware& h, double bytes, Group g) {
   return std::min(all_reduce_ring(h, bytes, g), all_reduce_hierarchical(h, bytes, g));
 }
 
-double all_to_all(const Hardware& h, double bytes, Group g) {
+double all_to_all(const Hardware& h, double bytes, Group g, EpLeg leg) {
   validate_group(h, g);
   check_bytes(bytes);
   if (g.size == 1) return 0;
@@ -105,16 +110,17 @@ double all_to_all(const Hardware& h, double bytes, Group g) {
   double latency = 0, up = 0, out = 0;
   if (g.per_node > 1) {
     latency += (q - 1) * h.scale_up.alpha;
-    up = (q - 1) / p * bytes / scale_up_bw(h, g.per_node);
+    up = (q - 1) / p * bytes / (scale_up_bw(h, g.per_node) * ep_share(h.scale_up, leg, q));
   }
   if (g.nodes() > 1) {
     latency += (p - q) * h.scale_out.alpha;
-    out = (p - q) / p * bytes / scale_out_bw(h);
+    out = (p - q) / p * bytes / (scale_out_bw(h) * ep_share(h.scale_out, leg, p));
   }
   return latency + std::max(up, out);
 }
 
-double all_to_all_hierarchical(const Hardware& h, double bytes, int64_t topk, double nodes_per_token, Group g) {
+double all_to_all_hierarchical(const Hardware& h, double bytes, int64_t topk, double nodes_per_token, Group g,
+                               EpLeg leg) {
   validate_group(h, g);
   check_bytes(bytes);
   MT_CHECK(topk >= 1, kOp, "hierarchical all-to-all needs topk >= 1, got ", topk);
@@ -128,12 +134,12 @@ double all_to_all_hierarchical(const Hardware& h, double bytes, int64_t topk, do
   double latency = 0, up = 0, out = 0;
   if (g.per_node > 1) {
     latency += (q - 1) * h.scale_up.alpha;
-    up = bytes * (q - 1) / q / scale_up_bw(h, g.per_node);
+    up = bytes * (q - 1) / q / (scale_up_bw(h, g.per_node) * ep_share(h.scale_up, leg, q));
   }
   if (nodes > 1) {
     const double remote_nodes = nodes_per_token * (n - 1) / n;
     latency += (n - 1) * h.scale_out.alpha;
-    out = bytes / double(topk) * remote_nodes / scale_out_bw(h);
+    out = bytes / double(topk) * remote_nodes / (scale_out_bw(h) * ep_share(h.scale_out, leg, double(g.size)));
   }
   return latency + std::max(up, out);
 }

@@ -37,23 +37,6 @@ struct Ctx {
 struct GemmCost {
   double t = 0, quant = 0, flops = 0;
 };
-// Bytes an element of a GEMM input costs to quantize. Every recipe reads bf16 and writes fp8 (3). Row-, block- and
-// mx-scaled recipes also write the transposed copy the backward GEMMs read (1 more). Tensorwise (Megatron-Bridge's
-// FP8-CS, Transformer Engine's Float8CurrentScaling) under current scaling, the default: "two tensor reads per
-// quantization: one to compute amax, one to cast" (Transformer Engine docs, "FP8 Delayed Scaling"), 2 more; and as
-// Hopper's FP8 GEMMs take only the TN layout, "some tensors need to be physically transposed in memory" (Transformer
-// Engine docs, "Performance considerations: Handling transposes"), 1 more: 6 (5 before issue 33's fifth state, no
-// transpose); delayed scaling reads once: 4. The catalog has no architecture flag, so a Blackwell tensorwise run
-// (no transpose needed there) pays the transpose too; no published row is one.
-double quant_bytes(const QuantizeSpec& q) {
-  if (q.recipe != Fp8Recipe::Tensorwise) return 4.0;
-  return q.delayed() ? 4.0 : 6.0;
-}
-// Kernels one quantized GEMM input costs the host: current scaling's amax is a reduction over the whole tensor, a
-// kernel of its own before the cast (the same page's two reads), 2; a local or delayed scale casts in one, 1.
-double quant_kernels(const QuantizeSpec& q) {
-  return q.recipe == Fp8Recipe::Tensorwise && !q.delayed() ? 2.0 : 1.0;
-}
 GemmCost gemm(const Ctx& x, double m, double n, double k, bool fp8_here = true) {
   GemmCost g;
   if (m <= 0 || n <= 0 || k <= 0) return g;
@@ -63,7 +46,7 @@ GemmCost gemm(const Ctx& x, double m, double n, double k, bool fp8_here = true) 
   const double bytes = gb * (m * k + k * n) + x.ab * m * n;
   const double bw = x.h.stream_bw();
   g.t = std::max({g.flops / x.h.gemm_rate(m, n, k, fp8), bytes / bw, x.h.kernel_overhead});
-  if (fp8) g.quant = std::max(quant_bytes(x.c.quantize) * (m * k + k * n) / bw, x.h.kernel_overhead);
+  if (fp8) g.quant = std::max(fp8_quant_bytes(x.c.quantize) * (m * k + k * n) / bw, x.h.kernel_overhead);
   return g;
 }
 // Whether FP8 applies to a GEMM of op group `op`: the layer modules quantize.modules lists (attention: the
@@ -175,7 +158,7 @@ struct LayerCost {
   double a2a = 0;                 // one dispatch + one combine
   double recompute = 0;           // forward work redone in backward
   Launches launch;                // kernels the host issues
-  double qk = 1;                  // host kernels per quantized GEMM input (quant_kernels)
+  double qk = 1;                  // host kernels per quantized GEMM input (fp8_quant_kernels)
   double sum_f() const { double t = 0; for (const Part& p : op) t += p.f; return t; }
   double sum_i() const { double t = 0; for (const Part& p : op) t += p.i; return t; }
   double sum_w() const { double t = 0; for (const Part& p : op) t += p.w; return t; }
@@ -237,7 +220,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   const double H = double(at.n_heads) / tp;
   LayerCost lc;
   int cur = kOpAttnProj;  // the op group the GEMMs below belong to
-  lc.qk = quant_kernels(x.c.quantize);
+  lc.qk = fp8_quant_kernels(x.c.quantize);
   bool shared = false;  // the FFN GEMMs below are the shared experts'
   auto G = [&](double m, double n, double k) {
     lc.add_gemm(cur, gemm(x, m, n, k, fp8_applies(x.c.quantize, cur, shared)));
@@ -328,14 +311,17 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     if (l.ep > 1) {
       const double row_in = x.c.parallelism.fp8_dispatch ? d + d / 128 * 4 : d * std::max(x.gb, 2.0);
       const Group g = place(x.h, l.ep, l.etp);
-      auto a2a = [&](double row) {
+      // Each leg at its measured share of the tiers' bandwidth (Tier::ep_eff); the backward runs the same two
+      // kernels the other way round (a dispatch's gradient is a combine), so both directions cost the same sum.
+      auto a2a = [&](double row, EpLeg leg) {
         const double bytes = T / x.q * k * row * x.imb;
-        if (x.c.parallelism.ep_dispatcher == EpDispatcher::AllToAll || g.nodes() == 1) return all_to_all(x.h, bytes, g);
+        if (x.c.parallelism.ep_dispatcher == EpDispatcher::AllToAll || g.nodes() == 1)
+          return all_to_all(x.h, bytes, g, leg);
         const int64_t max_nodes = m.n_group > 1 ? m.topk_group : 0;
         const double npt = expected_nodes_per_token(m.n_routed_experts, m.topk, g.nodes(), max_nodes);
-        return all_to_all_hierarchical(x.h, bytes, m.topk, npt, g);
+        return all_to_all_hierarchical(x.h, bytes, m.topk, npt, g, leg);
       };
-      lc.a2a = a2a(row_in) + a2a(d * ab);
+      lc.a2a = a2a(row_in, EpLeg::Dispatch) + a2a(d * ab, EpLeg::Combine);
       lc.launch.f += 2, lc.launch.i += 2;  // dispatch and combine
     }
   }
@@ -454,7 +440,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
       const int ll = int(s.n_layers - 1);
       add_layers(ll, s.is_moe_layer(ll), ac.applies_to(ll), int(D));
       LayerCost e;
-      e.qk = quant_kernels(c.quantize);
+      e.qk = fp8_quant_kernels(c.quantize);
       const double dm = double(s.d_model);
       e.add_gemm(kOpOther, gemm(x, x.T, dm, 2 * dm));
       e.add_mem(kOpNorm, membound(x, 3 * 2 * dm * x.ab * x.T / x.q));

@@ -2,6 +2,8 @@
 // (cost.cpp) and not the pipeline or the data-parallel terms.
 #include "cost_terms.h"
 
+#include "moetron/config.h"
+
 #include <algorithm>
 
 namespace moetron::plan {
@@ -27,6 +29,24 @@ double attention_head_dim_factor(double head_dim) {
 double fused_attention_rate(const Hardware& h, double seq_len, double head_dim) {
   const double eff = h.attention_eff(seq_len);
   return h.achievable_bf16 * (h.attention_seq_efficiency.empty() ? eff * attention_head_dim_factor(head_dim) : eff);
+}
+
+// Bytes an element of a GEMM input costs to quantize. Every recipe reads bf16 and writes fp8 (3). Row-, block- and
+// mx-scaled recipes also write the transposed copy the backward GEMMs read (1 more). Tensorwise (Megatron-Bridge's
+// FP8-CS, Transformer Engine's Float8CurrentScaling) under current scaling, the default: "two tensor reads per
+// quantization: one to compute amax, one to cast" (Transformer Engine docs, "FP8 Delayed Scaling"), 2 more; and as
+// Hopper's FP8 GEMMs take only the TN layout, "some tensors need to be physically transposed in memory" (Transformer
+// Engine docs, "Performance considerations: Handling transposes"), 1 more: 6 (5 before issue 33's fifth state, no
+// transpose); delayed scaling reads once: 4. The catalog has no architecture flag, so a Blackwell tensorwise run
+// (no transpose needed there) pays the transpose too; no published row is one.
+double fp8_quant_bytes(const QuantizeSpec& q) {
+  if (q.recipe != Fp8Recipe::Tensorwise) return 4.0;
+  return q.delayed() ? 4.0 : 6.0;
+}
+// Kernels one quantized GEMM input costs the host: current scaling's amax is a reduction over the whole tensor, a
+// kernel of its own before the cast (the same page's two reads), 2; a local or delayed scale casts in one, 1.
+double fp8_quant_kernels(const QuantizeSpec& q) {
+  return q.recipe == Fp8Recipe::Tensorwise && !q.delayed() ? 2.0 : 1.0;
 }
 
 }  // namespace moetron::plan

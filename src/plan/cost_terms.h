@@ -2,6 +2,7 @@
 // size limit), each with its named public source. Used by cost.cpp's layer costs. Not the op list (cost.cpp), not
 // the per-rank terms (cost_rank.h), not the collectives (comm_model.h).
 #pragma once
+#include "moetron/config.h"
 #include "moetron/plan/hardware.h"
 
 namespace moetron::plan {
@@ -16,5 +17,10 @@ double attention_head_dim_factor(double head_dim);
 // the catalog's single attention_efficiency (an assumption for large head dimensions) times
 // attention_head_dim_factor. Issue 33's sixth state; before it the head dimension did not enter.
 double fused_attention_rate(const Hardware& h, double seq_len, double head_dim);
+
+// Bytes an element of an FP8 GEMM input costs to quantize under the recipe, and the host kernels it costs (sources
+// at the definitions: Transformer Engine's docs on current scaling and on Hopper's transposes).
+double fp8_quant_bytes(const QuantizeSpec& q);
+double fp8_quant_kernels(const QuantizeSpec& q);
 
 }  // namespace moetron::plan

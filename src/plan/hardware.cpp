@@ -78,7 +78,12 @@ constexpr Key kTier[] = {
     {"links", Kind::Integer, 1, false, "full_mesh: links per GPU"},
     {"link_bw_gbps", Kind::Number, kGB, false, "full_mesh: per-link per-direction bandwidth, GB/s"},
     {"link_efficiency", Kind::Number, 1, false, "full_mesh: achievable fraction of a link"},
+    {"ep_dispatch_efficiency", Kind::Curve, 1, false,
+     "[[ranks, eff], ...] an EP dispatch's fraction of bw_gbps by the exchange's ranks at this tier"},
+    {"ep_combine_efficiency", Kind::Curve, 1, false,
+     "[[ranks, eff], ...] an EP combine's fraction of bw_gbps by the exchange's ranks at this tier"},
 };
+constexpr const char* kTierCurveKeys[] = {"ep_dispatch_efficiency", "ep_combine_efficiency"};
 constexpr const char* kTiers[] = {"scale_up", "scale_out"};
 constexpr const char* kCurveKeys[] = {"gemm_efficiency", "grouped_gemm_efficiency", "grouped_gemm_fwd_efficiency",
                                       "grouped_gemm_bwd_efficiency", "attention_seq_efficiency"};
@@ -208,6 +213,12 @@ double* number_field(Tier& t, std::string_view key) {
   if (key == "link_efficiency") return &t.link_efficiency;
   return nullptr;
 }
+template <class T>  // Tier or const Tier
+auto tier_curve_field(T& t, std::string_view key) -> decltype(&t.ep_dispatch_efficiency) {
+  if (key == "ep_dispatch_efficiency") return &t.ep_dispatch_efficiency;
+  if (key == "ep_combine_efficiency") return &t.ep_combine_efficiency;
+  return nullptr;
+}
 int64_t* int_field(Tier& t, std::string_view key) {
   if (key == "domain") return &t.domain;
   if (key == "links") return &t.links;
@@ -228,6 +239,7 @@ void read_tier(std::string_view source, const toml::table& tbl, const std::strin
     const Key& spec = kTier[idx];
     if (spec.kind == Kind::Integer) *int_field(t, key) = as_int(source, v, full);
     else if (spec.kind == Kind::String) t.topology = as_string(source, v, full);
+    else if (spec.kind == Kind::Curve) *tier_curve_field(t, key) = as_curve(source, v, full);
     else *number_field(t, key) = as_number(source, v, full) * spec.scale;
   }
   for (size_t i = 0; i < std::size(kTier); ++i)
@@ -313,6 +325,16 @@ struct Checker {
   void fraction(const std::string& key, double v) const {
     if (!(v > 0 && v <= 1)) fail(key, v, "must be in (0, 1]");
   }
+  // A curve: abscissae > 0 and ascending, every value a fraction.
+  void curve(const std::string& key, const std::vector<EffPoint>& cv) const {
+    for (size_t i = 0; i < cv.size(); ++i) {
+      const std::string at = key + "[" + std::to_string(i) + "]";
+      if (!(cv[i].dim > 0)) fail(at + ".dim", cv[i].dim, "must be > 0");
+      if (i > 0 && !(cv[i].dim > cv[i - 1].dim))
+        fail(at + ".dim", cv[i].dim, "must be > the previous point's dim (ascending)");
+      fraction(at + ".eff", cv[i].eff);
+    }
+  }
 };
 
 void validate_tier(const Checker& c, const Tier& t, const std::string& tier) {
@@ -334,6 +356,7 @@ void validate_tier(const Checker& c, const Tier& t, const std::string& tier) {
     c.non_negative(tier + ".link_bw_gbps", t.link_bw, kGB);
     c.fraction(tier + ".link_efficiency", t.link_efficiency);
   }
+  for (const char* key : kTierCurveKeys) c.curve(tier + "." + key, *tier_curve_field(t, key));
 }
 
 }  // namespace
@@ -353,6 +376,9 @@ double curve_at(const std::vector<EffPoint>& t, double min_dim) {
 }
 }  // namespace
 
+double Tier::ep_eff(bool combine, double ranks) const {
+  return curve_at(combine ? ep_combine_efficiency : ep_dispatch_efficiency, ranks);
+}
 double Hardware::gemm_eff(double min_dim) const { return curve_at(gemm_efficiency, min_dim); }
 double Hardware::attention_eff(double seq_len) const {
   return attention_seq_efficiency.empty() ? attention_efficiency : curve_at(attention_seq_efficiency, seq_len);
@@ -446,6 +472,17 @@ Hardware hardware_from_toml(std::string_view toml_text, std::string_view source)
 }
 
 // ---- Hardware -> TOML --------------------------------------------------------------------------------------
+namespace {
+// `key = [[dim, eff], ...]` (an empty curve writes nothing: absent means 1.0 everywhere).
+void write_curve(std::ostream& os, std::string_view key, const std::vector<EffPoint>& cv) {
+  if (cv.empty() && key != "gemm_efficiency") return;
+  os << key << " = [";
+  for (size_t i = 0; i < cv.size(); ++i)
+    os << (i ? ", " : "") << "[" << toml_float(shortest(cv[i].dim)) << ", " << toml_float(shortest(cv[i].eff)) << "]";
+  os << "]\n";
+}
+}  // namespace
+
 std::string hardware_to_toml(const Hardware& h) {
   std::ostringstream os;
   auto num = [&](const char* key, double si, double scale) {
@@ -471,14 +508,7 @@ std::string hardware_to_toml(const Hardware& h) {
   if (h.grad_norm_per_param > 0) num("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
   if (h.expert_pack_per_param > 0) num("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
   if (h.expert_pack_fused_per_param > 0) num("expert_pack_fused_ns_per_param", h.expert_pack_fused_per_param, kNs);
-  for (const char* key : kCurveKeys) {
-    const std::vector<EffPoint>& cv = *curve_field(h, key);
-    if (cv.empty() && std::string_view(key) != "gemm_efficiency") continue;
-    os << key << " = [";
-    for (size_t i = 0; i < cv.size(); ++i)
-      os << (i ? ", " : "") << "[" << toml_float(shortest(cv[i].dim)) << ", " << toml_float(shortest(cv[i].eff)) << "]";
-    os << "]\n";
-  }
+  for (const char* key : kCurveKeys) write_curve(os, key, *curve_field(h, key));
   for (int ti = 0; ti < 2; ++ti) {
     const Tier& t = ti == 0 ? h.scale_up : h.scale_out;
     os << "\n[" << kTiers[ti] << "]\n";
@@ -489,6 +519,7 @@ std::string hardware_to_toml(const Hardware& h) {
     os << "links = " << t.links << "\n";
     num("link_bw_gbps", t.link_bw, kGB);
     num("link_efficiency", t.link_efficiency, 1);
+    for (const char* key : kTierCurveKeys) write_curve(os, key, *tier_curve_field(t, key));
   }
   if (!h.sources.empty()) {
     os << "\n[sources]\n";
@@ -527,17 +558,7 @@ void validate_hardware(const Hardware& h, std::string_view source) {
   c.non_negative("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
   c.non_negative("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
   c.non_negative("expert_pack_fused_ns_per_param", h.expert_pack_fused_per_param, kNs);
-  for (const char* key : kCurveKeys) {
-    const std::vector<EffPoint>* cv = curve_field(h, key);
-    for (size_t i = 0; i < cv->size(); ++i) {
-      const auto& p = (*cv)[i];
-      const std::string at = std::string(key) + "[" + std::to_string(i) + "]";
-      if (!(p.dim > 0)) c.fail(at + ".dim", p.dim, "must be > 0");
-      if (i > 0 && !(p.dim > (*cv)[i - 1].dim))
-        c.fail(at + ".dim", p.dim, "must be > the previous point's dim (ascending)");
-      c.fraction(at + ".eff", p.eff);
-    }
-  }
+  for (const char* key : kCurveKeys) c.curve(key, *curve_field(h, key));
   validate_tier(c, h.scale_up, "scale_up");
   validate_tier(c, h.scale_out, "scale_out");
 }

@@ -40,8 +40,8 @@ gemm_efficiency = "assumption: generic fraction of the achievable rate by the GE
 "scale_out.topology" = "assumption: rail-optimized non-blocking fat tree, any pair at the NIC rate"
 )toml";
 
-// Sources cited by several entries (or several times): {WHITEPAPER}, {AMD_MAF}, {MAMF}, {MAMF_PEAK}, {LOCKWOOD} and
-// {VERDA} in an entry's sources expand to these.
+// Sources cited by several entries (or several times): {WHITEPAPER}, {AMD_MAF}, {MAMF}, {MAMF_PEAK}, {LOCKWOOD},
+// {VERDA}, {DEEPEP_V1}, {HYBRIDEP} and {MLM_GB200} in an entry's sources expand to these.
 const char* const kWhitepaper = "AMD whitepaper 'At-Scale AI Training on AMD Instinct MI350/MI300X Series GPUs' (2025)";
 const char* const kAmdMaf =
     "AMD ROCm blog 'Measuring Max-Achievable FLOPs - Part 2' (2025), Table 1, hipBLASLt-bench, "
@@ -55,6 +55,19 @@ const char* const kVerda =
 const char* const kMamfPeak =
     "S. Bekman, Machine Learning Engineering Open Book, 'TFLOPS comparison table' (2026, dense peaks from the vendors' "
     "specifications), https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md";
+const char* const kDeepEpV1 =
+    "deepseek-ai/DeepEP README, V1 normal-kernel table (now docs/legacy.md; H800 with about 160 GB/s NVLink "
+    "maximum and ConnectX-7 400 Gb/s; 4096 tokens a batch, hidden 7168, top-8, FP8 dispatch, BF16 combine)";
+const char* const kHybridEp =
+    "deepseek-ai/DeepEP, hybrid-ep branch, Hybrid-EP_Implementation.md, 'Performance Results' (4096 tokens, hidden "
+    "7168, top-8, random uniform router, 8 local experts; 'algorithm bandwidth', the Torch API figures); HybridEP is "
+    "the dispatcher Megatron-Bridge's DeepSeek-V3 GB200 recipe names (v0.2.0, scripts/performance/configs)";
+const char* const kMlmGb200 =
+    "NVIDIA Megatron-LM, docs/discussions/deepseek-v3-gb200-optimization, section 2.2.1 (DeepEP at EP 32 on 256 "
+    "GB200 GPUs, 24 SMs: dispatch about 400 GB/s and combine about 190 GB/s algorithm bandwidth against the 900 GB/s "
+    "unidirectional MNNVL line rate); the same write-up is the source of rows nv-mlm-01 / 02 of "
+    "tests/data/published_moe_runs.csv, which are not projected (seq_len not given): for them this figure would be an "
+    "input from their own paper";
 const char* const kMamf =
     "S. Bekman, Machine Learning Engineering Open Book, 'Maximum Achievable Matmul FLOPS comparison table' "
     "(2025, torch matmul, mean at the best shape of a sweep), "
@@ -70,6 +83,8 @@ link_bw_gbps = 64.0
 link_efficiency = 1.0
 bw_gbps = 448.0
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.765]]
+ep_combine_efficiency = [[8.0, 0.79]]
 
 [scale_out]
 domain = 65536
@@ -85,6 +100,8 @@ domain = 8
 topology = "switch"
 bw_gbps = 450.0
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.765]]
+ep_combine_efficiency = [[8.0, 0.79]]
 
 [scale_out]
 domain = 65536
@@ -106,6 +123,8 @@ achievable_fp8_tflops = 0.0
 const char* const kA100Tiers = R"toml(domain = 8
 topology = "switch"
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.765]]
+ep_combine_efficiency = [[8.0, 0.79]]
 
 [scale_out]
 domain = 65536
@@ -121,6 +140,8 @@ achievable_bf16_tflops = "measured: 271.2 TFLOPS BF16 (torch 2.6.0, CUDA 12.6, b
 achievable_fp8_tflops = "none: Ampere has no FP8 GEMM"
 "scale_up.domain" = "NVIDIA DGX A100 datasheet (2020): 8 A100 GPUs per node on six NVSwitches; Selene is built of DGX A100 nodes (Narayanan et al. 2021, section 5)"
 "scale_up.topology" = "NVIDIA A100 Tensor Core GPU architecture whitepaper (2020): second-generation NVSwitch, any GPU pair at the full 600 GB/s"
+"scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on A100 found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
+"scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "NVIDIA DGX A100 datasheet (2020): 8 single-port ConnectX-6 VPI 200 Gb/s HDR InfiniBand, one per GPU = 25 GB/s per direction; Selene's nodes likewise have eight 200 Gb/s HDR InfiniBand HCAs for application traffic on a fat tree (Narayanan et al. 2021, section 5; Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B', section 3)"
 )toml";
 
@@ -160,6 +181,8 @@ achievable_fp8_tflops = "measured: 1273 TFLOPS FP8 max-achievable GEMM (M=4096 N
 "scale_up.link_bw_gbps" = "AMD Instinct MI300X data sheet (2023): 128 GB/s peak bidirectional per Infinity Fabric link = 64 GB/s per direction"
 "scale_up.link_efficiency" = "assumption: no derating; the whitepaper's 448 GB/s all-to-all figure equals 7 links x 64 GB/s at full rate"
 "scale_up.bw_gbps" = "derived: 7 Infinity Fabric links x 64 GB/s per direction (AMD Instinct MI300X data sheet, 2023) = 448 GB/s per GPU, a line rate; {WHITEPAPER} prints the same All-to-All BW"
+"scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on MI300X found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
+"scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "400 Gb/s InfiniBand per GPU = 50 GB/s per direction: {WHITEPAPER}, footnote 1 (96 nodes of 8 MI300X, Azure, 400 Gbps InfiniBand)"
 )toml"},
     {"mi325x",
@@ -185,6 +208,8 @@ achievable_fp8_tflops = "measured: 1519 TFLOPS FP8 max-achievable GEMM (1464 MHz
 "scale_up.link_bw_gbps" = "AMD Instinct MI325X data sheet (2024): 128 GB/s peak bidirectional per link = 64 GB/s per direction"
 "scale_up.link_efficiency" = "assumption: no derating, as for mi300x (whose whitepaper all-to-all figure is the full link rate)"
 "scale_up.bw_gbps" = "derived: 7 links x 64 GB/s = 448 GB/s, the same Infinity Fabric as MI300X (the whitepaper's MI300X all-to-all figure)"
+"scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on MI325X found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
+"scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "one 400 Gb RoCE v2 NIC (Broadcom Thor 2) per GPU = 50 GB/s per direction: PyTorch/AMD blog on TorchTitan MoE pre-training on 1,024 MI325X GPUs at TensorWave (2025)"
 )toml"},
     {"mi355x",
@@ -206,6 +231,8 @@ link_bw_gbps = 76.8
 link_efficiency = 1.0
 bw_gbps = 537.6
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.765]]
+ep_combine_efficiency = [[8.0, 0.79]]
 
 [scale_out]
 domain = 65536
@@ -225,6 +252,8 @@ achievable_fp8_tflops = "derived: no public FP8 GEMM maximum found for MI355X; 1
 "scale_up.link_bw_gbps" = "AMD Instinct MI355X product page (2025): 153.6 GB/s peak bidirectional per link = 76.8 GB/s per direction (7 x 76.8 = the whitepaper's 537.6)"
 "scale_up.link_efficiency" = "assumption: no derating; the whitepaper's 537.6 GB/s all-to-all figure equals 7 links x 76.8 GB/s at full rate"
 "scale_up.bw_gbps" = "derived: 7 Infinity Fabric links x 76.8 GB/s per direction (AMD Instinct MI355X product page, 2025) = 537.6 GB/s per GPU, a line rate; {WHITEPAPER} prints the same All-to-All BW"
+"scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on MI355X found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
+"scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "assumption: one 400 Gb/s NIC per GPU (e.g. AMD Pensando Pollara 400 AI NIC, 2025) = 50 GB/s per direction, as in the whitepaper's MI300X cluster"
 )toml"},
     // ---- NVIDIA ------------------------------------------------------------------------------------------
@@ -264,6 +293,8 @@ achievable_fp8_tflops = "measured: 1402.6 TFLOPS FP8 e4m3 (torch 2.7, CUDA 12.6)
 "scale_up.domain" = "NVIDIA DGX H100 datasheet (2023): 8 H100 GPUs per node on NVSwitch"
 "scale_up.topology" = "NVIDIA DGX H100 datasheet (2023): 4th-generation NVSwitch, any pair at full NVLink bandwidth"
 "scale_up.bw_gbps" = "NVIDIA H100 Tensor Core GPU datasheet (2023): NVLink 900 GB/s bidirectional = 450 GB/s per direction"
+"scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on H100 found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
+"scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "NVIDIA DGX H100 datasheet (2023): 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU = 50 GB/s per direction"
 )toml"},
     {"h200",
@@ -286,6 +317,8 @@ achievable_fp8_tflops = "measured: 1453.4 TFLOPS FP8 e4m3 on H200 SXM (torch 2.7
 "scale_up.domain" = "NVIDIA DGX H200 datasheet (2024): 8 H200 GPUs per node on NVSwitch"
 "scale_up.topology" = "NVIDIA DGX H200 datasheet (2024): NVSwitch, any pair at full NVLink bandwidth"
 "scale_up.bw_gbps" = "NVIDIA H200 datasheet (2024): NVLink 900 GB/s bidirectional = 450 GB/s per direction"
+"scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on H200 found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
+"scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "NVIDIA DGX H200 datasheet (2024): 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU = 50 GB/s per direction"
 )toml"},
     {"h800",
@@ -304,6 +337,8 @@ domain = 8
 topology = "switch"
 bw_gbps = 200.0
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.765]]
+ep_combine_efficiency = [[8.0, 0.79]]
 
 [scale_out]
 domain = 65536
@@ -320,6 +355,8 @@ achievable_fp8_tflops = "derived: no public GEMM maximum for H800; H100 SXM's me
 "scale_up.domain" = "NVIDIA H800 Tensor Core GPU datasheet (2023): HGX H800 systems of up to 8 GPUs on NVSwitch, as HGX H100; the DeepSeek-V3 report (arXiv 2412.19437, sec. 3.1) describes its H800 nodes likewise (8 GPUs on NVLink and NVSwitch), an input from the paper of the compared row ds-v3-01"
 "scale_up.topology" = "NVSwitch as in HGX H100 (NVIDIA DGX H100 datasheet, 2023): any pair at the full NVLink bandwidth"
 "scale_up.bw_gbps" = "NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM: NVLink 400 GB/s bidirectional = 200 GB/s per direction, a line rate. The DeepSeek-V3 report (arXiv 2412.19437, sec. 3.2.2) states 160 GB/s for NVLink on its H800 cluster, 80 % of this line rate; not used: it is a delivered figure from the paper of the compared row ds-v3-01, and every sourced entry carries the line rate (docs/planner.md, rules 1 and 2)"
+"scale_up.ep_dispatch_efficiency" = "measured: DeepEP's normal kernels at EP 8 inside an H800 node, dispatch 153 GB/s NVLink bottleneck bandwidth over the 200 GB/s line rate = 0.765, {DEEPEP_V1}"
+"scale_up.ep_combine_efficiency" = "measured: the same, combine 158 GB/s over 200 = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "400 Gb/s per GPU = 50 GB/s per direction, the 8 ConnectX-7 400 Gb/s compute ports of a DGX H100 (NVIDIA DGX H100 datasheet, 2023), as every Hopper entry; the DeepSeek-V3 report (arXiv 2412.19437, sec. 3.2.2) gives the same 50 GB/s InfiniBand per GPU for its H800 cluster, an input from the paper of the compared row ds-v3-01"
 )toml"},
     {"b200",
@@ -338,6 +375,8 @@ domain = 8
 topology = "switch"
 bw_gbps = 900.0
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.521]]
+ep_combine_efficiency = [[8.0, 0.516]]
 
 [scale_out]
 domain = 65536
@@ -354,6 +393,8 @@ achievable_fp8_tflops = "measured: 3432.5 TFLOPS FP8 e4m3 (torch 2.7.1, CUDA 12.
 "scale_up.domain" = "NVIDIA DGX B200 datasheet (2024): 8 B200 GPUs per node on NVLink 5 switches"
 "scale_up.topology" = "NVIDIA HGX B200 specifications (2024): NVLink Switch, any pair at full NVLink bandwidth"
 "scale_up.bw_gbps" = "NVIDIA HGX B200 specifications (2024): NVLink 5 1.8 TB/s bidirectional per GPU = 900 GB/s per direction"
+"scale_up.ep_dispatch_efficiency" = "measured: HybridEP on B200 at EP 8 with 16 SMs, BF16 dispatch 535.94 GB/s algorithm bandwidth through the Torch API, which counts the rank's own eighth, so 7/8 of it crosses NVLink: 469 GB/s over the 900 GB/s line rate = 0.521, {HYBRIDEP}"
+"scale_up.ep_combine_efficiency" = "measured: the same, combine 530.86 GB/s, 7/8 of it over 900 = 0.516, {HYBRIDEP}"
 "scale_out.bw_gbps" = "NVIDIA DGX B200 datasheet (2024): 8 single-port ConnectX-7 VPI 400 Gb/s for the compute fabric, one per GPU = 50 GB/s per direction"
 )toml"},
     {"gb200",
@@ -372,6 +413,8 @@ domain = 72
 topology = "switch"
 bw_gbps = 900.0
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.535], [16.0, 0.493], [24.0, 0.471], [32.0, 0.523], [36.0, 0.508]]
+ep_combine_efficiency = [[8.0, 0.523], [16.0, 0.494], [24.0, 0.473], [32.0, 0.456], [36.0, 0.452]]
 
 [scale_out]
 domain = 65536
@@ -388,6 +431,8 @@ achievable_fp8_tflops = "measured: 3615.6 TFLOPS FP8 e4m3 on a GB200 GPU (torch 
 "scale_up.domain" = "NVIDIA GB200 NVL72 specifications (2024): 72 GPUs in one NVLink domain"
 "scale_up.topology" = "NVIDIA GB200 NVL72 specifications (2024): NVLink Switch trays, any pair of the 72 at full NVLink bandwidth"
 "scale_up.bw_gbps" = "NVIDIA GB200 NVL72 specifications (2024): 130 TB/s NVLink for 72 GPUs = 1.8 TB/s bidirectional per GPU = 900 GB/s per direction"
+"scale_up.ep_dispatch_efficiency" = "measured: HybridEP on GB200 at EP 8, 16, 24, 32 and 36 with 16 SMs, BF16 dispatch 550.10, 472.84, 441.89, 485.50 and 469.96 GB/s algorithm bandwidth through the Torch API; (n - 1) / n of it leaves the rank: over the 900 GB/s line rate 0.535, 0.493, 0.471, 0.523, 0.508, {HYBRIDEP}; beyond 36 ranks the EP 36 figure (no wider measurement). DeepEP on the same machine at EP 32 reached about 400 / 190 GB/s, {MLM_GB200}"
+"scale_up.ep_combine_efficiency" = "measured: the same runs' combine, 538.44, 474.48, 444.40, 423.19 and 418.27 GB/s: 0.523, 0.494, 0.473, 0.456, 0.452, {HYBRIDEP}"
 "scale_out.bw_gbps" = "NVIDIA DGX SuperPOD reference architecture with DGX GB200 (2024): one ConnectX-7 400 Gb/s InfiniBand port per GPU for the compute fabric = 50 GB/s per direction"
 )toml"},
     {"gb300",
@@ -406,6 +451,8 @@ domain = 72
 topology = "switch"
 bw_gbps = 900.0
 alpha_us = 3.0
+ep_dispatch_efficiency = [[8.0, 0.535], [16.0, 0.493], [24.0, 0.471], [32.0, 0.523], [36.0, 0.508]]
+ep_combine_efficiency = [[8.0, 0.523], [16.0, 0.494], [24.0, 0.473], [32.0, 0.456], [36.0, 0.452]]
 
 [scale_out]
 domain = 65536
@@ -422,6 +469,8 @@ achievable_fp8_tflops = "derived: no public GEMM maximum for GB300; its dense FP
 "scale_up.domain" = "72 Blackwell Ultra GPUs (and 36 Grace CPUs) in one NVLink domain: {LOCKWOOD}; {VERDA}"
 "scale_up.topology" = "NVLink Switch trays (18 NVLink switches, {LOCKWOOD}), any pair of the 72 at full NVLink bandwidth, as GB200 NVL72"
 "scale_up.bw_gbps" = "130 TB/s NVLink for 72 GPUs = 1.8 TB/s bidirectional per GPU = 900 GB/s per direction (fifth-generation NVLink, as GB200): {LOCKWOOD}; {VERDA}"
+"scale_up.ep_dispatch_efficiency" = "derived: GB200 NVL72's HybridEP measurement (the same fifth-generation NVLink domain; no GB300 measurement found), {HYBRIDEP}"
+"scale_up.ep_combine_efficiency" = "derived: GB200 NVL72's HybridEP combine, {HYBRIDEP}"
 "scale_out.bw_gbps" = "one ConnectX-8 SuperNIC per GPU (72 for the 72 GPUs, {LOCKWOOD}) at 800 Gb/s (NVIDIA InfiniBand adapters page: 'up to 800 Gb/s' for ConnectX-8) = 100 GB/s per direction"
 )toml"},
 };
@@ -429,7 +478,8 @@ achievable_fp8_tflops = "derived: no public GEMM maximum for GB300; its dense FP
 std::string expand(std::string s) {
   const std::pair<const char*, const char*> subs[] = {
       {"{WHITEPAPER}", kWhitepaper}, {"{AMD_MAF}", kAmdMaf}, {"{MAMF}", kMamf}, {"{MAMF_PEAK}", kMamfPeak},
-      {"{LOCKWOOD}", kLockwood},     {"{VERDA}", kVerda}};
+      {"{LOCKWOOD}", kLockwood},     {"{VERDA}", kVerda},   {"{DEEPEP_V1}", kDeepEpV1},
+      {"{HYBRIDEP}", kHybridEp},   {"{MLM_GB200}", kMlmGb200}};
   for (const auto& [token, text] : subs)
     for (size_t at = s.find(token); at != std::string::npos; at = s.find(token, at))
       s.replace(at, std::strlen(token), text);

@@ -203,6 +203,32 @@ TEST(CommModel, HierarchicalAllToAllReducesToFlatWithoutDeduplication) {
   expect_close(all_to_all_hierarchical(s, 1e9, 4, 4.0, {8, 1}), all_to_all(s, 1e9, {8, 1}));
 }
 
+// An EP leg moves its bytes at the tier's measured share of the bandwidth (Tier::ep_eff, by the exchange's ranks at
+// that tier); a plain all-to-all and a leg without a curve at the line rate; the latency is not scaled.
+TEST(CommModel, EpLegsMoveAtTheirMeasuredShareOfTheTier) {
+  Hardware s = switch8();
+  s.scale_up.alpha = 0, s.scale_out.alpha = 0;  // transfer terms alone
+  const double plain = all_to_all(s, 1e9, {8, 8});
+  s.scale_up.ep_dispatch_efficiency = {{8, 0.5}};
+  s.scale_up.ep_combine_efficiency = {{2, 0.8}, {8, 0.25}};
+  expect_close(all_to_all(s, 1e9, {8, 8}), plain);
+  expect_close(all_to_all(s, 1e9, {8, 8}, EpLeg::Dispatch), plain / 0.5);
+  expect_close(all_to_all(s, 1e9, {8, 8}, EpLeg::Combine), plain / 0.25);
+  // 4 ranks in the domain: log-linear half-way between 2 and 8.
+  expect_close(all_to_all(s, 1e9, {4, 4}, EpLeg::Combine), all_to_all(s, 1e9, {4, 4}) / 0.525);
+  expect_close(all_to_all_hierarchical(s, 1e9, 8, 1.0, {8, 8}, EpLeg::Dispatch), plain / 0.5);
+  // Across nodes: the scale-out leg by the group's size; with no scale-out curve it keeps the NIC's line rate.
+  Hardware slow_nic = switch8(2e9);  // the scale-out leg dominates
+  slow_nic.scale_up.alpha = 0, slow_nic.scale_out.alpha = 0;
+  Hardware d = slow_nic;
+  d.scale_up.ep_dispatch_efficiency = {{8, 0.5}};
+  expect_close(all_to_all(d, 1e9, {32, 8}, EpLeg::Dispatch), all_to_all(slow_nic, 1e9, {32, 8}));
+  d.scale_out.ep_dispatch_efficiency = {{16, 1.0}, {64, 0.5}};  // 32 ranks: 0.75
+  expect_close(all_to_all(d, 1e9, {32, 8}, EpLeg::Dispatch), all_to_all(slow_nic, 1e9, {32, 8}) / 0.75);
+  expect_close(all_to_all_hierarchical(d, 1e9, 8, 2.0, {32, 8}, EpLeg::Dispatch),
+               all_to_all_hierarchical(slow_nic, 1e9, 8, 2.0, {32, 8}) / 0.75);
+}
+
 TEST(CommModel, HierarchicalAllToAllGrowsWithNodesPerToken) {
   const Hardware s = switch8(2e9);  // slow NIC: the scale-out leg dominates
   double last = 0;
@@ -327,7 +353,7 @@ std::vector<std::pair<std::string, Cost>> all_costs() {
           {"all_reduce", all_reduce},
           {"reduce_scatter", reduce_scatter},
           {"all_gather", all_gather},
-          {"all_to_all", all_to_all},
+          {"all_to_all", [](const Hardware& h, double b, Group g) { return all_to_all(h, b, g); }},
           {"all_to_all_hierarchical",
            [](const Hardware& h, double b, Group g) { return all_to_all_hierarchical(h, b, 8, 1.0, g); }}};
 }

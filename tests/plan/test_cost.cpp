@@ -538,6 +538,26 @@ TEST(PlanCost, EpImbalanceSlowsTheBusiestRank) {
   EXPECT_DOUBLE_EQ(time_with(c1, 1, h, o1).step_time, a.step_time);
 }
 
+TEST(PlanCost, EpDispatchAndCombineMoveAtTheirOwnShares) {
+  // The dispatch sends the rows in, the combine brings them back; each at its leg's share of the scale-up bandwidth.
+  // With FP8 dispatch the rows in are d + d / 128 x 4 bytes against 2 d back, so halving the dispatch's share adds
+  // less exposed EP time than halving the combine's, in that ratio (no latency, no overlap: every byte is exposed).
+  const auto h = plantest::round_gpu();
+  const auto c =
+      cfg("ds_mini", {"--parallelism.ep=8", "--training.global_batch_size=64", "--parallelism.fp8_dispatch=true"});
+  plan::TimeOptions o;
+  const double base = time_with(c, 8, h, o).breakdown.at("comm.ep");
+  auto slow = [&](bool combine) {
+    auto g = h;
+    (combine ? g.scale_up.ep_combine_efficiency : g.scale_up.ep_dispatch_efficiency) = {{8, 0.5}};
+    return time_with(c, 8, g, o).breakdown.at("comm.ep") - base;
+  };
+  const double d = double(c.model.d_model), in = d + d / 128 * 4, back = 2 * d;
+  ASSERT_GT(slow(false), 0);
+  EXPECT_NEAR(slow(true) / slow(false), back / in, 1e-9);
+  EXPECT_NEAR(slow(false) + slow(true), base, 1e-9 * base);  // each leg's own time doubles
+}
+
 TEST(PlanCost, DataParallelCollectivesHideBehindTheFirstForwardAndLastBackward) {
   // One stage (pp 1): the gradient reduction streams out during the last micro-batch's backward and the
   // parameter gather must land by the end of the first forward, so exposed = max(0, red - (i + w)) +

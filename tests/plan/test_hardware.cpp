@@ -83,6 +83,13 @@ void expect_same(const Hardware& a, const Hardware& b) {
     EXPECT_EQ(x.links, y.links);
     EXPECT_DOUBLE_EQ(x.link_bw, y.link_bw);
     EXPECT_DOUBLE_EQ(x.link_efficiency, y.link_efficiency);
+    for (auto cv : {&Tier::ep_dispatch_efficiency, &Tier::ep_combine_efficiency}) {
+      ASSERT_EQ((x.*cv).size(), (y.*cv).size());
+      for (size_t i = 0; i < (x.*cv).size(); ++i) {
+        EXPECT_DOUBLE_EQ((x.*cv)[i].dim, (y.*cv)[i].dim);
+        EXPECT_DOUBLE_EQ((x.*cv)[i].eff, (y.*cv)[i].eff);
+      }
+    }
   }
   EXPECT_DOUBLE_EQ(a.attention_efficiency, b.attention_efficiency);
   EXPECT_DOUBLE_EQ(a.loss_efficiency, b.loss_efficiency);
@@ -265,6 +272,46 @@ TEST(HardwareCatalog, H800AndGb300DatasheetFigures) {
   EXPECT_DOUBLE_EQ(gb300.scale_out.bw, 100e9);  // one ConnectX-8 at 800 Gb/s per GPU
 }
 
+// The EP exchanges' share of the scale-up line rate, from the dispatchers' published bandwidths, each over its
+// GPU's per-direction NVLink rate: DeepEP V1 on H800 at EP 8 (153 / 158 of 200 GB/s); HybridEP with 16 SMs through
+// the Torch API on B200 at EP 8 and on GB200 at EP 8-36, whose "algorithm bandwidth" counts the rank's own 1/n, so
+// (n - 1) / n of it crosses NVLink. Every entry's scale-up tier has both curves (the 8-GPU domains without a
+// measurement take H800's, rule 2), each with a source that says whether it was measured or derived; no scale-out
+// tier has one (DeepEP's and HybridEP's RDMA figures reach the NIC's line rate). Hardware figures, not a
+// comparison with a published result.
+TEST(HardwareCatalog, EpExchangeSharesFromTheDispatchersMeasurements) {
+  auto near3 = [](double got, double want) { EXPECT_NEAR(got, want, 5e-4); };  // the catalog's three decimals
+  const Hardware h800 = catalog_hardware("h800"), b200 = catalog_hardware("b200"), gb200 = catalog_hardware("gb200");
+  near3(h800.scale_up.ep_eff(false, 8), 153.0 / 200);
+  near3(h800.scale_up.ep_eff(true, 8), 158.0 / 200);
+  near3(b200.scale_up.ep_eff(false, 8), 535.94 * 7 / 8 / 900);
+  near3(b200.scale_up.ep_eff(true, 8), 530.86 * 7 / 8 / 900);
+  near3(gb200.scale_up.ep_eff(false, 8), 550.10 * 7 / 8 / 900);
+  near3(gb200.scale_up.ep_eff(false, 32), 485.50 * 31 / 32 / 900);
+  near3(gb200.scale_up.ep_eff(true, 32), 423.19 * 31 / 32 / 900);
+  near3(gb200.scale_up.ep_eff(true, 36), 418.27 * 35 / 36 / 900);
+  EXPECT_DOUBLE_EQ(gb200.scale_up.ep_eff(true, 64), gb200.scale_up.ep_eff(true, 36));  // no wider measurement
+  const double at12 = gb200.scale_up.ep_eff(false, 12), f = std::log(12.0 / 8) / std::log(2.0);  // log-linear
+  EXPECT_DOUBLE_EQ(at12, gb200.scale_up.ep_eff(false, 8) + f * (gb200.scale_up.ep_eff(false, 16) -
+                                                                gb200.scale_up.ep_eff(false, 8)));
+  const Hardware gb300 = catalog_hardware("gb300");  // GB300 takes GB200's curves
+  for (double n : {8.0, 20.0, 36.0}) {
+    EXPECT_DOUBLE_EQ(gb300.scale_up.ep_eff(false, n), gb200.scale_up.ep_eff(false, n));
+    EXPECT_DOUBLE_EQ(gb300.scale_up.ep_eff(true, n), gb200.scale_up.ep_eff(true, n));
+  }
+  for (const auto& name : catalog_names()) {
+    SCOPED_TRACE(name);
+    const Hardware h = catalog_hardware(name);
+    EXPECT_FALSE(h.scale_up.ep_dispatch_efficiency.empty());
+    EXPECT_FALSE(h.scale_up.ep_combine_efficiency.empty());
+    EXPECT_TRUE(h.scale_out.ep_dispatch_efficiency.empty() && h.scale_out.ep_combine_efficiency.empty());
+    for (const char* key : {"scale_up.ep_dispatch_efficiency", "scale_up.ep_combine_efficiency"}) {
+      const std::string& src = h.sources.at(key);
+      EXPECT_TRUE(src.rfind("measured", 0) == 0 || src.rfind("derived:", 0) == 0) << key << ": " << src;
+    }
+  }
+}
+
 // The full mesh's all-to-all bandwidth is its links at line rate: 7 x 64 GB/s = 448 GB/s (MI300X) and 7 x 76.8 =
 // 537.6 GB/s (MI355X), the data sheets' link figures; the whitepaper prints the same two numbers. A hardware
 // figure, not a comparison with a published result.
@@ -329,7 +376,13 @@ TEST(HardwareToml, MeasuredPerOpFiguresRoundTrip) {
   h.grad_norm_per_param = 1.6e-9;
   h.expert_pack_per_param = 4.3e-9;
   h.expert_pack_fused_per_param = 1.7e-9;
+  h.scale_up.ep_dispatch_efficiency = {{8, 0.6}, {32, 0.4}};
+  h.scale_out.ep_combine_efficiency = {{16, 0.9}};
   const std::string text = hardware_to_toml(h);
+  EXPECT_NE(text.find("ep_dispatch_efficiency = [[8.0, 0.6], [32.0, 0.4]]\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("ep_combine_efficiency", text.find("[scale_up]")),
+            text.find("ep_combine_efficiency", text.find("[scale_out]")))  // the scale-up one is unset: not written
+      << text;
   EXPECT_NE(text.find("expert_pack_fused_ns_per_param = "), std::string::npos) << text;
   EXPECT_NE(text.find("elementwise_bw_gbps = 13.5\n"), std::string::npos) << text;
   EXPECT_NE(text.find("optimizer_ns_per_param = 2.6\n"), std::string::npos) << text;
@@ -440,6 +493,10 @@ TEST(HardwareToml, OutOfRangeFiguresAreRefused) {
          "elementwise_bw_gbps = -1: must be >= 0");
   refuse("kernel_overhead_us = 5", "kernel_overhead_us = 5\ngrouped_gemm_bwd_efficiency = [[64, 0.5], [16, 0.2]]",
          "grouped_gemm_bwd_efficiency[1].dim = 16: must be >");
+  refuse("[scale_up]", "[scale_up]\nep_combine_efficiency = [[8, 1.5]]",
+         "scale_up.ep_combine_efficiency[0].eff = 1.5: must be in (0, 1]");
+  refuse("[scale_out]", "[scale_out]\nep_dispatch_efficiency = [[8, 0.5], [4, 0.6]]",
+         "scale_out.ep_dispatch_efficiency[1].dim = 4: must be >");
 }
 
 TEST(HardwareToml, FullMeshWithoutAggregateUsesTheLinks) {

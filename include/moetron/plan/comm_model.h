@@ -59,7 +59,10 @@ double all_gather(const Hardware& h, double bytes, Group g);
 // Flat all-to-all: each rank sends bytes/size to every rank (itself included, which costs nothing).
 //   time = (q-1) scale_up.alpha + (p-q) scale_out.alpha
 //          + max((q-1)/p * bytes / domain_group_bw(scale_up, q), (p-q)/p * bytes / scale_out.bw)
-double all_to_all(const Hardware& h, double bytes, Group g);
+// `leg`: an EP dispatch or combine reaches each tier's ep_*_efficiency of its bandwidth (Tier::ep_eff, by the
+// ranks of the exchange at that tier: q inside the domain, p across); a plain all-to-all (None) the line rate.
+enum class EpLeg { None, Dispatch, Combine };
+double all_to_all(const Hardware& h, double bytes, Group g, EpLeg leg = EpLeg::None);
 // MoE dispatch of `bytes` per rank (token rows x topk copies x row bytes) where each token's copies land
 // on `nodes_per_token` distinct nodes on average (expected_nodes_per_token below, 1 <= it <= min(topk, n)):
 // the scale-out leg carries each token once per remote node, the scale-up leg fans the copies out.
@@ -69,7 +72,8 @@ double all_to_all(const Hardware& h, double bytes, Group g);
 //                           moves inside the domain unless it already sits on the GPU that received it)
 //   time = (q-1) scale_up.alpha + (n-1) scale_out.alpha + max(the two transfer times)
 // The combine (the way back) costs the same.
-double all_to_all_hierarchical(const Hardware& h, double bytes, int64_t topk, double nodes_per_token, Group g);
+double all_to_all_hierarchical(const Hardware& h, double bytes, int64_t topk, double nodes_per_token, Group g,
+                               EpLeg leg = EpLeg::None);
 // Expected distinct nodes among a token's topk experts drawn uniformly without replacement from E experts
 // spread evenly over `nodes` nodes: nodes x (1 - C(E - E/nodes, topk) / C(E, topk)), the binomial ratio
 // taken as a product of topk ratios. With node-limited routing (max_nodes > 0) the value is

@@ -15,6 +15,14 @@
 
 namespace moetron::plan {
 
+// Achieved fraction of the achievable matmul rate for a GEMM of m x n x k: a table over the smallest of
+// the three dimensions (log-linear interpolation, clamped at the ends). Empty = 1.0 everywhere. The other
+// curves below use the same form over their own abscissa.
+struct EffPoint {
+  double dim = 0;
+  double eff = 1;
+};
+
 // One interconnect tier. Bandwidths are per GPU and per direction.
 struct Tier {
   int64_t domain = 8;           // GPUs reachable at this tier's bandwidth (scale-up: GPUs per node / NVL domain)
@@ -30,14 +38,14 @@ struct Tier {
   double all_peers_bw() const {
     return topology == "full_mesh" ? double(links) * link_bw * link_efficiency : bw;
   }
+  // The fraction of this tier's bandwidth an EP exchange reaches (a measured dispatcher's bandwidth over the
+  // line rate), by the ranks of the exchange at this tier: the group's ranks in one domain for scale_up, its
+  // whole size for scale_out. Empty: 1.0, the line rate. The dispatch (rows out to the experts) and the
+  // combine (rows back) are measured apart; a backward leg runs as the other direction's kernel.
+  std::vector<EffPoint> ep_dispatch_efficiency, ep_combine_efficiency;
+  double ep_eff(bool combine, double ranks) const;
 };
 
-// Achieved fraction of the achievable matmul rate for a GEMM of m x n x k: a table over the smallest of
-// the three dimensions (log-linear interpolation, clamped at the ends). Empty = 1.0 everywhere.
-struct EffPoint {
-  double dim = 0;
-  double eff = 1;
-};
 
 struct Hardware {
   std::string name;         // catalog key or the TOML's top-level name (default: the file's stem)
