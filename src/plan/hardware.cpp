@@ -23,7 +23,7 @@ namespace {
 
 // ---- the key schema ------------------------------------------------------------------------------------
 // Every key a hardware file may set, with its TOML unit (the factor from the TOML number to SI).
-enum class Kind { Number, Integer, String, Curve };
+enum class Kind { Number, Integer, String, Curve, Grid };
 
 struct Key {
   const char* name;  // full dotted key as in [sources]
@@ -52,6 +52,8 @@ constexpr Key kTop[] = {
      "host time to issue one kernel from the training framework, microseconds (0 = the host always runs ahead)"},
     {"attention_efficiency", Kind::Number, 1, false, "fused attention's rate as a fraction of achievable_bf16"},
     {"gemm_efficiency", Kind::Curve, 1, false, "[[min_dim, eff], ...] fraction of the achievable rate"},
+    {"gemm_shape_efficiency", Kind::Grid, 1, false,
+     "[[m, n, k, eff], ...] measured fraction of the achievable rate by shape, a full grid (replaces gemm_efficiency)"},
     {"grouped_gemm_efficiency", Kind::Curve, 1, false,
      "[[tokens_per_expert, eff], ...] the experts' grouped GEMMs (forward + backward) against the achievable rate"},
     {"grouped_gemm_fwd_efficiency", Kind::Curve, 1, false,
@@ -172,6 +174,19 @@ std::vector<EffPoint> as_curve(std::string_view source, const toml::node& n, con
     const auto* pair = el.as_array();
     if (!pair || pair->size() != 2) wrong_type(source, el, key, "a [dim, eff] pair");
     out.push_back({as_number(source, (*pair)[0], key), as_number(source, (*pair)[1], key)});
+  }
+  return out;
+}
+
+std::vector<std::vector<double>> as_points(std::string_view source, const toml::node& n, const std::string& key) {
+  const auto* arr = n.as_array();
+  if (!arr) wrong_type(source, n, key, "an array of [m, n, k, eff] points");
+  std::vector<std::vector<double>> out;
+  for (const auto& el : *arr) {
+    const auto* p = el.as_array();
+    if (!p || p->size() != 4) wrong_type(source, el, key, "an [m, n, k, eff] point");
+    out.push_back({});
+    for (const auto& x : *p) out.back().push_back(as_number(source, x, key));
   }
   return out;
 }
@@ -400,7 +415,7 @@ double Hardware::gemm_rate(double m, double n, double k, bool fp8) const {
   if (!(rate > 0))
     throw Error("hardware '" + name + "': no " + (fp8 ? "achievable_fp8_tflops" : "achievable_bf16_tflops") +
                 " figure, so no " + (fp8 ? "FP8" : "BF16") + " GEMM rate");
-  return rate * gemm_eff(std::min({m, n, k}));
+  return rate * (gemm_shape_efficiency.empty() ? gemm_eff(std::min({m, n, k})) : gemm_shape_efficiency.at(m, n, k));
 }
 
 // ---- TOML -> Hardware --------------------------------------------------------------------------------------
@@ -444,6 +459,13 @@ Hardware hardware_from_toml(std::string_view toml_text, std::string_view source)
         break;
       case Kind::Curve:
         *curve_field(h, key) = as_curve(source, v, key);
+        break;
+      case Kind::Grid:
+        try {
+          h.gemm_shape_efficiency = GemmShapeTable::from_points(as_points(source, v, key), key);
+        } catch (const Error& e) {
+          throw Error(std::string(source) + ": " + e.what());
+        }
         break;
       case Kind::Number: *number_field(h, key) = as_number(source, v, key) * spec.scale; break;
       case Kind::Integer: break;  // no top-level integers
@@ -509,6 +531,17 @@ std::string hardware_to_toml(const Hardware& h) {
   if (h.expert_pack_per_param > 0) num("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
   if (h.expert_pack_fused_per_param > 0) num("expert_pack_fused_ns_per_param", h.expert_pack_fused_per_param, kNs);
   for (const char* key : kCurveKeys) write_curve(os, key, *curve_field(h, key));
+  if (!h.gemm_shape_efficiency.empty()) {
+    const GemmShapeTable& t = h.gemm_shape_efficiency;
+    os << "gemm_shape_efficiency = [\n";
+    for (size_t i = 0; i < t.m.size(); ++i)
+      for (size_t j = 0; j < t.n.size(); ++j)
+        for (size_t l = 0; l < t.k.size(); ++l)
+          os << "  [" << toml_float(shortest(t.m[i])) << ", " << toml_float(shortest(t.n[j])) << ", "
+             << toml_float(shortest(t.k[l])) << ", "
+             << toml_float(shortest(t.eff[(i * t.n.size() + j) * t.k.size() + l])) << "],\n";
+    os << "]\n";
+  }
   for (int ti = 0; ti < 2; ++ti) {
     const Tier& t = ti == 0 ? h.scale_up : h.scale_out;
     os << "\n[" << kTiers[ti] << "]\n";
@@ -559,6 +592,12 @@ void validate_hardware(const Hardware& h, std::string_view source) {
   c.non_negative("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
   c.non_negative("expert_pack_fused_ns_per_param", h.expert_pack_fused_per_param, kNs);
   for (const char* key : kCurveKeys) c.curve(key, *curve_field(h, key));
+  const GemmShapeTable& g = h.gemm_shape_efficiency;
+  for (size_t i = 0; i < g.eff.size(); ++i) {
+    const size_t l = i % g.k.size(), j = (i / g.k.size()) % g.n.size(), mi = i / (g.k.size() * g.n.size());
+    c.fraction("gemm_shape_efficiency[" + shortest(g.m[mi]) + ", " + shortest(g.n[j]) + ", " + shortest(g.k[l]) + "]",
+               g.eff[i]);
+  }
   validate_tier(c, h.scale_up, "scale_up");
   validate_tier(c, h.scale_out, "scale_out");
 }

@@ -17,6 +17,7 @@
 
 #include "moetron/check.h"
 #include "moetron/plan/hardware.h"
+#include "gemm_shape_tables.h"
 
 namespace moetron::plan {
 namespace {
@@ -41,7 +42,7 @@ gemm_efficiency = "assumption: generic fraction of the achievable rate by the GE
 )toml";
 
 // Sources cited by several entries (or several times): {WHITEPAPER}, {AMD_MAF}, {MAMF}, {MAMF_PEAK}, {LOCKWOOD},
-// {VERDA}, {DEEPEP_V1}, {HYBRIDEP} and {MLM_GB200} in an entry's sources expand to these.
+// {VERDA}, {DEEPEP_V1}, {HYBRIDEP}, {MLM_GB200} and {XLA_GEMM} in an entry's sources expand to these.
 const char* const kWhitepaper = "AMD whitepaper 'At-Scale AI Training on AMD Instinct MI350/MI300X Series GPUs' (2025)";
 const char* const kAmdMaf =
     "AMD ROCm blog 'Measuring Max-Achievable FLOPs - Part 2' (2025), Table 1, hipBLASLt-bench, "
@@ -72,6 +73,20 @@ const char* const kMamf =
     "S. Bekman, Machine Learning Engineering Open Book, 'Maximum Achievable Matmul FLOPS comparison table' "
     "(2025, torch matmul, mean at the best shape of a sweep), "
     "https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md";
+
+// The measured GEMM shape tables' sources (gemm_shape_tables.cpp holds the tables).
+const char* const kSm90GemmSource = R"toml(gemm_shape_efficiency = "measured: XLA's default matmul performance table for sm_90 (batch 1, BF16; its 4096^3 rate, 780.2 TFLOPS, is an H100 SXM's: {MAMF} measured 794.5), each point over that best point, {XLA_GEMM}; FP8 GEMMs take the BF16 shape (the table's sm_90 FP8 figures, up to 2,593 TFLOPS, exceed H100's 1,979 dense FP8 peak and are not used)"
+)toml";
+const char* const kSm90GemmSourceDerived = R"toml(gemm_shape_efficiency = "derived: the sm_90 table measured on H100 SXM (the same GH100 compute), {XLA_GEMM}; FP8 GEMMs take the BF16 shape"
+)toml";
+const char* const kSm100GemmSource = R"toml(gemm_shape_efficiency = "measured: XLA's default matmul performance table for sm_100 (batch 1, BF16; its best point, 4096^3, 1,416.9 TFLOPS), each point over that best point, {XLA_GEMM}; FP8 GEMMs take the BF16 shape"
+)toml";
+const char* const kSm100GemmSourceDerived = R"toml(gemm_shape_efficiency = "derived: the sm_100 table (B200; the same Blackwell tensor cores), {XLA_GEMM}; FP8 GEMMs take the BF16 shape"
+)toml";
+const char* const kXlaGemm =
+    "openxla/xla, xla/service/gpu/model/matmul_interpolator_data.h (commit 71feeddf; in tensorflow/tensorflow at "
+    "third_party/xla/xla/backends/gpu/cost_model/matmul_interpolator_data.h, a305421c): FLOP/s of one [m, k] x [k, n] "
+    "dot for m, n, k in {256, 512, 1024, 2048, 4096}, written by XLA's matmul performance-table generator";
 
 // MI300X and MI325X: the same 8-GPU xGMI full mesh and 400 Gb/s NICs.
 const char* const kXgmiTiers = R"toml(
@@ -296,7 +311,8 @@ achievable_fp8_tflops = "measured: 1402.6 TFLOPS FP8 e4m3 (torch 2.7, CUDA 12.6)
 "scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on H100 found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
 "scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "NVIDIA DGX H100 datasheet (2023): 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU = 50 GB/s per direction"
-)toml"},
+)toml",
+     kSm90GemmShapeToml, "", kSm90GemmSource},
     {"h200",
      R"toml(name = "h200"
 description = "NVIDIA H200 SXM 141GB (700 W), HGX/DGX H200 8-GPU NVSwitch node"
@@ -320,7 +336,8 @@ achievable_fp8_tflops = "measured: 1453.4 TFLOPS FP8 e4m3 on H200 SXM (torch 2.7
 "scale_up.ep_dispatch_efficiency" = "derived: no measurement of an EP exchange on H200 found; H800's measured fraction of its line rate (DeepEP dispatch at EP 8, 153 of 200 GB/s = 0.765, {DEEPEP_V1}) is taken, so that every 8-GPU domain is derated alike (docs/planner.md, rule 2)"
 "scale_up.ep_combine_efficiency" = "derived: as the dispatch, H800's combine at EP 8, 158 of 200 GB/s = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "NVIDIA DGX H200 datasheet (2024): 8 ConnectX-7 400 Gb/s ports for the compute fabric, one per GPU = 50 GB/s per direction"
-)toml"},
+)toml",
+     kSm90GemmShapeToml, "", kSm90GemmSourceDerived},
     {"h800",
      R"toml(name = "h800"
 description = "NVIDIA H800 SXM5 80GB: the H100 SXM with NVLink cut to 400 GB/s bidirectional, HGX 8-GPU NVSwitch node"
@@ -358,7 +375,8 @@ achievable_fp8_tflops = "derived: no public GEMM maximum for H800; H100 SXM's me
 "scale_up.ep_dispatch_efficiency" = "measured: DeepEP's normal kernels at EP 8 inside an H800 node, dispatch 153 GB/s NVLink bottleneck bandwidth over the 200 GB/s line rate = 0.765, {DEEPEP_V1}"
 "scale_up.ep_combine_efficiency" = "measured: the same, combine 158 GB/s over 200 = 0.79, {DEEPEP_V1}"
 "scale_out.bw_gbps" = "400 Gb/s per GPU = 50 GB/s per direction, the 8 ConnectX-7 400 Gb/s compute ports of a DGX H100 (NVIDIA DGX H100 datasheet, 2023), as every Hopper entry; the DeepSeek-V3 report (arXiv 2412.19437, sec. 3.2.2) gives the same 50 GB/s InfiniBand per GPU for its H800 cluster, an input from the paper of the compared row ds-v3-01"
-)toml"},
+)toml",
+     kSm90GemmShapeToml, "", kSm90GemmSourceDerived},
     {"b200",
      R"toml(name = "b200"
 description = "NVIDIA B200 (1000 W), HGX/DGX B200 8-GPU NVLink 5 node"
@@ -396,7 +414,8 @@ achievable_fp8_tflops = "measured: 3432.5 TFLOPS FP8 e4m3 (torch 2.7.1, CUDA 12.
 "scale_up.ep_dispatch_efficiency" = "measured: HybridEP on B200 at EP 8 with 16 SMs, BF16 dispatch 535.94 GB/s algorithm bandwidth through the Torch API, which counts the rank's own eighth, so 7/8 of it crosses NVLink: 469 GB/s over the 900 GB/s line rate = 0.521, {HYBRIDEP}"
 "scale_up.ep_combine_efficiency" = "measured: the same, combine 530.86 GB/s, 7/8 of it over 900 = 0.516, {HYBRIDEP}"
 "scale_out.bw_gbps" = "NVIDIA DGX B200 datasheet (2024): 8 single-port ConnectX-7 VPI 400 Gb/s for the compute fabric, one per GPU = 50 GB/s per direction"
-)toml"},
+)toml",
+     kSm100GemmShapeToml, "", kSm100GemmSource},
     {"gb200",
      R"toml(name = "gb200"
 description = "NVIDIA GB200 NVL72: 72 Blackwell GPUs in one NVLink 5 domain (rack scale)"
@@ -434,7 +453,8 @@ achievable_fp8_tflops = "measured: 3615.6 TFLOPS FP8 e4m3 on a GB200 GPU (torch 
 "scale_up.ep_dispatch_efficiency" = "measured: HybridEP on GB200 at EP 8, 16, 24, 32 and 36 with 16 SMs, BF16 dispatch 550.10, 472.84, 441.89, 485.50 and 469.96 GB/s algorithm bandwidth through the Torch API; (n - 1) / n of it leaves the rank: over the 900 GB/s line rate 0.535, 0.493, 0.471, 0.523, 0.508, {HYBRIDEP}; beyond 36 ranks the EP 36 figure (no wider measurement). DeepEP on the same machine at EP 32 reached about 400 / 190 GB/s, {MLM_GB200}"
 "scale_up.ep_combine_efficiency" = "measured: the same runs' combine, 538.44, 474.48, 444.40, 423.19 and 418.27 GB/s: 0.523, 0.494, 0.473, 0.456, 0.452, {HYBRIDEP}"
 "scale_out.bw_gbps" = "NVIDIA DGX SuperPOD reference architecture with DGX GB200 (2024): one ConnectX-7 400 Gb/s InfiniBand port per GPU for the compute fabric = 50 GB/s per direction"
-)toml"},
+)toml",
+     kSm100GemmShapeToml, "", kSm100GemmSourceDerived},
     {"gb300",
      R"toml(name = "gb300"
 description = "NVIDIA GB300 NVL72: 72 Blackwell Ultra GPUs in one NVLink 5 domain (rack scale), one ConnectX-8 800 Gb/s NIC per GPU"
@@ -472,14 +492,15 @@ achievable_fp8_tflops = "derived: no public GEMM maximum for GB300; its dense FP
 "scale_up.ep_dispatch_efficiency" = "derived: GB200 NVL72's HybridEP measurement (the same fifth-generation NVLink domain; no GB300 measurement found), {HYBRIDEP}"
 "scale_up.ep_combine_efficiency" = "derived: GB200 NVL72's HybridEP combine, {HYBRIDEP}"
 "scale_out.bw_gbps" = "one ConnectX-8 SuperNIC per GPU (72 for the 72 GPUs, {LOCKWOOD}) at 800 Gb/s (NVIDIA InfiniBand adapters page: 'up to 800 Gb/s' for ConnectX-8) = 100 GB/s per direction"
-)toml"},
+)toml",
+     kSm100GemmShapeToml, "", kSm100GemmSourceDerived},
 };
 
 std::string expand(std::string s) {
   const std::pair<const char*, const char*> subs[] = {
       {"{WHITEPAPER}", kWhitepaper}, {"{AMD_MAF}", kAmdMaf}, {"{MAMF}", kMamf}, {"{MAMF_PEAK}", kMamfPeak},
       {"{LOCKWOOD}", kLockwood},     {"{VERDA}", kVerda},   {"{DEEPEP_V1}", kDeepEpV1},
-      {"{HYBRIDEP}", kHybridEp},   {"{MLM_GB200}", kMlmGb200}};
+      {"{HYBRIDEP}", kHybridEp},   {"{MLM_GB200}", kMlmGb200},   {"{XLA_GEMM}", kXlaGemm}};
   for (const auto& [token, text] : subs)
     for (size_t at = s.find(token); at != std::string::npos; at = s.find(token, at))
       s.replace(at, std::strlen(token), text);

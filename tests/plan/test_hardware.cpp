@@ -91,6 +91,10 @@ void expect_same(const Hardware& a, const Hardware& b) {
       }
     }
   }
+  EXPECT_EQ(a.gemm_shape_efficiency.m, b.gemm_shape_efficiency.m);
+  EXPECT_EQ(a.gemm_shape_efficiency.n, b.gemm_shape_efficiency.n);
+  EXPECT_EQ(a.gemm_shape_efficiency.k, b.gemm_shape_efficiency.k);
+  EXPECT_EQ(a.gemm_shape_efficiency.eff, b.gemm_shape_efficiency.eff);
   EXPECT_DOUBLE_EQ(a.attention_efficiency, b.attention_efficiency);
   EXPECT_DOUBLE_EQ(a.loss_efficiency, b.loss_efficiency);
   EXPECT_DOUBLE_EQ(a.elementwise_bw, b.elementwise_bw);

@@ -46,6 +46,17 @@ struct Tier {
   double ep_eff(bool combine, double ranks) const;
 };
 
+// Measured GEMM efficiency by shape: a full grid over the listed m, n and k (every combination present), eff the
+// fraction of the achievable rate. Interpolated log-linearly along each axis (trilinear); above an axis's last
+// value clamped; below its first, the time of the smallest measured size (eff scaled by dim / first).
+struct GemmShapeTable {
+  std::vector<double> m, n, k;  // ascending axes
+  std::vector<double> eff;      // eff[(i * n.size() + j) * k.size() + l] at (m[i], n[j], k[l])
+  bool empty() const { return eff.empty(); }
+  double at(double mm, double nn, double kk) const;
+  // From [m, n, k, eff] points in any order; throws moetron::Error (naming `key`) unless they fill a grid once.
+  static GemmShapeTable from_points(const std::vector<std::vector<double>>& pts, const std::string& key);
+};
 
 struct Hardware {
   std::string name;         // catalog key or the TOML's top-level name (default: the file's stem)
@@ -62,6 +73,9 @@ struct Hardware {
   // `plan calibrate` measures it, the GPU entries have none (0: the engine recipe then prices fp32 at achievable_bf16).
   double achievable_fp32 = 0;
   std::vector<EffPoint> gemm_efficiency;  // by the GEMM's smallest dimension
+  // Measured by shape (the catalog's Hopper and Blackwell entries); when set it replaces gemm_efficiency for the
+  // BF16 and FP8 GEMMs of gemm_rate.
+  GemmShapeTable gemm_shape_efficiency;
   // The routed experts' grouped GEMMs, forward + dgrad + wgrad together, by tokens per expert (fraction of
   // the achievable rate). Empty = each expert priced as its own GEMM through gemm_efficiency.
   std::vector<EffPoint> grouped_gemm_efficiency;
@@ -89,7 +103,8 @@ struct Hardware {
   // Public source of each figure, by TOML key ("hbm_gb", "peak_bf16_tflops", "scale_up.bw_gbps", ...).
   std::map<std::string, std::string> sources;
 
-  // FLOP/s a GEMM of m x n x k reaches in bf16 (fp8 = true: fp8): achievable x efficiency(min dim).
+  // FLOP/s a GEMM of m x n x k reaches in bf16 (fp8 = true: fp8): achievable x the shape table at (m, n, k) when
+  // there is one, else x gemm_efficiency(min dim).
   double gemm_rate(double m, double n, double k, bool fp8) const;
   double gemm_eff(double min_dim) const;
   double grouped_eff(double tokens_per_expert) const;  // grouped_gemm_efficiency (1.0 when empty)
