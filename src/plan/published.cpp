@@ -328,6 +328,12 @@ RowMapping map_row(const PublishedRow& r) {
   const std::string ovl = lower(r.get("ep_overlap"));
   if (ovl == "yes") ep_keys.push_back("--parallelism.ep_overlap=true");
   else if (!ovl.empty() && ovl != "no") return refuse("ep_overlap '" + r.get("ep_overlap") + "' is neither yes nor no");
+  // The routing, when the source states it (the optional `routing` column): forced balance (Megatron-Bridge's
+  // benchmarks) prices every EP rank at the balanced rows; dropless routing at the FITTED kDroplessEpImbalance.
+  const std::string routing = lower(r.get("routing"));
+  if (routing == "dropless") m.ep_imbalance = kDroplessEpImbalance;
+  else if (!routing.empty() && routing != "forced")
+    return refuse("routing '" + r.get("routing") + "' is neither forced nor dropless");
 
   auto kv = [](const char* k, int64_t v) { return std::string("--") + k + "=" + std::to_string(v); };
   m.overrides = {kv("parallelism.tp", tp), kv("parallelism.pp", pp), kv("parallelism.ep", ep),
@@ -366,6 +372,7 @@ PublishedResult project_row(const PublishedRow& r, const std::string& configs_di
     const Layout l = layout_from_config(c, m.world, true);
     TimeOptions to;
     to.memory.recipe = recipe_named("megatron", c);
+    to.memory.ep_imbalance = o.ep_imbalance = m.ep_imbalance;
     const MemoryPlan mem = plan_memory(c, l, h, to.memory);
     const TimePlan t = plan_time(c, l, h, to, &mem);
     o.projected = true;
@@ -452,14 +459,15 @@ std::string summary_line(const SplitSummary& s) {
 
 std::string format_published(const std::vector<PublishedResult>& rs, const std::vector<SplitSummary>& ss) {
   std::ostringstream os;
-  os << "# published MoE runs: projected with plan time (megatron recipe, ep_imbalance 1); error = projected / "
-        "measured - 1\n";
+  os << "# published MoE runs: projected with plan time (megatron recipe; ep_imbalance 1, or the FITTED "
+     << fmt("%.2f", kDroplessEpImbalance) << " where the row's routing is dropless); error = projected / measured - 1\n";
   os << "# step split: % of the projected step (compute, exposed TP/CP, exposed EP, exposed DP, bubble+P2P, host, other)\n";
   for (const auto& r : rs) {
     os << r.id << " [" << r.split << "] " << r.publisher << " | " << r.model << " | " << r.hardware << " x" << r.world
        << " | " << r.precision;
     if (r.projected) {
-      os << " | " << r.layout << " | measured " << fmt("%.0f", r.measured)
+      os << " | " << r.layout << (r.ep_imbalance != 1 ? " dropless imb " + fmt("%.2f", r.ep_imbalance) : "")
+         << " | measured " << fmt("%.0f", r.measured)
          << (r.measured_from.empty() ? "" : " (from the " + r.measured_from + ")") << " projected "
          << fmt("%.0f", r.projected_tps) << " tokens/s/GPU";
       if (r.compared) os << " | error " << fmt("%+.1f%%", 100 * r.error);
@@ -489,6 +497,7 @@ nlohmann::json published_json(const std::vector<PublishedResult>& rs, const std:
       x["memory_verdict"] = r.memory;
       x["projected_tokens_per_s_per_gpu"] = r.projected_tps;
       x["step_time_s"] = r.step_s;
+      x["ep_imbalance"] = r.ep_imbalance;
       x["step_split_s"] = {{"compute", r.compute}, {"tp_cp_exposed", r.tp_cp}, {"ep_exposed", r.ep},
                            {"dp_exposed", r.dp},   {"bubble_and_p2p", r.bubble}, {"host", r.host},
                            {"other", r.other}};

@@ -245,6 +245,27 @@ TEST(PlanPublished, StatedDispatcherAndOverlapMapOntoTheLayout) {
   for (const auto& o : map_row(r).overrides) EXPECT_EQ(o.find("ep_dispatcher"), std::string::npos) << o;
 }
 
+// The routing the publisher states: forced balance (or not stated) projects every EP rank at the balanced rows,
+// dropless at the FITTED kDroplessEpImbalance, which then slows the projection as plan time's --ep-imbalance does;
+// another value refuses the row by name.
+TEST(PlanPublished, StatedRoutingSetsTheEpImbalance) {
+  PublishedRow r = ds_h100();
+  EXPECT_EQ(map_row(r).ep_imbalance, 1.0);
+  r.f["routing"] = "forced";
+  EXPECT_EQ(map_row(r).ep_imbalance, 1.0);
+  const PublishedResult forced = project_row(r, std::string(MOETRON_SOURCE_DIR) + "/configs");
+  r.f["routing"] = "Dropless";
+  EXPECT_EQ(map_row(r).ep_imbalance, kDroplessEpImbalance);
+  EXPECT_GT(kDroplessEpImbalance, 1.0);
+  const PublishedResult dropless = project_row(r, std::string(MOETRON_SOURCE_DIR) + "/configs");
+  ASSERT_TRUE(forced.projected && dropless.projected) << forced.status << " / " << dropless.status;
+  EXPECT_EQ(dropless.ep_imbalance, kDroplessEpImbalance);
+  EXPECT_GT(dropless.step_s, forced.step_s);
+  EXPECT_GT(dropless.ep, forced.ep);
+  r.f["routing"] = "capacity";
+  EXPECT_EQ(map_row(r).reason, "not projected: routing 'capacity' is neither forced nor dropless");
+}
+
 TEST(PlanPublished, SplitMedianAndWorst) {
   std::vector<PublishedResult> rs(6);
   const double errs[] = {0.10, -0.40, 0.20, -0.05, 0.30, 0.0};

@@ -50,7 +50,13 @@ struct RowMapping {
   int64_t world = 0;
   int64_t tokens_per_step = 0;         // global batch in sequences x seq_len
   std::vector<std::string> overrides;  // "--section.key=value", applied to the preset as `plan time` applies them
+  double ep_imbalance = 1;             // PlanOptions::ep_imbalance: kDroplessEpImbalance where the routing is dropless
 };
+// The busiest EP rank's routed rows over the balanced count taken for a row whose routing column says "dropless"
+// (forced or not stated: 1). FITTED, not measured: the factor with which `plan time` reproduces the four
+// forced-balance / dropless throughput pairs of Megatron-MoE-ModelZoo's Qwen3-235B long-context table (docs/planner.md,
+// "Published MoE runs", ninth state); those pairs are not rows of the data set.
+constexpr double kDroplessEpImbalance = 1.67;
 RowMapping map_row(const PublishedRow& r);
 
 // Whether the row's throughput unit is tokens per second per GPU (tokens/s/GPU, or tokens/s/device).
@@ -68,6 +74,7 @@ struct PublishedResult {
   std::string measured_from;  // "" (the throughput column) or "step time" (tokens_per_step / (step x world))
   double projected_tps = 0;  // tokens/s/GPU
   double error = 0;        // projected / measured - 1 (compared rows)
+  double ep_imbalance = 1;  // the routing imbalance the row was projected with (RowMapping::ep_imbalance)
   // The projected step: seconds, and its split (plan_time's breakdown grouped): compute (compute.*), exposed TP /
   // CP, exposed EP, exposed DP, bubble (with P2P), exposed host kernel issue, other (optimizer, weight refresh).
   double step_s = 0, compute = 0, tp_cp = 0, ep = 0, dp = 0, bubble = 0, host = 0, other = 0;
