@@ -76,6 +76,9 @@ struct Round {
   double pingpong_small_bytes = 0, pingpong_small_s = 0;
   double pingpong_large_bytes = 0, pingpong_large_s = 0;
   double all_reduce_elements = 0, all_reduce_s = 0;
+  // The same segments as an all-gather (all_reduce_elements fp32 elements out) and a reduce-scatter (that many in),
+  // seconds per segment: ZeRO-1's and FSDP's gathers and scatters and sequence parallelism's go through these calls.
+  double all_gather_s = 0, reduce_scatter_s = 0;
   double all_to_all_bytes = 0, all_to_all_s = 0;
 };
 

@@ -414,8 +414,9 @@ void measure_copy(const Timer& tm, bool quick, int reps, Round& r) {
 // With two ranks or more: ping-pong between ranks 0 and 1 (8 B for alpha, 8 MiB for the bandwidth); the
 // all-reduce as the engine's gradient reduction runs it: back-to-back calls of kCommReduceSegment fp32 elements
 // (16 MiB) over a buffer larger than the caches (8 segments, 4 under --quick), timed as a whole and taken per
-// segment (a single call alone took twice as long per byte here: docs/planner.md); the all-to-all at 4 MiB, the
-// order of one EP exchange.
+// segment (a single call alone took twice as long per byte here: docs/planner.md); the same segments as all-gathers
+// and reduce-scatters (they run at other rates than the all-reduce here: docs/planner.md); the all-to-all at 4 MiB,
+// the order of one EP exchange.
 void measure_messages(const Timer& tm, bool quick, int reps, Round& r) {
   const Comm& w = tm.w;
   if (w.size() < 2) return;
@@ -434,6 +435,14 @@ void measure_messages(const Timer& tm, bool quick, int reps, Round& r) {
   r.all_reduce_s = tm.best_of(reps, [&] {
     for (int64_t k = 0; k < segs; ++k) w.all_reduce(x.data() + k * n, n);
   }) / double(segs);
+  const int64_t part = n / w.size();  // the per-rank share; the gather's output and the scatter's input are p parts
+  std::vector<float> mine(static_cast<size_t>(part), 1.f);
+  r.all_gather_s = tm.best_of(reps, [&] {
+    for (int64_t k = 0; k < segs; ++k) w.all_gather(x.data() + k * n, mine.data(), 4 * part);
+  }) / double(segs) * double(n) / double(part * w.size());
+  r.reduce_scatter_s = tm.best_of(reps, [&] {
+    for (int64_t k = 0; k < segs; ++k) w.reduce_scatter(mine.data(), x.data() + k * n, part);
+  }) / double(segs) * double(n) / double(part * w.size());
   std::vector<char> s(static_cast<size_t>(4 * na)), rb(static_cast<size_t>(4 * na));
   r.all_to_all_bytes = 4.0 * double(na);
   r.all_to_all_s = tm.best_of(reps, [&] { w.all_to_all(rb.data(), s.data(), 4 * na / w.size()); });

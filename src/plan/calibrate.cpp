@@ -149,11 +149,23 @@ std::string fit_collectives(const calib::Round& r, const std::string& when, Hard
   if (ar > lat) h.scale_up.bw = std::min(p2p_bw, ring_bytes / (ar - lat));
   h.scale_out.bw = h.scale_up.bw;
   h.sources["scale_up.bw_gbps"] = when + "; fitted to back-to-back 16 MiB all-reduces with the ring formula";
+  // The all-gather and the reduce-scatter of the same bytes, each with the one-pass ring formula, when measured.
+  const double one_pass = (p - 1) / p * 4.0 * n, lat1 = (p - 1) * h.scale_up.alpha;
+  auto fit_one = [&](double t, double& bw, const char* key, const char* what) {
+    if (!(t > lat1)) return;
+    bw = std::min(p2p_bw, one_pass / (t - lat1));
+    h.sources[key] = when + "; fitted to back-to-back 16 MiB " + what + " with the one-pass ring formula";
+  };
+  fit_one(r.all_gather_s, h.scale_up.gather_bw, "scale_up.gather_bw_gbps", "all-gathers (the output)");
+  fit_one(r.reduce_scatter_s, h.scale_up.scatter_bw, "scale_up.scatter_bw_gbps", "reduce-scatters (the input)");
   return fmt("# point-to-point %.2f GB/s (8 MiB ping-pong), alpha %.2f us (8 B); bw_gbps fitted to the all-reduce: "
-             "%.2f GB/s\n# check: all-reduce 16 MiB (one of a run of segments) measured %.3f ms, model %.3f ms; "
-             "all-to-all 4 MiB measured %.3f ms, model %.3f ms\n",
-             p2p_bw / 1e9, h.scale_up.alpha * 1e6, h.scale_up.bw / 1e9, 1e3 * ar, 1e3 * all_reduce(h, 4.0 * n, g),
-             1e3 * a2a, 1e3 * all_to_all(h, r.all_to_all_bytes, g));
+             "%.2f GB/s; gather_bw_gbps %.2f, scatter_bw_gbps %.2f (0: not measured)\n# check: all-reduce 16 MiB (one "
+             "of a run of segments) measured %.3f ms, model %.3f ms; all-gather %.3f / %.3f ms, reduce-scatter %.3f / "
+             "%.3f ms; all-to-all 4 MiB measured %.3f ms, model %.3f ms\n",
+             p2p_bw / 1e9, h.scale_up.alpha * 1e6, h.scale_up.bw / 1e9, h.scale_up.gather_bw / 1e9,
+             h.scale_up.scatter_bw / 1e9, 1e3 * ar, 1e3 * all_reduce(h, 4.0 * n, g), 1e3 * r.all_gather_s,
+             1e3 * all_gather(h, 4.0 * n, g), 1e3 * r.reduce_scatter_s, 1e3 * reduce_scatter(h, 4.0 * n, g), 1e3 * a2a,
+             1e3 * all_to_all(h, r.all_to_all_bytes, g));
 }
 
 // The dense GEMM at check_m rows with its weight cold (the curve's convention) and hot in the caches: how much a
@@ -216,6 +228,8 @@ Hardware combine_rounds(const std::vector<Hardware>& r) {
   for (Tier H::*t : {&H::scale_up, &H::scale_out}) {
     (h.*t).bw = med([&](const H& x) { return (x.*t).bw; });
     (h.*t).alpha = med([&](const H& x) { return (x.*t).alpha; });
+    (h.*t).gather_bw = med([&](const H& x) { return (x.*t).gather_bw; });
+    (h.*t).scatter_bw = med([&](const H& x) { return (x.*t).scatter_bw; });
   }
   double ach = med([](const H& x) { return x.achievable_bf16; });
   std::vector<EffPoint> H::*curves[] = {&H::gemm_efficiency, &H::grouped_fwd_efficiency, &H::grouped_bwd_efficiency,

@@ -45,12 +45,12 @@ double ring_alpha(const Hardware& h, Group g) {
 }
 
 // A ring pass that moves (p-1)/p * bytes per rank, `passes` times (2 for all-reduce, 1 for RS / AG).
-double ring_time(const Hardware& h, double bytes, Group g, int passes) {
+double ring_time(const Hardware& h, double bytes, Group g, int passes, RingKind kind = RingKind::AllReduce) {
   validate_group(h, g);
   check_bytes(bytes);
   if (g.size == 1) return 0;
   const double p = double(g.size);
-  return passes * ((p - 1) * ring_alpha(h, g) + (p - 1) / p * bytes / ring_bw(h, g));
+  return passes * ((p - 1) * ring_alpha(h, g) + (p - 1) / p * bytes / ring_bw(h, g, kind));
 }
 
 }  // namespace
@@ -71,18 +71,22 @@ double domain_group_bw(const Tier& t, int64_t ranks) {
   return used > 0 ? double(used) * t.pair_bw() : 0.0;
 }
 
-double ring_bw(const Hardware& h, Group g) {
+double ring_bw(const Hardware& h, Group g, RingKind kind) {
   validate_group(h, g);
-  if (g.nodes() == 1) return g.size == 1 ? 0.0 : scale_up_bw(h, g.per_node);
+  const double own = kind == RingKind::Gather    ? h.scale_up.gather_bw
+                     : kind == RingKind::Scatter ? h.scale_up.scatter_bw
+                                                 : 0.0;
+  const auto up = [&] { return own > 0 ? own : scale_up_bw(h, g.per_node); };
+  if (g.nodes() == 1) return g.size == 1 ? 0.0 : up();
   const double nic = scale_out_bw(h);
   if (g.per_node == 1) return nic;
   const double q = double(g.per_node);
-  return std::min(q * nic, q / (q - 1) * scale_up_bw(h, g.per_node));
+  return std::min(q * nic, q / (q - 1) * up());
 }
 
 double all_reduce_ring(const Hardware& h, double bytes, Group g) { return ring_time(h, bytes, g, 2); }
-double reduce_scatter(const Hardware& h, double bytes, Group g) { return ring_time(h, bytes, g, 1); }
-double all_gather(const Hardware& h, double bytes, Group g) { return ring_time(h, bytes, g, 1); }
+double reduce_scatter(const Hardware& h, double bytes, Group g) { return ring_time(h, bytes, g, 1, RingKind::Scatter); }
+double all_gather(const Hardware& h, double bytes, Group g) { return ring_time(h, bytes, g, 1, RingKind::Gather); }
 
 double all_reduce_hierarchical(const Hardware& h, double bytes, Group g) {
   validate_group(h, g);

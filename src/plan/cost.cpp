@@ -212,6 +212,37 @@ void add_routed_experts(const Ctx& x, LayerCost& lc, double te, double local, do
   }
 }
 
+// TP's and CP's exchanges of one layer (exposed: lc.tp_f / tp_b, and the CP ring beyond the core attention's
+// `attn_fwd` seconds it overlaps).
+void add_tp_cp_comm(const Ctx& x, LayerCost& lc, double attn_fwd) {
+  const Layout& l = x.l;
+  const auto& at = x.c.model.attn;
+  const double T = x.T, d = double(x.c.model.d_model), tp = double(l.tp), ab = x.ab, H = double(at.n_heads) / tp;
+  // TP: with SP two all-gathers and two reduce-scatters of the layer's [T, d] activations per pass; without SP
+  // two all-reduces. Not overlapped (no TP comm overlap is modelled). Elements at the recipe's activation size,
+  // but the forward's first gather, of the attention's GEMM input, at its GEMM input size (at least 2 B): bf16
+  // throughout on a GPU recipe; the engine gathers that input in its compute dtype and the rest in fp32
+  // (model_layer.cpp). Before the tenth session every element was priced at 2 B.
+  if (l.tp > 1) {
+    const Group g = place(x.h, l.tp, 1);
+    const double row = T * d, a = row * ab, in = row * std::max(x.gb, 2.0);
+    const double ag = all_gather(x.h, a, g), rs = reduce_scatter(x.h, a, g);
+    lc.tp_f = l.sp ? all_gather(x.h, in, g) + ag + 2 * rs : 2 * all_reduce(x.h, a, g);
+    lc.tp_b = l.sp ? 2 * (ag + rs) : 2 * all_reduce(x.h, a, g);
+    lc.launch.f += l.sp ? 4 : 2, lc.launch.i += l.sp ? 4 : 2;
+  }
+  // CP: the ring passes K and V (backward also dK, dV) around cp ranks, overlapped with the core attention; bf16 on
+  // a GPU recipe, fp32 in the engine (its ring sends fp32 blocks: src/parallel/cp_attention.cpp).
+  if (l.cp > 1) {
+    const double kvw = at.type == AttnType::MLA ? H * double(at.qk_head_dim() + at.v_head_dim)
+                                                : 2 * double(at.n_kv_heads) / tp * double(at.head_dim);
+    const Group g = place(x.h, l.cp, l.tp);
+    const double ring = double(l.cp - 1) * p2p(x.h, T * kvw * ab, g.nodes() > 1);  // K, V at the activations' size
+    lc.cp_f = std::max(0.0, ring - attn_fwd);
+    lc.cp_b = std::max(0.0, 2 * ring - 2 * attn_fwd);
+  }
+}
+
 LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec& ac) {
   const ModelSpec& s = x.c.model;
   const Layout& l = x.l;
@@ -331,25 +362,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   // Dropout (GPT) on the attention and FFN outputs, fused with the residual add: a 1-byte mask written per
   // element (on the SP shard); the backward reads it back.
   if (s.dropout > 0) lc.add_mem(kOpOther, membound(x, 2 * d * 1 * T / x.q));
-  // TP: with SP two all-gathers and two reduce-scatters of the layer's [T, d] activations per pass; without SP
-  // two all-reduces. Not overlapped (no TP comm overlap is modelled).
-  if (l.tp > 1) {
-    const Group g = place(x.h, l.tp, 1);
-    const double bytes = T * d * 2;
-    const double one = l.sp ? 2 * (all_gather(x.h, bytes, g) + reduce_scatter(x.h, bytes, g))
-                            : 2 * all_reduce(x.h, bytes, g);
-    lc.tp_f = one, lc.tp_b = one;
-    lc.launch.f += l.sp ? 4 : 2, lc.launch.i += l.sp ? 4 : 2;
-  }
-  // CP: the ring passes K and V (backward also dK, dV) around cp ranks, overlapped with the core attention.
-  if (l.cp > 1) {
-    const double kvw = at.type == AttnType::MLA ? H * double(at.qk_head_dim() + at.v_head_dim)
-                                                : 2 * double(at.n_kv_heads) / tp * double(at.head_dim);
-    const Group g = place(x.h, l.cp, l.tp);
-    const double ring = double(l.cp - 1) * p2p(x.h, T * kvw * 2, g.nodes() > 1);
-    lc.cp_f = std::max(0.0, ring - attn_fwd);
-    lc.cp_b = std::max(0.0, 2 * ring - 2 * attn_fwd);
-  }
+  add_tp_cp_comm(x, lc, attn_fwd);
   // Recompute in backward.
   if (ac.applies_to(layer)) {
     if (ac.mode == AcMode::Full) lc.recompute = lc.sum_f() + lc.tp_f, lc.launch.i += lc.launch.f;

@@ -80,6 +80,9 @@ constexpr Key kTier[] = {
     {"links", Kind::Integer, 1, false, "full_mesh: links per GPU"},
     {"link_bw_gbps", Kind::Number, kGB, false, "full_mesh: per-link per-direction bandwidth, GB/s"},
     {"link_efficiency", Kind::Number, 1, false, "full_mesh: achievable fraction of a link"},
+    {"gather_bw_gbps", Kind::Number, kGB, false, "a ring all-gather's per-GPU bandwidth where it differs from bw_gbps"},
+    {"scatter_bw_gbps", Kind::Number, kGB, false,
+     "a ring reduce-scatter's per-GPU bandwidth where it differs from bw_gbps"},
     {"ep_dispatch_efficiency", Kind::Curve, 1, false,
      "[[ranks, eff], ...] an EP dispatch's fraction of bw_gbps by the exchange's ranks at this tier"},
     {"ep_combine_efficiency", Kind::Curve, 1, false,
@@ -226,6 +229,8 @@ double* number_field(Tier& t, std::string_view key) {
   if (key == "alpha_us") return &t.alpha;
   if (key == "link_bw_gbps") return &t.link_bw;
   if (key == "link_efficiency") return &t.link_efficiency;
+  if (key == "gather_bw_gbps") return &t.gather_bw;
+  if (key == "scatter_bw_gbps") return &t.scatter_bw;
   return nullptr;
 }
 template <class T>  // Tier or const Tier
@@ -371,6 +376,8 @@ void validate_tier(const Checker& c, const Tier& t, const std::string& tier) {
     c.non_negative(tier + ".link_bw_gbps", t.link_bw, kGB);
     c.fraction(tier + ".link_efficiency", t.link_efficiency);
   }
+  c.non_negative(tier + ".gather_bw_gbps", t.gather_bw, kGB);
+  c.non_negative(tier + ".scatter_bw_gbps", t.scatter_bw, kGB);
   for (const char* key : kTierCurveKeys) c.curve(tier + "." + key, *tier_curve_field(t, key));
 }
 
@@ -552,6 +559,8 @@ std::string hardware_to_toml(const Hardware& h) {
     os << "links = " << t.links << "\n";
     num("link_bw_gbps", t.link_bw, kGB);
     num("link_efficiency", t.link_efficiency, 1);
+    if (t.gather_bw > 0) num("gather_bw_gbps", t.gather_bw, kGB);
+    if (t.scatter_bw > 0) num("scatter_bw_gbps", t.scatter_bw, kGB);
     for (const char* key : kTierCurveKeys) write_curve(os, key, *tier_curve_field(t, key));
   }
   if (!h.sources.empty()) {

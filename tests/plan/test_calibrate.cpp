@@ -58,6 +58,7 @@ calib::Round round_two_ranks() {
   r.pingpong_small_bytes = 8, r.pingpong_small_s = 4e-6;
   r.pingpong_large_bytes = double(8 << 20), r.pingpong_large_s = 2e-3 + 4e-6;
   r.all_reduce_elements = double(int64_t(1) << 22), r.all_reduce_s = 4e-3 + 4e-6;
+  r.all_gather_s = 2e-3 + 2e-6, r.reduce_scatter_s = 4e-3 + 2e-6;  // one ring pass of 16 MiB plus (p - 1) alpha
   r.all_to_all_bytes = double(4 << 20), r.all_to_all_s = 1e-3;
   return r;
 }
@@ -148,6 +149,14 @@ TEST(Calibrate, TwoRanksAlphaBetaFittedToTheAllReduce) {
   const double ring = 2.0 * 1 / 2 * 4.0 * double(int64_t(1) << 22);  // 16 MiB
   EXPECT_NEAR(h.scale_up.bw, ring / 4e-3, 1e-3 * ring / 4e-3);
   EXPECT_DOUBLE_EQ(h.scale_out.bw, h.scale_up.bw);
+  // The all-gather and the reduce-scatter, one ring pass each (half the all-reduce's bytes): their own fits, used
+  // by the collectives of their kind (a plain all-reduce keeps bw).
+  EXPECT_NEAR(h.scale_up.gather_bw, ring / 2 / 2e-3, 1e-9 * ring);
+  EXPECT_NEAR(h.scale_up.scatter_bw, ring / 2 / 4e-3, 1e-9 * ring);
+  const Group g2{2, 2};
+  EXPECT_NEAR(all_gather(h, ring, g2), 2e-3 + 2e-6, 1e-12);
+  EXPECT_NEAR(reduce_scatter(h, ring, g2), 4e-3 + 2e-6, 1e-12);
+  EXPECT_NEAR(all_reduce_ring(h, ring, g2), 4e-3 + 4e-6, 1e-12);
   EXPECT_EQ(h.scale_up.domain, 2);
   EXPECT_NE(h.sources.at("scale_up.bw_gbps").find("fitted to back-to-back 16 MiB all-reduces"), std::string::npos);
   EXPECT_EQ(h.sources.count("scale_up.alpha_us"), 1u);
@@ -186,12 +195,14 @@ TEST(Calibrate, TwoRanksCheckLines) {
   std::string c;
   const Hardware h = hardware_from_round(round_two_ranks(), &c);
   const Group g{2, 2};
-  char want[600];
+  char want[800];
   std::snprintf(want, sizeof want,
                 "# point-to-point 8.39 GB/s (8 MiB ping-pong), alpha 2.00 us (8 B); bw_gbps fitted to the all-reduce: "
-                "4.19 GB/s\n# check: all-reduce 16 MiB (one of a run of segments) measured 4.004 ms, model %.3f ms; "
-                "all-to-all 4 MiB measured 1.000 ms, model %.3f ms\n",
-                1e3 * all_reduce(h, 16.0 * 1024 * 1024, g), 1e3 * all_to_all(h, 4.0 * 1024 * 1024, g));
+                "4.19 GB/s; gather_bw_gbps 4.19, scatter_bw_gbps 2.10 (0: not measured)\n# check: all-reduce 16 MiB (one "
+                "of a run of segments) measured 4.004 ms, model %.3f ms; all-gather 2.002 / %.3f ms, reduce-scatter "
+                "4.002 / %.3f ms; all-to-all 4 MiB measured 1.000 ms, model %.3f ms\n",
+                1e3 * all_reduce(h, 16.0 * 1024 * 1024, g), 1e3 * all_gather(h, 16.0 * 1024 * 1024, g),
+                1e3 * reduce_scatter(h, 16.0 * 1024 * 1024, g), 1e3 * all_to_all(h, 4.0 * 1024 * 1024, g));
   ASSERT_GE(c.size(), std::string(want).size());
   EXPECT_EQ(c.substr(c.size() - std::string(want).size()), want);
 }

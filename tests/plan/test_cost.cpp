@@ -87,6 +87,36 @@ TEST(PlanCost, TensorParallelCollectivesAreTheCommModels) {
   EXPECT_NEAR(t.breakdown.at("comm.tp"), expect, 1e-9 * expect);
 }
 
+TEST(PlanCost, EngineRecipeTpAndCpExchangesCarryTheEnginesBytes) {
+  // The engine gathers the attention's GEMM input in its compute dtype (bf16 here) and every other SP exchange, and
+  // the CP ring's K / V, in fp32 (model_layer.cpp, cp_attention.cpp): per layer forward AG(2 B) + AG(4 B) + 2 RS(4 B),
+  // backward 2 AG(4 B) + 2 RS(4 B). The megatron recipe's hand count is the test above (2 B throughout).
+  const auto h = plantest::round_gpu();
+  const auto c1 = cfg("ds_mini", {"--parallelism.tp=2", "--model.n_routed_experts=0", "--model.n_shared_experts=0",
+                                    "--model.moe_inter_size=0", "--model.topk=0", "--model.first_k_dense=0",
+                                    "--training.compute_dtype=bf16"});
+  plan::TimeOptions o;
+  o.memory.recipe = plan::recipe_named("engine", c1);
+  const auto t = plan::plan_time(c1, plan::layout_from_config(c1, 2), h, o);
+  const double row = double(c1.training.micro_batch_size * c1.training.seq_len) * double(c1.model.d_model);
+  const plan::Group g{2, 2};
+  const double ag4 = plan::all_gather(h, row * 4, g), rs4 = plan::reduce_scatter(h, row * 4, g);
+  const double per_layer = plan::all_gather(h, row * 2, g) + ag4 + 2 * rs4 + 2 * (ag4 + rs4);
+  const double expect = per_layer * double(c1.model.n_layers) * double(t.layout.microbatches);
+  EXPECT_NEAR(t.breakdown.at("comm.tp"), expect, 1e-9 * expect);
+  // CP 2 over a network slow enough that the ring is all exposed: the engine's fp32 K / V blocks take twice the
+  // megatron recipe's bf16 time.
+  auto slow = h;
+  slow.scale_up.bw = 1e6;
+  const auto c2 = cfg("ds_mini", {"--parallelism.cp=2", "--training.compute_dtype=bf16"});
+  plan::TimeOptions m2, e2;
+  e2.memory.recipe = plan::recipe_named("engine", c2);
+  const double cp_m = plan::plan_time(c2, plan::layout_from_config(c2, 2), slow, m2).breakdown.at("comm.cp");
+  const double cp_e = plan::plan_time(c2, plan::layout_from_config(c2, 2), slow, e2).breakdown.at("comm.cp");
+  ASSERT_GT(cp_m, 0);
+  EXPECT_NEAR(cp_e / cp_m, 2.0, 0.02);
+}
+
 TEST(PlanCost, EpOverlapHidesAllToAll) {
   // A slow scale-out makes EP expensive; the 1F1B all-to-all overlap must hide part of it.
   auto h = plan::catalog_hardware("h100");

@@ -83,6 +83,8 @@ void expect_same(const Hardware& a, const Hardware& b) {
     EXPECT_EQ(x.links, y.links);
     EXPECT_DOUBLE_EQ(x.link_bw, y.link_bw);
     EXPECT_DOUBLE_EQ(x.link_efficiency, y.link_efficiency);
+    EXPECT_DOUBLE_EQ(x.gather_bw, y.gather_bw);
+    EXPECT_DOUBLE_EQ(x.scatter_bw, y.scatter_bw);
     for (auto cv : {&Tier::ep_dispatch_efficiency, &Tier::ep_combine_efficiency}) {
       ASSERT_EQ((x.*cv).size(), (y.*cv).size());
       for (size_t i = 0; i < (x.*cv).size(); ++i) {
@@ -382,7 +384,11 @@ TEST(HardwareToml, MeasuredPerOpFiguresRoundTrip) {
   h.expert_pack_fused_per_param = 1.7e-9;
   h.scale_up.ep_dispatch_efficiency = {{8, 0.6}, {32, 0.4}};
   h.scale_out.ep_combine_efficiency = {{16, 0.9}};
+  h.scale_up.gather_bw = 3.5e9, h.scale_up.scatter_bw = 2.25e9;
   const std::string text = hardware_to_toml(h);
+  EXPECT_NE(text.find("gather_bw_gbps = 3.5\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("scatter_bw_gbps = 2.25\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("gather_bw_gbps", text.find("[scale_out]")), std::string::npos) << text;  // unset: not written
   EXPECT_NE(text.find("ep_dispatch_efficiency = [[8.0, 0.6], [32.0, 0.4]]\n"), std::string::npos) << text;
   EXPECT_EQ(text.find("ep_combine_efficiency", text.find("[scale_up]")),
             text.find("ep_combine_efficiency", text.find("[scale_out]")))  // the scale-up one is unset: not written
@@ -497,6 +503,7 @@ TEST(HardwareToml, OutOfRangeFiguresAreRefused) {
          "elementwise_bw_gbps = -1: must be >= 0");
   refuse("kernel_overhead_us = 5", "kernel_overhead_us = 5\ngrouped_gemm_bwd_efficiency = [[64, 0.5], [16, 0.2]]",
          "grouped_gemm_bwd_efficiency[1].dim = 16: must be >");
+  refuse("[scale_up]", "[scale_up]\ngather_bw_gbps = -2", "scale_up.gather_bw_gbps = -2: must be >= 0");
   refuse("[scale_up]", "[scale_up]\nep_combine_efficiency = [[8, 1.5]]",
          "scale_up.ep_combine_efficiency[0].eff = 1.5: must be in (0, 1]");
   refuse("[scale_out]", "[scale_out]\nep_dispatch_efficiency = [[8, 0.5], [4, 0.6]]",

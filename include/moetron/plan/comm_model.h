@@ -49,7 +49,9 @@ void validate_group(const Hardware& h, Group g);
 // What one GPU pushes at once to the other ranks-1 group members in its scale-up domain (see above).
 double domain_group_bw(const Tier& scale_up, int64_t ranks);
 // The per-GPU bandwidth a ring collective over g moves its (p-1)/p * bytes per pass at (see above).
-double ring_bw(const Hardware& h, Group g);
+// `kind`: an all-gather or reduce-scatter takes the scale-up tier's gather_bw / scatter_bw where it is set.
+enum class RingKind { AllReduce, Gather, Scatter };
+double ring_bw(const Hardware& h, Group g, RingKind kind = RingKind::AllReduce);
 
 double all_reduce_ring(const Hardware& h, double bytes, Group g);
 double all_reduce_hierarchical(const Hardware& h, double bytes, Group g);

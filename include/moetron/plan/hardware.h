@@ -32,6 +32,9 @@ struct Tier {
   int64_t links = 0;            // full_mesh: links per GPU (domain - 1 for a full mesh)
   double link_bw = 0;           // full_mesh: bytes/s per link per direction
   double link_efficiency = 1;   // full_mesh: achievable fraction of a link (derating)
+  // What a ring all-gather / reduce-scatter inside the domain reaches where it differs from bw (measured by `plan
+  // calibrate` through the engine's own calls; 0 = bw, as every catalog entry).
+  double gather_bw = 0, scatter_bw = 0;
   // What one GPU can push to ONE peer at a time (a ring step, a P2P): switch = bw, full_mesh = link_bw * eff.
   double pair_bw() const { return topology == "full_mesh" ? link_bw * link_efficiency : bw; }
   // What one GPU can push to ALL peers at once (all-to-all): switch = bw, full_mesh = links * link_bw * eff.
