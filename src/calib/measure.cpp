@@ -437,12 +437,13 @@ void measure_messages(const Timer& tm, bool quick, int reps, Round& r) {
   }) / double(segs);
   const int64_t part = n / w.size();  // the per-rank share; the gather's output and the scatter's input are p parts
   std::vector<float> mine(static_cast<size_t>(part), 1.f);
-  r.all_gather_s = tm.best_of(reps, [&] {
+  const double per_segment = double(n) / double(part * w.size()) / double(segs);  // scaled to n elements a segment
+  r.all_gather_s = per_segment * tm.best_of(reps, [&] {
     for (int64_t k = 0; k < segs; ++k) w.all_gather(x.data() + k * n, mine.data(), 4 * part);
-  }) / double(segs) * double(n) / double(part * w.size());
-  r.reduce_scatter_s = tm.best_of(reps, [&] {
+  });
+  r.reduce_scatter_s = per_segment * tm.best_of(reps, [&] {
     for (int64_t k = 0; k < segs; ++k) w.reduce_scatter(mine.data(), x.data() + k * n, part);
-  }) / double(segs) * double(n) / double(part * w.size());
+  });
   std::vector<char> s(static_cast<size_t>(4 * na)), rb(static_cast<size_t>(4 * na));
   r.all_to_all_bytes = 4.0 * double(na);
   r.all_to_all_s = tm.best_of(reps, [&] { w.all_to_all(rb.data(), s.data(), 4 * na / w.size()); });

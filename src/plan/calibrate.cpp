@@ -144,20 +144,25 @@ std::string fit_collectives(const calib::Round& r, const std::string& when, Hard
   const double n = r.all_reduce_elements, ar = r.all_reduce_s, a2a = r.all_to_all_s;
   const Group g{r.ranks, r.ranks};
   const double p = double(r.ranks);
-  const double ring_bytes = 2 * (p - 1) / p * 4.0 * n, lat = 2 * (p - 1) * h.scale_up.alpha;
   const double p2p_bw = h.scale_up.bw;
-  if (ar > lat) h.scale_up.bw = std::min(p2p_bw, ring_bytes / (ar - lat));
+  // The ring formula's bandwidth for a collective of `passes` ring passes over the 16 MiB that took t seconds, never
+  // above the point-to-point rate; bw unchanged when t is not above the latency alone (or not measured).
+  auto fit = [&](double t, int passes, double& bw) {
+    const double lat = passes * (p - 1) * h.scale_up.alpha, bytes = passes * (p - 1) / p * 4.0 * n;
+    if (!(t > lat)) return false;
+    bw = std::min(p2p_bw, bytes / (t - lat));
+    return true;
+  };
+  fit(ar, 2, h.scale_up.bw);
   h.scale_out.bw = h.scale_up.bw;
   h.sources["scale_up.bw_gbps"] = when + "; fitted to back-to-back 16 MiB all-reduces with the ring formula";
   // The all-gather and the reduce-scatter of the same bytes, each with the one-pass ring formula, when measured.
-  const double one_pass = (p - 1) / p * 4.0 * n, lat1 = (p - 1) * h.scale_up.alpha;
-  auto fit_one = [&](double t, double& bw, const char* key, const char* what) {
-    if (!(t > lat1)) return;
-    bw = std::min(p2p_bw, one_pass / (t - lat1));
-    h.sources[key] = when + "; fitted to back-to-back 16 MiB " + what + " with the one-pass ring formula";
-  };
-  fit_one(r.all_gather_s, h.scale_up.gather_bw, "scale_up.gather_bw_gbps", "all-gathers (the output)");
-  fit_one(r.reduce_scatter_s, h.scale_up.scatter_bw, "scale_up.scatter_bw_gbps", "reduce-scatters (the input)");
+  if (fit(r.all_gather_s, 1, h.scale_up.gather_bw))
+    h.sources["scale_up.gather_bw_gbps"] =
+        when + "; fitted to back-to-back 16 MiB all-gathers (the output) with the one-pass ring formula";
+  if (fit(r.reduce_scatter_s, 1, h.scale_up.scatter_bw))
+    h.sources["scale_up.scatter_bw_gbps"] =
+        when + "; fitted to back-to-back 16 MiB reduce-scatters (the input) with the one-pass ring formula";
   return fmt("# point-to-point %.2f GB/s (8 MiB ping-pong), alpha %.2f us (8 B); bw_gbps fitted to the all-reduce: "
              "%.2f GB/s; gather_bw_gbps %.2f, scatter_bw_gbps %.2f (0: not measured)\n# check: all-reduce 16 MiB (one "
              "of a run of segments) measured %.3f ms, model %.3f ms; all-gather %.3f / %.3f ms, reduce-scatter %.3f / "

@@ -226,9 +226,10 @@ void add_tp_cp_comm(const Ctx& x, LayerCost& lc, double attn_fwd) {
   if (l.tp > 1) {
     const Group g = place(x.h, l.tp, 1);
     const double row = T * d, a = row * ab, in = row * std::max(x.gb, 2.0);
-    const double ag = all_gather(x.h, a, g), rs = reduce_scatter(x.h, a, g);
-    lc.tp_f = l.sp ? all_gather(x.h, in, g) + ag + 2 * rs : 2 * all_reduce(x.h, a, g);
-    lc.tp_b = l.sp ? 2 * (ag + rs) : 2 * all_reduce(x.h, a, g);
+    if (l.sp) {
+      const double ag = all_gather(x.h, a, g), rs = reduce_scatter(x.h, a, g);
+      lc.tp_f = all_gather(x.h, in, g) + ag + 2 * rs, lc.tp_b = 2 * (ag + rs);
+    } else lc.tp_f = lc.tp_b = 2 * all_reduce(x.h, a, g);
     lc.launch.f += l.sp ? 4 : 2, lc.launch.i += l.sp ? 4 : 2;
   }
   // CP: the ring passes K and V (backward also dK, dV) around cp ranks, overlapped with the core attention; bf16 on

@@ -1,6 +1,6 @@
 // gemm_shape_tables.cpp (internal to src/plan): the measured GEMM shape tables of the catalog's Hopper and
 // Blackwell entries as TOML text (hardware_catalog.cpp appends them). Data only: no loader, no interpolation
-// (Hardware::gemm_shape_eff in hardware.cpp).
+// (GemmShapeTable in hardware.cpp).
 //
 // Source: XLA's default matmul performance table (openxla/xla, xla/service/gpu/model/matmul_interpolator_data.h,
 // commit 71feeddf of the upstream history, mirrored in tensorflow/tensorflow at

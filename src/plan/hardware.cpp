@@ -385,18 +385,84 @@ void validate_tier(const Checker& c, const Tier& t, const std::string& tier) {
 
 // ---- Hardware methods ---------------------------------------------------------------------------------------
 namespace {
+// Where x falls on an ascending axis of n points (the i-th at abscissa(i)): the two neighbours and x's log-linear
+// weight towards the upper one; clamped to the end point at and beyond either end. One lookup for the curves by one
+// dimension and for each axis of the GEMM shape grid.
+struct Cell {
+  size_t lo = 0, hi = 0;
+  double w = 0;
+};
+template <class Abscissa>
+Cell log_cell(size_t n, Abscissa abscissa, double x) {
+  if (n == 1 || !(x > abscissa(0))) return {0, 0, 0};
+  if (x >= abscissa(n - 1)) return {n - 1, n - 1, 0};
+  size_t i = 1;
+  while (abscissa(i) < x) ++i;  // abscissa(i - 1) < x <= abscissa(i)
+  const double x0 = std::log(abscissa(i - 1)), x1 = std::log(abscissa(i));
+  return {i - 1, i, (std::log(x) - x0) / (x1 - x0)};
+}
+Cell axis_cell(const std::vector<double>& a, double x) {
+  return log_cell(a.size(), [&](size_t i) { return a[i]; }, x);
+}
+
 // Log-linear interpolation in a curve, clamped at both ends; 1.0 for an empty curve.
 double curve_at(const std::vector<EffPoint>& t, double min_dim) {
   if (t.empty()) return 1.0;
-  if (!(min_dim > t.front().dim)) return t.front().eff;
-  if (min_dim >= t.back().dim) return t.back().eff;
-  size_t i = 1;
-  while (t[i].dim < min_dim) ++i;  // t[i-1].dim < min_dim <= t[i].dim
-  const double x0 = std::log(t[i - 1].dim), x1 = std::log(t[i].dim);
-  const double f = (std::log(min_dim) - x0) / (x1 - x0);
-  return t[i - 1].eff + f * (t[i].eff - t[i - 1].eff);
+  const Cell c = log_cell(t.size(), [&](size_t i) { return t[i].dim; }, min_dim);
+  return t[c.lo].eff + c.w * (t[c.hi].eff - t[c.lo].eff);
+}
+
+[[noreturn]] void grid_fail(const std::string& key, const std::string& what) { throw Error(key + ": " + what); }
+std::string grid_point(const std::vector<double>& p) {
+  return "[" + shortest(p[0]) + ", " + shortest(p[1]) + ", " + shortest(p[2]) + "]";
 }
 }  // namespace
+
+double GemmShapeTable::at(double mm, double nn, double kk) const {
+  if (empty()) return 1.0;
+  const Cell cm = axis_cell(m, mm), cn = axis_cell(n, nn), ck = axis_cell(k, kk);
+  auto e = [&](size_t i, size_t j, size_t l) { return eff[(i * n.size() + j) * k.size() + l]; };
+  double v = 0;
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 2; ++b)
+      for (int c = 0; c < 2; ++c) {
+        const double w = (a ? cm.w : 1 - cm.w) * (b ? cn.w : 1 - cn.w) * (c ? ck.w : 1 - ck.w);
+        if (w > 0) v += w * e(a ? cm.hi : cm.lo, b ? cn.hi : cn.lo, c ? ck.hi : ck.lo);
+      }
+  // Below an axis's first value the GEMM takes the time of the smallest measured one (its tiles are no fewer).
+  for (const auto& [x, axis] : {std::pair{mm, &m}, std::pair{nn, &n}, std::pair{kk, &k}})
+    if (x < axis->front()) v *= std::max(x, 0.0) / axis->front();
+  return v;
+}
+
+GemmShapeTable GemmShapeTable::from_points(const std::vector<std::vector<double>>& pts, const std::string& key) {
+  GemmShapeTable t;
+  for (const auto& p : pts) {
+    if (p.size() != 4) grid_fail(key, "each point is [m, n, k, eff], got " + std::to_string(p.size()) + " numbers");
+    for (int d = 0; d < 3; ++d)
+      if (!(p[d] > 0 && std::isfinite(p[d]))) grid_fail(key, grid_point(p) + ": every dimension must be > 0");
+    t.m.push_back(p[0]), t.n.push_back(p[1]), t.k.push_back(p[2]);
+  }
+  for (auto* a : {&t.m, &t.n, &t.k}) {
+    std::sort(a->begin(), a->end());
+    a->erase(std::unique(a->begin(), a->end()), a->end());
+  }
+  const size_t cells = t.m.size() * t.n.size() * t.k.size();
+  if (pts.size() != cells)
+    grid_fail(key, std::to_string(pts.size()) + " points do not fill the grid of " + std::to_string(t.m.size()) +
+                       " m x " + std::to_string(t.n.size()) + " n x " + std::to_string(t.k.size()) + " k values (" +
+                       std::to_string(cells) + " points, each once)");
+  t.eff.assign(cells, -1.0);
+  auto index = [](const std::vector<double>& a, double x) {
+    return size_t(std::lower_bound(a.begin(), a.end(), x) - a.begin());
+  };
+  for (const auto& p : pts) {
+    double& slot = t.eff[(index(t.m, p[0]) * t.n.size() + index(t.n, p[1])) * t.k.size() + index(t.k, p[2])];
+    if (slot >= 0) grid_fail(key, "the point " + grid_point(p) + " is given twice");
+    slot = p[3];
+  }
+  return t;
+}
 
 double Tier::ep_eff(bool combine, double ranks) const {
   return curve_at(combine ? ep_combine_efficiency : ep_dispatch_efficiency, ranks);

@@ -1,4 +1,4 @@
-// test_gemm_shape.cpp: the measured GEMM shape table (GemmShapeTable in plan/hardware.h, gemm_shape.cpp): its grid
+// test_gemm_shape.cpp: the measured GEMM shape table (GemmShapeTable in plan/hardware.h, hardware.cpp): its grid
 // rules, its trilinear log-space interpolation, the TOML form, and the catalog's Hopper / Blackwell tables held to
 // their source's figures (XLA's matmul performance table; the raw FLOP/s below are that file's).
 #include <gtest/gtest.h>
