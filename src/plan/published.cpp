@@ -210,6 +210,18 @@ bool per_gpu_tokens(std::string_view unit) {
   return false;
 }
 
+// A comma-separated field's parts, trimmed, empty parts dropped.
+static std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t p = 0; p <= text.size();) {
+    const size_t e = std::min(text.find(',', p), text.size());
+    std::string part = trim(text.substr(p, e - p));
+    p = e + 1;
+    if (!part.empty()) out.push_back(std::move(part));
+  }
+  return out;
+}
+
 RowMapping map_row(const PublishedRow& r) {
   RowMapping m;
   auto refuse = [&](const std::string& why) {
@@ -301,11 +313,7 @@ RowMapping map_row(const PublishedRow& r) {
     ac = {"--activation_checkpoint.mode=full", "--activation_checkpoint.modules=[]"};
   } else {
     std::string mods;
-    for (size_t p = 0; p <= rc.size();) {
-      const size_t e = std::min(rc.find(',', p), rc.size());
-      const std::string part = trim(rc.substr(p, e - p));
-      p = e + 1;
-      if (part.empty()) continue;
+    for (const std::string& part : split_list(rc)) {
       const char* mod = part == "norm" || part == "layernorm" ? "norm"
                         : part == "act" || part == "moe_act" ? "moe_act"
                         : part == "core_attn" || part == "attention_core" ? "attention_core"
@@ -335,6 +343,17 @@ RowMapping map_row(const PublishedRow& r) {
   else if (!routing.empty() && routing != "forced")
     return refuse("routing '" + r.get("routing") + "' is neither forced nor dropless");
 
+  // The pipeline split, when the source's recipe states it (the optional `pp_split` column): Megatron's
+  // --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split count the embedding and the
+  // loss as one layer each of the first and last stage ("embedding", "loss", or both comma-separated); "even" or
+  // empty = the plain even split. Any other value is not guessed.
+  std::vector<std::string> split_keys;
+  for (const std::string& part : split_list(lower(r.get("pp_split")))) {
+    if (part == "embedding") split_keys.push_back("--parallelism.pp_first_stage_less_layers=1");
+    else if (part == "loss") split_keys.push_back("--parallelism.pp_last_stage_less_layers=1");
+    else if (part != "even") return refuse("pp_split '" + part + "' is neither embedding, loss nor even");
+  }
+
   auto kv = [](const char* k, int64_t v) { return std::string("--") + k + "=" + std::to_string(v); };
   m.overrides = {kv("parallelism.tp", tp), kv("parallelism.pp", pp), kv("parallelism.ep", ep),
                  kv("parallelism.cp", cp), kv("parallelism.expert_tp", etp),
@@ -346,6 +365,7 @@ RowMapping map_row(const PublishedRow& r) {
   for (auto& s : q) m.overrides.push_back(s);
   for (auto& s : ac) m.overrides.push_back(s);
   for (auto& s : ep_keys) m.overrides.push_back(s);
+  for (auto& s : split_keys) m.overrides.push_back(s);
   m.tokens_per_step = seqs * seq;
   m.ok = true;
   return m;

@@ -110,9 +110,10 @@ TEST(PlanPublished, Issue33PresetsAndHardwareMapAndProject) {
   }
   // 4 GPT OSS + 3 + 5 Qwen3-235B + 1 Mixtral 8x22B rows, and the GB300 Qwen3-30B / DeepSeek-V3 rows and the H800 row.
   EXPECT_EQ(seen, 17);
-  // All but nv-mz-04 (pp 32 x vpp 3 = 96 stages for 94 layers, refused by the layout rules), gg-mt-02 (TPU v6e)
-  // and ds-v3-01 (precision "FP8 mixed" has no planner recipe; no layout or batch either).
-  EXPECT_EQ(projected, 14);
+  // All but gg-mt-02 (TPU v6e) and ds-v3-01 (precision "FP8 mixed" has no planner recipe; no layout or batch
+  // either). nv-mz-04 (pp 32 x vpp 3 = 96 stages for 94 layers) projects since its pp_split counts the embedding
+  // and the loss.
+  EXPECT_EQ(projected, 15);
 }
 
 TEST(PlanPublished, DeepSeekV3H100RowMapsOntoThePresetAndLayout) {
@@ -264,6 +265,36 @@ TEST(PlanPublished, StatedRoutingSetsTheEpImbalance) {
   EXPECT_GT(dropless.ep, forced.ep);
   r.f["routing"] = "capacity";
   EXPECT_EQ(map_row(r).reason, "not projected: routing 'capacity' is neither forced nor dropless");
+}
+
+// The pipeline split the recipe states: Megatron's account-for-embedding / loss flags count each as one layer of
+// the first / last stage (so 94 layers fill PP 32 x VPP 3); "even" or empty is the plain split; another value
+// refuses the row by name.
+TEST(PlanPublished, StatedPipelineSplitCountsEmbeddingAndLoss) {
+  PublishedRow r = ds_h100();
+  for (const auto& o : map_row(r).overrides) EXPECT_EQ(o.find("less_layers"), std::string::npos) << o;
+  r.f["pp_split"] = "Embedding, loss";
+  RowMapping m = map_row(r);
+  ASSERT_TRUE(m.ok) << m.reason;
+  EXPECT_TRUE(has(m.overrides, "--parallelism.pp_first_stage_less_layers=1"));
+  EXPECT_TRUE(has(m.overrides, "--parallelism.pp_last_stage_less_layers=1"));
+  r.f["pp_split"] = "loss";
+  m = map_row(r);
+  EXPECT_FALSE(has(m.overrides, "--parallelism.pp_first_stage_less_layers=1"));
+  EXPECT_TRUE(has(m.overrides, "--parallelism.pp_last_stage_less_layers=1"));
+  r.f["pp_split"] = "even";
+  for (const auto& o : map_row(r).overrides) EXPECT_EQ(o.find("less_layers"), std::string::npos) << o;
+  r.f["pp_split"] = "embedding,mtp";
+  EXPECT_EQ(map_row(r).reason, "not projected: pp_split 'mtp' is neither embedding, loss nor even");
+  // Qwen3-235B's 94 layers on PP 32 x VPP 3 project only with both counted (96 layer-equivalents).
+  const std::string configs = std::string(MOETRON_SOURCE_DIR) + "/configs";
+  r = ds_h100();
+  r.f["model"] = "Qwen3-235B", r.f["world"] = "256", r.f["tp"] = "2", r.f["pp"] = "32", r.f["vpp"] = "3";
+  r.f["ep"] = "8", r.f["dp"] = "4", r.f["global_batch"] = "2048", r.f["precision"] = "BF16";
+  EXPECT_FALSE(project_row(r, configs).projected);
+  r.f["pp_split"] = "embedding,loss";
+  const PublishedResult p = project_row(r, configs);
+  EXPECT_TRUE(p.projected) << p.status;
 }
 
 TEST(PlanPublished, SplitMedianAndWorst) {
