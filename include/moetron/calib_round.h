@@ -36,6 +36,12 @@ struct MemoryKernel {
   double bytes_fwd = 0, seconds = 0;
 };
 
+// The ranks' drift over a segment of the same compute between two synchronizing collectives: the segment's mean
+// seconds over the ranks and the slowest rank's excess over that mean, as a fraction of it.
+struct SkewPoint {
+  double segment_s = 0, excess = 0;
+};
+
 // One pass over every figure. Every time is the slowest rank's, scaled to a full share of its cores.
 struct Round {
   // Where and how it was measured.
@@ -80,6 +86,7 @@ struct Round {
   // seconds per segment: ZeRO-1's and FSDP's gathers and scatters and sequence parallelism's go through these calls.
   double all_gather_s = 0, reduce_scatter_s = 0;
   double all_to_all_bytes = 0, all_to_all_s = 0;
+  std::vector<SkewPoint> skew;  // ascending segment length (measure_skew)
 };
 
 }  // namespace moetron::calib

@@ -35,6 +35,8 @@ enum class DropPolicy : uint8_t { Probs, Position };
 enum class BiasUpdate : uint8_t { Sign, Proportional };
 enum class FfnKind : uint8_t { SwiGLU, GELU };
 enum class AttnImpl : uint8_t { Flash, Unfused };
+// The routed experts' activation: SwiGLU, or GPT-OSS's clamped SwiGLU with the down projection's bias (planned only).
+enum class ExpertAct : uint8_t { SwiGLU, ClampedSwiGLU };
 
 std::string_view to_string(AttnType v);
 std::string_view to_string(ScoreFunc v);
@@ -43,6 +45,7 @@ std::string_view to_string(DropPolicy v);
 std::string_view to_string(BiasUpdate v);
 std::string_view to_string(FfnKind v);
 std::string_view to_string(AttnImpl v);
+std::string_view to_string(ExpertAct v);
 
 struct AttentionSpec {
   AttnType type = AttnType::MHA;
@@ -87,6 +90,11 @@ struct MoESpec {
   double route_capacity = 0.0;  // aux_free: the step's form (sign of the load error, or proportional)
   double z_loss_coef = 0.0;
   double capacity_factor = 0.0;    // 0 = dropless
+  // clamped_swiglu: GPT-OSS's experts (out = (up + 1) * g * sigmoid(1.702 g), g = min(gate, 7), up clamped to
+  // [-7, 7], and a bias on the down projection). The accounting counts its parameters as SwiGLU's (the biases,
+  // 0.03 % of GPT-OSS, are left out); the planner prices Megatron-Core's implementation of it (plan/cost.cpp); the
+  // engine and HF export refuse it.
+  ExpertAct expert_act = ExpertAct::SwiGLU;
   DropPolicy drop_policy = DropPolicy::Probs;
   bool operator==(const MoESpec&) const = default;
 };

@@ -449,6 +449,57 @@ void measure_messages(const Timer& tm, bool quick, int reps, Round& r) {
   r.all_to_all_s = tm.best_of(reps, [&] { w.all_to_all(rb.data(), s.data(), 4 * na / w.size()); });
 }
 
+// With two ranks or more: how far the ranks drift apart over a segment of the same compute between two
+// synchronizing collectives. Every rank runs the same GEMMs (128 x 512 x 512 in the compute dtype, the weights
+// cycled through 64 MiB as the layers' are) for a segment, then a collective lines them up again; the slowest
+// rank's time over the ranks' mean is what every rank waits at the collective. Segments of 1 to 64 ms (the engine's
+// per-layer exchanges are that far apart), the same GEMM count on every rank (from the slowest pilot); per length
+// the summed excess over the summed mean.
+void measure_skew(const Comm& w, ComputeDtype dt, bool quick, Round& r) {
+  if (w.size() < 2) return;
+  const bool b16 = dt == ComputeDtype::BF16;
+  const int64_t m = 128, n = 512, k = 512;
+  const size_t nb = size_t(n * k), copies = std::max<size_t>(1, (size_t(64) << 20) / (nb * (b16 ? 2 : 4)));
+  std::vector<float> a(size_t(m * k), 0.5f), b(b16 ? 0 : nb * copies, 0.25f), c(size_t(m * n));
+  std::vector<bf16> ab, bb;
+  if (b16) {
+    ab.resize(a.size()), bb.resize(nb * copies);
+    f32_to_bf16(ab.data(), a.data(), int64_t(a.size()));
+    std::vector<float> one(nb, 0.25f);
+    for (size_t i = 0; i < copies; ++i) f32_to_bf16(bb.data() + i * nb, one.data(), int64_t(nb));
+  }
+  size_t next = 0;
+  auto gemm_once = [&] {
+    const size_t off = nb * (next++ % copies);
+    if (b16) gemm_bf16(Trans::N, Trans::N, m, n, k, 1.f, ab.data(), k, bb.data() + off, n, 0.f, c.data(), n);
+    else gemm_f32(Trans::N, Trans::N, m, n, k, 1.f, a.data(), k, b.data() + off, n, 0.f, c.data(), n);
+  };
+  for (int i = 0; i < 4; ++i) gemm_once();
+  w.barrier();
+  auto t0 = clk::now();
+  for (int i = 0; i < 8; ++i) gemm_once();
+  const double per_gemm = max_over_ranks(w, secs(t0)) / 8;
+  const std::vector<std::pair<double, int>> plan =
+      quick ? std::vector<std::pair<double, int>>{{2e-3, 24}, {16e-3, 8}}
+            : std::vector<std::pair<double, int>>{{1e-3, 64}, {4e-3, 32}, {16e-3, 24}, {64e-3, 12}};
+  std::vector<double> all(static_cast<size_t>(w.size()));
+  for (const auto& [target, reps] : plan) {
+    const int count = std::max(1, int(std::lround(target / std::max(per_gemm, 1e-7))));
+    double excess = 0, mean_sum = 0;
+    for (int rep = 0; rep < reps; ++rep) {
+      w.barrier();
+      t0 = clk::now();
+      for (int i = 0; i < count; ++i) gemm_once();
+      const double mine = secs(t0);
+      w.all_gather(all.data(), &mine, sizeof(double));
+      double mean = 0, slowest = 0;
+      for (double x : all) mean += x / double(all.size()), slowest = std::max(slowest, x);
+      excess += slowest - mean, mean_sum += mean;
+    }
+    r.skew.push_back({mean_sum / reps, mean_sum > 0 ? excess / mean_sum : 0});
+  }
+}
+
 // The ranks of this job on this node (OMPI_COMM_WORLD_LOCAL_SIZE under mpirun; else all of them).
 int local_ranks(const Comm& w) {
   int local = w.size();
@@ -515,6 +566,7 @@ Round measure_round(const Comm& w, bool quick) {
   ref();
   measure_copy(tm, quick, reps, r);
   measure_messages(tm, quick, reps, r);
+  measure_skew(w, dt, quick, r);
   r.cpu_share = min_over_ranks(w, cpu_share.share());
   return r;
 }

@@ -230,6 +230,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("model", "n_shared_experts", model.moe.n_shared_experts));
     t.push_back(MT_F("model", "moe_inter_size", model.moe.moe_inter_size));
     t.push_back(MT_F("model", "topk", model.moe.topk));
+    t.push_back(MT_E("model", "expert_act", model.moe.expert_act, {"swiglu", "clamped_swiglu"}));
     t.push_back(MT_E("model", "score_func", model.moe.score_func, {"softmax", "sigmoid"}));
     t.push_back(MT_F("model", "n_group", model.moe.n_group));
     t.push_back(MT_F("model", "topk_group", model.moe.topk_group));

@@ -309,6 +309,10 @@ std::string to_hf_config_json(const ModelSpec& s) {
     throw Error(std::string("to_hf_config_json: model.ffn = ") + std::string(to_string(s.ffn)) +
                 " cannot be written: every supported HF model_type (deepseek, deepseek_v2, deepseek_v3, mixtral, "
                 "qwen3_moe) has SwiGLU MLPs");
+  if (s.moe.expert_act != ExpertAct::SwiGLU)
+    throw Error(std::string("to_hf_config_json: model.expert_act = ") + std::string(to_string(s.moe.expert_act)) +
+                " cannot be written: every supported HF model_type has SwiGLU experts (GPT-OSS's gpt_oss type is not "
+                "one of them)");
   if (s.dropout > 0) {
     std::ostringstream p;
     p << s.dropout;

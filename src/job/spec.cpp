@@ -34,6 +34,7 @@ std::string_view to_string(DropPolicy v) { return v == DropPolicy::Probs ? "prob
 std::string_view to_string(BiasUpdate v) { return v == BiasUpdate::Sign ? "sign" : "proportional"; }
 std::string_view to_string(FfnKind v) { return v == FfnKind::SwiGLU ? "swiglu" : "gelu"; }
 std::string_view to_string(AttnImpl v) { return v == AttnImpl::Flash ? "flash" : "unfused"; }
+std::string_view to_string(ExpertAct v) { return v == ExpertAct::SwiGLU ? "swiglu" : "clamped_swiglu"; }
 
 bool ModelSpec::is_moe_layer(int64_t layer) const {
   if (!is_moe() || layer < first_k_dense) return false;
@@ -205,6 +206,8 @@ void ModelSpec::validate() const {
   if (!(mtp_loss_weight >= 0 && mtp_loss_weight <= 1e6))
     bad("mtp_loss_weight", mtp_loss_weight, "must be a finite number >= 0 (DeepSeek-V3 used 0.3, then 0.1)");
   if (!(dropout >= 0 && dropout < 1)) bad("dropout", dropout, "must be in [0, 1) (0 = no dropout)");
+  if (moe.expert_act != ExpertAct::SwiGLU && !is_moe())
+    bad("expert_act", to_string(moe.expert_act), "is the routed experts' activation: the model has none (n_routed_experts = 0)");
   if (ffn == FfnKind::GELU && is_moe())
     bad("ffn", to_string(ffn), "the gelu FFN is for dense models (n_routed_experts = 0); experts are SwiGLU");
 

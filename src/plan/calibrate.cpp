@@ -173,6 +173,20 @@ std::string fit_collectives(const calib::Round& r, const std::string& when, Hard
              1e3 * all_to_all(h, r.all_to_all_bytes, g));
 }
 
+// With two ranks or more: the ranks' drift between synchronizing collectives (rank_skew), a point per measured
+// segment length (ms), the fraction kept above 1e-4 (a curve point must be > 0). Returns the comment line.
+std::string rank_skew(const calib::Round& r, const std::string& when, Hardware& h) {
+  if (r.ranks < 2 || r.skew.empty()) return "";
+  std::string line = "# rank skew (the slowest rank's excess over the mean, same GEMMs on every rank, by segment):";
+  for (const calib::SkewPoint& p : r.skew) {
+    if (!(p.segment_s > 0) || (!h.rank_skew.empty() && !(1e3 * p.segment_s > h.rank_skew.back().dim))) continue;
+    h.rank_skew.push_back({1e3 * p.segment_s, std::clamp(p.excess, 1e-4, 1.0)});
+    line += fmt(" %.1f ms %.2f %%", 1e3 * p.segment_s, 100 * p.excess);
+  }
+  h.sources["rank_skew"] = when + "; every rank the same GEMMs for a segment, then a collective";
+  return line + "\n";
+}
+
 // The dense GEMM at check_m rows with its weight cold (the curve's convention) and hot in the caches: how much a
 // weight-resident benchmark would overstate the engine's dense GEMMs on this machine.
 std::string gemm_check(const calib::Round& r) {
@@ -207,7 +221,7 @@ Hardware hardware_from_round(const calib::Round& r, std::string* comments) {
   detail = rebase(r, r_ref, h) + detail;
   message_tiers(r, h);
   set_sources(r, when, h);
-  const std::string check = fit_collectives(r, when, h);
+  const std::string check = fit_collectives(r, when, h) + rank_skew(r, when, h);
   validate_hardware(h, "calibrate");
   detail = fmt("# CPU share during the calibration: %.2f (the smallest over ranks; 1 = no other process took these "
                "cores; every figure is scaled to a full share)\n",
@@ -236,6 +250,8 @@ Hardware combine_rounds(const std::vector<Hardware>& r) {
     (h.*t).gather_bw = med([&](const H& x) { return (x.*t).gather_bw; });
     (h.*t).scatter_bw = med([&](const H& x) { return (x.*t).scatter_bw; });
   }
+  for (size_t i = 0; i < h.rank_skew.size(); ++i)  // the rounds measure the same segments (within a round's pilot)
+    h.rank_skew[i].eff = med([&](const H& x) { return i < x.rank_skew.size() ? x.rank_skew[i].eff : 1e-4; });
   double ach = med([](const H& x) { return x.achievable_bf16; });
   std::vector<EffPoint> H::*curves[] = {&H::gemm_efficiency, &H::grouped_fwd_efficiency, &H::grouped_bwd_efficiency,
                                         &H::attention_seq_efficiency};

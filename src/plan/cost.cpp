@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "moetron/accounting.h"
 #include "moetron/check.h"
@@ -242,6 +240,16 @@ void add_tp_cp_comm(const Ctx& x, LayerCost& lc, double attn_fwd) {
     lc.cp_f = std::max(0.0, ring - attn_fwd);
     lc.cp_b = std::max(0.0, 2 * ring - 2 * attn_fwd);
   }
+  // Waiting for the slowest rank (Hardware::rank_skew: measured on the engine's machine, none in the catalog): each
+  // blocking exchange lines its group up, after a segment of the pass's compute (the pass over its exchanges), and
+  // every rank waits the slowest rank's excess over the mean; split over TP and CP by their exchanges.
+  const double k_tp = l.tp > 1 ? (l.sp ? 4 : 2) : 0, k_cp = l.cp > 1 ? double(l.cp - 1) : 0, k = k_tp + k_cp;
+  if (k > 0 && !x.h.rank_skew.empty()) {
+    auto wait = [&](double compute) { return x.h.skew_fraction(compute / k) * compute; };
+    const double wf = wait(lc.sum_f()), wb = wait(lc.sum_i() + lc.sum_w());
+    lc.tp_f += wf * k_tp / k, lc.tp_b += wb * k_tp / k;
+    lc.cp_f += wf * k_cp / k, lc.cp_b += wb * k_cp / k;
+  }
 }
 
 LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec& ac) {
@@ -329,6 +337,15 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
     lc.launch = before, lc.launch.f += kRouterKernels, lc.launch.i += kRouterKernels;
     add_routed_experts(x, lc, te, local, Im, d);
     exp_act_bytes = 3 * Im * 2 * R;
+    // GPT-OSS's clamped SwiGLU as Megatron-Core runs it (NVIDIA/Megatron-LM 0d8e0714, in the 25.11 container): two
+    // clamps and a cat in plain PyTorch before the fused GeGLU (each reads and writes 2 Im elements a row: 8 Im), the
+    // down projection's bias added per local expert (the bias times the routing weight, the add: a Python loop) and
+    // the rows joined by a cat (6 d elements a row); the backward at twice the bytes as every pass here, moe_act
+    // recompute redoing them. Kernels: the clamps and cats, and two per local expert.
+    if (m.expert_act == ExpertAct::ClampedSwiGLU) {
+      exp_act_bytes += (8 * Im + 6 * d) * 2 * R;
+      lc.launch.f += 4 + 2 * local, lc.launch.i += 4 + 2 * local;
+    }
     lc.add_mem(kOpPermute, membound(x, 2 * 2 * R * d * ab));  // permute and unpermute (read + write each)
     lc.launch.f += 1, lc.launch.i += 1;                        // two kernels, counted once above
     if (m.n_shared_experts > 0) {
@@ -845,56 +862,6 @@ TimePlan plan_time(const JobConfig& c, const Layout& l, const Hardware& h, const
   TimePlan plain = plan_time_with(c, l, h, o, m, &sp, d, false);
   TimePlan carried = plan_time_with(c, l, h, o, m, &sp, d, true);
   return carried.step_time < plain.step_time ? carried : plain;
-}
-
-nlohmann::json to_json(const TimePlan& t) {
-  nlohmann::json j;
-  j["layout"] = t.layout.describe();
-  j["hardware"] = t.hardware;
-  j["step_time_s"] = t.step_time;
-  j["tokens_per_s_per_gpu"] = t.tokens_per_s_per_gpu;
-  j["tflops_per_gpu"] = t.tflops_per_gpu;
-  j["mfu"] = t.mfu;
-  j["bubble_ratio"] = t.bubble_ratio;
-  j["carry_w"] = t.carry_w;
-  j["pipeline_time_s"] = t.pipeline_time;
-  j["dp_exposed_s"] = t.dp_exposed;
-  j["dp_total_s"] = t.dp_total;
-  j["optimizer_s"] = t.optimizer;
-  j["weight_refresh_s"] = t.weight_refresh;
-  if (t.simulated)
-    for (int k = 0; k < kNumPlanOps; ++k)
-      j["ops"][plan_op_name(k)] = {{"fwd_s", t.ops_f[size_t(k)]}, {"bwd_s", t.ops_b[size_t(k)]}};
-  j["tokens_per_step"] = t.tokens_per_step;
-  j["simulated"] = t.simulated;
-  j["simulated_microbatches"] = t.simulated_microbatches;
-  j["breakdown"] = t.breakdown;
-  for (const auto& s : t.stages) {
-    nlohmann::json x = {{"f_s", s.f}, {"i_s", s.i}, {"w_s", s.w}, {"a2a_f_s", s.a2a_f}, {"a2a_b_s", s.a2a_b}};
-    if (t.layout.ep_overlap_split)  // the chunk as two half micro-batches, both halves summed
-      x.update({{"f2_s", s.f2}, {"i2_s", s.i2}, {"w2_s", s.w2}, {"a2a_f2_s", s.a2a_f2}, {"a2a_b2_s", s.a2a_b2},
-                {"n_a2a", s.n_a2a}});
-    j["stages"].push_back(x);
-  }
-  return j;
-}
-
-std::string format_time(const TimePlan& t) {
-  std::ostringstream os;
-  char buf[256];
-  os << "layout   " << t.layout.describe() << "\nhardware " << t.hardware << "\n";
-  std::snprintf(buf, sizeof buf,
-                "step %.3f s   %.0f tokens/s/GPU   %.1f TFLOPS/GPU   MFU %.1f%%   bubble %.1f%%\n", t.step_time,
-                t.tokens_per_s_per_gpu, t.tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_ratio);
-  os << buf;
-  if (t.carry_w)
-    os << "weight gradients of the unpaired backwards carried into later exchange waits (the engine's iwcarry)\n";
-  os << "breakdown (s per step):\n";
-  for (const auto& [k, v] : t.breakdown) {
-    std::snprintf(buf, sizeof buf, "  %-22s %10.4f  %5.1f%%\n", k.c_str(), v, 100 * v / t.step_time);
-    os << buf;
-  }
-  return os.str();
 }
 
 }  // namespace moetron::plan

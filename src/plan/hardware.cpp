@@ -65,6 +65,9 @@ constexpr Key kTop[] = {
     {"elementwise_bw_gbps", Kind::Number, kGB, false, "memory-bound layer kernels at activation sizes, GB/s"},
     {"attention_seq_efficiency", Kind::Curve, 1, false,
      "[[seq_len, eff], ...] attention's rate by sequence length (replaces attention_efficiency)"},
+    {"rank_skew", Kind::Curve, 1, false,
+     "[[segment_ms, fraction], ...] the slowest rank's excess over the ranks' mean for a segment of compute between "
+     "two synchronizing collectives (measured by plan calibrate; empty = none)"},
     {"optimizer_ns_per_param", Kind::Number, kNs, false, "AdamW update per parameter element, nanoseconds"},
     {"grad_norm_ns_per_param", Kind::Number, kNs, false, "the gradient-norm pass per gradient element, nanoseconds"},
     {"expert_pack_ns_per_param", Kind::Number, kNs, false,
@@ -91,7 +94,7 @@ constexpr Key kTier[] = {
 constexpr const char* kTierCurveKeys[] = {"ep_dispatch_efficiency", "ep_combine_efficiency"};
 constexpr const char* kTiers[] = {"scale_up", "scale_out"};
 constexpr const char* kCurveKeys[] = {"gemm_efficiency", "grouped_gemm_efficiency", "grouped_gemm_fwd_efficiency",
-                                      "grouped_gemm_bwd_efficiency", "attention_seq_efficiency"};
+                                      "grouped_gemm_bwd_efficiency", "attention_seq_efficiency", "rank_skew"};
 
 std::vector<std::string> all_keys() {
   std::vector<std::string> out;
@@ -222,6 +225,7 @@ auto curve_field(H& h, std::string_view key) -> decltype(&h.gemm_efficiency) {
   if (key == "grouped_gemm_fwd_efficiency") return &h.grouped_fwd_efficiency;
   if (key == "grouped_gemm_bwd_efficiency") return &h.grouped_bwd_efficiency;
   if (key == "attention_seq_efficiency") return &h.attention_seq_efficiency;
+  if (key == "rank_skew") return &h.rank_skew;
   return nullptr;
 }
 double* number_field(Tier& t, std::string_view key) {
@@ -470,6 +474,9 @@ double Tier::ep_eff(bool combine, double ranks) const {
 double Hardware::gemm_eff(double min_dim) const { return curve_at(gemm_efficiency, min_dim); }
 double Hardware::attention_eff(double seq_len) const {
   return attention_seq_efficiency.empty() ? attention_efficiency : curve_at(attention_seq_efficiency, seq_len);
+}
+double Hardware::skew_fraction(double segment_s) const {
+  return rank_skew.empty() ? 0.0 : curve_at(rank_skew, 1e3 * segment_s);
 }
 double Hardware::grouped_eff(double tokens_per_expert) const {
   return curve_at(grouped_gemm_efficiency, tokens_per_expert);

@@ -195,6 +195,7 @@ KEYS = {
     "model.ffn": ("gelu", refuse("model.ffn = gelu", DENSE)),
     "model.dropout": (0.1, refuse()),
     "model.attention_impl": ("unfused", refuse()),
+    "model.expert_act": ("clamped_swiglu", refuse()),
     "model.norm_eps": (0.1, loss()),
     "model.tie_embeddings": ("true", loss()),
     "model.init_std": (0.05, loss()),

@@ -207,6 +207,33 @@ TEST(Calibrate, TwoRanksCheckLines) {
   EXPECT_EQ(c.substr(c.size() - std::string(want).size()), want);
 }
 
+// The ranks' drift (measure_skew): a curve point per segment (ms, fraction), a measured 0 kept at 1e-4 (a curve
+// point must be > 0), a point not longer than the last dropped; one rank has none; rounds take the median.
+TEST(Calibrate, TwoRanksRankSkewCurve) {
+  calib::Round r = round_two_ranks();
+  r.skew = {{2e-3, 0.05}, {16e-3, 0.02}, {12e-3, 0.5}, {64e-3, 0.0}};
+  std::string c;
+  const Hardware h = hardware_from_round(r, &c);
+  expect_curve(h.rank_skew, {{2.0, 0.05}, {16.0, 0.02}, {64.0, 1e-4}});
+  EXPECT_NE(c.find("# rank skew (the slowest rank's excess over the mean, same GEMMs on every rank, by segment): "
+                   "2.0 ms 5.00 % 16.0 ms 2.00 % 64.0 ms 0.00 %\n"),
+            std::string::npos)
+      << c;
+  EXPECT_DOUBLE_EQ(h.skew_fraction(2e-3), 0.05);
+  EXPECT_DOUBLE_EQ(h.skew_fraction(1.0), 1e-4);  // clamped at the longest segment
+  calib::Round one = round_one_rank();
+  one.skew = r.skew;
+  EXPECT_TRUE(hardware_from_round(one).rank_skew.empty());
+  EXPECT_TRUE(hardware_from_round(round_two_ranks()).rank_skew.empty());
+  calib::Round r2 = r, r3 = r;
+  r2.skew[0].excess = 0.07, r3.skew[0].excess = 0.01;
+  const Hardware m = combine_rounds({hardware_from_round(r), hardware_from_round(r2), hardware_from_round(r3)});
+  EXPECT_DOUBLE_EQ(m.rank_skew[0].eff, 0.05);
+  // The TOML keeps it.
+  const Hardware back = hardware_from_toml(hardware_to_toml(h));
+  expect_curve(back.rank_skew, h.rank_skew);
+}
+
 TEST(Calibrate, OneRoundRefusals) {
   calib::Round r = round_one_rank();
   r.reference.clear();

@@ -117,6 +117,42 @@ TEST(PlanCost, EngineRecipeTpAndCpExchangesCarryTheEnginesBytes) {
   EXPECT_NEAR(cp_e / cp_m, 2.0, 0.02);
 }
 
+// The ranks' measured drift (Hardware::rank_skew): at each blocking TP / CP exchange every rank waits the slowest
+// rank's excess over the segment of compute since the last one (the layer's pass over its exchanges: 4 under TP +
+// SP, cp - 1 ring steps under CP), hand-counted per layer from the op groups; none without the curve or the groups.
+TEST(PlanCost, RankSkewWaitsAtEachTpAndCpExchange) {
+  auto h = plantest::round_gpu();
+  const auto c1 = cfg("ds_mini", {"--parallelism.tp=2", "--model.n_routed_experts=0", "--model.n_shared_experts=0",
+                                    "--model.moe_inter_size=0", "--model.topk=0", "--model.first_k_dense=0"});
+  const auto base = timeof(c1, 2, h);
+  const double per = double(c1.model.n_layers) * double(base.layout.microbatches);
+  double f = 0, b = 0;  // one layer's forward and backward compute (every layer alike; the head's loss apart)
+  for (int k = 0; k < plan::kNumPlanOps; ++k)
+    if (k != plan::kOpLoss) f += base.ops_f[size_t(k)] / per, b += base.ops_b[size_t(k)] / per;
+  // ms, fraction, log-linear between: spanning the layer's segments so that their length matters
+  h.rank_skew = {{1e3 * f / 64, 0.10}, {1e3 * b * 4, 0.01}};
+  const auto t = timeof(c1, 2, h);
+  const double want = per * (h.skew_fraction(f / 4) * f + h.skew_fraction(b / 4) * b);
+  ASSERT_GT(want, 0);
+  EXPECT_NEAR(t.breakdown.at("comm.tp") - base.breakdown.at("comm.tp"), want, 1e-9 * want);
+  EXPECT_GT(t.step_time, base.step_time);
+  EXPECT_GT(h.skew_fraction(1e-4), h.skew_fraction(1e-2));  // shorter segments drift more here
+  // One rank, no TP / CP group: nothing waits.
+  const auto c0 = cfg("ds_mini", {"--model.n_routed_experts=0", "--model.n_shared_experts=0",
+                                    "--model.moe_inter_size=0", "--model.topk=0", "--model.first_k_dense=0"});
+  EXPECT_DOUBLE_EQ(timeof(c0, 1, h).step_time, timeof(c0, 1, plantest::round_gpu()).step_time);
+  // CP 2: one ring step a pass, its wait in comm.cp at the whole pass's segment.
+  const auto c2 = cfg("ds_mini", {"--parallelism.cp=2", "--model.n_routed_experts=0", "--model.n_shared_experts=0",
+                                    "--model.moe_inter_size=0", "--model.topk=0", "--model.first_k_dense=0"});
+  const auto cb = timeof(c2, 2, plantest::round_gpu()), ct = timeof(c2, 2, h);
+  double f2 = 0, b2 = 0;
+  const double per2 = double(c2.model.n_layers) * double(ct.layout.microbatches);
+  for (int k = 0; k < plan::kNumPlanOps; ++k)
+    if (k != plan::kOpLoss) f2 += ct.ops_f[size_t(k)] / per2, b2 += ct.ops_b[size_t(k)] / per2;
+  const double want2 = per2 * (h.skew_fraction(f2) * f2 + h.skew_fraction(b2) * b2);
+  EXPECT_NEAR(ct.breakdown.at("comm.cp") - cb.breakdown.at("comm.cp"), want2, 1e-9 * want2);
+}
+
 TEST(PlanCost, EpOverlapHidesAllToAll) {
   // A slow scale-out makes EP expensive; the 1F1B all-to-all overlap must hide part of it.
   auto h = plan::catalog_hardware("h100");
@@ -665,4 +701,29 @@ TEST(PlanCost, QkNormCostsItsPerHeadNormsOfQueriesAndKeys) {
   const double want = bytes / h.elementwise_rate() * double(on.model.n_layers);
   EXPECT_NEAR(t1.ops_f[plan::kOpNorm] - t0.ops_f[plan::kOpNorm], want, 1e-6 * want);
   EXPECT_NEAR(t1.ops_b[plan::kOpNorm] - t0.ops_b[plan::kOpNorm], 2 * want, 1e-6 * want);
+}
+
+TEST(PlanCost, ClampedSwigluCostsMegatronsUnfusedPasses) {
+  // GPT-OSS's clamped SwiGLU as Megatron-Core runs it: per routed row 8 Im elements (two clamps and a cat, read +
+  // write of the gate_up output each) and 6 d (the down projection's bias times the routing weight, the add, the
+  // cat) in bf16, in the experts group; backward twice that, as every memory-bound pass of the planner. ds_mini on
+  // one rank: every MoE layer's rows are tokens x topk.
+  plan::Hardware h = plantest::round_gpu();
+  h.kernel_overhead = 0;
+  const JobConfig on = cfg("ds_mini", {"--model.expert_act=clamped_swiglu"});
+  const JobConfig off = cfg("ds_mini", {});
+  auto t = [&](const JobConfig& c) { return plan::plan_time(c, plan::layout_from_config(c, 1), h, {}); };
+  const plan::TimePlan t1 = t(on), t0 = t(off);
+  const auto& m = on.model.moe;
+  const double rows = double(on.training.global_batch_size * on.training.seq_len * m.topk);
+  const double bytes = (8.0 * double(m.moe_inter_size) + 6.0 * double(on.model.d_model)) * 2 * rows;
+  const double want = bytes / h.elementwise_rate() * double(on.model.n_moe_layers());
+  EXPECT_NEAR(t1.ops_f[plan::kOpExperts] - t0.ops_f[plan::kOpExperts], want, 1e-6 * want);
+  EXPECT_NEAR(t1.ops_b[plan::kOpExperts] - t0.ops_b[plan::kOpExperts], 2 * want, 1e-6 * want);
+  for (int k = 0; k < plan::kNumPlanOps; ++k)
+    if (k != plan::kOpExperts) EXPECT_DOUBLE_EQ(t1.ops_f[size_t(k)], t0.ops_f[size_t(k)]) << k;
+  // A dense model has no routed experts to run it on.
+  EXPECT_THROW(cfg("ds_mini", {"--model.expert_act=clamped_swiglu", "--model.n_routed_experts=0",
+                               "--model.n_shared_experts=0", "--model.first_k_dense=0"}),
+               Error);
 }

@@ -880,6 +880,10 @@ TEST(HfConfig, ExportRoundTripsEveryExpressiblePreset) {
       EXPECT_HAS(m, "cannot be written as HF model_type deepseek: score_func must be softmax");
       continue;
     }
+    if (name == "gpt_oss_120b") {  // GPT-OSS's clamped SwiGLU experts: no supported HF type carries them
+      EXPECT_HAS(error_of([&] { to_hf_config_json(s); }), "model.expert_act = clamped_swiglu cannot be written");
+      continue;
+    }
     std::string j = to_hf_config_json(s);
     EXPECT_EQ(model_spec_from_hf_json(j, name), s) << j;
   }
@@ -907,6 +911,16 @@ TEST(HfConfig, ExportRefusesGptKeys) {
   ModelSpec drop = dense.model;
   drop.dropout = 0.1;
   EXPECT_HAS(error_of([&] { to_hf_config_json(drop); }), "model.dropout = 0.1 cannot be written");
+  // GPT-OSS's clamped SwiGLU experts (planned only) likewise.
+  ModelSpec clamped = load_config_string(kTiny).model;
+  clamped.moe.expert_act = ExpertAct::ClampedSwiGLU;
+  EXPECT_HAS(error_of([&] { to_hf_config_json(clamped); }), "model.expert_act = clamped_swiglu cannot be written");
+  const JobConfig oss = load_config_string(kTiny, {"--model.expert_act=clamped_swiglu"});
+  EXPECT_EQ(oss.model.moe.expert_act, ExpertAct::ClampedSwiGLU);
+  EXPECT_EQ(load_config_string(to_toml(oss)), oss);
+  EXPECT_HAS(load_error(kTiny, {"--model.expert_act=clamped_swiglu", "--model.n_routed_experts=0",
+                                "--model.n_shared_experts=0", "--model.first_k_dense=0"}),
+             "model.expert_act");
   // Both keys load, round-trip through TOML and default to the DeepSeek shape.
   EXPECT_EQ(dense.model.ffn, FfnKind::SwiGLU);
   EXPECT_EQ(dense.model.dropout, 0.0);

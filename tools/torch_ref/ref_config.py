@@ -8,7 +8,7 @@ writes, in two classes:
   - IGNORED: the keys that do not change what the reference computes (names and paths, the parallel layout,
     checkpoints, recompute, FP8 precision, logging, profiling, hardware): read, checked by name, unused.
 A key in neither class is an error naming it, and so is a value the reference does not implement (REFUSALS):
-model.ffn = "gelu", model.dropout > 0 (the engine refuses these two as well) and
+model.ffn = "gelu", model.dropout > 0, model.expert_act = "clamped_swiglu" (the engine refuses these three as well) and
 model.capacity_factor > 0 (the engine drops tokens; the reference is dropless). Defaults always load.
 
 What it is not: the engine's validation (config_validate.cpp, spec.cpp). Sizes, divisibility and the parallel
@@ -41,7 +41,7 @@ class Unsupported(ConfigError):
 # The keys the reference computes with, and the engine's defaults.
 MODELLED = {
     "model": dict(vocab_size=0, d_model=0, n_layers=0, first_k_dense=0, dense_layers=[], inter_size=0,
-                  ffn="swiglu", dropout=0.0, attention_impl="flash",
+                  ffn="swiglu", dropout=0.0, attention_impl="flash", expert_act="swiglu",
                   norm_eps=1e-6, tie_embeddings=False, init_std=0.02, rope_theta=10000.0, attn_type="mha",
                   n_heads=0, n_kv_heads=0, head_dim=0, qk_norm=False, q_lora_rank=0, kv_lora_rank=0,
                   qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, n_routed_experts=0, n_shared_experts=0,
@@ -71,6 +71,7 @@ MODELLED = {
 CHOICES = {
     "model.ffn": ("swiglu", "gelu"),
     "model.attention_impl": ("flash", "unfused"),
+    "model.expert_act": ("swiglu", "clamped_swiglu"),
     "model.attn_type": ("mha", "gqa", "mla"),
     "model.score_func": ("softmax", "sigmoid"),
     "model.load_balance": ("none", "aux_loss", "aux_free"),
@@ -106,6 +107,8 @@ IGNORED = {
 # Values the reference refuses: (section.key, test of the value, why, whether the engine refuses it too).
 # The engine's refusals are in Model::Model (src/model/model.cpp).
 REFUSALS = (
+    ("model.expert_act", lambda v: v != "swiglu",
+     "the reference implements SwiGLU experts only (the engine refuses GPT-OSS's clamped SwiGLU too: planned only)", True),
     ("model.ffn", lambda v: v != "swiglu",
      "the reference implements the SwiGLU MLP only (the engine refuses the GELU MLP too: planned only)", True),
     ("model.dropout", lambda v: v != 0,

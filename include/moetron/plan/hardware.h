@@ -100,6 +100,11 @@ struct Hardware {
   // ... when fused with the optimizer's update of the same masters (the engine where every master is on the rank):
   // what the rebuild adds to AdamW (0: not measured; then expert_pack_per_param)
   double expert_pack_fused_per_param = 0;
+  // The ranks' drift between two synchronizing collectives (`plan calibrate` measures it on the engine's machine; the
+  // catalog has none): by the segment of compute between them (dim in ms), the slowest rank's excess over the ranks'
+  // mean as a fraction of the segment, which every rank then waits at the collective. Empty = no drift.
+  std::vector<EffPoint> rank_skew;
+  double skew_fraction(double segment_s) const;  // rank_skew at segment_s (clamped at its ends); 0 when empty
   double elementwise_rate() const { return elementwise_bw > 0 ? elementwise_bw : stream_bw(); }
   Tier scale_up;
   Tier scale_out;
