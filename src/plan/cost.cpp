@@ -154,6 +154,7 @@ struct LayerCost {
   double tp_f = 0, tp_b = 0;      // exposed TP collectives
   double cp_f = 0, cp_b = 0;      // exposed CP exchange
   double a2a = 0;                 // one dispatch + one combine
+  double a2a_wf = 0, a2a_wb = 0;  // waits for the slowest rank at them, forward and backward (rank_skew)
   double recompute = 0;           // forward work redone in backward
   Launches launch;                // kernels the host issues
   double qk = 1;                  // host kernels per quantized GEMM input (fp8_quant_kernels)
@@ -242,13 +243,16 @@ void add_tp_cp_comm(const Ctx& x, LayerCost& lc, double attn_fwd) {
   }
   // Waiting for the slowest rank (Hardware::rank_skew: measured on the engine's machine, none in the catalog): each
   // blocking exchange lines its group up, after a segment of the pass's compute (the pass over its exchanges), and
-  // every rank waits the slowest rank's excess over the mean; split over TP and CP by their exchanges.
-  const double k_tp = l.tp > 1 ? (l.sp ? 4 : 2) : 0, k_cp = l.cp > 1 ? double(l.cp - 1) : 0, k = k_tp + k_cp;
+  // every rank waits the slowest rank's excess over the mean; split over TP, CP and EP by their exchanges (EP's
+  // dispatch and combine, whose waits the EP overlap's other lane may hide as it hides the exchange).
+  const double k_tp = l.tp > 1 ? (l.sp ? 4 : 2) : 0, k_cp = l.cp > 1 ? double(l.cp - 1) : 0;
+  const double k_ep = lc.a2a > 0 ? 2 : 0, k = k_tp + k_cp + k_ep;
   if (k > 0 && !x.h.rank_skew.empty()) {
     auto wait = [&](double compute) { return x.h.skew_fraction(compute / k) * compute; };
     const double wf = wait(lc.sum_f()), wb = wait(lc.sum_i() + lc.sum_w());
     lc.tp_f += wf * k_tp / k, lc.tp_b += wb * k_tp / k;
     lc.cp_f += wf * k_cp / k, lc.cp_b += wb * k_cp / k;
+    lc.a2a_wf = wf * k_ep / k, lc.a2a_wb = wb * k_ep / k;
   }
 }
 
@@ -445,7 +449,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
       t.w += n * lc.sum_w();
       for (int k = 0; k < kNumPlanOps; ++k)
         t.op_f[size_t(k)] += n * lc.op[k].f, t.op_b[size_t(k)] += n * (lc.op[k].i + lc.op[k].w);
-      t.a2a_f += n * lc.a2a, t.a2a_b += n * lc.a2a;
+      t.a2a_f += n * (lc.a2a + lc.a2a_wf), t.a2a_b += n * (lc.a2a + lc.a2a_wb);
       if (moe && lc.a2a > 0) moe_a2a_layers += count;
       t.gemm += n * (lc.gemm.f + lc.gemm.i + lc.gemm.w), t.attention += n * (lc.attn.f + lc.attn.i);
       t.memory_bound += n * (lc.mem.f + lc.mem.i), t.quantize += n * (lc.quant.f + lc.quant.i);
@@ -453,11 +457,11 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
       t.tp_comm += n * (lc.tp_f + lc.tp_b), t.cp_comm += n * (lc.cp_f + lc.cp_b);
       t.flops += n * 3 * lc.flops_f;
       if (hl > 0) {
-        const double gf = lc.sum_f() + lc.tp_f + lc.cp_f + lc.a2a, hf = lc.launch.f * hl;
+        const double gf = lc.sum_f() + lc.tp_f + lc.cp_f + lc.a2a + lc.a2a_wf, hf = lc.launch.f * hl;
         span_gpu += gf, span_host += hf;
         if (moe && syncs) close_span(), host_f += (n - 1) * std::max(0.0, hf - gf);
         else span_gpu += (n - 1) * gf, span_host += (n - 1) * hf;
-        bwd_gpu += n * (lc.sum_i() + lc.sum_w() + lc.tp_b + lc.cp_b + lc.recompute + lc.a2a);
+        bwd_gpu += n * (lc.sum_i() + lc.sum_w() + lc.tp_b + lc.cp_b + lc.recompute + lc.a2a + lc.a2a_wb);
         bwd_host += n * (lc.launch.i + lc.launch.w) * hl;
       }
     };

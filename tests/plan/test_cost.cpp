@@ -151,6 +151,18 @@ TEST(PlanCost, RankSkewWaitsAtEachTpAndCpExchange) {
     if (k != plan::kOpLoss) f2 += ct.ops_f[size_t(k)] / per2, b2 += ct.ops_b[size_t(k)] / per2;
   const double want2 = per2 * (h.skew_fraction(f2) * f2 + h.skew_fraction(b2) * b2);
   EXPECT_NEAR(ct.breakdown.at("comm.cp") - cb.breakdown.at("comm.cp"), want2, 1e-9 * want2);
+  // EP 2 without the overlap (every exchange exposed), every layer MoE: a flat drift s adds s x each layer's compute
+  // to the exposed EP time (dispatch and combine, two exchanges a pass).
+  const auto c3 = cfg("ds_mini", {"--parallelism.ep=2", "--model.first_k_dense=0"});
+  auto flat = plantest::round_gpu();
+  flat.rank_skew = {{1.0, 0.04}, {2.0, 0.04}};
+  const auto eb = timeof(c3, 2, plantest::round_gpu()), et = timeof(c3, 2, flat);
+  double layers = 0;
+  for (int k = 0; k < plan::kNumPlanOps; ++k)
+    if (k != plan::kOpLoss) layers += et.ops_f[size_t(k)] + et.ops_b[size_t(k)];
+  const double want3 = 0.04 * layers;
+  ASSERT_GT(want3, 0);
+  EXPECT_NEAR(et.breakdown.at("comm.ep") - eb.breakdown.at("comm.ep"), want3, 1e-6 * want3);
 }
 
 TEST(PlanCost, EpOverlapHidesAllToAll) {
