@@ -207,7 +207,8 @@ void ModelSpec::validate() const {
     bad("mtp_loss_weight", mtp_loss_weight, "must be a finite number >= 0 (DeepSeek-V3 used 0.3, then 0.1)");
   if (!(dropout >= 0 && dropout < 1)) bad("dropout", dropout, "must be in [0, 1) (0 = no dropout)");
   if (moe.expert_act != ExpertAct::SwiGLU && !is_moe())
-    bad("expert_act", to_string(moe.expert_act), "is the routed experts' activation: the model has none (n_routed_experts = 0)");
+    bad("expert_act", to_string(moe.expert_act),
+        "is the routed experts' activation: the model has none (n_routed_experts = 0)");
   if (ffn == FfnKind::GELU && is_moe())
     bad("ffn", to_string(ffn), "the gelu FFN is for dense models (n_routed_experts = 0); experts are SwiGLU");
 

@@ -71,7 +71,8 @@ Model::Model(const ModelSpec& spec, int64_t B, int64_t T, const ActivationCheckp
   MT_CHECK(spec_.dropout == 0, "Model", "model.dropout = ", spec_.dropout,
            " is not implemented in the engine (dropout is planned only: `moetron plan`); use 0");
   MT_CHECK(spec_.moe.expert_act == ExpertAct::SwiGLU, "Model", "model.expert_act = ", to_string(spec_.moe.expert_act),
-           " is not implemented in the engine (GPT-OSS's clamped SwiGLU is planned only: `moetron plan`); use \"swiglu\"");
+           " is not implemented in the engine (GPT-OSS's clamped SwiGLU is planned only: `moetron plan`); use "
+           "\"swiglu\"");
   MT_CHECK(spec_.attention_impl == AttnImpl::Flash, "Model", "model.attention_impl = ", to_string(spec_.attention_impl),
            " is not implemented in the engine (its attention is flash; unfused is planned only: `moetron plan`)");
   impl_ = std::make_unique<Impl>(*this);
