@@ -112,29 +112,42 @@ struct Aligned {
   void* get() { return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63)); }
 };
 
-// FLOP/s of an m x n x k GEMM in the compute dtype. `cold`: each call reads the next of enough weight (B) copies to
-// span twice the last-level cache (64 MiB), as the engine's layers do: between two uses of a weight the other layers'
-// and experts' weights pass through the caches, while the input (A) was just written by the kernel before.
-double gemm_rate(const Timer& tm, ComputeDtype dt, int64_t m, int64_t n, int64_t k, int reps, bool cold = false) {
-  const bool b16 = dt == ComputeDtype::BF16;
-  const size_t nb = size_t(k * n), wbytes = nb * (b16 ? 2 : 4);
-  const size_t copies = cold ? std::max<size_t>(1, (size_t(64) << 20) / wbytes) : 1;
-  std::vector<float> a(size_t(m * k), 0.5f), b(cold && !b16 ? nb * copies : nb, 0.25f), c(size_t(m * n));
-  std::vector<bf16> ab, bb;
-  if (b16) {
-    ab.resize(a.size()), bb.resize(nb * copies);
-    f32_to_bf16(ab.data(), a.data(), int64_t(a.size()));
-    for (size_t i = 0; i < copies; ++i) f32_to_bf16(bb.data() + i * nb, b.data(), int64_t(nb));
+// An m x n x k GEMM in the compute dtype, called once per run(). `cold`: each call reads the next of enough weight
+// (B) copies to span twice the last-level cache (64 MiB), as the engine's layers do: between two uses of a weight the
+// other layers' and experts' weights pass through the caches, while the input (A) was just written by the kernel
+// before.
+class GemmCall {
+ public:
+  GemmCall(ComputeDtype dt, int64_t m, int64_t n, int64_t k, bool cold)
+      : b16_(dt == ComputeDtype::BF16), m_(m), n_(n), k_(k), nb_(size_t(k * n)),
+        copies_(cold ? std::max<size_t>(1, (size_t(64) << 20) / (nb_ * (b16_ ? 2 : 4))) : 1),
+        a_(size_t(m * k), 0.5f), b_(cold && !b16_ ? nb_ * copies_ : nb_, 0.25f), c_(size_t(m * n)) {
+    if (!b16_) return;
+    ab_.resize(a_.size()), bb_.resize(nb_ * copies_);
+    f32_to_bf16(ab_.data(), a_.data(), int64_t(a_.size()));
+    for (size_t i = 0; i < copies_; ++i) f32_to_bf16(bb_.data() + i * nb_, b_.data(), int64_t(nb_));
   }
-  size_t next = 0;
-  const double t = tm.best_of(reps, [&] {
-    const size_t off = nb * (next++ % copies);
-    if (b16)
-      gemm_bf16(Trans::N, Trans::N, m, n, k, 1.f, ab.data(), k, bb.data() + off, n, 0.f, c.data(), n);
+  void run() {
+    const size_t off = nb_ * (next_++ % copies_);
+    if (b16_)
+      gemm_bf16(Trans::N, Trans::N, m_, n_, k_, 1.f, ab_.data(), k_, bb_.data() + off, n_, 0.f, c_.data(), n_);
     else
-      gemm_f32(Trans::N, Trans::N, m, n, k, 1.f, a.data(), k, b.data() + off, n, 0.f, c.data(), n);
-  });
-  return 2.0 * double(m) * double(n) * double(k) / t;
+      gemm_f32(Trans::N, Trans::N, m_, n_, k_, 1.f, a_.data(), k_, b_.data() + off, n_, 0.f, c_.data(), n_);
+  }
+  double flops() const { return 2.0 * double(m_) * double(n_) * double(k_); }
+
+ private:
+  bool b16_;
+  int64_t m_, n_, k_;
+  size_t nb_, copies_, next_ = 0;
+  std::vector<float> a_, b_, c_;
+  std::vector<bf16> ab_, bb_;
+};
+
+// FLOP/s of an m x n x k GEMM in the compute dtype (GemmCall; `cold`: its weights read from memory).
+double gemm_rate(const Timer& tm, ComputeDtype dt, int64_t m, int64_t n, int64_t k, int reps, bool cold = false) {
+  GemmCall g(dt, m, n, k, cold);
+  return g.flops() / tm.best_of(reps, [&] { g.run(); });
 }
 
 // One of the experts' two GEMMs (gate_up d -> 2F, down F -> d) over El experts: weights packed for the forward
@@ -457,27 +470,11 @@ void measure_messages(const Timer& tm, bool quick, int reps, Round& r) {
 // the summed excess over the summed mean.
 void measure_skew(const Comm& w, ComputeDtype dt, bool quick, Round& r) {
   if (w.size() < 2) return;
-  const bool b16 = dt == ComputeDtype::BF16;
-  const int64_t m = 128, n = 512, k = 512;
-  const size_t nb = size_t(n * k), copies = std::max<size_t>(1, (size_t(64) << 20) / (nb * (b16 ? 2 : 4)));
-  std::vector<float> a(size_t(m * k), 0.5f), b(b16 ? 0 : nb * copies, 0.25f), c(size_t(m * n));
-  std::vector<bf16> ab, bb;
-  if (b16) {
-    ab.resize(a.size()), bb.resize(nb * copies);
-    f32_to_bf16(ab.data(), a.data(), int64_t(a.size()));
-    std::vector<float> one(nb, 0.25f);
-    for (size_t i = 0; i < copies; ++i) f32_to_bf16(bb.data() + i * nb, one.data(), int64_t(nb));
-  }
-  size_t next = 0;
-  auto gemm_once = [&] {
-    const size_t off = nb * (next++ % copies);
-    if (b16) gemm_bf16(Trans::N, Trans::N, m, n, k, 1.f, ab.data(), k, bb.data() + off, n, 0.f, c.data(), n);
-    else gemm_f32(Trans::N, Trans::N, m, n, k, 1.f, a.data(), k, b.data() + off, n, 0.f, c.data(), n);
-  };
-  for (int i = 0; i < 4; ++i) gemm_once();
+  GemmCall g(dt, 128, 512, 512, /*cold=*/true);
+  for (int i = 0; i < 4; ++i) g.run();
   w.barrier();
   auto t0 = clk::now();
-  for (int i = 0; i < 8; ++i) gemm_once();
+  for (int i = 0; i < 8; ++i) g.run();
   const double per_gemm = max_over_ranks(w, secs(t0)) / 8;
   const std::vector<std::pair<double, int>> plan =
       quick ? std::vector<std::pair<double, int>>{{2e-3, 24}, {16e-3, 8}}
@@ -489,7 +486,7 @@ void measure_skew(const Comm& w, ComputeDtype dt, bool quick, Round& r) {
     for (int rep = 0; rep < reps; ++rep) {
       w.barrier();
       t0 = clk::now();
-      for (int i = 0; i < count; ++i) gemm_once();
+      for (int i = 0; i < count; ++i) g.run();
       const double mine = secs(t0);
       w.all_gather(all.data(), &mine, sizeof(double));
       double mean = 0, slowest = 0;

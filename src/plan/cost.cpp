@@ -241,10 +241,15 @@ void add_tp_cp_comm(const Ctx& x, LayerCost& lc, double attn_fwd) {
     lc.cp_f = std::max(0.0, ring - attn_fwd);
     lc.cp_b = std::max(0.0, 2 * ring - 2 * attn_fwd);
   }
-  // Waiting for the slowest rank (Hardware::rank_skew: measured on the engine's machine, none in the catalog): each
-  // blocking exchange lines its group up, after a segment of the pass's compute (the pass over its exchanges), and
-  // every rank waits the slowest rank's excess over the mean; split over TP, CP and EP by their exchanges (EP's
-  // dispatch and combine, whose waits the EP overlap's other lane may hide as it hides the exchange).
+}
+
+// Waiting for the slowest rank at one layer's blocking exchanges (Hardware::rank_skew: measured on the engine's
+// machine, none in the catalog): each exchange lines its group up after a segment of the pass's compute (the pass
+// over its exchanges), and every rank waits the slowest rank's excess over the mean; split over TP, CP and EP by
+// their exchanges (EP's dispatch and combine, whose waits the EP overlap's other lane may hide as it hides the
+// exchange). After the layer's compute, TP / CP exchanges and EP exchange are priced.
+void add_rank_skew_waits(const Ctx& x, LayerCost& lc) {
+  const Layout& l = x.l;
   const double k_tp = l.tp > 1 ? (l.sp ? 4 : 2) : 0, k_cp = l.cp > 1 ? double(l.cp - 1) : 0;
   const double k_ep = lc.a2a > 0 ? 2 : 0, k = k_tp + k_cp + k_ep;
   if (k > 0 && !x.h.rank_skew.empty()) {
@@ -385,6 +390,7 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
   // element (on the SP shard); the backward reads it back.
   if (s.dropout > 0) lc.add_mem(kOpOther, membound(x, 2 * d * 1 * T / x.q));
   add_tp_cp_comm(x, lc, attn_fwd);
+  add_rank_skew_waits(x, lc);
   // Recompute in backward.
   if (ac.applies_to(layer)) {
     if (ac.mode == AcMode::Full) lc.recompute = lc.sum_f() + lc.tp_f, lc.launch.i += lc.launch.f;

@@ -120,6 +120,18 @@ std::string reason_of(const std::exception& e) {
   return s;
 }
 
+// A comma-separated field's parts, trimmed, empty parts dropped.
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t p = 0; p <= text.size();) {
+    const size_t e = std::min(text.find(',', p), text.size());
+    std::string part = trim(text.substr(p, e - p));
+    p = e + 1;
+    if (!part.empty()) out.push_back(std::move(part));
+  }
+  return out;
+}
+
 }  // namespace
 
 CsvTable read_csv(std::string_view text, std::string_view source) {
@@ -208,18 +220,6 @@ bool per_gpu_tokens(std::string_view unit) {
   for (const char* p : {"tokens/s/gpu", "tokens/s/device"})
     if (u.rfind(p, 0) == 0 && (u.size() == std::strlen(p) || u[std::strlen(p)] == ' ')) return true;
   return false;
-}
-
-// A comma-separated field's parts, trimmed, empty parts dropped.
-static std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  for (size_t p = 0; p <= text.size();) {
-    const size_t e = std::min(text.find(',', p), text.size());
-    std::string part = trim(text.substr(p, e - p));
-    p = e + 1;
-    if (!part.empty()) out.push_back(std::move(part));
-  }
-  return out;
 }
 
 RowMapping map_row(const PublishedRow& r) {
