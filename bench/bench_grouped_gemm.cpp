@@ -118,14 +118,14 @@ struct Problem {
   }
   double flops() const { return 2.0 * double(kM) * double(K) * double(N); }
   static void gemm(Trans ta, Trans tb, int64_t m, int64_t n, int64_t k, const In* a, int64_t lda, const In* b,
-                   int64_t ldb, float* c, int64_t ldc) {
+                   int64_t ldb, float* c, int64_t ldc, float beta = 0.0f) {
     if constexpr (BF)
-      gemm_bf16(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+      gemm_bf16(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
     else
-      gemm_f32_onednn(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+      gemm_f32_onednn(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
   }
 
-  // op: 0 fwd, 1 dgrad, 2 wgrad
+  // op: 0 fwd, 1 dgrad, 2 wgrad into a fresh dW, 3 wgrad added to dW (the trainer's case: gradients accumulate)
   void grouped(int op) {
     const int32_t* c = counts().data();
     if constexpr (BF) {
@@ -135,13 +135,13 @@ struct Problem {
       if (op == 0) grouped_gemm_fwd(Y.data(), X.data(), Wf, c, kE, kM, K, N, ws->p, ws_bytes);
       if (op == 1) grouped_gemm_dgrad(dX.data(), dY.data(), Wd, c, kE, kM, K, N, ws->p, ws_bytes);
     }
-    if (op == 2) grouped_gemm_wgrad(dW.data(), X.data(), dY.data(), c, kE, kM, K, N, false, ws->p, ws_bytes);
+    if (op >= 2) grouped_gemm_wgrad(dW.data(), X.data(), dY.data(), c, kE, kM, K, N, op == 3, ws->p, ws_bytes);
   }
   // Dense oneDNN matmul with the same FLOPs and the same operand layouts (expert 0's weights).
   void dense(int op) {
     if (op == 0) gemm(Trans::N, Trans::N, kM, N, K, X.data(), K, Wb.data(), N, Y.data(), N);
     if (op == 1) gemm(Trans::N, Trans::T, kM, K, N, dY.data(), N, Wb.data(), N, dX.data(), K);
-    if (op == 2) gemm(Trans::T, Trans::N, K, N, kM, X.data(), K, dY.data(), N, dW.data(), N);
+    if (op >= 2) gemm(Trans::T, Trans::N, K, N, kM, X.data(), K, dY.data(), N, dW.data(), N, op == 3 ? 1.0f : 0.0f);
   }
   // A loop of per-expert oneDNN calls (each one parallel inside).
   void loop(int op) {
@@ -151,8 +151,9 @@ struct Problem {
       const In* We = Wb.data() + e * K * N;
       if (op == 0 && m) gemm(Trans::N, Trans::N, m, N, K, X.data() + o * K, K, We, N, Y.data() + o * N, N);
       if (op == 1 && m) gemm(Trans::N, Trans::T, m, K, N, dY.data() + o * N, N, We, N, dX.data() + o * K, K);
-      if (op == 2)
-        gemm(Trans::T, Trans::N, K, N, m, X.data() + o * K, K, dY.data() + o * N, N, dW.data() + e * K * N, N);
+      if (op >= 2)
+        gemm(Trans::T, Trans::N, K, N, m, X.data() + o * K, K, dY.data() + o * N, N, dW.data() + e * K * N, N,
+             op == 3 ? 1.0f : 0.0f);
       o += m;
     }
   }
@@ -215,6 +216,7 @@ int64_t* tuning_i64(const std::string& k) {
 bool* tuning_bool(const std::string& k) {
   gg::Tuning& t = gg::tuning();
   if (k == "stream") return &t.stream;
+  if (k == "prefetch") return &t.prefetch;
   if (k == "fpack_avx2") return &t.fpack_avx2;
   if (k == "wpack_avx2") return &t.wpack_avx2;
   if (k == "strip_copy_avx2") return &t.strip_copy_avx2;
@@ -359,11 +361,11 @@ BENCHMARK(BM_tile_f32)
     ->Args({6, 64, 512, 0})
     ->UseRealTime();
 
-// Args: {projection (0 up: K=512 N=176, 1 down: K=176 N=512), op (0 fwd, 1 dgrad, 2 wgrad)}
+// Args: {projection (0 up: K=512 N=176, 1 down: K=176 N=512), op (0 fwd, 1 dgrad, 2 wgrad, 3 wgrad accumulating)}
 void shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"proj", "op"});
   for (int which : {0, 1})
-    for (int op : {0, 1, 2}) b->Args({which, op});
+    for (int op : {0, 1, 2, 3}) b->Args({which, op});
   b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 

@@ -122,7 +122,10 @@ class Model {
   int64_t num_params() const { return n_params_; }
   Fsdp* fsdp() { return fsdp_.get(); }  // nullptr unless FSDP mode
   float* param_data() { return pbuf_.defined() ? pbuf_.data<float>() : nullptr; }
-  float* grad_data() { return gbuf_.defined() ? gbuf_.data<float>() : nullptr; }
+  float* grad_data() {  // settles a step begun by begin_grads() first (settle_grads)
+    settle_grads();
+    return gbuf_.defined() ? gbuf_.data<float>() : nullptr;
+  }
   const float* param_data() const { return pbuf_.defined() ? pbuf_.data<float>() : nullptr; }
 
   // Philox init keyed by (seed, parameter name): identical whatever the sharding.
@@ -144,6 +147,15 @@ class Model {
     return std::max<int64_t>(1, piece / std::max<int64_t>(expert_elems, 1));
   }
   void zero_grads();
+  // A step's gradients without the zeroing pass: every parameter's gradient is marked unwritten instead; the first
+  // weight-gradient GEMM that produces a whole parameter's gradient writes it (beta 0: the bits of adding to zeros),
+  // any other writer finds it zeroed on first use (Impl::G), and settle_grads() zeroes what no one wrote. Call
+  // settle_grads() before reading gradients through pointers taken earlier (grad_data() settles by itself). FSDP
+  // models zero their shards at once.
+  void begin_grads();
+  void settle_grads() {
+    if (grads_pending_) settle_pending_grads();
+  }
 
   // One micro-batch: forward and backward, gradients accumulated (+=). tokens/targets are [B*T];
   // target -1 is ignored. ce_scale multiplies the cross-entropy gradient (e.g. 1 / valid tokens of the
@@ -295,6 +307,9 @@ class Model {
   std::vector<ParamEntry> params_;
   int64_t n_params_ = 0;
   Tensor pbuf_, gbuf_;
+  std::vector<uint8_t> grad_unwritten_;  // per parameter, during a step begun by begin_grads()
+  bool grads_pending_ = false;           // some grad_unwritten_ may be set
+  void settle_pending_grads();
   int64_t sync_piece_elems_ = kSyncPieceElems;
   void plan_sync_pieces();       // Impl::sync_pieces, once
   void refresh_piece(size_t k);  // the compute copies made from piece k

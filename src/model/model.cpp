@@ -396,9 +396,26 @@ void Model::update_and_sync(const std::function<void(int64_t lo, int64_t hi)>& u
 
 void Model::zero_grads() {
   MT_TRACE("optim.zero_grads");  // the planner's optimizer row counts it (plan validate)
+  grads_pending_ = false;
   if (fsdp_) fsdp_->zero_grads();
   else zero_bytes(gbuf_.raw(), gbuf_.nbytes());
   if (impl_->tied_hg.defined()) impl_->tied_hg.zero_();
+}
+
+void Model::begin_grads() {
+  if (fsdp_ || !gbuf_.defined()) return zero_grads();
+  MT_TRACE("optim.zero_grads");
+  grad_unwritten_.assign(params_.size(), 1);
+  grads_pending_ = true;
+  if (impl_->tied_hg.defined()) impl_->tied_hg.zero_();
+}
+
+void Model::settle_pending_grads() {
+  MT_TRACE("optim.zero_grads");
+  grads_pending_ = false;
+  float* g = gbuf_.data<float>();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (grad_unwritten_[i]) zero_bytes(g + params_[i].offset, size_t(params_[i].numel) * 4), grad_unwritten_[i] = 0;
 }
 
 int Model::ep_size() const { return impl_->ep; }

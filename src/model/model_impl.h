@@ -290,7 +290,23 @@ struct Model::Impl {
     return fs_on ? fs_slot(i).p.data<float>() + fs_local[i] : m.pbuf_.data<float>() + m.params_[i].offset;
   }
   float* G(int i) {
-    return fs_on ? fs_slot(i).g.data<float>() + fs_local[i] : m.gbuf_.data<float>() + m.params_[i].offset;
+    if (fs_on) return fs_slot(i).g.data<float>() + fs_local[i];
+    float* g = m.gbuf_.data<float>() + m.params_[i].offset;
+    if (m.grads_pending_ && m.grad_unwritten_[size_t(i)]) {  // first use in a step begun by begin_grads()
+      zero_bytes(g, size_t(m.params_[size_t(i)].numel) * 4);
+      m.grad_unwritten_[size_t(i)] = 0;
+    }
+    return g;
+  }
+  // Parameter i's gradient for a writer that produces all `elems` of it in one go: `overwrite` says whether it may
+  // write (no one has yet in this step) instead of adding. A writer of part of a gradient, or of none of it (no rows),
+  // adds to the gradient G(i) gives.
+  float* G_whole(int i, int64_t elems, bool nonempty, bool& overwrite) {
+    overwrite = !fs_on && nonempty && m.grads_pending_ && m.grad_unwritten_[size_t(i)] &&
+                elems == m.params_[size_t(i)].numel;
+    if (!overwrite) return G(i);
+    m.grad_unwritten_[size_t(i)] = 0;
+    return m.gbuf_.data<float>() + m.params_[size_t(i)].offset;
   }
   // Parameter i as a GEMM operand: the fp32 master itself in fp32 mode, else its bf16 copy.
   const void* W(int i) {
@@ -345,12 +361,16 @@ struct Model::Impl {
   void lin_wgrad(int p, const void* x, const void* dy, int64_t rows, int64_t in, int64_t out) {
     if (defer) return record_wgrad(WTask::Lin, p, x, dy, nullptr, rows, in, out);
     if (const int s = fp8_site(p); s >= 0) return fp8_lin_wgrad(s, p, x, dy, rows, in, out);
-    gemm_c(Trans::T, Trans::N, in, out, rows, x, in, dy, out, 1.0f, G(p), out);
+    bool first = false;
+    float* g = G_whole(p, in * out, rows > 0, first);
+    gemm_c(Trans::T, Trans::N, in, out, rows, x, in, dy, out, first ? 0.0f : 1.0f, g, out);
   }
   // The same on fp32 operands whatever the compute dtype (the router's gate).
   void lin_wgrad_f32(int p, const float* x, const float* dy, int64_t rows, int64_t in, int64_t out) {
     if (defer) return record_wgrad(WTask::LinF32, p, x, dy, nullptr, rows, in, out);
-    gemm_f32(Trans::T, Trans::N, in, out, rows, 1.0f, x, in, dy, out, 1.0f, G(p), out);
+    bool first = false;
+    float* g = G_whole(p, in * out, rows > 0, first);
+    gemm_f32(Trans::T, Trans::N, in, out, rows, 1.0f, x, in, dy, out, first ? 0.0f : 1.0f, g, out);
   }
   void gemm_c(Trans ta, Trans tb, int64_t M, int64_t Nn, int64_t Kk, const void* A, int64_t lda, const void* B,
               int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -389,12 +409,13 @@ struct Model::Impl {
   void gg_wgrad(int p, const void* X, const void* dY, const int32_t* kept, int64_t R, int64_t in, int64_t out) {
     if (defer) return record_wgrad(WTask::Grouped, p, X, dY, kept, R, in, out);
     if (const int s = fp8_site(p); s >= 0) return fp8_gg_wgrad(s, p, X, dY, kept, R, in, out);
-    float* dW = G(p);
+    bool first = false;  // writing: every expert's block is written, an expert without rows as zeros
+    float* dW = G_whole(p, El * in * out, true, first);
     if (f32)
-      grouped_gemm_wgrad(dW, static_cast<const float*>(X), static_cast<const float*>(dY), kept, El, R, in, out, true,
+      grouped_gemm_wgrad(dW, static_cast<const float*>(X), static_cast<const float*>(dY), kept, El, R, in, out, !first,
                          wsp(), ws_bytes);
     else
-      grouped_gemm_wgrad(dW, static_cast<const bf16*>(X), static_cast<const bf16*>(dY), kept, El, R, in, out, true,
+      grouped_gemm_wgrad(dW, static_cast<const bf16*>(X), static_cast<const bf16*>(dY), kept, El, R, in, out, !first,
                          wsp(), ws_bytes);
   }
 

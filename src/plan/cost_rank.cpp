@@ -11,7 +11,9 @@
 
 namespace moetron::plan {
 
-// Optimizer of one rank: zero the gradient buffer once per step (write what the rank holds); the gradient norm
+// Optimizer of one rank: zero the gradient buffer once per step (write what the rank holds; not in the engine without
+// FSDP, whose first weight-gradient GEMMs of a step write instead of adding: Model::begin_grads; what it still zeroes
+// on first use, the embedding, head and norm gradients, is left out, ~6 % of ds_mini's gradients); the gradient norm
 // (read the gradients: the shard under a distributed optimizer or FSDP, every local one in the engine without
 // FSDP); AdamW over the shard (read and write parameters, main parameters and moments, read gradients), at the
 // measured per-element rate when the hardware file has one.
@@ -23,7 +25,8 @@ double optimizer_rank(const Layout& l, const Hardware& h, const Recipe& rc, cons
                                                  : rm.optimizer_elements * per_elem / bw;
   const double norm_elems = rc.engine_buffers && l.zero < 3 ? Pd + Pe : rm.optimizer_elements;
   const double norm = h.grad_norm_per_param > 0 ? norm_elems * h.grad_norm_per_param : norm_elems * rc.grad / bw;
-  return rm.grads / bw + norm + adamw;
+  const double zeroing = rc.engine_buffers && l.zero < 3 ? 0.0 : rm.grads / bw;
+  return zeroing + norm + adamw;
 }
 
 // Muon's Newton-Schulz on one pipeline rank (optimizer.name = "muon"; muon_params.h, docs/optimizer.md): every

@@ -24,7 +24,7 @@ namespace moetron {
 
 StepTotals TrainSession::forward_backward() {
   StepTotals t;
-  model->zero_grads();
+  model->begin_grads();  // no zeroing pass: the first weight-gradient GEMMs write, settle_grads() zeroes the rest
   // Normalized by the GLOBAL token count of the step (every target of the synthetic / loader data is valid).
   model->set_loss_scales(float(1.0 / double(G * T)), float(1.0 / double(micro)));
   const bool record_seqs = opt.record_data && pp_rank == plan.first_stage_rank;
@@ -32,6 +32,7 @@ StepTotals TrainSession::forward_backward() {
   const bool rec = trace::enabled() && record.steps.size() < kMaxRecordedSteps;  // a profiled step
   const bool nan_loss = fault_point(FaultPhase::Forward);
   StepOutcome o = exec->run(*data.train, B, T, rec, record_seqs ? &seqs : nullptr);
+  model->settle_grads();
   if (fault_point(FaultPhase::Backward)) state->poison_grad();
   t.runtime = o.runtime;
   if (rec) record.steps.push_back(exec->gather_record(step, o, mcs.pp));

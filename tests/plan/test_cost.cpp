@@ -518,11 +518,12 @@ TEST(PlanCost, MeasuredLossOptimizerAndRefreshFigures) {
   const double tokens = double(c.training.global_batch_size * c.training.seq_len);
   const double loss_flops = 6 * tokens * double(c.model.vocab_size) * double(c.model.d_model);
   EXPECT_NEAR(op_total(t, plan::kOpLoss), loss_flops / (0.25 * h.achievable_bf16), 1e-9 * op_total(t, plan::kOpLoss));
-  // Optimizer: zero the fp32 gradients (write 4 B each), the norm pass and AdamW over every parameter (no sharding).
+  // Optimizer: the norm pass and AdamW over every parameter (no sharding); no zeroing pass (the engine's first
+  // weight-gradient GEMMs write: Model::begin_grads).
   const auto m = plan::plan_memory(c, t.layout, h, o.memory);
   const auto& r = m.per_rank.at(0);
   const double P = r.params_tp_sharded + r.params_replicated + r.params_experts;
-  EXPECT_NEAR(t.optimizer, r.grads / h.stream_bw() + P * 1e-9 + P * 2e-9, 1e-9 * t.optimizer);
+  EXPECT_NEAR(t.optimizer, P * 1e-9 + P * 2e-9, 1e-9 * t.optimizer);
   EXPECT_GT(t.optimizer, base.optimizer);  // the round GPU streams faster than 3 ns a parameter
   // Refresh: fp32 compute keeps no copy; the experts are re-packed once per step.
   EXPECT_NEAR(t.weight_refresh, r.params_experts * 3e-9, 1e-9 * t.weight_refresh);
@@ -535,6 +536,8 @@ TEST(PlanCost, MeasuredLossOptimizerAndRefreshFigures) {
   const auto tf = time_with(cf, 2, h, of);
   const auto rf = plan::plan_memory(cf, tf.layout, h, of.memory).per_rank.at(0);
   EXPECT_NEAR(tf.weight_refresh, 2.0 * double(tf.layout.microbatches) * rf.params_experts * 3e-9, 1e-9 * tf.weight_refresh);
+  // FSDP zeroes its gradient shards (write 4 B each) before the norm over the shard and AdamW.
+  EXPECT_NEAR(tf.optimizer, rf.grads / h.stream_bw() + rf.optimizer_elements * 3e-9, 1e-9 * tf.optimizer);
   // bf16: the compute copy of every parameter but the routed experts. One process holds every master, so the
   // engine refreshes each piece right after its update (Model::update_and_sync): the copy writes 2 B (the master
   // comes from cache), and the packs cost the fused figure where it was measured.
