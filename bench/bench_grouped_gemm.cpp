@@ -211,6 +211,8 @@ int64_t* tuning_i64(const std::string& k) {
   if (k == "wnt") return &t.wnt;
   if (k == "wmc_f32") return &t.wmc_f32;
   if (k == "kc_f32_avx2") return &t.kc_f32_avx2;
+  if (k == "kc_bf16") return &t.kc_bf16;
+  if (k == "wmc") return &t.wmc;
   return nullptr;
 }
 bool* tuning_bool(const std::string& k) {
@@ -237,7 +239,9 @@ std::string apply_tuning(const std::string& spec) {
     const std::string k = kv.substr(0, eq);
     const long long v = std::atoll(kv.c_str() + eq + 1);
     if (!undo.empty()) undo += ',';
-    if (int64_t* f = tuning_i64(k)) {
+    if (k == "order") {
+      undo += k + "=" + std::to_string(gg::tuning().order), gg::tuning().order = int(v);
+    } else if (int64_t* f = tuning_i64(k)) {
       undo += k + "=" + std::to_string(*f), *f = v;
     } else if (bool* b = tuning_bool(k)) {
       undo += k + "=" + std::to_string(int(*b)), *b = v != 0;
