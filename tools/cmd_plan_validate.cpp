@@ -5,6 +5,7 @@
 // holds the layouts, the projection, the errors, the bounds and the report. Here: the flags, the engine's runs,
 // and their figures reduced over ranks. Run it under mpirun (4 ranks covers every layout; fewer ranks skip what
 // does not fit). Not a test by itself: tests/CMakeLists.txt holds it to its tolerances.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "moetron/check.h"
 #include "moetron/comm.h"
 #include "moetron/model.h"
+#include "moetron/plan/calibrate.h"
 #include "moetron/plan/published.h"
 #include "moetron/plan/validate.h"
 #include "moetron/runtime.h"
@@ -105,13 +107,22 @@ void run_validate(const Args& a) {
   const Comm w = comm_world();
   const bool root = w.rank() == 0;
   std::string header;
-  const plan::Hardware h =
-      a.hw.empty() ? calibrate_machine(w, a.quick, &header, a.rounds) : plan::resolve_hardware(a.hw);
   if (root && !a.json) std::printf("%s", plan::validation_header().c_str());
   std::vector<Picked> todo = pick_layouts(a, w.size());
   // Repeat after repeat over all the layouts, so that a slow spell of the host falls on different layouts' runs.
-  for (int rep = 0; rep < a.repeats; ++rep)
+  // Without --hw the calibration's rounds are spread over the same span: before repeat k its share of
+  // max(rounds, repeats) rounds, every figure the median over all of them (the host's speed moves over minutes;
+  // a calibration taken before the runs alone measures another moment: docs/planner.md).
+  const int total = std::max(a.rounds, a.repeats);
+  std::vector<calib::Round> rounds;
+  for (int rep = 0; rep < a.repeats; ++rep) {
+    if (a.hw.empty())
+      for (int i = rep * total / a.repeats; i < (rep + 1) * total / a.repeats; ++i)
+        rounds.push_back(calib::measure_round(w, a.quick));
     for (Picked& pk : todo) run_once(w, pk);
+  }
+  const plan::Hardware h =
+      a.hw.empty() ? plan::calibrated_hardware(rounds, &header) : plan::resolve_hardware(a.hw);
   std::vector<plan::LayoutValidation> done;
   std::vector<std::string> over;  // figures beyond their bound
   for (const Picked& pk : todo) {
@@ -119,6 +130,7 @@ void run_validate(const Args& a) {
     for (const std::string& o : plan::beyond_bounds(done.back())) over.push_back(o);
     if (root && !a.json) std::printf("%s", plan::format_validation(done.back(), a.ops).c_str());
   }
+  if (root && !a.json && !header.empty()) std::printf("calibration (spread over the repeats):\n%s", header.c_str());
   if (root && !over.empty()) {
     for (const auto& o : over) std::fprintf(stderr, "plan validate: beyond its bound: %s\n", o.c_str());
   }
@@ -143,9 +155,13 @@ void add_plan_validate(CLI::App* plan) {
       "validate", "Run the engine on small layouts and compare measured memory and step time with the projection");
   auto a = std::make_shared<Args>();
   val->add_option("--config", a->config, "the job (default configs/ds_mini.toml)");
-  auto* hw = val->add_option("--hw", a->hw, "this machine's hardware TOML (default: calibrate first)");
+  auto* hw = val->add_option("--hw", a->hw,
+                             "this machine's hardware TOML (default: calibrate here, the rounds spread over the "
+                             "repeats: before each repeat of the layouts its share of them)");
   val->add_option("--steps", a->steps, "training steps per layout (default 6; the first is not timed)");
-  val->add_option("--rounds", a->rounds, "calibration rounds when --hw is not given (default 3, see plan calibrate)")
+  val->add_option("--rounds", a->rounds,
+                  "calibration rounds when --hw is not given (default 3, at least one before each repeat; see plan "
+                  "calibrate)")
       ->check(CLI::Range(1, 50))
       ->excludes(hw);  // with --hw there is no calibration for it to shape
   val->add_option("--repeats", a->repeats,
