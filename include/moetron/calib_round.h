@@ -87,6 +87,9 @@ struct Round {
   double all_gather_s = 0, reduce_scatter_s = 0;
   double all_to_all_bytes = 0, all_to_all_s = 0;
   std::vector<SkewPoint> skew;  // ascending segment length (measure_skew)
+  // A blocking exchange whose partner comes late (measure_wait_overshoot): how much later than an exchange entered
+  // together it returns on the late rank, seconds (the early rank's waits sleep between tests: comm.mpi_wait).
+  double wait_overshoot_s = 0;
 };
 
 }  // namespace moetron::calib

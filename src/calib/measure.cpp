@@ -498,6 +498,34 @@ void measure_skew(const Comm& w, ComputeDtype dt, bool quick, Round& r) {
 }
 
 // The ranks of this job on this node (OMPI_COMM_WORLD_LOCAL_SIZE under mpirun; else all of them).
+// With two ranks or more: a blocking exchange whose partner comes late, as the engine's TP / CP / EP exchanges meet
+// after segments of compute that drift apart. A 16 KiB all-reduce (the small TP sums' size) entered together after
+// a barrier, then with rank 0 arriving 2 ms after the others (a busy wait): the late rank's time in the call beyond
+// the together-figure is what the early ranks' sleeping waits (comm.mpi_wait) add to the exchange. Medians of 15.
+void measure_wait_overshoot(const Comm& w, Round& r) {
+  if (w.size() < 2) return;
+  std::vector<float> x(4096, 1.f);
+  auto timed = [&](double late_s) {
+    std::vector<double> t;
+    for (int i = 0; i < 15; ++i) {
+      w.barrier();
+      if (w.rank() == 0) {
+        const auto until = clk::now() + std::chrono::duration<double>(late_s);
+        while (clk::now() < until) {
+        }
+      }
+      const auto t0 = clk::now();
+      w.all_reduce(x.data(), int64_t(x.size()));
+      t.push_back(secs(t0));
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  timed(0.0);  // warm-up
+  const double together = timed(0.0), late = timed(2e-3);
+  r.wait_overshoot_s = max_over_ranks(w, w.rank() == 0 ? std::max(0.0, late - together) : 0.0);
+}
+
 int local_ranks(const Comm& w) {
   int local = w.size();
   if (const char* e = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); e && std::atoi(e) > 0) local = std::atoi(e);
@@ -564,6 +592,7 @@ Round measure_round(const Comm& w, bool quick) {
   measure_copy(tm, quick, reps, r);
   measure_messages(tm, quick, reps, r);
   measure_skew(w, dt, quick, r);
+  measure_wait_overshoot(w, r);
   r.cpu_share = min_over_ranks(w, cpu_share.share());
   return r;
 }

@@ -187,6 +187,17 @@ std::string rank_skew(const calib::Round& r, const std::string& when, Hardware& 
   return line + "\n";
 }
 
+// With two ranks or more: what a blocking exchange costs beyond its transfer when its partner comes late
+// (wait_overshoot). Returns the comment line.
+std::string wait_overshoot(const calib::Round& r, const std::string& when, Hardware& h) {
+  if (r.ranks < 2 || !(r.wait_overshoot_s > 0)) return "";  // not measured (or no later than together)
+  h.wait_overshoot = r.wait_overshoot_s;
+  h.sources["wait_overshoot_us"] = when + "; a 16 KiB all-reduce with one rank 2 ms late, against the same entered "
+                                          "together, on the late rank";
+  return fmt("# wait overshoot (a partner 2 ms late, the late rank's exchange beyond one entered together): %.1f us\n",
+             1e6 * h.wait_overshoot);
+}
+
 // The dense GEMM at check_m rows with its weight cold (the curve's convention) and hot in the caches: how much a
 // weight-resident benchmark would overstate the engine's dense GEMMs on this machine.
 std::string gemm_check(const calib::Round& r) {
@@ -221,7 +232,7 @@ Hardware hardware_from_round(const calib::Round& r, std::string* comments) {
   detail = rebase(r, r_ref, h) + detail;
   message_tiers(r, h);
   set_sources(r, when, h);
-  const std::string check = fit_collectives(r, when, h) + rank_skew(r, when, h);
+  const std::string check = fit_collectives(r, when, h) + rank_skew(r, when, h) + wait_overshoot(r, when, h);
   validate_hardware(h, "calibrate");
   detail = fmt("# CPU share during the calibration: %.2f (the smallest over ranks; 1 = no other process took these "
                "cores; every figure is scaled to a full share)\n",
@@ -242,7 +253,7 @@ Hardware combine_rounds(const std::vector<Hardware>& r) {
   using H = Hardware;
   for (double H::*f : {&H::hbm_bw, &H::kernel_overhead, &H::elementwise_bw, &H::optimizer_per_param,
                        &H::grad_norm_per_param, &H::expert_pack_per_param, &H::expert_pack_fused_per_param,
-                       &H::achievable_fp32})
+                       &H::achievable_fp32, &H::wait_overshoot})
     h.*f = med([&](const H& x) { return x.*f; });
   for (Tier H::*t : {&H::scale_up, &H::scale_out}) {
     (h.*t).bw = med([&](const H& x) { return (x.*t).bw; });

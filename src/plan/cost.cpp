@@ -247,17 +247,19 @@ void add_tp_cp_comm(const Ctx& x, LayerCost& lc, double attn_fwd) {
 // machine, none in the catalog): each exchange lines its group up after a segment of the pass's compute (the pass
 // over its exchanges), and every rank waits the slowest rank's excess over the mean; split over TP, CP and EP by
 // their exchanges (EP's dispatch and combine, whose waits the EP overlap's other lane may hide as it hides the
-// exchange). After the layer's compute, TP / CP exchanges and EP exchange are priced.
+// exchange). After the layer's compute, TP / CP exchanges and EP exchange are priced. Each of those exchanges also
+// pays Hardware::wait_overshoot once a pass (measured: the late rank's exchange returns that much later than one
+// entered together, as the early rank's sleeping wait wakes late; none in the catalog).
 void add_rank_skew_waits(const Ctx& x, LayerCost& lc) {
   const Layout& l = x.l;
   const double k_tp = l.tp > 1 ? (l.sp ? 4 : 2) : 0, k_cp = l.cp > 1 ? double(l.cp - 1) : 0;
-  const double k_ep = lc.a2a > 0 ? 2 : 0, k = k_tp + k_cp + k_ep;
-  if (k > 0 && !x.h.rank_skew.empty()) {
+  const double k_ep = lc.a2a > 0 ? 2 : 0, k = k_tp + k_cp + k_ep, ov = x.h.wait_overshoot;
+  if (k > 0 && (!x.h.rank_skew.empty() || ov > 0)) {
     auto wait = [&](double compute) { return x.h.skew_fraction(compute / k) * compute; };
     const double wf = wait(lc.sum_f()), wb = wait(lc.sum_i() + lc.sum_w());
-    lc.tp_f += wf * k_tp / k, lc.tp_b += wb * k_tp / k;
-    lc.cp_f += wf * k_cp / k, lc.cp_b += wb * k_cp / k;
-    lc.a2a_wf = wf * k_ep / k, lc.a2a_wb = wb * k_ep / k;
+    lc.tp_f += wf * k_tp / k + ov * k_tp, lc.tp_b += wb * k_tp / k + ov * k_tp;
+    lc.cp_f += wf * k_cp / k + ov * k_cp, lc.cp_b += wb * k_cp / k + ov * k_cp;
+    lc.a2a_wf = wf * k_ep / k + ov * k_ep, lc.a2a_wb = wb * k_ep / k + ov * k_ep;
   }
 }
 

@@ -68,6 +68,9 @@ constexpr Key kTop[] = {
     {"rank_skew", Kind::Curve, 1, false,
      "[[segment_ms, fraction], ...] the slowest rank's excess over the ranks' mean for a segment of compute between "
      "two synchronizing collectives (measured by plan calibrate; empty = none)"},
+    {"wait_overshoot_us", Kind::Number, kUs, false,
+     "a blocking exchange's cost beyond its transfer when a rank waits for a late partner (measured by plan "
+     "calibrate; 0 = none), microseconds"},
     {"optimizer_ns_per_param", Kind::Number, kNs, false, "AdamW update per parameter element, nanoseconds"},
     {"grad_norm_ns_per_param", Kind::Number, kNs, false, "the gradient-norm pass per gradient element, nanoseconds"},
     {"expert_pack_ns_per_param", Kind::Number, kNs, false,
@@ -212,6 +215,7 @@ double* number_field(Hardware& h, std::string_view key) {
   if (key == "attention_efficiency") return &h.attention_efficiency;
   if (key == "loss_efficiency") return &h.loss_efficiency;
   if (key == "elementwise_bw_gbps") return &h.elementwise_bw;
+  if (key == "wait_overshoot_us") return &h.wait_overshoot;
   if (key == "optimizer_ns_per_param") return &h.optimizer_per_param;
   if (key == "grad_norm_ns_per_param") return &h.grad_norm_per_param;
   if (key == "expert_pack_ns_per_param") return &h.expert_pack_per_param;
@@ -606,6 +610,7 @@ std::string hardware_to_toml(const Hardware& h) {
   // The measured per-op figures only when set (0 means "not measured": the cost model's generic pricing).
   if (h.loss_efficiency > 0) num("loss_efficiency", h.loss_efficiency, 1);
   if (h.elementwise_bw > 0) num("elementwise_bw_gbps", h.elementwise_bw, kGB);
+  if (h.wait_overshoot > 0) num("wait_overshoot_us", h.wait_overshoot, kUs);
   if (h.optimizer_per_param > 0) num("optimizer_ns_per_param", h.optimizer_per_param, kNs);
   if (h.grad_norm_per_param > 0) num("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
   if (h.expert_pack_per_param > 0) num("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);
@@ -669,6 +674,7 @@ void validate_hardware(const Hardware& h, std::string_view source) {
   if (!(h.loss_efficiency >= 0 && h.loss_efficiency <= 1))
     c.fail("loss_efficiency", h.loss_efficiency, "must lie in [0, 1] (0 = not measured)");
   c.non_negative("elementwise_bw_gbps", h.elementwise_bw, kGB);
+  c.non_negative("wait_overshoot_us", h.wait_overshoot, kUs);
   c.non_negative("optimizer_ns_per_param", h.optimizer_per_param, kNs);
   c.non_negative("grad_norm_ns_per_param", h.grad_norm_per_param, kNs);
   c.non_negative("expert_pack_ns_per_param", h.expert_pack_per_param, kNs);

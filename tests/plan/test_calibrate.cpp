@@ -234,6 +234,27 @@ TEST(Calibrate, TwoRanksRankSkewCurve) {
   expect_curve(back.rank_skew, h.rank_skew);
 }
 
+TEST(Calibrate, TwoRanksWaitOvershoot) {
+  calib::Round r = round_two_ranks();
+  r.wait_overshoot_s = 180e-6;
+  std::string c;
+  const Hardware h = hardware_from_round(r, &c);
+  EXPECT_DOUBLE_EQ(h.wait_overshoot, 180e-6);
+  EXPECT_NE(c.find("# wait overshoot (a partner 2 ms late, the late rank's exchange beyond one entered together): "
+                   "180.0 us\n"),
+            std::string::npos)
+      << c;
+  calib::Round one = round_one_rank();
+  one.wait_overshoot_s = 180e-6;
+  EXPECT_EQ(hardware_from_round(one).wait_overshoot, 0.0);  // one rank: no exchange measured
+  calib::Round r2 = r, r3 = r;
+  r2.wait_overshoot_s = 400e-6, r3.wait_overshoot_s = 90e-6;
+  EXPECT_DOUBLE_EQ(combine_rounds({hardware_from_round(r), hardware_from_round(r2), hardware_from_round(r3)})
+                       .wait_overshoot,
+                   180e-6);
+  EXPECT_NEAR(hardware_from_toml(hardware_to_toml(h)).wait_overshoot, 180e-6, 1e-12);
+}
+
 TEST(Calibrate, OneRoundRefusals) {
   calib::Round r = round_one_rank();
   r.reference.clear();

@@ -165,6 +165,33 @@ TEST(PlanCost, RankSkewWaitsAtEachTpAndCpExchange) {
   EXPECT_NEAR(et.breakdown.at("comm.ep") - eb.breakdown.at("comm.ep"), want3, 1e-6 * want3);
 }
 
+// The measured wait overshoot (Hardware::wait_overshoot): each blocking exchange a pass pays it once: TP with SP
+// four a pass (two gathers, two scatters), CP 2 one ring step, EP 2 dispatch and combine; nothing on one rank.
+TEST(PlanCost, WaitOvershootAtEachBlockingExchange) {
+  const std::vector<std::string> dense = {"--model.n_routed_experts=0", "--model.n_shared_experts=0",
+                                          "--model.moe_inter_size=0", "--model.topk=0", "--model.first_k_dense=0"};
+  auto with = [&](std::vector<std::string> ov, std::vector<std::string> more) {
+    ov.insert(ov.end(), more.begin(), more.end());
+    return cfg("ds_mini", ov);
+  };
+  auto h = plantest::round_gpu();
+  h.wait_overshoot = 3e-4;
+  const auto ctp = with({"--parallelism.tp=2"}, dense);
+  const auto tb = timeof(ctp, 2, plantest::round_gpu()), tt = timeof(ctp, 2, h);
+  const double per = double(ctp.model.n_layers) * double(tt.layout.microbatches);
+  EXPECT_NEAR(tt.breakdown.at("comm.tp") - tb.breakdown.at("comm.tp"), per * 2 * 4 * 3e-4, 1e-9);
+  const auto ccp = with({"--parallelism.cp=2"}, dense);
+  const auto cb = timeof(ccp, 2, plantest::round_gpu()), ct = timeof(ccp, 2, h);
+  const double per2 = double(ccp.model.n_layers) * double(ct.layout.microbatches);
+  EXPECT_NEAR(ct.breakdown.at("comm.cp") - cb.breakdown.at("comm.cp"), per2 * 2 * 1 * 3e-4, 1e-9);
+  const auto cep = cfg("ds_mini", {"--parallelism.ep=2", "--model.first_k_dense=0"});
+  const auto eb = timeof(cep, 2, plantest::round_gpu()), et = timeof(cep, 2, h);
+  const double per3 = double(cep.model.n_layers) * double(et.layout.microbatches);
+  EXPECT_NEAR(et.breakdown.at("comm.ep") - eb.breakdown.at("comm.ep"), per3 * 2 * 2 * 3e-4, 1e-9);
+  const auto c0 = cfg("ds_mini", dense);
+  EXPECT_DOUBLE_EQ(timeof(c0, 1, h).step_time, timeof(c0, 1, plantest::round_gpu()).step_time);
+}
+
 TEST(PlanCost, EpOverlapHidesAllToAll) {
   // A slow scale-out makes EP expensive; the 1F1B all-to-all overlap must hide part of it.
   auto h = plan::catalog_hardware("h100");

@@ -105,6 +105,9 @@ struct Hardware {
   // mean as a fraction of the segment, which every rank then waits at the collective. Empty = no drift.
   std::vector<EffPoint> rank_skew;
   double skew_fraction(double segment_s) const;  // rank_skew at segment_s (clamped at its ends); 0 when empty
+  // What a blocking exchange costs beyond its transfer when one rank reaches it first and waits (the engine's waits
+  // sleep between tests and wake late): seconds per exchange, measured by `plan calibrate`; 0 = none (the catalog).
+  double wait_overshoot = 0;
   double elementwise_rate() const { return elementwise_bw > 0 ? elementwise_bw : stream_bw(); }
   Tier scale_up;
   Tier scale_out;
