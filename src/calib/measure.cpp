@@ -497,7 +497,6 @@ void measure_skew(const Comm& w, ComputeDtype dt, bool quick, Round& r) {
   }
 }
 
-// The ranks of this job on this node (OMPI_COMM_WORLD_LOCAL_SIZE under mpirun; else all of them).
 // With two ranks or more: a blocking exchange whose partner comes late, as the engine's TP / CP / EP exchanges meet
 // after segments of compute that drift apart. A 16 KiB all-reduce (the small TP sums' size) entered together after
 // a barrier, then with rank 0 arriving 2 ms after the others (a busy wait): the late rank's time in the call beyond
@@ -526,6 +525,7 @@ void measure_wait_overshoot(const Comm& w, Round& r) {
   r.wait_overshoot_s = max_over_ranks(w, w.rank() == 0 ? std::max(0.0, late - together) : 0.0);
 }
 
+// The ranks of this job on this node (OMPI_COMM_WORLD_LOCAL_SIZE under mpirun; else all of them).
 int local_ranks(const Comm& w) {
   int local = w.size();
   if (const char* e = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); e && std::atoi(e) > 0) local = std::atoi(e);

@@ -304,9 +304,8 @@ struct Model::Impl {
   float* G_whole(int i, int64_t elems, bool nonempty, bool& overwrite) {
     overwrite = !fs_on && nonempty && m.grads_pending_ && m.grad_unwritten_[size_t(i)] &&
                 elems == m.params_[size_t(i)].numel;
-    if (!overwrite) return G(i);
-    m.grad_unwritten_[size_t(i)] = 0;
-    return m.gbuf_.data<float>() + m.params_[size_t(i)].offset;
+    if (overwrite) m.grad_unwritten_[size_t(i)] = 0;  // so G(i) below leaves it as it is
+    return G(i);
   }
   // Parameter i as a GEMM operand: the fp32 master itself in fp32 mode, else its bf16 copy.
   const void* W(int i) {
