@@ -6,13 +6,15 @@
 //   mpirun --oversubscribe -np 4 build/bench/mpi_bench_dispatch [--tokens 2048] [--hidden 512] [--topk 6]
 //          [--experts 64] [--rpn 2] [--iters 8] [--warmup 2]
 //          [--only alltoall,direct,sync_free,hierarchical] [--payloads f32,bf16,e4m3,bf16f32]
-//          [--land no|yes|both] [--mpi-thread multiple|funneled]
+//          [--land no|yes|both] [--mpi-thread multiple|funneled] [--transport mpi,shm]
 //
 // Payloads (dispatch/combine): f32 f32/f32, bf16 bf16/bf16, e4m3 e4m3/bf16, bf16f32 bf16/f32 (what the trainer
 // sends under bf16 compute). --land: with f32 or bf16 dispatch rows, also (yes: only) the land_rows form, where
 // the rows land undecoded in a buffer of the caller's (the trainer's experts' input) instead of fp32 recv_x;
 // the "experts" then read an fp32 buffer of R rows of their own for the combine.
 // --mpi-thread: the thread level MPI_Init is asked for (the trainer's [comm] mpi_thread; default multiple).
+// --transport: the EP transports to run (ep_transport: mpi messages, shm = shared memory, alltoall and sync_free
+// only; the "+shm" rows). Default both.
 // Per configuration, per iteration: barrier; dispatch; combine (the "experts" are the identity: yr = recv_x);
 // the iteration time is the slowest rank's. bytes = what one rank sends in dispatch + combine, averaged over
 // ranks, all destinations (self included; payload rows, per-record metadata, headers and count rounds, i.e.
@@ -67,7 +69,7 @@ struct Args {
   int64_t tokens = 2048, hidden = 512;
   int topk = 6, experts = 64, rpn = 2, iters = 8, warmup = 2;
   std::string only = "alltoall,direct,sync_free,hierarchical", payloads = "f32,bf16,e4m3,bf16f32", land = "both";
-  std::string mpi_thread = "multiple";
+  std::string mpi_thread = "multiple", transport = "mpi,shm";
 };
 
 Args parse(int argc, char** argv) {
@@ -78,6 +80,7 @@ Args parse(int argc, char** argv) {
     if (k == "--only") a.only = argv[i + 1];
     else if (k == "--payloads") a.payloads = argv[i + 1];
     else if (k == "--land") a.land = argv[i + 1];
+    else if (k == "--transport") a.transport = argv[i + 1];
     else if (k == "--mpi-thread") a.mpi_thread = argv[i + 1];
     else if (k == "--tokens") a.tokens = v;
     else if (k == "--hidden") a.hidden = v;
@@ -93,6 +96,10 @@ Args parse(int argc, char** argv) {
   }
   if (a.land != "no" && a.land != "yes" && a.land != "both") {
     std::fprintf(stderr, "--land must be no, yes or both, not '%s'\n", a.land.c_str());
+    std::exit(2);
+  }
+  if (a.transport.empty() || a.transport.find_first_not_of("mpishm,") != std::string::npos) {
+    std::fprintf(stderr, "--transport must list mpi and/or shm, not '%s'\n", a.transport.c_str());
     std::exit(2);
   }
   if (a.mpi_thread != "multiple" && a.mpi_thread != "funneled") {
@@ -153,7 +160,7 @@ int main(int argc, char** argv) {
   struct Case {
     EpDispatcher kind;
     EpPayload dp, cp;
-    bool direct, land;
+    bool direct, land, shm;
   };
   std::vector<Case> cases;
   auto listed = [](const std::string& list, std::string_view name) {  // name is an item of the comma list
@@ -175,8 +182,14 @@ int main(int argc, char** argv) {
       if (listed(a.payloads, y.name))
         for (bool land : {false, true}) {
           if (land ? (a.land == "no" || y.dp == EpPayload::E4M3) : (a.land == "yes" && y.dp != EpPayload::E4M3)) continue;
-          if (listed(a.only, to_string(kd))) cases.push_back({kd, y.dp, y.cp, false, land});
-          if (kd == EpDispatcher::AllToAll && listed(a.only, "direct")) cases.push_back({kd, y.dp, y.cp, true, land});
+          if (listed(a.transport, "mpi")) {
+            if (listed(a.only, to_string(kd))) cases.push_back({kd, y.dp, y.cp, false, land, false});
+            if (kd == EpDispatcher::AllToAll && listed(a.only, "direct"))
+              cases.push_back({kd, y.dp, y.cp, true, land, false});
+          }
+          // shm: flat dispatchers only (hierarchical refuses it); alltoall_direct changes nothing there
+          if (listed(a.transport, "shm") && kd != EpDispatcher::Hierarchical && listed(a.only, to_string(kd)))
+            cases.push_back({kd, y.dp, y.cp, false, land, true});
         }
 
   // Routing facts (all ranks): nodes touched per token (nodes = groups of rpn ranks), slots on another node
@@ -221,6 +234,7 @@ int main(int argc, char** argv) {
     cfg.combine_payload = c.cp;
     cfg.alltoall_direct = c.direct;
     cfg.land_rows = c.land;
+    cfg.transport = c.shm ? EpTransport::Shm : EpTransport::Mpi;
     EpDispatch ep(world, cfg);
     // land_rows: the caller's buffer for the rows (as the trainer's experts' input) and the experts' fp32
     // output the combine reads (any values: the combine's cost does not depend on them).
@@ -311,7 +325,7 @@ int main(int argc, char** argv) {
     }
     const Timing te = summarize(t_ep), tr = summarize(t_raw), tcm = summarize(t_comm), trr = summarize(t_rawr);
     const double raw_r = double(per_peer_r * nrounds * P) / trr.best * 1e-9;
-    if (!c.direct && !c.land && c.cp == (c.dp == EpPayload::F32 ? EpPayload::F32 : EpPayload::BF16))
+    if (!c.direct && !c.land && !c.shm && c.cp == (c.dp == EpPayload::F32 ? EpPayload::F32 : EpPayload::BF16))
       rows.push_back({c.kind, c.dp, avg_inter, te.best * 1e3});
     const double gbs = avg_bytes / te.best * 1e-9, raw = avg_bytes / tr.best * 1e-9;
     const double buf = max_over_ranks(double(ep.buffer_bytes())) / 1048576.0;
@@ -320,7 +334,7 @@ int main(int argc, char** argv) {
       char errs[32] = "-";
       if (c.dp != EpPayload::F32) std::snprintf(errs, sizeof errs, "%.4f", err);
       std::printf("%-15s %-10s %8.2f %8.2f %8.2f %8.1f %7.2f %8.2f %6.2f %7d %8.2f %6.2f %6.1f%% %8.1f  rel_err %s\n",
-                  (std::string(to_string(c.kind)) + (c.direct ? "+direct" : "")).c_str(), pl.c_str(), te.best * 1e3, te.median * 1e3, tcm.best * 1e3,
+                  (std::string(to_string(c.kind)) + (c.direct ? "+direct" : "") + (c.shm ? "+shm" : "")).c_str(), pl.c_str(), te.best * 1e3, te.median * 1e3, tcm.best * 1e3,
                   avg_bytes / 1e6, gbs, raw, gbs / raw, nrounds, raw_r, gbs / raw_r, 100.0 * avg_inter / avg_bytes, buf,
                   errs);
       std::fflush(stdout);

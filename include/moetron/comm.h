@@ -153,6 +153,24 @@ class CommRequest {
   int64_t id_ = -1;
 };
 
+// Memory every member of a communicator can load from and store to directly: one segment per member, all of
+// them on one node (an MPI shared-memory window; the single-process communicator's is plain memory). What a
+// transport that writes rows straight into a peer's buffer builds on (the EP dispatchers' ep_transport = "shm").
+// Made by Comm::share_memory (collective); destroying it is collective too, except while an exception unwinds
+// (then the window is left to MPI_Finalize). Ordering between members: stores made before a publish() of a
+// flag are visible to a member once it has seen that flag's value with seen().
+class SharedMemory {
+ public:
+  virtual ~SharedMemory() = default;
+  virtual char* segment(int rank) const = 0;  // member `rank`'s segment: bytes() long, 64-byte aligned
+  virtual int64_t bytes() const = 0;
+  // Waits until ready() holds, the way communication waits ([comm] mpi_wait, mpi_max_nap_us): it tests at once,
+  // then naps between tests, running the thread's CommIdleWork. Single process: ready() must already hold.
+  virtual void wait_until(const std::function<bool()>& ready) const = 0;
+  static void publish(int64_t* flag, int64_t v);  // release store
+  static int64_t seen(const int64_t* flag);       // acquire load
+};
+
 // A handle (like a shared_ptr: the methods are const, the communicator and its stats are shared by copies).
 // A default-constructed Comm is the single-process communicator (size 1).
 class Comm {
@@ -215,6 +233,10 @@ class Comm {
   void wait_all(CommRequest* reqs, size_t n) const;
   int64_t pending_requests() const;  // posted, not yet completed
   void barrier() const;
+
+  // One segment of `bytes` (rounded up to 64) per member that every member can address (SharedMemory above).
+  // Collective. Null on every member when they do not all share one node.
+  std::unique_ptr<SharedMemory> share_memory(int64_t bytes) const;
 
   // Ranks with the same color (>= 0) form a communicator, ordered by (key, rank). Collective.
   Comm split(int color, int key) const;

@@ -91,6 +91,9 @@ struct EpDispatchConfig {
   // then null. What a trainer wants when the payload is its compute dtype: the rows land where the grouped
   // GEMM reads them. alltoall_direct then lands bf16 rows in place too.
   bool land_rows = false;
+  // How rows move (alltoall and sync_free): MPI messages, or shared memory (every EP rank on one node; the
+  // constructor, collective then, refuses otherwise). Hierarchical refuses shm: it exists to cross nodes.
+  EpTransport transport = EpTransport::Mpi;
 };
 
 // What one rank did in one call (or a sum of calls). Bytes are the bytes this rank SENT, split by where

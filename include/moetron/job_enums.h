@@ -16,6 +16,9 @@ enum class Precision : uint8_t { BF16, FP32, FP8 };  // element sizes for the ac
 enum class ComputeDtype : uint8_t { Auto, BF16, FP32 };
 enum class DecayType : uint8_t { Cosine, Linear, None };
 enum class EpDispatcher : uint8_t { AllToAll, SyncFree, Hierarchical };
+// [parallelism] ep_transport: how the flat dispatchers' rows move between EP ranks: MPI messages, or shared
+// memory when every EP rank is on one node (rows read and written in place; src/ep/dispatch_shm.cpp).
+enum class EpTransport : uint8_t { Mpi, Shm };
 enum class AcMode : uint8_t { None, Selective, Full };
 // [quantize] recipe: the FP8 training recipe (how GEMM operands are scaled). The planner prices its GEMMs at
 // the FP8 rate plus the quantization passes; the engine emulates the recipe exactly (QuantizeSpec in config.h).
@@ -25,6 +28,7 @@ std::string_view to_string(Precision v);
 std::string_view to_string(ComputeDtype v);
 std::string_view to_string(DecayType v);
 std::string_view to_string(EpDispatcher v);
+std::string_view to_string(EpTransport v);
 std::string_view to_string(AcMode v);
 std::string_view to_string(Fp8Recipe v);
 

@@ -71,6 +71,7 @@ struct ModelParallel {
   // and targets and uses its own rows of them. seq_len must be divisible by 2 cp.
   const Comm* cp = nullptr;
   EpDispatcher dispatcher = EpDispatcher::AllToAll;
+  EpTransport ep_transport = EpTransport::Mpi;
   bool fp8_dispatch = false;  // E4M3 1x128 dispatch payload (else bf16, which is exact: the experts
                               // consume bf16 rows anyway); combine and the backward rows stay fp32
   int ep_ranks_per_node = 0;  // EP ranks per node (0 = one node)

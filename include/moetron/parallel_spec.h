@@ -27,6 +27,7 @@ struct ParallelSpec {
   int64_t pp = 1;  // pipeline ranks (the pp_* keys: resolve_pipeline)
   int64_t ranks_per_node = 8;
   EpDispatcher ep_dispatcher = EpDispatcher::AllToAll;
+  EpTransport ep_transport = EpTransport::Mpi;  // shm: alltoall / sync_free rows through shared memory (one node)
   bool fp8_dispatch = false;
   int64_t zero = 0;  // 0, 1, 2 (planner only: gradients sharded too) or 3
   // Pipeline (schedule.h, pp_layout.h). pp_schedule names the generator: gpipe, 1f1b, interleaved_1f1b, zb1p,

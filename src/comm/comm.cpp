@@ -82,6 +82,25 @@ std::string CommStats::summary() const {
 namespace detail {
 namespace {
 
+// The single-process communicator's shared memory: one tracked block, nobody to wait for.
+class LocalShared final : public SharedMemory {
+ public:
+  explicit LocalShared(int64_t bytes) : bytes_((bytes + 63) / 64 * 64) {
+    p_ = static_cast<char*>(mt_alloc(size_t(std::max<int64_t>(bytes_, 64)), MemCategory::Comm));
+  }
+  ~LocalShared() override { mt_free(p_, size_t(std::max<int64_t>(bytes_, 64)), MemCategory::Comm); }
+  char* segment(int) const override { return p_; }
+  int64_t bytes() const override { return bytes_; }
+  void wait_until(const std::function<bool()>& ready) const override {
+    MT_CHECK(ready(), "comm.shared_memory", "single-process wait on a condition that does not hold: it would "
+             "never be met");
+  }
+
+ private:
+  int64_t bytes_;
+  char* p_ = nullptr;
+};
+
 class LocalBackend final : public CommBackend {
  public:
   int rank() const override { return 0; }
@@ -139,6 +158,7 @@ class LocalBackend final : public CommBackend {
   }
   void barrier() override {}
   std::shared_ptr<CommBackend> split(int, int) override { return std::make_shared<LocalBackend>(); }
+  std::unique_ptr<SharedMemory> share_memory(int64_t bytes) override { return std::make_unique<LocalShared>(bytes); }
   std::vector<int> world_ranks() const override { return {0}; }
 
  private:
@@ -685,6 +705,19 @@ void Comm::barrier() const {
   OpTimer tm(*s_, CommOp::Barrier);
   s_->be->barrier();
   tm.done(0, 0);
+}
+
+std::unique_ptr<SharedMemory> Comm::share_memory(int64_t bytes) const {
+  MT_CHECK(bytes >= 0, "comm.share_memory", "negative size ", bytes);
+  OpTimer tm(*s_, CommOp::Barrier);
+  auto m = s_->be->share_memory(bytes);
+  tm.done(0, 0);
+  return m;
+}
+
+void SharedMemory::publish(int64_t* flag, int64_t v) { std::atomic_ref<int64_t>(*flag).store(v, std::memory_order_release); }
+int64_t SharedMemory::seen(const int64_t* flag) {
+  return std::atomic_ref<int64_t>(*const_cast<int64_t*>(flag)).load(std::memory_order_acquire);
 }
 
 Comm Comm::split(int color, int key) const {

@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "moetron/comm.h"
+
 namespace moetron::detail {
 
 // Tags above kCommMaxUserTag (comm.h) that the backends use for their own point-to-point traffic.
@@ -51,6 +53,8 @@ class CommBackend {
   virtual std::string wait_all(const int64_t* ids, int n) = 0;
   virtual void barrier() = 0;
   virtual std::shared_ptr<CommBackend> split(int color, int key) = 0;
+  // Comm::share_memory: null when the members do not all share a node (the same answer on every member).
+  virtual std::unique_ptr<SharedMemory> share_memory(int64_t bytes) = 0;
   // The members' ranks in MPI_COMM_WORLD, in this communicator's order (single process: {0}). For traces.
   virtual std::vector<int> world_ranks() const = 0;
 };

@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -26,6 +27,7 @@
 #include "moetron/env.h"
 #include "moetron/check.h"
 #include "moetron/comm.h"
+#include "moetron/memory.h"
 
 namespace moetron::detail {
 namespace {
@@ -100,6 +102,65 @@ int wait_requests(int n, MPI_Request* reqs, MPI_Status* st) {
     nap = std::min(nap * 2, top);
   }
 }
+
+// A shared-memory window over a communicator whose members all share a node (MpiBackend::share_memory). Each
+// member charges its own segment to the Comm memory category.
+class MpiShared final : public SharedMemory {
+ public:
+  MpiShared(MPI_Comm node, int64_t bytes) : node_(node), bytes_((bytes + 63) / 64 * 64) {
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");  // each segment on its owner's memory, page aligned
+    char* base = nullptr;
+    // 64 bytes more, to align each segment (the mappings are page aligned, so every process aligns alike)
+    const int rc = MPI_Win_allocate_shared(MPI_Aint(bytes_ + 64), 1, info, node_, &base, &win_);
+    MPI_Info_free(&info);
+    mpi_ok(rc, "comm.share_memory");
+    int n = 0;
+    MPI_Comm_size(node_, &n);
+    seg_.assign(size_t(n), nullptr);
+    for (int r = 0; r < n; ++r) {
+      MPI_Aint sz = 0;
+      int du = 0;
+      void* p = nullptr;
+      mpi_ok(MPI_Win_shared_query(win_, r, &sz, &du, &p), "comm.share_memory");
+      seg_[size_t(r)] = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+    }
+    mpi_ok(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_), "comm.share_memory");
+    MemoryTracker::global().on_alloc(MemCategory::Comm, bytes_);
+  }
+  ~MpiShared() override {
+    MemoryTracker::global().on_free(MemCategory::Comm, bytes_);
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin || std::uncaught_exceptions() > 0) return;  // collective calls are not safe while unwinding
+    MPI_Win_unlock_all(win_);
+    MPI_Win_free(&win_);
+    MPI_Comm_free(&node_);
+  }
+  char* segment(int rank) const override { return static_cast<char*>(seg_.at(size_t(rank))); }
+  int64_t bytes() const override { return bytes_; }
+  void wait_until(const std::function<bool()>& ready) const override {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    auto nap = std::chrono::microseconds(20);
+    while (!ready()) {
+      if (CommIdleWork::run()) continue;
+      if (!wait_by_polling() || clock::now() - start < std::chrono::microseconds(50)) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, max_nap());
+    }
+  }
+
+ private:
+  MPI_Comm node_;
+  MPI_Win win_ = MPI_WIN_NULL;
+  int64_t bytes_;
+  std::vector<void*> seg_;
+};
 
 void wait_ok(int n, MPI_Request* reqs, const char* op) { mpi_ok(wait_requests(n, reqs, MPI_STATUSES_IGNORE), op); }
 
@@ -268,6 +329,21 @@ class MpiBackend final : public CommBackend {
     MPI_Comm c;
     mpi_ok(MPI_Comm_split(comm_, color, key, &c), "comm.split");
     return std::make_shared<MpiBackend>(c, true);
+  }
+
+  std::unique_ptr<SharedMemory> share_memory(int64_t bytes) override {
+    MPI_Comm node;
+    mpi_ok(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node), "comm.share_memory");
+    int n = 0;
+    MPI_Comm_size(node, &n);
+    // one node for all: every member's node communicator has all of them (gathered, so every member decides alike)
+    std::vector<int> sizes(static_cast<size_t>(size_));
+    mpi_ok(MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm_), "comm.share_memory");
+    if (*std::min_element(sizes.begin(), sizes.end()) != size_) {
+      MPI_Comm_free(&node);
+      return nullptr;
+    }
+    return std::make_unique<MpiShared>(node, bytes);  // node ranks = ranks here (split key = rank)
   }
 
   std::vector<int> world_ranks() const override {  // local calls only: no communication

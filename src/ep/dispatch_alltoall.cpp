@@ -29,6 +29,7 @@ class AllToAllDispatcher final : public FlatDispatcher {
 };
 
 void AllToAllDispatcher::dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+  if (shm()) return shm_dispatch(x, idx, n, tr);
   plan_send(idx, n);
   // direct: rows that need no decode (fp32, or landed as they crossed) go straight to their grouped place
   const bool in_place = direct && rows_as_crossed();

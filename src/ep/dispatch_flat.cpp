@@ -13,6 +13,9 @@ FlatDispatcher::FlatDispatcher(const Comm& ep_comm, const EpDispatchConfig& cfg,
   const size_t PE = size_t(P) * size_t(El);
   for (auto* v : {&cnt, &rcnt, &off, &cur, &fpos, &poff}) v->assign(PE, 0);
   for (auto* v : {&sc, &sd, &rc, &rd, &peer_send, &peer_recv, &blk_start}) v->assign(size_t(P), 0);
+  // shm: reserve for max_tokens (sync_free never grows past it; alltoall grows beyond it on demand)
+  if (cfg.transport == EpTransport::Shm)
+    shm_open(cfg.max_tokens > 0 ? shm_need(cfg.max_tokens, cfg.max_tokens * k) : 64);
 }
 
 std::vector<Buf*> FlatDispatcher::all_bufs() {
@@ -189,6 +192,7 @@ void FlatDispatcher::to_experts(float* out, const char* send, int64_t w, bool bf
 }
 
 void FlatDispatcher::combine(float* y, const float* yr, bool weighted, EpTraffic& tr) {
+  if (shm()) return shm_combine(y, yr, weighted, tr);
   char* in = crecv.get(std::max<int64_t>(S1 * cb, 1));
   const bool bf = cfg.combine_payload == EpPayload::BF16;  // bf16: the encode touches every row anyway
   to_home(in, yr, D, bf, direct && !bf, csend, tr);

@@ -30,9 +30,11 @@ static_assert(sizeof(WireMeta) == 8);
 class FlatDispatcher : public EpDispatch::Impl {
  public:
   // direct: alltoall_direct (fp32 rows land in place, one round per local expert).
-  FlatDispatcher(const Comm& ep_comm, const EpDispatchConfig& cfg, bool direct);
+  FlatDispatcher(const Comm& ep_comm, const EpDispatchConfig& cfg, bool direct);  // collective with shm
 
   void combine(float* y, const float* yr, bool weighted, EpTraffic& tr) override;
+  bool encodes_tokens() const override { return shm(); }  // shm: straight into the data segment
+  std::vector<EpBufferTerm> extra_terms() const override;
   void redispatch(float* out, const float* x, EpTraffic& tr) override;
   void combine_scalars(float* out, const float* v, EpTraffic& tr) override;
   std::vector<Buf*> all_bufs() override;
@@ -42,6 +44,22 @@ class FlatDispatcher : public EpDispatch::Impl {
   virtual std::vector<Buf*> extra_bufs() { return {}; }
 
   const bool direct;
+  // ---- ep_transport = "shm" (dispatch_shm.cpp): rows move through the ranks' shared segments ----
+  // A control segment per rank (flags, this rank's sizes and counts; fixed size) and a data segment per rank
+  // (this rank's records' metadata, its token rows once each, and the combine rows sent back to it), all of one
+  // size, regrown together when a rank needs more.
+  std::unique_ptr<SharedMemory> shm_ctrl, shm_data;
+  int64_t shm_gen = 0, shm_comb = 0;  // dispatches and combines so far through shared memory
+  std::vector<int64_t> hoff;          // [P*El] block (q, le)'s first record on home q
+  std::vector<int64_t> comb_at;       // [P] where home q's combine rows start in its data segment
+  bool shm() const { return shm_ctrl != nullptr; }
+  void shm_open(int64_t data_bytes);  // collective: the control segments, and data segments of that size
+  void shm_dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr);
+  void shm_combine(float* y, const float* yr, bool weighted, EpTraffic& tr);
+  int64_t shm_need(int64_t n, int64_t s1) const;  // data segment bytes for n tokens and s1 records
+  int64_t* shm_flags(int q) const;                // rank q's control segment
+  void shm_wait(int64_t slot, int64_t v, EpTraffic& tr) const;  // until every rank's flag `slot` is >= v
+
   std::vector<int64_t> cnt, rcnt, off;        // [P*El] send counts, recv counts, send offsets (records)
   std::vector<int64_t> cur;                   // [P*El] cursors of plan_send
   std::vector<int64_t> sc, sd, rc, rd;        // per-peer byte counts / displacements scratch

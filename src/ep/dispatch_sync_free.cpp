@@ -46,8 +46,10 @@ void SyncFreeDispatcher::allocate_worst_case() {
   // one peer's region in the receive buffer: header, metadata (8 B a record), payload rows
   slot_bytes = H + round_up(cap_rows * 8, 64) + round_up(cap_rows * pb, 64);
   const int64_t Rmax = int64_t(P) * cap_rows;             // rows one rank can receive
-  send1.get(int64_t(P) * (H + 128) + Nm * k * (8 + pb));  // every (token, slot) once + headers + padding
-  recv1.get(int64_t(P) * slot_bytes);
+  if (!shm()) {  // shm: the rows never pass through messages
+    send1.get(int64_t(P) * (H + 128) + Nm * k * (8 + pb));  // every (token, slot) once + headers + padding
+    recv1.get(int64_t(P) * slot_bytes);
+  }
   out_x.get(Rmax * row_out());
   out_src.get<int32_t>(Rmax);
   out_tok.get<int32_t>(Rmax);
@@ -55,7 +57,7 @@ void SyncFreeDispatcher::allocate_worst_case() {
   out_w.get<float>(Rmax);
   wcopy.get<float>(Nm * k);
   row_of.get<int32_t>(Nm * k);
-  if (cfg.dispatch_payload == EpPayload::BF16) hbuf.get<bf16>(Nm * D);
+  if (cfg.dispatch_payload == EpPayload::BF16 && !shm()) hbuf.get<bf16>(Nm * D);  // shm: encoded into the segment
   if (cfg.dispatch_payload == EpPayload::E4M3) {
     qbuf.get<uint8_t>(Nm * D);
     sbuf.get<float>(Nm * nb);
@@ -68,6 +70,7 @@ void SyncFreeDispatcher::allocate_worst_case() {
 }
 
 void SyncFreeDispatcher::dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
+  if (shm()) return shm_dispatch(x, idx, n, tr);  // the data segment was sized for max_tokens
   plan_send(idx, n);
   char* sb = pack_messages(x, idx, n, H);
   tr.rows_sent += S1;

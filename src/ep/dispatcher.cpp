@@ -48,6 +48,9 @@ EpDispatch::Impl::Impl(const Comm& ep_comm, const EpDispatchConfig& config) : co
   cb = cfg.combine_payload == EpPayload::BF16 ? D * 2 : D * 4;
   MT_CHECK(!cfg.land_rows || cfg.dispatch_payload != EpPayload::E4M3, op,
            "land_rows needs an f32 or bf16 dispatch payload (e4m3 rows are decoded to fp32, not landed)");
+  MT_CHECK(cfg.transport == EpTransport::Mpi || cfg.kind != EpDispatcher::Hierarchical, op,
+           "ep_transport = shm moves the flat dispatchers' rows (alltoall, sync_free); hierarchical crosses nodes: "
+           "use ep_transport = mpi with it");
   counts.assign(size_t(El), 0);
   offsets.assign(size_t(El) + 1, 0);
 }

@@ -35,6 +35,11 @@ struct EpDispatch::Impl {
   virtual void combine_scalars(float* out, const float* v, EpTraffic& tr) = 0;
   // Every buffer it may allocate, in the order buffers() lists them.
   virtual std::vector<ep::Buf*> all_bufs() = 0;
+  // True when dispatch() encodes the token rows itself (the shm transport writes them straight into shared
+  // memory): the public call then skips encode_tokens.
+  virtual bool encodes_tokens() const { return false; }
+  // Allocations that are not Bufs (the shm transport's segments), for buffers().
+  virtual std::vector<EpBufferTerm> extra_terms() const { return {}; }
   // A bound on N beyond the common checks (sync_free: max_tokens); throws with the message of validate().
   virtual void check_token_bound(int64_t n) const {}
 

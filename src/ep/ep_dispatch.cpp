@@ -86,7 +86,7 @@ int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const floa
     I.validate(x, topk_idx, N);
     I.N = -1;
     I.copy_weights(topk_w, N);
-    I.encode_tokens(x, N);
+    if (!I.encodes_tokens()) I.encode_tokens(x, N);
     I.dispatch(x, topk_idx, N, tr);
     I.N = N;
     tr.rows_recv = I.R;
@@ -140,6 +140,7 @@ std::vector<EpBufferTerm> EpDispatch::buffers() const {
   std::vector<EpBufferTerm> out;
   for (ep::Buf* b : p_->all_bufs())
     if (b->bytes > 0) out.push_back({b->name, int64_t(b->bytes)});
+  for (auto& t : p_->extra_terms()) out.push_back(t);
   return out;
 }
 

@@ -52,6 +52,8 @@ std::string_view to_string(DecayType v) {
   }
   return "?";
 }
+std::string_view to_string(EpTransport v) { return v == EpTransport::Shm ? "shm" : "mpi"; }
+
 std::string_view to_string(EpDispatcher v) {
   switch (v) {
     case EpDispatcher::AllToAll: return "alltoall";
@@ -291,6 +293,7 @@ const std::vector<Field>& fields() {
     t.push_back(MT_F("parallelism", "ranks_per_node", parallelism.ranks_per_node));
     t.push_back(MT_E("parallelism", "ep_dispatcher", parallelism.ep_dispatcher,
                      {"alltoall", "sync_free", "hierarchical"}));
+    t.push_back(MT_E("parallelism", "ep_transport", parallelism.ep_transport, {"mpi", "shm"}));
     t.push_back(MT_F("parallelism", "fp8_dispatch", parallelism.fp8_dispatch));
     t.push_back(MT_F("parallelism", "zero", parallelism.zero));
     t.push_back(MT_E("parallelism", "pp_schedule", parallelism.pp_schedule,

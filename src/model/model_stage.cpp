@@ -77,6 +77,7 @@ void Model::Impl::build_slots() {
     dc.ranks_per_node = par.ep_ranks_per_node;
     dc.dispatch_payload = par.fp8_dispatch ? EpPayload::E4M3 : f32 ? EpPayload::F32 : EpPayload::BF16;
     dc.combine_payload = EpPayload::F32;
+    dc.transport = par.ep_transport;
     dc.land_rows = !par.fp8_dispatch;  // rows in the compute dtype land where the experts' GEMMs read them
     // With the overlap two dispatchers may exchange at once: each gets a communicator of its own (collective
     // over the EP group; every EP rank builds the same dispatchers in the same order).

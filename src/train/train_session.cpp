@@ -69,6 +69,12 @@ void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
   MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_dispatcher == EpDispatcher::AllToAll, "train",
            "parallelism.ep_dispatcher = ", to_string(cfg.parallelism.ep_dispatcher),
            " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
+  MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_transport == EpTransport::Mpi, "train",
+           "parallelism.ep_transport = \"shm\" needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
+  MT_CHECK(cfg.parallelism.ep_transport == EpTransport::Mpi ||
+               cfg.parallelism.ep_dispatcher != EpDispatcher::Hierarchical,
+           "train", "parallelism.ep_transport = \"shm\" moves the rows of the flat dispatchers (alltoall, sync_free); "
+           "ep_dispatcher = \"hierarchical\" exists to cross nodes: use ep_transport = \"mpi\" with it");
   const ParallelSpec& p = cfg.parallelism;
   if (cfg.quantize.cache_fp8_activations) {  // the combinations the cached FP8 activations do not cover (docs/fp8.md)
     MT_CHECK(mesh.ep() == 1, "train", "quantize.cache_fp8_activations = true is not implemented with expert "
@@ -185,7 +191,8 @@ TrainSession::TrainSession(const JobConfig& cfg_in, const TrainOptions& o)
   ModelParallel mpar;
   mpar.attention = cfg.training.attention_dtype;
   if (EP > 1) {
-    mpar.ep = &mcs.ep, mpar.dispatcher = cfg.parallelism.ep_dispatcher, mpar.fp8_dispatch = cfg.parallelism.fp8_dispatch;
+    mpar.ep = &mcs.ep, mpar.dispatcher = cfg.parallelism.ep_dispatcher,
+    mpar.ep_transport = cfg.parallelism.ep_transport, mpar.fp8_dispatch = cfg.parallelism.fp8_dispatch;
     mpar.ep_ranks_per_node = mesh.ep_ranks_per_node();
   }
   // zero = 3 (FSDP): the model keeps only this rank's shards (include/moetron/fsdp.h); the expert group is

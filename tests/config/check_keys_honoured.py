@@ -275,6 +275,7 @@ KEYS = {
     "parallelism.pp": (2, refuse()),
     "parallelism.ranks_per_node": (1, note()),
     "parallelism.ep_dispatcher": ("sync_free", refuse()),
+    "parallelism.ep_transport": ("shm", refuse()),
     "parallelism.fp8_dispatch": ("true", refuse()),
     "parallelism.zero": (1, note()),
     # one pipeline rank still runs the schedule: gpipe holds both micro-batches' activations, 1f1b one

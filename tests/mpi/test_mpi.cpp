@@ -335,7 +335,7 @@ void run_routes(const Comm& c, EpDispatch& ep, bool node_limited) {
   ep_check::check_ep(c, ep, Route::Dropped, 30, 6);  // capacity drops: topk_idx -1, the last rank drops all
 }
 
-void dispatcher_suite(EpDispatcher kind, bool direct = false) {
+void dispatcher_suite(EpDispatcher kind, bool direct = false, EpTransport transport = EpTransport::Mpi) {
   Comm& c = world();
   const int p = c.size();
   const int rpn = kind == EpDispatcher::Hierarchical ? std::max(1, p / 2) : 0;  // 2 "nodes"
@@ -351,12 +351,14 @@ void dispatcher_suite(EpDispatcher kind, bool direct = false) {
     EpDispatchConfig cf = cfg(kind, 4 * p, 3, 160, rpn, y.dp, y.cp);
     cf.alltoall_direct = direct;
     cf.land_rows = y.land;
+    cf.transport = transport;
     EpDispatch ep(c, cf);
     run_routes(c, ep, kind == EpDispatcher::Hierarchical);
   }
   // Fewer local experts than k (El = 1): a token may send several slots to one rank.
   EpDispatchConfig cf1 = cfg(kind, p, std::min(p, 3), 64, rpn);
   cf1.alltoall_direct = direct;
+  cf1.transport = transport;
   EpDispatch ep1(c, cf1);
   run_routes(c, ep1, false);
 }
@@ -366,6 +368,49 @@ TEST(MpiEp, AllToAll) { dispatcher_suite(EpDispatcher::AllToAll); }
 TEST(MpiEp, AllToAllDirect) { dispatcher_suite(EpDispatcher::AllToAll, true); }
 TEST(MpiEp, SyncFree) { dispatcher_suite(EpDispatcher::SyncFree); }
 TEST(MpiEp, Hierarchical) { dispatcher_suite(EpDispatcher::Hierarchical); }
+TEST(MpiEp, AllToAllSharedMemory) { dispatcher_suite(EpDispatcher::AllToAll, false, EpTransport::Shm); }
+TEST(MpiEp, AllToAllDirectSharedMemory) { dispatcher_suite(EpDispatcher::AllToAll, true, EpTransport::Shm); }
+TEST(MpiEp, SyncFreeSharedMemory) { dispatcher_suite(EpDispatcher::SyncFree, false, EpTransport::Shm); }
+
+TEST(MpiEp, SharedMemoryGrowsTogetherAndCountsTheSameBytes) {
+  // alltoall over shared memory reserving nothing (max_tokens 0): the first dispatch and every larger one regrow
+  // the segments of all ranks together, the calls in between reuse them. The bytes it counts as sent are the
+  // MPI path's without its padding and count round: rows, metadata and the counts, per destination.
+  Comm& c = world();
+  EpDispatchConfig a = cfg(EpDispatcher::AllToAll, 4 * c.size(), 3, 96, 0, EpPayload::BF16, EpPayload::BF16, 0);
+  EpDispatchConfig m = a;
+  a.transport = EpTransport::Shm;
+  EpDispatch shm(c, a), mpi(c, m);
+  int64_t data_bytes = 0;
+  for (int64_t n : {2, 40, 12, 150, 150}) {
+    SCOPED_TRACE("N " + std::to_string(n));
+    auto s = ep_check::check_ep(c, shm, ep_check::Route::Random, n, uint64_t(n));
+    auto r = ep_check::check_ep(c, mpi, ep_check::Route::Random, n, uint64_t(n));
+    EXPECT_EQ(s.dispatch.rows_sent, r.dispatch.rows_sent);
+    EXPECT_EQ(s.dispatch.rows_recv, r.dispatch.rows_recv);
+    EXPECT_EQ(s.combine.bytes_remote() + s.combine.bytes_self, r.combine.bytes_remote() + r.combine.bytes_self);
+    const int64_t rows = s.dispatch.rows_sent;
+    EXPECT_EQ(s.dispatch.bytes_remote() + s.dispatch.bytes_self, rows * (96 * 2 + 8) + int64_t(c.size()) * 4 * 8);
+    int64_t now = 0;
+    for (const auto& t : shm.buffers())
+      if (t.name.rfind("shm.data", 0) == 0) now = t.bytes;
+    EXPECT_GE(now, data_bytes);  // segments only grow
+    data_bytes = now;
+  }
+  EXPECT_GE(data_bytes, 150 * 3 * (8 + 2 * 96) + 150 * 2 * 96);  // records, token rows, combine rows
+}
+
+TEST(MpiEp, SharedMemoryRefusesHierarchical) {
+  Comm& c = world();
+  EpDispatchConfig h = cfg(EpDispatcher::Hierarchical, 4 * c.size(), 3, 64, std::max(1, c.size() / 2));
+  h.transport = EpTransport::Shm;
+  try {
+    EpDispatch ep(c, h);
+    FAIL() << "hierarchical accepted ep_transport = shm";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("ep_transport = mpi"), std::string::npos) << e.what();
+  }
+}
 
 TEST(MpiEp, HierarchicalOneRankPerNode) {
   Comm& c = world();
@@ -454,15 +499,18 @@ TEST(MpiEp, BigEnoughForThePackingThreads) {
   // N * k * D above the serial cutoff, so the OpenMP paths (pack, block copies, chunked bf16 reduction) run;
   // the checks are bitwise against the single-process computation, so they also hold with OMP_NUM_THREADS > 1.
   Comm& c = world();
-  for (int v = 0; v < 4; ++v)
+  for (int v = 0; v < 6; ++v)  // the three dispatchers, alltoall direct, then alltoall and sync_free over shm
     for (auto [dp, cp] : {std::pair{EpPayload::F32, EpPayload::F32}, std::pair{EpPayload::BF16, EpPayload::BF16},
                           std::pair{EpPayload::BF16, EpPayload::F32}}) {
-      const EpDispatcher kind = v == 1 ? EpDispatcher::SyncFree : v == 2 ? EpDispatcher::Hierarchical : EpDispatcher::AllToAll;
+      const EpDispatcher kind = v == 1 || v == 5 ? EpDispatcher::SyncFree
+                                : v == 2          ? EpDispatcher::Hierarchical
+                                                  : EpDispatcher::AllToAll;
       const bool land = cp == EpPayload::F32 && dp == EpPayload::BF16;  // the trainer's bf16 configuration
-      SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct " : " ") + std::string(to_string(dp)) +
-                   (land ? " landed" : ""));
+      SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct " : v >= 4 ? " shm " : " ") +
+                   std::string(to_string(dp)) + (land ? " landed" : ""));
       EpDispatchConfig cf = cfg(kind, 4 * c.size(), 4, 256, std::max(1, c.size() / 2), dp, cp, 160);
       cf.alltoall_direct = v == 3;
+      cf.transport = v >= 4 ? EpTransport::Shm : EpTransport::Mpi;
       cf.land_rows = land;
       EpDispatch ep(c, cf);
       ep_check::check_ep(c, ep, ep_check::Route::Dropped, 150, 40);
@@ -474,13 +522,16 @@ TEST(MpiEp, DroppedSlotsEverywhere) {
   // Every rank drops every slot: nothing is sent, every y[t] is 0, combine_scalars gives 0; then a normal
   // call on the same object (the layout of the empty call must not leak into the next one).
   Comm& c = world();
-  for (int v = 0; v < 4; ++v) {  // the three dispatchers, then alltoall with alltoall_direct
-    const EpDispatcher kind = v == 1 ? EpDispatcher::SyncFree : v == 2 ? EpDispatcher::Hierarchical : EpDispatcher::AllToAll;
-    SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct" : ""));
+  for (int v = 0; v < 6; ++v) {  // the three dispatchers, alltoall with alltoall_direct, alltoall / sync_free shm
+    const EpDispatcher kind = v == 1 || v == 5 ? EpDispatcher::SyncFree
+                              : v == 2          ? EpDispatcher::Hierarchical
+                                                : EpDispatcher::AllToAll;
+    SCOPED_TRACE(std::string(to_string(kind)) + (v == 3 ? " direct" : v >= 4 ? " shm" : ""));
     const int E = 2 * c.size(), k = 2;
     const int64_t D = 32, N = 5;
     EpDispatchConfig cf = cfg(kind, E, k, D, std::max(1, c.size() / 2));
     cf.alltoall_direct = v == 3;
+    cf.transport = v >= 4 ? EpTransport::Shm : EpTransport::Mpi;
     EpDispatch ep(c, cf);
     std::vector<float> x(size_t(N * D), 1.5f), w(size_t(N * k), 0.5f), y(size_t(N * D), -1.0f), dw(size_t(N * k), -1.0f);
     std::vector<int32_t> idx(size_t(N * k), -1);

@@ -169,6 +169,11 @@ std::vector<Layout> layouts() {
         v.push_back({base + "_sync_free" + sfx, w, with({"--parallelism.ep_dispatcher=sync_free", f}), flat});
         v.push_back({base + "_hierarchical" + sfx, w, with({"--parallelism.ep_dispatcher=hierarchical", rpn, f}), hier});
       }
+      if (w == ep) {  // the rows through shared memory (ep_transport = "shm"): the same arithmetic, bitwise
+        v.push_back({base + "_alltoall_shm", w, with({"--parallelism.ep_transport=shm"}), Bar::Exact});
+        v.push_back({base + "_sync_free_shm", w,
+                     with({"--parallelism.ep_dispatcher=sync_free", "--parallelism.ep_transport=shm"}), Bar::Exact});
+      }
       if (w > ep) v.push_back({base + "_zero1", w, with({"--parallelism.zero=1"}), Bar::Exact});
       v.push_back({base + "_fsdp", w, with({"--parallelism.zero=3"}), Bar::Exact});
     }
@@ -569,6 +574,10 @@ TEST(MpiLayoutErrors, EveryImpossibleLayoutIsRejected) {
        "n_routed_experts", 4},
       {"fp8_without_ep", {"--parallelism.dp_shard=" + W, "--parallelism.fp8_dispatch=true"}, "fp8_dispatch"},
       {"dispatcher_without_ep", {"--parallelism.dp_shard=" + W, "--parallelism.ep_dispatcher=sync_free"}, "ep_dispatcher"},
+      {"shm_without_ep", {"--parallelism.dp_shard=" + W, "--parallelism.ep_transport=shm"}, "ep_transport"},
+      {"shm_hierarchical", {"--parallelism.dp_shard=" + W, "--parallelism.ep=2", "--parallelism.ep_dispatcher=hierarchical",
+                            "--parallelism.ranks_per_node=1", "--parallelism.ep_transport=shm"},
+       "use ep_transport = \"mpi\" with it", 2},
       {"zero_value", {"--parallelism.dp_shard=" + W, "--parallelism.zero=2"}, "zero"},
       {"pipeline_world", {"--parallelism.dp_shard=" + W, "--parallelism.pp=2"}, "pp"},
       {"pipeline_tied_fsdp", {"--parallelism.dp_shard=" + std::to_string(w / 2), "--parallelism.pp=2",

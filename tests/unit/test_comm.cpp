@@ -375,7 +375,7 @@ EpDispatchConfig ep_cfg(EpDispatcher kind, EpPayload dp, EpPayload cp, int E = 8
 }  // namespace
 
 namespace {
-void all_payloads_and_routes(EpDispatcher kind) {
+void all_payloads_and_routes(EpDispatcher kind, EpTransport transport = EpTransport::Mpi) {
   Comm c = comm_local();
   for (EpPayload dp : {EpPayload::F32, EpPayload::BF16, EpPayload::E4M3})
     for (EpPayload cp : {EpPayload::F32, EpPayload::BF16})
@@ -385,6 +385,7 @@ void all_payloads_and_routes(EpDispatcher kind) {
                      (land ? " landed" : ""));
         EpDispatchConfig cf = ep_cfg(kind, dp, cp);
         cf.land_rows = land;
+        cf.transport = transport;
         EpDispatch ep(c, cf);
         // Several calls on one object: buffers are reused, N changes; with land_rows the odd seeds land in the
         // check's buffer, the even ones in the dispatcher's.
@@ -401,6 +402,29 @@ void all_payloads_and_routes(EpDispatcher kind) {
 TEST(EpDispatchLocal, AllToAll) { all_payloads_and_routes(EpDispatcher::AllToAll); }
 TEST(EpDispatchLocal, SyncFree) { all_payloads_and_routes(EpDispatcher::SyncFree); }
 TEST(EpDispatchLocal, Hierarchical) { all_payloads_and_routes(EpDispatcher::Hierarchical); }
+TEST(EpDispatchLocal, AllToAllSharedMemory) { all_payloads_and_routes(EpDispatcher::AllToAll, EpTransport::Shm); }
+TEST(EpDispatchLocal, SyncFreeSharedMemory) { all_payloads_and_routes(EpDispatcher::SyncFree, EpTransport::Shm); }
+
+TEST(EpDispatchLocal, SyncFreeSharedMemoryAllocatesOnce) {
+  // sync_free over shared memory: its segment is sized for max_tokens at construction and never grows; no
+  // message buffers.
+  Comm c = comm_local();
+  EpDispatchConfig cf = ep_cfg(EpDispatcher::SyncFree, EpPayload::BF16, EpPayload::F32, 8, 3, 256, 64);
+  cf.transport = EpTransport::Shm;
+  EpDispatch ep(c, cf);
+  const int64_t before = ep.buffer_bytes();
+  ep_check::check_ep(c, ep, ep_check::Route::Skewed, 50, 1);
+  ep_check::check_ep(c, ep, ep_check::Route::Random, 60, 3);
+  EXPECT_EQ(ep.buffer_bytes(), before);
+  int64_t data = 0;
+  bool has_recv = false;
+  for (const auto& t : ep.buffers()) {
+    has_recv |= t.name == "dispatch.recv";
+    if (t.name.rfind("shm.data", 0) == 0) data = t.bytes;
+  }
+  EXPECT_FALSE(has_recv);
+  EXPECT_GE(data, 64 * 3 * (8 + 256 * 4) + 64 * 256 * 2);  // records + fp32 combine rows, bf16 token rows
+}
 
 TEST(EpDispatchLocal, NoTokensAtAll) {
   Comm c = comm_local();

@@ -91,8 +91,8 @@ CHOICES = {
 IGNORED = {
     "job": ("name", "dump_folder", "description"),
     "parallelism": ("tp", "cp", "expert_tp", "sequence_parallel", "dp_replicate", "dp_shard", "ep", "pp",
-                    "ranks_per_node", "ep_dispatcher", "fp8_dispatch", "zero", "pp_schedule", "pp_virtual_stages",
-                    "pp_microbatches", "pp_layout", "pp_schedule_csv", "pp_first_stage_less_layers",
+                    "ranks_per_node", "ep_dispatcher", "ep_transport", "fp8_dispatch", "zero", "pp_schedule",
+                    "pp_virtual_stages", "pp_microbatches", "pp_layout", "pp_schedule_csv", "pp_first_stage_less_layers",
                     "pp_last_stage_less_layers", "ep_overlap", "ep_overlap_split", "ep_pair_backward", "ep_baton",
                     "ep_link"),
     "checkpoint": ("enable", "interval", "keep_latest_k", "folder", "async"),
