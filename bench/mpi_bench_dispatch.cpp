@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "moetron/comm.h"
+#include "moetron/dtype.h"
 #include "moetron/ep_dispatch.h"
 #include "moetron/permute.h"
 #include "moetron/runtime.h"
@@ -237,7 +238,8 @@ int main(int argc, char** argv) {
     cfg.transport = c.shm ? EpTransport::Shm : EpTransport::Mpi;
     EpDispatch ep(world, cfg);
     // land_rows: the caller's buffer for the rows (as the trainer's experts' input) and the experts' fp32
-    // output the combine reads (any values: the combine's cost does not depend on them).
+    // output the combine reads (any values: the combine's cost does not depend on them); with shm the experts'
+    // output is the dispatcher's combine rows (combine_in_place), written once after the sizing call.
     std::vector<char> landing;
     std::vector<float> yr_own;
     const size_t wire_row = size_t(D) * (c.dp == EpPayload::BF16 ? 2 : 4);
@@ -250,6 +252,9 @@ int main(int argc, char** argv) {
       if (!c.land) {
         ep.dispatch(x.data(), idx.data(), w.data(), N);
         ep.combine(y.data(), ep.recv_x(), true);
+      } else if (c.shm) {  // the experts' outputs already in the combine rows (as a GEMM would write them)
+        ep.dispatch(x.data(), idx.data(), w.data(), N, land);
+        ep.combine_in_place(y.data(), true);
       } else {
         ep.dispatch(x.data(), idx.data(), w.data(), N, land);
         ep.combine(y.data(), yr_own.data(), true);
@@ -257,6 +262,11 @@ int main(int argc, char** argv) {
     };
     // One call to size things and count bytes.
     dispatch_combine();
+    if (c.shm && c.land && ep.recv_rows() > 0) {
+      const int64_t n = ep.recv_rows() * D;
+      if (c.cp == EpPayload::BF16) std::fill_n(static_cast<bf16*>(ep.combine_rows()), n, to_bf16(0.5f));
+      else std::fill_n(static_cast<float*>(ep.combine_rows()), n, 0.5f);
+    }
     const EpStats st0 = ep.stats();
     const EpTraffic& d0 = st0.last_dispatch;
     const EpTraffic& c0 = st0.last_combine;
@@ -334,7 +344,8 @@ int main(int argc, char** argv) {
       char errs[32] = "-";
       if (c.dp != EpPayload::F32) std::snprintf(errs, sizeof errs, "%.4f", err);
       std::printf("%-15s %-10s %8.2f %8.2f %8.2f %8.1f %7.2f %8.2f %6.2f %7d %8.2f %6.2f %6.1f%% %8.1f  rel_err %s\n",
-                  (std::string(to_string(c.kind)) + (c.direct ? "+direct" : "") + (c.shm ? "+shm" : "")).c_str(), pl.c_str(), te.best * 1e3, te.median * 1e3, tcm.best * 1e3,
+                  (std::string(to_string(c.kind)) + (c.direct ? "+direct" : "") + (c.shm ? "+shm" : "")).c_str(),
+                  pl.c_str(), te.best * 1e3, te.median * 1e3, tcm.best * 1e3,
                   avg_bytes / 1e6, gbs, raw, gbs / raw, nrounds, raw_r, gbs / raw_r, 100.0 * avg_inter / avg_bytes, buf,
                   errs);
       std::fflush(stdout);

@@ -237,6 +237,9 @@ class Comm {
   // One segment of `bytes` (rounded up to 64) per member that every member can address (SharedMemory above).
   // Collective. Null on every member when they do not all share one node.
   std::unique_ptr<SharedMemory> share_memory(int64_t bytes) const;
+  // m.wait_until(ready), recorded as a barrier of this communicator (statistics, traces, the flight recorder and
+  // its watchdog): every member must make the same sequence of these waits, as of any collective.
+  void wait_shared(const SharedMemory& m, const std::function<bool()>& ready) const;
 
   // Ranks with the same color (>= 0) form a communicator, ordered by (key, rank). Collective.
   Comm split(int color, int key) const;

@@ -159,6 +159,12 @@ class EpDispatch {
 
   // y [N, D] for the N of the last dispatch; yr [R, D] in recv_x order (may be recv_x itself).
   void combine(float* y, const float* yr, bool weighted = true);
+  // ep_transport = shm: [R, D] rows of the combine payload's type (fp32 or bf16) in this rank's shared segment,
+  // where the experts may write their outputs (in recv_x order) for combine_in_place, which the homes read where
+  // they are. Valid from a dispatch until the next; null with the MPI transport or before any dispatch. (A
+  // combine whose yr is recv_x() is read in place too; any other yr is encoded into these rows first.)
+  void* combine_rows() const;
+  void combine_in_place(float* y, bool weighted = true);
 
   // Backward helpers. Collective; they reuse the layout of the last dispatch (no count round) and move rows
   // as the combine payload (F32 or BF16). With them the MoE backward is, per (token, slot), the

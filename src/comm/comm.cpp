@@ -715,7 +715,15 @@ std::unique_ptr<SharedMemory> Comm::share_memory(int64_t bytes) const {
   return m;
 }
 
-void SharedMemory::publish(int64_t* flag, int64_t v) { std::atomic_ref<int64_t>(*flag).store(v, std::memory_order_release); }
+void Comm::wait_shared(const SharedMemory& m, const std::function<bool()>& ready) const {
+  OpTimer tm(*s_, CommOp::Barrier);
+  m.wait_until(ready);
+  tm.done(0, 0);
+}
+
+void SharedMemory::publish(int64_t* flag, int64_t v) {
+  std::atomic_ref<int64_t>(*flag).store(v, std::memory_order_release);
+}
 int64_t SharedMemory::seen(const int64_t* flag) {
   return std::atomic_ref<int64_t>(*const_cast<int64_t*>(flag)).load(std::memory_order_acquire);
 }

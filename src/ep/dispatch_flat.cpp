@@ -14,8 +14,10 @@ FlatDispatcher::FlatDispatcher(const Comm& ep_comm, const EpDispatchConfig& cfg,
   for (auto* v : {&cnt, &rcnt, &off, &cur, &fpos, &poff}) v->assign(PE, 0);
   for (auto* v : {&sc, &sd, &rc, &rd, &peer_send, &peer_recv, &blk_start}) v->assign(size_t(P), 0);
   // shm: reserve for max_tokens (sync_free never grows past it; alltoall grows beyond it on demand)
-  if (cfg.transport == EpTransport::Shm)
-    shm_open(cfg.max_tokens > 0 ? shm_need(cfg.max_tokens, cfg.max_tokens * k) : 64);
+  if (cfg.transport == EpTransport::Shm) {  // rows in: the worst case for sync_free, the average for alltoall
+    const int64_t Nm = cfg.max_tokens, rows_in = cfg.kind == EpDispatcher::SyncFree ? P * Nm * std::min(k, El) : Nm * k;
+    shm_open(Nm > 0 ? shm_need(Nm, Nm * k, rows_in) : 64);
+  }
 }
 
 std::vector<Buf*> FlatDispatcher::all_bufs() {
@@ -65,12 +67,16 @@ void FlatDispatcher::plan_recv() {
   peer_major(rcnt, poff, peer_recv);
 }
 
-char* FlatDispatcher::alloc_outputs() {
+void FlatDispatcher::alloc_maps() {
   const int64_t Rm = std::max<int64_t>(R, 1);
   out_src.get<int32_t>(Rm);
   out_tok.get<int32_t>(Rm);
   out_slot.get<int32_t>(Rm);
   out_w.get<float>(Rm);
+}
+
+char* FlatDispatcher::alloc_outputs() {
+  alloc_maps();
   return open_rows(R);
 }
 

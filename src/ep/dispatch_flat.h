@@ -14,6 +14,8 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "ep/dispatcher.h"
@@ -34,6 +36,10 @@ class FlatDispatcher : public EpDispatch::Impl {
 
   void combine(float* y, const float* yr, bool weighted, EpTraffic& tr) override;
   bool encodes_tokens() const override { return shm(); }  // shm: straight into the data segment
+  float* expert_rows() const override { return shm() && !cfg.land_rows ? shm_rows() : nullptr; }
+  void* combine_rows() const override {
+    return shm() ? shm_data->segment(me) + crows_at[size_t(me)] : nullptr;
+  }
   std::vector<EpBufferTerm> extra_terms() const override;
   void redispatch(float* out, const float* x, EpTraffic& tr) override;
   void combine_scalars(float* out, const float* v, EpTraffic& tr) override;
@@ -46,19 +52,27 @@ class FlatDispatcher : public EpDispatch::Impl {
   const bool direct;
   // ---- ep_transport = "shm" (dispatch_shm.cpp): rows move through the ranks' shared segments ----
   // A control segment per rank (flags, this rank's sizes and counts; fixed size) and a data segment per rank
-  // (this rank's records' metadata, its token rows once each, and the combine rows sent back to it), all of one
-  // size, regrown together when a rank needs more.
+  // (this rank's records' metadata and its token rows once each, then the fp32 rows [R, D] it received when
+  // decoded (recv_x), and [R, D] rows of the combine payload's type the experts may write their outputs into),
+  // all of one size, regrown together when a rank needs more.
   std::unique_ptr<SharedMemory> shm_ctrl, shm_data;
   int64_t shm_gen = 0, shm_comb = 0;  // dispatches and combines so far through shared memory
   std::vector<int64_t> hoff;          // [P*El] block (q, le)'s first record on home q
-  std::vector<int64_t> comb_at;       // [P] where home q's combine rows start in its data segment
+  std::vector<int64_t> rpos;          // [P*El] where this rank's records for expert e = (q, le) sit in q's rows
+  std::vector<int64_t> xrows_at;      // [P] where rank q's recv_x rows start in its data segment
+  std::vector<int64_t> crows_at;      // [P] where rank q's combine rows start
+  std::vector<int32_t> sidx;          // [N*k] the last dispatch's experts (the combine finds each row's rank)
   bool shm() const { return shm_ctrl != nullptr; }
   void shm_open(int64_t data_bytes);  // collective: the control segments, and data segments of that size
   void shm_dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr);
   void shm_combine(float* y, const float* yr, bool weighted, EpTraffic& tr);
-  int64_t shm_need(int64_t n, int64_t s1) const;  // data segment bytes for n tokens and s1 records
-  int64_t* shm_flags(int q) const;                // rank q's control segment
-  void shm_wait(int64_t slot, int64_t v, EpTraffic& tr) const;  // until every rank's flag `slot` is >= v
+  int64_t shm_need(int64_t n, int64_t s1, int64_t r) const;  // data bytes for n tokens, s1 records, r rows in
+  int64_t shm_xrows_at(int64_t n, int64_t s1) const;            // recv_x in the data segment
+  int64_t shm_crows_at(int64_t n, int64_t s1, int64_t r) const;  // the combine rows
+  int64_t* shm_flags(int q) const;                           // rank q's control segment
+  // Until every rank's flags are at least the given values: {slot, value} pairs (one recorded barrier).
+  void shm_wait(std::initializer_list<std::pair<int64_t, int64_t>> until, EpTraffic& tr) const;
+  float* shm_rows() const { return reinterpret_cast<float*>(shm_data->segment(me) + xrows_at[size_t(me)]); }
 
   std::vector<int64_t> cnt, rcnt, off;        // [P*El] send counts, recv counts, send offsets (records)
   std::vector<int64_t> cur;                   // [P*El] cursors of plan_send
@@ -91,6 +105,7 @@ class FlatDispatcher : public EpDispatch::Impl {
   }
 
   char* alloc_outputs();  // the grouped outputs for R rows; returns where the rows go (open_rows)
+  void alloc_maps();      // the grouped outputs but the rows (src, token, slot, weight)
   // Metadata of block b's rows (mb = the block's first WireMeta) into the grouped outputs. Returns false on a
   // corrupt record (callable inside a parallel loop: the caller checks).
   bool scatter_meta(int64_t b, const char* mb);

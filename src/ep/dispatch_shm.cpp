@@ -2,54 +2,77 @@
 // sync_free when every EP rank is on one node. No message is packed and none is unpacked: a home rank writes
 // its records' metadata and its token rows (once per token, in the payload's type) into its own data segment
 // and publishes a flag; each expert rank then reads the rows it receives straight from the homes' segments
-// into their grouped place (the caller's landing with land_rows), decoding as it copies. The combine runs the
-// other way: each expert rank encodes its output rows straight into the homes' segments, in the home's record
-// order, and each home reduces them from its own segment. So the only passes over the rows are the ones any
-// transport must make: one copy each way, fused with the encode / decode / gather, and the combine's sum.
+// into their grouped place (the caller's landing with land_rows, else its own segment's fp32 rows, which are
+// recv_x), decoding as it copies. The combine runs the other way without a transfer pass: the expert rows
+// stay in the expert rank's segment (the experts wrote them there in the combine payload's type,
+// combine_in_place; or they are recv_x itself; or the combine encodes them there), and each home reads the k
+// rows of each token straight from the experts' segments into a cache-sized block, rounding fp32 rows to the
+// combine payload as the wire would, and sums them with the same kernel as the MPI path (bitwise its result).
+// So the passes over the rows are one copy each way, fused with the encode / decode / gather, and the sum.
 //
 // Synchronization is by flags in small per-rank control segments, not by collectives: a home overwrites its
-// segment only after every peer has acknowledged reading the previous dispatch, and an expert writes into a
-// home's combine rows only after that home has reduced the previous combine. When a rank needs a larger data
-// segment, every rank sees it in the published sizes and all regrow together (a collective, the only one).
-// The backward helpers (redispatch, combine_scalars) keep the MPI rounds of dispatch_flat.cpp over the same
-// plan (the counts and offsets are filled here as the MPI dispatch fills them).
+// records only after every peer has acknowledged reading the previous dispatch; a rank overwrites its expert
+// and combine rows only after every home has reduced the previous combine. When a rank needs a larger data
+// segment (every rank can compute every rank's need from the published counts), all regrow together (a
+// collective, the only one). The backward helpers (redispatch, combine_scalars) keep the MPI rounds of dispatch_flat.cpp over the
+// same plan (the counts and offsets are filled here as the MPI dispatch fills them).
 // Not the MPI exchanges (dispatch_alltoall.cpp, dispatch_sync_free.cpp) and not the hierarchical dispatcher.
 #include <algorithm>
 #include <atomic>
+#include <bit>
+
+#include <omp.h>
 
 #include "ep/dispatch_flat.h"
 #include "moetron/check.h"
+#include "moetron/permute.h"
+#include "moetron/runtime.h"
 
 namespace moetron::ep {
 namespace {
 
 // Control segment, in int64 slots: each flag on its own cache line, then this rank's sizes and its send counts.
-constexpr int64_t kReady = 0;     // dispatches whose data this rank has published
-constexpr int64_t kAck = 8;       // dispatches whose peers' data this rank has finished reading
-constexpr int64_t kPushed = 16;   // combines whose rows this rank has written into every home's segment
-constexpr int64_t kReduced = 24;  // combines this rank has reduced (its combine rows are free again)
-constexpr int64_t kNeed = 32, kTokens = 33, kRecords = 34;  // data bytes needed, N, S1 of the last dispatch
-constexpr int64_t kCounts = 40;                             // [P*El] records per (destination, local expert)
+constexpr int64_t kReady = 0;     // dispatches whose records this rank has published
+constexpr int64_t kAck = 8;       // dispatches whose peers' records this rank has finished reading
+constexpr int64_t kPushed = 16;   // combines whose expert rows this rank has in place
+constexpr int64_t kReduced = 24;  // combines this rank has reduced (it reads no peer's rows any more)
+constexpr int64_t kTokens = 32, kRecords = 33;  // N, S1 of the last dispatch
+constexpr int64_t kSource = 34;                 // the last combine's rows: 0 recv_x (fp32), 1 the combine rows
+constexpr int64_t kCounts = 40;                 // [P*El] records per (destination, local expert)
 
-// Where a home's regions start in its data segment: metadata [S1 x 8 B], token rows [N x pb], combine rows [S1 x cb].
 int64_t rows_at(int64_t s1) { return round_up(s1 * 8, 64); }
-int64_t comb_rows_at(int64_t n, int64_t s1, int64_t pb) { return rows_at(s1) + round_up(n * pb, 64); }
+
+// dst = src rounded to bf16 and back (from_bf16(to_bf16(x)) of dtype.h, quiet NaNs included), in one pass.
+void round_bf16_row(float* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+    dst[i] = std::bit_cast<float>(r & 0xffff0000u);
+  }
+}
 
 }  // namespace
 
+// A rank's data segment: metadata [S1 x 8 B], token rows [N x pb], recv_x [R x D] fp32 (decoded dispatches
+// only), combine rows [R x cb].
+int64_t FlatDispatcher::shm_xrows_at(int64_t n, int64_t s1) const { return rows_at(s1) + round_up(n * pb, 64); }
+int64_t FlatDispatcher::shm_crows_at(int64_t n, int64_t s1, int64_t r) const {
+  return shm_xrows_at(n, s1) + (cfg.land_rows ? 0 : round_up(r * D * 4, 64));
+}
+int64_t FlatDispatcher::shm_need(int64_t n, int64_t s1, int64_t r) const { return shm_crows_at(n, s1, r) + r * cb; }
+
 int64_t* FlatDispatcher::shm_flags(int q) const { return reinterpret_cast<int64_t*>(shm_ctrl->segment(q)); }
 
-void FlatDispatcher::shm_wait(int64_t slot, int64_t v, EpTraffic& tr) const {
+void FlatDispatcher::shm_wait(std::initializer_list<std::pair<int64_t, int64_t>> until, EpTraffic& tr) const {
   timed_comm(tr, [&] {
-    shm_ctrl->wait_until([&] {
+    comm.wait_shared(*shm_ctrl, [&] {
       for (int q = 0; q < P; ++q)
-        if (SharedMemory::seen(shm_flags(q) + slot) < v) return false;
+        for (const auto& [slot, v] : until)
+          if (SharedMemory::seen(shm_flags(q) + slot) < v) return false;
       return true;
     });
   });
 }
-
-int64_t FlatDispatcher::shm_need(int64_t n, int64_t s1) const { return comb_rows_at(n, s1, pb) + s1 * cb; }
 
 void FlatDispatcher::shm_open(int64_t data_bytes) {
   shm_ctrl = comm.share_memory((kCounts + int64_t(P) * El) * 8);
@@ -59,17 +82,19 @@ void FlatDispatcher::shm_open(int64_t data_bytes) {
   std::memset(shm_ctrl->segment(me), 0, size_t(shm_ctrl->bytes()));
   shm_data = comm.share_memory(data_bytes);
   hoff.assign(size_t(P) * El, 0);
-  comb_at.assign(size_t(P), 0);
+  rpos.assign(size_t(P) * El, 0);
+  xrows_at.assign(size_t(P), 0);
+  crows_at.assign(size_t(P), 0);
   comm.barrier();  // every control segment is zeroed before anyone reads one
 }
 
 void FlatDispatcher::shm_dispatch(const float* x, const int32_t* idx, int64_t n, EpTraffic& tr) {
   plan_send(idx, n);
   const int64_t g = ++shm_gen;
-  // Peers read this rank's segment until they acknowledge its previous dispatch.
-  shm_wait(kAck, g - 1, tr);
+  // Peers read this rank's records until they acknowledge its previous dispatch, and its expert rows until they
+  // have reduced the last combine.
+  shm_wait({{kAck, g - 1}, {kReduced, shm_comb}}, tr);
   int64_t* mine = shm_flags(me);
-  mine[kNeed] = shm_need(n, S1);
   mine[kTokens] = n;
   mine[kRecords] = S1;
   std::copy(cnt.begin(), cnt.end(), mine + kCounts);
@@ -93,12 +118,20 @@ void FlatDispatcher::shm_dispatch(const float* x, const int32_t* idx, int64_t n,
       for (int64_t t = 0; t < n; ++t) write_payload(rows + t * pb, x, t);
     }
   };
-  if (mine[kNeed] <= shm_data->bytes()) write_home();
+  if (shm_xrows_at(n, S1) <= shm_data->bytes()) write_home();
   SharedMemory::publish(mine + kReady, g);
-  shm_wait(kReady, g, tr);
+  shm_wait({{kReady, g}}, tr);
+  // Every rank's need, from the published counts: its records and tokens, and the rows it receives.
+  std::vector<int64_t> rows_in(static_cast<size_t>(P), 0);
+  for (int s = 0; s < P; ++s) {
+    const int64_t* sc_ = shm_flags(s) + kCounts;
+    for (int q = 0; q < P; ++q)
+      for (int le = 0; le < El; ++le) rows_in[size_t(q)] += sc_[int64_t(q) * El + le];
+  }
   int64_t top = 0;
-  for (int q = 0; q < P; ++q) top = std::max(top, shm_flags(q)[kNeed]);
-  if (top > shm_data->bytes()) {  // every rank sees the same sizes: all regrow here, together
+  for (int q = 0; q < P; ++q)
+    top = std::max(top, shm_need(shm_flags(q)[kTokens], shm_flags(q)[kRecords], rows_in[size_t(q)]));
+  if (top > shm_data->bytes()) {  // every rank computes the same sizes: all regrow here, together
     MT_CHECK(!send1.frozen, "ep_dispatch", "shared segment of ", shm_data->bytes(), " bytes is too small for ", top,
              " (sync_free sizes it at construction)");
     timed_comm(tr, [&] {
@@ -113,11 +146,14 @@ void FlatDispatcher::shm_dispatch(const float* x, const int32_t* idx, int64_t n,
     });
     tr.rounds += 1;
   }
-  // What arrives: block (q, le) is home q's records for (this rank, le), at hoff in q's record order.
+  // What arrives: block (q, le) is home q's records for (this rank, le), at hoff in q's record order. Where this
+  // rank's records for expert (q, le) land on q: after every source's rows for q's earlier experts and the
+  // earlier sources' rows for this one (q's grouped order).
   for (int q = 0; q < P; ++q) {
     const int64_t* qc = shm_flags(q) + kCounts;
     int64_t acc = 0;
     for (int64_t b = 0; b < int64_t(me) * El; ++b) acc += qc[b];
+    int64_t at = 0;
     for (int le = 0; le < El; ++le) {
       const size_t b = size_t(q) * El + le;
       rcnt[b] = qc[int64_t(me) * El + le];
@@ -125,11 +161,18 @@ void FlatDispatcher::shm_dispatch(const float* x, const int32_t* idx, int64_t n,
                " published a corrupt count ", rcnt[b], " for local expert ", le);
       hoff[b] = acc;
       acc += rcnt[b];
+      for (int s = 0; s < P; ++s) {
+        if (s == me) rpos[b] = at;
+        at += shm_flags(s)[kCounts + int64_t(q) * El + le];
+      }
     }
-    comb_at[size_t(q)] = comb_rows_at(shm_flags(q)[kTokens], shm_flags(q)[kRecords], pb);
+    xrows_at[size_t(q)] = shm_xrows_at(shm_flags(q)[kTokens], shm_flags(q)[kRecords]);
+    crows_at[size_t(q)] = shm_crows_at(shm_flags(q)[kTokens], shm_flags(q)[kRecords], rows_in[size_t(q)]);
   }
   plan_recv();
-  char* ox = alloc_outputs();
+  alloc_maps();
+  char* ox = cfg.land_rows ? open_rows(R) : reinterpret_cast<char*>(shm_rows());
+  sidx.assign(idx, idx + n * k);
   const int64_t nblk = int64_t(P) * El;
   int64_t bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : bad) if (R * D >= kParMin)
@@ -160,31 +203,76 @@ void FlatDispatcher::shm_dispatch(const float* x, const int32_t* idx, int64_t n,
 
 void FlatDispatcher::shm_combine(float* y, const float* yr, bool weighted, EpTraffic& tr) {
   const int64_t c = ++shm_comb;
-  // A home's combine rows are free once it has reduced the previous combine.
-  shm_wait(kReduced, c - 1, tr);
-  const int64_t nblk = int64_t(P) * El;
-#pragma omp parallel for schedule(dynamic, 1) if (R * D >= kParMin)
-  for (int64_t b = 0; b < nblk; ++b) {
-    const int q = int(b / El);
-    char* dst = shm_data->segment(q) + comb_at[size_t(q)] + hoff[size_t(b)] * cb;
-    const float* src = yr + fpos[size_t(b)] * D;
-    for (int64_t i = 0; i < rcnt[size_t(b)]; ++i) encode_row(dst + i * cb, src + i * D);
+  // Where the homes read this rank's rows: recv_x itself, the combine rows the experts wrote (yr null), or
+  // yr encoded into the combine rows here.
+  int64_t source = 1;
+  if (!cfg.land_rows && yr == shm_rows()) {
+    source = 0;
+  } else if (yr != nullptr && R > 0) {
+    char* dst = shm_data->segment(me) + crows_at[size_t(me)];
+#pragma omp parallel for schedule(static) if (R * D >= kParMin)
+    for (int64_t r = 0; r < R; ++r) encode_row(dst + r * cb, yr + r * D);
   }
   for (int q = 0; q < P; ++q) classify(tr, q, peer_recv[size_t(q)] * cb);
   tr.rows_sent += R;
   tr.rows_recv += S1;
   tr.rounds += 1;
+  shm_flags(me)[kSource] = source;
   SharedMemory::publish(shm_flags(me) + kPushed, c);
-  shm_wait(kPushed, c, tr);
-  reduce_rows(y, cdec, shm_data->segment(me) + comb_at[size_t(me)], row_of.data<int32_t>(),
-              weighted ? wcopy.data<float>() : nullptr, N, S1);
+  shm_wait({{kPushed, c}}, tr);
+  // Each token's k rows, read from the experts' segments into a cache-sized block (fp32 rows rounded to bf16
+  // and back when the combine payload is bf16, as the wire would), then summed by the MPI path's kernel.
+  if (N > 0) {
+    const bool bf = cfg.combine_payload == EpPayload::BF16;
+    const int64_t tc = reduce_chunk_tokens(), nch = (N + tc - 1) / tc, slot = reduce_slot_bytes();
+    int nt = std::max(1, int(std::min<int64_t>(num_threads(), nch)));
+    if (cdec.frozen) nt = std::max(1, std::min(nt, int(int64_t(cdec.bytes) / slot)));
+    char* ws = cdec.get(int64_t(nt) * slot);
+    const int32_t* ro = row_of.data<int32_t>();
+    const float* w = weighted ? wcopy.data<float>() : nullptr;
+    std::vector<const char*> src_base(static_cast<size_t>(P));
+    std::vector<int64_t> src_kind(static_cast<size_t>(P));
+    for (int q = 0; q < P; ++q) {
+      src_kind[size_t(q)] = shm_flags(q)[kSource];
+      const bool x = src_kind[size_t(q)] == 0;
+      src_base[size_t(q)] = shm_data->segment(q) + (x ? xrows_at[size_t(q)] : crows_at[size_t(q)]);
+    }
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * k * D >= kParMin)
+    for (int64_t ch = 0; ch < nch; ++ch) {
+      char* my = ws + int64_t(omp_get_thread_num()) * slot;
+      float* buf = reinterpret_cast<float*>(my);
+      int32_t* lro = reinterpret_cast<int32_t*>(my + tc * k * D * 4);
+      const int64_t t0 = ch * tc, t1 = std::min(N, t0 + tc);
+      int32_t j = 0;
+      for (int64_t i = t0 * k; i < t1 * k; ++i) {
+        const int32_t rec = ro[i];
+        lro[i - t0 * k] = rec >= 0 ? j : -1;
+        if (rec < 0) continue;
+        const int e = sidx[size_t(i)];
+        const int q = e / El;
+        const int64_t row = rpos[size_t(e)] + rec - off[size_t(e)];
+        float* dst = buf + int64_t(j++) * D;
+        if (src_kind[size_t(q)] == 0) {  // fp32 recv_x
+          const float* src = reinterpret_cast<const float*>(src_base[size_t(q)]) + row * D;
+          if (bf) round_bf16_row(dst, src, D);
+          else std::memcpy(dst, src, size_t(D * 4));
+        } else if (bf) {
+          from_wire_bf16(dst, reinterpret_cast<const bf16*>(src_base[size_t(q)]) + row * D, D);
+        } else {
+          std::memcpy(dst, reinterpret_cast<const float*>(src_base[size_t(q)]) + row * D, size_t(D * 4));
+        }
+      }
+      if (w) moe_unpermute(y + t0 * D, buf, lro, w + t0 * k, t1 - t0, k, j, D);
+      else moe_permute_backward(y + t0 * D, buf, lro, t1 - t0, k, j, D);
+    }
+  }
   SharedMemory::publish(shm_flags(me) + kReduced, c);
 }
 
 std::vector<EpBufferTerm> FlatDispatcher::extra_terms() const {
   if (!shm()) return {};
   return {{"shm.control [P] flags, sizes, counts", shm_ctrl->bytes()},
-          {"shm.data [S1] meta + [N] token rows + [S1] combine rows", shm_data->bytes()}};
+          {"shm.data [S1] meta + [N] token rows + [R,D] f32 recv_x + [R,D] combine rows", shm_data->bytes()}};
 }
 
 }  // namespace moetron::ep

@@ -50,7 +50,7 @@ void SyncFreeDispatcher::allocate_worst_case() {
     send1.get(int64_t(P) * (H + 128) + Nm * k * (8 + pb));  // every (token, slot) once + headers + padding
     recv1.get(int64_t(P) * slot_bytes);
   }
-  out_x.get(Rmax * row_out());
+  if (!shm() || cfg.land_rows) out_x.get(Rmax * row_out());  // shm: decoded rows land in the shared segment
   out_src.get<int32_t>(Rmax);
   out_tok.get<int32_t>(Rmax);
   out_slot.get<int32_t>(Rmax);
@@ -64,7 +64,8 @@ void SyncFreeDispatcher::allocate_worst_case() {
   }
   csend.get(Rmax * cb);
   crecv.get(Nm * k * cb);
-  if (cfg.combine_payload == EpPayload::BF16) cdec.get(reduce_slot_bytes() * std::max(1, num_threads()));
+  if (shm()) cdec.get((reduce_slot_bytes() + D * 2) * std::max(1, num_threads()));  // dispatch_shm.cpp's blocks
+  else if (cfg.combine_payload == EpPayload::BF16) cdec.get(reduce_slot_bytes() * std::max(1, num_threads()));
   vsend.get<float>(Rmax);
   vrecv.get<float>(Nm * k);
 }

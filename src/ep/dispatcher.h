@@ -38,6 +38,10 @@ struct EpDispatch::Impl {
   // True when dispatch() encodes the token rows itself (the shm transport writes them straight into shared
   // memory): the public call then skips encode_tokens.
   virtual bool encodes_tokens() const { return false; }
+  // The shm transport's [R, D] fp32 rows of a decoded dispatch (recv_x) and its [R, D] combine rows (the
+  // combine payload's type); null otherwise. combine(y, nullptr, ...) reads the combine rows in place.
+  virtual float* expert_rows() const { return nullptr; }
+  virtual void* combine_rows() const { return nullptr; }
   // Allocations that are not Bufs (the shm transport's segments), for buffers().
   virtual std::vector<EpBufferTerm> extra_terms() const { return {}; }
   // A bound on N beyond the common checks (sync_free: max_tokens); throws with the message of validate().

@@ -95,7 +95,21 @@ int64_t EpDispatch::dispatch(const float* x, const int32_t* topk_idx, const floa
 }
 
 int64_t EpDispatch::recv_rows() const { return p_->R; }
-const float* EpDispatch::recv_x() const { return p_->cfg.land_rows ? nullptr : p_->out_x.data<float>(); }
+const float* EpDispatch::recv_x() const {
+  if (p_->cfg.land_rows) return nullptr;
+  const float* shared = p_->expert_rows();
+  return shared ? shared : p_->out_x.data<float>();
+}
+void* EpDispatch::combine_rows() const { return p_->N >= 0 ? p_->combine_rows() : nullptr; }
+
+void EpDispatch::combine_in_place(float* y, bool weighted) {
+  Impl& I = *p_;
+  const char* op = "ep_combine";
+  MT_CHECK(I.N >= 0, op, "combine before any dispatch");
+  MT_CHECK(I.combine_rows() != nullptr, op, "combine_in_place needs ep_transport = shm (combine_rows() is null)");
+  MT_CHECK(y != nullptr || I.N == 0, op, "null y for N=", I.N);
+  ep::record_call(I.st.last_combine, I.st.combine, [&](EpTraffic& tr) { I.combine(y, nullptr, weighted, tr); });
+}
 const void* EpDispatch::recv_x_wire() const {
   return p_->cfg.land_rows && !p_->landed_in_caller ? p_->out_x.data() : nullptr;
 }

@@ -400,6 +400,67 @@ TEST(MpiEp, SharedMemoryGrowsTogetherAndCountsTheSameBytes) {
   EXPECT_GE(data_bytes, 150 * 3 * (8 + 2 * 96) + 150 * 2 * 96);  // records, token rows, combine rows
 }
 
+TEST(MpiEp, SharedMemoryCombinesInPlaceAsTheMpiPathDoes) {
+  // The shm combine's in-place forms against the MPI path on the same routing, bitwise: yr = recv_x() itself
+  // (decoded rows, fp32 rows read where they are), and combine_in_place after the experts wrote their outputs
+  // into combine_rows() in the combine payload's type (landed rows); weighted and not.
+  Comm& c = world();
+  const int P = c.size(), E = 4 * P, k = 3;
+  const int64_t D = 160, N = 37 + 3 * c.rank();
+  std::vector<float> x(size_t(N * D)), w(size_t(N * k));
+  std::vector<int32_t> idx(size_t(N * k));
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t d = 0; d < D; ++d)
+      x[size_t(t * D + d)] = ep_check::unit(7, uint64_t(c.rank()), uint64_t(t), uint64_t(d));
+    for (int s = 0; s < k; ++s) {
+      idx[size_t(t * k + s)] = int32_t((t * 5 + s * 7 + c.rank()) % E);  // distinct for k = 3, E >= 8
+      w[size_t(t * k + s)] = 0.25f + 0.125f * float(s);
+    }
+  }
+  for (EpPayload cp : {EpPayload::F32, EpPayload::BF16})
+    for (bool land : {false, true}) {
+      SCOPED_TRACE(std::string(to_string(cp)) + (land ? " landed" : " decoded"));
+      // decoded: fp32 rows, so recv_x holds values the bf16 combine must round
+      EpDispatchConfig m = cfg(EpDispatcher::AllToAll, E, k, D, 0, land ? EpPayload::BF16 : EpPayload::F32, cp, 0);
+      m.land_rows = land;
+      EpDispatchConfig a = m;
+      a.transport = EpTransport::Shm;
+      EpDispatch shm(c, a), mpi(c, m);
+      std::vector<char> room_s, room_m;
+      auto landing = [](std::vector<char>& v) {
+        return [&v](int64_t r) -> void* { v.assign(size_t(std::max<int64_t>(r, 1) * 160 * 2), 0); return v.data(); };
+      };
+      const int64_t R = land ? shm.dispatch(x.data(), idx.data(), w.data(), N, landing(room_s))
+                             : shm.dispatch(x.data(), idx.data(), w.data(), N);
+      ASSERT_EQ(R, land ? mpi.dispatch(x.data(), idx.data(), w.data(), N, landing(room_m))
+                        : mpi.dispatch(x.data(), idx.data(), w.data(), N));
+      // the experts' outputs: any function of the received rows (recv_x, or the landed bf16 rows)
+      std::vector<float> yr(size_t(std::max<int64_t>(R, 1) * D));
+      for (int64_t i = 0; i < R * D; ++i)
+        yr[size_t(i)] = land ? 1.5f * from_bf16(reinterpret_cast<const bf16*>(room_s.data())[i]) : shm.recv_x()[i];
+      for (bool weighted : {true, false}) {
+        std::vector<float> ys(size_t(N * D), -1.0f), ym(size_t(N * D), -2.0f);
+        if (land) {
+          ASSERT_NE(shm.combine_rows(), nullptr);
+          for (int64_t i = 0; i < R * D; ++i) {
+            if (cp == EpPayload::BF16) static_cast<bf16*>(shm.combine_rows())[i] = to_bf16(yr[size_t(i)]);
+            else static_cast<float*>(shm.combine_rows())[i] = yr[size_t(i)];
+          }
+          shm.combine_in_place(ys.data(), weighted);
+        } else {
+          shm.combine(ys.data(), shm.recv_x(), weighted);
+        }
+        mpi.combine(ym.data(), yr.data(), weighted);
+        for (size_t i = 0; i < ys.size(); ++i) ASSERT_EQ(ys[i], ym[i]) << "rank " << c.rank() << " element " << i;
+      }
+    }
+  EpDispatch plain(c, cfg(EpDispatcher::AllToAll, E, k, D, 0));
+  std::vector<float> y(size_t(N * D));
+  plain.dispatch(x.data(), idx.data(), w.data(), N);
+  EXPECT_EQ(plain.combine_rows(), nullptr);
+  EXPECT_THROW(plain.combine_in_place(y.data()), std::exception);
+}
+
 TEST(MpiEp, SharedMemoryRefusesHierarchical) {
   Comm& c = world();
   EpDispatchConfig h = cfg(EpDispatcher::Hierarchical, 4 * c.size(), 3, 64, std::max(1, c.size() / 2));
