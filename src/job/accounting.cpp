@@ -707,11 +707,11 @@ struct MemoryTerms {
       const double payload = par.fp8_dispatch ? d + 4 * std::ceil(d / 128) : double(cb) * d, row = payload + 8;
       const double home = (!par.fp8_dispatch && cb == 4 ? 0 : N * payload) + N * K * 12;  // + weights, maps
       double per;
-      if (par.ep_transport == EpTransport::Shm) {  // shared segments (dispatch_shm.cpp): metadata, token rows
-        // once (e4m3 also a home copy), fp32 combine rows; the backward's MPI rounds and maps as without shm
-        const double cap = EP * N * std::min(K, E / EP), sf = par.ep_dispatcher == EpDispatcher::SyncFree;
-        per = rows * (8 + 4 * d) + N * payload * (par.fp8_dispatch ? 2 : 1) + N * K * 12 +
-              (sf ? cap * (d * 8 + 20) + rows * d * 4 : rows * (8 * d + 24));
+      if (par.ep_transport == EpTransport::Shm) {  // the MPI terms less the 2 message rows, plus the shm segment:
+        // metadata, token rows (no home copy), fp32 combine rows (sync_free's worst case, or rows + 1/16)
+        const double cap = EP * N * std::min(K, E / EP), toks = N * payload * (par.fp8_dispatch ? 2 : 1) + N * K * 12;
+        const bool sf = par.ep_dispatcher == EpDispatcher::SyncFree;
+        per = toks + (sf ? cap * (12 * d + 20) + rows * (4 * d + 8) : rows * (16.25 * d + 28));
       } else if (par.ep_dispatcher == EpDispatcher::SyncFree) {  // receive side sized for the worst case, once
         const double cap = EP * N * std::min(K, E / EP);
         per = rows * row + cap * row + cap * d * 8 + cap * 20 + rows * d * 4 + home;
