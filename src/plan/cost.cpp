@@ -28,6 +28,7 @@ struct Ctx {
   double ab;  // activation element bytes of the memory-bound passes and GEMM outputs (2: bf16; the engine's fp32: 4)
   double gb;  // GEMM input element bytes (2: bf16, 1: FP8, the engine's compute dtype)
   double imb; // the busiest EP rank's routed rows over the balanced count (PlanOptions::ep_imbalance)
+  bool engine;  // the engine's recipe (its buffers and transports, not a GPU framework's)
 };
 
 // Time of a GEMM m x n x k on the hardware (flop-bound or byte-bound, floored by the launch overhead), and the
@@ -154,6 +155,7 @@ struct LayerCost {
   double tp_f = 0, tp_b = 0;      // exposed TP collectives
   double cp_f = 0, cp_b = 0;      // exposed CP exchange
   double a2a = 0;                 // one dispatch + one combine
+  double a2a_bd = 0;              // the backward's exchanges less the forward's (the engine's shm transport)
   double a2a_wf = 0, a2a_wb = 0;  // waits for the slowest rank at them, forward and backward (rank_skew)
   double recompute = 0;           // forward work redone in backward
   Launches launch;                // kernels the host issues
@@ -382,6 +384,16 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
         return all_to_all_hierarchical(x.h, bytes, m.topk, npt, g, leg);
       };
       lc.a2a = a2a(row_in, EpLeg::Dispatch) + a2a(d * ab, EpLeg::Combine);
+      if (x.c.parallelism.ep_transport == EpTransport::Shm && x.engine) {
+        // The engine's shared-memory transport (src/ep/dispatch_shm.cpp): a dispatch copies each row once from the
+        // home's segment into its landing (read + write at the memory-bound rate, its own rows too); a combine of
+        // the trainer's expert outputs copies them into the combine rows once (the homes' sum then reads them where
+        // they are, priced with the permute pass as before). The backward's redispatch keeps its MPI exchange.
+        const double rows = T / x.q * k * x.imb;
+        const double shm_d = membound(x, 2 * rows * row_in), shm_c = membound(x, 2 * rows * d * ab);
+        lc.a2a_bd = a2a(d * ab, EpLeg::Dispatch) - shm_d;
+        lc.a2a = shm_d + shm_c;
+      }
       lc.launch.f += 2, lc.launch.i += 2;  // dispatch and combine
     }
   }
@@ -426,7 +438,8 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
               double(l.shard().token_div()),
               rc.act_bytes > 0 ? rc.act_bytes : 2.0,
               rc.gemm_bytes > 0 ? rc.gemm_bytes : fp8 ? 1.0 : 2.0,
-              l.ep > 1 ? std::max(1.0, o.memory.ep_imbalance) : 1.0};  // without EP every rank holds every expert
+              l.ep > 1 ? std::max(1.0, o.memory.ep_imbalance) : 1.0,  // without EP every rank holds every expert
+              rc.engine_buffers};
   const ActivationCheckpointSpec ac = plan_checkpointing(c, l);
   // Layers of one kind cost the same unless recompute applies to some of them: cache by (moe, recompute).
   LayerCost cache[2][2];
@@ -457,7 +470,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
       t.w += n * lc.sum_w();
       for (int k = 0; k < kNumPlanOps; ++k)
         t.op_f[size_t(k)] += n * lc.op[k].f, t.op_b[size_t(k)] += n * (lc.op[k].i + lc.op[k].w);
-      t.a2a_f += n * (lc.a2a + lc.a2a_wf), t.a2a_b += n * (lc.a2a + lc.a2a_wb);
+      t.a2a_f += n * (lc.a2a + lc.a2a_wf), t.a2a_b += n * (lc.a2a + lc.a2a_bd + lc.a2a_wb);
       if (moe && lc.a2a > 0) moe_a2a_layers += count;
       t.gemm += n * (lc.gemm.f + lc.gemm.i + lc.gemm.w), t.attention += n * (lc.attn.f + lc.attn.i);
       t.memory_bound += n * (lc.mem.f + lc.mem.i), t.quantize += n * (lc.quant.f + lc.quant.i);
@@ -469,7 +482,7 @@ std::vector<StageTime> stage_times_at(const JobConfig& c, const Layout& l, const
         span_gpu += gf, span_host += hf;
         if (moe && syncs) close_span(), host_f += (n - 1) * std::max(0.0, hf - gf);
         else span_gpu += (n - 1) * gf, span_host += (n - 1) * hf;
-        bwd_gpu += n * (lc.sum_i() + lc.sum_w() + lc.tp_b + lc.cp_b + lc.recompute + lc.a2a + lc.a2a_wb);
+        bwd_gpu += n * (lc.sum_i() + lc.sum_w() + lc.tp_b + lc.cp_b + lc.recompute + lc.a2a + lc.a2a_bd + lc.a2a_wb);
         bwd_host += n * (lc.launch.i + lc.launch.w) * hl;
       }
     };

@@ -161,6 +161,7 @@ std::vector<ValidationCase> validation_cases() {
       {"fsdp", 2, {"--parallelism.dp_shard={w}", "--parallelism.zero=3"}},
       {"ep_alltoall", 2, {"--parallelism.dp_shard={w}", "--parallelism.ep={w}"}},
       {"ep_sync_free", 2, {"--parallelism.dp_shard={w}", "--parallelism.ep={w}", "--parallelism.ep_dispatcher=sync_free"}},
+      {"ep_shm", 2, {"--parallelism.dp_shard={w}", "--parallelism.ep={w}", "--parallelism.ep_transport=shm"}},
       {"ep_hierarchical", 2, {"--parallelism.dp_shard={w}", "--parallelism.ep={w}",
                               "--parallelism.ep_dispatcher=hierarchical", "--parallelism.ranks_per_node={w2}"}},
       {"pp_1f1b", 2, {"--parallelism.pp=2", "--parallelism.dp_shard={w2}"}},

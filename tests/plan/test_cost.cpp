@@ -192,6 +192,34 @@ TEST(PlanCost, WaitOvershootAtEachBlockingExchange) {
   EXPECT_DOUBLE_EQ(timeof(c0, 1, h).step_time, timeof(c0, 1, plantest::round_gpu()).step_time);
 }
 
+TEST(PlanCost, EngineShmTransportCopiesEachRowOnce) {
+  // ep_transport = shm under the engine's recipe (src/ep/dispatch_shm.cpp): forward dispatch and combine each one
+  // copy of their rows at the memory-bound rate; the backward's combine the same copy, its redispatch the MPI
+  // exchange. Hand count against the MPI transport's two all-to-alls each way; the GPU recipe ignores the key.
+  const auto h = plantest::round_gpu();
+  const auto c = cfg("ds_mini", {"--parallelism.ep=2", "--model.first_k_dense=0", "--training.compute_dtype=bf16"});
+  auto cs = c;
+  cs.parallelism.ep_transport = EpTransport::Shm;
+  plan::TimeOptions o;
+  o.memory.recipe = plan::recipe_named("engine", c);
+  const auto tm = plan::plan_time(c, plan::layout_from_config(c, 2), h, o);
+  const auto ts = plan::plan_time(cs, plan::layout_from_config(cs, 2), h, o);
+  const double d = double(c.model.d_model), rows = double(c.training.micro_batch_size * c.training.seq_len) *
+                                                       double(c.model.moe.topk);
+  const double ab = o.memory.recipe.act_bytes, row_in = d * std::max(o.memory.recipe.gemm_bytes, 2.0);
+  const plan::Group g{2, 2};
+  auto mem = [&](double bytes) { return std::max(bytes / h.elementwise_rate(), h.kernel_overhead); };
+  const double a_d = plan::all_to_all(h, rows * row_in, g, plan::EpLeg::Dispatch);
+  const double a_c = plan::all_to_all(h, rows * d * ab, g, plan::EpLeg::Combine);
+  const double a_r = plan::all_to_all(h, rows * d * ab, g, plan::EpLeg::Dispatch);
+  const double s_d = mem(2 * rows * row_in), s_c = mem(2 * rows * d * ab);
+  const double per = double(c.model.n_layers) * double(tm.layout.microbatches);
+  const double want = per * ((s_d + 2 * s_c + a_r) - 2 * (a_d + a_c));
+  EXPECT_NE(want, 0.0);
+  EXPECT_NEAR(ts.breakdown.at("comm.ep") - tm.breakdown.at("comm.ep"), want, 1e-9 * std::fabs(want));
+  EXPECT_DOUBLE_EQ(timeof(cs, 2, h).step_time, timeof(c, 2, h).step_time);  // megatron recipe: not the engine's
+}
+
 TEST(PlanCost, EpOverlapHidesAllToAll) {
   // A slow scale-out makes EP expensive; the 1F1B all-to-all overlap must hide part of it.
   auto h = plan::catalog_hardware("h100");

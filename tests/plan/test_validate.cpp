@@ -76,8 +76,9 @@ const FigureRow& row(const LayoutValidation& v, const std::string& figure) {
 
 TEST(Validate, CasesAndOverrides) {
   const std::vector<ValidationCase> cs = validation_cases();
-  ASSERT_EQ(cs.size(), 14u);
+  ASSERT_EQ(cs.size(), 15u);
   EXPECT_EQ(case_named("tp2_cp2_pp2_ep2").min_world, 8);
+  EXPECT_EQ(case_named("ep_shm").args.back(), "--parallelism.ep_transport=shm");
   EXPECT_EQ(case_named("tp").args, (std::vector<std::string>{"--parallelism.tp={w}", "--parallelism.expert_tp={w}"}));
   EXPECT_EQ(case_named("cp").args, (std::vector<std::string>{"--parallelism.cp={w}"}));
   EXPECT_EQ(cs.front().name, "single");
