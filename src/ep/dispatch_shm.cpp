@@ -21,12 +21,9 @@
 #include <atomic>
 #include <bit>
 
-#include <omp.h>
 
 #include "ep/dispatch_flat.h"
 #include "moetron/check.h"
-#include "moetron/permute.h"
-#include "moetron/runtime.h"
 
 namespace moetron::ep {
 namespace {
@@ -222,50 +219,28 @@ void FlatDispatcher::shm_combine(float* y, const float* yr, bool weighted, EpTra
   shm_wait({{kPushed, c}}, tr);
   // Each token's k rows, read from the experts' segments into a cache-sized block (fp32 rows rounded to bf16
   // and back when the combine payload is bf16, as the wire would), then summed by the MPI path's kernel.
-  if (N > 0) {
-    const bool bf = cfg.combine_payload == EpPayload::BF16;
-    const int64_t tc = reduce_chunk_tokens(), nch = (N + tc - 1) / tc, slot = reduce_slot_bytes();
-    int nt = std::max(1, int(std::min<int64_t>(num_threads(), nch)));
-    if (cdec.frozen) nt = std::max(1, std::min(nt, int(int64_t(cdec.bytes) / slot)));
-    char* ws = cdec.get(int64_t(nt) * slot);
-    const int32_t* ro = row_of.data<int32_t>();
-    const float* w = weighted ? wcopy.data<float>() : nullptr;
-    std::vector<const char*> src_base(static_cast<size_t>(P));
-    std::vector<int64_t> src_kind(static_cast<size_t>(P));
-    for (int q = 0; q < P; ++q) {
-      src_kind[size_t(q)] = shm_flags(q)[kSource];
-      const bool x = src_kind[size_t(q)] == 0;
-      src_base[size_t(q)] = shm_data->segment(q) + (x ? xrows_at[size_t(q)] : crows_at[size_t(q)]);
-    }
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && N * k * D >= kParMin)
-    for (int64_t ch = 0; ch < nch; ++ch) {
-      char* my = ws + int64_t(omp_get_thread_num()) * slot;
-      float* buf = reinterpret_cast<float*>(my);
-      int32_t* lro = reinterpret_cast<int32_t*>(my + tc * k * D * 4);
-      const int64_t t0 = ch * tc, t1 = std::min(N, t0 + tc);
-      int32_t j = 0;
-      for (int64_t i = t0 * k; i < t1 * k; ++i) {
-        const int32_t rec = ro[i];
-        lro[i - t0 * k] = rec >= 0 ? j : -1;
-        if (rec < 0) continue;
-        const int e = sidx[size_t(i)];
-        const int q = e / El;
-        const int64_t row = rpos[size_t(e)] + rec - off[size_t(e)];
-        float* dst = buf + int64_t(j++) * D;
-        if (src_kind[size_t(q)] == 0) {  // fp32 recv_x
-          const float* src = reinterpret_cast<const float*>(src_base[size_t(q)]) + row * D;
-          if (bf) round_bf16_row(dst, src, D);
-          else std::memcpy(dst, src, size_t(D * 4));
-        } else if (bf) {
-          from_wire_bf16(dst, reinterpret_cast<const bf16*>(src_base[size_t(q)]) + row * D, D);
-        } else {
-          std::memcpy(dst, reinterpret_cast<const float*>(src_base[size_t(q)]) + row * D, size_t(D * 4));
-        }
-      }
-      if (w) moe_unpermute(y + t0 * D, buf, lro, w + t0 * k, t1 - t0, k, j, D);
-      else moe_permute_backward(y + t0 * D, buf, lro, t1 - t0, k, j, D);
-    }
+  const bool bf = cfg.combine_payload == EpPayload::BF16;
+  std::vector<const char*> src_base(static_cast<size_t>(P));
+  std::vector<int64_t> src_kind(static_cast<size_t>(P));
+  for (int q = 0; q < P; ++q) {
+    src_kind[size_t(q)] = shm_flags(q)[kSource];
+    const bool x = src_kind[size_t(q)] == 0;
+    src_base[size_t(q)] = shm_data->segment(q) + (x ? xrows_at[size_t(q)] : crows_at[size_t(q)]);
   }
+  const int32_t* ro = row_of.data<int32_t>();
+  reduce_fetched(y, cdec, ro, weighted ? wcopy.data<float>() : nullptr, N, [&](int64_t i, float* dst) {
+    const int e = sidx[size_t(i)], q = e / El;
+    const int64_t row = rpos[size_t(e)] + ro[i] - off[size_t(e)];
+    if (src_kind[size_t(q)] == 0) {  // fp32 recv_x
+      const float* src = reinterpret_cast<const float*>(src_base[size_t(q)]) + row * D;
+      if (bf) round_bf16_row(dst, src, D);
+      else std::memcpy(dst, src, size_t(D * 4));
+    } else if (bf) {
+      from_wire_bf16(dst, reinterpret_cast<const bf16*>(src_base[size_t(q)]) + row * D, D);
+    } else {
+      std::memcpy(dst, reinterpret_cast<const float*>(src_base[size_t(q)]) + row * D, size_t(D * 4));
+    }
+  });
   SharedMemory::publish(shm_flags(me) + kReduced, c);
 }
 

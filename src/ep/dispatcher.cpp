@@ -115,26 +115,9 @@ void EpDispatch::Impl::reduce_rows(float* y, ep::Buf& tmp, const char* in, const
     else moe_permute_backward(y, rows, ro, n, k, S, D);
     return;
   }
-  const int64_t tc = reduce_chunk_tokens(), nch = (n + tc - 1) / tc, slot = reduce_slot_bytes();
-  int nt = std::max(1, int(std::min<int64_t>(num_threads(), nch)));
-  if (tmp.frozen) nt = std::max(1, std::min(nt, int(int64_t(tmp.bytes) / slot)));
-  char* ws = tmp.get(int64_t(nt) * slot);
   const bf16* rows = reinterpret_cast<const bf16*>(in);
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && n * k * D >= kParMin)
-  for (int64_t c = 0; c < nch; ++c) {
-    char* mine = ws + int64_t(omp_get_thread_num()) * slot;
-    float* buf = reinterpret_cast<float*>(mine);
-    int32_t* lro = reinterpret_cast<int32_t*>(mine + tc * k * D * 4);
-    const int64_t t0 = c * tc, t1 = std::min(n, t0 + tc);
-    int32_t j = 0;
-    for (int64_t i = t0 * k; i < t1 * k; ++i) {
-      const int32_t r = ro[i];
-      lro[i - t0 * k] = r >= 0 ? j : -1;
-      if (r >= 0) ep::from_wire_bf16(buf + int64_t(j++) * D, rows + int64_t(r) * D, D);
-    }
-    if (w) moe_unpermute(y + t0 * D, buf, lro, w + t0 * k, t1 - t0, k, j, D);
-    else moe_permute_backward(y + t0 * D, buf, lro, t1 - t0, k, j, D);
-  }
+  reduce_fetched(y, tmp, ro, w, n,
+                 [&](int64_t i, float* dst) { ep::from_wire_bf16(dst, rows + int64_t(ro[i]) * D, D); });
 }
 
 }  // namespace moetron

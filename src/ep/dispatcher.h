@@ -12,10 +12,14 @@
 #include <memory>
 #include <vector>
 
+#include <omp.h>
+
 #include "ep/ep_wire.h"
 #include "moetron/comm.h"
 #include "moetron/ep_dispatch.h"
 #include "moetron/fp8.h"
+#include "moetron/permute.h"
+#include "moetron/runtime.h"
 
 namespace moetron {
 
@@ -148,7 +152,36 @@ struct EpDispatch::Impl {
   int64_t reduce_chunk_tokens() const { return std::max<int64_t>(1, (int64_t(1) << 16) / (int64_t(k) * D)); }
   int64_t reduce_slot_bytes() const { return reduce_chunk_tokens() * k * (D * 4 + 4); }
   void reduce_rows(float* y, ep::Buf& tmp, const char* in, const int32_t* ro, const float* w, int64_t n, int64_t S);
+  // The chunked form of it for rows that are not one fp32 array: fetch(i, dst) writes the row of kept (token,
+  // slot) i (ro[i] >= 0) as fp32 into dst [D]; a chunk of tokens is fetched into a cache-sized block per thread and
+  // reduced by the same kernel (a token's result depends only on its own rows: bitwise the one-call result).
+  template <class Fetch>
+  void reduce_fetched(float* y, ep::Buf& tmp, const int32_t* ro, const float* w, int64_t n, Fetch fetch);
 };
+
+template <class Fetch>
+void EpDispatch::Impl::reduce_fetched(float* y, ep::Buf& tmp, const int32_t* ro, const float* w, int64_t n,
+                                      Fetch fetch) {
+  if (n == 0) return;
+  const int64_t tc = reduce_chunk_tokens(), nch = (n + tc - 1) / tc, slot = reduce_slot_bytes();
+  int nt = std::max(1, int(std::min<int64_t>(num_threads(), nch)));
+  if (tmp.frozen) nt = std::max(1, std::min(nt, int(int64_t(tmp.bytes) / slot)));
+  char* ws = tmp.get(int64_t(nt) * slot);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && n * k * D >= ep::kParMin)
+  for (int64_t c = 0; c < nch; ++c) {
+    char* mine = ws + int64_t(omp_get_thread_num()) * slot;
+    float* buf = reinterpret_cast<float*>(mine);
+    int32_t* lro = reinterpret_cast<int32_t*>(mine + tc * k * D * 4);
+    const int64_t t0 = c * tc, t1 = std::min(n, t0 + tc);
+    int32_t j = 0;
+    for (int64_t i = t0 * k; i < t1 * k; ++i) {
+      lro[i - t0 * k] = ro[i] >= 0 ? j : -1;
+      if (ro[i] >= 0) fetch(i, buf + int64_t(j++) * D);
+    }
+    if (w) moe_unpermute(y + t0 * D, buf, lro, w + t0 * k, t1 - t0, k, j, D);
+    else moe_permute_backward(y + t0 * D, buf, lro, t1 - t0, k, j, D);
+  }
+}
 
 namespace ep {
 
