@@ -265,6 +265,37 @@ void add_rank_skew_waits(const Ctx& x, LayerCost& lc) {
   }
 }
 
+// EP dispatch + combine of this rank's rows (before the expert-TP gather); the busiest rank receives imb times
+// the balanced rows. Dispatched rows are GEMM inputs (FP8 with its scales under fp8_dispatch), combined rows
+// are outputs (the recipe's element sizes: bf16 both on a GPU recipe, the engine's compute dtype / fp32).
+void add_ep_exchange(const Ctx& x, double T, LayerCost& lc) {
+  const MoESpec& m = x.c.model.moe;
+  const double d = double(x.c.model.d_model), k = double(m.topk), ab = x.ab;
+  const double row_in = x.c.parallelism.fp8_dispatch ? d + d / 128 * 4 : d * std::max(x.gb, 2.0);
+  const Group g = place(x.h, x.l.ep, x.l.etp);
+  // Each leg at its measured share of the tiers' bandwidth (Tier::ep_eff); the backward runs the same two
+  // kernels the other way round (a dispatch's gradient is a combine), so both directions cost the same sum.
+  auto a2a = [&](double row, EpLeg leg) {
+    const double bytes = T / x.q * k * row * x.imb;
+    if (x.c.parallelism.ep_dispatcher == EpDispatcher::AllToAll || g.nodes() == 1)
+      return all_to_all(x.h, bytes, g, leg);
+    const int64_t max_nodes = m.n_group > 1 ? m.topk_group : 0;
+    const double npt = expected_nodes_per_token(m.n_routed_experts, m.topk, g.nodes(), max_nodes);
+    return all_to_all_hierarchical(x.h, bytes, m.topk, npt, g, leg);
+  };
+  lc.a2a = a2a(row_in, EpLeg::Dispatch) + a2a(d * ab, EpLeg::Combine);
+  if (x.c.parallelism.ep_transport == EpTransport::Shm && x.engine) {
+    // The engine's shared-memory transport (src/ep/dispatch_shm.cpp): a dispatch copies each row once from the
+    // home's segment into its landing (read + write at the memory-bound rate, its own rows too); a combine of
+    // the trainer's expert outputs copies them into the combine rows once (the homes' sum then reads them where
+    // they are, priced with the permute pass as before). The backward's redispatch keeps its MPI exchange.
+    const double rows = T / x.q * k * x.imb;
+    const double shm_d = membound(x, 2 * rows * row_in), shm_c = membound(x, 2 * rows * d * ab);
+    lc.a2a_bd = a2a(d * ab, EpLeg::Dispatch) - shm_d;
+    lc.a2a = shm_d + shm_c;
+  }
+}
+
 LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec& ac) {
   const ModelSpec& s = x.c.model;
   const Layout& l = x.l;
@@ -367,33 +398,8 @@ LayerCost layer_cost(const Ctx& x, int64_t layer, const ActivationCheckpointSpec
       G(T, 2 * Is, d), G(T, d, Is);
       act_bytes += 3 * Is * 2 * T;
     }
-    // EP dispatch + combine of this rank's rows (before the expert-TP gather); the busiest rank receives imb times
-    // the balanced rows. Dispatched rows are GEMM inputs (FP8 with its scales under fp8_dispatch), combined rows
-    // are outputs (the recipe's element sizes: bf16 both on a GPU recipe, the engine's compute dtype / fp32).
     if (l.ep > 1) {
-      const double row_in = x.c.parallelism.fp8_dispatch ? d + d / 128 * 4 : d * std::max(x.gb, 2.0);
-      const Group g = place(x.h, l.ep, l.etp);
-      // Each leg at its measured share of the tiers' bandwidth (Tier::ep_eff); the backward runs the same two
-      // kernels the other way round (a dispatch's gradient is a combine), so both directions cost the same sum.
-      auto a2a = [&](double row, EpLeg leg) {
-        const double bytes = T / x.q * k * row * x.imb;
-        if (x.c.parallelism.ep_dispatcher == EpDispatcher::AllToAll || g.nodes() == 1)
-          return all_to_all(x.h, bytes, g, leg);
-        const int64_t max_nodes = m.n_group > 1 ? m.topk_group : 0;
-        const double npt = expected_nodes_per_token(m.n_routed_experts, m.topk, g.nodes(), max_nodes);
-        return all_to_all_hierarchical(x.h, bytes, m.topk, npt, g, leg);
-      };
-      lc.a2a = a2a(row_in, EpLeg::Dispatch) + a2a(d * ab, EpLeg::Combine);
-      if (x.c.parallelism.ep_transport == EpTransport::Shm && x.engine) {
-        // The engine's shared-memory transport (src/ep/dispatch_shm.cpp): a dispatch copies each row once from the
-        // home's segment into its landing (read + write at the memory-bound rate, its own rows too); a combine of
-        // the trainer's expert outputs copies them into the combine rows once (the homes' sum then reads them where
-        // they are, priced with the permute pass as before). The backward's redispatch keeps its MPI exchange.
-        const double rows = T / x.q * k * x.imb;
-        const double shm_d = membound(x, 2 * rows * row_in), shm_c = membound(x, 2 * rows * d * ab);
-        lc.a2a_bd = a2a(d * ab, EpLeg::Dispatch) - shm_d;
-        lc.a2a = shm_d + shm_c;
-      }
+      add_ep_exchange(x, T, lc);
       lc.launch.f += 2, lc.launch.i += 2;  // dispatch and combine
     }
   }
