@@ -871,14 +871,17 @@ TEST(MpiLayoutOverlap, EpOverlapWithMtpIsBitwiseThePlainRun) {
   };
   const TrainResult plain = train(tiny(shared_dir("ovl_mtp_plain"), with({"--parallelism.ep_overlap=false"})),
                                   recorded(&world()));
+  // default lanes, the turns with b, and the default lanes over the shared-memory transport (each lane's own
+  // segments; its flag waits run the lane's deferred work like any other wait)
   for (const std::vector<std::string>& lanes :
        {std::vector<std::string>{}, std::vector<std::string>{"--parallelism.ep_baton=turn",
-                                                             "--parallelism.ep_pair_backward=b"}}) {
-    SCOPED_TRACE(lanes.empty() ? "default lanes" : "turn, b");
+                                                             "--parallelism.ep_pair_backward=b"},
+        std::vector<std::string>{"--parallelism.ep_transport=shm"}}) {
+    SCOPED_TRACE(lanes.empty() ? "default lanes" : lanes[0]);
     std::vector<std::string> a = {"--parallelism.ep_overlap=true"};
     a.insert(a.end(), lanes.begin(), lanes.end());
-    const TrainResult ov = train(tiny(shared_dir("ovl_mtp_on" + std::to_string(lanes.size())), with(a)),
-                                 recorded(&world()));
+    const std::string tag = lanes.empty() ? "0" : lanes[0].substr(14, 6);  // "ep_bat" / "ep_tra"
+    const TrainResult ov = train(tiny(shared_dir("ovl_mtp_on" + tag), with(a)), recorded(&world()));
     ASSERT_EQ(ov.history.size(), plain.history.size());
     for (size_t i = 0; i < plain.history.size(); ++i) {
       const StepRecord &x = ov.history[i], &y = plain.history[i];
