@@ -99,7 +99,8 @@ Args parse(int argc, char** argv) {
     std::fprintf(stderr, "--land must be no, yes or both, not '%s'\n", a.land.c_str());
     std::exit(2);
   }
-  if (a.transport.empty() || a.transport.find_first_not_of("mpishm,") != std::string::npos) {
+  const std::string& t = a.transport;
+  if (t != "mpi" && t != "shm" && t != "mpi,shm" && t != "shm,mpi") {
     std::fprintf(stderr, "--transport must list mpi and/or shm, not '%s'\n", a.transport.c_str());
     std::exit(2);
   }

@@ -81,26 +81,42 @@ bool wait_by_polling() { return g_poll.load(std::memory_order_relaxed); }
 // The longest sleep between two tests of a long wait: [comm] mpi_max_nap_us (20 to 5000, default 200).
 std::chrono::microseconds max_nap() { return std::chrono::microseconds(g_max_nap_us.load(std::memory_order_relaxed)); }
 
-// Completes n requests; returns MPI's code (MPI_ERR_IN_STATUS with per-request errors in st, as MPI_Waitall).
-// Polling: tests back to back for the first 50 us (short messages finish at MPI's own latency), then sleeps
-// between tests, 20 us at first and doubling up to max_nap() (200 us), so a long wait costs its core almost
-// nothing while each test still moves the transfers on (TCP's socket buffers hold far more than 200 us of any
-// link here).
-int wait_requests(int n, MPI_Request* reqs, MPI_Status* st) {
-  if (!wait_by_polling()) return MPI_Waitall(n, reqs, st);
+// Tests done() until it holds, running the thread's own work between tests (CommIdleWork, comm.h: then it tests
+// again at once). With naps: back to back for the first 50 us (short messages finish at MPI's own latency), then
+// sleeping between tests, 20 us at first and doubling up to max_nap() (200 us), so a long wait costs its core
+// almost nothing while each test still moves the transfers on (TCP's socket buffers hold far more than 200 us of
+// any link here). Without: back to back throughout, yielding the core between tests.
+template <class Done>
+void poll_until(Done done, bool naps) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   const auto top = max_nap();
   auto nap = std::chrono::microseconds(20);
-  for (;;) {
-    int done = 0;
-    const int rc = MPI_Testall(n, reqs, &done, st);
-    if (rc != MPI_SUCCESS || done) return rc;
-    if (CommIdleWork::run()) continue;  // the thread's own work between tests (comm.h): test again at once
+  while (!done()) {
+    if (CommIdleWork::run()) continue;
+    if (!naps) {
+      std::this_thread::yield();
+      continue;
+    }
     if (clock::now() - start < std::chrono::microseconds(50)) continue;
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, top);
   }
+}
+
+// Completes n requests; returns MPI's code (MPI_ERR_IN_STATUS with per-request errors in st, as MPI_Waitall).
+// Polling ([comm] mpi_wait = "poll") with naps, else one MPI_Waitall.
+int wait_requests(int n, MPI_Request* reqs, MPI_Status* st) {
+  if (!wait_by_polling()) return MPI_Waitall(n, reqs, st);
+  int rc = MPI_SUCCESS;
+  poll_until(
+      [&] {
+        int done = 0;
+        rc = MPI_Testall(n, reqs, &done, st);
+        return rc != MPI_SUCCESS || done;
+      },
+      true);
+  return rc;
 }
 
 // A shared-memory window over a communicator whose members all share a node (MpiBackend::share_memory). Each
@@ -140,20 +156,8 @@ class MpiShared final : public SharedMemory {
   }
   char* segment(int rank) const override { return static_cast<char*>(seg_.at(size_t(rank))); }
   int64_t bytes() const override { return bytes_; }
-  void wait_until(const std::function<bool()>& ready) const override {
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
-    auto nap = std::chrono::microseconds(20);
-    while (!ready()) {
-      if (CommIdleWork::run()) continue;
-      if (!wait_by_polling() || clock::now() - start < std::chrono::microseconds(50)) {
-        std::this_thread::yield();
-        continue;
-      }
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, max_nap());
-    }
-  }
+  // As a request wait: naps under mpi_wait = "poll"; under "spin" (where requests wait inside MPI) it spins.
+  void wait_until(const std::function<bool()>& ready) const override { poll_until(ready, wait_by_polling()); }
 
  private:
   MPI_Comm node_;

@@ -13,8 +13,9 @@ FlatDispatcher::FlatDispatcher(const Comm& ep_comm, const EpDispatchConfig& cfg,
   const size_t PE = size_t(P) * size_t(El);
   for (auto* v : {&cnt, &rcnt, &off, &cur, &fpos, &poff}) v->assign(PE, 0);
   for (auto* v : {&sc, &sd, &rc, &rd, &peer_send, &peer_recv, &blk_start}) v->assign(size_t(P), 0);
-  // shm: reserve for max_tokens (sync_free never grows past it; alltoall grows beyond it on demand)
-  if (cfg.transport == EpTransport::Shm) {  // rows in: the worst case for sync_free, the average for alltoall
+  // shm: reserve for max_tokens tokens and, as rows in, sync_free's worst case (it never grows) or alltoall's
+  // average (it grows beyond on demand)
+  if (cfg.transport == EpTransport::Shm) {
     const int64_t Nm = cfg.max_tokens, rows_in = cfg.kind == EpDispatcher::SyncFree ? P * Nm * std::min(k, El) : Nm * k;
     shm_open(Nm > 0 ? shm_need(Nm, Nm * k, rows_in) : 64);
   }

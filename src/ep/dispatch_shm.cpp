@@ -14,13 +14,12 @@
 // records only after every peer has acknowledged reading the previous dispatch; a rank overwrites its expert
 // and combine rows only after every home has reduced the previous combine. When a rank needs a larger data
 // segment (every rank can compute every rank's need from the published counts), all regrow together (a
-// collective, the only one). The backward helpers (redispatch, combine_scalars) keep the MPI rounds of dispatch_flat.cpp over the
-// same plan (the counts and offsets are filled here as the MPI dispatch fills them).
+// collective, the only one). The backward helpers (redispatch, combine_scalars) keep the MPI rounds of
+// dispatch_flat.cpp over the same plan (the counts and offsets are filled here as the MPI dispatch fills them).
 // Not the MPI exchanges (dispatch_alltoall.cpp, dispatch_sync_free.cpp) and not the hierarchical dispatcher.
 #include <algorithm>
 #include <atomic>
 #include <bit>
-
 
 #include "ep/dispatch_flat.h"
 #include "moetron/check.h"

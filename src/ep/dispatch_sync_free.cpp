@@ -64,8 +64,8 @@ void SyncFreeDispatcher::allocate_worst_case() {
   }
   csend.get(Rmax * cb);
   crecv.get(Nm * k * cb);
-  if (shm()) cdec.get((reduce_slot_bytes() + D * 2) * std::max(1, num_threads()));  // dispatch_shm.cpp's blocks
-  else if (cfg.combine_payload == EpPayload::BF16) cdec.get(reduce_slot_bytes() * std::max(1, num_threads()));
+  // the combine's per-thread blocks (reduce_fetched): bf16 wire rows, or any rows read in place over shm
+  if (shm() || cfg.combine_payload == EpPayload::BF16) cdec.get(reduce_slot_bytes() * std::max(1, num_threads()));
   vsend.get<float>(Rmax);
   vrecv.get<float>(Nm * k);
 }

@@ -152,6 +152,9 @@ void JobConfig::validate() const {
       !e.empty())
     throw Error("invalid config: " + e);
   if (p.ranks_per_node < 1) invalid_config("parallelism.ranks_per_node", p.ranks_per_node, "must be >= 1");
+  if (p.ep_transport == EpTransport::Shm && p.ep_dispatcher == EpDispatcher::Hierarchical)
+    invalid_config("parallelism.ep_transport", "\"shm\"", "moves the rows of the flat dispatchers (alltoall, "
+                   "sync_free); ep_dispatcher = \"hierarchical\" exists to cross nodes: use ep_transport = \"mpi\" with it");
 
   const auto& pr = profiling;
   if (pr.start_step < 0) invalid_config("profiling.start_step", pr.start_step, "must be >= 0 (0 = this run's second step)");

@@ -71,10 +71,6 @@ void check_layout(const JobConfig& cfg, const DeviceMesh& mesh) {
            " needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
   MT_CHECK(mesh.ep() > 1 || cfg.parallelism.ep_transport == EpTransport::Mpi, "train",
            "parallelism.ep_transport = \"shm\" needs expert parallelism (ep > 1): with ep = 1 nothing is dispatched");
-  MT_CHECK(cfg.parallelism.ep_transport == EpTransport::Mpi ||
-               cfg.parallelism.ep_dispatcher != EpDispatcher::Hierarchical,
-           "train", "parallelism.ep_transport = \"shm\" moves the rows of the flat dispatchers (alltoall, sync_free); "
-           "ep_dispatcher = \"hierarchical\" exists to cross nodes: use ep_transport = \"mpi\" with it");
   const ParallelSpec& p = cfg.parallelism;
   if (cfg.quantize.cache_fp8_activations) {  // the combinations the cached FP8 activations do not cover (docs/fp8.md)
     MT_CHECK(mesh.ep() == 1, "train", "quantize.cache_fp8_activations = true is not implemented with expert "

@@ -550,6 +550,10 @@ TEST(ConfigLanes, BadValuesNameTheKeyAndTheValue) {
     EXPECT_HAS(m, std::string("invalid config: comm.mpi_max_nap_us = ") + v + ": must be in [20, 5000] microseconds");
   }
   EXPECT_EQ(load_error(kTiny, {"--comm.mpi_max_nap_us=20"}), "");
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.ep_transport=tcp"}),
+             "parallelism.ep_transport: expected one of mpi|shm, got 'tcp'");
+  EXPECT_HAS(load_error(kTiny, {"--parallelism.ep_transport=shm", "--parallelism.ep_dispatcher=hierarchical"}),
+             "invalid config: parallelism.ep_transport = \"shm\": moves the rows of the flat dispatchers");
   EXPECT_EQ(load_error(kTiny, {"--comm.mpi_max_nap_us=5000"}), "");
 }
 
